@@ -1,0 +1,1 @@
+"""ML-Agents backend for envmanager (optional extra: ``pip install envmanager[mlagents]``)."""

@@ -1,0 +1,267 @@
+"""The fault model: every failure of a worker becomes a clear error or a restart within limits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from envmanager import (
+    RestartLimitError,
+    SubprocessEnvManager,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from envmanager.envs import EnvFactory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def step_until_error(m, limit=50, seconds=30.0):
+    """Step until something raises: at least ``limit`` steps, for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    n = 0
+    while n < limit or time.monotonic() < deadline:
+        m.step({w: 1 for w in m.idle_worker_ids})
+        n += 1
+    raise AssertionError("no error was raised")
+
+
+def interrupted_infos(m, seconds=30.0):
+    """Step everything idle until some results come back interrupted (a restart)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = [i for i in m.step({w: 1 for w in m.idle_worker_ids}) if i.interrupted]
+        if found:
+            return found
+    raise AssertionError("no interrupted result came back")
+
+
+def faulty(fault, at=2, worker=1, **kwargs):
+    return EnvFactory(per_env={worker: {"fault": fault, "fault_at": at}}, **kwargs)
+
+
+def test_env_exception_in_step_names_worker_and_carries_traceback():
+    with SubprocessEnvManager(faulty("raise"), 3, timeout=30) as m:
+        m.reset()
+        with pytest.raises(WorkerError) as caught:
+            step_until_error(m)
+        err = caught.value
+        assert err.worker_id == 1
+        assert err.exc_type == "builtins.ValueError"
+        assert "failed on purpose" in err.message
+        assert "in _fail" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+        assert isinstance(err.cause, ValueError)
+        assert "worker 1" in str(err)
+        # The worker keeps serving: after a reset, every env steps again.
+        m.set_attr("fault", None)
+        m.reset()
+        got = set()
+        while len(got) < 3:
+            got |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids})}
+
+
+def test_results_of_other_workers_are_kept_when_one_raises(tmp_path):
+    factory = EnvFactory(per_env={0: {"fault": "raise", "fault_at": 1}})
+    with SubprocessEnvManager(factory, 2, timeout=30) as m:
+        m.reset()
+        seen = set()
+        with pytest.raises(WorkerError):
+            for _ in range(20):
+                seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids if w != 0 or not seen})}
+        # Worker 1's results are still delivered after the error.
+        for _ in range(5):
+            seen |= {i.worker_id for i in m.step({1: 1} if 1 in m.idle_worker_ids else {})}
+        assert 1 in seen
+
+
+def test_env_exception_in_reset():
+    factory = EnvFactory(per_env={0: {"fault": "raise_reset", "fault_at": 1}})
+    with SubprocessEnvManager(factory, 2, timeout=30) as m:
+        with pytest.raises(WorkerError, match="failed to reset on purpose") as caught:
+            m.reset()
+        assert caught.value.worker_id == 0
+
+
+def test_env_exception_in_factory():
+    def factory(worker_id):
+        if worker_id == 1:
+            raise OSError("no such simulator")
+        return EnvFactory()(worker_id)
+
+    with pytest.raises(WorkerError, match="no such simulator") as caught:
+        SubprocessEnvManager(factory, 2, timeout=30)
+    assert caught.value.worker_id == 1
+
+
+@pytest.mark.parametrize(
+    "fault,how", [("sigkill", "SIGKILL"), ("segfault", "SIGSEGV"), ("exit", "exit code 3")]
+)
+def test_dead_worker_is_reported_not_eof(fault, how):
+    with SubprocessEnvManager(faulty(fault), 3, timeout=60) as m:
+        m.reset()
+        with pytest.raises(WorkerDiedError) as caught:
+            step_until_error(m)
+        assert caught.value.worker_id == 1
+        assert how in str(caught.value)
+        # It stays reported: further steps name the same dead worker.
+        with pytest.raises(WorkerDiedError, match="worker 1"):
+            step_until_error(m)
+
+
+def test_worker_killed_from_outside_mid_step(tmp_path):
+    gate = str(tmp_path / "never")
+    factory = EnvFactory(per_env={0: {"gate": gate}})
+    with SubprocessEnvManager(factory, 2, timeout=60) as m:
+        m.reset()
+        m.step({0: 1, 1: 1})
+        os.kill(m.worker_of(0).pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match="worker 0 died .killed by SIGKILL"):
+            step_until_error(m)
+
+
+def test_hung_worker_past_deadline_raises_and_close_still_ends():
+    with SubprocessEnvManager(faulty("hang", at=1, worker=0), 2, timeout=1.0) as m:
+        m.reset()
+        with pytest.raises(WorkerTimeoutError) as caught:
+            step_until_error(m)
+        assert caught.value.worker_ids == [0]
+        assert isinstance(caught.value, TimeoutError)
+
+
+def test_close_while_steps_are_pending(tmp_path):
+    gate = str(tmp_path / "never")
+    m = SubprocessEnvManager(EnvFactory(gate=gate), 3, timeout=30)
+    m.reset()
+    m.step({0: 1, 1: 1, 2: 1}, timeout=0.5) if False else m.send_step({0: 1, 1: 1, 2: 1})
+    pids = [w.pid for w in m.workers]
+    m.close(timeout=1.0)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_grandchildren_are_reaped_on_close():
+    factory = EnvFactory(fault="grandchild", fault_at=1)
+    m = SubprocessEnvManager(factory, 1, timeout=30)
+    m.reset()
+    m.step({0: 1})
+    worker = psutil.Process(m.workers[0].pid)
+    grandchildren = worker.children()
+    assert grandchildren, "the env should have started a child process"
+    worker.kill()  # the worker cannot close its env: close() must still get the grandchild
+    m.close()
+    psutil.wait_procs(grandchildren, timeout=5)
+    assert not any(g.is_running() and g.status() != psutil.STATUS_ZOMBIE for g in grandchildren)
+
+
+def test_restart_within_quota_reports_interrupted_episode():
+    with SubprocessEnvManager(faulty("segfault", at=3), 3, timeout=30, restart_workers=True) as m:
+        m.reset()
+        (info,) = interrupted_infos(m)
+        assert info.worker_id == 1
+        assert info.current_result.observation[0] == 0  # a fresh episode
+        assert info.previous_result is not None and info.action == 1
+        assert m.restart_policy.counts[1] == 1
+        # The others went on; the restarted worker steps again (its new env would fail at its
+        # own third step, which the rate limit would then refuse to restart).
+        seen = set()
+        for _ in range(10):
+            seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids if w != 1 or 1 not in seen})}
+        assert seen == {0, 1, 2}
+
+
+def test_restart_beyond_quota_raises():
+    factory = faulty("exit", at=1, worker=0)
+    with SubprocessEnvManager(factory, 2, timeout=30, restart_workers=True) as m:
+        m.reset()
+        with pytest.raises(RestartLimitError, match="restarts_rate_limit_n") as caught:
+            step_until_error(m)
+        assert caught.value.worker_id == 0
+        assert m.restart_policy.counts[0] == 1
+
+
+def test_restart_lifetime_limit():
+    factory = faulty("raise", at=1, worker=0)
+    with SubprocessEnvManager(
+        factory, 1, timeout=30, restart_workers=True, max_lifetime_restarts=2, restarts_rate_limit_n=-1
+    ) as m:
+        m.reset()
+        with pytest.raises(RestartLimitError, match="max_lifetime_restarts"):
+            step_until_error(m)
+        assert m.restart_policy.counts[0] == 2
+
+
+def test_restart_hung_worker():
+    factory = faulty("hang", at=1, worker=0)
+    with SubprocessEnvManager(factory, 2, timeout=1.0, restart_workers=True) as m:
+        m.reset()
+        assert [i.worker_id for i in interrupted_infos(m)] == [0]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from envmanager import SubprocessEnvManager
+    from envmanager.envs import EnvFactory
+    m = SubprocessEnvManager(EnvFactory(step_time=0.05), 2, context={context!r})
+    m.reset()
+    print(" ".join(str(w.pid) for w in m.workers), m.buffers.layout.name, flush=True)
+    try:
+        while True:
+            m.step({{w: 1 for w in m.idle_worker_ids}})
+    except KeyboardInterrupt:
+        m.close()
+        print("closed", flush=True)
+    """
+)
+
+
+def _start_parent(context="fork"):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT.format(repo=REPO, context=context)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    *pids, shm = proc.stdout.readline().split()
+    return proc, [int(p) for p in pids], shm
+
+
+def _wait_gone(pids, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_exit_when_parent_is_killed(context):
+    proc, pids, shm = _start_parent(context)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    left = _wait_gone(pids)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers outlived their parent: {left}"
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/dev/shm/{shm}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/dev/shm/{shm}")
+
+
+def test_ctrl_c_in_parent_closes_cleanly():
+    proc, pids, _ = _start_parent()
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+    out, _ = proc.communicate(timeout=30)
+    assert "closed" in out and proc.returncode == 0
+    assert not _wait_gone(pids)
