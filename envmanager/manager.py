@@ -25,6 +25,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 import cloudpickle
+import numpy as np
 from gymnasium import spaces
 
 from envmanager.errors import (
@@ -283,37 +284,74 @@ class SubprocessEnvManager:
             infos.extend(self._step_infos(completion))
         return sorted(infos, key=lambda info: info.worker_id)
 
-    def _drain_in_flight(self, timeout: float | None) -> None:
-        """Wait for in-flight requests to finish and drop their answers (errors included)."""
-        busy = [w for w in self._workers if w.busy]
+    def _drain_in_flight(self, timeout: float | None, keep: bool = False, workers=None) -> None:
+        """Wait until no request is in flight (on ``workers``, default all).
+
+        ``keep``: file finished steps as StepInfos for the next ``step()`` (and raise their
+        errors); otherwise drop them, errors included (a reset follows).
+        """
+        busy = [w for w in (self._workers if workers is None else workers) if w.busy]
         if busy:
-            self._gather(busy, "the in-flight step", timeout, raise_errors=False)
-        self._in_flight.clear()
+            completions = self._gather(busy, "the in-flight step", timeout, keep=True, raise_errors=False)
+            if keep:
+                self._absorb(completions)
+        if not keep:
+            self._in_flight.clear()
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
-        return self._request_all(Cmd.CALL, (name, args, kwargs))
+        return self.call_on(None, name, args, kwargs)
 
-    def get_attr(self, name: str) -> list[Any]:
-        return self._request_all(Cmd.GET_ATTR, name)
+    def call_on(
+        self, worker_ids: Sequence[int] | None, name: str, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        """``call`` on the given slots only (``None``: all); results in the order given."""
+        return self._request(Cmd.CALL, worker_ids, lambda local, slots: (local, name, args, kwargs or {}))
 
-    def set_attr(self, name: str, values: Any) -> None:
-        """Set an attribute on every slot: one value for all, or a list with one per slot."""
+    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
+        """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
+        return self._request(Cmd.GET_ATTR, worker_ids, lambda local, slots: (local, name))
+
+    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
+        """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
+        slots = self._slots(worker_ids)
         if not isinstance(values, (list, tuple)):
-            values = [values] * self.n_env
-        if len(values) != self.n_env:
-            raise InvalidInputError(f"expected {self.n_env} values (one per worker), got {len(values)}")
-        self._check_open()
-        self._drain_in_flight(None)
-        for w in self._workers:
-            self._send(w, Cmd.SET_ATTR, (name, [values[s] for s in w.env_ids]))
-        self._gather(list(self._workers), f"set_attr({name!r})", keep=True)
+            values = [values] * len(slots)
+        if len(values) != len(slots):
+            raise InvalidInputError(f"expected {len(slots)} values (one per worker), got {len(values)}")
+        by_slot = dict(zip(slots, values))
+        self._request(Cmd.SET_ATTR, slots, lambda local, own: (local, name, [by_slot[s] for s in own]))
 
-    def _request_all(self, cmd: Cmd, payload: Any, timeout: float | None = None) -> list[Any]:
+    def _slots(self, worker_ids: Sequence[int] | None) -> list[int]:
+        if worker_ids is None:
+            return list(range(self.n_env))
+        slots = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        for slot in slots:
+            if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_env:
+                raise InvalidInputError(f"unknown worker id {slot!r} (n_env={self.n_env})")
+        return [int(s) for s in slots]
+
+    def _request(self, cmd: Cmd, worker_ids: Sequence[int] | None, payload: Callable) -> list[Any]:
+        """Send ``cmd`` to the processes hosting ``worker_ids``; answers in the order given.
+
+        Steps in flight on those processes are waited out first and kept for ``step()``.
+        """
+        slots = self._slots(worker_ids)
         self._check_open()
-        self._drain_in_flight(timeout)
-        completions = self._gather(self._send_all(cmd, payload), f"{cmd.name.lower()} results", timeout, keep=True)
-        return [item for c in sorted(completions, key=lambda c: c.worker.index) for item in c.items]
+        by_worker: dict[int, list[int]] = {}
+        for slot in dict.fromkeys(slots):
+            by_worker.setdefault(self._slot_worker[slot], []).append(slot)
+        workers = [self._workers[i] for i in by_worker]
+        for w in workers:
+            if w.failure is not None:
+                raise w.failure
+        self._drain_in_flight(None, keep=True, workers=workers)
+        for w in workers:
+            own = by_worker[w.index]
+            self._send(w, cmd, payload([w.env_ids.index(s) for s in own], own))
+        completions = self._gather(workers, f"{cmd.name.lower()} results", keep=True)
+        answers = {s: item for c in completions for s, item in zip(by_worker[c.worker.index], c.items or [])}
+        return [answers.get(s) for s in slots]
 
     # ------------------------------------------------------------------------------------------
     # Request-level API (for adapters)
@@ -463,7 +501,8 @@ class SubprocessEnvManager:
         assert self._queue is not None
         new = WorkerProcess(self._ctx, w.spec, self._queue.writer)
         new.boot = [(Cmd.ATTACH, self._buffers.layout)] if self._buffers else []
-        new.boot += [(Cmd.CALL, call) for call in self.replay_calls]
+        everyone = list(range(len(w.env_ids)))
+        new.boot += [(Cmd.CALL, (everyone, n, a, k)) for n, a, k in self.replay_calls]
         new.boot.append((Cmd.RESET, [(i, None, None) for i in range(len(w.env_ids))]))
         new.lost_request = request if request is not None and request.cmd is not Cmd.READY else w.lost_request
         self._workers[w.index] = new

@@ -16,6 +16,7 @@ Two pieces, used by both the parent and the workers:
 from __future__ import annotations
 
 import fcntl
+import os
 import pickle
 import select
 import secrets
@@ -166,7 +167,7 @@ class SharedBuffers:
         cls, n_envs: int, observation_space: spaces.Space | None, action_space: spaces.Space | None
     ) -> SharedBuffers:
         layout = BufferLayout(
-            name=f"envmgr_{secrets.token_hex(6)}",
+            name=f"envmgr_{os.getpid()}_{secrets.token_hex(4)}",
             n_envs=n_envs,
             observation=array_layout(observation_space),
             action=array_layout(action_space),

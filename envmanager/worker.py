@@ -89,16 +89,21 @@ class WorkerEnvs:
         if cmd is Cmd.RESET:
             return self.reset(payload)
         if cmd is Cmd.CALL:
-            name, args, kwargs = payload
-            return [self._call(i, name, args, kwargs) for i in range(len(self.envs))]
+            local, name, args, kwargs = payload
+            return [self._call(i, name, args, kwargs) for i in local]
         if cmd is Cmd.GET_ATTR:
-            return [self._call(i, payload, None, None) for i in range(len(self.envs))]
+            local, name = payload
+            return [self._call(i, name, None, None) for i in local]
         if cmd is Cmd.SET_ATTR:
-            name, values = payload
-            for i, value in enumerate(values):
+            local, name, values = payload
+            for i, value in zip(local, values):
                 self.current = self.env_ids[i]
-                self.envs[i].set_wrapper_attr(name, value)
-            return None
+                env = self.envs[i]
+                if hasattr(env, "set_wrapper_attr"):
+                    env.set_wrapper_attr(name, value)
+                else:
+                    setattr(env, name, value)
+            return [None] * len(local)
         if cmd is Cmd.ATTACH:
             if self.buffers is not None:
                 self.buffers.close()

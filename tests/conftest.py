@@ -25,7 +25,8 @@ def _our_children() -> list[psutil.Process]:
 
 
 def _shm_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("envmgr_")}
+    """Segments of this test process (named ``envmgr_<pid>_...``)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"envmgr_{os.getpid()}_")}
 
 
 def _fds() -> set[int]:

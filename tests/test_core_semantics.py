@@ -40,7 +40,7 @@ def test_step_returns_previous_current_and_action():
         first = {i.worker_id: i for i in m.reset()}
         got: dict[int, StepInfo] = {}
         while len(got) < 2:
-            for info in m.step({w: 2 for w in m.idle_worker_ids}):
+            for info in m.step({w: 2 for w in m.idle_worker_ids if w not in got}):
                 got[info.worker_id] = info
         for w, info in got.items():
             assert info.action == 2
@@ -55,15 +55,14 @@ def test_slow_worker_does_not_hold_back_fast_ones(tmp_path):
     factory = EnvFactory(per_env={0: {"gate": gate}})
     with make_manager(3, factory=factory) as m:
         m.reset()
-        seen = []
-        for _ in range(30):
+        seen: list[int] = []
+        while min(seen.count(1), seen.count(2)) < 10:
             infos = m.step({w: 1 for w in m.idle_worker_ids})
             assert infos, "step() must return at least one result"
             seen.extend(info.worker_id for info in infos)
         # Worker 0 is stuck behind its gate: only the fast ones came back, many times each.
         assert 0 not in seen
-        assert seen.count(1) >= 10 and seen.count(2) >= 10
-        assert m.waiting_worker_ids == [0]
+        assert 0 in m.waiting_worker_ids
         open(gate, "w").close()
         slow = []
         while not slow:
@@ -125,10 +124,10 @@ def test_policy_callable_chooses_actions():
 def test_sequence_of_actions_one_per_worker():
     with make_manager(3) as m:
         m.reset()
-        got = []
+        got = {}
         while len(got) < 3:
-            got += m.step([0, 1, 2])
-        assert {i.worker_id: i.action for i in got} == {0: 0, 1: 1, 2: 2}
+            got.update({i.worker_id: i.action for i in m.step([0, 1, 2])})
+        assert got == {0: 0, 1: 1, 2: 2}
 
 
 @pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
@@ -230,9 +229,9 @@ def test_bad_input_is_rejected_before_any_worker_hears_of_it():
             m.reset(seed=[1, 2, 3])
         # Nothing was sent: no env moved, and stepping now works in lockstep.
         assert total_steps(m) == [0, 0]
-        got = []
-        while len(got) < 2:
-            got += m.step({w: 1 for w in m.idle_worker_ids})
+        seen: set[int] = set()
+        while len(seen) < 2:
+            seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids if w not in seen})}
         assert total_steps(m) == [1, 1]
 
 
