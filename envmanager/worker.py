@@ -77,6 +77,8 @@ class WorkerEnvs:
         return {
             "observation_space": getattr(env, "observation_space", None),
             "action_space": getattr(env, "action_space", None),
+            "observation_spaces": [getattr(e, "observation_space", None) for e in self.envs],
+            "action_spaces": [getattr(e, "action_space", None) for e in self.envs],
             "metadata": getattr(env, "metadata", {}),
             "render_mode": getattr(env, "render_mode", None),
             "spec": getattr(env, "spec", None),
@@ -274,7 +276,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
 class WorkerProcess:
     """The parent's handle on one worker process: its pipe, its state, its lifetime."""
 
-    def __init__(self, ctx: Any, spec: WorkerSpec, queue_writer: Connection) -> None:
+    def __init__(self, ctx: Any, spec: WorkerSpec, queue_writer: Connection, daemon: bool = True) -> None:
         self.spec = spec
         self.index = spec.index
         self.env_ids = spec.env_ids
@@ -283,7 +285,7 @@ class WorkerProcess:
             target=worker_main,
             args=(spec, child_conn, queue_writer),
             name=f"envmanager-worker-{spec.index}",
-            daemon=True,
+            daemon=daemon,
         )
         self.process.start()
         child_conn.close()
