@@ -10,6 +10,7 @@ from envmanager.errors import (
     WorkerTimeoutError,
 )
 from envmanager.manager import SubprocessEnvManager
+from envmanager.vector import AsyncVectorEnv
 from envmanager.protocol import (
     EnvironmentCommand,
     EnvironmentRequest,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SubprocessEnvManager",
+    "AsyncVectorEnv",
     "StepInfo",
     "StepResult",
     "StepTimings",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,8 +78,9 @@ class SubprocessEnvManager:
             raise InvalidInputError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
         if timeout is None or timeout <= 0:
             raise InvalidInputError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        mode = str(getattr(autoreset_mode, "value", autoreset_mode)).lower()
-        if mode not in (NEXT_STEP, SAME_STEP, DISABLED):
+        modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}
+        mode = modes.get(str(getattr(autoreset_mode, "value", autoreset_mode)).lower().replace("_", ""), "")
+        if not mode:  # accepts "next_step" and gymnasium's AutoresetMode.NEXT_STEP alike
             raise InvalidInputError(f"unknown autoreset_mode {autoreset_mode!r}")
         try:
             factory = cloudpickle.dumps(env_factory)
@@ -98,7 +100,7 @@ class SubprocessEnvManager:
         self._needs_reset = [True] * n_env
         self._ready: list[StepInfo] = []  # finished steps, not yet returned
         self._step_errors: list[EnvManagerError] = []  # failed steps, not yet raised
-        self._resets: dict[int, Completion] = {}  # finished resets by worker index
+        self._answers: dict[int, Completion] = {}  # finished resets and calls by worker index
 
         specs = make_specs(factory, n_env, envs_per_worker, mode)
         self._slot_worker = [spec.index for spec in specs for _ in spec.env_ids]
@@ -278,10 +280,8 @@ class SubprocessEnvManager:
                     self._step_errors.append(c.error)
                 else:
                     self._ready.extend(self._step_infos(c))
-            elif c.cmd is Cmd.RESET:
-                self._resets[c.worker.index] = c
-            else:
-                logger.debug("dropping an answer nobody waits for: %s", c)
+            elif c.request is not None:
+                self._answers[c.worker.index] = c
 
     def _step_infos(self, c: Completion) -> list[StepInfo]:
         infos = []
@@ -371,18 +371,11 @@ class SubprocessEnvManager:
         """
         pool = self.pool
         if worker_ids is None:
-            indices = {w.index for w in pool.workers if (w.busy and w.pending.cmd is Cmd.RESET)} | set(self._resets)
+            busy = {w.index for w in pool.workers if w.busy and w.pending.cmd is Cmd.RESET}  # type: ignore[union-attr]
+            indices = busy | {i for i, c in self._answers.items() if c.cmd is Cmd.RESET}
         else:
             indices = {self._slot_worker[s] for s in worker_ids}
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        while not indices <= self._resets.keys():
-            now = time.monotonic()
-            if now >= deadline:
-                late = [s for i in sorted(indices - self._resets.keys()) for s in pool.workers[i].env_ids]
-                raise _timeout(late, limit, "a reset result")
-            self._absorb(pool.poll(deadline - now))
-        completions = [self._resets.pop(i) for i in sorted(indices)]
+        completions = self._await_answers(indices, timeout, "a reset result")
         for c in completions:
             if c.error is not None:
                 for slot in c.worker.env_ids:
@@ -428,8 +421,12 @@ class SubprocessEnvManager:
         return [int(s) for s in slots]
 
     def _request(self, cmd: Cmd, worker_ids: Sequence[int] | None, payload: Callable) -> list[Any]:
-        """Send ``cmd`` to the processes hosting ``worker_ids``; answers in the order given.
+        return self.receive_request(self.send_request(cmd, worker_ids, payload))
 
+    def send_request(self, cmd: Cmd, worker_ids: Sequence[int] | None, payload: Callable) -> Request:
+        """Send ``cmd`` (CALL, GET_ATTR, SET_ATTR) to the processes hosting ``worker_ids``.
+
+        ``payload(local_indices, worker_ids_of_that_process)`` builds each process's payload.
         Steps in flight on those processes are waited out first and kept for ``receive_steps``.
         """
         slots = self._slots(worker_ids)
@@ -445,11 +442,32 @@ class SubprocessEnvManager:
         if busy:
             self._absorb(pool.gather_quietly(busy, "the in-flight requests"))
         for w in workers:
+            self._answers.pop(w.index, None)
             own = by_worker[w.index]
             pool.send(w, cmd, payload([w.env_ids.index(s) for s in own], own))
-        completions = pool.gather(workers, f"{cmd.name.lower()} results", sink=self._absorb)
-        answers = {s: item for c in completions for s, item in zip(by_worker[c.worker.index], c.items or [])}
-        return [answers.get(s) for s in slots]
+        return Request(cmd, slots, by_worker)
+
+    def receive_request(self, request: Request, timeout: float | None = None) -> list[Any]:
+        """The answers to ``send_request``, in the order of its worker ids. Answers that
+        arrive before a timeout are kept: calling again picks up where this call stopped."""
+        completions = self._await_answers(set(request.by_worker), timeout, f"{request.cmd.name.lower()} results")
+        for c in completions:
+            if c.error is not None:
+                raise c.error
+        answers = {s: item for c in completions for s, item in zip(request.by_worker[c.worker.index], c.items or [])}
+        return [answers.get(s) for s in request.slots]
+
+    def _await_answers(self, indices: set[int], timeout: float | None, what: str) -> list[Completion]:
+        pool = self.pool
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not indices <= self._answers.keys():
+            now = time.monotonic()
+            if now >= deadline:
+                late = [s for i in sorted(indices - self._answers.keys()) for s in pool.workers[i].env_ids]
+                raise _timeout(late, limit, what)
+            self._absorb(pool.poll(deadline - now))
+        return [self._answers.pop(i) for i in sorted(indices)]
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
@@ -471,6 +489,15 @@ class SubprocessEnvManager:
             self.close()
         except Exception:
             pass
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request sent with ``send_request``: what to collect with ``receive_request``."""
+
+    cmd: Cmd
+    slots: list[int]
+    by_worker: dict[int, list[int]]
 
 
 def _timeout(worker_ids: list[int], limit: float, what: str) -> EnvManagerError:
