@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import select
 import multiprocessing as mp
 import os
 import time
@@ -73,6 +75,8 @@ class WorkerPool:
         #: ``(method name, args, kwargs)`` called on a restarted worker's envs before its reset.
         self.replay_calls: list[tuple[str, tuple, dict]] = []
         self._seq = 0
+        self._watched: tuple[WorkerProcess, ...] = ()
+        self._poll: tuple[Any, dict[int, WorkerProcess]] = (None, {})
         # One resource tracker for parent and workers: attaching workers then share it, and it
         # unlinks the shared memory should the parent be killed.
         resource_tracker.ensure_running()
@@ -113,18 +117,30 @@ class WorkerPool:
         """
         if self.queue is None:
             return []
-        watched = {w.sentinel: w for w in self.workers if not w.closing}
-        ready = wait_for_ready([self.queue.reader, *watched], timeout)
+        poller, by_fd = self._poller()
+        events = poller.poll(max(0, math.ceil(timeout * 1000)))
         completions: list[Completion] = []
-        if self.queue.reader in ready or not ready:
-            self._drain(completions)
-        dead = [w for sentinel, w in watched.items() if sentinel in ready and not w.closing]
+        self._drain(completions)
+        dead = [by_fd[fd] for fd, _ in events if fd in by_fd]
         if dead:
             self._drain(completions)  # a worker's last words come before its death
             for w in dead:
                 if self.workers[w.index] is w and not w.closing:
                     self._on_failure(w, WorkerDiedError(w.env_ids[0], w.wait_exitcode()), completions)
         return completions
+
+    def _poller(self) -> tuple[Any, dict[int, WorkerProcess]]:
+        """A poll object on the step queue and every live worker's sentinel, kept between calls."""
+        watched = tuple(w for w in self.workers if not w.closing)
+        if watched != self._watched:
+            assert self.queue is not None
+            poller = select.poll()
+            poller.register(self.queue.reader.fileno(), select.POLLIN)
+            by_fd = {w.sentinel: w for w in watched}
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN | select.POLLHUP)
+            self._watched, self._poll = watched, (poller, by_fd)
+        return self._poll
 
     def _drain(self, completions: list[Completion]) -> None:
         assert self.queue is not None
