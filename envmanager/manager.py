@@ -93,6 +93,10 @@ class SubprocessEnvManager:
         self.autoreset_mode = mode
         self.timeout = float(timeout)
         self.policy = policy
+        #: Copy each observation out of shared memory into its StepResult. An adapter that reads
+        #: the shared batch itself (``buffers.observation``) turns this off: results then carry
+        #: ``observation=None`` when the observation lives in shared memory.
+        self.copy_observations = True
         # Per-slot state, indexed by worker_id.
         self._last: list[StepInfo | None] = [None] * n_env
         self._in_flight: dict[int, Any] = {}  # worker_id -> action being stepped
@@ -312,7 +316,7 @@ class SubprocessEnvManager:
         if b is not None:
             slot = completion.worker.env_ids[local]
             reward, terminated, truncated = float(b.reward[slot]), bool(b.terminated[slot]), bool(b.truncated[slot])
-            if b.observation is not None:
+            if b.observation is not None and self.copy_observations:
                 obs = SharedBuffers.read(b.observation, slot)
         return StepResult(obs, reward, terminated, truncated, info)
 

@@ -144,6 +144,10 @@ class AsyncVectorEnv(VectorEnv):
         except BaseException:
             self._manager.close()
             raise
+        buffers = self._manager.buffers
+        # Observations in shared memory are read as one batch, not env by env.
+        self._shared_obs = None if buffers is None else buffers.observation
+        self._manager.copy_observations = self._shared_obs is None
         self._env_obs: list[Any] = [None] * self.num_envs
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
         self._finished = np.zeros(self.num_envs, dtype=np.bool_)  # for DISABLED: needs a reset
@@ -229,8 +233,20 @@ class AsyncVectorEnv(VectorEnv):
             self._env_obs[i] = info.current_result.observation
             self._finished[i] = False
             infos = self._add_info(infos, info.current_result.info, i)
-        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
-        return (deepcopy(self._observations) if self.copy else self._observations), infos
+        return self._batch_observations(), infos
+
+    def _batch_observations(self, ids: list[int] | None = None, results: list | None = None) -> Any:
+        """The batched observations of all envs (``ids=None``) or of ``ids``, in that order."""
+        if self._shared_obs is not None:  # straight from shared memory
+            if ids is None:
+                return _tree_map(np.copy, self._shared_obs) if self.copy else self._shared_obs
+            index = np.asarray(ids)
+            return _tree_map(lambda a: a[index], self._shared_obs)
+        if ids is None:
+            self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+            return deepcopy(self._observations) if self.copy else self._observations
+        out = create_empty_array(self.single_observation_space, n=len(ids), fn=np.zeros)
+        return concatenate(self.single_observation_space, [r.observation for r in results], out)
 
     def step(self, actions):
         self.step_async(actions)
@@ -291,7 +307,7 @@ class AsyncVectorEnv(VectorEnv):
         self._results, self._queued = {}, {}
         self._state = AsyncState.DEFAULT
 
-    def _batch(self, ids: list[int], results: list, env_obs: list | None = None) -> tuple:
+    def _batch(self, ids: list[int], results: list) -> tuple:
         """Stack per-env results into gymnasium's batched ``(obs, rew, term, trunc, infos)``."""
         infos: dict[str, Any] = {}
         rewards = np.zeros(len(ids), dtype=np.float64)
@@ -302,12 +318,8 @@ class AsyncVectorEnv(VectorEnv):
             rewards[k], terminations[k], truncations[k] = r.reward, r.terminated, r.truncated
             self._finished[i] = r.terminated or r.truncated
             infos = self._add_info(infos, r.info, k)
-        if len(ids) == self.num_envs:
-            self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
-            obs = deepcopy(self._observations) if self.copy else self._observations
-        else:
-            out = create_empty_array(self.single_observation_space, n=len(ids), fn=np.zeros)
-            obs = concatenate(self.single_observation_space, [r.observation for r in results], out)
+        full = len(ids) == self.num_envs and ids == list(range(self.num_envs))
+        obs = self._batch_observations(None if full else ids, results)
         return obs, rewards, terminations, truncations, infos
 
     def _split_actions(self, actions: Any, n: int) -> list[Any]:
@@ -456,6 +468,14 @@ class AsyncVectorEnv(VectorEnv):
                 self.close(terminate=True)
             except Exception:
                 pass
+
+
+def _tree_map(fn: Callable[[np.ndarray], Any], tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {key: _tree_map(fn, value) for key, value in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_tree_map(fn, value) for value in tree)
+    return fn(tree)
 
 
 def _gymnasium_can_share(space: Space) -> bool:
