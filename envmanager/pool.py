@@ -23,7 +23,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
-from envmanager.protocol import ON_PIPE, EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException
+from envmanager.protocol import ON_PIPE, EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException, request_to_wire
 from envmanager.restart import RestartPolicy
 from envmanager.transport import SharedBuffers, StepQueue
 from envmanager.worker import WorkerProcess, WorkerSpec
@@ -292,7 +292,7 @@ class WorkerPool:
             w.closing = True
             if w.alive():
                 try:
-                    w.conn.send(EnvironmentRequest(Cmd.CLOSE, -1))
+                    w.conn.send(request_to_wire(EnvironmentRequest(Cmd.CLOSE, -1)))
                 except OSError:
                     pass
         deadline = time.monotonic() + timeout

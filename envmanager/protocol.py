@@ -68,6 +68,26 @@ class EnvironmentResponse(NamedTuple):
 
 ON_PIPE = "__envmanager_payload_on_pipe__"
 
+# On the wire, requests and responses travel as plain tuples with the command's number: that
+# pickles several times faster than a named tuple holding an enum member.
+_COMMANDS = {cmd.value: cmd for cmd in EnvironmentCommand}
+
+
+def request_to_wire(request: EnvironmentRequest) -> tuple:
+    return (request.cmd.value, request.seq, request.payload)
+
+
+def request_from_wire(wire: tuple) -> EnvironmentRequest:
+    return EnvironmentRequest(_COMMANDS[wire[0]], wire[1], wire[2])
+
+
+def response_to_wire(response: EnvironmentResponse) -> tuple:
+    return (response.cmd.value, response.worker_index, response.seq, response.payload, response.sent_at)
+
+
+def response_from_wire(wire: tuple) -> EnvironmentResponse:
+    return EnvironmentResponse(_COMMANDS[wire[0]], wire[1], wire[2], wire[3], wire[4])
+
 
 class RemoteException(NamedTuple):
     """An exception raised in a worker, in a form that always survives pickling."""

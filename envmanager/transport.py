@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from envmanager.protocol import ON_PIPE, EnvironmentResponse
+from envmanager.protocol import ON_PIPE, EnvironmentResponse, response_from_wire, response_to_wire
 
 __all__ = ["StepQueue", "SharedBuffers", "BufferLayout", "array_layout"]
 
@@ -51,10 +51,10 @@ class StepQueue:
     @staticmethod
     def post(writer: Connection, own_pipe: Connection, response: EnvironmentResponse) -> None:
         """Post ``response``; route a large payload over the worker's own pipe."""
-        data = pickle.dumps(response, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(response_to_wire(response), protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > MAX_NOTICE_BYTES:
             own_pipe.send_bytes(data)
-            data = pickle.dumps(response._replace(payload=ON_PIPE), pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(response_to_wire(response._replace(payload=ON_PIPE)), pickle.HIGHEST_PROTOCOL)
         writer.send_bytes(data)
 
     # -- parent side ------------------------------------------------------------------------
@@ -62,7 +62,7 @@ class StepQueue:
         """The next notice, or ``None`` if the queue is empty right now."""
         if not self.reader.poll(0):
             return None
-        return pickle.loads(self.reader.recv_bytes())
+        return response_from_wire(pickle.loads(self.reader.recv_bytes()))
 
     def close(self) -> None:
         self.reader.close()

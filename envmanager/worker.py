@@ -31,6 +31,9 @@ from envmanager.protocol import (
     EnvironmentRequest,
     EnvironmentResponse,
     RemoteException,
+    request_from_wire,
+    request_to_wire,
+    response_from_wire,
 )
 from envmanager.transport import SharedBuffers, StepQueue
 
@@ -249,7 +252,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
             return
         post(Cmd.READY, 0, envs.describe())
         while True:
-            request: EnvironmentRequest = conn.recv()
+            request = request_from_wire(conn.recv())
             if request.cmd is Cmd.CLOSE:
                 break
             try:
@@ -322,7 +325,7 @@ class WorkerProcess:
         request = EnvironmentRequest(cmd, seq, payload)
         self.sent_at = time.monotonic()
         try:
-            self.conn.send(request)
+            self.conn.send(request_to_wire(request))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
             raise WorkerDiedError(self.index, self.process.exitcode, f": {exc!r}") from None
         self.pending = request
@@ -331,7 +334,7 @@ class WorkerProcess:
         """Read an answer that came over this worker's own pipe (announced on the queue)."""
         if not self.conn.poll(timeout):
             raise TimeoutError(f"worker {self.index}: announced payload did not arrive")
-        return pickle.loads(self.conn.recv_bytes()).payload
+        return response_from_wire(pickle.loads(self.conn.recv_bytes())).payload
 
     def wait_exitcode(self, timeout: float = 2.0) -> int | None:
         """The exit code of a process that is ending (a core dump can delay it a little)."""
@@ -348,7 +351,7 @@ class WorkerProcess:
         self.closing = True
         if self.alive():
             try:
-                self.conn.send(EnvironmentRequest(Cmd.CLOSE, -1))
+                self.conn.send(request_to_wire(EnvironmentRequest(Cmd.CLOSE, -1)))
             except OSError:
                 pass
         deadline = time.monotonic() + timeout
