@@ -259,6 +259,12 @@ class WorkerPool:
         self.restart_policy.record(w.index)
         w.kill()
         new = self._start(w.spec)
+        if request is not None and request.cmd in (Cmd.READY, Cmd.ATTACH) and not w.booting:
+            # Failed while the pool was starting: the new process answers the startup instead.
+            new.boot = [(Cmd.ATTACH, self.buffers.layout)] if request.cmd is Cmd.ATTACH and self.buffers else []
+            new.lost_request, new.resumes_startup = request, True
+            self.workers[w.index] = new
+            return
         everyone = list(range(len(w.env_ids)))
         new.boot = [(Cmd.ATTACH, self.buffers.layout)] if self.buffers else []
         new.boot += [(Cmd.CALL, (everyone, n, a, k)) for n, a, k in self.replay_calls]
@@ -277,7 +283,7 @@ class WorkerPool:
             cmd, payload = w.boot.pop(0)
             self.send(w, cmd, payload)
             return
-        completion.interrupted = True
+        completion.interrupted = not w.resumes_startup
         completion.request = w.lost_request
         w.lost_request, w.boot = None, None
         completions.append(completion)

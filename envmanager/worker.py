@@ -299,6 +299,7 @@ class WorkerProcess:
         self.failure: Exception | None = None  # set when it died or hung for good
         self.boot: list[tuple[Cmd, Any]] | None = None  # requests left to bring a restart up
         self.lost_request: EnvironmentRequest | None = None  # what a restart interrupted
+        self.resumes_startup = False  # a restart during startup: answer the startup request
         self.reaped = False  # process joined and its handle released
         self.pid = self.process.pid
         self.exitcode: int | None = None

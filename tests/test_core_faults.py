@@ -101,6 +101,21 @@ def test_env_exception_in_factory():
     assert caught.value.worker_id == 1
 
 
+def test_restart_during_startup(tmp_path):
+    marker = str(tmp_path / "failed-once")
+
+    def factory(worker_id):
+        if worker_id == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise OSError("simulator did not start")
+        return EnvFactory()(worker_id)
+
+    with SubprocessEnvManager(factory, 2, timeout=30, restart_workers=True) as m:
+        assert m.restart_policy.counts[0] == 1
+        assert [i.worker_id for i in m.reset()] == [0, 1]
+        assert m.get_attr("env_id") == [0, 1]
+
+
 @pytest.mark.parametrize(
     "fault,how", [("sigkill", "SIGKILL"), ("segfault", "SIGSEGV"), ("exit", "exit code 3")]
 )

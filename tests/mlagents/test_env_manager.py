@@ -1,0 +1,383 @@
+"""MLAgentsEnvManager: fake Unity players under the real mlagents_envs client, over real gRPC."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("mlagents_envs")
+psutil = pytest.importorskip("psutil")
+
+import numpy as np  # noqa: E402
+from mlagents_envs.base_env import ActionTuple  # noqa: E402
+from mlagents_envs.side_channel.engine_configuration_channel import EngineConfig  # noqa: E402
+
+from envmanager import EnvManagerError, InvalidInputError, ManagerClosedError, RestartLimitError  # noqa: E402
+from envmanager.mlagents import (  # noqa: E402
+    ActionInfo,
+    EnvironmentStep,
+    MLAgentsEnvManager,
+    UnityEnvironmentFactory,
+    UnityPortInUseError,
+    normalize_engine_config,
+    normalize_env_parameters,
+)
+from envmanager.mlagents.fake_unity import free_base_port  # noqa: E402
+
+B = "FakeBehavior?team=0"
+WALKER, PICKER = "Walker?team=0", "Picker?team=1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+class TargetPolicy:
+    """Picks the target shown one-hot in observation 0 (never a masked action); records calls."""
+
+    def __init__(self, n_branch: int, n_discrete: int = 1) -> None:
+        self.n_branch, self.n_discrete = n_branch, n_discrete
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def get_action(self, decision_steps, worker_id):
+        self.calls.append((worker_id, list(decision_steps.agent_id)))
+        actions = np.zeros((len(decision_steps), self.n_discrete), np.int32)
+        actions[:, 0] = np.argmax(decision_steps.obs[0][:, : self.n_branch], axis=1)
+        return ActionInfo.for_steps(decision_steps, ActionTuple(discrete=actions), {"value": 0.0})
+
+
+def per_worker(base: UnityEnvironmentFactory, extra_args: dict) -> object:
+    """A user factory ``(worker_id, side_channels) -> BaseEnv`` giving some workers extra flags
+    (a closure, so cloudpickle ships it by value to the workers)."""
+
+    def make(worker_id, side_channels):
+        args = base.additional_args + tuple(extra_args.get(worker_id, ()))
+        return dataclasses.replace(base, additional_args=args)(worker_id, side_channels)
+
+    return make
+
+
+def start(fake_player, config, n_env, *, extra_args=None, timeout_wait=10, **kwargs):
+    """An MLAgentsEnvManager on fake players at a free base port (retried if the port is taken)."""
+    path = fake_player(config)
+    for attempt in range(3):
+        base = UnityEnvironmentFactory(path, base_port=free_base_port(n_env), timeout_wait=timeout_wait)
+        factory = per_worker(base, extra_args) if extra_args else base
+        try:
+            return MLAgentsEnvManager(factory, n_env, **{"timeout": 30, **kwargs})
+        except UnityPortInUseError:
+            if attempt == 2:
+                raise
+
+
+def steps_until(manager, done, seconds=60.0):
+    """Call get_steps until ``done(all steps so far)`` (for at most ``seconds``); returns the steps."""
+    got: list[EnvironmentStep] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got += manager.get_steps()
+        if done(got):
+            return got
+    raise AssertionError(f"condition not reached in {seconds:g} s of get_steps calls")
+
+
+def by_worker(steps, worker_id):
+    return [s for s in steps if s.worker_id == worker_id]
+
+
+def stat(step, key):
+    return [value for value, _ in step.environment_stats.get(key, [])]
+
+
+def gone(pid, timeout=10.0):
+    """True once ``pid`` no longer runs (a zombie nobody reaps counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Stepping
+
+
+@pytest.mark.timeout(120)
+def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_path):
+    record = tmp_path / "players.jsonl"
+    config = {"record": str(record), "behaviors": [
+        {"name": WALKER, "agents": 2, "continuous": 2, "discrete": [], "episode_length": [2, 3]},
+        {"name": PICKER, "agents": 2, "discrete": [3, 2], "action_masks": [[0], []],
+         "episode_length": 2, "episode_end": "interrupt"},
+    ]}
+    manager = start(fake_player, config, 3)
+    try:
+        specs = manager.training_behaviors
+        assert set(specs) == {WALKER, PICKER}
+        assert specs[WALKER].action_spec.continuous_size == 2
+        assert specs[PICKER].action_spec.discrete_branches == (3, 2)
+        picker = TargetPolicy(3, 2)
+        manager.set_policy(PICKER, picker)  # the walker has no policy: it gets empty actions
+        assert manager.reset() == 3
+        for step in manager.first_step_infos:
+            decision, terminal = step.current_all_step_result[PICKER]
+            assert decision.action_mask[0].tolist() == [[True, False, False]] * 2
+            assert decision.action_mask[1].tolist() == [[False, False]] * 2
+            assert len(terminal) == 0 and step.brain_name_to_action_info == {}
+
+        steps = steps_until(manager, lambda got: all(len(by_worker(got, w)) >= 4 for w in range(3)))
+        for w in range(3):
+            mine = by_worker(steps, w)[:4]
+            walker_ends = [list(s.current_all_step_result[WALKER][1].agent_id) for s in mine]
+            assert walker_ends == [[], [0], [1], [0]]  # episode lengths 2 and 3, terminated
+            picker_ends = [s.current_all_step_result[PICKER][1] for s in mine]
+            assert [list(t.agent_id) for t in picker_ends] == [[], [2, 3], [], [2, 3]]
+            assert all(t.interrupted.all() for t in picker_ends)  # max_step_reached
+            assert [stat(s, "Fake/Step") for s in mine] == [[1.0], [2.0], [3.0], [4.0]]
+            assert all(stat(s, "Fake/MaskViolations") == [0.0] for s in mine)  # masks respected
+            for s in mine:  # the ActionInfo that led to each step comes with it
+                assert set(s.brain_name_to_action_info) == {PICKER}
+                assert s.brain_name_to_action_info[PICKER].agent_ids == [2, 3]
+                decision, terminal = s.current_all_step_result[PICKER]
+                ended = dict(zip(terminal.agent_id, terminal.reward))  # a finished agent's reward
+                rewards = {a: ended.get(a, r) for a, r in zip(decision.agent_id, decision.reward)}
+                assert rewards == {2: 1.0, 3: 1.0}
+        assert {w for w, _ in picker.calls} == {0, 1, 2}
+
+        # A wrong action is rejected before anything is sent; stepping then goes on in order.
+        manager.set_policy(PICKER, lambda_policy(lambda dec: ActionTuple(discrete=np.zeros((len(dec), 1), np.int32))))
+        with pytest.raises(InvalidInputError, match=r"discrete actions of shape \(2, 1\); expected \(2, 2\)"):
+            steps_until(manager, lambda got: False)
+        manager.set_policy(PICKER, picker)
+        more = steps_until(manager, lambda got: all(by_worker(got, w) for w in range(3)))
+        for w in range(3):
+            before = stat(by_worker(steps, w)[-1], "Fake/Step")[0]
+            assert stat(by_worker(more, w)[0], "Fake/Step")[0] > before
+
+        starts = [r for r in map(json.loads, record.read_text().splitlines()) if r["event"] == "start"]
+        ports = sorted(r["port"] for r in starts)
+        assert len(ports) == 3 and ports == list(range(ports[0], ports[0] + 3))  # base_port + worker_id
+        pids = manager.player_pids
+        assert sorted(pids.values()) == sorted(r["pid"] for r in starts)
+    finally:
+        manager.close()
+    assert all(gone(pid) for pid in pids.values())
+    left = [p for p in psutil.Process().children(recursive=True)
+            if any("fake_unity" in part or "envmanager-worker" in part for part in p.cmdline())]
+    assert left == []
+    with pytest.raises(ManagerClosedError):
+        manager.get_steps()
+
+
+def lambda_policy(choose):
+    class Policy:
+        def get_action(self, decision_steps, worker_id):
+            return ActionInfo.for_steps(decision_steps, choose(decision_steps))
+
+    return Policy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Side channels
+
+
+class FakeAgentManager:
+    """What MLAgentsEnvManager uses of ML-Agents' AgentManager."""
+
+    class Queue:
+        def __init__(self, items):
+            self.items = list(items)
+
+        def empty(self):
+            return not self.items
+
+        def get_nowait(self):
+            return self.items.pop(0)
+
+    def __init__(self, policies=()):
+        self.policy_queue = self.Queue(policies)
+        self.experiences, self.stats, self.episodes_ended = [], [], 0
+
+    def add_experiences(self, decision_steps, terminal_steps, worker_id, action_info):
+        self.experiences.append((worker_id, len(decision_steps), len(terminal_steps), action_info))
+
+    def record_environment_stats(self, stats, worker_id):
+        self.stats.append((worker_id, stats))
+
+    def end_episode(self):
+        self.episodes_ended += 1
+
+
+@pytest.mark.timeout(120)
+def test_env_parameters_and_engine_settings_reach_players_and_come_back(fake_player):
+    engine = EngineConfig(width=64, height=48, quality_level=2, time_scale=7.0, target_frame_rate=30,
+                          capture_frame_rate=50)
+    manager = start(fake_player, {"behaviors": [{"agents": 2, "episode_length": 0}]}, 2, engine_config=engine)
+    try:
+        policy = TargetPolicy(3)
+        agent_manager = FakeAgentManager([policy])
+        manager.set_agent_manager(B, agent_manager)
+        manager.on_training_started(B, {"trainer_type": "ppo"})
+        assert manager.training_started == {B: {"trainer_type": "ppo"}}
+        sampler = {"sampler_type": "uniform", "sampler_parameters": {"min_value": 1.0, "max_value": 2.0, "seed": 7}}
+        assert manager.reset(config={"gravity": 9.5, "mass": sampler}) == 2
+        assert agent_manager.episodes_ended == 1
+        for step in manager.first_step_infos:
+            assert stat(step, "Fake/EnvParam/gravity") == [9.5]
+            assert 1.0 <= stat(step, "Fake/EnvParam/mass")[0] <= 2.0
+            assert stat(step, "Fake/Engine/time_scale") == [7.0]
+            assert (stat(step, "Fake/Engine/width"), stat(step, "Fake/Engine/height")) == ([64.0], [48.0])
+            assert stat(step, "Fake/Engine/quality_level") == [2.0]
+            assert stat(step, "Fake/Engine/target_frame_rate") == [30.0]
+            assert stat(step, "Fake/Engine/capture_frame_rate") == [50.0]
+            assert stat(step, "Fake/Seed") == [float(step.worker_id)]  # seed + worker_id
+
+        # Bad values are refused before anything is sent.
+        with pytest.raises(InvalidInputError, match="gravity"):
+            manager.set_env_parameters({"gravity": "heavy"})
+        with pytest.raises(InvalidInputError, match="width and height"):
+            manager.set_engine_config(width=10)
+        assert manager.env_parameters["gravity"] == 9.5
+
+        manager.set_env_parameters({"reward_scale": 3.0})
+        manager.set_engine_config(time_scale=20)
+        steps = steps_until(manager, lambda got: all(by_worker(got, w) for w in range(2)))
+        # The reset steps went to the agent manager first, and its queued policy was taken.
+        assert manager.policies[B] is policy and {w for w, _ in policy.calls} == {0, 1}
+        for w in range(2):
+            first = by_worker(steps, w)[0]
+            assert stat(first, "Fake/EnvParam/reward_scale") == [3.0]
+            assert stat(first, "Fake/Engine/time_scale") == [20.0]
+            assert "Fake/EnvParam/gravity" not in first.environment_stats  # sent once, on reset
+            assert list(first.current_all_step_result[B][0].reward) == [3.0, 3.0]
+        assert manager.process_steps(steps) == len(steps)
+        reset_experiences = agent_manager.experiences[:2]
+        assert [(w, n) for w, n, _, _ in reset_experiences] == [(0, 2), (1, 2)]
+        assert all(info == ActionInfo.empty() for *_, info in reset_experiences)
+        assert all(info.agent_ids == [0, 1] for *_, info in agent_manager.experiences[2:])
+        assert len(agent_manager.stats) == len(agent_manager.experiences)
+        assert manager.manager.replay_calls == [
+            ("set_engine_config", ({"time_scale": 20.0},), {}),
+            ("set_env_parameters", ({"gravity": 9.5, "mass": normalize_env_parameters({"m": sampler})["m"],
+                                     "reward_scale": 3.0},), {}),
+        ]
+    finally:
+        manager.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+
+@pytest.mark.timeout(120)
+def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_player):
+    # Worker 1's player stops (exit code 0) on its 4th step; every incarnation does.
+    stops = ["--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0"]
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 3, extra_args={1: stops})
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset(config={"gravity": 4.0})
+        pids = manager.player_pids
+        steps = steps_until(manager, lambda got: any(s.interrupted for s in got))
+        restarted = next(s for s in steps if s.interrupted)
+        assert restarted.worker_id == 1 and [s.worker_id for s in steps if s.interrupted] == [1]
+        assert restarted.brain_name_to_action_info == {}
+        assert stat(restarted, "Fake/EnvParam/gravity") == [4.0]  # replayed before its reset
+        assert stat(restarted, "Fake/Step") == []  # a fresh reset, not a step
+        # Only that worker was restarted; the others stepped on meanwhile, never reset.
+        assert manager.restart_counts == [0, 1, 0]
+        new_pids = manager.player_pids
+        assert new_pids[0] == pids[0] and new_pids[2] == pids[2] and new_pids[1] != pids[1]
+        assert gone(pids[1])
+        last_regular = max(i for i, s in enumerate(steps) if s.worker_id == 1 and not s.interrupted)
+        during = {s.worker_id for s in steps[last_regular + 1:]}
+        assert {0, 2} <= during
+        for w in (0, 2):
+            counts = [stat(s, "Fake/Step")[0] for s in by_worker(steps, w)]
+            assert counts == list(np.arange(1.0, len(counts) + 1))
+
+        # The new player stops again: restarting it again would break the rate limit.
+        with pytest.raises(RestartLimitError, match="restarts_rate_limit_n") as caught:
+            steps_until(manager, lambda got: False)
+        assert caught.value.worker_id == 1
+        assert "return code 0" in str(caught.value)  # the player's own exit, as mlagents saw it
+        # The other workers are still served.
+        assert {s.worker_id for s in steps_until(manager, lambda got: len(got) >= 4)} <= {0, 2}
+    finally:
+        manager.close()
+    assert all(gone(pid) for pid in [*pids.values(), *new_pids.values()])
+
+
+@pytest.mark.timeout(120)
+def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog):
+    # Worker 0's player stops answering on its 3rd step and has no watchdog of its own: only
+    # the manager can end it once the deadline has cut its worker off.
+    hang = ["--crash-after-steps", "2", "--crash-mode", "hang"]
+    config = {"parent_watchdog": False, "behaviors": [{"agents": 1, "episode_length": 0}]}
+    manager = start(fake_player, config, 2, extra_args={0: hang}, timeout=8, timeout_wait=60)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset()
+        hung_pid = manager.player_pids[0]
+        steps = steps_until(manager, lambda got: any(s.interrupted for s in got))
+        assert [s.worker_id for s in steps if s.interrupted] == [0]
+        assert manager.restart_counts == [1, 0]
+        assert manager.player_pids[0] != hung_pid
+        assert gone(hung_pid)
+        assert f"killed player process {hung_pid} left behind by a restarted worker" in caplog.text
+        assert len(by_worker(steps, 1)) > 2  # worker 1 kept stepping
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_is_a_clear_error(fake_player):
+    path = fake_player({"behaviors": [{"agents": 1}]})
+    base = free_base_port(2)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        with pytest.raises(UnityPortInUseError) as caught:
+            MLAgentsEnvManager(UnityEnvironmentFactory(path, base_port=base, timeout_wait=10), 2, timeout=30)
+    err = caught.value
+    assert isinstance(err, EnvManagerError)
+    assert (err.port, err.base_port, err.worker_id) == (base + 1, base, 1)
+    assert f"port {base + 1} (base_port {base} + worker_id 1) is in use" in str(err)
+    assert "pass a different base_port or worker_id offset" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# No players needed
+
+
+def test_parameter_and_engine_config_checks():
+    assert normalize_env_parameters({"a": 1, "b": True}) == {"a": 1.0, "b": 1.0}
+    assert normalize_env_parameters({"g": {"sampler_type": "gaussian", "mean": 0, "st_dev": 2}}) == {
+        "g": {"sampler_type": "gaussian", "mean": 0.0, "st_dev": 2.0, "seed": 0}}
+    constant = {"sampler_type": "constant", "sampler_parameters": {"value": 3}}
+    assert normalize_env_parameters({"c": constant}) == {"c": 3.0}
+    ranges = {"sampler_type": "multirange_uniform", "intervals": [[1, 2], [4, 5]], "seed": 3}
+    assert normalize_env_parameters({"r": ranges}) == {
+        "r": {"sampler_type": "multirangeuniform", "intervals": [(1.0, 2.0), (4.0, 5.0)], "seed": 3}}
+    bad_values = ({"x": "1"}, {"x": {"sampler_type": "uniform", "min_value": 1}}, {"x": {"sampler_type": "poisson"}},
+                  {"": 1}, ["x"])
+    for bad in bad_values:
+        with pytest.raises(InvalidInputError):
+            normalize_env_parameters(bad)
+    assert normalize_engine_config(EngineConfig.default_config()) == {
+        "width": 80, "height": 80, "quality_level": 1, "time_scale": 20.0, "target_frame_rate": -1,
+        "capture_frame_rate": 60}
+    assert normalize_engine_config(None, time_scale=5) == {"time_scale": 5.0}
+    for bad in ({"height": 3}, {"speed": 1}, {"quality_level": "high"}):
+        with pytest.raises(InvalidInputError):
+            normalize_engine_config(bad)
+    assert ActionInfo.empty() == ([], [], {}, []) and EnvironmentStep.empty(3) == ({}, 3, {}, {}, False)
+    err = UnityPortInUseError(5005, 5004, 1)
+    assert str(err).startswith("port 5005 (base_port 5004 + worker_id 1) is in use")
