@@ -13,6 +13,7 @@ schedule their own waits (gymnasium, SB3, ML-Agents).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,9 @@ class SubprocessEnvManager:
             ``restarts_rate_limit_period_s`` (ML-Agents' defaults 10, 1, 60 s).
         policy: ``policy(step_info) -> action``, used by ``step()`` when no actions are given.
         daemon: start workers as daemonic processes (they cannot start multiprocessing children).
+        spin_s: seconds an idle worker polls for its next command before it blocks. Default:
+            50 µs when every worker process and the parent have a core of their own, else 0
+            (spinning processes that outnumber the cores slow everything down).
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class SubprocessEnvManager:
         restarts_rate_limit_period_s: float = 60.0,
         policy: Policy | None = None,
         daemon: bool = True,
+        spin_s: float | None = None,
     ) -> None:
         self._pool: WorkerPool | None = None
         if not isinstance(n_env, int) or n_env < 1:
@@ -106,7 +111,10 @@ class SubprocessEnvManager:
         self._step_errors: list[EnvManagerError] = []  # failed steps, not yet raised
         self._answers: dict[int, Completion] = {}  # finished resets and calls by worker index
 
-        specs = make_specs(factory, n_env, envs_per_worker, mode)
+        n_procs = -(-n_env // envs_per_worker)
+        if spin_s is None:  # spinning only pays when every process (and the parent) has a core
+            spin_s = 50e-6 if n_procs + 1 <= (os.cpu_count() or 1) else 0.0
+        specs = make_specs(factory, n_env, envs_per_worker, mode, spin_s)
         self._slot_worker = [spec.index for spec in specs for _ in spec.env_ids]
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:

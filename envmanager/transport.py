@@ -46,6 +46,8 @@ class StepQueue:
             fcntl.fcntl(self.writer.fileno(), _F_SETPIPE_SZ, 1 << 20)
         except OSError:  # not Linux, or above pipe-max-size: the default size still works
             pass
+        self._ready = select.poll()  # Connection.poll() builds a selector per call: too slow here
+        self._ready.register(self.reader.fileno(), select.POLLIN)
 
     # -- worker side ------------------------------------------------------------------------
     @staticmethod
@@ -60,7 +62,7 @@ class StepQueue:
     # -- parent side ------------------------------------------------------------------------
     def get_nowait(self) -> EnvironmentResponse | None:
         """The next notice, or ``None`` if the queue is empty right now."""
-        if not self.reader.poll(0):
+        if not self._ready.poll(0):
             return None
         return response_from_wire(pickle.loads(self.reader.recv_bytes()))
 
@@ -228,10 +230,15 @@ class SharedBuffers:
 def check_value(tree: Any, value: Any) -> str | None:
     """Why ``value`` does not fit the layout ``tree`` (wrong shape or keys), or ``None``."""
     if isinstance(tree, _Leaf):
-        try:
-            shape = np.shape(value)
-        except Exception as exc:  # ragged nested sequences
-            return f"cannot be read as an array ({exc})"
+        if isinstance(value, (np.ndarray, np.generic)):
+            shape = value.shape
+        elif isinstance(value, (int, float, bool)):
+            shape = ()
+        else:
+            try:
+                shape = np.shape(value)
+            except Exception as exc:  # ragged nested sequences
+                return f"cannot be read as an array ({exc})"
         if shape != tree.shape:
             return f"has shape {shape}, expected {tree.shape}"
         return None

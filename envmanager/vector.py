@@ -157,6 +157,7 @@ class AsyncVectorEnv(VectorEnv):
         self._queued: dict[int, Any] = {}  # actions waiting for a free slot (max_concurrency)
         self._call: Any = None
         self._outstanding: set[int] = set()  # partial batches: sent, not yet received
+        self._action_spaces = {self.num_envs: self.action_space}  # batch spaces by batch size
         self._received: list[StepInfo] = []
 
     def _check_spaces(self) -> None:
@@ -323,8 +324,11 @@ class AsyncVectorEnv(VectorEnv):
         return obs, rewards, terminations, truncations, infos
 
     def _split_actions(self, actions: Any, n: int) -> list[Any]:
+        space = self._action_spaces.get(n)
+        if space is None:
+            space = self._action_spaces[n] = batch_space(self.single_action_space, n)
         try:
-            per_env = list(iterate(batch_space(self.single_action_space, n), actions)) if n else []
+            per_env = list(iterate(space, actions)) if n else []
         except Exception as exc:
             raise ValueError(f"actions do not fit the action space: {exc}") from exc
         # iterate() does not check the batch size of every kind of space: count them.

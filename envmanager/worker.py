@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -53,6 +54,7 @@ class WorkerSpec:
     factory: bytes  # cloudpickled ``env_factory(env_id) -> env``
     autoreset_mode: str
     parent_pid: int
+    spin_s: float = 0.0  # seconds to spin for the next command before blocking on the pipe
 
 
 # =============================================================================================
@@ -251,7 +253,14 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
             post(Cmd.ENV_EXITED, 0, remote_exception(spec.env_ids[0], exc))
             return
         post(Cmd.READY, 0, envs.describe())
+        incoming = select.poll()
+        incoming.register(conn.fileno(), select.POLLIN)
+        spin = spec.spin_s
         while True:
+            if spin > 0:  # a short spin: the next command often comes within microseconds
+                until = time.perf_counter() + spin
+                while not incoming.poll(0) and time.perf_counter() < until:
+                    pass
             request = request_from_wire(conn.recv())
             if request.cmd is Cmd.CLOSE:
                 break

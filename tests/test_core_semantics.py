@@ -144,9 +144,10 @@ def test_start_methods(context):
             assert ts[:4] == [1, 2, 3, 0]
 
 
-def test_gymnasium_cartpole_matches_in_process_env():
+@pytest.mark.parametrize("spin_s", [0.0, 50e-6], ids=["block", "spin-then-block"])
+def test_gymnasium_cartpole_matches_in_process_env(spin_s):
     seeds, actions = 7, [0, 1, 1, 0, 1, 0, 0, 1] * 8
-    with SubprocessEnvManager(lambda i: gym.make("CartPole-v1"), 2, timeout=30) as m:
+    with SubprocessEnvManager(lambda i: gym.make("CartPole-v1"), 2, timeout=30, spin_s=spin_s) as m:
         m.reset(seed=seeds)
         results = {0: [], 1: []}
         step = {0: 0, 1: 0}
