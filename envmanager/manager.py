@@ -25,7 +25,7 @@ from gymnasium import spaces
 
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.pool import Completion, WorkerPool, get_context, make_specs
-from envmanager.protocol import EnvironmentCommand as Cmd, StepInfo, StepResult, StepTimings
+from envmanager.protocol import EnvFunction, EnvironmentCommand as Cmd, StepInfo, StepResult, StepTimings
 from envmanager.restart import RestartPolicy
 from envmanager.transport import SharedBuffers, check_value
 from envmanager.worker import DISABLED, NEXT_STEP, SAME_STEP, WorkerProcess
@@ -284,7 +284,9 @@ class SubprocessEnvManager:
     def _absorb(self, completions: list[Completion]) -> None:
         """File finished steps as StepInfos, failed ones as errors, resets by worker."""
         for c in completions:
-            if c.interrupted or c.cmd is Cmd.STEP:
+            if c.interrupted and c.cmd is Cmd.RESET:  # a restart answered a reset: for its caller
+                self._answers[c.worker.index] = c
+            elif c.interrupted or c.cmd is Cmd.STEP:
                 if c.error is not None:
                     for slot in c.worker.env_ids:
                         self._in_flight.pop(slot, None)
@@ -348,6 +350,16 @@ class SubprocessEnvManager:
         self.send_reset({slot: (seeds[slot], options) for slot in range(self.n_env)})
         return self.receive_resets(None, timeout)
 
+    def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None:
+        """Wait until the processes hosting ``worker_ids`` (default: all) have nothing in flight
+        (a restart, say); steps that finish meanwhile are kept for ``receive_steps``."""
+        pool = self.pool
+        self._absorb(pool.poll(0.0))  # notice a death (and so a restart) that already happened
+        workers = {pool.workers[self._slot_worker[s]].index for s in self._slots(worker_ids)}
+        busy = [pool.workers[i] for i in sorted(workers) if pool.workers[i].busy]
+        if busy:
+            self._absorb(pool.gather_quietly(busy, "the requests in flight", timeout))
+
     def drop_in_flight(self, timeout: float | None = None) -> None:
         """Wait out every request in flight and drop the results, errors included."""
         pool = self.pool
@@ -404,10 +416,19 @@ class SubprocessEnvManager:
         return self.call_on(None, name, args, kwargs)
 
     def call_on(
-        self, worker_ids: Sequence[int] | None, name: str, args: tuple = (), kwargs: dict | None = None
+        self,
+        worker_ids: Sequence[int] | None,
+        name: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
     ) -> list[Any]:
-        """``call`` on the given slots only (``None``: all); results in the order given."""
-        return self._request(Cmd.CALL, worker_ids, lambda local, own: (local, name, args, kwargs or {}))
+        """``call`` on the given slots only (``None``: all); results in the order given.
+
+        ``name`` may also be a function: the worker then runs ``name(env, *args, **kwargs)``
+        (it is cloudpickled, so a lambda or a closure works).
+        """
+        target = name if isinstance(name, str) else EnvFunction(cloudpickle.dumps(name))
+        return self._request(Cmd.CALL, worker_ids, lambda local, own: (local, target, args, kwargs or {}))
 
     def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
         """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""

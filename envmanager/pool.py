@@ -159,7 +159,10 @@ class WorkerPool:
                     continue
             request, w.pending = w.pending, None
             if response.cmd is Cmd.ENV_EXITED:
-                self._on_failure(w, _worker_error(payload), completions, request)
+                if request.cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):  # the env is fine
+                    completions.append(Completion(w, request, None, _worker_error(payload)))
+                else:
+                    self._on_failure(w, _worker_error(payload), completions, request)
                 continue
             completion = Completion(w, request, payload, None, response.sent_at, received)
             if w.booting:
@@ -268,7 +271,10 @@ class WorkerPool:
         everyone = list(range(len(w.env_ids)))
         new.boot = [(Cmd.ATTACH, self.buffers.layout)] if self.buffers else []
         new.boot += [(Cmd.CALL, (everyone, n, a, k)) for n, a, k in self.replay_calls]
-        new.boot.append((Cmd.RESET, [(i, None, None) for i in everyone]))
+        if request is not None and request.cmd is Cmd.RESET:  # keep the seeds and options asked for
+            new.boot.append((Cmd.RESET, request.payload))
+        else:
+            new.boot.append((Cmd.RESET, [(i, None, None) for i in everyone]))
         if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET):
             new.lost_request = request  # answered by the interrupted reset
         else:

@@ -89,6 +89,10 @@ def response_from_wire(wire: tuple) -> EnvironmentResponse:
     return EnvironmentResponse(_COMMANDS[wire[0]], wire[1], wire[2], wire[3], wire[4])
 
 
+class EnvFunction(bytes):
+    """A cloudpickled ``fn(env, *args, **kwargs)`` to run on an env in its worker (CALL)."""
+
+
 class RemoteException(NamedTuple):
     """An exception raised in a worker, in a form that always survives pickling."""
 

@@ -28,6 +28,7 @@ import pickle
 
 from envmanager.errors import WorkerDiedError
 from envmanager.protocol import (
+    EnvFunction,
     EnvironmentCommand as Cmd,
     EnvironmentRequest,
     EnvironmentResponse,
@@ -118,9 +119,11 @@ class WorkerEnvs:
             return None
         raise ValueError(f"unknown command {cmd!r}")
 
-    def _call(self, i: int, name: str, args: Any, kwargs: Any) -> Any:
+    def _call(self, i: int, name: str | EnvFunction, args: Any, kwargs: Any) -> Any:
         self.current = self.env_ids[i]
         env = self.envs[i]
+        if isinstance(name, EnvFunction):
+            return cloudpickle.loads(name)(env, *args, **kwargs)
         attr = env.get_wrapper_attr(name) if hasattr(env, "get_wrapper_attr") else getattr(env, name)
         if args is None:  # GET_ATTR
             return attr

@@ -19,7 +19,7 @@ from envmanager import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.envs import EnvFactory
+from envmanager.envs import ControlledEnv, EnvFactory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -281,3 +281,56 @@ def test_ctrl_c_in_parent_closes_cleanly():
     out, err = proc.communicate(timeout=30)
     assert "closed" in out and proc.returncode == 0, err
     assert not _wait_gone(pids)
+
+
+class _FailsFirstReset(ControlledEnv):
+    """Raises in its first reset ever (a marker file remembers it across restarts)."""
+
+    def __init__(self, env_id, marker):
+        super().__init__(env_id)
+        self.marker = marker
+
+    def reset(self, *, seed=None, options=None):
+        if self.env_id == 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise RuntimeError("first reset fails")
+        return super().reset(seed=seed, options=options)
+
+
+def test_restart_during_reset_answers_the_reset_with_its_seed(tmp_path):
+    marker = str(tmp_path / "failed")
+    with SubprocessEnvManager(lambda i: _FailsFirstReset(i, marker), 2, timeout=30, restart_workers=True) as m:
+        infos = m.reset(seed=10)
+        assert [i.worker_id for i in infos] == [0, 1]
+        assert [i.interrupted for i in infos] == [False, True]
+        assert [i.current_result.info["seed"] for i in infos] == [10, 11]  # the seed asked for
+        assert m.restart_policy.counts[1] == 1
+
+
+def test_failing_call_does_not_restart_a_healthy_worker():
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=30, restart_workers=True) as m:
+        m.reset()
+        with pytest.raises(WorkerError) as caught:
+            m.get_attr("no_such_attribute")
+        assert isinstance(caught.value.cause, AttributeError)
+        assert dict(m.restart_policy.counts) == {}
+        seen = set()
+        while len(seen) < 2:
+            seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids})}
+
+
+def test_wait_idle_after_an_idle_worker_was_restarted():
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=30, restart_workers=True) as m:
+        m.reset()
+        os.kill(m.worker_of(1).pid, signal.SIGKILL)
+        m.wait_idle()
+        assert m.idle_worker_ids == [0, 1]
+        infos = m.step({0: 1, 1: 1})
+        infos += m.receive_steps(min_count=3 - len(infos)) if len(infos) < 3 else []
+        interrupted = [i for i in infos if i.interrupted]
+        assert [i.worker_id for i in interrupted] == [1]  # the restart's fresh episode, reported once
+
+
+def test_call_on_runs_a_function_on_the_env():
+    with SubprocessEnvManager(EnvFactory(), 3, timeout=30, envs_per_worker=2) as m:
+        assert m.call_on([2, 0], lambda env, k: env.env_id * k, (10,)) == [20, 0]

@@ -1,0 +1,336 @@
+"""envmanager.sb3.SubprocVecEnv against Stable-Baselines3's own VecEnvs, with real worker processes.
+
+(tests/vector/test_sb3_conformance.py is the shared conformance suite; these cover the rest:
+envmanager's extras, faults, restarts, wrappers, and a PPO smoke run.)
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+pytest.importorskip("stable_baselines3")
+from stable_baselines3 import PPO  # noqa: E402
+from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
+from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
+from stable_baselines3.common.monitor import Monitor  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv, VecNormalize  # noqa: E402
+
+from envmanager import InvalidInputError, ManagerClosedError, WorkerError  # noqa: E402
+from envmanager.sb3 import RemoteAttributeError, SubprocVecEnv  # noqa: E402
+
+N = 4
+
+
+class ToyEnv(gym.Env):
+    """Random-length episodes (ending terminated, truncated or both), infos that vary per step."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, obs_kind="box", act_kind="discrete", max_len=4, render_mode=None, fail_at=None):
+        self.obs_kind, self.render_mode, self.max_len, self.fail_at = obs_kind, render_mode, max_len, fail_at
+        self.observation_space = {
+            "box": spaces.Box(-5, 5, (3,), np.float32),
+            "discrete": spaces.Discrete(6),
+            "dict": spaces.Dict({"pos": spaces.Box(-5, 5, (2,), np.float32), "k": spaces.Discrete(4)}),
+        }[obs_kind]
+        self.action_space = spaces.Discrete(3) if act_kind == "discrete" else spaces.Box(-1, 1, (2,), np.float32)
+        self.tag, self.steps, self.t, self.length, self.end = "none", 0, 0, 1, 0
+
+    def _obs(self):
+        r = self.np_random
+        if self.obs_kind == "box":
+            return np.array([self.t, r.uniform(-1, 1), r.uniform(-5, 5)], dtype=np.float32)
+        if self.obs_kind == "discrete":
+            return int((self.t + r.integers(6)) % 6)
+        return {"pos": np.array([self.t % 5, r.uniform(-1, 1)], dtype=np.float32), "k": int(r.integers(4))}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = int((options or {}).get("start", 0))
+        self.length, self.end = int(self.np_random.integers(1, self.max_len + 1)), int(self.np_random.integers(3))
+        info = {"length": self.length}
+        if options:
+            info["options"] = dict(options)
+        return self._obs(), info
+
+    def step(self, action):
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise RuntimeError(f"toy failure at step {self.steps}")
+        self.t += 1
+        reward = float(np.sum(action)) + self.t / 4  # exact in float32
+        done = self.t >= self.length
+        info = {"t": self.t}
+        if self.t % 2:
+            info["odd"] = np.array([self.t])
+        return self._obs(), reward, done and self.end != 1, done and self.end != 0, info
+
+    def render(self):
+        return np.full((3, 2, 3), self.t % 256, dtype=np.uint8)
+
+    def add(self, x, y=0):
+        return x + y + self.steps
+
+
+def fns(n=N, wrap=None, **kwargs):
+    make = functools.partial(ToyEnv, **kwargs)
+    if wrap is not None:
+        make = functools.partial(wrap, make)
+    return [make for _ in range(n)]
+
+
+def time_limited(make, steps=2):
+    return gym.wrappers.TimeLimit(make(), steps)
+
+
+def monitored(make):
+    return Monitor(make())
+
+
+@pytest.fixture
+def opened():
+    envs = []
+
+    def register(env):
+        envs.append(env)
+        return env
+
+    yield register
+    for env in envs:
+        env.close()
+
+
+@pytest.fixture
+def subproc(opened):
+    return lambda env_fns, start_method="fork", **kw: opened(SubprocVecEnv(env_fns, start_method, **kw))
+
+
+@pytest.fixture
+def dummy(opened):
+    return lambda env_fns: opened(DummyVecEnv(env_fns))
+
+
+def assert_same(a, b, where=""):
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), f"{where}: {a!r} != {b!r}"
+        for k in b:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for n, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{n}]")
+    elif isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype, f"{where}: {a!r} != {b!r}"
+        np.testing.assert_array_equal(a, b, err_msg=where)
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
+
+
+def run_against_dummy(vec, ref, steps=40, seed=3):
+    """Same seeds, same actions: identical obs, rewards, dones, infos and reset_infos."""
+    assert vec.seed(seed) == ref.seed(seed)
+    assert_same(vec.reset(), ref.reset(), "reset")
+    assert_same(vec.reset_infos, ref.reset_infos, "reset_infos")
+    ref.action_space.seed(seed)
+    dones = 0
+    for t in range(steps):
+        actions = np.stack([ref.action_space.sample() for _ in range(ref.num_envs)])
+        obs, rew, done, infos = vec.step(actions)
+        e_obs, e_rew, e_done, e_infos = ref.step(actions)
+        assert_same(obs, e_obs, f"step {t} obs")
+        assert_same(rew, e_rew, f"step {t} rewards")  # float32, as DummyVecEnv
+        assert_same(done, e_done, f"step {t} dones")
+        assert_same(list(infos), list(e_infos), f"step {t} infos")
+        assert_same(vec.reset_infos, ref.reset_infos, f"step {t} reset_infos")
+        dones += int(e_done.sum())
+    assert dones > 5  # the trajectories went through many autoresets
+
+
+@pytest.mark.parametrize(
+    "kwargs,options",
+    [
+        (dict(obs_kind="box", act_kind="discrete"), {}),
+        (dict(obs_kind="discrete", act_kind="box"), dict(envs_per_worker=2)),
+        (dict(obs_kind="dict", act_kind="discrete"), dict(shared_memory=False)),
+        (dict(obs_kind="dict", act_kind="box"), dict(envs_per_worker=3)),
+    ],
+)
+def test_trajectories_equal_dummy_vec_env(subproc, dummy, kwargs, options):
+    run_against_dummy(subproc(fns(**kwargs), **options), dummy(fns(**kwargs)))
+
+
+def test_terminal_observation_and_time_limit_truncated(subproc, dummy):
+    env_fns = fns(2, wrap=time_limited, max_len=5) + fns(1, max_len=1)
+    vec, ref = subproc(env_fns), dummy(env_fns)
+    run_against_dummy(vec, ref, steps=12)
+    for _ in range(3):
+        _, _, done, infos = vec.step(np.zeros(3, dtype=np.int64))
+        for d, info in zip(done, infos):
+            assert ("terminal_observation" in info) == bool(d)
+            assert isinstance(info["TimeLimit.truncated"], bool)
+
+
+def test_seed_and_options_are_used_once(subproc, dummy):
+    vec, ref = subproc(fns()), dummy(fns())
+    for env in (vec, ref):
+        env.seed(7)
+        env.set_options([{"start": 2}, {}, None, {"start": 1}])
+    assert_same(vec.reset(), ref.reset())
+    assert [i.get("options") for i in vec.reset_infos] == [{"start": 2}, None, None, {"start": 1}]
+    assert_same(vec.reset_infos, ref.reset_infos)
+    for env in (vec, ref):
+        env.set_options({"start": 3})
+        env.seed(7)
+    assert_same(vec.reset(), ref.reset())
+    assert [i["options"] for i in vec.reset_infos] == [{"start": 3}] * N
+    first = vec.reset_infos
+    vec.seed(7), ref.seed(7)
+    assert_same(vec.reset(), ref.reset())  # no options any more, same seeds again
+    assert all("options" not in i for i in vec.reset_infos)
+    assert [i["length"] for i in vec.reset_infos] == [i["length"] for i in first]
+    assert vec.seed(None) != vec.seed(None)  # random base seeds, as VecEnv.seed
+
+
+def test_env_method_get_attr_set_attr_with_indices(subproc, dummy):
+    env_fns = fns(wrap=time_limited, max_len=10)
+    vec, ref = subproc(env_fns, envs_per_worker=2), dummy(env_fns)
+    vec.reset(), ref.reset()
+    vec.step(np.ones(N, dtype=np.int64)), ref.step(np.ones(N, dtype=np.int64))
+    for indices in (None, 2, [3, 0], range(1, 3), np.array([1])):
+        assert vec.env_method("add", 1, y=2, indices=indices) == ref.env_method("add", 1, y=2, indices=indices)
+        assert vec.get_attr("steps", indices) == ref.get_attr("steps", indices)
+        vec.set_attr("tag", f"i{indices}", indices)
+        ref.set_attr("tag", f"i{indices}", indices)
+        assert vec.get_attr("tag") == ref.get_attr("tag")
+    # As SB3, set_attr sets on the outermost env (here the TimeLimit), not through wrappers.
+    assert vec.env_method("__getattribute__", "tag") == ref.env_method("__getattribute__", "tag")
+    assert vec.get_attr("tag") == ["i[3, 0]", "i[1]", "irange(1, 3)", "i[3, 0]"]
+    assert vec.has_attr("tag") and vec.has_attr("steps") and not vec.has_attr("nothing")
+
+
+def test_missing_attribute_is_an_attribute_error_and_needs_no_reset(subproc):
+    vec = subproc(fns())
+    vec.reset()
+    with pytest.raises(AttributeError) as caught:
+        vec.get_attr("nothing", indices=[1])
+    assert isinstance(caught.value, RemoteAttributeError) and isinstance(caught.value, WorkerError)
+    assert caught.value.worker_id == 1 and "nothing" in caught.value.remote_traceback
+    with pytest.raises(AttributeError):
+        vec.env_method("no_method")
+    vec.step(np.zeros(N, dtype=np.int64))  # the envs are untouched: stepping goes on
+    (env,) = vec.get_attr("unwrapped", indices=2)  # an env object still comes back whole
+    assert isinstance(env, ToyEnv) and env.steps == 1
+
+
+def test_env_is_wrapped(subproc, dummy):
+    env_fns = [*fns(1, wrap=monitored), *fns(1, wrap=time_limited), *fns(2)]
+    vec, ref = subproc(env_fns, envs_per_worker=3), dummy(env_fns)
+    for wrapper in (Monitor, gym.wrappers.TimeLimit, gym.Wrapper, gym.wrappers.ClipAction):
+        assert vec.env_is_wrapped(wrapper) == ref.env_is_wrapped(wrapper)
+    assert vec.env_is_wrapped(Monitor) == [True, False, False, False]
+    assert vec.env_is_wrapped(gym.wrappers.TimeLimit, indices=[1, 0]) == [True, False]
+    assert vec.env_is_wrapped(Monitor, indices=0) == [True]
+
+
+def test_render_and_get_images(subproc, dummy):
+    vec, ref = subproc(fns(render_mode="rgb_array")), dummy(fns(render_mode="rgb_array"))
+    assert isinstance(vec, VecEnv) and vec.num_envs == N
+    assert vec.render_mode == "rgb_array" and vec.metadata == {"render_modes": ["human", "rgb_array"]}
+    vec.seed(0), ref.seed(0)
+    vec.reset(), ref.reset()
+    vec.step(np.zeros(N, dtype=np.int64)), ref.step(np.zeros(N, dtype=np.int64))
+    assert_same(list(vec.get_images()), list(ref.get_images()))
+    assert_same(vec.render(), ref.render())
+    assert vec.render().shape == (6, 4, 3)  # 2x2 tiles of 3x2 frames
+    no_render = subproc(fns(2))
+    with pytest.warns(UserWarning):
+        assert no_render.get_images() == [None, None]
+
+
+def test_bad_use_is_rejected_before_anything_is_sent(subproc):
+    vec = subproc(fns())
+    vec.reset()
+    with pytest.raises(ValueError):
+        vec.step_async(np.zeros(N - 1, dtype=np.int64))
+    with pytest.raises(InvalidInputError):
+        vec.step_async(np.zeros((N, 2), dtype=np.int64))  # wrong action shape
+    assert not vec.waiting
+    with pytest.raises(InvalidInputError):
+        vec.step_wait()  # no step_async before
+    vec.step(np.zeros(N, dtype=np.int64))  # nothing got out of step
+
+
+def test_env_exception_carries_traceback_and_reset_recovers(subproc):
+    vec = subproc(fns(3, max_len=100, fail_at=2) + fns(1, max_len=100))
+    vec.reset()
+    vec.step(np.zeros(N, dtype=np.int64))
+    with pytest.raises(WorkerError) as caught:
+        vec.step(np.zeros(N, dtype=np.int64))
+    assert "toy failure at step 2" in caught.value.remote_traceback
+    assert not vec.waiting
+    vec.reset()  # drops whatever the other workers delivered
+    assert vec.get_attr("steps", indices=3) == [2]
+
+
+def test_restarted_worker_ends_the_episode_as_truncated(subproc):
+    vec = subproc(fns(2, max_len=100), restart_workers=True)
+    vec.reset()
+    before, _, _, _ = vec.step(np.zeros(2, dtype=np.int64))
+    os.kill(vec.manager.workers[1].pid, signal.SIGKILL)
+    obs, rewards, dones, infos = vec.step(np.zeros(2, dtype=np.int64))
+    assert list(dones) == [False, True] and rewards[1] == 0.0
+    assert infos[1]["interrupted"] and infos[1]["TimeLimit.truncated"]
+    np.testing.assert_array_equal(infos[1]["terminal_observation"], before[1])
+    assert obs[1][0] == 0  # a fresh episode
+    vec.step(np.zeros(2, dtype=np.int64))
+
+
+def test_close_twice_and_with_a_step_in_flight(subproc):
+    vec = subproc(fns())
+    vec.reset()
+    vec.step_async(np.zeros(N, dtype=np.int64))
+    vec.close()
+    assert vec.closed and not vec.waiting
+    vec.close()
+    with pytest.raises(ManagerClosedError):
+        vec.reset()
+
+
+def test_bogus_start_method_raises_as_multiprocessing():
+    with pytest.raises(ValueError) as expected:
+        multiprocessing.get_context("bogus")
+    with pytest.raises(ValueError) as got:
+        SubprocVecEnv(fns(2), start_method="bogus")
+    assert str(got.value) == str(expected.value)
+
+
+def test_default_start_method_and_ppo_smoke(opened):
+    vec = opened(make_vec_env("CartPole-v1", n_envs=2, seed=0, vec_env_cls=SubprocVecEnv))
+    expected = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    assert type(vec.manager.workers[0].process).__name__.lower().startswith(expected)
+    env = VecNormalize(vec)
+    model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=1, seed=0, device="cpu")
+    model.learn(total_timesteps=256)
+    mean, _ = evaluate_policy(model, env, n_eval_episodes=2)  # checks env_is_wrapped(Monitor)
+    assert mean > 0
+
+
+def test_a_restart_on_top_of_a_step_ends_the_episode():
+    from envmanager.sb3 import _fold  # two results for one env in one step_wait (rare: see _fold)
+
+    step = (np.array([1.0]), 2.0, False, {"TimeLimit.truncated": False})
+    restart = (np.array([0.0]), 0.0, True, {"interrupted": True})
+    obs, reward, done, info = _fold(step, restart, interrupted=True)
+    assert obs[0] == 0.0 and reward == 2.0 and done
+    assert info["TimeLimit.truncated"] and info["terminal_observation"][0] == 1.0 and info["interrupted"]
+    ended = (np.array([5.0]), 1.0, True, {"TimeLimit.truncated": False, "terminal_observation": np.array([4.0])})
+    _, _, _, info = _fold(ended, restart, interrupted=True)
+    assert info["terminal_observation"][0] == 4.0 and not info["TimeLimit.truncated"]
