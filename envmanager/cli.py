@@ -3,59 +3,130 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-from envmanager.bench import BACKENDS, SCENARIOS, Measurement, ratios, run_backend
+from envmanager.bench import BACKENDS, DEFAULT_BACKENDS, SCENARIOS, cores, run_benchmark, targets
+from envmanager.bench.report import (
+    format_table,
+    format_targets,
+    load_average,
+    metadata,
+    write_json,
+    write_plot,
+)
+
+NOTES = (
+    "notes: steps/s = env-steps per second of the timed loop (start-up, reset and close not timed);\n"
+    "ratios use medians; repeats are interleaved across backends. Every backend starts its workers\n"
+    "with fork (sb3.SubprocVecEnv too, whose default is forkserver); sb3 autoresets within the step;\n"
+    "envpool steps its own C++ CartPole in threads of this process. Other load on the machine\n"
+    "(see the load average) widens the min-best spread: compare medians, rerun when in doubt."
+)
 
 
-def _progress(total: int, desc: str):
-    """A tqdm progress bar when tqdm is installed, else a silent stand-in."""
+def _progress(enabled: bool):
+    """A factory of tqdm bars when tqdm is installed and wanted, else ``None`` (silent)."""
+    if not enabled:
+        return None
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety (extra ``bench``), not a requirement
-        class _Silent:
-            def update(self, n: int) -> None: ...
-            def close(self) -> None: ...
+        return None
 
-        return _Silent()
-    return tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr)
+    def make(total: int, desc: str):
+        return tqdm(total=total, desc=desc, unit="step", unit_scale=True, leave=False,
+                    file=sys.stderr, disable=None, mininterval=0.5)
+
+    return make
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def bench(args: argparse.Namespace) -> int:
-    scenario = SCENARIOS[args.scenario]
-    steps = args.steps or scenario.steps
-    print(f"scenario {scenario.name}: {scenario.description}; {steps} steps x {args.repeats} repeats")
-    results: list[Measurement] = []
-    for backend in args.backends:
-        bar = _progress(steps * args.repeats, backend)
-        try:
-            results.append(run_backend(backend, scenario, steps, args.repeats, bar.update))
-        finally:
-            bar.close()
-    async_ratio = ratios(results, "gym.AsyncVectorEnv") if "gym.AsyncVectorEnv" in args.backends else {}
-    sync_ratio = ratios(results, "gym.SyncVectorEnv") if "gym.SyncVectorEnv" in args.backends else {}
-    print(f"{'backend':<22}{'median steps/s':>16}{'best':>12}{'vs Async':>10}{'vs Sync':>10}")
-    for m in results:
-        a = f"{async_ratio[m.backend]:.2f}x" if async_ratio else "-"
-        s = f"{sync_ratio[m.backend]:.2f}x" if sync_ratio else "-"
-        print(f"{m.backend:<22}{m.median:>16,.0f}{m.best:>12,.0f}{a:>10}{s:>10}")
+    # In the canonical order whatever the order given: unity (gRPC in this process) comes last,
+    # after every backend that forks this process.
+    names = [n for n in SCENARIOS if n in args.scenario or "all" in args.scenario]
+    if args.backends is None:
+        backends = list(DEFAULT_BACKENDS)
+    elif "all" in args.backends:
+        backends = list(BACKENDS)
+    else:
+        backends = list(dict.fromkeys(args.backends))
+    load = load_average()
+    print(
+        f"envmanager bench: {', '.join(names)}; {args.repeats} repeats; {cores()} cores"
+        + (f"; load average {load[0]:.2f}" if load else "")
+    )
+    results = run_benchmark(
+        [SCENARIOS[n] for n in names], backends, steps=args.steps or None, repeats=args.repeats,
+        progress=_progress(not args.no_progress), seed=args.seed, warmup=not args.no_warmup,
+    )
+    meta = metadata(args.argv, load)
+    for result in results:
+        print()
+        print(format_table(result, show_not_applicable=args.backends is not None))
+    summary = format_targets(targets(results))
+    if summary:
+        print()
+        print(summary)
+    print()
+    print(NOTES)
+    if args.json:
+        write_json(args.json, results, meta)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, results)
+        print(f"wrote {args.plot}")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="envmanager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="steps per second against gymnasium's vector envs")
-    b.add_argument("--scenario", choices=sorted(SCENARIOS), default="cartpole")
-    b.add_argument("--steps", type=int, default=0, help="env steps per repeat (default: per scenario)")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument(
-        "--backends", nargs="+", choices=sorted(BACKENDS),
-        default=["envmanager", "gym.SyncVectorEnv", "gym.AsyncVectorEnv"],
+    b = sub.add_parser(
+        "bench",
+        help="env-steps per second against gymnasium's vector envs (and SB3, EnvPool)",
+        description="Measure env-steps per second of envmanager and its peers on the same envs with the "
+        "same actions, in the same run; report medians, min/best and ratios.",
     )
+    b.add_argument(
+        "--scenario", nargs="+", choices=[*SCENARIOS, "all"], default=["cartpole"], metavar="SCENARIO",
+        help=f"one or more of {', '.join(SCENARIOS)}, or all (default: cartpole)",
+    )
+    b.add_argument(
+        "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",
+        help=f"one or more of {', '.join(BACKENDS)}, or all (default: all; "
+        "those unavailable or not applicable are skipped with the reason)",
+    )
+    b.add_argument("--steps", type=_positive, default=None, help="env-steps per repeat (default: per scenario)")
+    b.add_argument("--repeats", type=_positive, default=3, help="timed repeats per backend (default: 3)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
+    b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each backend")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("-v", "--verbose", action="store_true", help="log what the benchmark does")
     b.set_defaults(func=bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     return args.func(args)
 
 

@@ -1,0 +1,38 @@
+"""The benchmark behind ``envmanager bench``: env-steps per second of envmanager and its peers.
+
+Every backend in a run steps the same environments with the same (seeded) actions; results
+are reported as ratios against gymnasium's vector envs measured in the same run.
+
+* :mod:`~envmanager.bench.scenarios`: the workloads (``cartpole``, ``many``, ``cpu``,
+  ``uneven``, ``unity``);
+* :mod:`~envmanager.bench.backends`: the contenders (ours in several stepping styles,
+  gymnasium, Stable-Baselines3, EnvPool), each skipped with a reason when unavailable;
+* :mod:`~envmanager.bench.runner`: warm-up, interleaved repeats, references, targets;
+* :mod:`~envmanager.bench.report`: tables, JSON and a PNG chart.
+"""
+
+from envmanager.bench.backends import BACKENDS, DEFAULT_BACKENDS, Backend, cores
+from envmanager.bench.runner import (
+    Measurement,
+    ScenarioResult,
+    Target,
+    run_benchmark,
+    run_scenario,
+    targets,
+)
+from envmanager.bench.scenarios import SCENARIOS, Scenario
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKENDS",
+    "Backend",
+    "Measurement",
+    "SCENARIOS",
+    "Scenario",
+    "ScenarioResult",
+    "Target",
+    "cores",
+    "run_benchmark",
+    "run_scenario",
+    "targets",
+]

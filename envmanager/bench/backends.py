@@ -1,0 +1,377 @@
+"""The contenders of ``envmanager bench``: ours in four stepping styles, and our peers.
+
+A backend's ``run(scenario, steps, actions, tick)`` builds the envs, resets them with seed 0,
+steps at least ``steps`` env-steps, calls ``tick(n)`` now and then (in chunks, never per step)
+with the env-steps done since the last call, closes everything and returns
+``(env_steps, seconds)``: only the stepping loop is timed, not start-up, reset or close.
+
+Every backend takes env ``i``'s ``k``-th action from ``actions[k % len(actions), i]``, so
+all of them step the same envs with the same actions.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import multiprocessing
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from envmanager.bench.scenarios import Scenario
+
+__all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
+
+#: One start method for every backend's workers (gymnasium scenarios), so start-up choices
+#: cannot tilt the comparison: ``fork`` where there is one.
+START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+Tick = Callable[[int], None]
+Run = Callable[[Scenario, int, np.ndarray, Tick], "tuple[int, float]"]
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _chunk(scenario: Scenario, steps: int) -> int:
+    """Env-steps between two progress ticks: ~50 ticks per run."""
+    return max(scenario.n_env, steps // 50)
+
+
+def _env_fns(scenario: Scenario) -> list[Callable[[], Any]]:
+    return [functools.partial(scenario.factory, i) for i in range(scenario.n_env)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours
+
+
+def run_first_ready(
+    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, envs_per_worker: int = 1
+) -> tuple[int, float]:
+    """SubprocessEnvManager as designed: step every idle env, take whatever has finished."""
+    from envmanager import SubprocessEnvManager
+
+    n = scenario.n_env
+    columns = actions.T.tolist()  # python ints: no numpy scalars on the hot path
+    rows = len(columns[0])
+    chunk = _chunk(scenario, steps)
+    manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
+    with manager:
+        manager.reset(seed=0)
+        step = manager.step
+        position = [1] * n
+        todo = {w: columns[w][0] for w in range(n)}
+        done = reported = 0
+        start = time.perf_counter()
+        while done < steps:
+            infos = step(todo)
+            todo = {}
+            for info in infos:  # only the finished envs get their next action
+                w = info.worker_id
+                p = position[w]
+                todo[w] = columns[w][p % rows]
+                position[w] = p + 1
+            done += len(infos)
+            if done - reported >= chunk:
+                tick(done - reported)
+                reported = done
+        elapsed = time.perf_counter() - start
+    tick(done - reported)
+    return done, elapsed
+
+
+def run_k_per_worker(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """First-ready, with ``n_env // cores`` envs per worker process, stepped as one message."""
+    return run_first_ready(scenario, steps, actions, tick, envs_per_worker=envs_per_worker_for(scenario))
+
+
+def envs_per_worker_for(scenario: Scenario) -> int:
+    return max(1, scenario.n_env // cores())
+
+
+def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """SubprocessEnvManager held to lockstep: wait until every env has finished, then step all."""
+    from envmanager import SubprocessEnvManager
+
+    n = scenario.n_env
+    rounds = -(-steps // n)
+    table = [dict(enumerate(row)) for row in actions.tolist()]
+    chunk = _chunk(scenario, steps)
+    nothing: dict[int, Any] = {}
+    with SubprocessEnvManager(scenario.factory, n, context=START_METHOD) as manager:
+        manager.reset(seed=0)
+        step = manager.step
+        done = reported = 0
+        start = time.perf_counter()
+        for k in range(rounds):
+            got = len(step(table[k % len(table)]))
+            while got < n:
+                got += len(step(nothing))
+            done += n
+            if done - reported >= chunk:
+                tick(done - reported)
+                reported = done
+        elapsed = time.perf_counter() - start
+    tick(done - reported)
+    return done, elapsed
+
+
+def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """``envmanager.AsyncVectorEnv(batch_size=n // 2)``: EnvPool-style ``send``/``recv``."""
+    import envmanager
+
+    n = scenario.n_env
+    batch = max(1, n // 2)
+    rows = len(actions)
+    chunk = _chunk(scenario, steps)
+    vec = envmanager.AsyncVectorEnv(_env_fns(scenario), batch_size=batch, context=START_METHOD)
+    try:
+        vec.reset(seed=0)
+        position = np.ones(n, dtype=np.int64)
+        ids = np.arange(n)
+        vec.send(actions[0].copy(), ids)
+        in_flight = n
+        done = reported = 0
+        start = time.perf_counter()
+        while done < steps:
+            *_, infos = vec.recv()
+            ids = np.asarray(infos["env_id"])
+            done += len(ids)
+            p = position[ids]
+            vec.send(actions[p % rows, ids], ids)
+            position[ids] = p + 1
+            if done - reported >= chunk:
+                tick(done - reported)
+                reported = done
+        elapsed = time.perf_counter() - start
+        while in_flight >= batch:  # collect what is still stepping before closing
+            in_flight -= len(np.asarray(vec.recv()[-1]["env_id"]))
+    finally:
+        vec.close()
+    tick(done - reported)
+    return done, elapsed
+
+
+def _partial_batch_unavailable(scenario: Scenario) -> str | None:
+    try:
+        import envmanager
+    except Exception as exc:  # pragma: no cover
+        return f"envmanager cannot be imported: {exc!r}"
+    cls = getattr(envmanager, "AsyncVectorEnv", None)
+    if cls is None:
+        return "envmanager.AsyncVectorEnv does not exist (yet)"
+    try:
+        if "batch_size" not in inspect.signature(cls).parameters:
+            return "envmanager.AsyncVectorEnv takes no batch_size (yet)"
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers
+
+
+def _run_vector(
+    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick,
+    make: Callable[[], Any], reset: Callable[[Any], Any] = lambda env: env.reset(seed=0),
+) -> tuple[int, float]:
+    """Any lockstep vector env: ``step(actions_row)`` for all envs at once."""
+    n = scenario.n_env
+    rounds = -(-steps // n)
+    rows = len(actions)
+    chunk = _chunk(scenario, steps)
+    env = make()
+    try:
+        reset(env)
+        step = env.step
+        reported = 0
+        start = time.perf_counter()
+        for k in range(rounds):
+            step(actions[k % rows])
+            if (k + 1) * n - reported >= chunk:
+                tick((k + 1) * n - reported)
+                reported = (k + 1) * n
+        elapsed = time.perf_counter() - start
+    finally:
+        env.close()
+    tick(rounds * n - reported)
+    return rounds * n, elapsed
+
+
+def run_gym_sync(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    return _run_vector(scenario, steps, actions, tick, lambda: gym.vector.SyncVectorEnv(_env_fns(scenario)))
+
+
+def run_gym_async(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    return _run_vector(
+        scenario, steps, actions, tick, lambda: gym.vector.AsyncVectorEnv(_env_fns(scenario), context=START_METHOD)
+    )
+
+
+def run_sb3(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """SB3's SubprocVecEnv (it autoresets within the same step).
+
+    Started with :data:`START_METHOD` like every other backend: SB3's default, ``forkserver``,
+    makes every worker import torch afresh (~10 s each on a small machine), which is start-up
+    cost only, never timed, but would dominate the run.
+    """
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    def reset(env: Any) -> None:
+        env.seed(0)
+        env.reset()
+
+    return _run_vector(
+        scenario, steps, actions, tick, lambda: SubprocVecEnv(_env_fns(scenario), start_method=START_METHOD), reset
+    )
+
+
+def run_envpool(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """EnvPool's own C++ CartPole, synchronous mode (threads in this process)."""
+    import envpool
+
+    def make() -> Any:
+        with warnings.catch_warnings():  # envpool's spaces warn about float precision
+            warnings.simplefilter("ignore")
+            return envpool.make_gymnasium(scenario.gym_id, num_envs=scenario.n_env, seed=0)
+
+    def reset(env: Any) -> None:
+        with warnings.catch_warnings():  # "seeds are fixed when the environment is created"
+            warnings.simplefilter("ignore")
+            env.reset()
+
+    return _run_vector(scenario, steps, actions, tick, make, reset)
+
+
+def _module_unavailable(module: str) -> Callable[[Scenario], str | None]:
+    @functools.lru_cache(maxsize=None)
+    def check() -> str | None:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            return f"{module} cannot be imported ({type(exc).__name__}: {exc})"
+        return None
+
+    return lambda scenario: check()
+
+
+_sb3_unavailable = _module_unavailable("stable_baselines3")
+
+
+@functools.lru_cache(maxsize=None)
+def _envpool_broken() -> str | None:
+    try:
+        import envpool
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            env = envpool.make_gymnasium("CartPole-v1", num_envs=2, seed=0)
+            try:
+                env.reset()
+                env.step(np.zeros(2, dtype=np.int64))
+            finally:
+                env.close()
+    except Exception as exc:
+        return f"envpool does not work here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _envpool_unavailable(scenario: Scenario) -> str | None:
+    if scenario.gym_id != "CartPole-v1":
+        return "not applicable: EnvPool runs its own CartPole-v1 only (here), not arbitrary Python envs"
+    return _envpool_broken()
+
+
+def _always(scenario: Scenario) -> str | None:
+    return None
+
+
+def _gym_envs_only(scenario: Scenario) -> str | None:
+    return None if scenario.kind == "gym" else f"not applicable to {scenario.kind} scenarios"
+
+
+def _unity_only(scenario: Scenario) -> str | None:
+    return None if scenario.kind == "unity" else "not applicable: only for the unity scenario"
+
+
+def _unity(name: str) -> Run:
+    """A runner from :mod:`envmanager.bench.unity`, imported only when used."""
+
+    def run(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+        from envmanager.bench import unity
+
+        return getattr(unity, name)(scenario, steps, actions, tick)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way of stepping a scenario's envs. ``unavailable(scenario)`` says why not, or None."""
+
+    name: str
+    run: Run
+    description: str
+    ours: bool = False
+    lockstep: bool = False
+    unavailable: Callable[[Scenario], str | None] = _always
+    unity: Run | None = None  # its variant for the unity scenario, if it has one
+
+    def runner(self, scenario: Scenario) -> Run:
+        return self.unity if scenario.kind == "unity" and self.unity is not None else self.run
+
+    def why_not(self, scenario: Scenario) -> str | None:
+        """Why this backend cannot run ``scenario``, or ``None``."""
+        if scenario.kind == "unity" and self.unity is not None:
+            return None
+        return self.unavailable(scenario)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("envmanager", run_first_ready, "SubprocessEnvManager, 1 env/worker, first-ready "
+                "(unity: MLAgentsEnvManager.get_steps)", ours=True, unavailable=_gym_envs_only,
+                unity=_unity("run_first_ready")),
+        Backend("envmanager-k", run_k_per_worker, "SubprocessEnvManager, n_env // cores envs/worker",
+                ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-lockstep", run_lockstep, "SubprocessEnvManager, waiting for all envs each step",
+                ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
+        Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",
+                ours=True, unavailable=lambda s: _gym_envs_only(s) or _partial_batch_unavailable(s)),
+        Backend("gym.SyncVectorEnv", run_gym_sync, "gymnasium SyncVectorEnv (in process)",
+                lockstep=True, unavailable=_gym_envs_only),
+        Backend("gym.AsyncVectorEnv", run_gym_async, "gymnasium AsyncVectorEnv (shared memory)",
+                lockstep=True, unavailable=_gym_envs_only),
+        Backend("sb3.SubprocVecEnv", run_sb3, "Stable-Baselines3 SubprocVecEnv",
+                lockstep=True, unavailable=lambda s: _gym_envs_only(s) or _sb3_unavailable(s)),
+        Backend("envpool", run_envpool, "EnvPool (C++ CartPole, sync mode)",
+                lockstep=True, unavailable=_envpool_unavailable),
+        Backend("mlagents.sequential", _unity("run_sequential"),
+                "mlagents_envs UnityEnvironments stepped one after another in this process",
+                lockstep=True, unavailable=_unity_only),
+    )
+}
+
+#: What ``envmanager bench`` runs when no ``--backends`` are given: every backend, each
+#: scenario skipping those that do not apply to it or are not installed.
+DEFAULT_BACKENDS = tuple(BACKENDS)
+
+NOT_APPLICABLE = "not applicable"  # how the reasons of backends that do not fit a scenario start

@@ -1,0 +1,330 @@
+"""Running a benchmark: warm-up, interleaved repeats, reference measurements, targets.
+
+Repeats are interleaved (repeat 1 of every backend, then repeat 2 of every backend...), so
+a burst of load from elsewhere on the machine hits all backends alike rather than one.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from envmanager.bench.backends import BACKENDS, Backend, cores
+from envmanager.bench.scenarios import (
+    Scenario,
+    actions_for,
+    in_process_rate,
+    scenario_unavailable,
+    with_n_env,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Measurement", "ScenarioResult", "Progress", "run_scenario", "run_benchmark", "targets"]
+
+ASYNC, SYNC, SEQUENTIAL = "gym.AsyncVectorEnv", "gym.SyncVectorEnv", "mlagents.sequential"
+FIRST_READY, LOCKSTEP = "envmanager", "envmanager-lockstep"
+
+
+class Progress(Protocol):
+    def update(self, n: int) -> Any: ...
+    def set_description(self, desc: str) -> Any: ...
+    def close(self) -> Any: ...
+
+
+class _Silent:
+    def update(self, n: int) -> None: ...
+    def set_description(self, desc: str) -> None: ...
+    def close(self) -> None: ...
+
+
+ProgressFactory = Callable[[int, str], Progress]
+
+
+@dataclass
+class Measurement:
+    """Throughput of one backend on one scenario: one entry per timed repeat."""
+
+    backend: str
+    scenario: str
+    n_env: int
+    steps_per_second: list[float] = field(default_factory=list)
+    env_steps: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def add(self, env_steps: int, seconds: float) -> None:
+        self.env_steps.append(env_steps)
+        self.seconds.append(seconds)
+        self.steps_per_second.append(env_steps / seconds if seconds > 0 else float("inf"))
+
+    @property
+    def median(self) -> float:
+        return float(statistics.median(self.steps_per_second))
+
+    @property
+    def best(self) -> float:
+        return float(max(self.steps_per_second))
+
+    @property
+    def worst(self) -> float:
+        return float(min(self.steps_per_second))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "scenario": self.scenario,
+            "n_env": self.n_env,
+            "median": self.median,
+            "min": self.worst,
+            "best": self.best,
+            "steps_per_second": self.steps_per_second,
+            "env_steps": self.env_steps,
+            "seconds": self.seconds,
+        }
+
+
+@dataclass
+class ScenarioResult:
+    """Everything measured for one scenario in one run."""
+
+    scenario: Scenario
+    steps: int
+    repeats: int
+    measurements: dict[str, Measurement] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # backend -> why
+    failed: dict[str, str] = field(default_factory=dict)  # backend -> error
+    references: dict[str, Measurement] = field(default_factory=dict)  # backend -> at reference_n_env
+    single_env_rate: list[float] = field(default_factory=list)  # in-process steps/s of one env
+    unavailable: str | None = None  # why the whole scenario could not run
+    warmup: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.scenario.name
+
+    @property
+    def limit(self) -> float | None:
+        """``min(cores, n_env)`` x one env's in-process step rate (median), when measured."""
+        if not self.single_env_rate:
+            return None
+        return min(cores(), self.scenario.n_env) * statistics.median(self.single_env_rate)
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        """Ratio columns (name -> backend -> median ratio) that apply to this scenario."""
+        out: dict[str, dict[str, float]] = {}
+        m = self.measurements
+        for column, ref in (("vs Async", ASYNC), ("vs Sync", SYNC), ("vs sequential", SEQUENTIAL)):
+            if ref in m:
+                out[column] = {b: x.median / m[ref].median for b, x in m.items()}
+        if self.limit:
+            out["vs limit"] = {b: x.median / self.limit for b, x in m.items()}
+        if LOCKSTEP in m and self.scenario.compare_lockstep:
+            out["vs lockstep"] = {b: x.median / m[LOCKSTEP].median for b, x in m.items()}
+        if self.references:
+            n = self.scenario.reference_n_env
+            out[f"vs {n} envs"] = {
+                b: x.median / self.references[b].median for b, x in m.items() if b in self.references
+            }
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.scenario
+        return {
+            "scenario": s.name,
+            "description": s.description,
+            "n_env": s.n_env,
+            "steps": self.steps,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "unavailable": self.unavailable,
+            "measurements": {b: m.to_dict() for b, m in self.measurements.items()},
+            "skipped": dict(self.skipped),
+            "failed": dict(self.failed),
+            "ratios": self.ratios(),
+            "references": {b: m.to_dict() for b, m in self.references.items()},
+            "limit": None if self.limit is None else {
+                "cores": cores(),
+                "single_env_steps_per_second": self.single_env_rate,
+                "steps_per_second": self.limit,
+            },
+        }
+
+
+def _measure(
+    backend: Backend, scenario: Scenario, steps: int, actions: Any, tick: Callable[[int], None]
+) -> tuple[int, float]:
+    return backend.runner(scenario)(scenario, steps, actions, tick)
+
+
+def run_scenario(
+    scenario: Scenario,
+    backends: Sequence[str],
+    steps: int | None = None,
+    repeats: int = 3,
+    progress: ProgressFactory | None = None,
+    seed: int = 0,
+    earlier: Iterable[ScenarioResult] = (),
+    warmup: bool = True,
+) -> ScenarioResult:
+    """Measure ``backends`` on ``scenario``: a warm-up each, then ``repeats`` interleaved rounds.
+
+    A backend that is unavailable for the scenario is listed in ``skipped`` with the reason;
+    one that raises is listed in ``failed`` (the others go on). ``earlier`` results of the same
+    run are reused for reference measurements (``many`` compares with ``cartpole``).
+    """
+    steps = steps or scenario.steps
+    result = ScenarioResult(scenario, steps, repeats, warmup=warmup)
+    result.unavailable = scenario_unavailable(scenario)
+    if result.unavailable:
+        logger.info("scenario %s not available: %s", scenario.name, result.unavailable)
+        return result
+    chosen: list[Backend] = []
+    for name in backends:
+        backend = BACKENDS[name]
+        why = backend.why_not(scenario)
+        if why:
+            result.skipped[name] = why
+            logger.info("%s: skipping %s: %s", scenario.name, name, why)
+        else:
+            chosen.append(backend)
+    actions = actions_for(scenario, steps, seed)
+
+    reference = None
+    if scenario.reference_n_env:
+        reference = with_n_env(scenario, scenario.reference_n_env)
+        reference_actions = actions_for(reference, steps, seed)
+        for old in earlier:  # the same envs, counts and steps measured before in this run
+            s = old.scenario
+            if (s.factory is scenario.factory and s.n_env == reference.n_env and old.steps == steps
+                    and s.n_actions == scenario.n_actions):
+                for name, m in old.measurements.items():
+                    if any(b.name == name for b in chosen):
+                        result.references[name] = m
+    to_reference = [b for b in chosen if reference is not None and b.name not in result.references]
+
+    per_round = len(chosen) + len(to_reference)
+    bar = (progress or (lambda total, desc: _Silent()))(steps * repeats * per_round, scenario.name)
+    try:
+        for backend in chosen if warmup else ():  # warm-up: imports, caches, first-time costs; not timed
+            bar.set_description(f"{scenario.name}: warm-up {backend.name}")
+            _try(result, backend, lambda b=backend: _measure(b, scenario, max(scenario.n_env * 20, steps // 20),
+                                                            actions, _ignore))
+        for r in range(repeats):
+            if scenario.measure_limit:
+                result.single_env_rate.append(in_process_rate(scenario, max(200, steps // scenario.n_env), actions))
+            for backend in chosen:
+                if backend.name in result.failed:
+                    continue
+                bar.set_description(f"{scenario.name}: {backend.name} ({r + 1}/{repeats})")
+                got = _try(result, backend, lambda b=backend: _measure(b, scenario, steps, actions, bar.update))
+                if got is not None:
+                    result.measurements.setdefault(
+                        backend.name, Measurement(backend.name, scenario.name, scenario.n_env)
+                    ).add(*got)
+            for backend in to_reference:
+                assert reference is not None
+                bar.set_description(f"{reference.name}: {backend.name} ({r + 1}/{repeats})")
+                got = _try(result, backend,
+                           lambda b=backend: _measure(b, reference, steps, reference_actions, bar.update))
+                if got is not None:
+                    result.references.setdefault(
+                        backend.name, Measurement(backend.name, reference.name, reference.n_env)
+                    ).add(*got)
+    finally:
+        bar.close()
+    for name in result.failed:
+        result.measurements.pop(name, None)
+        result.references.pop(name, None)
+    return result
+
+
+def _ignore(n: int) -> None:
+    pass
+
+
+def _try(result: ScenarioResult, backend: Backend, fn: Callable[[], tuple[int, float]]) -> tuple[int, float] | None:
+    if backend.name in result.failed:
+        return None
+    try:
+        return fn()
+    except Exception as exc:
+        logger.warning("%s: %s failed: %r", result.name, backend.name, exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        result.failed[backend.name] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
+def run_benchmark(
+    scenarios: Sequence[Scenario],
+    backends: Sequence[str],
+    steps: int | None = None,
+    repeats: int = 3,
+    progress: ProgressFactory | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+) -> list[ScenarioResult]:
+    """``run_scenario`` for each scenario in turn (``steps=None``: each scenario's own)."""
+    results: list[ScenarioResult] = []
+    for scenario in scenarios:
+        results.append(run_scenario(scenario, backends, steps, repeats, progress, seed, results, warmup))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets (for the benchmark; never asserted in tests)
+
+
+@dataclass(frozen=True)
+class Target:
+    scenario: str
+    what: str
+    backend: str
+    value: float
+    threshold: float
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.threshold
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "what": self.what, "backend": self.backend,
+                "value": self.value, "threshold": self.threshold, "met": self.met}
+
+
+def _best_ours(result: ScenarioResult) -> Measurement | None:
+    ours = [m for name, m in result.measurements.items() if BACKENDS[name].ours]
+    return max(ours, key=lambda m: m.median, default=None)
+
+
+def targets(results: Iterable[ScenarioResult]) -> list[Target]:
+    """The project's performance targets, evaluated on the medians.
+
+    ``cartpole``, ``many`` and ``cpu`` are evaluated for ``envmanager`` (the default
+    configuration) and, if another of ours did better, for the best of ours too; ``uneven``
+    compares ``envmanager`` with ``envmanager-lockstep``.
+    """
+    out: list[Target] = []
+    for result in results:
+        ratios = result.ratios()
+        name = result.name
+        best = _best_ours(result)
+        contenders = [b for b in dict.fromkeys([FIRST_READY, best.backend if best else FIRST_READY])
+                      if b in result.measurements]
+        for backend in contenders:
+            if name == "cartpole":
+                if backend in ratios.get("vs Async", {}):
+                    out.append(Target(name, "x gym AsyncVectorEnv", backend, ratios["vs Async"][backend], 8.0))
+                if backend in ratios.get("vs Sync", {}):
+                    out.append(Target(name, "x gym SyncVectorEnv", backend, ratios["vs Sync"][backend], 1.5))
+            elif name == "cpu" and backend in ratios.get("vs limit", {}):
+                cores_used = min(cores(), result.scenario.n_env)
+                out.append(Target(name, f"x the {cores_used}-core limit", backend, ratios["vs limit"][backend], 0.9))
+            elif name == "many":
+                n, ref = result.scenario.n_env, result.scenario.reference_n_env
+                if backend in ratios.get(f"vs {ref} envs", {}):
+                    out.append(Target(name, f"{n} envs x {ref} envs", backend, ratios[f"vs {ref} envs"][backend], 0.8))
+        if name == "uneven" and FIRST_READY in ratios.get("vs lockstep", {}):
+            out.append(Target(name, "first-ready x lockstep", FIRST_READY, ratios["vs lockstep"][FIRST_READY], 1.8))
+    return out

@@ -1,0 +1,178 @@
+"""The workloads of ``envmanager bench``: which environments, how many, how many steps.
+
+Every factory here is a module-level callable (or a picklable object), so every backend can
+ship it to its workers under any start method.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from envmanager.envs import ControlledEnv
+
+__all__ = [
+    "Scenario",
+    "SCENARIOS",
+    "CpuBurn",
+    "actions_for",
+    "in_process_rate",
+    "scenario_unavailable",
+    "with_n_env",
+]
+
+CPU_TIME = 500e-6  # seconds of CPU each step of the ``cpu`` scenario burns
+UNEVEN = (2e-3, 1.0)  # ``uneven``: lognormal step time (median seconds, sigma)
+UNITY_LATENCY = (5e-3, 10e-3)  # ``unity``: each player sleeps latency + uniform [0, jitter] per step
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment factories (module level: picklable by reference)
+
+
+def cartpole(env_id: int) -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+class CpuBurn(gym.Wrapper):
+    """Burn ``cpu_time`` seconds of this thread's *CPU time* before each step.
+
+    CPU time, not wall time: a process preempted mid-step (more workers than cores) still has
+    to do all its work, as a real simulator would, so the machine's limit stays a real limit.
+    """
+
+    def __init__(self, env: gym.Env, cpu_time: float) -> None:
+        super().__init__(env)
+        self.cpu_time = cpu_time
+
+    def step(self, action: Any):
+        clock = time.thread_time
+        end = clock() + self.cpu_time
+        while clock() < end:
+            pass
+        return self.env.step(action)
+
+
+def cpu_env(env_id: int) -> gym.Env:
+    return CpuBurn(ControlledEnv(env_id), CPU_TIME)
+
+
+def uneven_env(env_id: int) -> gym.Env:
+    return ControlledEnv(env_id, lognormal=UNEVEN)
+
+
+def unity_env(env_id: int) -> Any:  # pragma: no cover - depends on the ML-Agents adapter
+    raise NotImplementedError("the unity scenario is run by its own backend")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``n_env`` envs from ``factory(env_id)``, stepped ``steps`` env-steps per timed repeat.
+
+    Attributes:
+        n_actions: actions are drawn from ``range(n_actions)`` (a Discrete action space).
+        gym_id: the registered gymnasium id, when the envs are plain ``gym.make(gym_id)``
+            (lets EnvPool, which only knows registered ids, join in).
+        measure_limit: also measure the machine's limit, ``min(cores, n_env)`` times one
+            env's in-process step rate (for CPU-bound envs).
+        reference_n_env: also measure every backend with this many envs of the same kind
+            and report the ratio (how throughput holds up as envs are added).
+        compare_lockstep: add a ratio column against ``envmanager-lockstep`` (uneven envs).
+        kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
+            run by the backends' ML-Agents variants; ``factory`` unused).
+        requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
+    """
+
+    name: str
+    description: str
+    factory: Callable[[int], Any]
+    n_env: int
+    steps: int
+    n_actions: int = 2
+    gym_id: str | None = None
+    measure_limit: bool = False
+    reference_n_env: int | None = None
+    compare_lockstep: bool = False
+    kind: str = "gym"
+    requires: tuple[str, ...] = ()
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("cartpole", "8 CartPole-v1 envs", cartpole, 8, 40_000, gym_id="CartPole-v1"),
+        Scenario(
+            "many", "64 CartPole-v1 envs (compared with 8)", cartpole, 64, 40_000,
+            gym_id="CartPole-v1", reference_n_env=8,
+        ),
+        Scenario(
+            "cpu", f"8 envs burning {CPU_TIME * 1e6:.0f} us of CPU per step", cpu_env, 8, 8_000,
+            n_actions=3, measure_limit=True,
+        ),
+        Scenario(
+            "uneven", f"8 envs sleeping lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step",
+            uneven_env, 8, 3_000, n_actions=3, compare_lockstep=True,
+        ),
+        Scenario(
+            "unity", "8 fake Unity players (gRPC), step latency {:g} ms + uniform [0, {:g} ms]".format(
+                *(1e3 * t for t in UNITY_LATENCY)), unity_env, 8, 1_000,
+            n_actions=3, compare_lockstep=True, kind="unity",
+            requires=("mlagents_envs", "envmanager.mlagents:MLAgentsEnvManager"),
+        ),
+    )
+}
+
+
+def with_n_env(scenario: Scenario, n_env: int) -> Scenario:
+    return replace(scenario, n_env=n_env, name=f"{scenario.name}@{n_env}")
+
+
+def scenario_unavailable(scenario: Scenario) -> str | None:
+    """Why ``scenario`` cannot run here, or ``None``."""
+    for requirement in scenario.requires:
+        module, _, attribute = requirement.partition(":")
+        try:
+            found = importlib.import_module(module)
+            if attribute and not hasattr(found, attribute):
+                return f"{module}.{attribute} does not exist (yet)"
+        except Exception as exc:  # ImportError, or a broken optional dependency
+            return f"{requirement} cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+def actions_for(scenario: Scenario, steps: int, seed: int = 0) -> np.ndarray:
+    """The action sequence every backend uses: row ``k`` holds each env's ``k``-th action.
+
+    Backends that step envs at different rates (first-ready) read each env's column at their
+    own pace, wrapping around; so every env sees the same actions in every backend.
+    """
+    rows = -(-steps // scenario.n_env) + 16
+    return np.random.default_rng(seed).integers(0, scenario.n_actions, size=(rows, scenario.n_env))
+
+
+def in_process_rate(scenario: Scenario, steps: int, actions: np.ndarray) -> float:
+    """Steps per second of one env of ``scenario`` stepped in this process (no IPC at all)."""
+    env = scenario.factory(0)
+    try:
+        env.reset(seed=0)
+        column = actions[:, 0].tolist()
+        rows = len(column)
+        step = env.step
+        start = time.perf_counter()
+        for k in range(steps):
+            _, _, terminated, truncated, _ = step(column[k % rows])
+            if terminated or truncated:
+                env.reset()
+        return steps / (time.perf_counter() - start)
+    finally:
+        env.close()

@@ -1,0 +1,186 @@
+"""Smoke tests of ``envmanager bench``: it runs, writes what it says, rejects what it does not know.
+
+The CLI runs in a child process (as users run it), with tiny ``--steps`` and ``--repeats 1``.
+No timing is ever asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envmanager import cli
+from envmanager.bench import BACKENDS, SCENARIOS, run_scenario
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MEASUREMENT_KEYS = {"backend", "scenario", "n_env", "median", "min", "best", "steps_per_second",
+                    "env_steps", "seconds"}
+SCENARIO_KEYS = {"scenario", "description", "n_env", "steps", "repeats", "warmup", "unavailable",
+                 "measurements", "skipped", "failed", "ratios", "references", "limit"}
+
+
+def run_cli(tmp_path, *args: str, timeout: float = 60) -> tuple[str, dict, bytes]:
+    """Run ``envmanager bench ARGS --json --plot`` in a child process; its output, JSON and PNG."""
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "envmanager.cli", "bench", *args, "--repeats", "1", "--no-progress",
+         "--json", str(out_json), "--plot", str(out_png)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
+    leftover = [n for n in os.listdir("/dev/shm") if n.startswith(f"envmgr_{proc.pid}_")]
+    assert not leftover, f"the benchmark left shared memory behind: {leftover}"
+    return stdout, json.loads(out_json.read_text()), out_png.read_bytes()
+
+
+def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
+    assert set(data) >= {"meta", "backends", "scenarios", "targets"}
+    assert data["meta"]["cores"] >= 1
+    result = data["scenarios"][scenario]
+    assert set(result) >= SCENARIO_KEYS
+    assert result["failed"] == {}
+    assert sorted(result["measurements"]) == sorted(backends)
+    for name, m in result["measurements"].items():
+        assert set(m) >= MEASUREMENT_KEYS
+        assert m["backend"] == name and m["scenario"] == scenario
+        assert len(m["steps_per_second"]) == 1 and m["steps_per_second"][0] > 0
+        assert m["min"] <= m["median"] <= m["best"]
+    return result
+
+
+@pytest.mark.parametrize(
+    "scenario, steps, backends, ratio_column",
+    [
+        ("cartpole", 160, ["envmanager", "envmanager-k", "gym.SyncVectorEnv", "gym.AsyncVectorEnv"], "vs Async"),
+        ("many", 128, ["envmanager-k", "gym.SyncVectorEnv"], "vs 8 envs"),
+        ("cpu", 32, ["envmanager", "gym.SyncVectorEnv"], "vs limit"),
+        ("uneven", 32, ["envmanager", "envmanager-lockstep", "gym.SyncVectorEnv"], "vs lockstep"),
+    ],
+)
+def test_scenario_runs_and_writes_json_and_png(tmp_path, scenario, steps, backends, ratio_column):
+    stdout, data, png = run_cli(tmp_path, "--scenario", scenario, "--steps", str(steps), "--backends", *backends)
+    result = check_measured(data, scenario, backends)
+    assert result["steps"] == steps and result["repeats"] == 1
+    assert set(result["ratios"]["vs Sync"]) == set(backends)
+    assert ratio_column in result["ratios"]
+    assert png.startswith(PNG_MAGIC)
+    assert f"== {scenario}:" in stdout
+    for name in backends:
+        assert name in stdout
+    if scenario == "cpu":
+        assert result["limit"]["steps_per_second"] > 0 and result["limit"]["cores"] >= 1
+        assert "limit" in stdout
+    if scenario == "many":
+        assert result["references"]["envmanager-k"]["n_env"] == 8
+
+
+def test_more_backends_and_skips(tmp_path):
+    """SB3 and EnvPool join in where they can; what cannot run is skipped with the reason."""
+    backends = ["envmanager-lockstep", "envmanager-batch", "sb3.SubprocVecEnv", "envpool"]
+    stdout, data, png = run_cli(tmp_path, "--scenario", "cpu", "--steps", "16", "--no-warmup",
+                                "--backends", *backends)
+    result = data["scenarios"]["cpu"]
+    assert "envpool" in result["skipped"] and "not applicable" in result["skipped"]["envpool"]
+    assert set(result["measurements"]) | set(result["skipped"]) == set(backends)
+    assert result["failed"] == {}
+    assert png.startswith(PNG_MAGIC)
+    assert "skipped" in stdout
+
+
+def _unity_available() -> bool:
+    if importlib.util.find_spec("mlagents_envs") is None:
+        return False
+    try:
+        import envmanager.mlagents as ml
+
+        return hasattr(ml, "MLAgentsEnvManager")
+    except Exception:
+        return False
+
+
+def test_unity_scenario(tmp_path):
+    stdout, data, png = run_cli(tmp_path, "--scenario", "unity", "--steps", "16", "--no-warmup",
+                                "--backends", "envmanager", "gym.AsyncVectorEnv")
+    result = data["scenarios"]["unity"]
+    assert png.startswith(PNG_MAGIC)
+    if not _unity_available():
+        assert result["unavailable"] and "not available" in stdout
+        return
+    assert result["unavailable"] is None
+    check_measured(data, "unity", ["envmanager"])
+    assert "gym.AsyncVectorEnv" in result["skipped"]
+
+
+def test_scenario_with_a_missing_dependency_says_not_available():
+    from dataclasses import replace
+
+    from envmanager.bench.report import format_table
+
+    scenario = replace(SCENARIOS["unity"], requires=("envmanager_no_such_module",))
+    result = run_scenario(scenario, ["envmanager"], steps=8, repeats=1)
+    assert "envmanager_no_such_module cannot be imported" in result.unavailable
+    assert result.measurements == {}
+    assert "not available: envmanager_no_such_module" in format_table(result)
+
+
+def test_defaults_parse_to_the_cartpole_run():
+    args = cli.build_parser().parse_args(["bench"])
+    assert args.scenario == ["cartpole"] and args.backends is None and args.repeats == 3
+    assert args.steps is None and args.json is None and args.plot is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--scenario", "nosuch"],
+        ["bench", "--scenario", "cartpole", "nosuch"],
+        ["bench", "--backends", "nosuch"],
+        ["bench", "--backends", "envmanager", "gym.NoSuchVectorEnv"],
+        ["bench", "--repeats", "0"],
+        ["bench", "--steps", "-5"],
+    ],
+)
+def test_unknown_choices_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err or "must be at least 1" in err
+
+
+def test_all_scenarios_and_backends_are_choices():
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--scenario", "all", "--backends", "all"])
+    assert args.scenario == ["all"] and args.backends == ["all"]
+    for name in SCENARIOS:
+        parser.parse_args(["bench", "--scenario", name])
+    for name in BACKENDS:
+        parser.parse_args(["bench", "--backends", name])
+
+
+def test_library_logs_never_prints(capsys):
+    """In process, with the one backend that starts no process: results come back, nothing printed."""
+    result = run_scenario(SCENARIOS["cpu"], ["gym.SyncVectorEnv", "envpool"], steps=16, repeats=1)
+    assert capsys.readouterr() == ("", "")
+    assert result.measurements["gym.SyncVectorEnv"].median > 0
+    assert "envpool" in result.skipped
+    assert result.limit is not None and "vs limit" in result.ratios()
+
+
+def test_progress_bar_is_optional(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # ``import tqdm`` now fails
+    assert cli._progress(True) is None
+    assert cli._progress(False) is None
