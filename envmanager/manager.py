@@ -116,6 +116,7 @@ class SubprocessEnvManager:
             spin_s = 50e-6 if n_procs + 1 <= (os.cpu_count() or 1) else 0.0
         specs = make_specs(factory, n_env, envs_per_worker, mode, spin_s)
         self._slot_worker = [spec.index for spec in specs for _ in spec.env_ids]
+        self._slot_local = [local for spec in specs for local in range(len(spec.env_ids))]
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon)
@@ -203,6 +204,12 @@ class SubprocessEnvManager:
         return self.receive_steps(timeout)
 
     def _choose_actions(self, actions: Mapping[int, Any] | Sequence[Any] | None) -> dict[int, Any]:
+        if isinstance(actions, Mapping):  # send_step checks the rest
+            n = self.n_env
+            for slot in actions:
+                if not isinstance(slot, (int, np.integer)) or not 0 <= slot < n:
+                    raise InvalidInputError(f"unknown worker id {slot!r} (n_env={n})")
+            return actions if isinstance(actions, dict) else dict(actions)
         self.pool  # raises if closed
         idle = [s for s in self.idle_worker_ids if self.worker_of(s).failure is None]
         if actions is None:
@@ -212,14 +219,6 @@ class SubprocessEnvManager:
                 if self._last[slot] is None:
                     raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
             return {slot: self.policy(self._last[slot]) for slot in idle}  # type: ignore[misc]
-        if isinstance(actions, Mapping):
-            busy = set(self.waiting_worker_ids)
-            for slot in actions:
-                if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_env:
-                    raise InvalidInputError(f"unknown worker id {slot!r} (n_env={self.n_env})")
-                if slot in busy:
-                    raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
-            return dict(actions)
         if len(actions) != self.n_env:
             raise InvalidInputError(f"expected {self.n_env} actions (one per worker), got {len(actions)}")
         return {slot: actions[slot] for slot in idle}
@@ -227,34 +226,37 @@ class SubprocessEnvManager:
     def send_step(self, actions: Mapping[int, Any]) -> None:
         """Check ``actions`` (``worker_id -> action``, idle slots only), then send the steps."""
         pool = self.pool
+        workers, slot_worker, slot_local = pool.workers, self._slot_worker, self._slot_local
+        buffers = pool.buffers
+        layout = buffers.layout.action if buffers is not None else None
         by_worker: dict[int, list[int]] = {}
-        layout = pool.buffers.layout.action if pool.buffers else None
         for slot, action in actions.items():
-            w = self.worker_of(slot)
+            w = workers[slot_worker[slot]]
             if w.failure is not None:
                 raise w.failure
-            if w.busy:
+            if w.pending is not None:
                 raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
             if self._needs_reset[slot]:
                 raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
-            if self.autoreset_mode == DISABLED and self._done[slot]:
+            if self._done[slot] and self.autoreset_mode == DISABLED:
                 raise InvalidInputError(
                     f"worker {slot} finished its episode; with autoreset_mode='disabled' reset it first"
                 )
             if layout is not None and (why := check_value(layout, action)):
                 raise InvalidInputError(f"action for worker {slot} {why}")
             by_worker.setdefault(w.index, []).append(slot)
-        in_shm = pool.buffers is not None and pool.buffers.action is not None
+        in_shm = buffers is not None and buffers.action is not None
+        in_flight = self._in_flight
         for index, slots in by_worker.items():
-            w = pool.workers[index]
-            slots.sort()
+            if len(slots) > 1:
+                slots.sort()
             if in_shm:
                 for slot in slots:
-                    SharedBuffers.write(pool.buffers.action, slot, actions[slot])  # type: ignore[union-attr]
-            payload = ([w.env_ids.index(s) for s in slots], None if in_shm else [actions[s] for s in slots])
+                    SharedBuffers.write(buffers.action, slot, actions[slot])  # type: ignore[union-attr]
+            payload = ([slot_local[s] for s in slots], None if in_shm else [actions[s] for s in slots])
             for slot in slots:
-                self._in_flight[slot] = actions[slot]
-            pool.send(w, Cmd.STEP, payload)
+                in_flight[slot] = actions[slot]
+            pool.send(workers[index], Cmd.STEP, payload)
 
     def receive_steps(self, timeout: float | None = None, min_count: int = 1) -> list[StepInfo]:
         """Wait (bounded by ``timeout``, default the manager's) until ``min_count`` steps finished,
@@ -264,16 +266,16 @@ class SubprocessEnvManager:
         pool = self.pool
         while len(self._ready) < min_count and not self._step_errors:
             now = time.monotonic()
-            busy = [w for w in pool.workers if w.busy and not w.closing]
-            if not busy:
+            if now >= deadline or not any(w.pending is not None and not w.closing for w in pool.workers):
+                busy = [w for w in pool.workers if w.busy and not w.closing]
+                if busy:
+                    raise _timeout([s for w in busy for s in w.env_ids], limit, "a step result")
                 failure = next((w.failure for w in pool.workers if w.failure), None)
                 if failure is not None:
                     raise failure
                 if self._ready:
                     break
                 raise InvalidInputError("no step is in flight: nothing can finish")
-            if now >= deadline:
-                raise _timeout([s for w in busy for s in w.env_ids], limit, "a step result")
             self._absorb(pool.poll(deadline - now))
         self._absorb(pool.poll(0.0))
         if self._step_errors:
@@ -298,37 +300,36 @@ class SubprocessEnvManager:
                 self._answers[c.worker.index] = c
 
     def _step_infos(self, c: Completion) -> list[StepInfo]:
+        """Turn a worker's answer into StepInfos (reading shared memory) and note the new state."""
         infos = []
         fresh = not c.interrupted and c.cmd is not Cmd.STEP
-        for item in c.items:
-            slot = c.worker.env_ids[item[0]]
-            result = self.result_of(c, item)
-            last = self._last[slot]
-            timings = StepTimings(item[-1], max(0.0, c.received_at - c.posted_at), max(0.0, c.received_at - c.worker.sent_at))
-            info = StepInfo(
-                worker_id=slot,
-                previous_result=None if fresh or last is None else last.current_result,
-                current_result=result,
-                action=self._in_flight.pop(slot, None),
-                timings=timings,
-                interrupted=c.interrupted,
-            )
-            self._last[slot] = info
-            self._needs_reset[slot] = False
-            self._done[slot] = result.terminated or result.truncated
-            infos.append(info)
-        return infos
-
-    def result_of(self, completion: Completion, item: tuple) -> StepResult:
-        """Turn a worker's per-env tuple into a StepResult, reading shared memory as needed."""
-        local, obs, reward, terminated, truncated, info, _ = item
+        env_ids = c.worker.env_ids
+        queued = max(0.0, c.received_at - c.posted_at)
+        round_trip = max(0.0, c.received_at - c.worker.sent_at)
         b = self.pool.buffers
-        if b is not None:
-            slot = completion.worker.env_ids[local]
-            reward, terminated, truncated = float(b.reward[slot]), bool(b.terminated[slot]), bool(b.truncated[slot])
-            if b.observation is not None and self.copy_observations:
-                obs = SharedBuffers.read(b.observation, slot)
-        return StepResult(obs, reward, terminated, truncated, info)
+        shared_obs = b.observation if b is not None and self.copy_observations else None
+        last_infos, in_flight = self._last, self._in_flight
+        for local, obs, reward, terminated, truncated, info, env_time in c.items:
+            slot = env_ids[local]
+            if b is not None:
+                reward, terminated, truncated = float(b.reward[slot]), bool(b.terminated[slot]), bool(b.truncated[slot])
+                if shared_obs is not None:
+                    obs = SharedBuffers.read(shared_obs, slot)
+            result = StepResult(obs, reward, terminated, truncated, info)
+            last = last_infos[slot]
+            step_info = StepInfo(
+                slot,
+                None if fresh or last is None else last.current_result,
+                result,
+                in_flight.pop(slot, None),
+                StepTimings(env_time, queued, round_trip),
+                c.interrupted,
+            )
+            last_infos[slot] = step_info
+            self._needs_reset[slot] = False
+            self._done[slot] = terminated or truncated
+            infos.append(step_info)
+        return infos
 
     # ------------------------------------------------------------------------------------------
     # Resetting

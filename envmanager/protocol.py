@@ -8,7 +8,6 @@ Observations, rewards and actions travel in shared memory when their spaces allo
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -113,8 +112,7 @@ class StepResult(NamedTuple):
     info: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class StepTimings:
+class StepTimings(NamedTuple):
     """Where the time went, in seconds.
 
     ``env``: inside the environment's ``step``/``reset`` in the worker; ``queued``: from the
@@ -127,8 +125,7 @@ class StepTimings:
     round_trip: float = 0.0
 
 
-@dataclass(frozen=True)
-class StepInfo:
+class StepInfo(NamedTuple):
     """One finished environment step, as returned by ``SubprocessEnvManager.step``.
 
     ``previous_result`` is the result the action was chosen from (``None`` right after a reset),
@@ -140,5 +137,5 @@ class StepInfo:
     previous_result: StepResult | None
     current_result: StepResult
     action: Any
-    timings: StepTimings = field(default_factory=StepTimings)
+    timings: StepTimings = StepTimings()
     interrupted: bool = False
