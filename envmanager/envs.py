@@ -24,11 +24,14 @@ FAULTS = ("raise", "raise_reset", "segfault", "exit", "sigkill", "hang", "grandc
 
 
 def burn_cpu(seconds: float) -> None:
-    """Busy-compute for ``seconds`` of wall time (a stand-in for an expensive simulator step)."""
-    end = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < end:
-        x += 1
+    """Compute for ``seconds`` of this thread's CPU time (a stand-in for a simulator step).
+
+    CPU time, not wall time: a process preempted mid-step (more workers than cores) still has
+    to do all its work, as a real simulator would.
+    """
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 class ControlledEnv(gym.Env):
@@ -37,7 +40,7 @@ class ControlledEnv(gym.Env):
     Args:
         env_id: stored in the observation, so results can be traced to their env.
         step_time: seconds each step sleeps (or a sequence, cycled).
-        cpu_time: seconds each step burns CPU.
+        cpu_time: seconds of CPU time each step burns.
         lognormal: ``(median, sigma)``: sleep a heavy-tailed time each step.
         gate: path of a file; each step waits (up to 60 s) until it exists.
         episode_length: steps until ``terminated`` (``truncated`` if ``truncate`` is set).

@@ -20,7 +20,6 @@ from envmanager.envs import ControlledEnv
 __all__ = [
     "Scenario",
     "SCENARIOS",
-    "CpuBurn",
     "actions_for",
     "in_process_rate",
     "scenario_unavailable",
@@ -40,27 +39,8 @@ def cartpole(env_id: int) -> gym.Env:
     return gym.make("CartPole-v1")
 
 
-class CpuBurn(gym.Wrapper):
-    """Burn ``cpu_time`` seconds of this thread's *CPU time* before each step.
-
-    CPU time, not wall time: a process preempted mid-step (more workers than cores) still has
-    to do all its work, as a real simulator would, so the machine's limit stays a real limit.
-    """
-
-    def __init__(self, env: gym.Env, cpu_time: float) -> None:
-        super().__init__(env)
-        self.cpu_time = cpu_time
-
-    def step(self, action: Any):
-        clock = time.thread_time
-        end = clock() + self.cpu_time
-        while clock() < end:
-            pass
-        return self.env.step(action)
-
-
 def cpu_env(env_id: int) -> gym.Env:
-    return CpuBurn(ControlledEnv(env_id), CPU_TIME)
+    return ControlledEnv(env_id, cpu_time=CPU_TIME)
 
 
 def uneven_env(env_id: int) -> gym.Env:
