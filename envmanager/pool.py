@@ -23,7 +23,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
-from envmanager.protocol import ON_PIPE, EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException, request_to_wire
+from envmanager.protocol import ON_PIPE, EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException
 from envmanager.restart import RestartPolicy
 from envmanager.transport import SharedBuffers, StepQueue
 from envmanager.worker import WorkerProcess, WorkerSpec
@@ -301,12 +301,7 @@ class WorkerPool:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
         workers, self.workers = self.workers, []
         for w in workers:
-            w.closing = True
-            if w.alive():
-                try:
-                    w.conn.send(request_to_wire(EnvironmentRequest(Cmd.CLOSE, -1)))
-                except OSError:
-                    pass
+            w.request_close()
         deadline = time.monotonic() + timeout
         while any(w.alive() for w in workers) and time.monotonic() < deadline:
             if self.queue is not None:  # keep the queue flowing so no worker blocks on it

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from copy import deepcopy
 from enum import Enum
 from typing import Any
@@ -218,15 +219,8 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", AsyncState.WAITING_RESET.value)
-        try:
+        with self._waiting("reset_wait", timeout):
             results = manager.receive_resets(self._reset_ids, timeout)
-        except WorkerTimeoutError as exc:
-            if timeout is None:
-                raise
-            raise multiprocessing.TimeoutError(f"The call to `reset_wait` has timed out after {timeout} second(s).") from exc
-        except EnvManagerError as exc:
-            self._state = AsyncState.DEFAULT
-            _reraise(exc)
         self._state = AsyncState.DEFAULT
         infos: dict[str, Any] = {}
         for info in results:
@@ -274,29 +268,40 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
+        with self._waiting("step_wait", timeout):
             while len(self._results) < self.num_envs:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 for info in manager.receive_steps(left):
                     self._results[info.worker_id] = info
-                if self._queued:
+                if self._queued:  # max_concurrency: start queued envs as others finish
                     free = min(len(manager.idle_worker_ids), len(self._queued))
                     batch = dict(list(self._queued.items())[:free])
                     manager.send_step(batch)
                     for i in batch:
                         del self._queued[i]
-        except WorkerTimeoutError as exc:
-            if timeout is None:
-                self._abandon()
-                raise
-            raise multiprocessing.TimeoutError(f"The call to `step_wait` has timed out after {timeout} second(s).") from exc
-        except EnvManagerError as exc:
-            self._abandon()
-            _reraise(exc)
         self._state = AsyncState.DEFAULT
         results = [self._results[i].current_result for i in range(self.num_envs)]
         self._results = {}
         return self._batch(list(range(self.num_envs)), results)
+
+    @contextmanager
+    def _waiting(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Translate failures while waiting into gymnasium's terms.
+
+        Past the caller's ``timeout``: ``multiprocessing.TimeoutError``, and the call stays
+        pending (waiting again picks up its results). Any other failure drops what is in
+        flight, so nothing stale surfaces later, and re-raises the env's own exception.
+        """
+        try:
+            yield
+        except WorkerTimeoutError as exc:
+            if timeout is None:  # a worker missed its own deadline: nothing more will come
+                self._abandon()
+                raise
+            raise multiprocessing.TimeoutError(f"The call to `{what}` has timed out after {timeout} second(s).") from exc
+        except EnvManagerError as exc:
+            self._abandon()
+            _reraise(exc)
 
     def _abandon(self) -> None:
         """After a failure: drop what is in flight so nothing stale surfaces later."""
@@ -306,6 +311,8 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._results, self._queued = {}, {}
+        self._outstanding.clear()
+        self._received.clear()
         self._state = AsyncState.DEFAULT
 
     def _batch(self, ids: list[int], results: list) -> tuple:
@@ -352,16 +359,8 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        try:
+        with self._waiting("call_wait", timeout):
             results = manager.receive_request(self._call, timeout)
-        except WorkerTimeoutError as exc:
-            if timeout is None:
-                self._state = AsyncState.DEFAULT
-                raise
-            raise multiprocessing.TimeoutError(f"The call to `call_wait` has timed out after {timeout} second(s).") from exc
-        except EnvManagerError as exc:
-            self._state = AsyncState.DEFAULT
-            _reraise(exc)
         self._state = AsyncState.DEFAULT
         return tuple(results)
 
@@ -418,16 +417,10 @@ class AsyncVectorEnv(VectorEnv):
                 f"`recv` needs {self.batch_size} envs in flight, only {len(self._outstanding)} were sent", "recv"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
+        with self._waiting("recv", timeout):
             while len(self._received) < self.batch_size:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._received += manager.receive_steps(left)
-        except WorkerTimeoutError as exc:
-            if timeout is None:
-                raise
-            raise multiprocessing.TimeoutError(f"The call to `recv` has timed out after {timeout} second(s).") from exc
-        except EnvManagerError as exc:
-            _reraise(exc)
         batch, self._received = self._received[: self.batch_size], self._received[self.batch_size :]
         ids = [info.worker_id for info in batch]
         self._outstanding.difference_update(ids)

@@ -359,14 +359,18 @@ class WorkerProcess:
     def alive(self) -> bool:
         return not self.reaped and self.process.is_alive()
 
-    def stop(self, timeout: float) -> None:
-        """Ask the worker to close, then escalate to SIGTERM and SIGKILL (with its group)."""
+    def request_close(self) -> None:
+        """Ask the worker to close its envs and exit; from now on its exit is expected."""
         self.closing = True
         if self.alive():
             try:
                 self.conn.send(request_to_wire(EnvironmentRequest(Cmd.CLOSE, -1)))
-            except OSError:
+            except OSError:  # already gone
                 pass
+
+    def stop(self, timeout: float) -> None:
+        """Ask the worker to close, then escalate to SIGTERM and SIGKILL (with its group)."""
+        self.request_close()
         deadline = time.monotonic() + timeout
         if self.alive():
             self.process.join(max(0.0, deadline - time.monotonic()))
