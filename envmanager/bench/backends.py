@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import multiprocessing
 import os
 import time
@@ -45,9 +44,35 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def _chunk(scenario: Scenario, steps: int) -> int:
-    """Env-steps between two progress ticks: ~50 ticks per run."""
-    return max(scenario.n_env, steps // 50)
+class Progress:
+    """Hands env-steps to ``tick`` in chunks of ~1/50 of a run: a call per step would cost
+    more than the step. ``done`` counts them all."""
+
+    def __init__(self, tick: Tick, scenario: Scenario, steps: int) -> None:
+        self.tick, self.chunk = tick, max(scenario.n_env, steps // 50)
+        self.done = self._reported = 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.done - self._reported >= self.chunk:
+            self.tick(self.done - self._reported)
+            self._reported = self.done
+
+    def close(self) -> None:
+        self.tick(self.done - self._reported)
+        self._reported = self.done
+
+
+def lockstep(step: Callable[[dict[int, Any]], list], table: list[dict[int, Any]], n: int, rounds: int,
+             progress: Progress) -> None:
+    """Drive a first-ready ``step(actions) -> finished`` in lockstep: every round sends all
+    ``n`` actions, then waits until all ``n`` came back."""
+    nothing: dict[int, Any] = {}
+    for k in range(rounds):
+        got = len(step(table[k % len(table)]))
+        while got < n:
+            got += len(step(nothing))
+        progress.add(n)
 
 
 def _env_fns(scenario: Scenario) -> list[Callable[[], Any]]:
@@ -67,16 +92,15 @@ def run_first_ready(
     n = scenario.n_env
     columns = actions.T.tolist()  # python ints: no numpy scalars on the hot path
     rows = len(columns[0])
-    chunk = _chunk(scenario, steps)
+    progress = Progress(tick, scenario, steps)
     manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
     with manager:
         manager.reset(seed=0)
         step = manager.step
         position = [1] * n
         todo = {w: columns[w][0] for w in range(n)}
-        done = reported = 0
         start = time.perf_counter()
-        while done < steps:
+        while progress.done < steps:
             infos = step(todo)
             todo = {}
             for info in infos:  # only the finished envs get their next action
@@ -84,13 +108,10 @@ def run_first_ready(
                 p = position[w]
                 todo[w] = columns[w][p % rows]
                 position[w] = p + 1
-            done += len(infos)
-            if done - reported >= chunk:
-                tick(done - reported)
-                reported = done
+            progress.add(len(infos))
         elapsed = time.perf_counter() - start
-    tick(done - reported)
-    return done, elapsed
+    progress.close()
+    return progress.done, elapsed
 
 
 def run_k_per_worker(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
@@ -107,26 +128,15 @@ def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick
     from envmanager import SubprocessEnvManager
 
     n = scenario.n_env
-    rounds = -(-steps // n)
     table = [dict(enumerate(row)) for row in actions.tolist()]
-    chunk = _chunk(scenario, steps)
-    nothing: dict[int, Any] = {}
+    progress = Progress(tick, scenario, steps)
     with SubprocessEnvManager(scenario.factory, n, context=START_METHOD) as manager:
         manager.reset(seed=0)
-        step = manager.step
-        done = reported = 0
         start = time.perf_counter()
-        for k in range(rounds):
-            got = len(step(table[k % len(table)]))
-            while got < n:
-                got += len(step(nothing))
-            done += n
-            if done - reported >= chunk:
-                tick(done - reported)
-                reported = done
+        lockstep(manager.step, table, n, -(-steps // n), progress)
         elapsed = time.perf_counter() - start
-    tick(done - reported)
-    return done, elapsed
+    progress.close()
+    return progress.done, elapsed
 
 
 def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
@@ -136,49 +146,28 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
     n = scenario.n_env
     batch = max(1, n // 2)
     rows = len(actions)
-    chunk = _chunk(scenario, steps)
+    progress = Progress(tick, scenario, steps)
     vec = envmanager.AsyncVectorEnv(_env_fns(scenario), batch_size=batch, context=START_METHOD)
     try:
         vec.reset(seed=0)
         position = np.ones(n, dtype=np.int64)
         ids = np.arange(n)
         vec.send(actions[0].copy(), ids)
-        in_flight = n
-        done = reported = 0
         start = time.perf_counter()
-        while done < steps:
+        while progress.done < steps:
             *_, infos = vec.recv()
             ids = np.asarray(infos["env_id"])
-            done += len(ids)
             p = position[ids]
             vec.send(actions[p % rows, ids], ids)
             position[ids] = p + 1
-            if done - reported >= chunk:
-                tick(done - reported)
-                reported = done
+            progress.add(len(ids))
         elapsed = time.perf_counter() - start
-        while in_flight >= batch:  # collect what is still stepping before closing
-            in_flight -= len(np.asarray(vec.recv()[-1]["env_id"]))
+        for _ in range(n // batch):  # collect what is still stepping before closing
+            vec.recv()
     finally:
         vec.close()
-    tick(done - reported)
-    return done, elapsed
-
-
-def _partial_batch_unavailable(scenario: Scenario) -> str | None:
-    try:
-        import envmanager
-    except Exception as exc:  # pragma: no cover
-        return f"envmanager cannot be imported: {exc!r}"
-    cls = getattr(envmanager, "AsyncVectorEnv", None)
-    if cls is None:
-        return "envmanager.AsyncVectorEnv does not exist (yet)"
-    try:
-        if "batch_size" not in inspect.signature(cls).parameters:
-            return "envmanager.AsyncVectorEnv takes no batch_size (yet)"
-    except (TypeError, ValueError):
-        pass
-    return None
+    progress.close()
+    return progress.done, elapsed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,25 +180,21 @@ def _run_vector(
 ) -> tuple[int, float]:
     """Any lockstep vector env: ``step(actions_row)`` for all envs at once."""
     n = scenario.n_env
-    rounds = -(-steps // n)
     rows = len(actions)
-    chunk = _chunk(scenario, steps)
+    progress = Progress(tick, scenario, steps)
     env = make()
     try:
         reset(env)
         step = env.step
-        reported = 0
         start = time.perf_counter()
-        for k in range(rounds):
+        for k in range(-(-steps // n)):
             step(actions[k % rows])
-            if (k + 1) * n - reported >= chunk:
-                tick((k + 1) * n - reported)
-                reported = (k + 1) * n
+            progress.add(n)
         elapsed = time.perf_counter() - start
     finally:
         env.close()
-    tick(rounds * n - reported)
-    return rounds * n, elapsed
+    progress.close()
+    return progress.done, elapsed
 
 
 def run_gym_sync(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
@@ -355,7 +340,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("envmanager-lockstep", run_lockstep, "SubprocessEnvManager, waiting for all envs each step",
                 ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
         Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",
-                ours=True, unavailable=lambda s: _gym_envs_only(s) or _partial_batch_unavailable(s)),
+                ours=True, unavailable=_gym_envs_only),
         Backend("gym.SyncVectorEnv", run_gym_sync, "gymnasium SyncVectorEnv (in process)",
                 lockstep=True, unavailable=_gym_envs_only),
         Backend("gym.AsyncVectorEnv", run_gym_async, "gymnasium AsyncVectorEnv (shared memory)",

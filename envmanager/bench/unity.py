@@ -24,14 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from envmanager.bench.backends import Progress, Tick, lockstep
 from envmanager.bench.scenarios import UNITY_LATENCY, Scenario
 
 BEHAVIOR = "FakeBehavior?team=0"
 PLAYER_CONFIG = {"step_latency": UNITY_LATENCY[0], "latency_jitter": UNITY_LATENCY[1], "stats": False}
 TIMEOUT_WAIT = 60  # seconds a player may take to connect
-
-Tick = Callable[[int], None]
-
 
 @contextmanager
 def _launcher() -> Iterator[str]:
@@ -97,47 +95,31 @@ def _manager(scenario: Scenario, path: str) -> Any:
 
 
 def run_first_ready(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
-    chunk = max(scenario.n_env, steps // 50)
+    progress = Progress(tick, scenario, steps)
     with _launcher() as path, _manager(scenario, path) as manager:
         manager.set_policy(BEHAVIOR, _SeededPolicy(actions.T.tolist()))
         manager.reset()
         get_steps = manager.get_steps
-        done = reported = 0
         start = time.perf_counter()
-        while done < steps:
-            done += len(get_steps())
-            if done - reported >= chunk:
-                tick(done - reported)
-                reported = done
+        while progress.done < steps:
+            progress.add(len(get_steps()))
         elapsed = time.perf_counter() - start
-    tick(done - reported)
-    return done, elapsed
+    progress.close()
+    return progress.done, elapsed
 
 
 def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
     n = scenario.n_env
-    rows = len(actions)
-    rounds = -(-steps // n)
-    chunk = max(n, steps // 50)
     table = [{w: {BEHAVIOR: _action(a, 1)} for w, a in enumerate(row)} for row in actions.tolist()]
-    nothing: dict[int, Any] = {}
+    progress = Progress(tick, scenario, steps)
     with _launcher() as path, _manager(scenario, path) as wrapped:
         core = wrapped.manager  # the SubprocessEnvManager under MLAgentsEnvManager
         core.reset()
-        step = core.step
-        done = reported = 0
         start = time.perf_counter()
-        for k in range(rounds):
-            got = len(step(table[k % rows]))
-            while got < n:
-                got += len(step(nothing))
-            done += n
-            if done - reported >= chunk:
-                tick(done - reported)
-                reported = done
+        lockstep(core.step, table, n, -(-steps // n), progress)
         elapsed = time.perf_counter() - start
-    tick(done - reported)
-    return done, elapsed
+    progress.close()
+    return progress.done, elapsed
 
 
 def run_sequential(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
@@ -145,8 +127,7 @@ def run_sequential(scenario: Scenario, steps: int, actions: np.ndarray, tick: Ti
 
     n = scenario.n_env
     rows = len(actions)
-    rounds = -(-steps // n)
-    chunk = max(n, steps // 50)
+    progress = Progress(tick, scenario, steps)
     envs: list[Any] = []
     with _launcher() as path:
         try:
@@ -161,19 +142,15 @@ def run_sequential(scenario: Scenario, steps: int, actions: np.ndarray, tick: Ti
             _with_free_ports(start, n)
             for env in envs:
                 env.reset()
-            done = reported = 0
             start_time = time.perf_counter()
-            for k in range(rounds):
+            for k in range(-(-steps // n)):
                 row = actions[k % rows]
                 for i, env in enumerate(envs):
                     decision_steps, _ = env.get_steps(BEHAVIOR)
                     if len(decision_steps):
                         env.set_actions(BEHAVIOR, _action(int(row[i]), len(decision_steps)))
                     env.step()
-                done += n
-                if done - reported >= chunk:
-                    tick(done - reported)
-                    reported = done
+                progress.add(n)
             elapsed = time.perf_counter() - start_time
         finally:
             for env in envs:
@@ -181,5 +158,5 @@ def run_sequential(scenario: Scenario, steps: int, actions: np.ndarray, tick: Ti
                     env.close()
                 except Exception:
                     pass
-    tick(done - reported)
-    return done, elapsed
+    progress.close()
+    return progress.done, elapsed
