@@ -190,15 +190,10 @@ class WorkerPool:
         completions += self.check_deadlines()
         return completions
 
-    def gather(
-        self, workers: Iterable[WorkerProcess], what: str, timeout: float | None = None,
-        sink: Callable[[list[Completion]], None] | None = None,
-    ) -> list[Completion]:
-        """Wait until each of ``workers`` finished its request; return those completions.
-
-        Completions of other workers go to ``sink``. Raises the first error among the given
-        workers, or ``WorkerTimeoutError`` past ``timeout`` (default: the pool's deadline).
-        """
+    def gather(self, workers: Iterable[WorkerProcess], what: str, timeout: float | None = None) -> list[Completion]:
+        """Wait until each of ``workers`` finished its request (startup: nothing else is in
+        flight); return those completions. Raises the first error among them, or
+        ``WorkerTimeoutError`` past ``timeout`` (default: the pool's deadline)."""
         indices = {w.index for w in workers}
         got: dict[int, Completion] = {}
         limit = self.timeout if timeout is None else timeout
@@ -208,15 +203,9 @@ class WorkerPool:
             if now >= deadline:
                 late = [s for i in sorted(indices - got.keys()) for s in self.workers[i].env_ids]
                 raise WorkerTimeoutError(late, limit, what)
-            others = []
             for c in self.poll(deadline - now):
-                if c.worker.index in indices and c.worker.index not in got:
-                    got[c.worker.index] = c
-                else:
-                    others.append(c)
-            if others and sink is not None:
-                sink(others)
-        ordered = [got[i] for i in sorted(got)]
+                got.setdefault(c.worker.index, c)
+        ordered = [got[i] for i in sorted(indices)]
         for c in ordered:
             if c.error is not None:
                 raise c.error

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import select
 import signal
 import threading
@@ -24,7 +25,6 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import cloudpickle
-import pickle
 
 from envmanager.errors import WorkerDiedError
 from envmanager.protocol import (
