@@ -54,10 +54,13 @@ class StepQueue:
     def post(writer: Connection, own_pipe: Connection, response: EnvironmentResponse) -> None:
         """Post ``response``; route a large payload over the worker's own pipe."""
         data = pickle.dumps(response_to_wire(response), protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > MAX_NOTICE_BYTES:
-            own_pipe.send_bytes(data)
-            data = pickle.dumps(response_to_wire(response._replace(payload=ON_PIPE)), pickle.HIGHEST_PROTOCOL)
-        writer.send_bytes(data)
+        if len(data) <= MAX_NOTICE_BYTES:
+            writer.send_bytes(data)
+            return
+        # The notice first: the parent reads the payload only once it knows it is coming, and a
+        # payload larger than the pipe's buffer can only be written while the parent reads it.
+        writer.send_bytes(pickle.dumps(response_to_wire(response._replace(payload=ON_PIPE)), pickle.HIGHEST_PROTOCOL))
+        own_pipe.send_bytes(data)
 
     # -- parent side ------------------------------------------------------------------------
     def get_nowait(self) -> EnvironmentResponse | None:

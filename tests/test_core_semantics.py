@@ -278,3 +278,26 @@ def test_call_get_attr_set_attr():
         assert [f.shape for f in frames] == [(2, 2, 3)] * 3
         assert m.observation_space == ControlledEnv().observation_space
         assert m.action_space == ControlledEnv().action_space
+
+
+class BigObservationEnv(ControlledEnv):
+    """Observations far larger than a pipe's buffer (64 KiB)."""
+
+    def __init__(self, env_id):
+        super().__init__(env_id)
+        self.observation_space = gym.spaces.Box(0, 255, (300, 300, 3), np.uint8)
+
+    def _obs(self, action=-1.0):
+        return np.full((300, 300, 3), self.t % 256, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_answers_larger_than_a_pipe_buffer(shared_memory):
+    with make_manager(2, factory=BigObservationEnv, shared_memory=shared_memory) as m:
+        assert [i.current_result.observation.shape for i in m.reset()] == [(300, 300, 3)] * 2
+        got = {}
+        while len(got) < 2:
+            got.update({i.worker_id: i for i in m.step({w: 1 for w in m.idle_worker_ids if w not in got})})
+        assert all(int(i.current_result.observation[0, 0, 0]) == 1 for i in got.values())
+        blobs = m.call_on(None, lambda env: np.arange(1_000_000) + env.env_id)
+        assert [int(b[0]) for b in blobs] == [0, 1] and all(len(b) == 1_000_000 for b in blobs)
