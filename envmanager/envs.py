@@ -20,7 +20,7 @@ from gymnasium import spaces
 
 __all__ = ["ControlledEnv", "burn_cpu", "FAULTS"]
 
-FAULTS = ("raise", "raise_reset", "segfault", "exit", "sigkill", "hang", "grandchild")
+FAULTS = ("raise", "raise_reset", "segfault", "exit", "sigkill", "hang", "grandchild", "grandchild_session")
 
 
 def burn_cpu(seconds: float) -> None:
@@ -134,8 +134,9 @@ class ControlledEnv(gym.Env):
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "hang":
             time.sleep(3600)
-        if fault == "grandchild" and not self.children:
-            self.children.append(subprocess.Popen(["sleep", "3600"]))
+        if fault in ("grandchild", "grandchild_session") and not self.children:
+            # grandchild_session: in a session of its own, as mlagents starts Unity players.
+            self.children.append(subprocess.Popen(["sleep", "3600"], start_new_session=fault == "grandchild_session"))
 
     def render(self):
         return np.full((2, 2, 3), self.t % 256, dtype=np.uint8)

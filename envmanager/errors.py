@@ -85,17 +85,22 @@ class RestartLimitError(WorkerDiedError):
 
 
 class WorkerTimeoutError(EnvManagerError, TimeoutError):
-    """Workers did not answer before the deadline. ``worker_ids`` lists the late ones."""
+    """Workers did not answer before a deadline. ``worker_ids`` lists the late ones.
 
-    def __init__(self, worker_ids: list[int], timeout: float, what: str = "a result") -> None:
+    ``hung`` tells which deadline: the manager's per-answer ``timeout`` (the worker is
+    considered hung, and was killed or restarted), or, when ``False``, the caller's own wait,
+    after which the request is still in flight and a later wait may still get its answer.
+    """
+
+    def __init__(self, worker_ids: list[int], timeout: float, what: str = "a result", hung: bool = True) -> None:
         self.worker_ids = list(worker_ids)
         self.timeout = timeout
-        super().__init__(
-            f"worker(s) {self.worker_ids} did not deliver {what} within {timeout:g} s"
-        )
+        self.what = what
+        self.hung = hung
+        super().__init__(f"worker(s) {self.worker_ids} did not deliver {what} within {timeout:g} s")
 
     def __reduce__(self):
-        return (type(self), (self.worker_ids, self.timeout))
+        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung))
 
 
 class InvalidInputError(EnvManagerError, ValueError):

@@ -23,11 +23,11 @@ import cloudpickle
 import numpy as np
 from gymnasium import spaces
 
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerTimeoutError
 from envmanager.pool import Completion, WorkerPool, get_context, make_specs
-from envmanager.protocol import EnvFunction, EnvironmentCommand as Cmd, StepInfo, StepResult, StepTimings
+from envmanager.protocol import EnvFunction, EnvironmentCommand as Cmd, StepInfo, StepResult, StepTimings, encode_payload
 from envmanager.restart import RestartPolicy
-from envmanager.transport import SharedBuffers, check_value
+from envmanager.transport import SharedBuffers, array_layout, check_value
 from envmanager.worker import DISABLED, NEXT_STEP, SAME_STEP, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class SubprocessEnvManager:
         self._ready: list[StepInfo] = []  # finished steps, not yet returned
         self._step_errors: list[EnvManagerError] = []  # failed steps, not yet raised
         self._answers: dict[int, Completion] = {}  # finished resets and calls by worker index
+        self._resets_owed: set[int] = set()  # worker indices sent a reset not yet received
 
         n_procs = -(-n_env // envs_per_worker)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
@@ -136,6 +137,7 @@ class SubprocessEnvManager:
         self.metadata: dict[str, Any] = dict(info["metadata"] or {})
         self.render_mode: str | None = info["render_mode"]
         self.spec = info["spec"]
+        self._action_layout = array_layout(self.action_space)  # to check actions, shared or not
 
     # ------------------------------------------------------------------------------------------
     # State
@@ -228,7 +230,7 @@ class SubprocessEnvManager:
         pool = self.pool
         workers, slot_worker, slot_local = pool.workers, self._slot_worker, self._slot_local
         buffers = pool.buffers
-        layout = buffers.layout.action if buffers is not None else None
+        layout = self._action_layout
         by_worker: dict[int, list[int]] = {}
         for slot, action in actions.items():
             w = workers[slot_worker[slot]]
@@ -246,17 +248,23 @@ class SubprocessEnvManager:
                 raise InvalidInputError(f"action for worker {slot} {why}")
             by_worker.setdefault(w.index, []).append(slot)
         in_shm = buffers is not None and buffers.action is not None
+        outgoing = []
+        try:  # everything that can fail happens before the first send: nothing half-sent
+            for index, slots in by_worker.items():
+                if len(slots) > 1:
+                    slots.sort()
+                if in_shm:
+                    for slot in slots:
+                        SharedBuffers.write(buffers.action, slot, actions[slot])  # type: ignore[union-attr]
+                payload = ([slot_local[s] for s in slots], None if in_shm else [actions[s] for s in slots])
+                outgoing.append((workers[index], slots, encode_payload(payload)))
+        except Exception as exc:
+            raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         in_flight = self._in_flight
-        for index, slots in by_worker.items():
-            if len(slots) > 1:
-                slots.sort()
-            if in_shm:
-                for slot in slots:
-                    SharedBuffers.write(buffers.action, slot, actions[slot])  # type: ignore[union-attr]
-            payload = ([slot_local[s] for s in slots], None if in_shm else [actions[s] for s in slots])
+        for w, slots, payload in outgoing:
             for slot in slots:
                 in_flight[slot] = actions[slot]
-            pool.send(workers[index], Cmd.STEP, payload)
+            pool.send(w, Cmd.STEP, payload)
 
     def receive_steps(self, timeout: float | None = None, min_count: int = 1) -> list[StepInfo]:
         """Wait (bounded by ``timeout``, default the manager's) until ``min_count`` steps finished,
@@ -264,12 +272,13 @@ class SubprocessEnvManager:
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         pool = self.pool
+        self._absorb(pool.poll(0.0))
         while len(self._ready) < min_count and not self._step_errors:
             now = time.monotonic()
             if now >= deadline or not any(w.pending is not None and not w.closing for w in pool.workers):
                 busy = [w for w in pool.workers if w.busy and not w.closing]
                 if busy:
-                    raise _timeout([s for w in busy for s in w.env_ids], limit, "a step result")
+                    raise WorkerTimeoutError([s for w in busy for s in w.env_ids], limit, "a step result", hung=False)
                 failure = next((w.failure for w in pool.workers if w.failure), None)
                 if failure is not None:
                     raise failure
@@ -277,7 +286,6 @@ class SubprocessEnvManager:
                     break
                 raise InvalidInputError("no step is in flight: nothing can finish")
             self._absorb(pool.poll(deadline - now))
-        self._absorb(pool.poll(0.0))
         if self._step_errors:
             raise self._step_errors.pop(0)
         ready, self._ready = self._ready, []
@@ -288,7 +296,7 @@ class SubprocessEnvManager:
         for c in completions:
             if c.interrupted and c.cmd is Cmd.RESET:  # a restart answered a reset: for its caller
                 self._answers[c.worker.index] = c
-            elif c.interrupted or c.cmd is Cmd.STEP:
+            elif c.interrupted or c.cmd is Cmd.STEP or c.request is None:
                 if c.error is not None:
                     for slot in c.worker.env_ids:
                         self._in_flight.pop(slot, None)
@@ -359,18 +367,19 @@ class SubprocessEnvManager:
         workers = {pool.workers[self._slot_worker[s]].index for s in self._slots(worker_ids)}
         busy = [pool.workers[i] for i in sorted(workers) if pool.workers[i].busy]
         if busy:
-            self._absorb(pool.gather_quietly(busy, "the requests in flight", timeout))
+            pool.gather_quietly(busy, "the requests in flight", timeout, sink=self._absorb)
 
     def drop_in_flight(self, timeout: float | None = None) -> None:
         """Wait out every request in flight and drop the results, errors included."""
         pool = self.pool
         busy = [w for w in pool.workers if w.busy]
         if busy:
-            completions = pool.gather_quietly(busy, "the in-flight steps", timeout)
-            self._absorb([c for c in completions if c.cmd is not Cmd.STEP and not c.interrupted])
+            pool.gather_quietly(busy, "the in-flight steps", timeout, sink=self._absorb)
         self._ready.clear()
         self._step_errors.clear()
         self._in_flight.clear()
+        self._answers.clear()
+        self._resets_owed.clear()
 
     def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
         """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
@@ -382,11 +391,18 @@ class SubprocessEnvManager:
                 raise w.failure
             if w.busy:
                 raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
-            by_worker.setdefault(w.index, []).append((w.env_ids.index(slot), seed, options))
-        for index, items in by_worker.items():
-            pool.send(pool.workers[index], Cmd.RESET, items)
-            for local, _, _ in items:
-                self._in_flight.pop(pool.workers[index].env_ids[local], None)
+            by_worker.setdefault(w.index, []).append((self._slot_local[slot], seed, options))
+        try:
+            outgoing = [(index, encode_payload(items)) for index, items in by_worker.items()]
+        except Exception as exc:
+            raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
+        for index, payload in outgoing:
+            w = pool.workers[index]
+            for slot in w.env_ids:
+                self._in_flight.pop(slot, None)
+            self._answers.pop(index, None)
+            self._resets_owed.add(index)
+            pool.send(w, Cmd.RESET, payload)
 
     def receive_resets(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> list[StepInfo]:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight).
@@ -394,13 +410,14 @@ class SubprocessEnvManager:
         Answers that arrive before a timeout are kept, so a later call picks up where this
         one stopped. Returns StepInfos sorted by worker id.
         """
-        pool = self.pool
         if worker_ids is None:
-            busy = {w.index for w in pool.workers if w.busy and w.pending.cmd is Cmd.RESET}  # type: ignore[union-attr]
-            indices = busy | {i for i, c in self._answers.items() if c.cmd is Cmd.RESET}
+            indices = set(self._resets_owed)
         else:
-            indices = {self._slot_worker[s] for s in worker_ids}
+            indices = {self._slot_worker[s] for s in self._slots(worker_ids)}
+            if not indices <= self._resets_owed:
+                raise InvalidInputError(f"no reset was sent to worker(s) {sorted(worker_ids)}")
         completions = self._await_answers(indices, timeout, "a reset result")
+        self._resets_owed -= indices
         for c in completions:
             if c.error is not None:
                 for slot in c.worker.env_ids:
@@ -472,13 +489,20 @@ class SubprocessEnvManager:
         for w in workers:
             if w.failure is not None:
                 raise w.failure
+        try:  # everything that can fail happens before the first send: nothing half-sent
+            outgoing = [
+                (w, encode_payload(payload([self._slot_local[s] for s in by_worker[w.index]], by_worker[w.index])))
+                for w in workers
+            ]
+        except Exception as exc:
+            raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
         busy = [w for w in workers if w.busy]
         if busy:
-            self._absorb(pool.gather_quietly(busy, "the in-flight requests"))
-        for w in workers:
+            pool.gather_quietly(busy, "the in-flight requests", sink=self._absorb)
+        for w, data in outgoing:
+            w = pool.workers[w.index]  # the process may have been replaced meanwhile
             self._answers.pop(w.index, None)
-            own = by_worker[w.index]
-            pool.send(w, cmd, payload([w.env_ids.index(s) for s in own], own))
+            pool.send(w, cmd, data)
         return Request(cmd, slots, by_worker)
 
     def receive_request(self, request: Request, timeout: float | None = None) -> list[Any]:
@@ -495,11 +519,12 @@ class SubprocessEnvManager:
         pool = self.pool
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        self._absorb(pool.poll(0.0))
         while not indices <= self._answers.keys():
             now = time.monotonic()
             if now >= deadline:
                 late = [s for i in sorted(indices - self._answers.keys()) for s in pool.workers[i].env_ids]
-                raise _timeout(late, limit, what)
+                raise WorkerTimeoutError(late, limit, what, hung=False)
             self._absorb(pool.poll(deadline - now))
         return [self._answers.pop(i) for i in sorted(indices)]
 
@@ -532,12 +557,6 @@ class Request:
     cmd: Cmd
     slots: list[int]
     by_worker: dict[int, list[int]]
-
-
-def _timeout(worker_ids: list[int], limit: float, what: str) -> EnvManagerError:
-    from envmanager.errors import WorkerTimeoutError
-
-    return WorkerTimeoutError(worker_ids, limit, what)
 
 
 def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import pickle
 import select
 import multiprocessing as mp
 import os
@@ -23,7 +24,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
-from envmanager.protocol import ON_PIPE, EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException
+from envmanager.protocol import EnvironmentCommand as Cmd, EnvironmentRequest, RemoteException, encode_payload
 from envmanager.restart import RestartPolicy
 from envmanager.transport import SharedBuffers, StepQueue
 from envmanager.worker import WorkerProcess, WorkerSpec
@@ -82,8 +83,12 @@ class WorkerPool:
         resource_tracker.ensure_running()
         self.queue: StepQueue | None = StepQueue(ctx)
         self._atexit = _close_at_exit(self)
-        for spec in specs:
-            self.workers.append(self._start(spec))
+        try:
+            for spec in specs:
+                self.workers.append(self._start(spec))
+        except BaseException:  # out of processes or fds, say: end those already started
+            self.close(0.0)
+            raise
 
     def _start(self, spec: WorkerSpec) -> WorkerProcess:
         assert self.queue is not None
@@ -92,8 +97,8 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------------
     # Sending
 
-    def send(self, w: WorkerProcess, cmd: Cmd, payload: Any = None) -> None:
-        """Send one request to an idle worker."""
+    def send(self, w: WorkerProcess, cmd: Cmd, payload: bytes) -> None:
+        """Send one request (``payload`` pickled by ``encode_payload``) to an idle worker."""
         self._seq += 1
         try:
             w.send(cmd, self._seq, payload)
@@ -104,7 +109,7 @@ class WorkerPool:
     def attach_buffers(self, buffers: SharedBuffers) -> None:
         self.buffers = buffers
         for w in self.workers:
-            self.send(w, Cmd.ATTACH, buffers.layout)
+            self.send(w, Cmd.ATTACH, encode_payload(buffers.layout))
         self.gather(self.workers, "shared memory")
 
     # ------------------------------------------------------------------------------------------
@@ -144,20 +149,28 @@ class WorkerPool:
 
     def _drain(self, completions: list[Completion]) -> None:
         assert self.queue is not None
-        while (response := self.queue.get_nowait()) is not None:
+        while (got := self.queue.get_nowait()) is not None:
+            response, on_pipe = got
             received = time.monotonic()
             w = self.workers[response.worker_index]
             if response.cmd is Cmd.CLOSED or w.pending is None or response.seq != w.pending.seq:
-                continue  # a late answer to a request given up on, or a farewell
-            payload = response.payload
-            if payload == ON_PIPE:
+                continue  # a farewell, or the last words of a process already replaced
+            data = response.payload
+            if on_pipe:
                 try:
-                    payload = w.fetch_large_payload(self.timeout)
+                    data = w.fetch_large_payload(self.timeout)
                 except (EOFError, OSError, TimeoutError) as exc:
-                    error = WorkerDiedError(w.env_ids[0], w.wait_exitcode(), f": {exc!r}")
+                    error = WorkerDiedError(w.env_ids[0], w.wait_exitcode(), f" while sending its answer: {exc!r}")
                     self._on_failure(w, error, completions)
                     continue
             request, w.pending = w.pending, None
+            try:
+                payload = pickle.loads(data)
+            except Exception as exc:  # e.g. a class the parent cannot import
+                what = f"its answer to {request.cmd.name} could not be unpickled here: {exc!r}"
+                error = WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc)
+                completions.append(Completion(w, request, None, error))
+                continue
             if response.cmd is Cmd.ENV_EXITED:
                 if request.cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):  # the env is fine
                     completions.append(Completion(w, request, None, _worker_error(payload)))
@@ -212,21 +225,22 @@ class WorkerPool:
         return ordered
 
     def gather_quietly(
-        self, workers: Iterable[WorkerProcess], what: str, timeout: float | None = None
-    ) -> list[Completion]:
-        """Wait until ``workers`` have nothing in flight; return every completion seen meanwhile,
-        errors included (not raised). Past ``timeout``: ``WorkerTimeoutError``."""
+        self, workers: Iterable[WorkerProcess], what: str, timeout: float | None = None,
+        sink: Callable[[list[Completion]], None] = lambda completions: None,
+    ) -> None:
+        """Wait until ``workers`` have nothing in flight, handing every completion to ``sink``
+        as it comes (errors included, not raised), so none is lost to a timeout. Past
+        ``timeout``: ``WorkerTimeoutError``."""
         indices = {w.index for w in workers}
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        seen: list[Completion] = []
+        sink(self.poll(0.0))
         while any(self.workers[i].busy for i in indices):
             now = time.monotonic()
             if now >= deadline:
                 late = [s for i in sorted(indices) if self.workers[i].busy for s in self.workers[i].env_ids]
-                raise WorkerTimeoutError(late, limit, what)
-            seen += self.poll(deadline - now)
-        return seen
+                raise WorkerTimeoutError(late, limit, what, hung=False)
+            sink(self.poll(deadline - now))
 
     # ------------------------------------------------------------------------------------------
     # Failures and restarts
@@ -238,42 +252,52 @@ class WorkerPool:
         """Restart ``w`` if the policy allows; otherwise report ``error`` for its request."""
         request = request or w.pending
         w.pending = None
+        if w.booting:  # a restart failed on its way up: what it was answering is what failed
+            request = w.lost_request
         refusal = self.restart_policy.refusal(w.index)
-        if refusal is not None or self.queue is None:
-            if self.restart_policy.enabled and refusal is not None:
-                error = RestartLimitError(w.env_ids[0], refusal, error)
-            if isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive():
-                w.failure = error  # the process is gone or stuck for good
-                w.kill()
-            completions.append(Completion(w, request, None, error))
+        if refusal is None and self.queue is not None:
+            self._restart(w, request, error, completions)
             return
-        logger.warning("restarting worker %d after: %s", w.index, str(error).splitlines()[0])
+        if self.restart_policy.enabled and refusal is not None:
+            error = RestartLimitError(w.env_ids[0], refusal, error)
+        if isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.booting:
+            w.failure = error  # the process is gone or stuck for good
+            w.kill()
+        completions.append(Completion(w, request, None, error))
+
+    def _restart(
+        self, w: WorkerProcess, request: EnvironmentRequest | None, error: EnvManagerError,
+        completions: list[Completion],
+    ) -> None:
+        """Replace ``w`` by a new process and plan how it comes back (see ``_advance_boot``)."""
+        logger.warning("restarting worker %d after: %s", w.index, error)
         self.restart_policy.record(w.index)
         w.kill()
         new = self._start(w.spec)
-        if request is not None and request.cmd in (Cmd.READY, Cmd.ATTACH) and not w.booting:
-            # Failed while the pool was starting: the new process answers the startup instead.
-            new.boot = [(Cmd.ATTACH, self.buffers.layout)] if request.cmd is Cmd.ATTACH and self.buffers else []
-            new.lost_request, new.resumes_startup = request, True
-            self.workers[w.index] = new
-            return
-        everyone = list(range(len(w.env_ids)))
-        new.boot = [(Cmd.ATTACH, self.buffers.layout)] if self.buffers else []
-        new.boot += [(Cmd.CALL, (everyone, n, a, k)) for n, a, k in self.replay_calls]
-        if request is not None and request.cmd is Cmd.RESET:  # keep the seeds and options asked for
-            new.boot.append((Cmd.RESET, request.payload))
-        else:
-            new.boot.append((Cmd.RESET, [(i, None, None) for i in everyone]))
-        if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET):
-            new.lost_request = request  # answered by the interrupted reset
-        else:
-            new.lost_request = w.lost_request
-            if request is not None and request.cmd not in (Cmd.READY, Cmd.ATTACH):
-                completions.append(Completion(w, request, None, error))  # a call: its caller must know
         self.workers[w.index] = new
+        attach = [(Cmd.ATTACH, encode_payload(self.buffers.layout))] if self.buffers else []
+        if w.booting:  # it failed again while coming back: the same way up, from the start
+            plan, lost, resumes = w.boot_plan, w.lost_request, w.resumes_startup
+        elif request is not None and request.cmd in (Cmd.READY, Cmd.ATTACH):
+            # Failed while the pool was starting: the new process answers the startup instead.
+            plan, lost, resumes = (attach if request.cmd is Cmd.ATTACH else []), request, True
+        else:
+            everyone = list(range(len(w.env_ids)))
+            replays = [(Cmd.CALL, encode_payload((everyone, n, a, k))) for n, a, k in self.replay_calls]
+            if request is not None and request.cmd is Cmd.RESET:  # keep the seeds and options asked for
+                reset = request.payload
+            else:
+                reset = encode_payload([(i, None, None) for i in everyone])
+            plan, resumes = [*attach, *replays, (Cmd.RESET, reset)], False
+            # A step or reset is answered by the fresh reset (``interrupted``); a call is not.
+            lost = request if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET) else None
+            if request is not None and lost is None:
+                completions.append(Completion(w, request, None, error))  # its caller must know
+        new.boot_plan, new.boot = plan, list(plan)
+        new.lost_request, new.resumes_startup = lost, resumes
 
     def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
-        """Take a restarted worker through attach → replayed calls → reset."""
+        """Take a restarted worker through attach → replayed calls → reset (or startup)."""
         if w.boot:
             cmd, payload = w.boot.pop(0)
             self.send(w, cmd, payload)
@@ -287,27 +311,40 @@ class WorkerPool:
     # Lifetime
 
     def close(self, timeout: float = 10.0) -> None:
-        """End every worker (politely, then by force) and free shared memory. Idempotent."""
+        """End every worker (politely, then by force) and free shared memory. Idempotent.
+
+        Idle workers are asked to close their envs and get ``timeout`` seconds for it; a worker
+        still busy with a step is interrupted at once (SIGTERM, it still closes its envs).
+        Stragglers are killed with every process they started, and all are reaped.
+        """
         workers, self.workers = self.workers, []
-        for w in workers:
-            w.request_close()
-        deadline = time.monotonic() + timeout
-        while any(w.alive() for w in workers) and time.monotonic() < deadline:
-            if self.queue is not None:  # keep the queue flowing so no worker blocks on it
-                while self.queue.get_nowait() is not None:
-                    pass
-            wait_for_ready([w.sentinel for w in workers if w.alive()], 0.05)
-        for w in workers:
-            w.stop(0.0) if w.alive() else w.kill()
-        if self.buffers is not None:
-            self.buffers.close()
-            self.buffers = None
-        if self.queue is not None:
-            self.queue.close()
-            self.queue = None
-        if self._atexit is not None:
-            atexit.unregister(self._atexit)
-            self._atexit = None
+        try:
+            for w in workers:
+                busy = w.busy
+                w.request_close()
+                if busy and w.alive():  # it would read CLOSE only after its step
+                    w.process.terminate()
+            deadline = time.monotonic() + timeout
+            while any(w.alive() for w in workers) and time.monotonic() < deadline:
+                if self.queue is not None:  # keep the queue flowing so no worker blocks on it
+                    while self.queue.get_nowait() is not None:
+                        pass
+                wait_for_ready([w.sentinel for w in workers if w.alive()], 0.05)
+            late = [w.index for w in workers if w.alive()]
+            if late and timeout > 0:
+                logger.warning("worker(s) %s did not close within %.1f s; terminating them", late, timeout)
+        finally:
+            for w in workers:
+                w.stop(0.0) if w.alive() else w.kill()
+            if self.buffers is not None:
+                self.buffers.close()
+                self.buffers = None
+            if self.queue is not None:
+                self.queue.close()
+                self.queue = None
+            if self._atexit is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
 
 
 def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:

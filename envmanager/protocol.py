@@ -8,6 +8,8 @@ Observations, rewards and actions travel in shared memory when their spaces allo
 from __future__ import annotations
 
 import enum
+import pickle
+import struct
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -54,8 +56,7 @@ class EnvironmentRequest(NamedTuple):
 class EnvironmentResponse(NamedTuple):
     """A worker's answer. ``worker_index`` is the process index, ``seq`` the request's number.
 
-    ``payload`` is ``ON_PIPE`` when the answer was too big for the shared step queue and waits
-    on the worker's own pipe instead.
+    An answer too big for one notice on the shared step queue travels on the worker's own pipe.
     """
 
     cmd: EnvironmentCommand
@@ -65,27 +66,40 @@ class EnvironmentResponse(NamedTuple):
     sent_at: float = 0.0
 
 
-ON_PIPE = "__envmanager_payload_on_pipe__"
-
-# On the wire, requests and responses travel as plain tuples with the command's number: that
-# pickles several times faster than a named tuple holding an enum member.
+# On the wire, a message is a fixed binary header followed by its pickled payload. The header
+# always decodes, so a payload that fails to pickle or unpickle becomes an error that names the
+# request and the worker, and the header costs a struct, not a pickle.
+REQUEST_HEADER = struct.Struct("<Bq")  # cmd, seq
+NOTICE_HEADER = struct.Struct("<Biqd?")  # cmd, worker_index, seq, sent_at, payload on own pipe
 _COMMANDS = {cmd.value: cmd for cmd in EnvironmentCommand}
 
 
-def request_to_wire(request: EnvironmentRequest) -> tuple:
-    return (request.cmd.value, request.seq, request.payload)
+def encode_payload(payload: Any) -> bytes:
+    return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def request_from_wire(wire: tuple) -> EnvironmentRequest:
-    return EnvironmentRequest(_COMMANDS[wire[0]], wire[1], wire[2])
+def encode_request(cmd: EnvironmentCommand, seq: int, payload: bytes) -> bytes:
+    return REQUEST_HEADER.pack(cmd.value, seq) + payload
 
 
-def response_to_wire(response: EnvironmentResponse) -> tuple:
-    return (response.cmd.value, response.worker_index, response.seq, response.payload, response.sent_at)
+def decode_request_header(data: bytes) -> tuple[EnvironmentCommand, int]:
+    cmd, seq = REQUEST_HEADER.unpack_from(data)
+    return _COMMANDS[cmd], seq
 
 
-def response_from_wire(wire: tuple) -> EnvironmentResponse:
-    return EnvironmentResponse(_COMMANDS[wire[0]], wire[1], wire[2], wire[3], wire[4])
+def request_payload(data: bytes) -> Any:
+    return pickle.loads(memoryview(data)[REQUEST_HEADER.size :])
+
+
+def encode_notice(cmd: EnvironmentCommand, worker_index: int, seq: int, sent_at: float, on_pipe: bool) -> bytes:
+    return NOTICE_HEADER.pack(cmd.value, worker_index, seq, sent_at, on_pipe)
+
+
+def decode_notice(data: bytes) -> tuple[EnvironmentResponse, bool]:
+    """The notice as a response whose payload is still pickled bytes, and whether the payload
+    waits on the worker's own pipe instead."""
+    cmd, index, seq, sent_at, on_pipe = NOTICE_HEADER.unpack_from(data)
+    return EnvironmentResponse(_COMMANDS[cmd], index, seq, memoryview(data)[NOTICE_HEADER.size :], sent_at), on_pipe
 
 
 class EnvFunction(bytes):

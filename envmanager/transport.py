@@ -16,10 +16,12 @@ Two pieces, used by both the parent and the workers:
 from __future__ import annotations
 
 import fcntl
+import math
 import os
-import pickle
 import select
 import secrets
+import struct
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
@@ -28,9 +30,9 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from envmanager.protocol import ON_PIPE, EnvironmentResponse, response_from_wire, response_to_wire
+from envmanager.protocol import NOTICE_HEADER, EnvironmentResponse, decode_notice
 
-__all__ = ["StepQueue", "SharedBuffers", "BufferLayout", "array_layout"]
+__all__ = ["StepQueue", "SharedBuffers", "BufferLayout", "array_layout", "check_value", "read_message"]
 
 # Largest pickled notice that still goes out in one atomic write (4-byte length header included).
 MAX_NOTICE_BYTES = select.PIPE_BUF - 4
@@ -51,23 +53,29 @@ class StepQueue:
 
     # -- worker side ------------------------------------------------------------------------
     @staticmethod
-    def post(writer: Connection, own_pipe: Connection, response: EnvironmentResponse) -> None:
-        """Post ``response``; route a large payload over the worker's own pipe."""
-        data = pickle.dumps(response_to_wire(response), protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) <= MAX_NOTICE_BYTES:
-            writer.send_bytes(data)
+    def post(writer: Connection, own_pipe: Connection, notice: bytes, payload: bytes) -> None:
+        """Post ``notice`` (an ``encode_notice`` header) with its pickled ``payload``; a
+        payload too big for one atomic notice goes over the worker's own pipe."""
+        if len(notice) + len(payload) <= MAX_NOTICE_BYTES:
+            writer.send_bytes(notice + payload)
             return
         # The notice first: the parent reads the payload only once it knows it is coming, and a
         # payload larger than the pipe's buffer can only be written while the parent reads it.
-        writer.send_bytes(pickle.dumps(response_to_wire(response._replace(payload=ON_PIPE)), pickle.HIGHEST_PROTOCOL))
-        own_pipe.send_bytes(data)
+        cmd, index, seq, sent_at, _ = NOTICE_HEADER.unpack(notice)
+        writer.send_bytes(NOTICE_HEADER.pack(cmd, index, seq, sent_at, True))
+        own_pipe.send_bytes(payload)
 
     # -- parent side ------------------------------------------------------------------------
-    def get_nowait(self) -> EnvironmentResponse | None:
-        """The next notice, or ``None`` if the queue is empty right now."""
+    def ready(self) -> bool:
+        """Whether a notice is waiting (without blocking)."""
+        return bool(self._ready.poll(0))
+
+    def get_nowait(self) -> tuple[EnvironmentResponse, bool] | None:
+        """The next notice (payload still pickled) and whether its payload is on the worker's
+        own pipe; ``None`` if the queue is empty right now."""
         if not self._ready.poll(0):
             return None
-        return response_from_wire(pickle.loads(self.reader.recv_bytes()))
+        return decode_notice(self.reader.recv_bytes())
 
     def close(self) -> None:
         self.reader.close()
@@ -261,3 +269,38 @@ def check_value(tree: Any, value: Any) -> str | None:
         if why:
             return f"[{n}] {why}"
     return None
+
+
+def read_message(conn: Connection, deadline: float, sentinel: int) -> bytes:
+    """One ``send_bytes`` message from ``conn``, read before ``deadline`` (``time.monotonic``).
+
+    ``Connection.recv_bytes`` would block with no bound once a message has begun; this raises
+    ``TimeoutError`` past the deadline and ``EOFError`` once the writer is gone (``sentinel``,
+    its process, has ended and nothing more is buffered).
+    """
+    fd = conn.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(sentinel, select.POLLIN)
+
+    def read_exact(n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("a message from the worker did not arrive in time")
+            events = dict(poller.poll(max(1, math.ceil(left * 1000))))
+            if fd in events:
+                chunk = os.read(fd, min(n - got, 1 << 20))
+                if not chunk:
+                    raise EOFError("the worker's pipe closed mid-message")
+                chunks.append(chunk)
+                got += len(chunk)
+            elif sentinel in events:
+                raise EOFError("the worker ended mid-message")
+        return b"".join(chunks)
+
+    (size,) = struct.unpack("!i", read_exact(4))
+    if size == -1:  # multiprocessing's header for messages over 2 GiB
+        (size,) = struct.unpack("!Q", read_exact(8))
+    return read_exact(size)

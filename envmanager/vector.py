@@ -153,7 +153,8 @@ class AsyncVectorEnv(VectorEnv):
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
         self._finished = np.zeros(self.num_envs, dtype=np.bool_)  # for DISABLED: needs a reset
         self._state = AsyncState.DEFAULT
-        self._reset_ids: list[int] = []
+        self._reset_waves: list[dict[int, tuple]] = []  # resets still to send (max_concurrency)
+        self._reset_results: list[StepInfo] = []
         self._results: dict[int, StepInfo] = {}  # step results collected so far
         self._queued: dict[int, Any] = {}  # actions waiting for a free slot (max_concurrency)
         self._call: Any = None
@@ -211,16 +212,25 @@ class AsyncVectorEnv(VectorEnv):
             self._outstanding.clear()
             self._received.clear()
         ids = [i for i in range(self.num_envs) if mask[i]]
-        manager.send_reset({i: (seed[i], options) for i in ids})
-        self._reset_ids = ids
+        limit = self.max_concurrency or self.num_envs
+        # With max_concurrency, envs reset in waves of that many.
+        self._reset_waves = [{i: (seed[i], options) for i in ids[k : k + limit]} for k in range(0, len(ids), limit)]
+        self._reset_results = []
+        manager.send_reset(self._reset_waves[0])
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None):
         manager = self._running()
         if self._state != AsyncState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", AsyncState.WAITING_RESET.value)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._waiting("reset_wait", timeout):
-            results = manager.receive_resets(self._reset_ids, timeout)
+            while self._reset_waves:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._reset_results += manager.receive_resets(list(self._reset_waves.pop(0)), left)
+                if self._reset_waves:
+                    manager.send_reset(self._reset_waves[0])
+        results, self._reset_results = self._reset_results, []
         self._state = AsyncState.DEFAULT
         infos: dict[str, Any] = {}
         for info in results:
@@ -256,12 +266,27 @@ class AsyncVectorEnv(VectorEnv):
                 f"env(s) {np.flatnonzero(self._finished).tolist()} finished their episode; with "
                 "autoreset_mode=DISABLED reset them (options={'reset_mask': ...}) before stepping"
             )
-        limit = self.max_concurrency or self.num_envs
-        now = dict(list(enumerate(per_env))[:limit])
-        manager.send_step(now)
-        self._queued = {i: a for i, a in enumerate(per_env) if i not in now}
+        self._queued = dict(enumerate(per_env))
         self._results = {}
+        self._send_queued(manager)
         self._state = AsyncState.WAITING_STEP
+
+    def _send_queued(self, manager: SubprocessEnvManager) -> None:
+        """Send queued steps, keeping at most ``max_concurrency`` envs stepping at once."""
+        limit = self.max_concurrency or self.num_envs
+        room = limit - (self.num_envs - len(self._queued) - len(self._results))
+        if room <= 0:
+            return
+        idle = set(manager.idle_worker_ids)
+        batch = {}
+        for i, action in self._queued.items():
+            if len(batch) == room:
+                break
+            if i in idle:  # its process is free (a neighbour env may still be stepping)
+                batch[i] = action
+        manager.send_step(batch)
+        for i in batch:
+            del self._queued[i]
 
     def step_wait(self, timeout: float | None = None):
         manager = self._running()
@@ -274,11 +299,7 @@ class AsyncVectorEnv(VectorEnv):
                 for info in manager.receive_steps(left):
                     self._results[info.worker_id] = info
                 if self._queued:  # max_concurrency: start queued envs as others finish
-                    free = min(len(manager.idle_worker_ids), len(self._queued))
-                    batch = dict(list(self._queued.items())[:free])
-                    manager.send_step(batch)
-                    for i in batch:
-                        del self._queued[i]
+                    self._send_queued(manager)
         self._state = AsyncState.DEFAULT
         results = [self._results[i].current_result for i in range(self.num_envs)]
         self._results = {}
@@ -295,7 +316,7 @@ class AsyncVectorEnv(VectorEnv):
         try:
             yield
         except WorkerTimeoutError as exc:
-            if timeout is None:  # a worker missed its own deadline: nothing more will come
+            if exc.hung or timeout is None:  # a worker missed its own deadline: nothing more comes
                 self._abandon()
                 raise
             raise multiprocessing.TimeoutError(f"The call to `{what}` has timed out after {timeout} second(s).") from exc
@@ -311,6 +332,7 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._results, self._queued = {}, {}
+        self._reset_waves, self._reset_results = [], []
         self._outstanding.clear()
         self._received.clear()
         self._state = AsyncState.DEFAULT

@@ -31,13 +31,14 @@ from envmanager.protocol import (
     EnvFunction,
     EnvironmentCommand as Cmd,
     EnvironmentRequest,
-    EnvironmentResponse,
     RemoteException,
-    request_from_wire,
-    request_to_wire,
-    response_from_wire,
+    decode_request_header,
+    encode_notice,
+    encode_payload,
+    encode_request,
+    request_payload,
 )
-from envmanager.transport import SharedBuffers, StepQueue
+from envmanager.transport import SharedBuffers, StepQueue, read_message
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +67,20 @@ class WorkerEnvs:
     """The environments of one worker process, with gymnasium's autoreset rules."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        factory: Callable[[int], Any] = cloudpickle.loads(spec.factory)
+        self.spec = spec
         self.env_ids = spec.env_ids
         self.autoreset_mode = spec.autoreset_mode
         self.envs: list[Any] = []
-        for env_id in spec.env_ids:
+        self.autoreset = [False] * len(spec.env_ids)
+        self.buffers: SharedBuffers | None = None
+        self.current = spec.env_ids[0]  # the env being worked on, so an exception can name it
+
+    def build(self) -> None:
+        """Make the envs with the user's factory (``close`` closes those already made)."""
+        factory: Callable[[int], Any] = cloudpickle.loads(self.spec.factory)
+        for env_id in self.env_ids:
             self.current = env_id
             self.envs.append(factory(env_id))
-        self.autoreset = [False] * len(self.envs)
-        self.buffers: SharedBuffers | None = None
-
-    current = -1  # the env being worked on, so an exception can name it
 
     def describe(self) -> dict[str, Any]:
         env = self.envs[0]
@@ -243,19 +247,20 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
         target=_watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True
     ).start()
 
-    def post(cmd: Cmd, seq: int, payload: Any = None) -> None:
-        StepQueue.post(
-            queue_writer, conn, EnvironmentResponse(cmd, spec.index, seq, payload, time.monotonic())
-        )
+    def post(cmd: Cmd, seq: int, payload: bytes) -> None:
+        notice = encode_notice(cmd, spec.index, seq, time.monotonic(), False)
+        StepQueue.post(queue_writer, conn, notice, payload)
 
     envs: WorkerEnvs | None = None
     try:
+        envs = WorkerEnvs(spec)
         try:
-            envs = WorkerEnvs(spec)
+            envs.build()
+            description = encode_payload(envs.describe())
         except Exception as exc:
-            post(Cmd.ENV_EXITED, 0, remote_exception(spec.env_ids[0], exc))
+            post(Cmd.ENV_EXITED, 0, encode_payload(remote_exception(envs.current, exc)))
             return
-        post(Cmd.READY, 0, envs.describe())
+        post(Cmd.READY, 0, description)
         incoming = select.poll()
         incoming.register(conn.fileno(), select.POLLIN)
         spin = spec.spin_s
@@ -264,22 +269,25 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
                 until = time.perf_counter() + spin
                 while not incoming.poll(0) and time.perf_counter() < until:
                     pass
-            request = request_from_wire(conn.recv())
-            if request.cmd is Cmd.CLOSE:
+            data = conn.recv_bytes()
+            cmd, seq = decode_request_header(data)
+            if cmd is Cmd.CLOSE:
                 break
+            # Everything that can fail on a request's account — unpickling it, running it,
+            # pickling the answer — becomes an ENV_EXITED answer, never the worker's death.
             try:
-                payload = envs.handle(request)
+                answer = envs.handle(EnvironmentRequest(cmd, seq, request_payload(data)))
+                reply, payload = cmd, encode_payload(answer)
             except Exception as exc:
-                post(Cmd.ENV_EXITED, request.seq, remote_exception(envs.current, exc))
-            else:
-                post(request.cmd, request.seq, payload)
+                reply, payload = Cmd.ENV_EXITED, encode_payload(remote_exception(envs.current, exc))
+            post(reply, seq, payload)
     except (KeyboardInterrupt, SystemExit, EOFError, BrokenPipeError):
         pass  # parent gone or asked us to stop: fall through to cleanup
     finally:
         if envs is not None:
             envs.close()
         try:
-            post(Cmd.CLOSED, -1)
+            post(Cmd.CLOSED, -1, b"")
         except Exception:
             pass
 
@@ -309,7 +317,8 @@ class WorkerProcess:
         self.sent_at = time.monotonic()
         self.closing = False  # set once we asked it to stop: its exit is then expected
         self.failure: Exception | None = None  # set when it died or hung for good
-        self.boot: list[tuple[Cmd, Any]] | None = None  # requests left to bring a restart up
+        self.boot: list[tuple[Cmd, bytes]] | None = None  # requests left to bring a restart up
+        self.boot_plan: list[tuple[Cmd, bytes]] = []  # all of them, should it fail on the way
         self.lost_request: EnvironmentRequest | None = None  # what a restart interrupted
         self.resumes_startup = False  # a restart during startup: answer the startup request
         self.reaped = False  # process joined and its handle released
@@ -328,26 +337,25 @@ class WorkerProcess:
     def sentinel(self) -> int:
         return self.process.sentinel
 
-    def send(self, cmd: Cmd, seq: int, payload: Any = None) -> None:
-        """Send one request; the worker must be idle (one request in flight at most).
+    def send(self, cmd: Cmd, seq: int, payload: bytes) -> None:
+        """Send one request (``payload`` already pickled); the worker must be idle.
 
-        ``seq`` comes from the manager's counter, unique across restarts, so an answer from a
+        ``seq`` comes from the pool's counter, unique across restarts, so an answer from a
         replaced process can never be taken for an answer to a newer request.
         """
         assert self.pending is None, f"worker {self.index} already has a request in flight"
         request = EnvironmentRequest(cmd, seq, payload)
         self.sent_at = time.monotonic()
         try:
-            self.conn.send(request_to_wire(request))
+            self.conn.send_bytes(encode_request(cmd, seq, payload))
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
             raise WorkerDiedError(self.index, self.process.exitcode, f": {exc!r}") from None
         self.pending = request
 
-    def fetch_large_payload(self, timeout: float) -> Any:
-        """Read an answer that came over this worker's own pipe (announced on the queue)."""
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"worker {self.index}: announced payload did not arrive")
-        return response_from_wire(pickle.loads(self.conn.recv_bytes())).payload
+    def fetch_large_payload(self, timeout: float) -> bytes:
+        """Read an answer's payload that came over this worker's own pipe (announced on the
+        queue), within ``timeout``; ``EOFError`` if the worker dies meanwhile."""
+        return read_message(self.conn, time.monotonic() + timeout, self.process.sentinel)
 
     def wait_exitcode(self, timeout: float = 2.0) -> int | None:
         """The exit code of a process that is ending (a core dump can delay it a little)."""
@@ -364,35 +372,43 @@ class WorkerProcess:
         self.closing = True
         if self.alive():
             try:
-                self.conn.send(request_to_wire(EnvironmentRequest(Cmd.CLOSE, -1)))
+                self.conn.send_bytes(encode_request(Cmd.CLOSE, -1, b""))
             except OSError:  # already gone
                 pass
 
     def stop(self, timeout: float) -> None:
-        """Ask the worker to close, then escalate to SIGTERM and SIGKILL (with its group)."""
+        """Ask the worker to close, then escalate to SIGTERM and SIGKILL (with its children)."""
         self.request_close()
         deadline = time.monotonic() + timeout
         if self.alive():
             self.process.join(max(0.0, deadline - time.monotonic()))
         if self.alive():
-            logger.warning("worker %d did not close in %.1f s; terminating", self.index, timeout)
-            self.process.terminate()
+            log = logger.warning if timeout > 0 else logger.debug
+            log("worker %d did not close in %.1f s; terminating it", self.index, timeout)
+            self.process.terminate()  # SIGTERM: the worker still closes its envs on the way out
             self.process.join(min(1.0, max(0.1, deadline - time.monotonic())))
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the worker and anything left in its process group; reap it."""
+        """SIGKILL the worker and every process it started (even in another session, as
+        mlagents starts Unity players); reap it."""
         self.closing = True
         if self.reaped:
             return
         pid = self.pid
+        family = descendants(pid) if pid is not None and self.process.is_alive() else []
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
+        for child in family:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if pid is not None:
             try:
-                os.killpg(pid, signal.SIGKILL)  # grandchildren it left behind
+                os.killpg(pid, signal.SIGKILL)  # anything left in its process group
             except (ProcessLookupError, PermissionError):
                 pass
         try:
@@ -402,3 +418,29 @@ class WorkerProcess:
         if self.exitcode is not None:
             self.process.close()  # releases the sentinel fd now, not at garbage collection
             self.reaped = True
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from ``/proc`` (Linux);
+    ``[]`` where there is no ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # fields after "(comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

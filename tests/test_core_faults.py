@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -334,3 +335,89 @@ def test_wait_idle_after_an_idle_worker_was_restarted():
 def test_call_on_runs_a_function_on_the_env():
     with SubprocessEnvManager(EnvFactory(), 3, timeout=30, envs_per_worker=2) as m:
         assert m.call_on([2, 0], lambda env, k: env.env_id * k, (10,)) == [20, 0]
+
+
+def test_hung_worker_is_killed_with_the_processes_it_started(tmp_path):
+    gate = str(tmp_path / "never")
+    factory = EnvFactory(per_env={0: {"fault": "grandchild_session", "fault_at": 1, "gate": gate}})
+    with SubprocessEnvManager(factory, 2, timeout=2.0) as m:
+        m.reset()
+        worker = psutil.Process(m.worker_of(0).pid)
+        m.send_step({0: 1, 1: 1})
+        deadline = time.monotonic() + 10
+        while not worker.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (player,) = worker.children()  # started in a session of its own
+        with pytest.raises(WorkerTimeoutError):
+            step_until_error(m)
+        psutil.wait_procs([player], timeout=5)
+        assert not player.is_running() or player.status() == psutil.STATUS_ZOMBIE
+
+
+def _unloadable():
+    raise ImportError("this class only exists in the parent")
+
+
+class Unloadable:
+    """Pickles fine, but cannot be unpickled (as a class the other side cannot import)."""
+
+    def __reduce__(self):
+        return (_unloadable, ())
+
+
+def test_an_answer_that_cannot_be_pickled_is_an_error_not_a_death():
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=30) as m:
+        with pytest.raises(WorkerError, match="pickle") as caught:
+            m.call_on([1], lambda env: threading.Lock())
+        assert caught.value.worker_id == 1
+        assert [w.alive() for w in m.workers] == [True, True]
+        assert m.get_attr("env_id") == [0, 1]
+
+
+def test_a_request_the_worker_cannot_unpickle_is_an_error_not_a_death():
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=30) as m:
+        with pytest.raises(WorkerError, match="only exists in the parent"):
+            m.set_attr("config", Unloadable())
+        assert [w.alive() for w in m.workers] == [True, True]
+        assert m.get_attr("env_id") == [0, 1]
+
+
+def test_an_answer_the_parent_cannot_unpickle_names_the_worker():
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=30) as m:
+        with pytest.raises(WorkerError, match="could not be unpickled") as caught:
+            m.call_on([1], lambda env: Unloadable())
+        assert caught.value.worker_id == 1
+        assert m.get_attr("env_id") == [0, 1]
+
+
+def test_a_wait_that_times_out_loses_no_result(tmp_path):
+    gate = str(tmp_path / "open")
+    with SubprocessEnvManager(EnvFactory(per_env={1: {"gate": gate}}), 2, timeout=30) as m:
+        m.reset()
+        m.send_step({0: 1, 1: 1})
+        with pytest.raises(WorkerTimeoutError) as caught:
+            m.wait_idle(timeout=0.3)
+        assert caught.value.hung is False and caught.value.worker_ids == [1]
+        open(gate, "w").close()
+        got = m.receive_steps(min_count=2)
+        assert sorted(i.worker_id for i in got) == [0, 1]
+
+
+def test_a_reset_that_timed_out_is_not_returned_by_the_next_one(tmp_path):
+    gate = str(tmp_path / "open")
+
+    class SlowFirstReset(ControlledEnv):
+        def reset(self, *, seed=None, options=None):
+            if self.env_id == 1 and self.resets == 0:
+                self.gate = gate
+                self._wait()
+                self.gate = None
+            return super().reset(seed=seed, options=options)
+
+    with SubprocessEnvManager(lambda i: SlowFirstReset(i), 2, timeout=30) as m:
+        with pytest.raises(WorkerTimeoutError):
+            m.reset(seed=100, timeout=0.3)
+        open(gate, "w").close()
+        infos = m.reset(seed=200)
+        assert [i.current_result.info["seed"] for i in infos] == [200, 201]
+        assert m.waiting_worker_ids == []

@@ -301,3 +301,29 @@ def test_answers_larger_than_a_pipe_buffer(shared_memory):
         assert all(int(i.current_result.observation[0, 0, 0]) == 1 for i in got.values())
         blobs = m.call_on(None, lambda env: np.arange(1_000_000) + env.env_id)
         assert [int(b[0]) for b in blobs] == [0, 1] and all(len(b) == 1_000_000 for b in blobs)
+
+
+def test_actions_that_cannot_be_converted_are_rejected_before_sending():
+    with make_manager(2) as m:
+        m.reset()
+        with pytest.raises(InvalidInputError, match="cannot be sent"):
+            m.step({0: 1, 1: None})
+        assert m.waiting_worker_ids == []
+        with pytest.raises(InvalidInputError):
+            m.set_attr("tag", [1, lambda: 2])
+        assert total_steps(m) == [0, 0] and m.get_attr("env_id") == [0, 1]
+
+
+def test_results_already_in_are_returned_with_a_zero_timeout():
+    with make_manager(2) as m:
+        m.reset()
+        m.send_step({0: 1, 1: 1})
+        m.wait_idle()
+        assert sorted(i.worker_id for i in m.receive_steps(timeout=0)) == [0, 1]
+
+
+def test_actions_are_checked_without_shared_memory_too():
+    with make_manager(1, shared_memory=False) as m:
+        m.reset()
+        with pytest.raises(InvalidInputError, match="shape"):
+            m.step({0: [1, 2, 3]})

@@ -402,6 +402,14 @@ def test_envs_per_worker_equals_sync(make_async, make_sync, mode, shared_memory)
     assert len(worker_children(grace=0)) == 2  # 4 envs, 2 per worker process
 
 
+@pytest.mark.ours_only
+@pytest.mark.parametrize("limit", [1, 3])
+def test_max_concurrency_with_envs_per_worker_equals_sync(make_async, make_sync, limit):
+    fns = env_fns(4)
+    vec = make_async(fns, envs_per_worker=2, max_concurrency=limit)
+    run_lockstep(vec, make_sync(fns), steps=30)
+
+
 class Pool:
     """Bookkeeping around send/recv: which envs are in flight, which action each was sent."""
 
