@@ -13,24 +13,23 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import pickle
 import time
 
-from envmanager.protocol import EnvironmentCommand, EnvironmentResponse, response_to_wire
+from envmanager.protocol import EnvironmentCommand, encode_notice, encode_payload
 from envmanager.transport import StepQueue
 
-NOTICE = EnvironmentResponse(EnvironmentCommand.STEP, 0, 1, [(0, None, None, None, None, {}, 1e-5)], 0.0)
+PAYLOAD = [(0, None, None, None, None, {}, 1e-5)]  # what a step notice carries
 
 
 def _writer(kind: str, index: int, conn, queue) -> None:
-    notice = NOTICE._replace(worker_index=index)
     while True:
         if conn.recv() is None:
             return
+        notice = encode_notice(EnvironmentCommand.STEP, index, 1, time.monotonic(), False)
         if kind == "StepQueue":
-            StepQueue.post(queue, conn, notice)
-        else:  # the same bytes on the wire as StepQueue.post sends
-            queue.put(response_to_wire(notice))
+            StepQueue.post(queue, conn, notice, encode_payload(PAYLOAD))
+        else:  # the same bytes as StepQueue.post sends
+            queue.put(notice + encode_payload(PAYLOAD))
 
 
 def measure(kind: str, writers: int, rounds: int) -> float:
@@ -38,7 +37,7 @@ def measure(kind: str, writers: int, rounds: int) -> float:
     ctx = mp.get_context("fork")
     if kind == "StepQueue":
         step_queue = StepQueue(ctx)
-        shared, get = step_queue.writer, lambda: pickle.loads(step_queue.reader.recv_bytes())
+        shared, get = step_queue.writer, step_queue.reader.recv_bytes
     elif kind == "Queue":
         queue = ctx.Queue()
         shared, get = queue, queue.get

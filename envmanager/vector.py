@@ -30,11 +30,11 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.spaces import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
-from gymnasium.vector.utils.shared_memory import create_shared_memory
 
 from envmanager.errors import EnvManagerError, WorkerError, WorkerTimeoutError
 from envmanager.manager import SubprocessEnvManager
 from envmanager.protocol import EnvironmentCommand as Cmd, StepInfo
+from envmanager.vector_utils import check_reset_mask, gymnasium_can_share, leading_dims, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class AsyncVectorEnv(VectorEnv):
             )
         dummy_env.close()
         del dummy_env
-        if shared_memory and not _gymnasium_can_share(self.single_observation_space):
+        if shared_memory and not gymnasium_can_share(self.single_observation_space):
             raise ValueError(
                 "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
                 "feature with `shared_memory=False` however this is slower."
@@ -206,7 +206,7 @@ class AsyncVectorEnv(VectorEnv):
         self._assert_default("reset_async")
         mask = np.ones(self.num_envs, dtype=np.bool_)
         if options is not None and "reset_mask" in options:
-            mask = _check_reset_mask(options.pop("reset_mask"), self.num_envs)
+            mask = check_reset_mask(options.pop("reset_mask"), self.num_envs)
         if manager.waiting_worker_ids:  # partial batches: envs still stepping are dropped
             manager.drop_in_flight()
             self._outstanding.clear()
@@ -244,9 +244,9 @@ class AsyncVectorEnv(VectorEnv):
         """The batched observations of all envs (``ids=None``) or of ``ids``, in that order."""
         if self._shared_obs is not None:  # straight from shared memory
             if ids is None:
-                return _tree_map(np.copy, self._shared_obs) if self.copy else self._shared_obs
+                return tree_map(np.copy, self._shared_obs) if self.copy else self._shared_obs
             index = np.asarray(ids)
-            return _tree_map(lambda a: a[index], self._shared_obs)
+            return tree_map(lambda a: a[index], self._shared_obs)
         if ids is None:
             self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
             return deepcopy(self._observations) if self.copy else self._observations
@@ -361,8 +361,8 @@ class AsyncVectorEnv(VectorEnv):
         except Exception as exc:
             raise ValueError(f"actions do not fit the action space: {exc}") from exc
         # iterate() does not check the batch size of every kind of space: count them.
-        if len(per_env) != n or _leading_dims(actions) - {n}:
-            raise ValueError(f"expected actions for {n} environment(s), got {sorted(_leading_dims(actions)) or len(per_env)}")
+        if len(per_env) != n or leading_dims(actions) - {n}:
+            raise ValueError(f"expected actions for {n} environment(s), got {sorted(leading_dims(actions)) or len(per_env)}")
         return per_env
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -487,54 +487,6 @@ class AsyncVectorEnv(VectorEnv):
                 self.close(terminate=True)
             except Exception:
                 pass
-
-
-def _tree_map(fn: Callable[[np.ndarray], Any], tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: _tree_map(fn, value) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_tree_map(fn, value) for value in tree)
-    return fn(tree)
-
-
-def _gymnasium_can_share(space: Space) -> bool:
-    """Whether gymnasium's shared memory supports ``space`` (custom spaces are refused)."""
-    return create_shared_memory.dispatch(type(space)) is not create_shared_memory.dispatch(object) and all(
-        _gymnasium_can_share(sub) for sub in _subspaces(space)
-    )
-
-
-def _subspaces(space: Space) -> list[Space]:
-    if isinstance(space, gym.spaces.Dict):
-        return list(space.spaces.values())
-    if isinstance(space, gym.spaces.Tuple):
-        return list(space.spaces)
-    return []
-
-
-def _leading_dims(actions: Any) -> set[int]:
-    """The first dimension of every array in a (possibly nested) batch of actions."""
-    if isinstance(actions, dict):
-        return set().union(*(_leading_dims(v) for v in actions.values())) if actions else set()
-    if isinstance(actions, tuple):
-        return set().union(*(_leading_dims(v) for v in actions)) if actions else set()
-    shape = np.shape(actions)
-    return {shape[0]} if shape else set()
-
-
-def _check_reset_mask(reset_mask: Any, n: int) -> np.ndarray:
-    if not isinstance(reset_mask, np.ndarray):
-        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(reset_mask)}")
-    if reset_mask.shape != (n,):
-        raise ValueError(f"`options['reset_mask']` must have shape `({n},)`, got {reset_mask.shape}")
-    if reset_mask.dtype != np.bool_:
-        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {reset_mask.dtype}")
-    if not np.any(reset_mask):
-        raise ValueError(
-            "`options['reset_mask']` must contain a boolean array with at least one True value, "
-            f"got reset_mask={reset_mask}"
-        )
-    return reset_mask
 
 
 def _reraise(exc: EnvManagerError) -> None:
