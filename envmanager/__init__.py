@@ -5,6 +5,7 @@ from envmanager.errors import (
     InvalidInputError,
     ManagerClosedError,
     RestartLimitError,
+    SpaceMismatchError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
@@ -38,4 +39,5 @@ __all__ = [
     "RestartLimitError",
     "InvalidInputError",
     "ManagerClosedError",
+    "SpaceMismatchError",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "RestartLimitError",
     "InvalidInputError",
     "ManagerClosedError",
+    "SpaceMismatchError",
 ]
 
 
@@ -105,6 +106,10 @@ class WorkerTimeoutError(EnvManagerError, TimeoutError):
 
 class InvalidInputError(EnvManagerError, ValueError):
     """Bad input, rejected before any worker was sent anything."""
+
+
+class SpaceMismatchError(EnvManagerError, RuntimeError):
+    """The envs' spaces disagree where they must agree (a RuntimeError, as in gymnasium)."""
 
 
 class ManagerClosedError(EnvManagerError, RuntimeError):

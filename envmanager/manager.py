@@ -22,7 +22,7 @@ import cloudpickle
 import numpy as np
 from gymnasium import spaces
 
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerTimeoutError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
 from envmanager.env_calls import EnvCalls
 from envmanager.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.protocol import EnvironmentCommand as Cmd, StepInfo, StepResult, StepTimings, encode_payload
@@ -126,10 +126,24 @@ class SubprocessEnvManager(EnvCalls):
             self.descriptions: list[dict[str, Any]] = [c.items for c in described]
             self._describe(self.descriptions[0])
             if shared_memory:
+                self._check_one_layout()
                 self._pool.attach_buffers(SharedBuffers.create(n_env, self.observation_space, self.action_space))
         except BaseException:
             self.close()
             raise
+
+    def _check_one_layout(self) -> None:
+        """Shared memory lays out every slot alike: all envs' spaces must have one layout."""
+        for kind in ("observation", "action"):
+            first = array_layout(getattr(self, f"{kind}_space"))
+            for desc in self.descriptions:
+                for local, space in enumerate(desc[f"{kind}_spaces"]):
+                    if array_layout(space) != first:
+                        raise SpaceMismatchError(
+                            f"worker {desc['env_ids'][local]} has "
+                            f"{kind} space {space}, unlike worker 0's {getattr(self, f'{kind}_space')}; shared "
+                            "memory needs one layout for all (pass shared_memory=False)"
+                        )
 
     def _describe(self, info: dict[str, Any]) -> None:
         self.observation_space: spaces.Space | None = info["observation_space"]

@@ -85,6 +85,7 @@ class WorkerEnvs:
     def describe(self) -> dict[str, Any]:
         env = self.envs[0]
         return {
+            "env_ids": self.env_ids,
             "observation_space": getattr(env, "observation_space", None),
             "action_space": getattr(env, "action_space", None),
             "observation_spaces": [getattr(e, "observation_space", None) for e in self.envs],

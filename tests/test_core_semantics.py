@@ -8,6 +8,7 @@ import pytest
 
 from envmanager import (
     InvalidInputError,
+    SpaceMismatchError,
     ManagerClosedError,
     StepInfo,
     SubprocessEnvManager,
@@ -327,3 +328,17 @@ def test_actions_are_checked_without_shared_memory_too():
         m.reset()
         with pytest.raises(InvalidInputError, match="shape"):
             m.step({0: [1, 2, 3]})
+
+
+class WiderEnv(ControlledEnv):
+    def __init__(self, env_id):
+        super().__init__(env_id)
+        if env_id == 1:
+            self.observation_space = gym.spaces.Box(-np.inf, np.inf, (5,), np.float64)
+
+
+def test_spaces_that_cannot_share_one_layout_are_rejected_at_startup():
+    with pytest.raises(SpaceMismatchError, match="worker 1 has observation space"):
+        make_manager(2, factory=WiderEnv)
+    with make_manager(2, factory=WiderEnv, shared_memory=False) as m:
+        assert len(m.reset()) == 2
