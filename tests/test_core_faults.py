@@ -186,8 +186,9 @@ def test_restart_within_quota_reports_interrupted_episode():
         assert m.restart_policy.counts[1] == 1
         # The others went on; the restarted worker steps again (its new env would fail at its
         # own third step, which the rate limit would then refuse to restart).
-        seen = set()
-        for _ in range(10):
+        seen: set[int] = set()
+        deadline = time.monotonic() + 30
+        while seen != {0, 1, 2} and time.monotonic() < deadline:
             seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids if w != 1 or 1 not in seen})}
         assert seen == {0, 1, 2}
 

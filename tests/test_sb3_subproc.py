@@ -286,7 +286,7 @@ def test_restarted_worker_ends_the_episode_as_truncated(subproc):
     before, _, _, _ = vec.step(np.zeros(2, dtype=np.int64))
     os.kill(vec.manager.workers[1].pid, signal.SIGKILL)
     obs, rewards, dones, infos = vec.step(np.zeros(2, dtype=np.int64))
-    assert list(dones) == [False, True] and rewards[1] == 0.0
+    assert dones[1] and rewards[1] == 0.0  # (env 0's random episode may end here too)
     assert infos[1]["interrupted"] and infos[1]["TimeLimit.truncated"]
     np.testing.assert_array_equal(infos[1]["terminal_observation"], before[1])
     assert obs[1][0] == 0  # a fresh episode
