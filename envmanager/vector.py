@@ -227,7 +227,8 @@ class AsyncVectorEnv(VectorEnv):
         with self._waiting("reset_wait", timeout):
             while self._reset_waves:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._reset_results += manager.receive_resets(list(self._reset_waves.pop(0)), left)
+                self._reset_results += manager.receive_resets(list(self._reset_waves[0]), left)
+                self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
                 if self._reset_waves:
                     manager.send_reset(self._reset_waves[0])
         results, self._reset_results = self._reset_results, []

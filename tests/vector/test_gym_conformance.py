@@ -351,6 +351,18 @@ def test_wait_timeout_raises_multiprocessing_timeout_error(make_async, gates, wh
     gate.open()
 
 
+@pytest.mark.ours_only
+@pytest.mark.parametrize("max_concurrency", [None, 1])
+def test_reset_wait_after_a_timeout_returns_the_whole_reset(make_async, make_sync, gates, max_concurrency):
+    gate = gates()
+    vec = make_async([env_fn(), env_fn(reset_gate=gate.path), env_fn()], max_concurrency=max_concurrency)
+    vec.reset_async(seed=0)
+    with pytest.raises(multiprocessing.TimeoutError):
+        vec.reset_wait(timeout=0.2)
+    gate.open()
+    assert_tree_equal(vec.reset_wait(), make_sync(env_fns(N)).reset(seed=0), "the resumed reset_wait")
+
+
 @pytest.mark.parametrize("pending_step", [False, True])
 def test_close_terminate(make_async, gates, pending_step):
     gate = gates()
