@@ -118,3 +118,25 @@ def make_fake_env(fake_player):
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture
+def process_gone():
+    """``process_gone(pid, timeout)``: True once ``pid`` no longer runs (a zombie nobody
+    reaps counts as gone, as under some container inits)."""
+    import time
+
+    import psutil
+
+    def gone(pid: int, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+            time.sleep(0.05)
+        return False
+
+    return gone

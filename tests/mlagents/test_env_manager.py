@@ -92,25 +92,12 @@ def stat(step, key):
     return [value for value, _ in step.environment_stats.get(key, [])]
 
 
-def gone(pid, timeout=10.0):
-    """True once ``pid`` no longer runs (a zombie nobody reaps counts as gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 # ---------------------------------------------------------------------------------------------
 # Stepping
 
 
 @pytest.mark.timeout(120)
-def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_path):
+def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_path, process_gone):
     record = tmp_path / "players.jsonl"
     config = {"record": str(record), "behaviors": [
         {"name": WALKER, "agents": 2, "continuous": 2, "discrete": [], "episode_length": [2, 3]},
@@ -168,7 +155,7 @@ def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_
         assert sorted(pids.values()) == sorted(r["pid"] for r in starts)
     finally:
         manager.close()
-    assert all(gone(pid) for pid in pids.values())
+    assert all(process_gone(pid) for pid in pids.values())
     left = [p for p in psutil.Process().children(recursive=True)
             if any("fake_unity" in part or "envmanager-worker" in part for part in p.cmdline())]
     assert left == []
@@ -277,7 +264,7 @@ def test_env_parameters_and_engine_settings_reach_players_and_come_back(fake_pla
 
 
 @pytest.mark.timeout(120)
-def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_player):
+def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_player, process_gone):
     # Worker 1's player stops (exit code 0) on its 4th step; every incarnation does.
     stops = ["--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0"]
     manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 3, extra_args={1: stops})
@@ -295,7 +282,7 @@ def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_pla
         assert manager.restart_counts == [0, 1, 0]
         new_pids = manager.player_pids
         assert new_pids[0] == pids[0] and new_pids[2] == pids[2] and new_pids[1] != pids[1]
-        assert gone(pids[1])
+        assert process_gone(pids[1])
         last_regular = max(i for i, s in enumerate(steps) if s.worker_id == 1 and not s.interrupted)
         during = {s.worker_id for s in steps[last_regular + 1:]}
         assert {0, 2} <= during
@@ -312,11 +299,11 @@ def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_pla
         assert {s.worker_id for s in steps_until(manager, lambda got: len(got) >= 4)} <= {0, 2}
     finally:
         manager.close()
-    assert all(gone(pid) for pid in [*pids.values(), *new_pids.values()])
+    assert all(process_gone(pid) for pid in [*pids.values(), *new_pids.values()])
 
 
 @pytest.mark.timeout(120)
-def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog):
+def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog, process_gone):
     # Worker 0's player stops answering on its 3rd step and has no watchdog of its own: only
     # the manager can end it once the deadline has cut its worker off.
     hang = ["--crash-after-steps", "2", "--crash-mode", "hang"]
@@ -330,7 +317,7 @@ def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog):
         assert [s.worker_id for s in steps if s.interrupted] == [0]
         assert manager.restart_counts == [1, 0]
         assert manager.player_pids[0] != hung_pid
-        assert gone(hung_pid)
+        assert process_gone(hung_pid)
         assert f"killed player process {hung_pid} left behind by a restarted worker" in caplog.text
         assert len(by_worker(steps, 1)) > 2  # worker 1 kept stepping
     finally:

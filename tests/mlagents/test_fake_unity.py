@@ -7,7 +7,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 
 import pytest
@@ -385,22 +384,9 @@ def test_close_leaves_no_player_process(make_fake_env):
     assert players == []
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    """True once pid is gone (or a zombie nobody reaps, as under some container inits)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("watchdog", [True, False])
-def test_player_exits_when_python_side_dies(tmp_path, watchdog):
+def test_player_exits_when_python_side_dies(tmp_path, watchdog, process_gone):
     """SIGKILL the Python process that owns the server: the orphaned player must go by itself."""
     record = tmp_path / "orphan.jsonl"
     path = write_launcher(tmp_path, {"parent_watchdog": watchdog, "stats": False, "record": str(record)})
@@ -423,7 +409,7 @@ def test_player_exits_when_python_side_dies(tmp_path, watchdog):
         assert psutil.pid_exists(player)
         host.kill()
         host.wait(10)
-        gone = _wait_gone(player, 30)
+        gone = process_gone(player, 30)
         if not gone:
             os.kill(player, 9)
         assert gone, "fake player lingered after its Python side died"
