@@ -1,5 +1,13 @@
-"""envmanager: run RL environments in worker processes, get results as soon as they are ready."""
+"""envmanager: run RL environments in worker processes, get results as soon as they are ready.
 
+Layers: ``core`` (the manager: StepInfo and batch levels, the worker pool), ``wire`` (messages,
+step queue, shared memory), ``worker`` (the worker process), ``adapters`` (gymnasium, SB3,
+ML-Agents), ``testing`` (controllable envs, a fake Unity player), ``bench``.
+"""
+
+from envmanager.adapters.gymnasium import AsyncVectorEnv
+from envmanager.core.manager import SubprocessEnvManager
+from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import (
     EnvManagerError,
     InvalidInputError,
@@ -10,16 +18,7 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.manager import SubprocessEnvManager
-from envmanager.vector import AsyncVectorEnv
-from envmanager.protocol import (
-    EnvironmentCommand,
-    EnvironmentRequest,
-    EnvironmentResponse,
-    StepInfo,
-    StepResult,
-    StepTimings,
-)
+from envmanager.wire.messages import EnvironmentCommand, EnvironmentRequest, EnvironmentResponse
 
 __version__ = "0.1.0"
 
@@ -29,6 +28,7 @@ __all__ = [
     "StepInfo",
     "StepResult",
     "StepTimings",
+    "StepBatch",
     "EnvironmentCommand",
     "EnvironmentRequest",
     "EnvironmentResponse",

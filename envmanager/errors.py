@@ -22,6 +22,19 @@ class EnvManagerError(Exception):
     """Base class of every error raised by envmanager."""
 
 
+def who(worker_id: int, slots: tuple[int, ...] | list[int] | None = None, process: int | None = None) -> str:
+    """How an error names a worker: ``worker 4 (process 1, slots 4–7)``; just ``worker 3``
+    when the process hosts that one slot (``envs_per_worker=1``)."""
+    slots = tuple(slots) if slots else (worker_id,)
+    if process is None or (slots == (worker_id,) and process == worker_id):
+        return f"worker {worker_id}"
+    if len(slots) == 1:
+        return f"worker {worker_id} (process {process})"
+    contiguous = slots == tuple(range(slots[0], slots[0] + len(slots)))
+    listed = f"{slots[0]}–{slots[-1]}" if contiguous else ", ".join(map(str, slots))
+    return f"worker {worker_id} (process {process}, slots {listed})"
+
+
 class WorkerError(EnvManagerError):
     """An environment raised inside a worker.
 
@@ -36,34 +49,43 @@ class WorkerError(EnvManagerError):
         message: str,
         remote_traceback: str,
         cause: BaseException | None = None,
+        process: int | None = None,
     ) -> None:
         self.worker_id = worker_id
+        self.worker_ids = [worker_id]
+        self.process = process
         self.exc_type = exc_type
         self.message = message
         self.remote_traceback = remote_traceback
         self.cause = cause
         super().__init__(
-            f"worker {worker_id} raised {exc_type}: {message}\n\n"
+            f"{who(worker_id, None, process)} raised {exc_type}: {message}\n\n"
             f"Traceback in worker {worker_id}:\n{remote_traceback}"
         )
 
     def __reduce__(self):  # keep the extra fields when pickled
         return (
             type(self),
-            (self.worker_id, self.exc_type, self.message, self.remote_traceback, self.cause),
+            (self.worker_id, self.exc_type, self.message, self.remote_traceback, self.cause, self.process),
         )
 
 
 class WorkerDiedError(EnvManagerError):
     """A worker process ended without being asked to (killed, crashed, ``os._exit``)."""
 
-    def __init__(self, worker_id: int, exitcode: int | None, detail: str = "") -> None:
+    def __init__(
+        self, worker_id: int, exitcode: int | None, detail: str = "",
+        slots: tuple[int, ...] | list[int] | None = None, process: int | None = None,
+    ) -> None:
         self.worker_id = worker_id
+        self.worker_ids = list(slots) if slots else [worker_id]
+        self.process = process
         self.exitcode = exitcode
-        super().__init__(f"worker {worker_id} died ({describe_exitcode(exitcode)}){detail}")
+        self.detail = detail
+        super().__init__(f"{who(worker_id, slots, process)} died ({describe_exitcode(exitcode)}){detail}")
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.exitcode))
+        return (type(self), (self.worker_id, self.exitcode, self.detail, self.worker_ids, self.process))
 
 
 class RestartLimitError(WorkerDiedError):
@@ -72,17 +94,22 @@ class RestartLimitError(WorkerDiedError):
     ``reason`` says which limit; ``failure`` is the error that made the restart necessary.
     """
 
-    def __init__(self, worker_id: int, reason: str, failure: BaseException | None = None) -> None:
+    def __init__(
+        self, worker_id: int, reason: str, failure: BaseException | None = None,
+        slots: tuple[int, ...] | list[int] | None = None, process: int | None = None,
+    ) -> None:
         self.worker_id = worker_id
+        self.worker_ids = list(slots) if slots else [worker_id]
+        self.process = process
         self.reason = reason
         self.failure = failure
         self.exitcode = getattr(failure, "exitcode", None)
         EnvManagerError.__init__(
-            self, f"worker {worker_id} failed and was not restarted: {reason}. The failure: {failure}"
+            self, f"{who(worker_id, slots, process)} failed and was not restarted: {reason}. The failure: {failure}"
         )
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.reason, self.failure))
+        return (type(self), (self.worker_id, self.reason, self.failure, self.worker_ids, self.process))
 
 
 class WorkerTimeoutError(EnvManagerError, TimeoutError):
@@ -93,15 +120,22 @@ class WorkerTimeoutError(EnvManagerError, TimeoutError):
     after which the request is still in flight and a later wait may still get its answer.
     """
 
-    def __init__(self, worker_ids: list[int], timeout: float, what: str = "a result", hung: bool = True) -> None:
+    def __init__(
+        self, worker_ids: list[int], timeout: float, what: str = "a result", hung: bool = True,
+        processes: list[int] | None = None,
+    ) -> None:
         self.worker_ids = list(worker_ids)
+        self.worker_id = self.worker_ids[0] if self.worker_ids else -1
+        self.processes = sorted(set(processes)) if processes else []
         self.timeout = timeout
         self.what = what
         self.hung = hung
-        super().__init__(f"worker(s) {self.worker_ids} did not deliver {what} within {timeout:g} s")
+        where = f" (process{'es' if len(self.processes) > 1 else ''} {', '.join(map(str, self.processes))})" if (
+            self.processes and self.processes != self.worker_ids) else ""
+        super().__init__(f"worker(s) {self.worker_ids}{where} did not deliver {what} within {timeout:g} s")
 
     def __reduce__(self):
-        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung))
+        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung, self.processes))
 
 
 class InvalidInputError(EnvManagerError, ValueError):

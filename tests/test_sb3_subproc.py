@@ -321,16 +321,3 @@ def test_default_start_method_and_ppo_smoke(opened):
     model.learn(total_timesteps=256)
     mean, _ = evaluate_policy(model, env, n_eval_episodes=2)  # checks env_is_wrapped(Monitor)
     assert mean > 0
-
-
-def test_a_restart_on_top_of_a_step_ends_the_episode():
-    from envmanager.sb3 import _fold  # two results for one env in one step_wait (rare: see _fold)
-
-    step = (np.array([1.0]), 2.0, False, {"TimeLimit.truncated": False})
-    restart = (np.array([0.0]), 0.0, True, {"interrupted": True})
-    obs, reward, done, info = _fold(step, restart, interrupted=True)
-    assert obs[0] == 0.0 and reward == 2.0 and done
-    assert info["TimeLimit.truncated"] and info["terminal_observation"][0] == 1.0 and info["interrupted"]
-    ended = (np.array([5.0]), 1.0, True, {"TimeLimit.truncated": False, "terminal_observation": np.array([4.0])})
-    _, _, _, info = _fold(ended, restart, interrupted=True)
-    assert info["terminal_observation"][0] == 4.0 and not info["TimeLimit.truncated"]

@@ -1,0 +1,508 @@
+"""``envmanager.AsyncVectorEnv``: a drop-in for ``gymnasium.vector.AsyncVectorEnv``, on the core.
+
+Same constructor, attributes, methods, errors and results as gymnasium 1.4's class (results
+equal ``SyncVectorEnv``'s), without four of its defects: an explicit reset always cancels a
+pending autoreset; bad actions are rejected before any worker is sent a step; a step that
+timed out stays pending (``step_wait()`` returns *its* results later, never stale ones); and
+with ``autoreset_mode=DISABLED`` stepping a finished env raises ``AssertionError`` as
+``SyncVectorEnv`` does.
+
+Extras: ``envs_per_worker`` (several envs per process), and EnvPool-style partial batches:
+with ``batch_size=B``, ``send(actions, env_ids)`` steps the listed envs and ``recv()`` returns
+the first ``B`` to finish, their ids in ``infos["env_id"]``. Under partial batches each env
+autoresets on its own, per ``autoreset_mode``, exactly as it would in a one-env vector env.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from copy import deepcopy
+from enum import Enum
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.spaces import Space
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
+
+from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share
+from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.deadline import Deadline
+from envmanager.core.results import StepBatch
+from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
+from envmanager.wire.shm import tree_map
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncVectorEnv"]
+
+
+class AsyncState(Enum):
+    DEFAULT = "default"
+    WAITING_RESET = "reset"
+    WAITING_STEP = "step"
+    WAITING_CALL = "call"
+
+
+class AsyncVectorEnv(VectorEnv):
+    """Vectorized environment running each sub-environment in a worker process.
+
+    Arguments are gymnasium's (``worker`` must stay ``None``: workers are envmanager's), plus:
+
+    Args:
+        envs_per_worker: sub-environments hosted by one process, stepped as one message.
+        batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
+        worker_timeout: deadline in seconds for any one worker answer (the fault model's
+            bound on waits that gymnasium leaves unbounded).
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gym.Env]],
+        shared_memory: bool = True,
+        copy: bool = True,
+        context: str | None = None,
+        daemon: bool = True,
+        worker: Callable | None = None,
+        observation_mode: str | Space = "same",
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        max_concurrency: int | None = None,
+        *,
+        envs_per_worker: int = 1,
+        batch_size: int | None = None,
+        worker_timeout: float = 300.0,
+    ) -> None:
+        self._manager: BatchEnvManager | None = None
+        self.closed = False
+        self.env_fns = env_fns
+        self.shared_memory = shared_memory
+        self.copy = copy
+        self.context = context
+        self.daemon = daemon
+        self.worker = worker
+        self.observation_mode = observation_mode
+        self.autoreset_mode = autoreset_mode if isinstance(autoreset_mode, AutoresetMode) else AutoresetMode(autoreset_mode)
+        if max_concurrency is not None:
+            if not isinstance(max_concurrency, (int, np.integer)) or isinstance(max_concurrency, bool):
+                raise ValueError(f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}.")
+            if max_concurrency < 1:
+                raise ValueError(f"`max_concurrency` must be a positive or None, got {max_concurrency}.")
+        self.max_concurrency = max_concurrency
+        if worker is not None:
+            raise ValueError("envmanager.AsyncVectorEnv runs its own workers; a custom `worker` is not supported.")
+        self.num_envs = len(env_fns)
+        self.batch_size = self.num_envs if batch_size is None else int(batch_size)
+        if not 1 <= self.batch_size <= self.num_envs:
+            raise ValueError(f"`batch_size` must be in [1, {self.num_envs}], got {batch_size}")
+
+        dummy_env = env_fns[0]()
+        self.metadata = dict(dummy_env.metadata)
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = dummy_env.render_mode
+        self.single_action_space = dummy_env.action_space
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+            if not all(isinstance(s, Space) for s in observation_mode):
+                raise TypeError(f"Expected both elements of observation_mode to be Spaces, got {observation_mode}")
+            self.observation_space, self.single_observation_space = observation_mode
+        elif observation_mode == "same":
+            self.single_observation_space = dummy_env.observation_space
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        elif observation_mode == "different":
+            env_spaces = [env().observation_space for env in env_fns]
+            self.single_observation_space = env_spaces[0]
+            self.observation_space = batch_differing_spaces(env_spaces)
+        else:
+            raise ValueError(
+                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+                f"batch observation space, actual got {observation_mode}"
+            )
+        dummy_env.close()
+        del dummy_env
+        if shared_memory and not gymnasium_can_share(self.single_observation_space):
+            raise ValueError(
+                "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
+                "feature with `shared_memory=False` however this is slower."
+            )
+
+        fns = list(env_fns)
+        self._manager = BatchEnvManager(
+            lambda i: fns[i](),
+            self.num_envs,
+            envs_per_worker=envs_per_worker,
+            context=context,
+            shared_memory=shared_memory,
+            autoreset_mode=self.autoreset_mode.value,
+            timeout=worker_timeout,
+            daemon=daemon,
+        )
+        try:
+            self._check_spaces()
+        except BaseException:
+            self._manager.close()
+            raise
+        self._all = np.arange(self.num_envs)
+        self._observations = None  # the batch returned with copy=False and no array layout
+        self._state = AsyncState.DEFAULT
+        self._reset_waves: list[list[int]] = []  # resets still to receive (max_concurrency)
+        self._reset_sent: tuple[list[int | None], Any] = ([], None)
+        self._reset_infos: dict[int, dict] = {}
+        self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # sent this step, not yet answered
+        self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
+        self._actions: Any = None  # the checked action batch of the step in progress
+        self._step_infos: dict[int, dict] = {}
+        self._call: Any = None
+        self._outstanding = np.zeros(self.num_envs, dtype=np.bool_)  # partial batches: sent, not received
+        self._received: list[int] = []
+        self._received_infos: dict[int, dict] = {}
+
+    def _check_spaces(self) -> None:
+        assert self._manager is not None
+        if self.observation_mode == "same" and any(s != self.single_observation_space for s in self._manager.observation_spaces):
+            raise RuntimeError(
+                "Some environments have an observation space different from "
+                f"`{self.single_observation_space}`. In order to batch observations, the "
+                "observation spaces from all environments must be equal."
+            )
+        if any(s != self.single_action_space for s in self._manager.action_spaces):
+            raise RuntimeError(
+                f"Some environments have an action space different from `{self.single_action_space}`. "
+                "In order to batch actions, the action spaces from all environments must be equal."
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # gymnasium API
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:
+        return self.get_attr("np_random_seed")
+
+    @property
+    def np_random(self) -> tuple[np.random.Generator, ...]:
+        return self.get_attr("np_random")
+
+    def reset(self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None):
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+        manager = self._running()
+        try:
+            seeds = seeds_for(seed, self.num_envs)
+        except InvalidInputError:
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."  # type: ignore[arg-type]
+            ) from None
+        self._assert_default("reset_async")
+        ids = self._all
+        if options is not None and "reset_mask" in options:
+            ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
+        if self._outstanding.any() or self._received:  # partial batches: envs still stepping are dropped
+            manager.drain()
+            self._outstanding[:] = False
+            self._received, self._received_infos = [], {}
+        ids = ids.tolist()
+        limit = self.max_concurrency or self.num_envs
+        # With max_concurrency, envs reset in waves of that many.
+        self._reset_waves = [ids[k : k + limit] for k in range(0, len(ids), limit)]
+        self._reset_sent = (seeds, options)
+        self._reset_infos = {}
+        self._send_reset_wave(manager)
+        self._state = AsyncState.WAITING_RESET
+
+    def _send_reset_wave(self, manager: BatchEnvManager) -> None:
+        seeds, options = self._reset_sent
+        manager.send_reset({i: (seeds[i], options) for i in self._reset_waves[0]})
+
+    def reset_wait(self, timeout: float | None = None):
+        manager = self._running()
+        if self._state != AsyncState.WAITING_RESET:
+            raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", AsyncState.WAITING_RESET.value)
+        deadline = None if timeout is None else Deadline(timeout)
+        with self._waiting("reset_wait", timeout):
+            while self._reset_waves:
+                batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
+                self._reset_infos.update(batch.infos)
+                self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
+                if self._reset_waves:
+                    self._send_reset_wave(manager)
+        self._state = AsyncState.DEFAULT
+        infos: dict[str, Any] = {}
+        for i in sorted(self._reset_infos):
+            infos = self._add_info(infos, self._reset_infos[i], i)
+        self._reset_infos = {}
+        return self._observations_of(None), infos
+
+    def _observations_of(self, ids: np.ndarray | None) -> Any:
+        """The batched observations of every env (``ids=None``) or of ``ids``, in that order."""
+        m = self._manager
+        assert m is not None
+        if m.observation_list is None:  # arrays: shared memory, or the parent's copy
+            obs = m.results.observation
+            if ids is None:
+                return tree_map(np.copy, obs) if self.copy or not m.shared_memory else obs
+            return tree_map(lambda a: a[ids], obs)
+        values = m.observation_list if ids is None else [m.observation_list[i] for i in ids.tolist()]
+        space = self.single_observation_space
+        out = create_empty_array(space, n=len(values), fn=np.zeros)
+        if ids is None:
+            self._observations = concatenate(space, values, out)
+            return deepcopy(self._observations) if self.copy else self._observations
+        return concatenate(space, values, out)
+
+    def step(self, actions):
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions) -> None:
+        manager = self._running()
+        self._assert_default("step_async")
+        batch = self._check_actions(manager, actions, self._all)
+        self._step_infos = {}
+        if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
+            manager.send_batch(self._all, batch, per_slot=self._per_slot)
+            self._stepping[:] = True
+        else:
+            self._actions, self._queued = batch, list(range(self.num_envs))
+            self._send_queued(manager)
+        self._state = AsyncState.WAITING_STEP
+
+    def _check_actions(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> Any:
+        """Check the batch for ``ids`` before anything is sent, in gymnasium's terms."""
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            r = manager.results
+            ended = r.terminated[ids] | r.truncated[ids]
+            if ended.any():
+                raise AssertionError(
+                    f"env(s) {ids[ended].tolist()} finished their episode; with autoreset_mode=DISABLED reset "
+                    "them (options={'reset_mask': ...}) before stepping"
+                )
+        if manager.actions.space is None:  # no array layout: one action per env, as iterate() gives them
+            space = batch_space(self.single_action_space, len(ids))
+            try:
+                per_env = list(iterate(space, actions))
+            except Exception as exc:
+                raise ValueError(f"actions do not fit the action space: {exc}") from exc
+            if len(per_env) != len(ids):
+                raise ValueError(f"expected actions for {len(ids)} environment(s), got {len(per_env)}")
+            return per_env
+        return manager.actions.batch(actions, ids)
+
+    @property
+    def _per_slot(self) -> bool:
+        assert self._manager is not None
+        return self._manager.actions.space is None
+
+    def _send_queued(self, manager: BatchEnvManager) -> None:
+        """Send queued steps, keeping at most ``max_concurrency`` envs stepping at once."""
+        room = (self.max_concurrency or self.num_envs) - int(self._stepping.sum())
+        idle = set(manager.idle_worker_ids)
+        chosen = [i for i in self._queued if i in idle][: max(0, room)]
+        if not chosen:
+            return
+        rows = np.asarray(chosen)
+        if self._per_slot:
+            manager.send_batch(rows, [self._actions[i] for i in chosen], per_slot=True)
+        else:
+            manager.send_batch(rows, tree_map(lambda a: a[rows], self._actions))
+        self._stepping[rows] = True
+        self._queued = [i for i in self._queued if i not in set(chosen)]
+
+    def step_wait(self, timeout: float | None = None):
+        manager = self._running()
+        if self._state != AsyncState.WAITING_STEP:
+            raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
+        deadline = None if timeout is None else Deadline(timeout)
+        with self._waiting("step_wait", timeout):
+            while self._stepping.any() or self._queued:
+                batch = manager.receive_batch(1, None if deadline is None else deadline.left())
+                self._stepping[batch.slots] = False
+                if batch.infos:
+                    self._step_infos.update(batch.infos)
+                if self._queued:  # max_concurrency: start queued envs as others finish
+                    self._send_queued(manager)
+        self._state = AsyncState.DEFAULT
+        r = manager.results
+        infos: dict[str, Any] = {}
+        for i in sorted(self._step_infos):
+            infos = self._add_info(infos, self._step_infos[i], i)
+        self._step_infos, self._actions = {}, None
+        return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
+
+    @contextmanager
+    def _waiting(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Translate failures while waiting into gymnasium's terms.
+
+        Past the caller's ``timeout``: ``multiprocessing.TimeoutError``, and the call stays
+        pending (waiting again picks up its results). Any other failure drops what is in
+        flight, so nothing stale surfaces later, and re-raises the env's own exception.
+        """
+        try:
+            yield
+        except WorkerTimeoutError as exc:
+            if exc.hung or timeout is None:  # a worker missed its own deadline: nothing more comes
+                self._abandon()
+                raise
+            raise multiprocessing.TimeoutError(f"The call to `{what}` has timed out after {timeout} second(s).") from exc
+        except EnvManagerError as exc:
+            self._abandon()
+            _reraise(exc)
+
+    def _abandon(self) -> None:
+        """After a failure: drop what is in flight so nothing stale surfaces later."""
+        assert self._manager is not None
+        try:
+            self._manager.drain()
+        except EnvManagerError:
+            logger.warning("could not drain in-flight steps after a failure", exc_info=True)
+        self._stepping[:] = False
+        self._queued, self._actions, self._step_infos = [], None, {}
+        self._reset_waves, self._reset_infos = [], {}
+        self._outstanding[:] = False
+        self._received, self._received_infos = [], {}
+        self._state = AsyncState.DEFAULT
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        self.call_async(name, *args, **kwargs)
+        return self.call_wait()
+
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        manager = self._running()
+        self._assert_default("call_async")
+        if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
+            raise ValueError(f"Trying to call function `{name}` with `call`, use `{name}` directly instead.")
+        self._call = manager.send_call(name, args, kwargs)
+        self._state = AsyncState.WAITING_CALL
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        manager = self._running()
+        if self._state != AsyncState.WAITING_CALL:
+            raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
+        with self._waiting("call_wait", timeout):
+            results = manager.receive_call(self._call, timeout)
+        self._state = AsyncState.DEFAULT
+        return tuple(results)
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
+        manager = self._running()
+        if not isinstance(values, (list, tuple)):
+            values = [values for _ in range(self.num_envs)]
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of environments. "
+                f"Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        self._assert_default("set_attr")
+        try:
+            manager.set_attr(name, list(values))
+        except EnvManagerError as exc:
+            _reraise(exc)
+
+    def render(self) -> tuple[Any, ...] | None:
+        return self.call("render")
+
+    # ------------------------------------------------------------------------------------------
+    # Partial batches (EnvPool style)
+
+    def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
+        """Queue one step for each env in ``env_ids`` (default: all), ``actions`` row by row.
+
+        An env whose previous result has not been received by ``recv()`` yet is rejected,
+        before anything is sent.
+        """
+        manager = self._running()
+        self._assert_default("send")
+        ids = self._all if env_ids is None else _env_ids(env_ids, self.num_envs)
+        busy = ids[self._outstanding[ids]]
+        if busy.size:
+            raise ValueError(f"env(s) {sorted(busy.tolist())} were sent a step whose result was not received yet")
+        batch = self._check_actions(manager, actions, ids)
+        manager.send_batch(ids, batch, per_slot=self._per_slot)
+        self._outstanding[ids] = True
+
+    def recv(self, timeout: float | None = None):
+        """The first ``batch_size`` envs to finish: ``(obs, rewards, terminations, truncations,
+        infos)`` with ``infos["env_id"]`` giving each row's env."""
+        manager = self._running()
+        if int(self._outstanding.sum()) < self.batch_size:
+            raise NoAsyncCallError(
+                f"`recv` needs {self.batch_size} envs in flight, only {int(self._outstanding.sum())} were sent", "recv"
+            )
+        deadline = None if timeout is None else Deadline(timeout)
+        with self._waiting("recv", timeout):
+            while len(self._received) < self.batch_size:
+                got: StepBatch = manager.receive_batch(1, None if deadline is None else deadline.left())
+                self._received += got.slots.tolist()
+                self._received_infos.update(got.infos)
+        ids, self._received = np.asarray(self._received[: self.batch_size]), self._received[self.batch_size :]
+        self._outstanding[ids] = False
+        r = manager.results
+        infos: dict[str, Any] = {}
+        for k, i in enumerate(ids.tolist()):
+            if i in self._received_infos:
+                infos = self._add_info(infos, self._received_infos.pop(i), k)
+        infos["env_id"] = ids.astype(np.int64)
+        return self._observations_of(ids), r.reward[ids], r.terminated[ids], r.truncated[ids], infos
+
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
+        manager, self._manager = self._manager, None
+        if manager is None:
+            return
+        if self._state != AsyncState.DEFAULT and not terminate:
+            logger.warning("Calling `close` while waiting for a pending call to `%s` to complete.", self._state.value)
+            wait = {AsyncState.WAITING_STEP: "step_wait", AsyncState.WAITING_RESET: "reset_wait",
+                    AsyncState.WAITING_CALL: "call_wait"}[self._state]
+            self._manager = manager
+            try:
+                getattr(self, wait)(timeout)
+            except (multiprocessing.TimeoutError, Exception):
+                terminate = True
+            self._manager = None
+        manager.close(timeout=0.0 if terminate else (10.0 if timeout is None else timeout))
+
+    def _running(self) -> BatchEnvManager:
+        if self.closed or self._manager is None:
+            raise ClosedEnvironmentError(f"Trying to operate on `{type(self).__name__}`, after a call to `close()`.")
+        return self._manager
+
+    def _assert_default(self, what: str) -> None:
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{what}` while waiting for a pending call to `{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True) and getattr(self, "_manager", None) is not None:
+            try:
+                self.close(terminate=True)
+            except Exception:
+                pass
+
+
+def _env_ids(env_ids: Any, n: int) -> np.ndarray:
+    ids = np.asarray(env_ids).reshape(-1)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
+    ids = ids.astype(np.int64)
+    if len(np.unique(ids)) != len(ids) or ((ids < 0) | (ids >= n)).any():
+        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {ids.tolist()}")
+    return ids
+
+
+def _reraise(exc: EnvManagerError) -> None:
+    """Raise an env's own exception (as gymnasium does), chained to the worker's account of it."""
+    if isinstance(exc, WorkerError) and exc.cause is not None:
+        raise exc.cause from exc
+    raise exc

@@ -1,0 +1,133 @@
+"""Checking a batch of actions against the action space, once, before anything is sent.
+
+One vectorized check per array of the batch, not ``space.contains`` per env. Integer spaces
+(Discrete, MultiDiscrete, MultiBinary) take only integers within range. Box actions keep their
+values (policies send out-of-bound values that wrappers clip) but may not be NaN, nor change
+when stored in the space's dtype beyond float rounding (an overflow, a fraction in an integer
+Box, an integer out of the dtype's range).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from envmanager.errors import InvalidInputError
+
+__all__ = ["ActionChecker"]
+
+_INTEGER_KINDS = "iub"
+_NUMBER_KINDS = "iubf"
+
+
+class ActionChecker:
+    """Turns a batch of actions for ``n`` slots into arrays of the space's layout, or raises
+    :class:`InvalidInputError` saying what is wrong (and, where it can, for which slot)."""
+
+    def __init__(self, space: spaces.Space | None) -> None:
+        self.space = space
+
+    def batch(self, actions: Any, slots: list[int] | np.ndarray) -> Any:
+        """``actions`` (a batch: arrays whose first axis runs over ``slots``, or dicts / tuples
+        of them) checked and as arrays of the space's dtypes."""
+        return _check(self.space, actions, np.asarray(slots), "")
+
+    def stack(self, per_slot: list[Any], slots: list[int]) -> Any:
+        """The same for one action per slot, stacked into a batch first."""
+        try:
+            batch = _stack(self.space, per_slot)
+        except InvalidInputError:
+            raise
+        except Exception as exc:
+            raise InvalidInputError(f"actions for workers {list(slots)} do not fit {self.space}: {exc}") from None
+        return self.batch(batch, slots)
+
+
+def _stack(space: Any, values: list[Any]) -> Any:
+    if isinstance(space, spaces.Dict):
+        for v in values:
+            if not isinstance(v, dict) or set(v) != set(space.spaces):
+                got = sorted(v) if isinstance(v, dict) else type(v).__name__
+                raise InvalidInputError(f"action must be a dict with keys {sorted(space.spaces)}, got {got}")
+        return {key: _stack(sub, [v[key] for v in values]) for key, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        for v in values:
+            if not isinstance(v, (tuple, list)) or len(v) != len(space.spaces):
+                raise InvalidInputError(f"action must be a tuple of {len(space.spaces)} items, got {v!r:.60}")
+        return tuple(_stack(sub, [v[k] for v in values]) for k, sub in enumerate(space.spaces))
+    return np.asarray(values)
+
+
+def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
+    n = len(slots)
+    if isinstance(space, spaces.Dict):
+        if not isinstance(batch, dict) or set(batch) != set(space.spaces):
+            got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise InvalidInputError(f"actions{where} must be a dict with keys {sorted(space.spaces)}, got {got}")
+        return {key: _check(sub, batch[key], slots, f"{where}[{key!r}]") for key, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        if not isinstance(batch, (tuple, list)) or len(batch) != len(space.spaces):
+            raise InvalidInputError(f"actions{where} must be a tuple of {len(space.spaces)} items")
+        return tuple(_check(sub, b, slots, f"{where}[{k}]") for k, (sub, b) in enumerate(zip(space.spaces, batch)))
+    try:
+        arr = np.asarray(batch)
+    except Exception as exc:  # ragged nested sequences
+        raise InvalidInputError(f"actions{where} cannot be read as an array: {exc}") from None
+    shape = (n, *space.shape)
+    if arr.shape != shape:
+        raise InvalidInputError(f"actions{where} have shape {arr.shape}, expected {shape} ({n} worker(s) × {space.shape})")
+    kind = arr.dtype.kind
+    if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
+        if kind not in _INTEGER_KINDS:
+            bad = _first_bad(arr, ~np.isclose(arr, np.round(arr)) if kind in "fc" else None)
+            what = f"{arr.dtype} values" if bad is None else f"{arr.reshape(n, -1)[bad][0]!r}"
+            raise InvalidInputError(_at(slots, bad, where) + f"{what} for {space}: integer actions only")
+        if isinstance(space, spaces.Discrete):
+            low, high = int(space.start), int(space.start) + int(space.n) - 1
+            out = (arr < low) | (arr > high)
+        elif isinstance(space, spaces.MultiDiscrete):
+            low = space.start
+            out = (arr < low) | (arr >= low + space.nvec)
+        else:
+            out = (arr != 0) & (arr != 1)
+        bad = _first_bad(arr, out)
+        if bad is not None:
+            raise InvalidInputError(_at(slots, bad, where) + f"value {arr.reshape(n, -1)[bad].tolist()} is outside {space}")
+        return arr.astype(space.dtype, copy=False)
+    if isinstance(space, spaces.Box):
+        if kind not in _NUMBER_KINDS:
+            raise InvalidInputError(f"actions{where} of dtype {arr.dtype} for {space}: numbers only")
+        if kind == "f":
+            bad = _first_bad(arr, np.isnan(arr))
+            if bad is not None:
+                raise InvalidInputError(_at(slots, bad, where) + f"NaN in the action for {space}")
+        dtype = np.dtype(space.dtype)
+        if arr.dtype != dtype:
+            with np.errstate(all="ignore"):
+                cast = arr.astype(dtype)
+            if dtype.kind == "f":
+                lost = np.isinf(cast) & ~np.isinf(arr)
+            else:
+                lost = cast != arr
+            bad = _first_bad(arr, lost)
+            if bad is not None:
+                value = arr.reshape(n, -1)[bad].tolist()
+                raise InvalidInputError(_at(slots, bad, where) + f"value {value} cannot be stored as {dtype} without loss")
+            return cast
+        return arr
+    return arr
+
+
+def _first_bad(arr: np.ndarray, mask: np.ndarray | None) -> int | None:
+    """The row of the first True in ``mask``, or None."""
+    if mask is None:
+        return None
+    rows = mask.reshape(len(arr), -1).any(axis=1) if mask.ndim > 1 else mask
+    hit = np.flatnonzero(rows)
+    return int(hit[0]) if hit.size else None
+
+
+def _at(slots: np.ndarray, row: int | None, where: str) -> str:
+    return f"action{where} for worker {int(slots[row])}: " if row is not None else f"actions{where}: "

@@ -1,0 +1,596 @@
+"""The batch level of the core: send a batch of actions for a set of env slots; receive the
+slots that finished, whose results are rows of shared arrays.
+
+Every adapter is built on this level (gymnasium, SB3, ML-Agents through the StepInfo level).
+A batch of actions is checked once against the action space and written into shared memory
+with one numpy operation per array; when everything lives in shared memory a step request and
+its answer are fixed binary headers with no pickle. Per-env Python runs only for what an env
+put in a non-empty info dict, or where the user asked for per-env objects (``StepInfo``).
+
+State of every slot (``status``; ``worker_id`` is a slot)::
+
+    NEEDS_RESET ──send_reset──► IN_FLIGHT ──answer──► ARRIVED ──receive──► IDLE
+         ▲                         ▲                                        │
+         └── its env failed        └────────────── send_batch ──────────────┘
+
+A slot may be sent a step only when IDLE and its process has nothing in flight (a process
+hosting several slots steps them as one request). Its results are valid until it is sent
+again. The process-level half (one request in flight per process, restarts) is the pool's.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from gymnasium import spaces
+
+from envmanager.core.actions import ActionChecker
+from envmanager.core.calls import CallRequest, EnvCalls
+from envmanager.core.deadline import Deadline
+from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs, worker_error
+from envmanager.core.process import WorkerProcess
+from envmanager.core.restart import RestartPolicy
+from envmanager.core.results import StepBatch
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
+from envmanager.wire import shm
+from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, Stepped
+from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchEnvManager", "SlotStatus", "seeds_for"]
+
+
+class SlotStatus(enum.IntEnum):
+    NEEDS_RESET = 0  # never reset, or its env failed
+    IDLE = 1  # its last result was handed out: it may be stepped
+    IN_FLIGHT = 2  # a step or reset was sent, no answer yet
+    ARRIVED = 3  # answered, not handed out yet
+
+
+NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = SlotStatus
+
+
+class BatchEnvManager:
+    """Env slots in worker processes, stepped and received as batches (see the module doc).
+
+    Takes ``SubprocessEnvManager``'s arguments, which documents them.
+    """
+
+    def __init__(
+        self,
+        env_factory: Callable[[int], Any],
+        n_env: int = 1,
+        *,
+        envs_per_worker: int = 1,
+        context: str | None = None,
+        shared_memory: bool = True,
+        autoreset_mode: str | Any = NEXT_STEP,
+        timeout: float = 60.0,
+        restart_workers: bool = False,
+        max_lifetime_restarts: int = 10,
+        restarts_rate_limit_n: int = 1,
+        restarts_rate_limit_period_s: float = 60.0,
+        daemon: bool = True,
+        spin_s: float | None = None,
+    ) -> None:
+        self._pool: WorkerPool | None = None
+        if not isinstance(n_env, (int, np.integer)) or isinstance(n_env, bool) or n_env < 1:
+            raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
+        if not isinstance(envs_per_worker, (int, np.integer)) or isinstance(envs_per_worker, bool) or envs_per_worker < 1:
+            raise InvalidInputError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
+        if timeout is None or timeout <= 0:
+            raise InvalidInputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}
+        mode = modes.get(str(getattr(autoreset_mode, "value", autoreset_mode)).lower().replace("_", ""), "")
+        if not mode:  # accepts "next_step" and gymnasium's AutoresetMode.NEXT_STEP alike
+            raise InvalidInputError(f"unknown autoreset_mode {autoreset_mode!r}")
+        try:
+            factory = cloudpickle.dumps(env_factory)
+        except Exception as exc:
+            raise InvalidInputError(f"env_factory cannot be pickled: {exc!r}") from exc
+        ctx = get_context(context)
+
+        self.n_env = n_env = int(n_env)
+        self.envs_per_worker = int(envs_per_worker)
+        self.autoreset_mode = mode
+        self.timeout = float(timeout)
+        #: Per-slot state (see the module doc).
+        self.status = np.zeros(n_env, dtype=np.uint8)
+        self._arrived: list[int] = []  # slots answered by a step, in arrival order
+        self._arrived_resets: set[int] = set()
+        self._owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
+        self._infos: dict[int, dict] = {}
+        self._interrupted: set[int] = set()
+        self._step_errors: list[EnvManagerError] = []
+        self._reset_errors: list[EnvManagerError] = []
+        # Timings of each slot's latest answer (the StepInfo level reports them).
+        self._env_time = np.zeros(n_env)
+        self._queued = np.zeros(n_env)
+        self._round_trip = np.zeros(n_env)
+
+        n_procs = -(-n_env // self.envs_per_worker)
+        if spin_s is None:  # spinning only pays when every process (and the parent) has a core
+            spin_s = 50e-6 if n_procs + 1 <= (os.cpu_count() or 1) else 0.0
+        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s)
+        #: The process hosting each slot, and the slot's index among that process's envs.
+        self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
+        self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])
+        restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
+        try:
+            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon)
+            readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
+            #: Every slot's spaces, as its env reported them.
+            self.observation_spaces = [s for r in readies for s in r.observation_spaces]
+            self.action_spaces = [s for r in readies for s in r.action_spaces]
+            first = readies[0]
+            self.observation_space: spaces.Space | None = first.observation_spaces[0]
+            self.action_space: spaces.Space | None = first.action_spaces[0]
+            self.metadata: dict[str, Any] = dict(first.metadata or {})
+            self.render_mode: str | None = first.render_mode
+            self.spec = first.spec
+            self.shared_memory = bool(shared_memory)
+            if shared_memory:
+                self._check_one_layout()
+                self.results = shm.SharedBuffers.create(n_env, self.observation_space, self.action_space)
+                self._pool.attach_buffers(self.results)
+            else:  # the parent's copy of results that travel pickled; one layout for all, or a list
+                one_layout = all(shm.array_layout(s) == shm.array_layout(self.observation_space) for s in self.observation_spaces)
+                self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
+            #: Observations whose space has no array layout, by slot (else ``results.observation``).
+            self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
+            self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
+            self._calls = EnvCalls(self)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_one_layout(self) -> None:
+        """Shared memory lays out every slot alike: all envs' spaces must have one layout."""
+        for kind, spaces_ in (("observation", self.observation_spaces), ("action", self.action_spaces)):
+            first = shm.array_layout(spaces_[0])
+            for slot, space in enumerate(spaces_):
+                if shm.array_layout(space) != first:
+                    raise SpaceMismatchError(
+                        f"worker {slot} has {kind} space {space}, unlike worker 0's {spaces_[0]}; shared "
+                        "memory needs one layout for all (pass shared_memory=False)"
+                    )
+
+    # ------------------------------------------------------------------------------------------
+    # State
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None or self._pool.queue is None:
+            raise ManagerClosedError("the SubprocessEnvManager is closed")
+        return self._pool
+
+    @property
+    def closed(self) -> bool:
+        return self._pool is None or self._pool.queue is None
+
+    @property
+    def buffers(self) -> shm.SharedBuffers | None:
+        """The shared-memory arrays (``None`` with ``shared_memory=False``)."""
+        self.pool  # raises if closed
+        return self.results if self.results.shared else None
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return self.pool.restart_policy
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        """The worker processes (a process hosts ``envs_per_worker`` slots)."""
+        return self.pool.workers
+
+    def worker_of(self, worker_id: int) -> WorkerProcess:
+        """The process hosting slot ``worker_id``."""
+        return self.pool.workers[self.slot_process[worker_id]]
+
+    @property
+    def worker_ids(self) -> list[int]:
+        return list(range(self.n_env))
+
+    @property
+    def idle_worker_ids(self) -> list[int]:
+        """Slots with nothing in flight or waiting to be received, on a process with nothing in
+        flight. Slots of a failed process count as idle: stepping them raises its error."""
+        busy = {w.index for w in self.pool.workers if w.busy}
+        procs = self.slot_process
+        return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if procs[s] not in busy]
+
+    @property
+    def waiting_worker_ids(self) -> list[int]:
+        """Slots whose process has a request in flight (a restart, say)."""
+        pool = self.pool
+        return [s for s in range(self.n_env) if pool.workers[self.slot_process[s]].busy]
+
+    @property
+    def replay_calls(self) -> list[tuple[str, tuple, dict]]:
+        """What ``set_replay_calls`` set (a copy)."""
+        return list(self.pool.replay_calls)
+
+    def set_replay_calls(self, calls: Sequence[tuple[str, tuple, dict]]) -> None:
+        """``(method, args, kwargs)`` to call on a restarted process's envs before its reset."""
+        self.pool.replay_calls = list(calls)
+
+    def restart_count(self, worker_id: int) -> int:
+        """How often the process hosting ``worker_id`` was restarted (quotas are per process)."""
+        return self.pool.restart_policy.counts[int(self.slot_process[worker_id])]
+
+    def failure_of(self, worker_id: int) -> EnvManagerError | None:
+        """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
+        return self.worker_of(worker_id).failure
+
+    # ------------------------------------------------------------------------------------------
+    # Stepping
+
+    def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False) -> None:
+        """Check ``actions`` for ``slots`` and send them, one request per process.
+
+        ``actions`` is a batch whose first axis runs over ``slots`` (dicts / tuples of arrays
+        for Dict / Tuple spaces), or with ``per_slot=True`` a sequence of one action per slot.
+        Everything is checked before the first send: bad input reaches no worker.
+        """
+        pool = self.pool
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size == 0:
+            return
+        self._check_sendable(slots)
+        checker = self.actions
+        if checker.space is not None:
+            batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
+            per_env = None
+        else:  # a space with no array layout: actions travel pickled, as given
+            per_env = list(actions)
+            if len(per_env) != len(slots):
+                raise InvalidInputError(f"expected {len(slots)} actions, got {len(per_env)}")
+        in_shm = self.results.action is not None
+        order = np.argsort(slots, kind="stable") if slots.size > 1 else np.zeros(1, dtype=np.int64)
+        sorted_slots = slots[order]
+        procs = self.slot_process[sorted_slots]
+        cuts = np.flatnonzero(np.diff(procs)) + 1
+        outgoing = []
+        try:  # encode everything before the first send: nothing half-sent
+            for rows in np.split(np.arange(len(sorted_slots)), cuts):
+                process_slots = sorted_slots[rows]
+                locals_ = tuple(self.slot_local[process_slots].tolist())
+                if in_shm:
+                    message = Step(locals_)
+                elif per_env is not None:
+                    message = Step(locals_, [per_env[k] for k in order[rows]])
+                else:
+                    message = Step(locals_, [shm.tree_map(lambda a: a[k], batch) for k in order[rows]])
+                request = pool.prepare(Cmd.STEP, message, tuple(process_slots.tolist()))
+                outgoing.append((int(procs[rows[0]]), request))
+        except Exception as exc:
+            raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
+        if in_shm:
+            shm.write(self.results.action, slots, batch)
+        self.status[slots] = IN_FLIGHT
+        workers = pool.workers
+        for index, request in outgoing:
+            workers[index].send(request)
+
+    def _check_sendable(self, slots: np.ndarray) -> None:
+        if slots.min() < 0 or slots.max() >= self.n_env:
+            bad = [int(s) for s in slots if not 0 <= s < self.n_env]
+            raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={self.n_env})")
+        if len(np.unique(slots)) != len(slots):
+            raise InvalidInputError(f"worker ids must be distinct, got {slots.tolist()}")
+        status = self.status[slots]
+        if (status == IDLE).all():
+            workers = self.pool.workers
+            for index in np.unique(self.slot_process[slots]).tolist():
+                w = workers[index]
+                if w.failure is not None:
+                    raise w.failure
+                if w.request is not None:
+                    slot = int(slots[self.slot_process[slots] == index][0])
+                    raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
+            if self.autoreset_mode == DISABLED:
+                ended = self.results.terminated[slots] | self.results.truncated[slots]
+                if ended.any():
+                    raise InvalidInputError(
+                        f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first"
+                    )
+            return
+        for slot, s in zip(slots.tolist(), status.tolist()):
+            failure = self.worker_of(slot).failure
+            if failure is not None:
+                raise failure
+            if s == NEEDS_RESET:
+                raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
+            if s == IN_FLIGHT:
+                raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
+            if s == ARRIVED:
+                raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
+
+    def receive_batch(self, min_count: int = 1, timeout: float | None = None) -> StepBatch:
+        """Wait (at most ``timeout``, default the manager's) until ``min_count`` slots finished a
+        step, take whatever else finished, and hand them out. Raises the first failed step
+        (results that arrived with it stay for the next call)."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = Deadline(limit)
+        pool = self.pool
+        self._take(pool.wait(0.0))
+        while len(self._arrived) < min_count and not self._step_errors:
+            if deadline.passed() or not any(w.busy and w.watched for w in pool.workers):
+                busy = [w for w in pool.workers if w.busy and w.watched]
+                if busy:
+                    raise WorkerTimeoutError([s for w in busy for s in w.env_ids], limit, "a step result", hung=False,
+                                             processes=[w.index for w in busy])
+                failure = next((w.failure for w in pool.workers if w.failure), None)
+                if failure is not None:
+                    raise failure
+                if self._arrived:
+                    break
+                raise InvalidInputError("no step is in flight: nothing can finish")
+            self._take(pool.wait(deadline.left()))
+        if self._step_errors:
+            raise self._step_errors.pop(0)
+        arrived, self._arrived = self._arrived, []
+        return self._hand_out(arrived, reset=False)
+
+    def _hand_out(self, slots_list: list[int], reset: bool) -> StepBatch:
+        slots = np.array(slots_list, dtype=np.int64)
+        self.status[slots] = IDLE
+        infos, interrupted = self._infos, self._interrupted
+        mine = {s: infos.pop(s) for s in slots.tolist() if s in infos} if infos else {}
+        cut = frozenset(s for s in slots.tolist() if s in interrupted) if interrupted else frozenset()
+        interrupted -= cut
+        return StepBatch(slots, mine, cut, frozenset(slots.tolist()) if reset else frozenset())
+
+    # ------------------------------------------------------------------------------------------
+    # Resetting
+
+    def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
+        """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
+        pool = self.pool
+        slots = np.array(sorted(seeds_and_options), dtype=np.int64)
+        if slots.size == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.n_env:
+            raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
+        by_process: dict[int, list[int]] = {}
+        for slot in slots.tolist():
+            w = self.worker_of(slot)
+            if w.failure is not None:
+                raise w.failure
+            if w.busy or self.status[slot] == ARRIVED:
+                raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
+            by_process.setdefault(w.index, []).append(slot)
+        outgoing = []
+        try:  # encode everything before the first send
+            for index, own in by_process.items():
+                message = Reset(
+                    tuple(self.slot_local[own].tolist()),
+                    tuple(seeds_and_options[s][0] for s in own),
+                    tuple(seeds_and_options[s][1] for s in own),
+                )
+                outgoing.append((index, pool.prepare(Cmd.RESET, message, tuple(own))))
+        except Exception as exc:
+            raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
+        self.status[slots] = IN_FLIGHT
+        self._owed_resets.update(slots.tolist())
+        for index, request in outgoing:
+            pool.workers[index].send(request)
+
+    def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
+        """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
+        them out, sorted by slot. Answers that arrive before a timeout are kept, so a later call
+        picks up where this one stopped."""
+        wanted = set(self._owed_resets) if worker_ids is None else set(self.slots(worker_ids))
+        if not wanted <= self._owed_resets:
+            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._owed_resets)}")
+        self.wait_for(lambda: wanted.isdisjoint(self._owed_resets - self._arrived_resets) or bool(self._reset_errors),
+                      timeout, "a reset result", lambda: sorted(wanted & (self._owed_resets - self._arrived_resets)))
+        if self._reset_errors:
+            error = self._reset_errors.pop(0)
+            self._owed_resets -= wanted & self._arrived_resets
+            self._arrived_resets -= wanted
+            self._owed_resets -= {s for s in wanted if self.status[s] == NEEDS_RESET}
+            raise error
+        done = sorted(wanted)
+        self._owed_resets -= wanted
+        self._arrived_resets -= wanted
+        return self._hand_out(done, reset=True)
+
+    # ------------------------------------------------------------------------------------------
+    # Waiting
+
+    def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]]) -> None:
+        """Take answers until ``done()``; past ``timeout`` (default: the manager's), raise
+        ``WorkerTimeoutError(late(), hung=False)`` — what arrived meanwhile is kept."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = Deadline(limit)
+        pool = self.pool
+        self._take(pool.wait(0.0))
+        while not done():
+            if deadline.passed():
+                raise WorkerTimeoutError(late(), limit, what, hung=False)
+            self._take(pool.wait(deadline.left()))
+
+    def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None:
+        """Wait until the processes hosting ``worker_ids`` (default: all) have nothing in flight
+        (a restart, say); what finishes meanwhile is kept for ``receive_batch``."""
+        procs = {int(self.slot_process[s]) for s in self.slots(worker_ids)}
+        pool = self.pool
+
+        def busy() -> list[WorkerProcess]:
+            return [pool.workers[i] for i in sorted(procs) if pool.workers[i].busy]
+
+        self.wait_for(lambda: not busy(), timeout, "the requests in flight", lambda: [s for w in busy() for s in w.env_ids])
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait out every request in flight and drop every result not handed out, errors too:
+        nothing stale surfaces later. Slots with dropped results count as handed out."""
+        pool = self.pool
+        self.wait_for(lambda: not any(w.busy for w in pool.workers), timeout, "the in-flight steps",
+                      lambda: [s for w in pool.workers if w.busy for s in w.env_ids])
+        self.status[self.status == ARRIVED] = IDLE
+        self._arrived.clear()
+        self._arrived_resets.clear()
+        self._owed_resets.clear()
+        self._infos.clear()
+        self._interrupted.clear()
+        self._step_errors.clear()
+        self._reset_errors.clear()
+        self._calls.clear()
+
+    # ------------------------------------------------------------------------------------------
+    # The parent's half of a step or reset answer
+
+    def _take(self, completions: list[Completion]) -> None:
+        """File what the pool delivered: results into the slot state, errors to be raised."""
+        for c in completions:
+            request = c.request
+            cmd = None if request is None else request.cmd
+            if cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):
+                self._calls.file(c)
+            elif c.error is not None:
+                slots = request.slots if request is not None and request.slots else c.worker.env_ids
+                self.status[list(slots)] = NEEDS_RESET
+                if cmd is Cmd.RESET:
+                    self._owed_resets.difference_update(slots)
+                    self._reset_errors.append(c.error)
+                else:
+                    self._step_errors.append(c.error)
+            elif c.answer is not None:
+                self._file_results(c, cmd is Cmd.RESET)
+
+    def _file_results(self, c: Completion, is_reset: bool) -> None:
+        answer: Stepped = c.answer
+        slots = c.slots
+        idx = list(slots)
+        self._env_time[idx] = answer.env_times
+        self._queued[idx] = max(0.0, c.received_at - c.posted_at)
+        self._round_trip[idx] = max(0.0, c.received_at - c.sent_at)
+        if not answer.raw:
+            self._file_extras(c, answer, slots)
+        good = idx
+        if answer.failures:
+            failed = {slots[n] for n in answer.failures}
+            good = [s for s in idx if s not in failed]
+            self.status[list(failed)] = NEEDS_RESET
+            errors = self._reset_errors if is_reset else self._step_errors
+            errors.extend(worker_error(f, c.worker.index) for f in answer.failures.values())
+            if is_reset:
+                self._owed_resets.difference_update(failed)
+        self.status[good] = ARRIVED
+        if c.interrupted:
+            self._interrupted.update(good)
+        if is_reset:
+            self._arrived_resets.update(good)
+        else:
+            self._arrived.extend(good)
+
+    def _file_extras(self, c: Completion, answer: Stepped, slots: tuple[int, ...]) -> None:
+        """Infos, and results that travelled pickled: the slow path, per env."""
+        if answer.infos:
+            for n, info in answer.infos.items():
+                self._infos[slots[n]] = info
+        for slot in slots:  # an empty info replaces an older one not handed out
+            if not answer.infos or slots.index(slot) not in answer.infos:
+                self._infos.pop(slot, None)
+        failures = answer.failures or {}
+        r = self.results
+        if answer.scalars is not None:
+            for n, (reward, terminated, truncated) in enumerate(answer.scalars):
+                if n not in failures:
+                    r.reward[slots[n]], r.terminated[slots[n]], r.truncated[slots[n]] = reward, terminated, truncated
+        if answer.observations is not None:
+            for n, obs in enumerate(answer.observations):
+                if n in failures:
+                    continue
+                if self.observation_list is not None:
+                    self.observation_list[slots[n]] = obs
+                else:
+                    try:
+                        shm.write(r.observation, slots[n], obs)
+                    except Exception as exc:
+                        raise InvalidInputError(f"worker {slots[n]} returned an observation that does not fit "
+                                                f"{self.observation_space}: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------------
+    # Env calls (see ``envmanager.core.calls``)
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
+        return self._calls.call_on(None, name, args, kwargs)
+
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
+        be a function, run in the worker as ``name(env, *args, **kwargs)``."""
+        return self._calls.call_on(worker_ids, name, args, kwargs)
+
+    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
+        """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
+        return self._calls.get_attr(name, worker_ids)
+
+    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
+        """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
+        self._calls.set_attr(name, values, worker_ids)
+
+    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None, worker_ids: Sequence[int] | None = None) -> CallRequest:
+        """Send ``call`` without waiting; ``receive_call`` collects the answers."""
+        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
+
+    def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
+        """The answers to ``send_call``, in the order of its worker ids; answers that arrive
+        before a timeout are kept for the next try."""
+        return self._calls.receive(request, timeout)
+
+    def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
+        """``worker_ids`` checked (``None``: every slot); negative ids count from the end."""
+        if worker_ids is None:
+            return list(range(self.n_env))
+        ids = [worker_ids] if isinstance(worker_ids, (int, np.integer)) else list(worker_ids)
+        for slot in ids:
+            if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.n_env:
+                raise InvalidInputError(f"unknown worker id {slot!r} (n_env={self.n_env})")
+        return [int(s) for s in ids]
+
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End every worker (politely, then by force) and free shared memory. Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(timeout)
+        results = getattr(self, "results", None)
+        if results is not None:
+            results.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def seeds_for(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    """One seed per slot: ``None``; an int (slot ``i`` gets ``seed + i``); or a list of ``n``."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, (int, np.integer)):
+        return [int(seed) + i for i in range(n)]
+    seeds = list(seed)
+    if len(seeds) != n:
+        raise InvalidInputError(f"expected {n} seeds (one per worker), got {len(seeds)}")
+    return seeds

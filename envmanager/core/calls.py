@@ -1,0 +1,97 @@
+"""Reaching into the envs: ``call``, ``get_attr``, ``set_attr`` — the parent's half of the
+CALL, GET_ATTR and SET_ATTR commands, a component of the batch manager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from envmanager.errors import InvalidInputError
+from envmanager.wire.messages import Call, EnvFunction, EnvironmentCommand as Cmd, GetAttr, SetAttr
+
+if TYPE_CHECKING:
+    from envmanager.core.batch import BatchEnvManager
+    from envmanager.core.pool import Completion
+
+__all__ = ["EnvCalls", "CallRequest"]
+
+
+class CallRequest:
+    """A call sent with ``EnvCalls.send``: which processes answer for which slots."""
+
+    def __init__(self, cmd: Cmd, slots: list[int], by_process: dict[int, list[int]]) -> None:
+        self.cmd = cmd
+        self.slots = slots
+        self.by_process = by_process
+
+
+class EnvCalls:
+    """Sends a request to the processes hosting chosen slots; collects one answer per slot."""
+
+    def __init__(self, manager: BatchEnvManager) -> None:
+        self.manager = manager
+        self._answers: dict[int, Completion] = {}  # by process index
+
+    def file(self, completion: Completion) -> None:
+        self._answers[completion.worker.index] = completion
+
+    def clear(self) -> None:
+        self._answers.clear()
+
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        target = name if isinstance(name, str) else EnvFunction(cloudpickle.dumps(name))
+        return self.receive(self.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {})))
+
+    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
+        return self.receive(self.send(Cmd.GET_ATTR, worker_ids, lambda local, own: GetAttr(local, name)))
+
+    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
+        slots = self.manager.slots(worker_ids)
+        if not isinstance(values, (list, tuple)):
+            values = [values] * len(slots)
+        if len(values) != len(slots):
+            raise InvalidInputError(f"expected {len(slots)} values (one per worker), got {len(values)}")
+        by_slot = dict(zip(slots, values))
+        self.receive(self.send(Cmd.SET_ATTR, slots, lambda local, own: SetAttr(local, name, tuple(by_slot[s] for s in own))))
+
+    def send(self, cmd: Cmd, worker_ids: Sequence[int] | None, message: Callable[[tuple[int, ...], list[int]], Any]) -> CallRequest:
+        """Send ``cmd`` to the processes hosting ``worker_ids``; ``message(locals, slots)``
+        builds each process's request. Steps in flight on those processes are waited out
+        first and kept for ``receive_batch``."""
+        m = self.manager
+        slots = m.slots(worker_ids)
+        pool = m.pool
+        by_process: dict[int, list[int]] = {}
+        for slot in dict.fromkeys(slots):
+            by_process.setdefault(int(m.slot_process[slot]), []).append(slot)
+        for index in by_process:
+            if pool.workers[index].failure is not None:
+                raise pool.workers[index].failure  # type: ignore[misc]
+        try:  # encode everything before the first send: nothing half-sent
+            outgoing = [
+                (index, pool.prepare(cmd, message(tuple(m.slot_local[own].tolist()), own), tuple(own)))
+                for index, own in by_process.items()
+            ]
+        except Exception as exc:
+            raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
+        m.wait_idle(slots)
+        for index, request in outgoing:
+            self._answers.pop(index, None)
+            pool.workers[index].send(request)  # the process may have been replaced meanwhile
+        return CallRequest(cmd, slots, by_process)
+
+    def receive(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
+        """The answers to ``send``, in the order of its worker ids. Answers that arrive before
+        a timeout are kept: calling again picks up where this call stopped."""
+        m = self.manager
+        wanted = set(request.by_process)
+        m.wait_for(lambda: wanted <= self._answers.keys(), timeout, f"{request.cmd.name.lower()} results",
+                   lambda: [s for i in sorted(wanted - self._answers.keys()) for s in request.by_process[i]])
+        completions = [self._answers.pop(i) for i in sorted(wanted)]
+        for c in completions:
+            if c.error is not None:
+                raise c.error
+        answers = {s: value for c in completions for s, value in zip(request.by_process[c.worker.index], c.answer.values)}
+        return [answers.get(s) for s in request.slots]

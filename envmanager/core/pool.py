@@ -1,0 +1,373 @@
+"""``WorkerPool``: the worker processes, their requests and answers, failures and restarts.
+
+The transport half of the manager (tianshou's split: workers apart from vectorizing). It
+knows nothing about actions or episodes: it sends requests, one in flight per process, and
+turns what comes back on the shared step queue — or a process's death, or a missed deadline —
+into :class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
+following the life cycle drawn in ``envmanager.core.process``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import multiprocessing as mp
+import os
+import select
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.connection import wait as wait_for_ready
+from typing import Any
+
+from envmanager.core.deadline import Deadline
+from envmanager.core.process import Boot, ProcessState, WorkerProcess
+from envmanager.core.restart import RestartPolicy
+from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from envmanager.wire.messages import (
+    ON_PIPE,
+    Attach,
+    Call,
+    EnvironmentCommand as Cmd,
+    EnvironmentRequest,
+    RemoteException,
+    Reset,
+    Stepped,
+    decode_answer,
+    encode_request,
+)
+from envmanager.wire.shm import SharedBuffers
+from envmanager.wire.step_queue import StepQueue
+from envmanager.worker.main import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WorkerPool", "Completion", "make_specs", "get_context"]
+
+
+@dataclass
+class Completion:
+    """A finished request of one worker process.
+
+    ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
+    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request``, the
+    request the failure cut short.
+    """
+
+    worker: WorkerProcess
+    request: EnvironmentRequest | None
+    answer: Any = None
+    error: EnvManagerError | None = None
+    posted_at: float = 0.0
+    received_at: float = 0.0
+    sent_at: float = 0.0
+    interrupted: bool = False
+    slots: tuple[int, ...] = ()  # the slots the answer is for (a restart's reset: all it reset)
+
+    @property
+    def cmd(self) -> Cmd | None:
+        return None if self.request is None else self.request.cmd
+
+
+class WorkerPool:
+    """Worker processes hosting ``specs``' environments, and everything needed to talk to them."""
+
+    def __init__(self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True) -> None:
+        self.ctx = ctx
+        self.timeout = timeout
+        self.restart_policy = restart_policy
+        self.daemon = daemon
+        self.workers: list[WorkerProcess] = []
+        self.buffers: SharedBuffers | None = None
+        #: ``(method name, args, kwargs)`` called on a restarted process's envs before its reset.
+        self.replay_calls: list[tuple[str, tuple, dict]] = []
+        self._seq = 0
+        self._watched: tuple[WorkerProcess, ...] = ()
+        self._poll: tuple[Any, dict[int, WorkerProcess]] = (None, {})
+        # One resource tracker for parent and workers: attaching workers then share it, and it
+        # unlinks the shared memory should the parent be killed.
+        resource_tracker.ensure_running()
+        self.queue: StepQueue | None = StepQueue(ctx)
+        self._atexit = _close_at_exit(self)
+        try:
+            for spec in specs:
+                self.workers.append(self._start(spec))
+        except BaseException:  # out of processes or fds, say: end those already started
+            self.close(0.0)
+            raise
+
+    def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
+        assert self.queue is not None
+        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot)
+
+    # ------------------------------------------------------------------------------------------
+    # Sending
+
+    def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
+        """Number and encode a request; raises (before anything is sent) if it cannot be encoded.
+
+        Sequence numbers are unique across restarts, so an answer from a replaced process can
+        never be taken for an answer to a newer request.
+        """
+        self._seq += 1
+        return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message)
+
+    def send(self, w: WorkerProcess, request: EnvironmentRequest) -> None:
+        w.send(request)
+
+    def attach_buffers(self, buffers: SharedBuffers) -> None:
+        self.buffers = buffers
+        for w in self.workers:
+            w.send(self.prepare(Cmd.ATTACH, Attach(buffers.layout)))
+        self.gather(self.workers, "shared memory")
+
+    # ------------------------------------------------------------------------------------------
+    # Receiving
+
+    def wait(self, timeout: float) -> list[Completion]:
+        """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
+        or failed. Restarts, stale answers and large payloads are handled here."""
+        if self.queue is None:
+            return []
+        busy = [w.sent_at for w in self.workers if w.busy and w.watched]
+        if busy:  # wake up in time to notice the first process to miss its deadline
+            timeout = min(timeout, max(0.0, min(busy) + self.timeout - time.monotonic() + 1e-3))
+        poller, by_fd = self._poller()
+        events = poller.poll(max(0, math.ceil(timeout * 1000)))
+        completions: list[Completion] = []
+        self._drain(completions)
+        dead = [by_fd[fd] for fd, _ in events if fd in by_fd]
+        if dead:
+            self._drain(completions)  # a worker's last words come before its death
+            for w in dead:
+                if self.workers[w.index] is w and w.watched:
+                    self._on_failure(w, w.died(), completions)
+        if busy:
+            self._check_deadlines(completions)
+        return completions
+
+    def _poller(self) -> tuple[Any, dict[int, WorkerProcess]]:
+        """A poll object on the step queue and every watched process's sentinel, kept between calls."""
+        watched = tuple(w for w in self.workers if w.watched)
+        if watched != self._watched:
+            assert self.queue is not None
+            poller = select.poll()
+            poller.register(self.queue.reader.fileno(), select.POLLIN)
+            by_fd = {w.sentinel: w for w in watched}
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN | select.POLLHUP)
+            self._watched, self._poll = watched, (poller, by_fd)
+        return self._poll
+
+    def _drain(self, completions: list[Completion]) -> None:
+        """Take every notice waiting on the step queue: the transport's half of every answer."""
+        assert self.queue is not None
+        while (notice := self.queue.get_nowait()) is not None:
+            received = time.monotonic()
+            w = self.workers[notice.process]
+            request = w.request
+            if notice.cmd is Cmd.CLOSED or request is None or notice.seq != request.seq:
+                continue  # a farewell, or the last words of a process already replaced
+            data = notice.payload
+            if notice.form == ON_PIPE:
+                try:
+                    data = w.read_large_answer(self.timeout)
+                except (EOFError, OSError, TimeoutError) as exc:
+                    self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
+                    continue
+            w.request = None
+            try:
+                answer = decode_answer(notice.form, data)
+            except Exception as exc:  # e.g. a class the parent cannot import
+                what = f"its answer to {request.cmd.name} could not be unpickled here: {exc!r}"
+                error = WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, w.index)
+                completions.append(Completion(w, request, None, error))
+                continue
+            if notice.cmd is Cmd.ENV_FAILED:
+                error = worker_error(answer, w.index)
+                if request.cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):  # the envs are fine
+                    completions.append(Completion(w, request, None, error))
+                else:
+                    self._on_failure(w, error, completions, request)
+                continue
+            if type(answer) is Stepped and answer.failures and self.restart_policy.enabled:
+                # Restarts are on: an env that raised takes its process through a restart.
+                first = min(answer.failures)
+                self._on_failure(w, worker_error(answer.failures[first], w.index), completions, request)
+                continue
+            completion = Completion(w, request, answer, None, notice.posted_at, received, w.sent_at, False, request.slots)
+            if w.state is ProcessState.BOOTING:
+                self._advance_boot(w, completion, completions)
+            else:
+                w.state = ProcessState.RUNNING
+                completions.append(completion)
+
+    def _check_deadlines(self, completions: list[Completion]) -> None:
+        """Fail every process whose request is older than the deadline (restart or error)."""
+        now = time.monotonic()
+        for w in list(self.workers):
+            if w.busy and w.watched and now - w.sent_at > self.timeout:
+                cmd = w.request.cmd  # type: ignore[union-attr]
+                what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
+                self._on_failure(w, WorkerTimeoutError(list(w.env_ids), self.timeout, what, processes=[w.index]), completions)
+
+    def gather(self, workers: Iterable[WorkerProcess], what: str) -> list[Completion]:
+        """Wait until each of ``workers`` finished its request (start-up: nothing else is in
+        flight); return those completions. Raises their errors (all the late ones named in one
+        ``WorkerTimeoutError``), or ``WorkerTimeoutError`` past the pool's deadline."""
+        indices = {w.index for w in workers}
+        got: dict[int, Completion] = {}
+        deadline = Deadline(self.timeout)
+        while not indices <= got.keys():
+            if deadline.passed():
+                late = sorted(indices - got.keys())
+                raise WorkerTimeoutError([s for i in late for s in self.workers[i].env_ids], self.timeout, what, processes=late)
+            for c in self.wait(deadline.left()):
+                got.setdefault(c.worker.index, c)
+        ordered = [got[i] for i in sorted(indices)]
+        timeouts = [c for c in ordered if isinstance(c.error, WorkerTimeoutError)]
+        if len(timeouts) > 1:
+            slots = [s for c in timeouts for s in c.error.worker_ids]  # type: ignore[union-attr]
+            raise WorkerTimeoutError(slots, self.timeout, timeouts[0].error.what, processes=[c.worker.index for c in timeouts])  # type: ignore[union-attr]
+        for c in ordered:
+            if c.error is not None:
+                raise c.error
+        return ordered
+
+    # ------------------------------------------------------------------------------------------
+    # Failures and restarts
+
+    def _on_failure(
+        self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
+    ) -> None:
+        """Restart ``w`` if the policy allows; otherwise report ``error`` for its request."""
+        request = request or w.request
+        w.request = None
+        if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
+            request = w.boot.lost
+        refusal = self.restart_policy.refusal(w.index)
+        if refusal is None and self.queue is not None:
+            self._restart(w, request, error, completions)
+            return
+        if self.restart_policy.enabled and refusal is not None:
+            error = RestartLimitError(error_slot(error, w), refusal, error, w.env_ids, w.index)
+        if isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None:
+            w.fail(error)  # the process is gone or stuck for good
+        completions.append(Completion(w, request, None, error))
+
+    def _restart(self, w: WorkerProcess, request: EnvironmentRequest | None, error: EnvManagerError, completions: list[Completion]) -> None:
+        """Replace ``w`` by a new process and plan how it comes back (see ``Boot``)."""
+        logger.warning("restarting %s after: %s", w.name, error)
+        self.restart_policy.record(w.index)
+        w.kill()
+        attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
+        if w.boot is not None:  # it failed again while coming back: the same way up, from the start
+            boot = Boot(w.boot.all_steps, w.boot.lost, w.boot.startup)
+        elif request is not None and request.cmd in (Cmd.READY, Cmd.ATTACH):
+            # Failed while the pool was starting: the new process answers the startup instead.
+            boot = Boot(attach if request.cmd is Cmd.ATTACH else [], request, True)
+        else:
+            everyone = tuple(range(len(w.env_ids)))
+            replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
+            if request is not None and request.cmd is Cmd.RESET:  # keep the seeds and options asked for
+                reset = request.message
+            else:
+                reset = Reset(everyone, (None,) * len(everyone), (None,) * len(everyone))
+            # A step or reset is answered by the fresh reset (``interrupted``); a call is not.
+            lost = request if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET) else None
+            if request is not None and lost is None:
+                completions.append(Completion(w, request, None, error))  # its caller must know
+            boot = Boot([*attach, *replays, (Cmd.RESET, reset)], lost, False)
+        self.workers[w.index] = self._start(w.spec, boot)
+
+    def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
+        """Take a replacement process through its plan (attach → replayed calls → reset)."""
+        boot = w.boot
+        assert boot is not None
+        if boot.plan:
+            cmd, message = boot.plan.pop(0)
+            locals_ = getattr(message, "locals", None)
+            slots = w.env_ids if locals_ is None else tuple(w.env_ids[i] for i in locals_)
+            w.send(self.prepare(cmd, message, slots))
+            return
+        completion.interrupted = not boot.startup
+        completion.request = boot.lost
+        w.boot = None
+        w.state = ProcessState.RUNNING
+        completions.append(completion)
+
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End every worker (politely, then by force) and free shared memory. Idempotent.
+
+        Idle workers are asked to close their envs and get ``timeout`` seconds for it; a worker
+        still busy with a step is interrupted at once (SIGTERM, it still closes its envs).
+        Stragglers are killed with every process they started, and all are reaped.
+        """
+        workers, self.workers = self.workers, []
+        try:
+            for w in workers:
+                busy = w.busy
+                w.request_close()
+                if busy:  # it would read CLOSE only after its step
+                    w.terminate(0.0)
+            deadline = Deadline(timeout)
+            while any(w.alive() for w in workers) and not deadline.passed():
+                if self.queue is not None:  # keep the queue flowing so no worker blocks on it
+                    while self.queue.get_nowait() is not None:
+                        pass
+                wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
+            late = [w.name for w in workers if w.alive()]
+            if late and timeout > 0:
+                logger.warning("%s did not close within %.1f s; terminating", ", ".join(late), timeout)
+        finally:
+            for w in workers:
+                w.stop(0.0) if w.alive() else w.kill()
+            if self.buffers is not None:
+                self.buffers.close()
+                self.buffers = None
+            if self.queue is not None:
+                self.queue.close()
+                self.queue = None
+            if self._atexit is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
+
+
+def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
+    """Close the pool at interpreter exit if nobody did (held weakly)."""
+    ref = weakref.ref(pool)
+
+    def close_if_alive() -> None:
+        p = ref()
+        if p is not None:
+            p.close()
+
+    atexit.register(close_if_alive)
+    return close_if_alive
+
+
+def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0) -> list[WorkerSpec]:
+    """Split ``n_env`` slots over processes, ``envs_per_worker`` each (the last may have fewer)."""
+    return [
+        WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s)
+        for i, start in enumerate(range(0, n_env, envs_per_worker))
+    ]
+
+
+def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:
+    return WorkerError(remote.env_index, remote.exc_type, remote.message, remote.traceback, remote.exception, process)
+
+
+def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
+    slot = getattr(error, "worker_id", None)
+    return slot if isinstance(slot, int) and slot in w.env_ids else w.env_ids[0]
+
+
+def get_context(context: str | None) -> Any:
+    return mp.get_context(context)  # ValueError for unknown methods, as multiprocessing

@@ -1,0 +1,239 @@
+"""The parent's handle on one worker process: its pipe, its one request in flight, its life.
+
+Life cycle of a worker process (``WorkerProcess.state``)::
+
+    STARTING ──READY──► RUNNING ◄────────────── boot plan done: answers the request
+       │                  │                      the failure cut short (``interrupted``)
+       │ fails            │ fails                          ▲
+       ▼                  ▼                                │
+    restart allowed? ── yes ──► a new process in BOOTING ──┘  (attach, replayed calls, reset;
+       │ no                           │ fails again           or, during startup, just
+       ▼                              └──► restart allowed? ...  what startup asked)
+    FAILED (killed; its error is raised on every later use)
+
+    any other state ── request_close() / kill() ──► CLOSING ──reaped──► CLOSED
+
+The pool (``envmanager.core.pool``) drives the transitions; this class holds the state and
+does the process work: send, read a large answer, stop, kill with every descendant.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from envmanager.errors import EnvManagerError, WorkerDiedError, who
+from envmanager.wire.messages import EnvironmentCommand as Cmd, EnvironmentRequest, encode_request
+from envmanager.wire.step_queue import read_message
+from envmanager.worker.main import WorkerSpec, worker_main
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WorkerProcess", "ProcessState", "Boot", "descendants"]
+
+
+class ProcessState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    BOOTING = "booting"  # a replacement process, on its way back (see ``Boot``)
+    FAILED = "failed"  # given up: killed, ``failure`` raised on every later use
+    CLOSING = "closing"  # asked to stop (or being killed): its exit is expected
+    CLOSED = "closed"  # reaped
+
+
+@dataclass
+class Boot:
+    """How a replacement process comes back: ``plan`` (requests still to send, in order,
+    after ``all_steps`` were planned), then it answers ``lost`` — the request the failure cut
+    short — with its last answer. ``startup``: it replaces a process that failed while the
+    pool was starting, so its answer is a normal startup answer, not ``interrupted``."""
+
+    all_steps: list[tuple[Cmd, Any]]
+    lost: EnvironmentRequest | None
+    startup: bool
+    plan: list[tuple[Cmd, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.plan = list(self.all_steps)
+
+
+class WorkerProcess:
+    """One worker process hosting the env slots ``spec.env_ids``."""
+
+    def __init__(self, ctx: Any, spec: WorkerSpec, queue_writer: Connection, daemon: bool = True, boot: Boot | None = None) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.env_ids = spec.env_ids
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=worker_main, args=(spec, child_conn, queue_writer), name=f"envmanager-worker-{spec.index}", daemon=daemon
+        )
+        self.process.start()
+        child_conn.close()
+        self.pid = self.process.pid
+        self.state = ProcessState.STARTING if boot is None else ProcessState.BOOTING
+        self.boot = boot
+        # The first answer is READY (seq 0): the process starts out busy with it.
+        self.request: EnvironmentRequest | None = EnvironmentRequest(Cmd.READY, 0, self.env_ids)
+        self.sent_at = time.monotonic()
+        self.failure: EnvManagerError | None = None
+        self.exitcode: int | None = None
+        self.reaped = False
+
+    def __repr__(self) -> str:
+        return f"<WorkerProcess {self.name} pid={self.pid} {self.state.value}>"
+
+    @property
+    def name(self) -> str:
+        """How errors name it: its slots and its process index."""
+        return who(self.env_ids[0], self.env_ids, self.index)
+
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+    @property
+    def watched(self) -> bool:
+        """Its death or silence is a failure (not once it was asked to stop or given up)."""
+        return self.state in (ProcessState.STARTING, ProcessState.RUNNING, ProcessState.BOOTING)
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def send(self, request: EnvironmentRequest) -> None:
+        """Send one request (already encoded in ``request.data``); the process must be idle.
+
+        A broken pipe is not raised: the request counts as in flight and the death is noticed
+        through the process sentinel, like any other.
+        """
+        assert self.request is None, f"{self.name} already has a request in flight"
+        self.request = request
+        self.sent_at = time.monotonic()
+        try:
+            self.conn.send_bytes(request.data)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            pass
+
+    def read_large_answer(self, timeout: float) -> bytes:
+        """An answer's payload sent over this process's own pipe (announced on the queue),
+        within ``timeout``; ``EOFError`` if the process dies meanwhile."""
+        return read_message(self.conn, time.monotonic() + timeout, self.process.sentinel)
+
+    def died(self, detail: str = "") -> WorkerDiedError:
+        return WorkerDiedError(self.env_ids[0], self.wait_exitcode(), detail, slots=self.env_ids, process=self.index)
+
+    def wait_exitcode(self, timeout: float = 2.0) -> int | None:
+        """The exit code of a process that is ending (a core dump can delay it a little)."""
+        if self.reaped:
+            return self.exitcode
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def alive(self) -> bool:
+        return not self.reaped and self.process.is_alive()
+
+    def fail(self, error: EnvManagerError) -> None:
+        """Give up on this process: kill it and keep ``error`` to raise on every later use."""
+        self.failure = error
+        self.state = ProcessState.FAILED
+        self.request = None
+        self.kill()
+
+    def request_close(self) -> None:
+        """Ask the worker to close its envs and exit; from now on its exit is expected."""
+        if self.watched:
+            self.state = ProcessState.CLOSING
+        if self.alive():
+            try:
+                self.conn.send_bytes(encode_request(Cmd.CLOSE, -1))
+            except OSError:  # already gone
+                pass
+
+    def stop(self, timeout: float) -> None:
+        """Ask the worker to close, then escalate to SIGTERM and SIGKILL, with its children."""
+        self.request_close()
+        deadline = time.monotonic() + timeout
+        if self.alive():
+            self.process.join(max(0.0, deadline - time.monotonic()))
+        self.terminate(min(1.0, max(0.1, deadline - time.monotonic())))
+        self.kill()
+
+    def terminate(self, grace: float) -> None:
+        """SIGTERM (the worker still closes its envs), wait ``grace`` s, then kill whatever it
+        started that outlived it — found before it ends, since its orphans cannot be found after."""
+        if not self.alive():
+            return
+        family = descendants(self.pid) if self.pid is not None else []
+        self.process.terminate()
+        self.process.join(grace)
+        _kill_all(family)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every process it started (even in another session, as
+        mlagents starts Unity players); reap it. Safe to call twice."""
+        if self.reaped:
+            return
+        if self.watched:
+            self.state = ProcessState.CLOSING
+        pid = self.pid
+        family = descendants(pid) if pid is not None and self.process.is_alive() else []
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+        self.exitcode = self.process.exitcode
+        _kill_all(family)
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # anything left in its process group
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if self.exitcode is not None:
+            self.process.close()  # releases the sentinel fd now, not at garbage collection
+            self.reaped = True
+            if self.state is ProcessState.CLOSING:
+                self.state = ProcessState.CLOSED
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from ``/proc`` (Linux);
+    ``[]`` where there is no ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # fields after "(comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

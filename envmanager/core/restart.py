@@ -1,0 +1,48 @@
+"""When a failed worker may be restarted: a lifetime count and a rate, per worker (ML-Agents' rule)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+
+
+class RestartPolicy:
+    """Allow at most ``max_lifetime_restarts`` restarts of a worker, and at most
+    ``rate_limit_n`` within any ``rate_limit_period_s`` seconds. ``-1`` lifts a limit.
+    The defaults are ML-Agents': 10 per lifetime, 1 per 60 s.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = False,
+        max_lifetime_restarts: int = 10,
+        rate_limit_n: int = 1,
+        rate_limit_period_s: float = 60.0,
+    ) -> None:
+        self.enabled = enabled
+        self.max_lifetime_restarts = max_lifetime_restarts
+        self.rate_limit_n = rate_limit_n
+        self.rate_limit_period_s = rate_limit_period_s
+        self.counts: dict[int, int] = defaultdict(int)
+        self._recent: dict[int, deque[float]] = defaultdict(deque)
+
+    def refusal(self, worker_index: int) -> str | None:
+        """Why a restart of this worker is not allowed now, or ``None`` if it is."""
+        if not self.enabled:
+            return "restarts are disabled (restart_workers=False)"
+        if 0 <= self.max_lifetime_restarts <= self.counts[worker_index]:
+            return f"it was already restarted {self.counts[worker_index]} times (max_lifetime_restarts)"
+        recent = self._recent[worker_index]
+        now = time.monotonic()
+        while recent and now - recent[0] > self.rate_limit_period_s:
+            recent.popleft()
+        if 0 <= self.rate_limit_n <= len(recent):
+            return (
+                f"it was restarted {len(recent)} time(s) in the last {self.rate_limit_period_s:g} s "
+                "(restarts_rate_limit_n)"
+            )
+        return None
+
+    def record(self, worker_index: int) -> None:
+        self.counts[worker_index] += 1
+        self._recent[worker_index].append(time.monotonic())

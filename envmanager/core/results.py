@@ -1,0 +1,64 @@
+"""What the manager hands back: ``StepResult``, ``StepTimings``, ``StepInfo`` (the StepInfo
+level) and ``StepBatch`` (the batch level)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["StepResult", "StepTimings", "StepInfo", "StepBatch"]
+
+
+class StepResult(NamedTuple):
+    """One environment's result, gymnasium style."""
+
+    observation: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+
+class StepTimings(NamedTuple):
+    """Where the time went, in seconds.
+
+    ``env``: inside the environment's ``step``/``reset`` in the worker; ``queued``: from the
+    worker posting the result until the parent took it; ``round_trip``: from sending the
+    command until the result was taken.
+    """
+
+    env: float = 0.0
+    queued: float = 0.0
+    round_trip: float = 0.0
+
+
+class StepInfo(NamedTuple):
+    """One finished environment step, as returned by ``SubprocessEnvManager.step``.
+
+    ``previous_result`` is the result the action was chosen from (``None`` right after a reset),
+    ``current_result`` the result it led to. ``interrupted`` marks a result that comes from a
+    restarted worker: the episode was cut short and ``current_result`` is a fresh reset.
+    """
+
+    worker_id: int
+    previous_result: StepResult | None
+    current_result: StepResult
+    action: Any
+    timings: StepTimings = StepTimings()
+    interrupted: bool = False
+
+
+class StepBatch(NamedTuple):
+    """The slots that finished, in the order they finished, and what only they carry.
+
+    Their observations, rewards and flags are rows ``slots`` of the manager's ``results``
+    arrays (shared memory when it is on): read them before sending those slots again.
+    ``infos`` holds the non-empty info dicts by slot; ``interrupted`` the slots whose result is
+    the fresh reset of a restarted worker; ``resets`` the slots whose result is a reset.
+    """
+
+    slots: np.ndarray
+    infos: dict[int, dict]
+    interrupted: frozenset[int] = frozenset()
+    resets: frozenset[int] = frozenset()

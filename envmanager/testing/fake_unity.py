@@ -1,0 +1,494 @@
+"""A fake Unity player: speaks the real ML-Agents gRPC protocol (communication API 1.5.0).
+
+``mlagents_envs.environment.UnityEnvironment(file_name=...)`` can launch it as if it were a
+Unity build; it connects, as a gRPC *client*, to the server UnityEnvironment starts, and runs
+the small learnable task of :mod:`envmanager.mlagents.fake_unity_task`.
+
+Run as ``envmanager-fake-unity``, ``python -m envmanager.mlagents.fake_unity`` or
+``python path/to/fake_unity.py`` (no ``envmanager`` import; :func:`write_launcher` does this)::
+
+    envmanager-fake-unity --mlagents-port 5005 [--config cfg.json] [flags...]
+
+Unity's own arguments (``-logFile PATH``, ``-nographics``, ``-batchmode``, anything unknown)
+are accepted; ``-logFile`` receives the player log. Settings come from, in increasing
+priority: defaults, the JSON file named by ``$ENVMANAGER_FAKE_UNITY_CONFIG``, ``--config``
+(if both are given only ``--config`` is used), then the flags. Behaviour flags (``--agents``,
+``--discrete``...) apply to every configured behaviour.
+
+Protocol (mirrors Unity's RpcCommunicator): ``Exchange(init output + first rl_output)`` returns
+the ``rl_initialization_input``; a second, empty ``Exchange`` returns the first real input; then
+every reply is answered with the next output. Header status 400 (Python's ``close()``) and the
+``QUIT`` command end the player with exit code 0, as does a failed RPC with the server gone
+(other RPC errors: exit 1); if the parent process disappears the player exits (code 3). It
+never lingers. Crashes on purpose (``crash_after_steps``): ``exit`` -> ``os._exit(code)``,
+``raise`` -> uncaught exception (exit 1), ``kill`` -> SIGKILL (-9), ``hang`` -> stop answering.
+
+Stats sent back each step on the StatsSideChannel (key, aggregation):
+``Fake/Reward`` (AVERAGE, mean reward of that step over all agents), ``Fake/EpisodeReturn``
+(AVERAGE, one per finished episode), ``Fake/Step`` (MOST_RECENT, STEP commands so far),
+``Fake/MaskViolations`` (SUM, only with masks); once, on the first output after the handshake:
+``Fake/Pid``, ``Fake/Seed``, ``Fake/NumAreas``; on the output that follows their arrival:
+``Fake/EnvParam/<key>`` (the float, or the sampled value for samplers) and ``Fake/Engine/<field>``
+(width, height, quality_level, time_scale, target_frame_rate, capture_frame_rate).
+Environment parameters ``episode_length``, ``step_latency`` and ``reward_scale`` also change the
+simulation (from the next reset / step). A client without a StatsSideChannel logs a warning per
+message ("Unknown side channel data"); pass one, or turn stats off (``--no-stats``).
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+
+if __package__:
+    from envmanager.testing import fake_unity_task as _task
+else:  # run as a file (what write_launcher does): skip importing the envmanager package
+    import fake_unity_task as _task  # type: ignore[no-redef]
+
+    if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # our directory must not shadow anything imported later
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core chatter on the player's stderr
+import grpc  # noqa: E402
+from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
+from mlagents_envs.communicator_objects.brain_parameters_pb2 import BrainParametersProto
+from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto
+from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP
+from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
+from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
+from mlagents_envs.communicator_objects.unity_output_pb2 import UnityOutputProto
+from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import UnityToExternalProtoStub
+
+
+CONFIG_ENV_VAR = "ENVMANAGER_FAKE_UNITY_CONFIG"
+COMMANDS = {STEP: "STEP", RESET: "RESET", QUIT: "QUIT"}
+
+
+class PlayerExit(Exception):
+    def __init__(self, reason: str, code: int = 0) -> None:
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+def _int_list(text: str) -> List[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="envmanager-fake-unity", allow_abbrev=False,
+                                description="Fake Unity ML-Agents player (gRPC client, API 1.5.0).")
+    a = p.add_argument
+    a("--mlagents-port", type=int, default=5005, help="port of the Python gRPC server")
+    a("--config", help="JSON config file (see envmanager.mlagents.fake_unity_task.FakeConfig)")
+    a("--record", help="append JSON lines of what the player receives to this file")
+    a("--seed", type=int, help="task seed (default: the seed UnityEnvironment sends)")
+    a("--step-latency", type=float, help="seconds to sleep per STEP")
+    a("--latency-jitter", type=float, help="extra uniform [0, jitter] seconds per STEP")
+    a("--reset-latency", type=float, help="seconds to sleep per RESET")
+    a("--crash-after-steps", type=int, help="answer N STEP commands, crash on the next one")
+    a("--crash-mode", choices=["exit", "raise", "kill", "hang"])
+    a("--crash-exit-code", type=int)
+    a("--crash-on-start", action="store_true", default=None, help="exit(crash code) before connecting")
+    a("--no-stats", dest="stats", action="store_false", default=None, help="send no StatsSideChannel data")
+    a("--connect-timeout", type=float)
+    a("--exchange-timeout", type=float, help="deadline of each Exchange RPC (default: none)")
+    a("--echo-channel", dest="echo_channels", action="append", help="uuid of a side channel to echo back")
+    a("--verbose", action="store_true", help="log to stderr too")
+    b = p.add_argument_group("behaviour (applied to every behaviour)")
+    b.add_argument("--behavior", dest="name", help='behaviour name, e.g. "Ball?team=0" (single behaviour only)')
+    b.add_argument("--agents", type=int)
+    b.add_argument("--obs-shape", dest="observation_shapes", type=_int_list, action="append",
+                   help="observation shape like 8 or 3,4 (repeat for several observations)")
+    b.add_argument("--continuous", type=int, help="number of continuous actions")
+    b.add_argument("--discrete", type=_int_list, help="discrete branch sizes like 3,2 ('' for none)")
+    b.add_argument("--action-mask", dest="action_masks", type=_int_list, action="append",
+                   help="masked indices of one branch, like 1,2 (repeat once per branch)")
+    b.add_argument("--episode-length", type=int, help="steps per episode (0 = never ends)")
+    b.add_argument("--interrupt", dest="episode_end", action="store_const", const="interrupt",
+                   help="episodes end interrupted (max_step_reached) instead of terminated")
+    b.add_argument("--decision-period", type=int)
+    b.add_argument("--wrong-reward", type=float)
+    return p
+
+
+TOP_FLAGS = ("record", "seed", "step_latency", "latency_jitter", "reset_latency", "crash_after_steps",
+             "crash_mode", "crash_exit_code", "crash_on_start", "stats", "connect_timeout",
+             "exchange_timeout", "echo_channels")
+BEHAVIOR_FLAGS = ("name", "agents", "observation_shapes", "continuous", "discrete", "action_masks",
+                  "episode_length", "episode_end", "decision_period", "wrong_reward")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[_task.FakeConfig, Dict[str, Any]]:
+    """Returns the config and the launch facts (port, log file, Unity flags, ignored args)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    log_file, unity_flags, rest = None, [], []
+    i = 0
+    while i < len(argv):  # Unity-style single-dash flags, taken out before argparse sees them
+        arg = argv[i]
+        if arg.lower() == "-logfile" and i + 1 < len(argv):
+            log_file, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2 and arg[1].isalpha():
+            unity_flags.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    ns, ignored = build_parser().parse_known_args(rest)
+    path = ns.config or os.environ.get(CONFIG_ENV_VAR)
+    data: Dict[str, Any] = _task.load_config(path) if path else {}
+    for key in TOP_FLAGS:
+        if getattr(ns, key) is not None:
+            data[key] = getattr(ns, key)
+    behaviors = [dict(b) for b in data.get("behaviors", [{}])]
+    for key in BEHAVIOR_FLAGS:
+        if getattr(ns, key) is not None:
+            for b in behaviors:
+                b[key] = getattr(ns, key)
+    data["behaviors"] = behaviors
+    facts = {"port": ns.mlagents_port, "log_file": log_file, "unity_flags": unity_flags,
+             "ignored_args": ignored, "config_path": path, "verbose": ns.verbose}
+    return _task.make_config(data), facts
+
+
+class FakePlayer:
+    def __init__(self, cfg: _task.FakeConfig, facts: Dict[str, Any]) -> None:
+        self.cfg, self.facts = cfg, facts
+        self.port: int = facts["port"]
+        self.rng = random.Random(cfg.seed or 0)
+        self.jitter_rng = random.Random((cfg.seed or 0) + 1)
+        self.sims: List[_task.BehaviorSim] = []
+        first = 0
+        for b in cfg.behaviors:
+            self.sims.append(_task.BehaviorSim(b, first, self.rng))
+            first += b.agents
+        self.steps = 0
+        self.inputs = 0
+        self.env_params: Dict[str, float] = {}
+        self.engine: Dict[str, float] = {}
+        self.echo = {uuid.UUID(c) for c in cfg.echo_channels}
+        self.pending_stats: List[Tuple[str, float, int]] = []
+        self.pending_echo: List[Tuple[uuid.UUID, bytes]] = []
+        self.log_stream: Optional[TextIO] = None
+        self.record_stream: Optional[TextIO] = None
+        self.channel: Optional[grpc.Channel] = None
+        self.seed = cfg.seed or 0
+        self.num_areas = 1
+
+    # ------------------------------------------------------------- plumbing
+    def log(self, text: str) -> None:
+        line = f"[fake-unity pid={os.getpid()} port={self.port}] {text}\n"
+        for stream in (self.log_stream, sys.stderr if self.facts.get("verbose") else None):
+            if stream is not None:
+                stream.write(line)
+                stream.flush()
+
+    def record(self, event: str, **data: Any) -> None:
+        if self.record_stream is not None:
+            data = {"event": event, "pid": os.getpid(), "time": time.time(), **data}
+            self.record_stream.write(json.dumps(data) + "\n")
+            self.record_stream.flush()
+
+    def _open_streams(self) -> None:
+        log_file = self.facts.get("log_file")
+        if log_file == "-":
+            self.log_stream = sys.stdout
+        elif log_file:
+            os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+            self.log_stream = open(log_file, "a", encoding="utf-8")
+        if self.cfg.record:
+            self.record_stream = open(self.cfg.record, "a", encoding="utf-8")
+
+    def _start_watchdog(self) -> None:
+        parent = os.getppid()
+
+        def watch() -> None:
+            while True:
+                time.sleep(0.25)
+                if os.getppid() != parent:
+                    self.record("exit", reason="parent_died", code=3)
+                    os._exit(3)
+
+        threading.Thread(target=watch, name="fake-unity-watchdog", daemon=True).start()
+
+    def exchange(self, stub: UnityToExternalProtoStub, msg: UnityMessageProto) -> UnityMessageProto:
+        try:
+            return stub.Exchange(msg, timeout=self.cfg.exchange_timeout)
+        except grpc.RpcError as e:  # server gone (UNAVAILABLE / CANCELLED): a normal way to end
+            code = e.code() if hasattr(e, "code") else None
+            normal = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            if not normal:  # e.g. RESOURCE_EXHAUSTED (message over gRPC's 4 MB) or DEADLINE_EXCEEDED
+                self.log(f"Exchange failed: {e!r}")
+            raise PlayerExit(f"connection_lost:{getattr(code, 'name', code)}", 0 if normal else 1) from None
+
+    # ------------------------------------------------------------- messages
+    def _info_proto(self, sim: _task.BehaviorSim, info: _task.Info) -> AgentInfoProto:
+        proto = AgentInfoProto(reward=info.reward, done=info.done, max_step_reached=info.max_step_reached,
+                               id=info.agent_id, group_id=info.group_id, group_reward=info.group_reward)
+        for i, (shape, data) in enumerate(zip(sim.cfg.observation_shapes, info.observations)):
+            obs = ObservationProto(shape=shape, name=f"FakeObservation{i}")
+            obs.float_data.data.extend(data)
+            proto.observations.append(obs)
+        if info.action_mask is not None:
+            proto.action_mask.extend(info.action_mask)
+        return proto
+
+    def _output(self, infos: Dict[str, List[_task.Info]], init: bool = False) -> UnityMessageProto:
+        msg = UnityMessageProto()
+        msg.header.status = 200
+        out: UnityOutputProto = msg.unity_output
+        if init:
+            init_out = out.rl_initialization_output
+            init_out.name = self.cfg.name
+            init_out.communication_version = self.cfg.communication_version
+            init_out.package_version = self.cfg.package_version
+            init_out.log_path = self.facts.get("log_file") or ""
+            init_out.capabilities.CopyFrom(UnityRLCapabilitiesProto(
+                baseRLCapabilities=True, concatenatedPngObservations=True, compressedChannelMapping=True,
+                hybridActions=True, trainingAnalytics=True, variableLengthObservation=True,
+                multiAgentGroups=True))
+            for sim in self.sims:
+                bp = BrainParametersProto(brain_name=sim.cfg.name, is_training=True)
+                bp.action_spec.num_continuous_actions = sim.cfg.continuous
+                bp.action_spec.num_discrete_actions = len(sim.cfg.discrete)
+                bp.action_spec.discrete_branch_sizes.extend(sim.cfg.discrete)
+                init_out.brain_parameters.append(bp)
+        for sim in self.sims:
+            if sim.cfg.name in infos:
+                out.rl_output.agentInfos[sim.cfg.name].value.extend(
+                    self._info_proto(sim, info) for info in infos[sim.cfg.name])
+        if not init:
+            messages = [_task.stat_message(*s) for s in self.pending_stats] if self.cfg.stats else []
+            out.rl_output.side_channel = _task.pack_side_channel(messages + self.pending_echo)
+            self.pending_stats, self.pending_echo = [], []
+        return msg
+
+    def stat(self, key: str, value: float, aggregation: int = _task.MOST_RECENT) -> None:
+        self.pending_stats.append((key, float(value), aggregation))
+
+    # ------------------------------------------------------------- input handling
+    def _side_channels(self, data: bytes) -> Dict[str, Any]:
+        seen: Dict[str, Any] = {"env_params": {}, "engine": {}, "other": []}
+        for cid, payload in _task.split_side_channel(data):
+            try:
+                if cid == _task.ENV_PARAMS_CHANNEL:
+                    key, value, desc = _task.decode_env_param(payload, self.rng)
+                    self.env_params[key] = value
+                    seen["env_params"][key] = {**desc, "sampled": value}
+                    self.stat(f"Fake/EnvParam/{key}", value)
+                elif cid == _task.ENGINE_CHANNEL:
+                    for key, value in _task.decode_engine(payload).items():
+                        self.engine[key] = value
+                        seen["engine"][key] = value
+                        self.stat(f"Fake/Engine/{key}", value)
+                else:
+                    seen["other"].append({"channel": str(cid), "bytes": len(payload)})
+                    if cid in self.echo:
+                        self.pending_echo.append((cid, payload))
+            except Exception as e:  # a malformed message must not kill the player
+                self.log(f"bad side-channel message on {cid}: {e!r}")
+        override = self.env_params.get("episode_length")
+        for sim in self.sims:
+            sim.episode_length_override = None if override is None else int(override)
+        return seen
+
+    def _actions(self, rl_in: Any) -> Dict[str, List[Tuple[List[float], List[int]]]]:
+        out = {}
+        for name, lst in rl_in.agent_actions.items():
+            out[name] = [(list(a.continuous_actions), list(a.discrete_actions)) for a in lst.value]
+        return out
+
+    def _crash(self) -> None:
+        mode, code = self.cfg.crash_mode, self.cfg.crash_exit_code
+        self.log(f"crashing on purpose after {self.steps} steps (mode {mode})")
+        self.record("exit", reason=f"crash:{mode}", code={"raise": 1, "kill": -9}.get(mode, code))
+        if mode == "exit":
+            os._exit(code)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "raise":
+            raise RuntimeError(f"fake Unity player crashed on purpose after {self.steps} steps")
+        while True:  # hang: stop answering; the watchdog still ends us if the parent goes
+            time.sleep(0.5)
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def handle(self, msg: UnityMessageProto) -> UnityMessageProto:
+        if msg.header.status != 200:
+            raise PlayerExit(f"status_{msg.header.status}", 0)
+        rl_in = msg.unity_input.rl_input
+        self.inputs += 1
+        command = COMMANDS.get(rl_in.command, str(rl_in.command))
+        seen = self._side_channels(rl_in.side_channel)
+        actions = self._actions(rl_in)
+        self.record("input", n=self.inputs, command=command, side_channel_bytes=len(rl_in.side_channel),
+                    actions={k: {"agents": len(v), "continuous": [c for c, _ in v],
+                                 "discrete": [d for _, d in v]} for k, v in actions.items()}, **seen)
+        if rl_in.command == QUIT:
+            raise PlayerExit("quit", 0)
+        if self.inputs == 1:
+            self.stat("Fake/Pid", os.getpid())
+            self.stat("Fake/Seed", self.seed)
+            self.stat("Fake/NumAreas", self.num_areas)
+        infos: Dict[str, List[_task.Info]] = {}
+        if rl_in.command == RESET:
+            self._sleep(self.cfg.reset_latency)
+            for sim in self.sims:
+                infos[sim.cfg.name] = sim.reset()
+            return self._output(infos)
+        if self.cfg.crash_after_steps is not None and self.steps >= self.cfg.crash_after_steps:
+            self._crash()
+        self.steps += 1
+        latency = self.env_params.get("step_latency", self.cfg.step_latency)
+        self._sleep(latency + (self.jitter_rng.uniform(0, self.cfg.latency_jitter) if self.cfg.latency_jitter else 0))
+        scale = self.env_params.get("reward_scale", 1.0)
+        rewards, returns, violations = [], [], 0
+        for sim in self.sims:
+            infos[sim.cfg.name], st = sim.step(actions.get(sim.cfg.name, []), self.steps, scale)
+            rewards += st["rewards"]
+            returns += st["returns"]
+            violations += st["mask_violations"]
+        self.stat("Fake/Step", self.steps)
+        if rewards:
+            self.stat("Fake/Reward", sum(rewards) / len(rewards), _task.AVERAGE)
+        for r in returns:
+            self.stat("Fake/EpisodeReturn", r, _task.AVERAGE)
+        if any(sim.mask is not None for sim in self.sims):
+            self.stat("Fake/MaskViolations", violations, _task.SUM)
+        return self._output(infos)
+
+    # ------------------------------------------------------------- main loop
+    def run(self) -> int:
+        self._open_streams()
+        self.record("start", port=self.port, argv=sys.argv, **{k: v for k, v in self.facts.items() if k != "port"})
+        if self.cfg.crash_on_start:
+            self.record("exit", reason="crash_on_start", code=self.cfg.crash_exit_code)
+            return self.cfg.crash_exit_code
+        if self.cfg.parent_watchdog:
+            self._start_watchdog()
+        self.channel = grpc.insecure_channel(f"localhost:{self.port}")
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.cfg.connect_timeout)
+        except grpc.FutureTimeoutError:
+            self.log(f"could not connect to localhost:{self.port}")
+            self.record("exit", reason="connect_timeout", code=1)
+            return 1
+        stub = UnityToExternalProtoStub(self.channel)
+        code, reason = 0, "?"
+        try:
+            initial = {sim.cfg.name: sim.reset() for sim in self.sims}
+            reply = self.exchange(stub, self._output(initial, init=True))
+            if reply.header.status != 200:
+                raise PlayerExit(f"status_{reply.header.status}", 0)
+            init_in = reply.unity_input.rl_initialization_input
+            self.seed = self.cfg.seed if self.cfg.seed is not None else init_in.seed
+            self.num_areas = init_in.num_areas
+            self.rng.seed(self.seed)
+            self.jitter_rng.seed(self.seed + 1)
+            self.record("init_input", seed=init_in.seed, communication_version=init_in.communication_version,
+                        package_version=init_in.package_version, num_areas=init_in.num_areas)
+            self.log(f"connected; python package {init_in.package_version}, API {init_in.communication_version}")
+            empty = UnityMessageProto()
+            empty.header.status = 200
+            msg = self.exchange(stub, empty)
+            while True:
+                msg = self.exchange(stub, self.handle(msg))
+        except PlayerExit as e:
+            code, reason = e.code, e.reason
+        finally:
+            self.channel.close()
+        self.log(f"exiting: {reason}")
+        self.record("exit", reason=reason, code=code)
+        return code
+
+
+# ---------------------------------------------------------------- helpers for launching it
+
+_STRIPPED = (".app", ".exe", ".x86_64", ".x86")  # UnityEnvironment strips these anywhere in file_name
+
+
+def write_launcher(directory: "os.PathLike[str] | str", config: Optional[Dict[str, Any]] = None,
+                   name: str = "fakeplayer", extra_args: Sequence[str] = (),
+                   python: Optional[str] = None) -> str:
+    """Write an executable ``directory/name`` that UnityEnvironment(file_name=...) can launch.
+
+    It ``exec``s ``python <this file> [--config name.json] extra_args "$@"`` (running the file
+    does not import the ``envmanager`` package; ``exec`` keeps the launched pid = the player's).
+    The config, if given, is written next to it as ``name.json``. Returns the script path.
+    """
+    script = os.path.join(os.path.abspath(os.fspath(directory)), name)
+    if any(s in script for s in _STRIPPED):
+        raise ValueError(f"{script}: UnityEnvironment would strip {_STRIPPED} from this path")
+    os.makedirs(os.path.dirname(script), exist_ok=True)
+    args: List[str] = []
+    if config is not None:
+        with open(script + ".json", "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1)
+        args += ["--config", script + ".json"]
+    command = [python or sys.executable, os.path.abspath(__file__), *args, *extra_args]
+    with open(script, "w", encoding="utf-8") as f:
+        f.write("#!/bin/sh\nexec " + " ".join(shlex.quote(c) for c in command) + ' "$@"\n')
+    os.chmod(script, os.stat(script).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return script
+
+
+def _port_free(port: int) -> bool:
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6
+            continue
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue
+            return False
+        finally:
+            s.close()
+    return True
+
+
+def free_base_port(n: int = 1, low: int = 20000, high: int = 30000) -> int:
+    """A random base port whose ``n`` consecutive ports are free now (below the ephemeral range).
+
+    Pass it as ``base_port``; UnityEnvironment listens on ``base_port + worker_id``. Racy by
+    nature: retry on ``UnityWorkerInUseException``.
+    """
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low, high - n)
+        if all(_port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} free consecutive ports in [{low}, {high})")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        cfg, facts = parse_args(argv)
+    except (ValueError, OSError) as e:
+        print(f"envmanager-fake-unity: bad configuration: {e}", file=sys.stderr)
+        return 2
+    player = FakePlayer(cfg, facts)
+    try:
+        return player.run()
+    finally:
+        for stream in (player.log_stream, player.record_stream):
+            if stream is not None and stream is not sys.stdout:
+                stream.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

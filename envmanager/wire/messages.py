@@ -1,0 +1,266 @@
+"""Every message between the parent and a worker process: one named type per request and
+per answer, and how each is encoded.
+
+=========  ==========================================  =====================================
+command    request (parent -> worker, own pipe)        answer (worker -> parent, step queue)
+=========  ==========================================  =====================================
+STEP       :class:`Step` (raw when actions are in      :class:`Stepped` (raw: env times only,
+           shared memory: local env indices only)      when nothing else needs to travel)
+RESET      :class:`Reset`                              :class:`Stepped`
+CALL       :class:`Call`                               :class:`Values`
+GET_ATTR   :class:`GetAttr`                            :class:`Values`
+SET_ATTR   :class:`SetAttr`                            :class:`Values`
+ATTACH     :class:`Attach` (map the shared arrays)     :class:`Values`
+CLOSE      (no payload)                                CLOSED, once the envs are closed
+(startup)  ``WorkerSpec`` at process start             READY with a :class:`Ready`
+(failure)  --                                          ENV_FAILED with a :class:`RemoteException`
+=========  ==========================================  =====================================
+
+The worker's handler for each request is in ``envmanager.worker.main.HANDLERS``; the parent's
+for each answer in ``envmanager.core.pool.WorkerPool`` (transport) and
+``envmanager.core.batch`` (what a step or reset answer means for the env slots).
+
+On the wire a message is a fixed binary header, then a payload whose form the header names:
+pickled, pickled but sent on the worker's own pipe (too big for one atomic notice), or raw
+(no pickle at all: the hot path when observations, rewards and actions are in shared memory
+and the envs' infos are empty). The header always decodes, so a payload that fails to pickle
+or unpickle becomes an error naming the request and the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import struct
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "EnvironmentCommand",
+    "EnvironmentRequest",
+    "EnvironmentResponse",
+    "RemoteException",
+    "Step",
+    "Reset",
+    "Call",
+    "GetAttr",
+    "SetAttr",
+    "Attach",
+    "Ready",
+    "Stepped",
+    "Values",
+    "EnvFunction",
+]
+
+
+class EnvironmentCommand(enum.IntEnum):
+    """The commands of the worker protocol (see the table in this module's docstring).
+
+    ``ENV_FAILED`` answers a request that raised as a whole (the worker lives on);
+    ``ENV_EXITED`` is its old name.
+    """
+
+    STEP = 1
+    RESET = 2
+    CALL = 3
+    GET_ATTR = 4
+    SET_ATTR = 5
+    ATTACH = 6
+    CLOSE = 7
+    READY = 8
+    ENV_FAILED = 9
+    CLOSED = 10
+    ENV_EXITED = 9  # old name of ENV_FAILED
+
+
+Cmd = EnvironmentCommand
+_COMMANDS = {int(cmd): cmd for cmd in EnvironmentCommand}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests: parent -> worker
+
+
+class Step(NamedTuple):
+    """Step the envs at these local indices; ``actions`` is ``None`` when they wait in
+    shared memory (then the request is raw: no pickle)."""
+
+    locals: tuple[int, ...]
+    actions: list[Any] | None = None
+
+
+class Reset(NamedTuple):
+    """Reset the envs at ``locals`` with one seed and one options dict each."""
+
+    locals: tuple[int, ...]
+    seeds: tuple[Any, ...]
+    options: tuple[Any, ...]
+
+
+class EnvFunction(bytes):
+    """A cloudpickled ``fn(env, *args, **kwargs)`` to run on an env in its worker (CALL)."""
+
+
+class Call(NamedTuple):
+    """Call ``env.<target>(*args, **kwargs)`` (or read it if not callable), or run
+    ``target(env, *args, **kwargs)`` when it is an :class:`EnvFunction`."""
+
+    locals: tuple[int, ...]
+    target: str | EnvFunction
+    args: tuple = ()
+    kwargs: dict | None = None
+
+
+class GetAttr(NamedTuple):
+    locals: tuple[int, ...]
+    name: str
+
+
+class SetAttr(NamedTuple):
+    locals: tuple[int, ...]
+    name: str
+    values: tuple[Any, ...]
+
+
+class Attach(NamedTuple):
+    """Map the shared-memory buffers described by ``layout`` (a ``BufferLayout``)."""
+
+    layout: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers: worker -> parent
+
+
+class Ready(NamedTuple):
+    """A worker's first answer: what its envs are (spaces, metadata, ...)."""
+
+    env_ids: tuple[int, ...]
+    observation_spaces: tuple[Any, ...]
+    action_spaces: tuple[Any, ...]
+    metadata: dict[str, Any]
+    render_mode: str | None
+    spec: Any
+
+
+class Stepped(NamedTuple):
+    """The answer to STEP or RESET: one entry per local env of the request, in its order.
+
+    ``env_times``: seconds inside each env. ``infos``: the non-empty info dicts, by position.
+    ``failures``: the envs that raised, by position (the others stepped fine and deliver).
+    ``observations``: each env's observation, when observations are not in shared memory;
+    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either.
+    """
+
+    env_times: list[float]
+    infos: dict[int, dict] | None = None
+    failures: dict[int, RemoteException] | None = None
+    observations: list[Any] | None = None
+    scalars: list[tuple[float, bool, bool]] | None = None
+
+    @property
+    def raw(self) -> bool:
+        """Nothing but env times: the answer travels with no pickle."""
+        return not self.infos and not self.failures and self.observations is None and self.scalars is None
+
+
+class Values(NamedTuple):
+    """The answer to CALL, GET_ATTR, SET_ATTR and ATTACH: one value per local env."""
+
+    values: list[Any]
+
+
+class RemoteException(NamedTuple):
+    """An exception raised in a worker, in a form that always survives pickling."""
+
+    env_index: int
+    exc_type: str
+    message: str
+    traceback: str
+    exception: BaseException | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+# Request: cmd, seq, form; then the payload.
+REQUEST_HEADER = struct.Struct("<BqB")
+# Answer notice on the step queue: cmd, process index, seq, posted at, form; then the payload.
+NOTICE_HEADER = struct.Struct("<Biqdb")
+PICKLED, ON_PIPE, RAW = 0, 1, 2  # payload forms
+_LOCALS = np.dtype("<u2")
+_TIMES = np.dtype("<f8")
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_request(cmd: Cmd, seq: int, message: Any = None) -> bytes:
+    """A request as bytes; a STEP whose actions are in shared memory goes raw."""
+    if cmd is Cmd.STEP and message.actions is None:
+        return REQUEST_HEADER.pack(cmd, seq, RAW) + np.asarray(message.locals, _LOCALS).tobytes()
+    return REQUEST_HEADER.pack(cmd, seq, PICKLED) + (b"" if message is None else dumps(message))
+
+
+def decode_request_header(data: bytes) -> tuple[Cmd, int, int]:
+    cmd, seq, form = REQUEST_HEADER.unpack_from(data)
+    return _COMMANDS[cmd], seq, form
+
+
+def decode_request(cmd: Cmd, form: int, data: bytes) -> Any:
+    body = memoryview(data)[REQUEST_HEADER.size :]
+    if form == RAW:
+        return Step(tuple(np.frombuffer(body, _LOCALS).tolist()))
+    return pickle.loads(body) if len(body) else None
+
+
+def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any) -> tuple[bytes, bytes]:
+    """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw."""
+    if type(message) is Stepped and message.raw:
+        return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), np.asarray(message.env_times, _TIMES).tobytes()
+    return NOTICE_HEADER.pack(cmd, index, seq, posted_at, PICKLED), dumps(message)
+
+
+class EnvironmentResponse(NamedTuple):
+    """An answer as taken off the step queue; ``payload`` is still encoded (see ``decode_answer``)."""
+
+    cmd: Cmd
+    process: int
+    seq: int
+    posted_at: float
+    form: int
+    payload: memoryview | bytes
+
+
+def decode_notice(data: bytes) -> EnvironmentResponse:
+    cmd, index, seq, posted_at, form = NOTICE_HEADER.unpack_from(data)
+    return EnvironmentResponse(_COMMANDS[cmd], index, seq, posted_at, form, memoryview(data)[NOTICE_HEADER.size :])
+
+
+def decode_answer(form: int, payload: memoryview | bytes) -> Any:
+    """The answer object; raises whatever unpickling raises."""
+    if form == RAW:
+        return Stepped(np.frombuffer(payload, _TIMES).tolist())
+    return pickle.loads(payload)
+
+
+def on_pipe_notice(header: bytes) -> bytes:
+    """The same notice header, saying that the payload follows on the worker's own pipe."""
+    cmd, index, seq, posted_at, _ = NOTICE_HEADER.unpack(header)
+    return NOTICE_HEADER.pack(cmd, index, seq, posted_at, ON_PIPE)
+
+
+class EnvironmentRequest(NamedTuple):
+    """A request in flight to one worker process: what was sent, to answer or replay it.
+
+    ``slots`` are the env slots (public ``worker_id``s) it concerns; ``data`` the encoded
+    request, kept so a restart can send it again.
+    """
+
+    cmd: Cmd
+    seq: int
+    slots: tuple[int, ...] = ()
+    data: bytes = b""
+    message: Any = None

@@ -1,0 +1,98 @@
+"""The step queue: the one pipe every worker posts its answers on, read by the parent.
+
+A plain pipe whose write end all workers share. Each notice is written with a single
+``write`` of at most ``PIPE_BUF`` bytes, which POSIX makes atomic, so no lock is needed and a
+worker killed mid-write can neither corrupt nor block the queue for the others. An answer
+too big for one notice goes over the worker's own pipe, announced by a notice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import select
+import struct
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe_notice
+
+__all__ = ["StepQueue", "read_message", "MAX_NOTICE_BYTES"]
+
+# Largest notice that still goes out in one atomic write (4-byte length header included).
+MAX_NOTICE_BYTES = select.PIPE_BUF - 4
+_F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe so many workers can post without waiting
+
+
+class StepQueue:
+    """The shared step queue: many writers (workers), one reader (the parent)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.reader, self.writer = ctx.Pipe(duplex=False)
+        try:
+            fcntl.fcntl(self.writer.fileno(), _F_SETPIPE_SZ, 1 << 20)
+        except OSError:  # not Linux, or above pipe-max-size: the default size still works
+            pass
+        self._ready = select.poll()  # Connection.poll() builds a selector per call: too slow here
+        self._ready.register(self.reader.fileno(), select.POLLIN)
+
+    # -- worker side ------------------------------------------------------------------------
+    @staticmethod
+    def post(writer: Connection, own_pipe: Connection, header: bytes, payload: bytes) -> None:
+        """Post an answer (``encode_answer``'s header and payload); a payload too big for one
+        atomic notice goes over the worker's own pipe."""
+        if len(header) + len(payload) <= MAX_NOTICE_BYTES:
+            writer.send_bytes(header + payload)
+            return
+        # The notice first: the parent reads the payload only once it knows it is coming, and a
+        # payload larger than the pipe's buffer can only be written while the parent reads it.
+        writer.send_bytes(on_pipe_notice(header))
+        own_pipe.send_bytes(payload)
+
+    # -- parent side ------------------------------------------------------------------------
+    def get_nowait(self) -> EnvironmentResponse | None:
+        """The next notice (payload still encoded), or ``None`` if the queue is empty now."""
+        if not self._ready.poll(0):
+            return None
+        return decode_notice(self.reader.recv_bytes())
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+def read_message(conn: Connection, deadline: float, sentinel: int) -> bytes:
+    """One ``send_bytes`` message from ``conn``, read before ``deadline`` (``time.monotonic``).
+
+    ``Connection.recv_bytes`` would block with no bound once a message has begun; this raises
+    ``TimeoutError`` past the deadline and ``EOFError`` once the writer is gone (``sentinel``,
+    its process, has ended and nothing more is buffered).
+    """
+    fd = conn.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(sentinel, select.POLLIN)
+
+    def read_exact(n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("a message from the worker did not arrive in time")
+            events = dict(poller.poll(max(1, math.ceil(left * 1000))))
+            if fd in events:
+                chunk = os.read(fd, min(n - got, 1 << 20))
+                if not chunk:
+                    raise EOFError("the worker's pipe closed mid-message")
+                chunks.append(chunk)
+                got += len(chunk)
+            elif sentinel in events:
+                raise EOFError("the worker ended mid-message")
+        return b"".join(chunks)
+
+    (size,) = struct.unpack("!i", read_exact(4))
+    if size == -1:  # multiprocessing's header for messages over 2 GiB
+        (size,) = struct.unpack("!Q", read_exact(8))
+    return read_exact(size)

@@ -1,0 +1,202 @@
+"""The envs of one worker process and what each request does to them (the worker's half of
+every command in ``envmanager.wire.messages``)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import traceback
+from typing import Any, Callable
+
+import cloudpickle
+
+from envmanager.wire import shm
+from envmanager.wire.messages import (
+    Attach,
+    Call,
+    EnvFunction,
+    GetAttr,
+    Ready,
+    RemoteException,
+    Reset,
+    SetAttr,
+    Step,
+    Stepped,
+    Values,
+)
+
+logger = logging.getLogger(__name__)
+
+NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
+
+__all__ = ["WorkerEnvs", "remote_exception", "NEXT_STEP", "SAME_STEP", "DISABLED"]
+
+
+class WorkerEnvs:
+    """The envs of one worker process (slots ``env_ids``), with gymnasium's autoreset rules.
+
+    Each handler takes a request message and returns its answer message. A step or reset
+    goes on past an env that raises: the others deliver, the failure is reported by position.
+    """
+
+    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str) -> None:
+        self.env_ids = env_ids
+        self.factory = factory
+        self.autoreset_mode = autoreset_mode
+        self.envs: list[Any] = []
+        self.autoreset = [False] * len(env_ids)
+        self.buffers: shm.SharedBuffers | None = None
+        self.current = env_ids[0]  # the slot being worked on, so an exception can name it
+
+    def build(self) -> Ready:
+        """Make the envs with the user's factory (``close`` closes those already made)."""
+        make: Callable[[int], Any] = cloudpickle.loads(self.factory)
+        for slot in self.env_ids:
+            self.current = slot
+            env = make(slot)
+            if not (hasattr(env, "step") and hasattr(env, "reset")):
+                raise TypeError(
+                    f"env_factory({slot}) returned {type(env).__name__} {env!r:.80}, not an environment "
+                    "(an object with reset() and step(), such as a gymnasium.Env)"
+                )
+            self.envs.append(env)
+        first = self.envs[0]
+        return Ready(
+            self.env_ids,
+            tuple(getattr(e, "observation_space", None) for e in self.envs),
+            tuple(getattr(e, "action_space", None) for e in self.envs),
+            getattr(first, "metadata", None) or {},
+            getattr(first, "render_mode", None),
+            getattr(first, "spec", None),
+        )
+
+    # -- STEP and RESET ---------------------------------------------------------------------
+    def step(self, request: Step) -> Stepped:
+        actions, b, envs, mode = request.actions, self.buffers, self.envs, self.autoreset_mode
+        out = _Answer(len(request.locals), b)
+        for n, i in enumerate(request.locals):
+            slot = self.current = self.env_ids[i]
+            start = time.perf_counter()
+            try:
+                action = actions[n] if actions is not None else shm.read(b.action, slot)  # type: ignore[union-attr]
+                env = envs[i]
+                if self.autoreset[i] and mode == NEXT_STEP:
+                    obs, info = env.reset()
+                    reward, terminated, truncated = 0.0, False, False
+                else:
+                    obs, reward, terminated, truncated, info = env.step(action)
+                    if (terminated or truncated) and mode == SAME_STEP:
+                        final = {"final_obs": obs, "final_info": info}
+                        obs, info = env.reset()
+                        info = {**final, **info}
+                self.autoreset[i] = bool(terminated or truncated)
+                out.add(n, slot, obs, reward, terminated, truncated, info, time.perf_counter() - start)
+            except Exception as exc:
+                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+        return out.answer()
+
+    def reset(self, request: Reset) -> Stepped:
+        out = _Answer(len(request.locals), self.buffers)
+        for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options)):
+            slot = self.current = self.env_ids[i]
+            start = time.perf_counter()
+            try:
+                obs, info = self.envs[i].reset(seed=seed, options=options)
+                self.autoreset[i] = False
+                out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+            except Exception as exc:
+                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+        return out.answer()
+
+    # -- reaching into the envs -------------------------------------------------------------
+    def call(self, request: Call) -> Values:
+        args, kwargs = request.args, request.kwargs or {}
+        if isinstance(request.target, EnvFunction):
+            fn = cloudpickle.loads(request.target)
+            return Values([fn(self._env(i), *args, **kwargs) for i in request.locals])
+        values = []
+        for i in request.locals:
+            attr = _get_attr(self._env(i), request.target)
+            values.append(attr(*args, **kwargs) if callable(attr) else attr)
+        return Values(values)
+
+    def get_attr(self, request: GetAttr) -> Values:
+        return Values([_get_attr(self._env(i), request.name) for i in request.locals])
+
+    def set_attr(self, request: SetAttr) -> Values:
+        for i, value in zip(request.locals, request.values):
+            env = self._env(i)
+            if hasattr(env, "set_wrapper_attr"):
+                env.set_wrapper_attr(request.name, value)
+            else:
+                setattr(env, request.name, value)
+        return Values([None] * len(request.locals))
+
+    def attach(self, request: Attach) -> Values:
+        if self.buffers is not None:
+            self.buffers.close()
+        self.buffers = shm.SharedBuffers.attach(request.layout)
+        return Values([])
+
+    def _env(self, i: int) -> Any:
+        self.current = self.env_ids[i]
+        return self.envs[i]
+
+    def close(self) -> None:
+        for slot, env in zip(self.env_ids, self.envs):
+            try:
+                env.close()
+            except Exception:  # closing must go on for the others
+                logger.exception("closing env %d failed", slot)
+        if self.buffers is not None:
+            self.buffers.close()
+
+
+class _Answer:
+    """Builds a :class:`Stepped`: results go into shared memory where they can."""
+
+    def __init__(self, n: int, buffers: shm.SharedBuffers | None) -> None:
+        self.b = buffers
+        self.times = [0.0] * n
+        self.infos: dict[int, dict] = {}
+        self.failures: dict[int, RemoteException] = {}
+        self.observations = [None] * n if buffers is None or buffers.observation is None else None
+        self.scalars = [(0.0, False, False)] * n if buffers is None else None
+
+    def add(self, n: int, slot: int, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict, t: float) -> None:
+        self.times[n] = t
+        b = self.b
+        if self.scalars is None:
+            b.reward[slot], b.terminated[slot], b.truncated[slot] = reward, terminated, truncated  # type: ignore[union-attr]
+        else:
+            self.scalars[n] = (reward, bool(terminated), bool(truncated))
+        if self.observations is None:
+            shm.write(b.observation, slot, obs)  # type: ignore[union-attr]
+        else:
+            self.observations[n] = obs
+        if info:
+            self.infos[n] = info
+
+    def failed(self, n: int, failure: RemoteException, t: float) -> None:
+        self.times[n] = t
+        self.failures[n] = failure
+
+    def answer(self) -> Stepped:
+        return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars)
+
+
+def _get_attr(env: Any, name: str) -> Any:
+    return env.get_wrapper_attr(name) if hasattr(env, "get_wrapper_attr") else getattr(env, name)
+
+
+def remote_exception(slot: int, exc: BaseException) -> RemoteException:
+    """Package ``exc`` so it always crosses the pipe, keeping the object when it pickles."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        obj: BaseException | None = exc
+    except Exception:
+        obj = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return RemoteException(slot, name, str(exc), tb, obj)

@@ -1,0 +1,144 @@
+"""The worker process: its start-up arguments, its loop and its handler table.
+
+A worker builds its envs, answers READY, then reads requests from its own pipe and posts
+every answer on the shared step queue. It never raises out of the loop: anything that fails
+on a request's account (decoding it, running it, encoding the answer) becomes an
+ENV_FAILED answer carrying the traceback, and the worker keeps serving. It closes its envs in
+``finally`` and exits by itself if the parent process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from envmanager.wire.messages import (
+    EnvironmentCommand as Cmd,
+    decode_request,
+    decode_request_header,
+    encode_answer,
+)
+from envmanager.wire.step_queue import StepQueue
+from envmanager.worker.envs import WorkerEnvs, remote_exception
+
+__all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
+
+PARENT_CHECK_INTERVAL = 0.5  # seconds between checks that the parent is still alive
+EXIT_GRACE = 5.0  # seconds a worker whose parent died gets to close its envs
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to start; picklable under every start method.
+
+    ``index`` is the process index; ``env_ids`` the env slots (public ``worker_id``s) it hosts.
+    """
+
+    index: int
+    env_ids: tuple[int, ...]
+    factory: bytes  # cloudpickled ``env_factory(worker_id) -> env``
+    autoreset_mode: str
+    parent_pid: int
+    spin_s: float = 0.0  # seconds to spin for the next command before blocking on the pipe
+
+
+#: The worker's half of every command: request message -> answer message.
+HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
+    Cmd.STEP: WorkerEnvs.step,
+    Cmd.RESET: WorkerEnvs.reset,
+    Cmd.CALL: WorkerEnvs.call,
+    Cmd.GET_ATTR: WorkerEnvs.get_attr,
+    Cmd.SET_ATTR: WorkerEnvs.set_attr,
+    Cmd.ATTACH: WorkerEnvs.attach,
+}
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) -> None:
+    """Entry point of a worker process."""
+    try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
+
+    def post(cmd: Cmd, seq: int, answer: Any) -> None:
+        try:
+            header, payload = encode_answer(cmd, spec.index, seq, time.monotonic(), answer)
+        except Exception as exc:  # an answer that does not pickle fails its request only
+            header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
+        StepQueue.post(queue_writer, conn, header, payload)
+
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode)
+    try:
+        try:
+            ready = envs.build()
+        except Exception as exc:
+            post(Cmd.ENV_FAILED, 0, remote_exception(envs.current, exc))
+            return
+        post(Cmd.READY, 0, ready)
+        incoming = select.poll()
+        incoming.register(conn.fileno(), select.POLLIN)
+        spin = spec.spin_s
+        while True:
+            if spin > 0:  # a short spin: the next command often comes within microseconds
+                until = time.perf_counter() + spin
+                while not incoming.poll(0) and time.perf_counter() < until:
+                    pass
+            data = conn.recv_bytes()
+            cmd, seq, form = decode_request_header(data)
+            if cmd is Cmd.CLOSE:
+                break
+            try:
+                answer = HANDLERS[cmd](envs, decode_request(cmd, form, data))
+            except Exception as exc:
+                cmd, answer = Cmd.ENV_FAILED, remote_exception(envs.current, exc)
+            post(cmd, seq, answer)
+    except (KeyboardInterrupt, SystemExit, EOFError, BrokenPipeError):
+        pass  # parent gone or asked us to stop: fall through to cleanup
+    finally:
+        envs.close()
+        try:
+            header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)
+            queue_writer.send_bytes(header + payload)
+        except Exception:
+            pass
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _watch_parent(parent_pid: int, ppid_at_start: int) -> None:
+    """Exit when the parent is gone: first gracefully (SIGTERM), then hard."""
+    while True:
+        time.sleep(PARENT_CHECK_INTERVAL)
+        if os.getppid() != ppid_at_start or not _pid_alive(parent_pid):
+            break
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(EXIT_GRACE)
+    _kill_own_group()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_own_group() -> None:
+    try:
+        if os.getpgid(0) == os.getpid():  # we lead our group: take our children with us
+            os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(1)
