@@ -262,26 +262,27 @@ class AsyncVectorEnv(VectorEnv):
     def step_async(self, actions) -> None:
         manager = self._running()
         self._assert_default("step_async")
-        batch = self._check_actions(manager, actions, self._all)
         self._step_infos = {}
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
-            manager.send_batch(self._all, batch, per_slot=self._per_slot)
+            self._send(manager, self._all, actions)  # checked there, before anything is sent
             self._stepping[:] = True
-        else:
-            self._actions, self._queued = batch, list(range(self.num_envs))
+        else:  # checked whole, then sent as room frees up
+            self._actions, self._queued = self._check_actions(manager, actions, self._all), list(range(self.num_envs))
             self._send_queued(manager)
         self._state = AsyncState.WAITING_STEP
+
+    def _send(self, manager: BatchEnvManager, ids: np.ndarray, actions: Any) -> None:
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            self._check_not_ended(manager, ids)
+        if manager.actions.space is None:
+            manager.send_batch(ids, self._check_actions(manager, actions, ids), per_slot=True)
+        else:
+            manager.send_batch(ids, actions)
 
     def _check_actions(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> Any:
         """Check the batch for ``ids`` before anything is sent, in gymnasium's terms."""
         if self.autoreset_mode == AutoresetMode.DISABLED:
-            r = manager.results
-            ended = r.terminated[ids] | r.truncated[ids]
-            if ended.any():
-                raise AssertionError(
-                    f"env(s) {ids[ended].tolist()} finished their episode; with autoreset_mode=DISABLED reset "
-                    "them (options={'reset_mask': ...}) before stepping"
-                )
+            self._check_not_ended(manager, ids)
         if manager.actions.space is None:  # no array layout: one action per env, as iterate() gives them
             space = batch_space(self.single_action_space, len(ids))
             try:
@@ -292,6 +293,17 @@ class AsyncVectorEnv(VectorEnv):
                 raise ValueError(f"expected actions for {len(ids)} environment(s), got {len(per_env)}")
             return per_env
         return manager.actions.batch(actions, ids)
+
+    @staticmethod
+    def _check_not_ended(manager: BatchEnvManager, ids: np.ndarray) -> None:
+        """As ``SyncVectorEnv``: stepping a finished env without autoreset is an error."""
+        r = manager.results
+        ended = r.terminated[ids] | r.truncated[ids]
+        if ended.any():
+            raise AssertionError(
+                f"env(s) {ids[ended].tolist()} finished their episode; with autoreset_mode=DISABLED reset "
+                "them (options={'reset_mask': ...}) before stepping"
+            )
 
     @property
     def _per_slot(self) -> bool:
@@ -320,7 +332,8 @@ class AsyncVectorEnv(VectorEnv):
         deadline = None if timeout is None else Deadline(timeout)
         with self._waiting("step_wait", timeout):
             while self._stepping.any() or self._queued:
-                batch = manager.receive_batch(1, None if deadline is None else deadline.left())
+                wanted = 1 if self._queued else int(self._stepping.sum())
+                batch = manager.receive_batch(wanted, None if deadline is None else deadline.left())
                 self._stepping[batch.slots] = False
                 if batch.infos:
                     self._step_infos.update(batch.infos)
@@ -424,8 +437,7 @@ class AsyncVectorEnv(VectorEnv):
         busy = ids[self._outstanding[ids]]
         if busy.size:
             raise ValueError(f"env(s) {sorted(busy.tolist())} were sent a step whose result was not received yet")
-        batch = self._check_actions(manager, actions, ids)
-        manager.send_batch(ids, batch, per_slot=self._per_slot)
+        self._send(manager, ids, actions)
         self._outstanding[ids] = True
 
     def recv(self, timeout: float | None = None):

@@ -28,10 +28,15 @@ class ActionChecker:
 
     def __init__(self, space: spaces.Space | None) -> None:
         self.space = space
+        self._fast = _fast_check(space)
 
     def batch(self, actions: Any, slots: list[int] | np.ndarray) -> Any:
         """``actions`` (a batch: arrays whose first axis runs over ``slots``, or dicts / tuples
         of them) checked and as arrays of the space's dtypes."""
+        if self._fast is not None:
+            arr = self._fast(actions, len(slots))
+            if arr is not None:
+                return arr
         return _check(self.space, actions, np.asarray(slots), "")
 
     def stack(self, per_slot: list[Any], slots: list[int]) -> Any:
@@ -43,6 +48,22 @@ class ActionChecker:
         except Exception as exc:
             raise InvalidInputError(f"actions for workers {list(slots)} do not fit {self.space}: {exc}") from None
         return self.batch(batch, slots)
+
+
+def _fast_check(space: Any) -> Any:
+    """For a Discrete space, the common case in a few numpy calls: an integer array in range
+    (``None`` sends anything else through the full check, which explains what is wrong)."""
+    if not isinstance(space, spaces.Discrete):
+        return None
+    low, high, dtype = int(space.start), int(space.start) + int(space.n) - 1, np.dtype(space.dtype)
+
+    def check(actions: Any, n: int) -> np.ndarray | None:
+        arr = np.asarray(actions)
+        if arr.shape != (n,) or arr.dtype.kind not in "iu" or arr.min() < low or arr.max() > high:
+            return None
+        return arr.astype(dtype, copy=False)
+
+    return check
 
 
 def _stack(space: Any, values: list[Any]) -> Any:

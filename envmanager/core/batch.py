@@ -40,7 +40,7 @@ from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, Stepped
+from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, Stepped, raw_locals
 from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
 
 logger = logging.getLogger(__name__)
@@ -109,12 +109,11 @@ class BatchEnvManager:
         self._owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
         self._infos: dict[int, dict] = {}
         self._interrupted: set[int] = set()
+        self._plans: dict[bytes, list] = {}  # send_batch's per-process split, by slots
         self._step_errors: list[EnvManagerError] = []
         self._reset_errors: list[EnvManagerError] = []
-        # Timings of each slot's latest answer (the StepInfo level reports them).
-        self._env_time = np.zeros(n_env)
-        self._queued = np.zeros(n_env)
-        self._round_trip = np.zeros(n_env)
+        # Each process's latest answer: (slots, env times, queued, round trip), for ``timings``.
+        self._timings: dict[int, tuple] = {}
 
         n_procs = -(-n_env // self.envs_per_worker)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
@@ -244,65 +243,64 @@ class BatchEnvManager:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return
-        self._check_sendable(slots)
+        plan = self._plans.get(slots.tobytes()) or self._plan(slots)
+        status = self.status[slots]
+        if not (status == IDLE).all():
+            self._refuse(slots, status)
+        workers = pool.workers
+        for index, _, _, _ in plan:
+            w = workers[index]
+            if w.request is not None or w.failure is not None:
+                self._refuse_process(w, slots)
+        if self.autoreset_mode == DISABLED:
+            ended = self.results.terminated[slots] | self.results.truncated[slots]
+            if ended.any():
+                raise InvalidInputError(f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
         checker = self.actions
         if checker.space is not None:
             batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
-            per_env = None
         else:  # a space with no array layout: actions travel pickled, as given
-            per_env = list(actions)
-            if len(per_env) != len(slots):
-                raise InvalidInputError(f"expected {len(slots)} actions, got {len(per_env)}")
-        in_shm = self.results.action is not None
-        order = np.argsort(slots, kind="stable") if slots.size > 1 else np.zeros(1, dtype=np.int64)
-        sorted_slots = slots[order]
-        procs = self.slot_process[sorted_slots]
-        cuts = np.flatnonzero(np.diff(procs)) + 1
-        outgoing = []
-        try:  # encode everything before the first send: nothing half-sent
-            for rows in np.split(np.arange(len(sorted_slots)), cuts):
-                process_slots = sorted_slots[rows]
-                locals_ = tuple(self.slot_local[process_slots].tolist())
-                if in_shm:
-                    message = Step(locals_)
-                elif per_env is not None:
-                    message = Step(locals_, [per_env[k] for k in order[rows]])
-                else:
-                    message = Step(locals_, [shm.tree_map(lambda a: a[k], batch) for k in order[rows]])
-                request = pool.prepare(Cmd.STEP, message, tuple(process_slots.tolist()))
-                outgoing.append((int(procs[rows[0]]), request))
-        except Exception as exc:
-            raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
-        if in_shm:
-            shm.write(self.results.action, slots, batch)
+            batch = list(actions)
+            if len(batch) != len(slots):
+                raise InvalidInputError(f"expected {len(slots)} actions, got {len(batch)}")
+        shared = self.results.action
+        if shared is not None:
+            requests = [pool.prepare_raw_step(body, process_slots) for _, process_slots, _, body in plan]
+            shm.write(shared, slots, batch)
+        else:
+            try:  # encode everything before the first send: nothing half-sent
+                requests = [
+                    pool.prepare(Cmd.STEP, Step(locals_, [_row(batch, k, checker.space) for k in rows]), process_slots)
+                    for _, process_slots, (locals_, rows), _ in plan
+                ]
+            except Exception as exc:
+                raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
-        workers = pool.workers
-        for index, request in outgoing:
+        for (index, _, _, _), request in zip(plan, requests):
             workers[index].send(request)
 
-    def _check_sendable(self, slots: np.ndarray) -> None:
+    def _plan(self, slots: np.ndarray) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]:
+        """Per process: its index, its slots among ``slots``, (their local indices, their rows
+        in the batch), and the local indices as a raw STEP request carries them. Cached."""
         if slots.min() < 0 or slots.max() >= self.n_env:
             bad = [int(s) for s in slots if not 0 <= s < self.n_env]
             raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={self.n_env})")
         if len(np.unique(slots)) != len(slots):
             raise InvalidInputError(f"worker ids must be distinct, got {slots.tolist()}")
-        status = self.status[slots]
-        if (status == IDLE).all():
-            workers = self.pool.workers
-            for index in np.unique(self.slot_process[slots]).tolist():
-                w = workers[index]
-                if w.failure is not None:
-                    raise w.failure
-                if w.request is not None:
-                    slot = int(slots[self.slot_process[slots] == index][0])
-                    raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
-            if self.autoreset_mode == DISABLED:
-                ended = self.results.terminated[slots] | self.results.truncated[slots]
-                if ended.any():
-                    raise InvalidInputError(
-                        f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first"
-                    )
-            return
+        by_process: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots.tolist()):
+            by_process.setdefault(int(self.slot_process[slot]), []).append(row)
+        plan = []
+        for index, rows in sorted(by_process.items()):
+            rows.sort(key=lambda r: slots[r])
+            process_slots = tuple(int(slots[r]) for r in rows)
+            locals_ = tuple(int(self.slot_local[s]) for s in process_slots)
+            plan.append((index, process_slots, (locals_, rows), raw_locals(locals_)))
+        if len(self._plans) < 1024:  # full batches and the partial batches a user repeats
+            self._plans[slots.tobytes()] = plan
+        return plan
+
+    def _refuse(self, slots: np.ndarray, status: np.ndarray) -> None:
         for slot, s in zip(slots.tolist(), status.tolist()):
             failure = self.worker_of(slot).failure
             if failure is not None:
@@ -314,17 +312,30 @@ class BatchEnvManager:
             if s == ARRIVED:
                 raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
 
+    def _refuse_process(self, w: WorkerProcess, slots: np.ndarray) -> None:
+        if w.failure is not None:
+            raise w.failure
+        slot = int(slots[np.isin(slots, w.env_ids)][0])
+        raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
+
     def receive_batch(self, min_count: int = 1, timeout: float | None = None) -> StepBatch:
         """Wait (at most ``timeout``, default the manager's) until ``min_count`` slots finished a
         step, take whatever else finished, and hand them out. Raises the first failed step
         (results that arrived with it stay for the next call)."""
-        limit = self.timeout if timeout is None else timeout
-        deadline = Deadline(limit)
         pool = self.pool
-        self._take(pool.wait(0.0))
-        while len(self._arrived) < min_count and not self._step_errors:
-            if deadline.passed() or not any(w.busy and w.watched for w in pool.workers):
+        if len(self._arrived) >= min_count or self._step_errors:
+            self._take(pool.wait(0.0))
+        else:
+            limit = self.timeout if timeout is None else timeout
+            deadline = Deadline(limit)
+            while len(self._arrived) < min_count and not self._step_errors:
+                got = pool.wait(deadline.left())
+                if got:
+                    self._take(got)
+                    continue
                 busy = [w for w in pool.workers if w.busy and w.watched]
+                if busy and not deadline.passed():
+                    continue  # woken with nothing to take (a death being reaped, say)
                 if busy:
                     raise WorkerTimeoutError([s for w in busy for s in w.env_ids], limit, "a step result", hung=False,
                                              processes=[w.index for w in busy])
@@ -334,7 +345,6 @@ class BatchEnvManager:
                 if self._arrived:
                     break
                 raise InvalidInputError("no step is in flight: nothing can finish")
-            self._take(pool.wait(deadline.left()))
         if self._step_errors:
             raise self._step_errors.pop(0)
         arrived, self._arrived = self._arrived, []
@@ -457,8 +467,8 @@ class BatchEnvManager:
             if cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):
                 self._calls.file(c)
             elif c.error is not None:
-                slots = request.slots if request is not None and request.slots else c.worker.env_ids
-                self.status[list(slots)] = NEEDS_RESET
+                slots = list(request.slots if request is not None and request.slots else c.worker.env_ids)
+                self.status[slots] = NEEDS_RESET
                 if cmd is Cmd.RESET:
                     self._owed_resets.difference_update(slots)
                     self._reset_errors.append(c.error)
@@ -470,28 +480,30 @@ class BatchEnvManager:
     def _file_results(self, c: Completion, is_reset: bool) -> None:
         answer: Stepped = c.answer
         slots = c.slots
-        idx = list(slots)
-        self._env_time[idx] = answer.env_times
-        self._queued[idx] = max(0.0, c.received_at - c.posted_at)
-        self._round_trip[idx] = max(0.0, c.received_at - c.sent_at)
+        self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
         if not answer.raw:
             self._file_extras(c, answer, slots)
-        good = idx
-        if answer.failures:
-            failed = {slots[n] for n in answer.failures}
-            good = [s for s in idx if s not in failed]
-            self.status[list(failed)] = NEEDS_RESET
-            errors = self._reset_errors if is_reset else self._step_errors
-            errors.extend(worker_error(f, c.worker.index) for f in answer.failures.values())
-            if is_reset:
-                self._owed_resets.difference_update(failed)
-        self.status[good] = ARRIVED
+            if answer.failures:
+                failed = [slots[n] for n in answer.failures]
+                self.status[failed] = NEEDS_RESET
+                errors = self._reset_errors if is_reset else self._step_errors
+                errors.extend(worker_error(f, c.worker.index) for f in answer.failures.values())
+                if is_reset:
+                    self._owed_resets.difference_update(failed)
+                slots = [s for s in slots if s not in failed]
+        self.status[slots] = ARRIVED
         if c.interrupted:
-            self._interrupted.update(good)
+            self._interrupted.update(slots)
         if is_reset:
-            self._arrived_resets.update(good)
+            self._arrived_resets.update(slots)
         else:
-            self._arrived.extend(good)
+            self._arrived.extend(slots)
+
+    def timings(self, worker_id: int) -> tuple[float, float, float]:
+        """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
+        slots, env_times, queued, round_trip = self._timings.get(int(self.slot_process[worker_id]), ((), (), 0.0, 0.0))
+        env = env_times[slots.index(worker_id)] if worker_id in slots else 0.0
+        return float(env), max(0.0, queued), max(0.0, round_trip)
 
     def _file_extras(self, c: Completion, answer: Stepped, slots: tuple[int, ...]) -> None:
         """Infos, and results that travelled pickled: the slow path, per env."""
@@ -582,6 +594,13 @@ class BatchEnvManager:
             self.close()
         except Exception:
             pass
+
+
+def _row(batch: Any, k: int, space: Any) -> Any:
+    """Row ``k`` of a batch (one env's action, for actions that travel pickled)."""
+    if space is None:
+        return batch[k]
+    return shm.tree_map(lambda a: a[k], batch)
 
 
 def seeds_for(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:

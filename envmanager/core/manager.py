@@ -138,7 +138,6 @@ class SubprocessEnvManager(BatchEnvManager):
         r = self.results
         obs_tree, obs_list = r.observation, self.observation_list
         rewards, terms, truncs = r.reward.tolist(), r.terminated.tolist(), r.truncated.tolist()
-        env_time, queued, round_trip = self._env_time, self._queued, self._round_trip
         infos, interrupted, resets = batch.infos, batch.interrupted, batch.resets
         last, actions = self._last, self._actions
         out = []
@@ -152,7 +151,7 @@ class SubprocessEnvManager(BatchEnvManager):
                 None if fresh or previous is None else previous.current_result,
                 result,
                 actions.pop(slot, None),
-                StepTimings(float(env_time[slot]), float(queued[slot]), float(round_trip[slot])),
+                StepTimings(*self.timings(slot)),
                 slot in interrupted,
             )
             last[slot] = info

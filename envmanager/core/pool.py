@@ -37,6 +37,7 @@ from envmanager.wire.messages import (
     Reset,
     Stepped,
     decode_answer,
+    encode_raw_step,
     encode_request,
 )
 from envmanager.wire.shm import SharedBuffers
@@ -85,8 +86,11 @@ class WorkerPool:
         #: ``(method name, args, kwargs)`` called on a restarted process's envs before its reset.
         self.replay_calls: list[tuple[str, tuple, dict]] = []
         self._seq = 0
-        self._watched: tuple[WorkerProcess, ...] = ()
-        self._poll: tuple[Any, dict[int, WorkerProcess]] = (None, {})
+        self._version = 0  # bumped whenever the set of watched processes may change
+        self._poll_version = -1
+        self._poller: Any = None
+        self._by_sentinel: dict[int, WorkerProcess] = {}
+        self._next_deadline_check = 0.0
         # One resource tracker for parent and workers: attaching workers then share it, and it
         # unlinks the shared memory should the parent be killed.
         resource_tracker.ensure_running()
@@ -115,8 +119,10 @@ class WorkerPool:
         self._seq += 1
         return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message)
 
-    def send(self, w: WorkerProcess, request: EnvironmentRequest) -> None:
-        w.send(request)
+    def prepare_raw_step(self, body: bytes, slots: tuple[int, ...]) -> EnvironmentRequest:
+        """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
+        self._seq = seq = self._seq + 1
+        return EnvironmentRequest(Cmd.STEP, seq, slots, encode_raw_step(seq, body))
 
     def attach_buffers(self, buffers: SharedBuffers) -> None:
         self.buffers = buffers
@@ -132,41 +138,42 @@ class WorkerPool:
         or failed. Restarts, stale answers and large payloads are handled here."""
         if self.queue is None:
             return []
-        busy = [w.sent_at for w in self.workers if w.busy and w.watched]
-        if busy:  # wake up in time to notice the first process to miss its deadline
-            timeout = min(timeout, max(0.0, min(busy) + self.timeout - time.monotonic() + 1e-3))
-        poller, by_fd = self._poller()
-        events = poller.poll(max(0, math.ceil(timeout * 1000)))
-        completions: list[Completion] = []
+        now = time.monotonic()
+        if now >= self._next_deadline_check:
+            completions = self._check_deadlines(now)
+            if completions:
+                return completions
+        # Wake up in time to notice the first process to miss its deadline.
+        timeout = min(timeout, self._next_deadline_check - now)
+        if self._poll_version != self._version:
+            self._rebuild_poller()
+        events = self._poller.poll(max(0, math.ceil(timeout * 1000)))
+        completions = []
         self._drain(completions)
-        dead = [by_fd[fd] for fd, _ in events if fd in by_fd]
-        if dead:
-            self._drain(completions)  # a worker's last words come before its death
-            for w in dead:
-                if self.workers[w.index] is w and w.watched:
-                    self._on_failure(w, w.died(), completions)
-        if busy:
-            self._check_deadlines(completions)
+        for fd, _ in events:
+            w = self._by_sentinel.get(fd)
+            if w is not None and self.workers[w.index] is w and w.watched:
+                self._drain(completions)  # a worker's last words come before its death
+                self._on_failure(w, w.died(), completions)
         return completions
 
-    def _poller(self) -> tuple[Any, dict[int, WorkerProcess]]:
-        """A poll object on the step queue and every watched process's sentinel, kept between calls."""
-        watched = tuple(w for w in self.workers if w.watched)
-        if watched != self._watched:
-            assert self.queue is not None
-            poller = select.poll()
-            poller.register(self.queue.reader.fileno(), select.POLLIN)
-            by_fd = {w.sentinel: w for w in watched}
-            for fd in by_fd:
-                poller.register(fd, select.POLLIN | select.POLLHUP)
-            self._watched, self._poll = watched, (poller, by_fd)
-        return self._poll
+    def _rebuild_poller(self) -> None:
+        """A poll object on the step queue and every watched process's sentinel, kept between
+        calls and rebuilt when a process starts, fails or closes (``_version``)."""
+        assert self.queue is not None
+        poller = select.poll()
+        poller.register(self.queue.reader.fileno(), select.POLLIN)
+        self._by_sentinel = {w.sentinel: w for w in self.workers if w.watched}
+        for fd in self._by_sentinel:
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+        self._poller, self._poll_version = poller, self._version
 
     def _drain(self, completions: list[Completion]) -> None:
         """Take every notice waiting on the step queue: the transport's half of every answer."""
         assert self.queue is not None
-        while (notice := self.queue.get_nowait()) is not None:
-            received = time.monotonic()
+        notices = self.queue.take()
+        received = time.monotonic()
+        for notice in notices:
             w = self.workers[notice.process]
             request = w.request
             if notice.cmd is Cmd.CLOSED or request is None or notice.seq != request.seq:
@@ -198,21 +205,25 @@ class WorkerPool:
                 first = min(answer.failures)
                 self._on_failure(w, worker_error(answer.failures[first], w.index), completions, request)
                 continue
-            completion = Completion(w, request, answer, None, notice.posted_at, received, w.sent_at, False, request.slots)
+            completion = Completion(w, request, answer, None, notice.posted_at, received, w.sent_at, False, list(request.slots))
             if w.state is ProcessState.BOOTING:
                 self._advance_boot(w, completion, completions)
             else:
                 w.state = ProcessState.RUNNING
                 completions.append(completion)
 
-    def _check_deadlines(self, completions: list[Completion]) -> None:
-        """Fail every process whose request is older than the deadline (restart or error)."""
-        now = time.monotonic()
+    def _check_deadlines(self, now: float) -> list[Completion]:
+        """Fail every process whose request is older than the deadline (restart or error), and
+        note when the next one can be due: no request sent later is due sooner."""
+        completions: list[Completion] = []
         for w in list(self.workers):
             if w.busy and w.watched and now - w.sent_at > self.timeout:
                 cmd = w.request.cmd  # type: ignore[union-attr]
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, WorkerTimeoutError(list(w.env_ids), self.timeout, what, processes=[w.index]), completions)
+        oldest = min((w.sent_at for w in self.workers if w.busy and w.watched), default=now)
+        self._next_deadline_check = oldest + self.timeout + 1e-3
+        return completions
 
     def gather(self, workers: Iterable[WorkerProcess], what: str) -> list[Completion]:
         """Wait until each of ``workers`` finished its request (start-up: nothing else is in
@@ -244,6 +255,7 @@ class WorkerPool:
         self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
     ) -> None:
         """Restart ``w`` if the policy allows; otherwise report ``error`` for its request."""
+        self._version += 1
         request = request or w.request
         w.request = None
         if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
@@ -310,6 +322,7 @@ class WorkerPool:
         Stragglers are killed with every process they started, and all are reaped.
         """
         workers, self.workers = self.workers, []
+        self._version += 1
         try:
             for w in workers:
                 busy = w.busy
@@ -319,7 +332,7 @@ class WorkerPool:
             deadline = Deadline(timeout)
             while any(w.alive() for w in workers) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it
-                    while self.queue.get_nowait() is not None:
+                    while self.queue.take():
                         pass
                 wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
             late = [w.name for w in workers if w.alive()]

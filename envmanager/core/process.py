@@ -30,7 +30,7 @@ from typing import Any
 
 from envmanager.errors import EnvManagerError, WorkerDiedError, who
 from envmanager.wire.messages import EnvironmentCommand as Cmd, EnvironmentRequest, encode_request
-from envmanager.wire.step_queue import read_message
+from envmanager.wire.step_queue import read_message, write_frame
 from envmanager.worker.main import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class WorkerProcess:
         self.process.start()
         child_conn.close()
         self.pid = self.process.pid
+        self.fd = self.conn.fileno()
         self.state = ProcessState.STARTING if boot is None else ProcessState.BOOTING
         self.boot = boot
         # The first answer is READY (seq 0): the process starts out busy with it.
@@ -117,8 +118,8 @@ class WorkerProcess:
         self.request = request
         self.sent_at = time.monotonic()
         try:
-            self.conn.send_bytes(request.data)
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            write_frame(self.fd, request.data)
+        except OSError:  # BrokenPipeError, ConnectionResetError, ...
             pass
 
     def read_large_answer(self, timeout: float) -> bytes:

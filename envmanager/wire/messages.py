@@ -197,10 +197,20 @@ def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def raw_locals(locals_: tuple[int, ...]) -> bytes:
+    """The body of a raw STEP request: the local env indices."""
+    return np.asarray(locals_, _LOCALS).tobytes()
+
+
+def encode_raw_step(seq: int, body: bytes) -> bytes:
+    """A STEP whose actions are in shared memory (``body`` from ``raw_locals``): no pickle."""
+    return REQUEST_HEADER.pack(Cmd.STEP, seq, RAW) + body
+
+
 def encode_request(cmd: Cmd, seq: int, message: Any = None) -> bytes:
     """A request as bytes; a STEP whose actions are in shared memory goes raw."""
     if cmd is Cmd.STEP and message.actions is None:
-        return REQUEST_HEADER.pack(cmd, seq, RAW) + np.asarray(message.locals, _LOCALS).tobytes()
+        return encode_raw_step(seq, raw_locals(message.locals))
     return REQUEST_HEADER.pack(cmd, seq, PICKLED) + (b"" if message is None else dumps(message))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe_notice
 
-__all__ = ["StepQueue", "read_message", "MAX_NOTICE_BYTES"]
+__all__ = ["StepQueue", "read_message", "write_frame", "MAX_NOTICE_BYTES"]
 
 # Largest notice that still goes out in one atomic write (4-byte length header included).
 MAX_NOTICE_BYTES = select.PIPE_BUF - 4
@@ -35,32 +35,55 @@ class StepQueue:
             fcntl.fcntl(self.writer.fileno(), _F_SETPIPE_SZ, 1 << 20)
         except OSError:  # not Linux, or above pipe-max-size: the default size still works
             pass
-        self._ready = select.poll()  # Connection.poll() builds a selector per call: too slow here
-        self._ready.register(self.reader.fileno(), select.POLLIN)
+        self._fd = self.reader.fileno()
+        os.set_blocking(self._fd, False)  # the parent reads what is there, never waits in read
+        self._rest = b""  # the start of a notice cut by the end of a read
 
     # -- worker side ------------------------------------------------------------------------
     @staticmethod
-    def post(writer: Connection, own_pipe: Connection, header: bytes, payload: bytes) -> None:
+    def post(writer_fd: int, own_pipe: Connection, header: bytes, payload: bytes) -> None:
         """Post an answer (``encode_answer``'s header and payload); a payload too big for one
         atomic notice goes over the worker's own pipe."""
         if len(header) + len(payload) <= MAX_NOTICE_BYTES:
-            writer.send_bytes(header + payload)
+            write_frame(writer_fd, header + payload)  # one write: atomic
             return
         # The notice first: the parent reads the payload only once it knows it is coming, and a
         # payload larger than the pipe's buffer can only be written while the parent reads it.
-        writer.send_bytes(on_pipe_notice(header))
+        write_frame(writer_fd, on_pipe_notice(header))
         own_pipe.send_bytes(payload)
 
     # -- parent side ------------------------------------------------------------------------
-    def get_nowait(self) -> EnvironmentResponse | None:
-        """The next notice (payload still encoded), or ``None`` if the queue is empty now."""
-        if not self._ready.poll(0):
-            return None
-        return decode_notice(self.reader.recv_bytes())
+    def take(self) -> list[EnvironmentResponse]:
+        """Every whole notice waiting now (payloads still encoded), with one read; never blocks."""
+        try:
+            chunk = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        data = self._rest + chunk if self._rest else chunk
+        out, off, end = [], 0, len(data)
+        while end - off >= 4:
+            (size,) = _FRAME.unpack_from(data, off)
+            if off + 4 + size > end:
+                break  # the rest of an atomic write is in the pipe: the next read gets it
+            out.append(decode_notice(data[off + 4 : off + 4 + size]))
+            off += 4 + size
+        self._rest = data[off:]
+        return out
 
     def close(self) -> None:
         self.reader.close()
         self.writer.close()
+
+
+_FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix
+
+
+def write_frame(fd: int, data: bytes) -> None:
+    """Write ``data`` framed as ``Connection.send_bytes`` does (the reader may be a Connection),
+    with one ``write`` when the pipe takes it whole."""
+    view = memoryview(_FRAME.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def read_message(conn: Connection, deadline: float, sentinel: int) -> bytes:

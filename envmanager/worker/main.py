@@ -24,7 +24,7 @@ from envmanager.wire.messages import (
     decode_request_header,
     encode_answer,
 )
-from envmanager.wire.step_queue import StepQueue
+from envmanager.wire.step_queue import StepQueue, write_frame
 from envmanager.worker.envs import WorkerEnvs, remote_exception
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
@@ -68,12 +68,14 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
 
+    queue_fd = queue_writer.fileno()
+
     def post(cmd: Cmd, seq: int, answer: Any) -> None:
         try:
             header, payload = encode_answer(cmd, spec.index, seq, time.monotonic(), answer)
         except Exception as exc:  # an answer that does not pickle fails its request only
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
-        StepQueue.post(queue_writer, conn, header, payload)
+        StepQueue.post(queue_fd, conn, header, payload)
 
     envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode)
     try:
@@ -106,7 +108,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
         envs.close()
         try:
             header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)
-            queue_writer.send_bytes(header + payload)
+            write_frame(queue_fd, header + payload)
         except Exception:
             pass
 
