@@ -16,7 +16,20 @@ from typing import Any
 from envmanager.bench.backends import BACKENDS, NOT_APPLICABLE, cores, envs_per_worker_for
 from envmanager.bench.runner import ScenarioResult, Target, targets
 
-__all__ = ["format_table", "format_targets", "load_average", "metadata", "to_json", "write_json", "write_plot"]
+__all__ = [
+    "PLOT_EXTRA",
+    "format_table",
+    "format_targets",
+    "load_average",
+    "metadata",
+    "plot_unavailable",
+    "to_json",
+    "write_json",
+    "write_plot",
+]
+
+#: What to install for ``write_plot`` (matplotlib is an optional dependency).
+PLOT_EXTRA = 'pip install "envmanager[bench]"'
 
 
 def _rate(x: float) -> str:
@@ -132,6 +145,21 @@ def write_json(path: str, results: Sequence[ScenarioResult], meta: dict[str, Any
     with open(path, "w") as f:
         json.dump(to_json(results, meta), f, indent=2)
         f.write("\n")
+
+
+def plot_unavailable() -> str | None:
+    """Why :func:`write_plot` cannot work here, in a few words on one line, or ``None``.
+
+    ``"not installed"``, or the error a broken install raises on import. The CLI checks this
+    before a run, so a missing optional dependency costs no benchmark time.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "not installed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return None
 
 
 def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
