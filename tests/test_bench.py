@@ -72,7 +72,8 @@ def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
 @pytest.mark.parametrize(
     "scenario, steps, backends, ratio_column",
     [
-        ("cartpole", 160, ["envmanager", "envmanager-k", "gym.SyncVectorEnv", "gym.AsyncVectorEnv"], "vs Async"),
+        ("cartpole", 160, ["envmanager", "envmanager-k", "envmanager-vector", "gym.SyncVectorEnv",
+                           "gym.AsyncVectorEnv"], "vs Async"),
         ("many", 128, ["envmanager-k", "gym.SyncVectorEnv"], "vs 8 envs"),
         ("cpu", 32, ["envmanager", "gym.SyncVectorEnv"], "vs limit"),
         ("uneven", 32, ["envmanager", "envmanager-lockstep", "gym.SyncVectorEnv"], "vs lockstep"),
@@ -92,6 +93,13 @@ def test_scenario_runs_and_writes_json(tmp_path, scenario, steps, backends, rati
         assert "limit" in stdout
     if scenario == "many":
         assert result["references"]["envmanager-k"]["n_env"] == 8
+    if scenario == "cartpole":
+        assert "envmanager-k, envmanager-vector: " in stdout  # with how many envs per worker
+        drop_in = {t["what"]: t for t in data["targets"] if t["backend"] == "envmanager-vector"}
+        assert {w: t["threshold"] for w, t in drop_in.items()} == {
+            "drop-in x gym SyncVectorEnv": 1.0, "drop-in x gym AsyncVectorEnv": 5.0}
+        assert drop_in["drop-in x gym AsyncVectorEnv"]["value"] == result["ratios"]["vs Async"]["envmanager-vector"]
+        assert "drop-in x gym AsyncVectorEnv" in stdout
 
 
 def test_more_backends_and_skips(tmp_path):
@@ -109,7 +117,7 @@ def test_more_backends_and_skips(tmp_path):
 def test_plot(tmp_path):
     """``--plot`` writes a PNG next to the JSON (matplotlib is the optional extra ``bench``)."""
     pytest.importorskip("matplotlib")
-    backends = ["envmanager", "gym.SyncVectorEnv"]
+    backends = ["envmanager-vector", "gym.SyncVectorEnv"]
     stdout, data, png = run_cli(tmp_path, "--scenario", "cartpole", "--steps", "64", "--no-warmup",
                                 "--backends", *backends, plot=True)
     check_measured(data, "cartpole", backends)
@@ -167,14 +175,14 @@ def _unity_available() -> bool:
 
 def test_unity_scenario(tmp_path):
     stdout, data, _ = run_cli(tmp_path, "--scenario", "unity", "--steps", "16", "--no-warmup",
-                              "--backends", "envmanager", "gym.AsyncVectorEnv")
+                              "--backends", "envmanager", "envmanager-vector", "gym.AsyncVectorEnv")
     result = data["scenarios"]["unity"]
     if not _unity_available():
         assert result["unavailable"] and "not available" in stdout
         return
     assert result["unavailable"] is None
     check_measured(data, "unity", ["envmanager"])
-    assert "gym.AsyncVectorEnv" in result["skipped"]
+    assert "gym.AsyncVectorEnv" in result["skipped"] and "envmanager-vector" in result["skipped"]
 
 
 def test_scenario_with_a_missing_dependency_says_not_available():
@@ -187,6 +195,24 @@ def test_scenario_with_a_missing_dependency_says_not_available():
     assert "envmanager_no_such_module cannot be imported" in result.unavailable
     assert result.measurements == {}
     assert "not available: envmanager_no_such_module" in format_table(result)
+
+
+def test_drop_in_targets():
+    """``envmanager-vector`` is a default backend with its own cartpole targets (1x Sync, 5x Async)."""
+    from envmanager.bench import DEFAULT_BACKENDS, Measurement, ScenarioResult, targets
+
+    assert "envmanager-vector" in DEFAULT_BACKENDS and BACKENDS["envmanager-vector"].ours
+    result = ScenarioResult(SCENARIOS["cartpole"], steps=80, repeats=1)
+    for name, rate in (("envmanager-vector", 600.0), ("gym.SyncVectorEnv", 500.0), ("gym.AsyncVectorEnv", 100.0)):
+        result.measurements[name] = Measurement(name, "cartpole", 8)
+        result.measurements[name].add(80, 80 / rate)
+    found = {(t.what, t.backend): t for t in targets([result])}
+    sync = found["drop-in x gym SyncVectorEnv", "envmanager-vector"]
+    assert sync.value == pytest.approx(1.2) and sync.threshold == 1.0 and sync.met
+    async_ = found["drop-in x gym AsyncVectorEnv", "envmanager-vector"]
+    assert async_.value == pytest.approx(6.0) and async_.threshold == 5.0 and async_.met
+    # the best of ours also faces the general cartpole targets, under their own names
+    assert found["x gym AsyncVectorEnv", "envmanager-vector"].threshold == 8.0
 
 
 def test_defaults_parse_to_the_cartpole_run():

@@ -72,8 +72,9 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         n = s.reference_n_env
         refs = ", ".join(f"{b} {_rate(m.median)}" for b, m in result.references.items())
         lines.append(f"   at {n} envs (median steps/s): {refs}")
-    if "envmanager-k" in result.measurements:
-        lines.append(f"   envmanager-k: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
+    packed = [b for b in ("envmanager-k", "envmanager-vector") if b in result.measurements]
+    if packed:
+        lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
     for name, why in result.skipped.items():
         if show_not_applicable or not why.startswith(NOT_APPLICABLE):
@@ -92,7 +93,7 @@ def format_targets(found: Sequence[Target]) -> str:
     for t in found:
         mark = "met" if t.met else "MISSED"
         lines.append(
-            f"{t.scenario:<10}{t.what:<28}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
+            f"{t.scenario:<10}{t.what:<30}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
         )
     return "\n".join(lines)
 
