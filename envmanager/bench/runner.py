@@ -304,7 +304,7 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     ``cartpole``, ``many`` and ``cpu`` are evaluated for ``envmanager`` (the default
     configuration) and, if another of ours did better, for the best of ours too; ``uneven``
     compares ``envmanager`` with ``envmanager-lockstep``. The drop-in ``envmanager-vector``
-    has its own ``cartpole`` targets, as users would swap it for gymnasium's classes:
+    has its own ``cartpole`` targets instead, as users would swap it for gymnasium's classes:
     >= 1x ``SyncVectorEnv`` and >= 5x ``AsyncVectorEnv``.
     """
     out: list[Target] = []
@@ -315,6 +315,8 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
         contenders = [b for b in dict.fromkeys([FIRST_READY, best.backend if best else FIRST_READY])
                       if b in result.measurements]
         for backend in contenders:
+            if name == "cartpole" and backend == VECTOR:
+                continue  # the drop-in has targets of its own, below
             if name == "cartpole":
                 if backend in ratios.get("vs Async", {}):
                     out.append(Target(name, "x gym AsyncVectorEnv", backend, ratios["vs Async"][backend], 8.0))
