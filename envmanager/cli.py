@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from envmanager.bench import BACKENDS, DEFAULT_BACKENDS, SCENARIOS, cores, run_benchmark, targets
 from envmanager.bench.report import (
+    PLOT_EXTRA,
     format_table,
     format_targets,
     load_average,
     metadata,
+    plot_unavailable,
     write_json,
     write_plot,
 )
@@ -52,7 +55,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def output_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--json``/``--plot`` could not be written after the run, or ``None``.
+
+    Checked before anything is measured: a missing extra or a mistyped directory should cost
+    a second, not a whole benchmark run ending in a traceback.
+    """
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                return f"{option} {path}: no such directory {folder}"
+    if args.plot:
+        why = plot_unavailable()
+        if why:
+            return f"--plot needs matplotlib ({why}): {PLOT_EXTRA}"
+    return None
+
+
 def bench(args: argparse.Namespace) -> int:
+    problem = output_problem(args)
+    if problem:
+        print(f"envmanager bench: {problem}", file=sys.stderr)
+        return 2
     # In the canonical order whatever the order given: unity (gRPC in this process) comes last,
     # after every backend that forks this process.
     names = [n for n in SCENARIOS if n in args.scenario or "all" in args.scenario]
@@ -112,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive, default=3, help="timed repeats per backend (default: 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
     b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")
-    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    b.add_argument("--plot", metavar="PATH", help=f"write a PNG bar chart (needs matplotlib: {PLOT_EXTRA})")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each backend")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("-v", "--verbose", action="store_true", help="log what the benchmark does")

@@ -25,14 +25,16 @@ SCENARIO_KEYS = {"scenario", "description", "n_env", "steps", "repeats", "warmup
                  "measurements", "skipped", "failed", "ratios", "references", "limit"}
 
 
-def run_cli(tmp_path, *args: str, timeout: float = 60) -> tuple[str, dict, bytes]:
-    """Run ``envmanager bench ARGS --json --plot`` in a child process; its output, JSON and PNG."""
+def run_cli(tmp_path, *args: str, plot: bool = False, timeout: float = 60) -> tuple[str, dict, bytes | None]:
+    """Run ``envmanager bench ARGS --json [--plot]`` in a child process; its output, JSON and PNG.
+
+    Only tests about the plot ask for one (and skip without matplotlib, an optional extra).
+    """
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    outputs = ["--json", str(out_json), *(["--plot", str(out_png)] if plot else [])]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "envmanager.cli", "bench", *args, "--repeats", "1", "--no-progress",
-         "--json", str(out_json), "--plot", str(out_png)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "envmanager.cli", "bench", *args, "--repeats", "1", "--no-progress", *outputs],
+        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -43,7 +45,13 @@ def run_cli(tmp_path, *args: str, timeout: float = 60) -> tuple[str, dict, bytes
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout}\n{stderr}"
     leftover = [n for n in os.listdir("/dev/shm") if n.startswith(f"envmgr_{proc.pid}_")]
     assert not leftover, f"the benchmark left shared memory behind: {leftover}"
-    return stdout, json.loads(out_json.read_text()), out_png.read_bytes()
+    return stdout, json.loads(out_json.read_text()), out_png.read_bytes() if plot else None
+
+
+def child_env(*paths: str) -> dict[str, str]:
+    """The environment of a child process that imports this checkout (and ``paths`` first)."""
+    path = os.pathsep.join(filter(None, [*paths, REPO, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
@@ -64,19 +72,19 @@ def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
 @pytest.mark.parametrize(
     "scenario, steps, backends, ratio_column",
     [
-        ("cartpole", 160, ["envmanager", "envmanager-k", "gym.SyncVectorEnv", "gym.AsyncVectorEnv"], "vs Async"),
+        ("cartpole", 160, ["envmanager", "envmanager-k", "envmanager-vector", "gym.SyncVectorEnv",
+                           "gym.AsyncVectorEnv"], "vs Async"),
         ("many", 128, ["envmanager-k", "gym.SyncVectorEnv"], "vs 8 envs"),
         ("cpu", 32, ["envmanager", "gym.SyncVectorEnv"], "vs limit"),
         ("uneven", 32, ["envmanager", "envmanager-lockstep", "gym.SyncVectorEnv"], "vs lockstep"),
     ],
 )
-def test_scenario_runs_and_writes_json_and_png(tmp_path, scenario, steps, backends, ratio_column):
-    stdout, data, png = run_cli(tmp_path, "--scenario", scenario, "--steps", str(steps), "--backends", *backends)
+def test_scenario_runs_and_writes_json(tmp_path, scenario, steps, backends, ratio_column):
+    stdout, data, _ = run_cli(tmp_path, "--scenario", scenario, "--steps", str(steps), "--backends", *backends)
     result = check_measured(data, scenario, backends)
     assert result["steps"] == steps and result["repeats"] == 1
     assert set(result["ratios"]["vs Sync"]) == set(backends)
     assert ratio_column in result["ratios"]
-    assert png.startswith(PNG_MAGIC)
     assert f"== {scenario}:" in stdout
     for name in backends:
         assert name in stdout
@@ -85,19 +93,73 @@ def test_scenario_runs_and_writes_json_and_png(tmp_path, scenario, steps, backen
         assert "limit" in stdout
     if scenario == "many":
         assert result["references"]["envmanager-k"]["n_env"] == 8
+    if scenario == "cartpole":
+        assert "envmanager-k, envmanager-vector: " in stdout  # with how many envs per worker
+        drop_in = {t["what"]: t for t in data["targets"] if t["backend"] == "envmanager-vector"}
+        assert {w: t["threshold"] for w, t in drop_in.items()} == {
+            "drop-in x gym SyncVectorEnv": 1.0, "drop-in x gym AsyncVectorEnv": 5.0}
+        assert drop_in["drop-in x gym AsyncVectorEnv"]["value"] == result["ratios"]["vs Async"]["envmanager-vector"]
+        assert "drop-in x gym AsyncVectorEnv" in stdout
 
 
 def test_more_backends_and_skips(tmp_path):
     """SB3 and EnvPool join in where they can; what cannot run is skipped with the reason."""
     backends = ["envmanager-lockstep", "envmanager-batch", "sb3.SubprocVecEnv", "envpool"]
-    stdout, data, png = run_cli(tmp_path, "--scenario", "cpu", "--steps", "16", "--no-warmup",
-                                "--backends", *backends)
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "cpu", "--steps", "16", "--no-warmup",
+                              "--backends", *backends)
     result = data["scenarios"]["cpu"]
     assert "envpool" in result["skipped"] and "not applicable" in result["skipped"]["envpool"]
     assert set(result["measurements"]) | set(result["skipped"]) == set(backends)
     assert result["failed"] == {}
-    assert png.startswith(PNG_MAGIC)
     assert "skipped" in stdout
+
+
+def test_plot(tmp_path):
+    """``--plot`` writes a PNG next to the JSON (matplotlib is the optional extra ``bench``)."""
+    pytest.importorskip("matplotlib")
+    backends = ["envmanager-vector", "gym.SyncVectorEnv"]
+    stdout, data, png = run_cli(tmp_path, "--scenario", "cartpole", "--steps", "64", "--no-warmup",
+                                "--backends", *backends, plot=True)
+    check_measured(data, "cartpole", backends)
+    assert png is not None and png.startswith(PNG_MAGIC)
+    assert f"wrote {tmp_path / 'bench.png'}" in stdout
+
+
+PLOT_REFUSED = 'envmanager bench: --plot needs matplotlib (not installed): pip install "envmanager[bench]"'
+
+
+def test_plot_without_matplotlib_is_refused_before_running(tmp_path, monkeypatch, capsys):
+    """One line naming the extra, a non-zero exit, and nothing measured: checked before the run."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` now fails
+    monkeypatch.setattr(cli, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    code = cli.main(["bench", "--scenario", "cartpole", "--steps", "8", "--repeats", "1",
+                     "--plot", str(tmp_path / "bench.png")])
+    out, err = capsys.readouterr()
+    assert code != 0
+    assert err.splitlines() == [PLOT_REFUSED] and out == ""
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_plot_without_matplotlib_from_the_command_line(tmp_path):
+    """The same as users see it: a child process whose ``sitecustomize`` hides matplotlib."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "envmanager.cli", "bench", "--scenario", "cartpole", "--steps", "8",
+         "--repeats", "1", "--no-progress", "--json", "bench.json", "--plot", "bench.png"],
+        cwd=tmp_path, env=child_env(str(tmp_path)), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc
+    assert proc.stderr.splitlines() == [PLOT_REFUSED] and proc.stdout == ""
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_missing_output_directory_is_refused_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    missing = tmp_path / "no" / "such"
+    assert cli.main(["bench", "--json", str(missing / "bench.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("envmanager bench: --json ") and f"no such directory {missing}" in err
+    assert len(err.splitlines()) == 1
 
 
 def _unity_available() -> bool:
@@ -112,16 +174,15 @@ def _unity_available() -> bool:
 
 
 def test_unity_scenario(tmp_path):
-    stdout, data, png = run_cli(tmp_path, "--scenario", "unity", "--steps", "16", "--no-warmup",
-                                "--backends", "envmanager", "gym.AsyncVectorEnv")
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "unity", "--steps", "16", "--no-warmup",
+                              "--backends", "envmanager", "envmanager-vector", "gym.AsyncVectorEnv")
     result = data["scenarios"]["unity"]
-    assert png.startswith(PNG_MAGIC)
     if not _unity_available():
         assert result["unavailable"] and "not available" in stdout
         return
     assert result["unavailable"] is None
     check_measured(data, "unity", ["envmanager"])
-    assert "gym.AsyncVectorEnv" in result["skipped"]
+    assert "gym.AsyncVectorEnv" in result["skipped"] and "envmanager-vector" in result["skipped"]
 
 
 def test_scenario_with_a_missing_dependency_says_not_available():
@@ -134,6 +195,25 @@ def test_scenario_with_a_missing_dependency_says_not_available():
     assert "envmanager_no_such_module cannot be imported" in result.unavailable
     assert result.measurements == {}
     assert "not available: envmanager_no_such_module" in format_table(result)
+
+
+def test_drop_in_targets():
+    """``envmanager-vector`` is a default backend with its own cartpole targets (1x Sync, 5x Async)."""
+    from envmanager.bench import DEFAULT_BACKENDS, Measurement, ScenarioResult, targets
+
+    assert "envmanager-vector" in DEFAULT_BACKENDS and BACKENDS["envmanager-vector"].ours
+    result = ScenarioResult(SCENARIOS["cartpole"], steps=80, repeats=1)
+    for name, rate in (("envmanager-vector", 600.0), ("gym.SyncVectorEnv", 500.0), ("gym.AsyncVectorEnv", 100.0)):
+        result.measurements[name] = Measurement(name, "cartpole", 8)
+        result.measurements[name].add(80, 80 / rate)
+    found = {(t.what, t.backend): t for t in targets([result])}
+    sync = found["drop-in x gym SyncVectorEnv", "envmanager-vector"]
+    assert sync.value == pytest.approx(1.2) and sync.threshold == 1.0 and sync.met
+    async_ = found["drop-in x gym AsyncVectorEnv", "envmanager-vector"]
+    assert async_.value == pytest.approx(6.0) and async_.threshold == 5.0 and async_.met
+    # even as the best of ours it faces only its own cartpole targets, not the general ones (8x, 1.5x)
+    assert {what for what, backend in found if backend == "envmanager-vector"} == {
+        "drop-in x gym SyncVectorEnv", "drop-in x gym AsyncVectorEnv"}
 
 
 def test_defaults_parse_to_the_cartpole_run():

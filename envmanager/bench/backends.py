@@ -1,4 +1,4 @@
-"""The contenders of ``envmanager bench``: ours in four stepping styles, and our peers.
+"""The contenders of ``envmanager bench``: ours in five stepping styles, and our peers.
 
 A backend's ``run(scenario, steps, actions, tick)`` builds the envs, resets them with seed 0,
 steps at least ``steps`` env-steps, calls ``tick(n)`` now and then (in chunks, never per step)
@@ -120,6 +120,7 @@ def run_k_per_worker(scenario: Scenario, steps: int, actions: np.ndarray, tick: 
 
 
 def envs_per_worker_for(scenario: Scenario) -> int:
+    """Envs per worker process for the ``-k`` and ``-vector`` backends: one process per core."""
     return max(1, scenario.n_env // cores())
 
 
@@ -168,6 +169,19 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
         vec.close()
     progress.close()
     return progress.done, elapsed
+
+
+def run_vector(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """The drop-in ``envmanager.AsyncVectorEnv`` stepped in lockstep, ``step(actions)``, as
+    gymnasium's; with ``n_env // cores`` envs per worker, its best setting for cheap envs."""
+    import envmanager
+
+    return _run_vector(
+        scenario, steps, actions, tick,
+        lambda: envmanager.AsyncVectorEnv(
+            _env_fns(scenario), context=START_METHOD, envs_per_worker=envs_per_worker_for(scenario)
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,6 +355,8 @@ BACKENDS: dict[str, Backend] = {
                 ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
         Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",
                 ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-vector", run_vector, "envmanager.AsyncVectorEnv, step(actions) in lockstep, "
+                "n_env // cores envs/worker", ours=True, lockstep=True, unavailable=_gym_envs_only),
         Backend("gym.SyncVectorEnv", run_gym_sync, "gymnasium SyncVectorEnv (in process)",
                 lockstep=True, unavailable=_gym_envs_only),
         Backend("gym.AsyncVectorEnv", run_gym_async, "gymnasium AsyncVectorEnv (shared memory)",

@@ -16,7 +16,20 @@ from typing import Any
 from envmanager.bench.backends import BACKENDS, NOT_APPLICABLE, cores, envs_per_worker_for
 from envmanager.bench.runner import ScenarioResult, Target, targets
 
-__all__ = ["format_table", "format_targets", "load_average", "metadata", "to_json", "write_json", "write_plot"]
+__all__ = [
+    "PLOT_EXTRA",
+    "format_table",
+    "format_targets",
+    "load_average",
+    "metadata",
+    "plot_unavailable",
+    "to_json",
+    "write_json",
+    "write_plot",
+]
+
+#: What to install for ``write_plot`` (matplotlib is an optional dependency).
+PLOT_EXTRA = 'pip install "envmanager[bench]"'
 
 
 def _rate(x: float) -> str:
@@ -59,8 +72,9 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         n = s.reference_n_env
         refs = ", ".join(f"{b} {_rate(m.median)}" for b, m in result.references.items())
         lines.append(f"   at {n} envs (median steps/s): {refs}")
-    if "envmanager-k" in result.measurements:
-        lines.append(f"   envmanager-k: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
+    packed = [b for b in ("envmanager-k", "envmanager-vector") if b in result.measurements]
+    if packed:
+        lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
     for name, why in result.skipped.items():
         if show_not_applicable or not why.startswith(NOT_APPLICABLE):
@@ -79,7 +93,7 @@ def format_targets(found: Sequence[Target]) -> str:
     for t in found:
         mark = "met" if t.met else "MISSED"
         lines.append(
-            f"{t.scenario:<10}{t.what:<28}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
+            f"{t.scenario:<10}{t.what:<30}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
         )
     return "\n".join(lines)
 
@@ -132,6 +146,21 @@ def write_json(path: str, results: Sequence[ScenarioResult], meta: dict[str, Any
     with open(path, "w") as f:
         json.dump(to_json(results, meta), f, indent=2)
         f.write("\n")
+
+
+def plot_unavailable() -> str | None:
+    """Why :func:`write_plot` cannot work here, in a few words on one line, or ``None``.
+
+    ``"not installed"``, or the error a broken install raises on import. The CLI checks this
+    before a run, so a missing optional dependency costs no benchmark time.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "not installed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return None
 
 
 def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Measurement", "ScenarioResult", "Progress", "run_scenario", "run_benchmark", "targets"]
 
 ASYNC, SYNC, SEQUENTIAL = "gym.AsyncVectorEnv", "gym.SyncVectorEnv", "mlagents.sequential"
-FIRST_READY, LOCKSTEP = "envmanager", "envmanager-lockstep"
+FIRST_READY, LOCKSTEP, VECTOR = "envmanager", "envmanager-lockstep", "envmanager-vector"
 
 
 class Progress(Protocol):
@@ -303,7 +303,9 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
 
     ``cartpole``, ``many`` and ``cpu`` are evaluated for ``envmanager`` (the default
     configuration) and, if another of ours did better, for the best of ours too; ``uneven``
-    compares ``envmanager`` with ``envmanager-lockstep``.
+    compares ``envmanager`` with ``envmanager-lockstep``. The drop-in ``envmanager-vector``
+    has its own ``cartpole`` targets instead, as users would swap it for gymnasium's classes:
+    >= 1x ``SyncVectorEnv`` and >= 5x ``AsyncVectorEnv``.
     """
     out: list[Target] = []
     for result in results:
@@ -313,6 +315,8 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
         contenders = [b for b in dict.fromkeys([FIRST_READY, best.backend if best else FIRST_READY])
                       if b in result.measurements]
         for backend in contenders:
+            if name == "cartpole" and backend == VECTOR:
+                continue  # the drop-in has targets of its own, below
             if name == "cartpole":
                 if backend in ratios.get("vs Async", {}):
                     out.append(Target(name, "x gym AsyncVectorEnv", backend, ratios["vs Async"][backend], 8.0))
@@ -325,6 +329,10 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
                 n, ref = result.scenario.n_env, result.scenario.reference_n_env
                 if backend in ratios.get(f"vs {ref} envs", {}):
                     out.append(Target(name, f"{n} envs x {ref} envs", backend, ratios[f"vs {ref} envs"][backend], 0.8))
+        if name == "cartpole":
+            for column, ref, threshold in (("vs Sync", "SyncVectorEnv", 1.0), ("vs Async", "AsyncVectorEnv", 5.0)):
+                if VECTOR in ratios.get(column, {}):
+                    out.append(Target(name, f"drop-in x gym {ref}", VECTOR, ratios[column][VECTOR], threshold))
         if name == "uneven" and FIRST_READY in ratios.get("vs lockstep", {}):
             out.append(Target(name, "first-ready x lockstep", FIRST_READY, ratios["vs lockstep"][FIRST_READY], 1.8))
     return out
