@@ -42,7 +42,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
 
 from envmanager.adapters import env_functions
 from envmanager.core.batch import BatchEnvManager
-from envmanager.errors import InvalidInputError, WorkerError
+from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerError
 from envmanager.wire.shm import tree_map
 
 __all__ = ["SubprocVecEnv", "RemoteAttributeError"]
@@ -114,7 +114,8 @@ class SubprocVecEnv(VecEnv):
     @property
     def manager(self) -> BatchEnvManager:
         """The underlying manager (the core's batch level)."""
-        assert self._manager is not None
+        if self._manager is None:
+            raise ManagerClosedError("the SubprocVecEnv is closed")
         return self._manager
 
     # ------------------------------------------------------------------------------------------
@@ -141,9 +142,9 @@ class SubprocVecEnv(VecEnv):
         if len(actions) != self.num_envs:
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
         manager = self.manager
-        if manager.waiting_worker_ids:  # a worker restarted while idle is still booting
+        if manager.in_flight():  # a worker restarted while idle is still booting
             manager.wait_idle()
-        if manager.status.max() > 1:  # results nobody asked for: a restart of an idle worker
+        if manager.unreceived():  # results nobody asked for: a restart of an idle worker
             early = manager.receive_batch(0)
             for i in early.interrupted:  # its episode ended where we last saw it
                 self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))

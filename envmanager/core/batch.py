@@ -55,7 +55,8 @@ class SlotStatus(enum.IntEnum):
     ARRIVED = 3  # answered, not handed out yet
 
 
-NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = SlotStatus
+# Plain ints for numpy (an IntEnum member costs attribute look-ups in every array operation).
+NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
 
 
 class BatchEnvManager:
@@ -206,6 +207,17 @@ class BatchEnvManager:
         procs = self.slot_process
         return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if procs[s] not in busy]
 
+    def in_flight(self) -> bool:
+        """Whether any process has a request in flight (a restart on its way back, say)."""
+        for w in self.pool.workers:
+            if w.request is not None:
+                return True
+        return False
+
+    def unreceived(self) -> bool:
+        """Whether results arrived that nobody received yet (a restart of an idle worker)."""
+        return bool(self._arrived)
+
     @property
     def waiting_worker_ids(self) -> list[int]:
         """Slots whose process has a request in flight (a restart, say)."""
@@ -240,7 +252,8 @@ class BatchEnvManager:
         Everything is checked before the first send: bad input reaches no worker.
         """
         pool = self.pool
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
+            slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return
         plan = self._plans.get(slots.tobytes()) or self._plan(slots)
@@ -276,8 +289,9 @@ class BatchEnvManager:
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
+        now = time.monotonic()
         for (index, _, _, _), request in zip(plan, requests):
-            workers[index].send(request)
+            workers[index].send(request, now)
 
     def _plan(self, slots: np.ndarray) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]:
         """Per process: its index, its slots among ``slots``, (their local indices, their rows
@@ -481,7 +495,7 @@ class BatchEnvManager:
         answer: Stepped = c.answer
         slots = c.slots
         self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
-        if not answer.raw:
+        if answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
             self._file_extras(c, answer, slots)
             if answer.failures:
                 failed = [slots[n] for n in answer.failures]

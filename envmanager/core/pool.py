@@ -29,6 +29,8 @@ from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from envmanager.wire.messages import (
     ON_PIPE,
+    RAW,
+    REQUEST_HEADER,
     Attach,
     Call,
     EnvironmentCommand as Cmd,
@@ -37,7 +39,6 @@ from envmanager.wire.messages import (
     Reset,
     Stepped,
     decode_answer,
-    encode_raw_step,
     encode_request,
 )
 from envmanager.wire.shm import SharedBuffers
@@ -45,6 +46,7 @@ from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.main import WorkerSpec
 
 logger = logging.getLogger(__name__)
+_RAW_STEP = REQUEST_HEADER.pack
 
 __all__ = ["WorkerPool", "Completion", "make_specs", "get_context"]
 
@@ -122,7 +124,7 @@ class WorkerPool:
     def prepare_raw_step(self, body: bytes, slots: tuple[int, ...]) -> EnvironmentRequest:
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
-        return EnvironmentRequest(Cmd.STEP, seq, slots, encode_raw_step(seq, body))
+        return EnvironmentRequest(Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body)
 
     def attach_buffers(self, buffers: SharedBuffers) -> None:
         self.buffers = buffers

@@ -108,7 +108,7 @@ class WorkerProcess:
     def sentinel(self) -> int:
         return self.process.sentinel
 
-    def send(self, request: EnvironmentRequest) -> None:
+    def send(self, request: EnvironmentRequest, now: float | None = None) -> None:
         """Send one request (already encoded in ``request.data``); the process must be idle.
 
         A broken pipe is not raised: the request counts as in flight and the death is noticed
@@ -116,7 +116,7 @@ class WorkerProcess:
         """
         assert self.request is None, f"{self.name} already has a request in flight"
         self.request = request
-        self.sent_at = time.monotonic()
+        self.sent_at = time.monotonic() if now is None else now
         try:
             write_frame(self.fd, request.data)
         except OSError:  # BrokenPipeError, ConnectionResetError, ...

@@ -153,7 +153,7 @@ class Stepped(NamedTuple):
     ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either.
     """
 
-    env_times: list[float]
+    env_times: list[float] | tuple[float, ...]
     infos: dict[int, dict] | None = None
     failures: dict[int, RemoteException] | None = None
     observations: list[Any] | None = None
@@ -244,15 +244,16 @@ class EnvironmentResponse(NamedTuple):
     payload: memoryview | bytes
 
 
-def decode_notice(data: bytes) -> EnvironmentResponse:
-    cmd, index, seq, posted_at, form = NOTICE_HEADER.unpack_from(data)
-    return EnvironmentResponse(_COMMANDS[cmd], index, seq, posted_at, form, memoryview(data)[NOTICE_HEADER.size :])
+def decode_notice(data: bytes, offset: int = 0, end: int | None = None) -> EnvironmentResponse:
+    """The notice in ``data[offset:end]``."""
+    cmd, index, seq, posted_at, form = NOTICE_HEADER.unpack_from(data, offset)
+    return EnvironmentResponse(_COMMANDS[cmd], index, seq, posted_at, form, data[offset + NOTICE_HEADER.size : end])
 
 
 def decode_answer(form: int, payload: memoryview | bytes) -> Any:
     """The answer object; raises whatever unpickling raises."""
     if form == RAW:
-        return Stepped(np.frombuffer(payload, _TIMES).tolist())
+        return Stepped(struct.unpack(f"<{len(payload) // 8}d", payload))
     return pickle.loads(payload)
 
 

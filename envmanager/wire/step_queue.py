@@ -65,7 +65,7 @@ class StepQueue:
             (size,) = _FRAME.unpack_from(data, off)
             if off + 4 + size > end:
                 break  # the rest of an atomic write is in the pipe: the next read gets it
-            out.append(decode_notice(data[off + 4 : off + 4 + size]))
+            out.append(decode_notice(data, off + 4, off + 4 + size))
             off += 4 + size
         self._rest = data[off:]
         return out
@@ -81,9 +81,12 @@ _FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix
 def write_frame(fd: int, data: bytes) -> None:
     """Write ``data`` framed as ``Connection.send_bytes`` does (the reader may be a Connection),
     with one ``write`` when the pipe takes it whole."""
-    view = memoryview(_FRAME.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view) :]
+    frame = _FRAME.pack(len(data)) + data
+    written = os.write(fd, frame)
+    if written < len(frame):  # a big message on a full pipe: the rest as the reader takes it
+        view = memoryview(frame)[written:]
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def read_message(conn: Connection, deadline: float, sentinel: int) -> bytes:
