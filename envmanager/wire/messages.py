@@ -229,7 +229,8 @@ def decode_request(cmd: Cmd, form: int, data: bytes) -> Any:
 def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any) -> tuple[bytes, bytes]:
     """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw."""
     if type(message) is Stepped and message.raw:
-        return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), np.asarray(message.env_times, _TIMES).tobytes()
+        times = message.env_times
+        return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), struct.pack(f"<{len(times)}d", *times)
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, PICKLED), dumps(message)
 
 

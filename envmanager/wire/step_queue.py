@@ -19,7 +19,7 @@ from typing import Any
 
 from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe_notice
 
-__all__ = ["StepQueue", "read_message", "write_frame", "MAX_NOTICE_BYTES"]
+__all__ = ["StepQueue", "FrameReader", "read_message", "write_frame", "MAX_NOTICE_BYTES"]
 
 # Largest notice that still goes out in one atomic write (4-byte length header included).
 MAX_NOTICE_BYTES = select.PIPE_BUF - 4
@@ -87,6 +87,34 @@ def write_frame(fd: int, data: bytes) -> None:
         view = memoryview(frame)[written:]
         while view:
             view = view[os.write(fd, view) :]
+
+
+class FrameReader:
+    """Reads ``Connection.send_bytes`` frames from a blocking fd with plain ``os.read``s: the
+    worker's side of its own pipe, without ``Connection``'s per-call overhead."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+
+    def read(self) -> bytes:
+        """The next frame; blocks until it is whole. ``EOFError`` when the writer is gone."""
+        buf = self.buf
+        while True:
+            if len(buf) >= 4:
+                (size,) = _FRAME.unpack_from(buf)
+                if size < 0:
+                    raise ValueError("frames over 2 GiB are not supported")
+                if len(buf) >= 4 + size:
+                    self.buf = buf[4 + size :]
+                    return buf[4 : 4 + size]
+                want = 4 + size - len(buf)
+            else:
+                want = 4 - len(buf)
+            chunk = os.read(self.fd, max(want, 1 << 16))
+            if not chunk:
+                raise EOFError("the parent's end of the pipe is closed")
+            buf = buf + chunk if buf else chunk
 
 
 def read_message(conn: Connection, deadline: float, sentinel: int) -> bytes:

@@ -10,6 +10,7 @@ import traceback
 from typing import Any, Callable
 
 import cloudpickle
+import numpy as np
 
 from envmanager.wire import shm
 from envmanager.wire.messages import (
@@ -47,6 +48,7 @@ class WorkerEnvs:
         self.envs: list[Any] = []
         self.autoreset = [False] * len(env_ids)
         self.buffers: shm.SharedBuffers | None = None
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}  # slots of a request's envs, by locals
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
 
     def build(self) -> Ready:
@@ -73,7 +75,10 @@ class WorkerEnvs:
 
     # -- STEP and RESET ---------------------------------------------------------------------
     def step(self, request: Step) -> Stepped:
-        actions, b, envs, mode = request.actions, self.buffers, self.envs, self.autoreset_mode
+        b = self.buffers
+        if request.actions is None and b is not None and type(b.action) is np.ndarray and type(b.observation) is np.ndarray:
+            return self._step_shared(request.locals, b)
+        actions, envs, mode = request.actions, self.envs, self.autoreset_mode
         out = _Answer(len(request.locals), b)
         for n, i in enumerate(request.locals):
             slot = self.current = self.env_ids[i]
@@ -95,6 +100,53 @@ class WorkerEnvs:
             except Exception as exc:
                 out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
         return out.answer()
+
+    def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers) -> Stepped:
+        """The hot path: actions read from shared memory and results written back as whole
+        batches (one numpy operation per array), not env by env."""
+        rows = self._rows.get(locals_)
+        if rows is None:
+            rows = self._rows[locals_] = np.array([self.env_ids[i] for i in locals_], dtype=np.int64)
+        actions = b.action[rows]  # a copy: the envs may keep their action
+        n = len(locals_)
+        observations: list[Any] = [None] * n
+        rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
+        times = [0.0] * n
+        infos: dict[int, dict] = {}
+        failures: dict[int, RemoteException] = {}
+        envs, autoreset, next_step, same_step = self.envs, self.autoreset, self.autoreset_mode == NEXT_STEP, self.autoreset_mode == SAME_STEP
+        for k, i in enumerate(locals_):
+            start = time.perf_counter()
+            try:
+                env = envs[i]
+                if autoreset[i] and next_step:
+                    obs, info = env.reset()
+                    reward, term, trunc = 0.0, False, False
+                else:
+                    obs, reward, term, trunc, info = env.step(actions[k])
+                    if (term or trunc) and same_step:
+                        final = {"final_obs": obs, "final_info": info}
+                        obs, info = env.reset()
+                        info = {**final, **info}
+                autoreset[i] = bool(term or trunc)
+                observations[k], rewards[k], terminated[k], truncated[k] = obs, reward, term, trunc
+                if info:
+                    infos[k] = info
+            except Exception as exc:
+                self.current = self.env_ids[i]
+                failures[k] = remote_exception(self.current, exc)
+                observations[k] = b.observation[rows[k]]  # unchanged
+            times[k] = time.perf_counter() - start
+        try:
+            b.observation[rows] = observations
+        except Exception:  # an observation that does not fit: find it, env by env
+            for k, obs in enumerate(observations):
+                try:
+                    b.observation[rows[k]] = obs
+                except Exception as exc:
+                    failures[k] = remote_exception(self.env_ids[locals_[k]], exc)
+        b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
+        return Stepped(times, infos or None, failures or None)
 
     def reset(self, request: Reset) -> Stepped:
         out = _Answer(len(request.locals), self.buffers)

@@ -24,7 +24,7 @@ from envmanager.wire.messages import (
     decode_request_header,
     encode_answer,
 )
-from envmanager.wire.step_queue import StepQueue, write_frame
+from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
 from envmanager.worker.envs import WorkerEnvs, remote_exception
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
@@ -87,13 +87,14 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
         post(Cmd.READY, 0, ready)
         incoming = select.poll()
         incoming.register(conn.fileno(), select.POLLIN)
+        requests = FrameReader(conn.fileno())
         spin = spec.spin_s
         while True:
-            if spin > 0:  # a short spin: the next command often comes within microseconds
+            if spin > 0 and not requests.buf:  # a short spin: the next command often comes within microseconds
                 until = time.perf_counter() + spin
                 while not incoming.poll(0) and time.perf_counter() < until:
                     pass
-            data = conn.recv_bytes()
+            data = requests.read()
             cmd, seq, form = decode_request_header(data)
             if cmd is Cmd.CLOSE:
                 break
