@@ -7,12 +7,7 @@ with one numpy operation per array; when everything lives in shared memory a ste
 its answer are fixed binary headers with no pickle. Per-env Python runs only for what an env
 put in a non-empty info dict, or where the user asked for per-env objects (``StepInfo``).
 
-State of every slot (``status``; ``worker_id`` is a slot)::
-
-    NEEDS_RESET ──send_reset──► IN_FLIGHT ──answer──► ARRIVED ──receive──► IDLE
-         ▲                         ▲                                        │
-         └── its env failed        └────────────── send_batch ──────────────┘
-
+State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
 A slot may be sent a step only when IDLE and its process has nothing in flight (a process
 hosting several slots steps them as one request). Its results are valid until it is sent
 again. The process-level half (one request in flight per process, restarts) is the pool's.
@@ -20,7 +15,6 @@ again. The process-level half (one request in flight per process, restarts) is t
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
@@ -34,13 +28,14 @@ from gymnasium import spaces
 from envmanager.core.actions import ActionChecker
 from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.deadline import Deadline
-from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs, worker_error
+from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
+from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus  # noqa: F401
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, Stepped, raw_locals
+from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, raw_locals
 from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
 
 logger = logging.getLogger(__name__)
@@ -48,15 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchEnvManager", "SlotStatus", "seeds_for"]
 
 
-class SlotStatus(enum.IntEnum):
-    NEEDS_RESET = 0  # never reset, or its env failed
-    IDLE = 1  # its last result was handed out: it may be stepped
-    IN_FLIGHT = 2  # a step or reset was sent, no answer yet
-    ARRIVED = 3  # answered, not handed out yet
-
-
-# Plain ints for numpy (an IntEnum member costs attribute look-ups in every array operation).
-NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
+_CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 
 
 class BatchEnvManager:
@@ -103,18 +90,10 @@ class BatchEnvManager:
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
         self.timeout = float(timeout)
+        self._state = SlotState(n_env)
         #: Per-slot state (see the module doc).
-        self.status = np.zeros(n_env, dtype=np.uint8)
-        self._arrived: list[int] = []  # slots answered by a step, in arrival order
-        self._arrived_resets: set[int] = set()
-        self._owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
-        self._infos: dict[int, dict] = {}
-        self._interrupted: set[int] = set()
+        self.status = self._state.status
         self._plans: dict[bytes, list] = {}  # send_batch's per-process split, by slots
-        self._step_errors: list[EnvManagerError] = []
-        self._reset_errors: list[EnvManagerError] = []
-        # Each process's latest answer: (slots, env times, queued, round trip), for ``timings``.
-        self._timings: dict[int, tuple] = {}
 
         n_procs = -(-n_env // self.envs_per_worker)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
@@ -146,6 +125,7 @@ class BatchEnvManager:
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
+            self._state.attach(self.results, self.observation_list, self.observation_space)
             self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
             self._calls = EnvCalls(self)
         except BaseException:
@@ -216,7 +196,7 @@ class BatchEnvManager:
 
     def unreceived(self) -> bool:
         """Whether results arrived that nobody received yet (a restart of an idle worker)."""
-        return bool(self._arrived)
+        return bool(self._state.arrived)
 
     @property
     def waiting_worker_ids(self) -> list[int]:
@@ -337,12 +317,12 @@ class BatchEnvManager:
         step, take whatever else finished, and hand them out. Raises the first failed step
         (results that arrived with it stay for the next call)."""
         pool = self.pool
-        if len(self._arrived) >= min_count or self._step_errors:
+        if len(self._state.arrived) >= min_count or self._state.step_errors:
             self._take(pool.wait(0.0))
         else:
             limit = self.timeout if timeout is None else timeout
             deadline = Deadline(limit)
-            while len(self._arrived) < min_count and not self._step_errors:
+            while len(self._state.arrived) < min_count and not self._state.step_errors:
                 got = pool.wait(deadline.left())
                 if got:
                     self._take(got)
@@ -356,22 +336,17 @@ class BatchEnvManager:
                 failure = next((w.failure for w in pool.workers if w.failure), None)
                 if failure is not None:
                     raise failure
-                if self._arrived:
+                if self._state.arrived:
                     break
                 raise InvalidInputError("no step is in flight: nothing can finish")
-        if self._step_errors:
-            raise self._step_errors.pop(0)
-        arrived, self._arrived = self._arrived, []
-        return self._hand_out(arrived, reset=False)
+        if self._state.step_errors:
+            raise self._state.step_errors.pop(0)
+        arrived, self._state.arrived = self._state.arrived, []
+        return self._state.hand_out(arrived, reset=False)
 
-    def _hand_out(self, slots_list: list[int], reset: bool) -> StepBatch:
-        slots = np.array(slots_list, dtype=np.int64)
-        self.status[slots] = IDLE
-        infos, interrupted = self._infos, self._interrupted
-        mine = {s: infos.pop(s) for s in slots.tolist() if s in infos} if infos else {}
-        cut = frozenset(s for s in slots.tolist() if s in interrupted) if interrupted else frozenset()
-        interrupted -= cut
-        return StepBatch(slots, mine, cut, frozenset(slots.tolist()) if reset else frozenset())
+    def timings(self, worker_id: int) -> tuple[float, float, float]:
+        """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
+        return self._state.timings(worker_id, int(self.slot_process[worker_id]))
 
     # ------------------------------------------------------------------------------------------
     # Resetting
@@ -404,7 +379,7 @@ class BatchEnvManager:
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
-        self._owed_resets.update(slots.tolist())
+        self._state.owed_resets.update(slots.tolist())
         for index, request in outgoing:
             pool.workers[index].send(request)
 
@@ -412,21 +387,21 @@ class BatchEnvManager:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
         them out, sorted by slot. Answers that arrive before a timeout are kept, so a later call
         picks up where this one stopped."""
-        wanted = set(self._owed_resets) if worker_ids is None else set(self.slots(worker_ids))
-        if not wanted <= self._owed_resets:
-            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._owed_resets)}")
-        self.wait_for(lambda: wanted.isdisjoint(self._owed_resets - self._arrived_resets) or bool(self._reset_errors),
-                      timeout, "a reset result", lambda: sorted(wanted & (self._owed_resets - self._arrived_resets)))
-        if self._reset_errors:
-            error = self._reset_errors.pop(0)
-            self._owed_resets -= wanted & self._arrived_resets
-            self._arrived_resets -= wanted
-            self._owed_resets -= {s for s in wanted if self.status[s] == NEEDS_RESET}
+        wanted = set(self._state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
+        if not wanted <= self._state.owed_resets:
+            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._state.owed_resets)}")
+        self.wait_for(lambda: wanted.isdisjoint(self._state.owed_resets - self._state.arrived_resets) or bool(self._state.reset_errors),
+                      timeout, "a reset result", lambda: sorted(wanted & (self._state.owed_resets - self._state.arrived_resets)))
+        if self._state.reset_errors:
+            error = self._state.reset_errors.pop(0)
+            self._state.owed_resets -= wanted & self._state.arrived_resets
+            self._state.arrived_resets -= wanted
+            self._state.owed_resets -= {s for s in wanted if self.status[s] == NEEDS_RESET}
             raise error
         done = sorted(wanted)
-        self._owed_resets -= wanted
-        self._arrived_resets -= wanted
-        return self._hand_out(done, reset=True)
+        self._state.owed_resets -= wanted
+        self._state.arrived_resets -= wanted
+        return self._state.hand_out(done, reset=True)
 
     # ------------------------------------------------------------------------------------------
     # Waiting
@@ -460,91 +435,19 @@ class BatchEnvManager:
         pool = self.pool
         self.wait_for(lambda: not any(w.busy for w in pool.workers), timeout, "the in-flight steps",
                       lambda: [s for w in pool.workers if w.busy for s in w.env_ids])
-        self.status[self.status == ARRIVED] = IDLE
-        self._arrived.clear()
-        self._arrived_resets.clear()
-        self._owed_resets.clear()
-        self._infos.clear()
-        self._interrupted.clear()
-        self._step_errors.clear()
-        self._reset_errors.clear()
+        self._state.drop()
         self._calls.clear()
 
     # ------------------------------------------------------------------------------------------
-    # The parent's half of a step or reset answer
+    # The parent's half of every answer (steps and resets: ``envmanager.core.slots``)
 
     def _take(self, completions: list[Completion]) -> None:
-        """File what the pool delivered: results into the slot state, errors to be raised."""
+        """File what the pool delivered: call answers to the calls, the rest to the slots."""
         for c in completions:
-            request = c.request
-            cmd = None if request is None else request.cmd
-            if cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):
+            if c.request is not None and c.request.cmd in _CALLS:
                 self._calls.file(c)
-            elif c.error is not None:
-                slots = list(request.slots if request is not None and request.slots else c.worker.env_ids)
-                self.status[slots] = NEEDS_RESET
-                if cmd is Cmd.RESET:
-                    self._owed_resets.difference_update(slots)
-                    self._reset_errors.append(c.error)
-                else:
-                    self._step_errors.append(c.error)
-            elif c.answer is not None:
-                self._file_results(c, cmd is Cmd.RESET)
-
-    def _file_results(self, c: Completion, is_reset: bool) -> None:
-        answer: Stepped = c.answer
-        slots = c.slots
-        self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
-        if answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
-            self._file_extras(c, answer, slots)
-            if answer.failures:
-                failed = [slots[n] for n in answer.failures]
-                self.status[failed] = NEEDS_RESET
-                errors = self._reset_errors if is_reset else self._step_errors
-                errors.extend(worker_error(f, c.worker.index) for f in answer.failures.values())
-                if is_reset:
-                    self._owed_resets.difference_update(failed)
-                slots = [s for s in slots if s not in failed]
-        self.status[slots] = ARRIVED
-        if c.interrupted:
-            self._interrupted.update(slots)
-        if is_reset:
-            self._arrived_resets.update(slots)
-        else:
-            self._arrived.extend(slots)
-
-    def timings(self, worker_id: int) -> tuple[float, float, float]:
-        """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
-        slots, env_times, queued, round_trip = self._timings.get(int(self.slot_process[worker_id]), ((), (), 0.0, 0.0))
-        env = env_times[slots.index(worker_id)] if worker_id in slots else 0.0
-        return float(env), max(0.0, queued), max(0.0, round_trip)
-
-    def _file_extras(self, c: Completion, answer: Stepped, slots: tuple[int, ...]) -> None:
-        """Infos, and results that travelled pickled: the slow path, per env."""
-        if answer.infos:
-            for n, info in answer.infos.items():
-                self._infos[slots[n]] = info
-        for slot in slots:  # an empty info replaces an older one not handed out
-            if not answer.infos or slots.index(slot) not in answer.infos:
-                self._infos.pop(slot, None)
-        failures = answer.failures or {}
-        r = self.results
-        if answer.scalars is not None:
-            for n, (reward, terminated, truncated) in enumerate(answer.scalars):
-                if n not in failures:
-                    r.reward[slots[n]], r.terminated[slots[n]], r.truncated[slots[n]] = reward, terminated, truncated
-        if answer.observations is not None:
-            for n, obs in enumerate(answer.observations):
-                if n in failures:
-                    continue
-                if self.observation_list is not None:
-                    self.observation_list[slots[n]] = obs
-                else:
-                    try:
-                        shm.write(r.observation, slots[n], obs)
-                    except Exception as exc:
-                        raise InvalidInputError(f"worker {slots[n]} returned an observation that does not fit "
-                                                f"{self.observation_space}: {exc}") from exc
+            else:
+                self._state.file(c)
 
     # ------------------------------------------------------------------------------------------
     # Env calls (see ``envmanager.core.calls``)

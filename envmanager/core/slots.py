@@ -1,0 +1,162 @@
+"""The state of every env slot, and the parent's half of the STEP and RESET answers.
+
+One status per slot (``worker_id`` is a slot)::
+
+    NEEDS_RESET ──send_reset──► IN_FLIGHT ──answer──► ARRIVED ──hand out──► IDLE
+         ▲                         ▲                                         │
+         └── its env failed        └────────────── send_batch ───────────────┘
+
+What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
+set), their non-empty infos, which were interrupted by a restart, and the errors to raise.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from envmanager.core.results import StepBatch
+from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.wire import shm
+from envmanager.wire.messages import EnvironmentCommand as Cmd, Stepped
+
+if TYPE_CHECKING:
+    from envmanager.core.pool import Completion
+
+__all__ = ["SlotStatus", "SlotState", "NEEDS_RESET", "IDLE", "IN_FLIGHT", "ARRIVED"]
+
+
+class SlotStatus(enum.IntEnum):
+    NEEDS_RESET = 0  # never reset, or its env failed
+    IDLE = 1  # its last result was handed out: it may be stepped
+    IN_FLIGHT = 2  # a step or reset was sent, no answer yet
+    ARRIVED = 3  # answered, not handed out yet
+
+
+# Plain ints for numpy (an IntEnum member costs attribute look-ups in every array operation).
+NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
+
+
+class SlotState:
+    """Per-slot status and everything that arrived but was not handed out yet."""
+
+    def __init__(self, n_env: int) -> None:
+        self.status = np.zeros(n_env, dtype=np.uint8)
+        self.arrived: list[int] = []  # slots answered by a step, in arrival order
+        self.arrived_resets: set[int] = set()
+        self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
+        self.infos: dict[int, dict] = {}
+        self.interrupted: set[int] = set()
+        self.step_errors: list[EnvManagerError] = []
+        self.reset_errors: list[EnvManagerError] = []
+        # Each process's latest answer: (slots, env times, queued, round trip), for ``timings``.
+        self._timings: dict[int, tuple] = {}
+        self.results: shm.SharedBuffers | None = None
+        self.observation_list: list[Any] | None = None
+        self.observation_space: Any = None
+
+    def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, observation_space: Any) -> None:
+        """Where results that travel pickled are written (the parent's copy)."""
+        self.results, self.observation_list, self.observation_space = results, observation_list, observation_space
+
+    # ------------------------------------------------------------------------------------------
+    # Filing answers
+
+    def file(self, c: Completion) -> None:
+        """File one completed STEP or RESET (or a restart's interrupted answer), or its error."""
+        from envmanager.core.pool import worker_error  # pool imports nothing of ours: no cycle, just order
+
+        request = c.request
+        is_reset = request is not None and request.cmd is Cmd.RESET
+        if c.error is not None:
+            slots = list(request.slots if request is not None and request.slots else c.worker.env_ids)
+            self._fail(slots, [c.error], is_reset)
+            return
+        answer: Stepped = c.answer
+        slots = c.slots
+        self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
+        if answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
+            failed = self._file_extras(answer, slots)
+            if answer.failures:
+                failed.update({slots[n]: worker_error(f, c.worker.index) for n, f in answer.failures.items()})
+            if failed:
+                self._fail(list(failed), list(failed.values()), is_reset)
+                slots = [s for s in slots if s not in failed]
+        self.status[slots] = ARRIVED
+        if c.interrupted:
+            self.interrupted.update(slots)
+        if is_reset:
+            self.arrived_resets.update(slots)
+        else:
+            self.arrived.extend(slots)
+
+    def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
+        self.status[slots] = NEEDS_RESET
+        if is_reset:
+            self.owed_resets.difference_update(slots)
+            self.reset_errors.extend(errors)
+        else:
+            self.step_errors.extend(errors)
+
+    def _file_extras(self, answer: Stepped, slots: list[int]) -> dict[int, EnvManagerError]:
+        """Infos, and results that travelled pickled: the slow path, per env. Returns the
+        slots whose observation did not fit, with their errors."""
+        infos = answer.infos or {}
+        for n, slot in enumerate(slots):  # an empty info replaces an older one not handed out
+            if n in infos:
+                self.infos[slot] = infos[n]
+            else:
+                self.infos.pop(slot, None)
+        failures = answer.failures or {}
+        r = self.results
+        assert r is not None
+        if answer.scalars is not None:
+            for n, (reward, terminated, truncated) in enumerate(answer.scalars):
+                if n not in failures:
+                    r.reward[slots[n]], r.terminated[slots[n]], r.truncated[slots[n]] = reward, terminated, truncated
+        bad: dict[int, EnvManagerError] = {}
+        if answer.observations is not None:
+            for n, obs in enumerate(answer.observations):
+                if n in failures:
+                    continue
+                if self.observation_list is not None:
+                    self.observation_list[slots[n]] = obs
+                    continue
+                try:
+                    shm.write(r.observation, slots[n], obs)
+                except Exception as exc:
+                    bad[slots[n]] = InvalidInputError(
+                        f"worker {slots[n]} returned an observation that does not fit {self.observation_space}: {exc}")
+        return bad
+
+    # ------------------------------------------------------------------------------------------
+    # Handing out
+
+    def hand_out(self, slots_list: list[int], reset: bool) -> StepBatch:
+        """Mark ``slots_list`` handed out and return them as a batch with what only they carry."""
+        slots = np.array(slots_list, dtype=np.int64)
+        self.status[slots] = IDLE
+        infos, interrupted = self.infos, self.interrupted
+        mine = {s: infos.pop(s) for s in slots_list if s in infos} if infos else {}
+        cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else frozenset()
+        interrupted -= cut
+        return StepBatch(slots, mine, cut, frozenset(slots_list) if reset else frozenset())
+
+    def timings(self, slot: int, process: int) -> tuple[float, float, float]:
+        """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
+        slots, env_times, queued, round_trip = self._timings.get(process, ((), (), 0.0, 0.0))
+        env = env_times[slots.index(slot)] if slot in slots else 0.0
+        return float(env), max(0.0, queued), max(0.0, round_trip)
+
+    def drop(self) -> None:
+        """Forget everything not handed out (``drain``): those slots count as handed out."""
+        self.status[self.status == ARRIVED] = IDLE
+        self.arrived.clear()
+        self.arrived_resets.clear()
+        self.owed_resets.clear()
+        self.infos.clear()
+        self.interrupted.clear()
+        self.step_errors.clear()
+        self.reset_errors.clear()
