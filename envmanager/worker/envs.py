@@ -64,13 +64,18 @@ class WorkerEnvs:
                 )
             self.envs.append(env)
         first = self.envs[0]
+        spec = getattr(first, "spec", None)
+        try:  # a spec naming a wrapper made with a lambda does not pickle: it is only a nicety
+            pickle.dumps(spec)
+        except Exception:
+            spec = None
         return Ready(
             self.env_ids,
             tuple(getattr(e, "observation_space", None) for e in self.envs),
             tuple(getattr(e, "action_space", None) for e in self.envs),
             getattr(first, "metadata", None) or {},
             getattr(first, "render_mode", None),
-            getattr(first, "spec", None),
+            spec,
         )
 
     # -- STEP and RESET ---------------------------------------------------------------------

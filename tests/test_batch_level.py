@@ -1,0 +1,158 @@
+"""The core's batch level: whole batches in, finished slots out, raw messages on the hot path."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from envmanager import InvalidInputError, SubprocessEnvManager
+from envmanager.core.batch import BatchEnvManager
+from envmanager.core.actions import ActionChecker
+from envmanager.testing.envs import ControlledEnv, EnvFactory
+from envmanager.wire.messages import (
+    NOTICE_HEADER,
+    PICKLED,
+    RAW,
+    REQUEST_HEADER,
+    EnvironmentCommand as Cmd,
+    Step,
+    Stepped,
+    decode_answer,
+    decode_request,
+    decode_request_header,
+    encode_answer,
+    encode_request,
+)
+
+
+class InfoEveryThird(ControlledEnv):
+    """A ControlledEnv whose info is empty except every third step."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        return obs, reward, terminated, truncated, ({"third": self.t} if self.t % 3 == 0 else {})
+
+
+def make_info_env(worker_id):
+    return InfoEveryThird(worker_id)
+
+
+def test_a_step_in_shared_memory_and_its_empty_answer_are_raw():
+    data = encode_request(Cmd.STEP, 7, Step((0, 2, 3)))
+    cmd, seq, form = decode_request_header(data)
+    assert (cmd, seq, form) == (Cmd.STEP, 7, RAW)
+    assert len(data) == REQUEST_HEADER.size + 3 * 2  # the header and three uint16 indices
+    assert decode_request(cmd, form, data) == Step((0, 2, 3))
+    header, payload = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5, 2e-5, 3e-5]))
+    assert NOTICE_HEADER.unpack(header)[-1] == RAW and len(payload) == 3 * 8
+    assert tuple(decode_answer(RAW, payload).env_times) == (1e-5, 2e-5, 3e-5)
+    # A non-empty info, or actions that travel with the request, need a pickle.
+    header, _ = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5], infos={0: {"a": 1}}))
+    assert NOTICE_HEADER.unpack(header)[-1] == PICKLED
+    assert decode_request_header(encode_request(Cmd.STEP, 8, Step((0,), [1])))[2] == PICKLED
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_receive_batch_hands_out_slots_whose_rows_hold_their_results(shared_memory):
+    with BatchEnvManager(make_info_env, 4, envs_per_worker=2, context="fork", shared_memory=shared_memory) as m:
+        m.send_reset({i: (i, None) for i in range(4)})
+        first = m.receive_reset_batch()
+        assert first.slots.tolist() == [0, 1, 2, 3] and first.resets == {0, 1, 2, 3}
+        np.testing.assert_array_equal(m.results.observation[:, 1], [0, 1, 2, 3])  # obs[1] is the env id
+        for step in range(1, 7):
+            m.send_batch(np.arange(4), np.array([2, 1, 0, 2]))
+            got, seen = [], {}
+            while len(got) < 4:
+                batch = m.receive_batch()
+                got += batch.slots.tolist()
+                seen.update(batch.infos)
+            assert sorted(got) == [0, 1, 2, 3]
+            r = m.results
+            np.testing.assert_array_equal(r.observation[:, 0], [step] * 4)  # steps in episode
+            np.testing.assert_array_equal(r.observation[:, 2], [2, 1, 0, 2])  # the action taken
+            np.testing.assert_array_equal(r.reward, [2.0, 1.0, 0.0, 2.0])
+            assert not r.terminated.any() and not r.truncated.any()
+            # Only non-empty infos travel, by slot.
+            assert seen == ({s: {"third": step} for s in range(4)} if step % 3 == 0 else {})
+
+
+def test_a_slot_whose_result_was_not_received_cannot_be_sent_again():
+    with BatchEnvManager(EnvFactory(), 2, context="fork") as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        m.send_batch([0], np.array([1]))
+        m.wait_idle()  # the answer is in, not received
+        with pytest.raises(InvalidInputError, match="not received yet"):
+            m.send_batch([0, 1], np.array([1, 1]))
+        assert m.in_flight() is False  # slot 1 was not sent either
+        assert m.receive_batch().slots.tolist() == [0]
+        m.send_batch([0, 1], np.array([1, 1]))
+        assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+
+
+def test_partial_batches_of_one_process_step_only_the_slots_asked_for():
+    with BatchEnvManager(EnvFactory(), 4, envs_per_worker=4, context="fork") as m:
+        m.send_reset({i: (None, None) for i in range(4)})
+        m.receive_reset_batch()
+        m.send_batch([3, 1], np.array([2, 1]))  # any order: rows follow the slots given
+        assert sorted(m.receive_batch(2).slots.tolist()) == [1, 3]
+        assert m.get_attr("total_steps") == [0, 1, 0, 1]
+        np.testing.assert_array_equal(m.results.observation[[1, 3], 2], [1, 2])
+
+
+def test_step_infos_are_built_from_the_batch_with_previous_results_and_actions():
+    with SubprocessEnvManager(EnvFactory(), 3, envs_per_worker=2, context="fork") as m:
+        m.reset(seed=0)
+        m.send_step({w: w % 3 for w in range(3)})
+        infos = m.receive_steps(min_count=3)
+        assert sorted(info.worker_id for info in infos) == [0, 1, 2]
+        for info in infos:
+            assert info.action == info.worker_id % 3
+            assert info.previous_result is not None and info.previous_result.observation[0] == 0
+            assert info.current_result.observation[0] == 1 and info.current_result.reward == info.action
+            assert info.timings.env > 0
+
+
+@pytest.mark.parametrize(
+    "space, good, bad",
+    [
+        (spaces.Discrete(3, start=1), [1, 3], [[0, 1], [1, 4], [1.0, 2.0], ["1", "2"]]),
+        (spaces.MultiDiscrete([2, 3]), [[1, 2], [0, 0]], [[[2, 0], [0, 0]], [[0.5, 0], [0, 0]]]),
+        (spaces.MultiBinary(2), [[1, 0], [0, 1]], [[[2, 0], [0, 0]]]),
+        (spaces.Box(-1, 1, (2,), np.float32), [[5.0, -5.0], [0.1, 0.2]], [[[np.nan, 0], [0, 0]], [[1e40, 0], [0, 0]]]),
+        (spaces.Box(0, 10, (1,), np.int8), [[3], [4]], [[[1.5], [2]], [[300], [2]]]),
+    ],
+)
+def test_action_batches_are_checked_whole_and_kept_as_given(space, good, bad):
+    checker = ActionChecker(space)
+    checked = checker.batch(np.asarray(good), [0, 1])
+    np.testing.assert_array_equal(checked, np.asarray(good, dtype=space.dtype))  # out-of-bound Box values kept
+    assert checked.dtype == space.dtype
+    for actions in bad:
+        with pytest.raises(InvalidInputError):
+            checker.batch(np.asarray(actions), [0, 1])
+
+
+def test_dict_action_batches_are_checked_per_key():
+    space = spaces.Dict({"move": spaces.Discrete(2), "aim": spaces.Box(-1, 1, (2,), np.float32)})
+    checker = ActionChecker(space)
+    ok = checker.batch({"move": np.array([0, 1]), "aim": np.zeros((2, 2))}, [0, 1])
+    assert ok["move"].dtype == np.int64 and ok["aim"].dtype == np.float32
+    with pytest.raises(InvalidInputError, match=r"\['move'\]"):
+        checker.batch({"move": np.array([0, 2]), "aim": np.zeros((2, 2))}, [0, 1])
+    with pytest.raises(InvalidInputError, match="keys"):
+        checker.batch({"move": np.array([0, 1])}, [0, 1])
+
+
+def test_gym_envs_without_array_spaces_travel_pickled():
+    def make(i):
+        env = gym.make("CartPole-v1")
+        env.observation_space = spaces.Text(5)  # no array layout: observations travel pickled
+        return gym.wrappers.TransformObservation(env, lambda o: "abc", spaces.Text(5))
+
+    with SubprocessEnvManager(make, 2, context="fork") as m:
+        assert m.results.observation is None and m.observation_list == [None, None]
+        assert [i.current_result.observation for i in m.reset(seed=0)] == ["abc", "abc"]
+        assert {i.current_result.observation for i in m.step({0: 1, 1: 0})} == {"abc"}
