@@ -235,8 +235,8 @@ class WorkerPool:
         got: dict[int, Completion] = {}
         deadline = Deadline(self.timeout)
         while not indices <= got.keys():
-            if deadline.passed():
-                late = sorted(indices - got.keys())
+            if deadline.passed():  # name every late process, those already timed out too
+                late = sorted((indices - got.keys()) | {i for i, c in got.items() if isinstance(c.error, WorkerTimeoutError)})
                 raise WorkerTimeoutError([s for i in late for s in self.workers[i].env_ids], self.timeout, what, processes=late)
             for c in self.wait(deadline.left()):
                 got.setdefault(c.worker.index, c)

@@ -1,0 +1,474 @@
+"""Bad input is rejected before any worker is sent anything; faults name every worker they hit.
+
+Issue #8. Real worker processes and real gymnasium envs. Every rejected input is checked to
+have reached no worker: afterwards no slot is waiting, the envs' own step counters are
+unchanged, and a valid step still works (and executes exactly one env step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+from gymnasium import spaces
+
+import envmanager
+from envmanager import (
+    AsyncVectorEnv,
+    EnvManagerError,
+    InvalidInputError,
+    SubprocessEnvManager,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from envmanager.testing.envs import ControlledEnv, EnvFactory
+
+CTX = "fork"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _infrastructure(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return True
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
+def our_children() -> list[psutil.Process]:
+    """Child processes of this test (zombies included), multiprocessing's helpers excluded."""
+    return [p for p in psutil.Process().children(recursive=True) if not _infrastructure(p)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid: int, seconds: float = 5.0) -> bool:
+    """Whether ``pid`` is gone (or a zombie) within ``seconds`` (a SIGKILL is delivered
+    asynchronously; this is a bound, not a timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return gone(pid)
+
+
+def step_all(m: SubprocessEnvManager, actions: dict) -> dict[int, envmanager.StepInfo]:
+    """``m.step(actions)``, then receive until every slot in ``actions`` has its result."""
+    got = {i.worker_id: i for i in m.step(actions)}
+    while len(got) < len(actions):
+        got.update({i.worker_id: i for i in m.receive_steps(timeout=10)})
+    assert sorted(got) == sorted(actions)
+    return got
+
+
+def step_until_error(m: SubprocessEnvManager, limit: int = 50, seconds: float = 20.0):
+    """Step every idle slot until something raises: at least ``limit`` steps, for up to
+    ``seconds`` (a killed process needs the CPU once to die, which a loaded machine delays)."""
+    deadline = time.monotonic() + seconds
+    n = 0
+    while n < limit or time.monotonic() < deadline:
+        m.step({w: 1 for w in m.idle_worker_ids})
+        n += 1
+    raise AssertionError(f"no error was raised in {n} steps and {seconds} s")
+
+
+def assert_nothing_sent(m: SubprocessEnvManager, expected_steps: list[int], what: object) -> None:
+    """No slot is waiting for anything, and the envs executed no step beyond ``expected_steps``."""
+    assert m.waiting_worker_ids == [], f"after rejecting {what!r}: workers {m.waiting_worker_ids} were sent something"
+    assert m.idle_worker_ids == list(range(m.n_env)), f"after rejecting {what!r}: idle {m.idle_worker_ids}"
+    assert m.get_attr("total_steps") == expected_steps, f"after rejecting {what!r}: an env was stepped"
+
+
+def discrete_manager(n_env: int = 2, **kwargs) -> SubprocessEnvManager:
+    return SubprocessEnvManager(EnvFactory(), n_env, context=CTX, timeout=10, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Discrete actions: SubprocessEnvManager
+
+BAD_DISCRETE = [
+    pytest.param(0.5, id="float-0.5"),
+    pytest.param(1.0, id="float-1.0"),
+    pytest.param(np.float32(1.7), id="np.float32-1.7"),
+    pytest.param("1", id="str-1"),
+    pytest.param(7, id="int-7"),
+    pytest.param(-1, id="int-minus-1"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_DISCRETE)
+def test_step_rejects_bad_discrete_action_before_sending(bad):
+    with discrete_manager(2) as m:  # one process per slot: a partial send would show
+        m.reset()
+        assert m.action_space == spaces.Discrete(3)
+        expected = [0, 0]
+        # The bad action in either position (slot 1 is sent after slot 0 when sending in order).
+        for actions in ({0: bad, 1: 1}, {0: 1, 1: bad}):
+            with pytest.raises(InvalidInputError):
+                m.step(actions)
+            assert_nothing_sent(m, expected, actions)
+        # The sequence form (one action per slot) checks the same way.
+        with pytest.raises(InvalidInputError):
+            m.step([bad, 1])
+        assert_nothing_sent(m, expected, [bad, 1])
+        # Valid actions work afterwards: a numpy integer and a Python int; one step each.
+        got = step_all(m, {0: np.int64(2), 1: 1})
+        assert got[0].current_result.observation[0] == 1 and got[1].current_result.observation[0] == 1
+        assert got[0].current_result.observation[2] == 2.0 and got[1].current_result.observation[2] == 1.0
+        assert got[0].current_result.reward == 2.0 and got[1].current_result.reward == 1.0
+        assert m.get_attr("total_steps") == [1, 1]
+
+
+@pytest.mark.parametrize("bad", BAD_DISCRETE)
+def test_send_batch_rejects_bad_discrete_action_before_sending(bad):
+    with discrete_manager(2) as m:
+        m.reset()
+        for actions in (np.array([bad, 1]), np.array([1, bad])):
+            with pytest.raises(InvalidInputError):
+                m.send_batch(np.array([0, 1]), actions)
+            assert_nothing_sent(m, [0, 0], actions)
+        # A valid batch afterwards: int64 actions, one step each.
+        m.send_batch(np.array([0, 1]), np.array([2, 1], dtype=np.int64))
+        batch = m.receive_batch(min_count=2, timeout=10)
+        assert sorted(batch.slots.tolist()) == [0, 1]
+        np.testing.assert_array_equal(m.results.observation[:, 0], [1, 1])  # one step into the episode
+        np.testing.assert_array_equal(m.results.observation[:, 2], [2, 1])  # the actions taken
+        assert m.get_attr("total_steps") == [1, 1]
+
+
+def test_valid_integer_actions_of_every_kind_are_accepted():
+    with discrete_manager(2) as m:
+        m.reset()
+        n = 0
+        for a0, a1 in ((np.int64(0), 2), (np.int32(1), np.uint8(2)), (2, np.int16(0))):
+            got = step_all(m, {0: a0, 1: a1})
+            n += 1
+            assert [got[0].current_result.observation[2], got[1].current_result.observation[2]] == [int(a0), int(a1)]
+            assert m.get_attr("total_steps") == [n, n]
+        m.send_batch([0, 1], [1, 2])  # Python ints, a list batch
+        m.receive_batch(min_count=2, timeout=10)
+        np.testing.assert_array_equal(m.results.observation[:, 2], [1, 2])
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Box actions
+
+
+class RecordingBoxEnv(gym.Env):
+    """Box(-1, 1, (2,), float32) actions; remembers the last action it was given."""
+
+    def __init__(self, env_id: int = 0) -> None:
+        self.env_id = env_id
+        self.observation_space = spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.last_action = None
+        self.total_steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.total_steps += 1
+        self.last_action = np.array(action, copy=True)
+        return np.full(2, self.total_steps, np.float32), 0.0, False, False, {}
+
+
+def box_manager() -> SubprocessEnvManager:
+    return SubprocessEnvManager(RecordingBoxEnv, 2, context=CTX, timeout=10)
+
+
+BAD_BOX = [
+    pytest.param(np.array([np.nan, 0.0], np.float32), id="nan-float32"),
+    pytest.param([0.0, float("nan")], id="nan-list"),
+    pytest.param(np.array([1e40, 0.0]), id="float64-overflows-float32"),
+    pytest.param(np.array([0.0, -1e40]), id="float64-overflows-float32-negative"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_BOX)
+def test_box_action_nan_or_overflow_is_rejected_before_sending(bad):
+    good = np.array([0.25, -0.25], np.float32)
+    with box_manager() as m:
+        m.reset()
+        for actions in ({0: bad, 1: good}, {0: good, 1: bad}):
+            with pytest.raises(InvalidInputError):
+                m.step(actions)
+            assert_nothing_sent(m, [0, 0], actions)
+        for batch in (np.stack([np.asarray(bad, np.float64), good]), np.stack([good, np.asarray(bad, np.float64)])):
+            with pytest.raises(InvalidInputError):
+                m.send_batch(np.array([0, 1]), batch)
+            assert_nothing_sent(m, [0, 0], batch)
+        # A valid step afterwards reaches both envs, once.
+        step_all(m, {0: good, 1: good})
+        assert m.get_attr("total_steps") == [1, 1]
+        for last in m.get_attr("last_action"):
+            np.testing.assert_array_equal(last, good)
+
+
+def test_box_action_out_of_bounds_is_passed_through_unchanged():
+    with box_manager() as m:
+        m.reset()
+        step_all(m, {0: np.array([5.0, -5.0], np.float32), 1: [1.5, -3.0]})  # float32 and a float64 list
+        assert m.get_attr("total_steps") == [1, 1]
+        last0, last1 = m.get_attr("last_action")
+        np.testing.assert_array_equal(last0, np.array([5.0, -5.0], np.float32))
+        np.testing.assert_array_equal(last1, np.array([1.5, -3.0], np.float32))
+        # The batch level too (a float64 batch that float32 holds).
+        m.send_batch(np.array([0, 1]), np.array([[2.0, 0.5], [-7.0, 100.0]]))
+        m.receive_batch(min_count=2, timeout=10)
+        last0, last1 = m.get_attr("last_action")
+        np.testing.assert_array_equal(last0, np.array([2.0, 0.5], np.float32))
+        np.testing.assert_array_equal(last1, np.array([-7.0, 100.0], np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The gymnasium drop-in
+
+
+def make_vector(**kwargs) -> AsyncVectorEnv:
+    return AsyncVectorEnv([lambda: ControlledEnv(0), lambda: ControlledEnv(1)], context=CTX, worker_timeout=10, **kwargs)
+
+
+@pytest.mark.parametrize("bad", BAD_DISCRETE)
+def test_vector_step_rejects_bad_discrete_action_and_stays_usable(bad):
+    envs = make_vector()
+    try:
+        envs.reset(seed=0)
+        steps = 0
+        for actions in (np.array([bad, 1]), np.array([1, bad]), [bad, 1]):
+            with pytest.raises(ValueError):
+                envs.step(actions)
+            assert envs.get_attr("total_steps") == (steps, steps), f"after rejecting {actions!r}: an env was stepped"
+            # The vector env is usable: a valid step works and returns what SyncVectorEnv would.
+            obs, rewards, terminations, truncations, infos = envs.step(np.array([2, 1]))
+            steps += 1
+            assert obs.shape == (2, 4) and rewards.shape == (2,)
+            assert terminations.shape == (2,) and truncations.shape == (2,)
+            np.testing.assert_array_equal(obs[:, 0], [steps, steps])  # steps in episode
+            np.testing.assert_array_equal(obs[:, 2], [2, 1])  # the actions taken
+            np.testing.assert_array_equal(rewards, [2.0, 1.0])
+            assert envs.get_attr("total_steps") == (steps, steps)
+    finally:
+        envs.close()
+
+
+def test_vector_rejection_is_a_value_error_subclass():
+    assert issubclass(InvalidInputError, ValueError)
+    envs = make_vector()
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(InvalidInputError):
+            envs.step(np.array([0.5, 1.0]))
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize(
+    "env_ids",
+    [
+        pytest.param(["0", 1], id="str-and-int"),
+        pytest.param(np.array(["0", "1"]), id="str-array"),
+        pytest.param([0.0, 1.0], id="floats"),
+    ],
+)
+def test_vector_send_rejects_non_integer_env_ids_before_sending(env_ids):
+    envs = make_vector(batch_size=1)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(ValueError):
+            envs.send(np.array([1, 1]), env_ids=env_ids)
+        assert envs.get_attr("total_steps") == (0, 0), "a step was sent despite the bad env_ids"
+        # Nothing is outstanding: recv has nothing to wait for.
+        with pytest.raises(gym.error.NoAsyncCallError):
+            envs.recv()
+        # A valid send afterwards: both envs step once.
+        envs.send(np.array([2, 1]), env_ids=[0, 1])
+        got = {}
+        for _ in range(2):
+            obs, rewards, _, _, infos = envs.recv()
+            assert obs.shape == (1, 4) and rewards.shape == (1,)
+            got[int(infos["env_id"][0])] = (obs[0, 0], obs[0, 2])
+        assert got == {0: (1.0, 2.0), 1: (1.0, 1.0)}
+        assert envs.get_attr("total_steps") == (1, 1)
+    finally:
+        envs.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. A factory that returns something that is not an environment
+
+
+def test_factory_returning_a_non_env_fails_at_construction_saying_so():
+    with pytest.raises((EnvManagerError, TypeError)) as caught:
+        SubprocessEnvManager(lambda i: 42, 2, context=CTX, timeout=10)
+    assert "not an environment" in str(caught.value)
+    if isinstance(caught.value, WorkerError):
+        assert caught.value.worker_id == 0
+    assert our_children() == [], "worker processes were left behind"
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. An env that raises does not take the other env of its process with it
+
+
+def test_env_error_keeps_sibling_result_and_only_failed_env_needs_reset():
+    factory = EnvFactory(per_env={1: {"fault": "raise", "fault_at": 3}})
+    with SubprocessEnvManager(factory, 2, envs_per_worker=2, context=CTX, timeout=10) as m:
+        m.reset()
+        env0_counter = []  # env 0's steps-in-episode, in the order its results came back
+        env0_episode = set()
+        with pytest.raises(WorkerError) as caught:
+            for _ in range(10):
+                for info in m.step({0: 1, 1: 1}):
+                    if info.worker_id == 0:
+                        env0_counter.append(info.current_result.observation[0])
+                        env0_episode.add(info.current_result.observation[3])
+        err = caught.value
+        assert err.worker_id == 1, str(err)
+        assert err.worker_ids == [1]
+        assert "failed on purpose at step 3" in str(err)
+        assert env0_counter == [1, 2]
+        # Env 0's transition of that same step is not lost: the next receive returns it.
+        late = m.receive_steps(timeout=10)
+        assert [i.worker_id for i in late] == [0]
+        assert late[0].current_result.observation[0] == 3
+        assert late[0].interrupted is False
+        env0_episode.add(late[0].current_result.observation[3])
+        assert m.get_attr("total_steps") == [3, 3]
+        # Env 1 is refused until it is reset, and nothing is sent to env 0 with it either.
+        with pytest.raises(InvalidInputError, match="must be reset"):
+            m.step({0: 1, 1: 1})
+        with pytest.raises(InvalidInputError, match="must be reset"):
+            m.step({1: 1})
+        assert m.get_attr("total_steps") == [3, 3]
+        assert m.waiting_worker_ids == []
+        # Env 0 keeps stepping, without a reset: its counter goes on by one per step.
+        for expected in (4, 5):
+            (info,) = m.step({0: 2})
+            assert info.worker_id == 0
+            assert info.current_result.observation[0] == expected
+            env0_episode.add(info.current_result.observation[3])
+        assert env0_episode == {1.0}, "env 0 was reset"
+        # Once env 1 is reset (alone), both step again; env 0 still has not been reset.
+        m.set_attr("fault", None, worker_ids=[1])
+        m.send_reset({1: (None, None)})
+        (reset1,) = m.receive_resets([1], timeout=10)
+        assert reset1.worker_id == 1 and reset1.current_result.observation[0] == 0
+        got = step_all(m, {0: 1, 1: 1})
+        assert got[0].current_result.observation[0] == 6 and got[0].current_result.observation[3] == 1
+        assert got[1].current_result.observation[0] == 1
+        assert m.get_attr("resets") == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. A dead process hosting several slots: every slot is named
+
+
+def test_died_error_names_every_slot_of_the_dead_process():
+    with SubprocessEnvManager(EnvFactory(), 4, envs_per_worker=2, context=CTX, timeout=10) as m:
+        m.reset()
+        victim = m.worker_of(2)
+        assert victim is m.worker_of(3) and victim is not m.worker_of(1)
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError) as caught:
+            step_until_error(m)
+        err = caught.value
+        message = str(err)
+        assert err.worker_ids == [2, 3], message
+        assert err.worker_id in (2, 3), message
+        assert "process 1" in message, message
+        assert re.search(r"slots 2\s*[–-]\s*3|slots 2, 3", message), message
+        assert "SIGKILL" in message, message
+        # The other process's slots are not affected.
+        assert m.failure_of(0) is None and m.failure_of(1) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. A start-up that times out in several processes: one error names them all
+
+
+def _sleeps_forever(worker_id):
+    time.sleep(60)
+
+
+def test_startup_timeout_names_every_hanging_slot():
+    with pytest.raises(WorkerTimeoutError) as caught:
+        SubprocessEnvManager(_sleeps_forever, 4, context=CTX, timeout=1.5)
+    err = caught.value
+    assert err.worker_ids == [0, 1, 2, 3], str(err)
+    assert our_children() == [], "worker processes were left behind"
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. close(): a straggler's own-session child is killed with it
+
+
+class HangingCloseEnv(ControlledEnv):
+    """Starts a child in a session of its own (as mlagents starts Unity players) and hangs in
+    ``close()``; the child's pid goes to a file so the test can find it."""
+
+    def __init__(self, env_id: int, pid_dir: str) -> None:
+        super().__init__(env_id)
+        self.player = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+        path = os.path.join(pid_dir, f"player-{env_id}.pid")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(self.player.pid))
+        os.replace(path + ".tmp", path)
+
+    def close(self) -> None:
+        time.sleep(30)
+
+
+def test_close_kills_own_session_child_of_a_straggler(tmp_path):
+    pid_dir = str(tmp_path)
+    m = SubprocessEnvManager(lambda i: HangingCloseEnv(i, pid_dir), 1, context=CTX, timeout=10)
+    player = None
+    try:
+        m.reset()
+        with open(tmp_path / "player-0.pid") as f:
+            player = int(f.read())
+        worker_pid = m.workers[0].pid
+        assert not gone(player), "the env's child should be running"
+        assert os.getsid(player) != os.getsid(worker_pid), "the child should be in a session of its own"
+        m.close(timeout=1.0)
+        assert gone(worker_pid), "close() returned with the worker still running"
+        assert wait_gone(player), f"the straggler's child {player} outlived close()"
+    finally:
+        m.close(timeout=0.0)
+        if player is not None and not gone(player):
+            os.kill(player, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. An env error in a process hosting several slots names the process
+
+
+@pytest.mark.parametrize("slot", [2, 3])
+def test_worker_error_names_the_process(slot):
+    factory = EnvFactory(per_env={slot: {"fault": "raise", "fault_at": 1}})
+    with SubprocessEnvManager(factory, 4, envs_per_worker=2, context=CTX, timeout=10) as m:
+        m.reset()
+        with pytest.raises(WorkerError) as caught:
+            step_until_error(m)
+        err = caught.value
+        message = str(err)
+        assert err.worker_id == slot, message
+        assert f"worker {slot}" in message, message
+        assert "process 1" in message, message
+        assert "failed on purpose" in err.remote_traceback
