@@ -3,21 +3,12 @@ defines them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.spaces import Space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
-
-
-def tree_map(fn: Callable[[np.ndarray], Any], tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {key: tree_map(fn, value) for key, value in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(tree_map(fn, value) for value in tree)
-    return fn(tree)
 
 
 def gymnasium_can_share(space: Space) -> bool:
@@ -33,16 +24,6 @@ def _subspaces(space: Space) -> list[Space]:
     if isinstance(space, gym.spaces.Tuple):
         return list(space.spaces)
     return []
-
-
-def leading_dims(actions: Any) -> set[int]:
-    """The first dimension of every array in a (possibly nested) batch of actions."""
-    if isinstance(actions, dict):
-        return set().union(*(leading_dims(v) for v in actions.values())) if actions else set()
-    if isinstance(actions, tuple):
-        return set().union(*(leading_dims(v) for v in actions)) if actions else set()
-    shape = np.shape(actions)
-    return {shape[0]} if shape else set()
 
 
 def check_reset_mask(reset_mask: Any, n: int) -> np.ndarray:

@@ -75,6 +75,7 @@ class SubprocessEnvManager(BatchEnvManager):
         self.policy = policy
         self._last: list[StepInfo | None] = [None] * (n_env if isinstance(n_env, int) and n_env > 0 else 0)
         self._actions: dict[int, Any] = {}  # slot -> action being stepped (for StepInfo.action)
+        self._ready: list[StepInfo] = []  # results taken early (see ``_absorb``), not returned yet
         super().__init__(
             env_factory, n_env, envs_per_worker=envs_per_worker, context=context, shared_memory=shared_memory,
             autoreset_mode=autoreset_mode, timeout=timeout, restart_workers=restart_workers,
@@ -84,6 +85,20 @@ class SubprocessEnvManager(BatchEnvManager):
 
     def set_policy(self, policy: Policy | None) -> None:
         self.policy = policy
+
+    @property
+    def idle_worker_ids(self) -> list[int]:
+        """Slots that can be sent a step now: nothing in flight on their process."""
+        self._absorb()
+        return super().idle_worker_ids
+
+    def _absorb(self) -> None:
+        """Turn step results that arrived into StepInfos now (copies), so their slots can be
+        stepped again before the caller receives them — as when a worker restarted while idle."""
+        state = self._state
+        if state.arrived and self._pool is not None:
+            arrived, state.arrived = state.arrived, []
+            self._ready += self._step_infos(state.hand_out(arrived, reset=False))
 
     # ------------------------------------------------------------------------------------------
     # Stepping
@@ -121,6 +136,7 @@ class SubprocessEnvManager(BatchEnvManager):
         if not actions:
             self.pool  # raises if closed
             return
+        self._absorb()
         slots = list(actions)
         for slot in slots:
             if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.n_env:
@@ -131,7 +147,10 @@ class SubprocessEnvManager(BatchEnvManager):
     def receive_steps(self, timeout: float | None = None, min_count: int = 1) -> list[StepInfo]:
         """Wait (bounded by ``timeout``, default the manager's) until ``min_count`` steps finished,
         take whatever else finished, and return them. Raises the first failed step."""
-        return self._step_infos(self.receive_batch(min_count, timeout))
+        self._absorb()
+        batch = self.receive_batch(max(0, min_count - len(self._ready)), timeout)
+        out, self._ready = self._ready + self._step_infos(batch), []
+        return out
 
     def _step_infos(self, batch: StepBatch) -> list[StepInfo]:
         """StepInfos for a batch: the per-env objects of this level, read from the results."""
@@ -170,7 +189,7 @@ class SubprocessEnvManager(BatchEnvManager):
         list with one seed per slot, or ``None``.
         """
         seeds = seeds_for(seed, self.n_env)
-        self.drain(timeout)
+        self.drop_in_flight(timeout)
         self.send_reset({slot: (seeds[slot], options) for slot in range(self.n_env)})
         return self.receive_resets(None, timeout)
 
@@ -178,6 +197,7 @@ class SubprocessEnvManager(BatchEnvManager):
         """Wait out every request in flight and drop the results, errors included."""
         self.drain(timeout)
         self._actions.clear()
+        self._ready.clear()
 
     def receive_resets(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> list[StepInfo]:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight); their

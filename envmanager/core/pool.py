@@ -329,8 +329,8 @@ class WorkerPool:
             for w in workers:
                 busy = w.busy
                 w.request_close()
-                if busy:  # it would read CLOSE only after its step
-                    w.terminate(0.0)
+                if busy:  # it would read CLOSE only after its step: interrupt it (it still closes its envs)
+                    w.interrupt()
             deadline = Deadline(timeout)
             while any(w.alive() for w in workers) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it

@@ -86,6 +86,7 @@ class WorkerProcess:
         self.failure: EnvManagerError | None = None
         self.exitcode: int | None = None
         self.reaped = False
+        self._family: list[int] = []  # what it had started when it was interrupted
 
     def __repr__(self) -> str:
         return f"<WorkerProcess {self.name} pid={self.pid} {self.state.value}>"
@@ -168,13 +169,19 @@ class WorkerProcess:
 
     def terminate(self, grace: float) -> None:
         """SIGTERM (the worker still closes its envs), wait ``grace`` s, then kill whatever it
-        started that outlived it — found before it ends, since its orphans cannot be found after."""
+        started that outlived it."""
         if not self.alive():
             return
-        family = descendants(self.pid) if self.pid is not None else []
-        self.process.terminate()
+        self.interrupt()
         self.process.join(grace)
-        _kill_all(family)
+        _kill_all(self._family)
+
+    def interrupt(self) -> None:
+        """SIGTERM now, noting first the processes it started: once it has ended, those in a
+        session of their own can no longer be found, and ``kill`` must still reach them."""
+        if self.alive():
+            self._family = descendants(self.pid) if self.pid is not None else []
+            self.process.terminate()
 
     def kill(self) -> None:
         """SIGKILL the worker and every process it started (even in another session, as
@@ -189,7 +196,7 @@ class WorkerProcess:
             self.process.kill()
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
-        _kill_all(family)
+        _kill_all(family + self._family)
         if pid is not None:
             try:
                 os.killpg(pid, signal.SIGKILL)  # anything left in its process group
