@@ -29,6 +29,9 @@ class ActionChecker:
     def __init__(self, space: spaces.Space | None) -> None:
         self.space = space
         self._fast = _fast_check(space)
+        self._ints: tuple[int, int, np.dtype] | None = None
+        if isinstance(space, spaces.Discrete):
+            self._ints = (int(space.start), int(space.start) + int(space.n) - 1, np.dtype(space.dtype))
 
     def batch(self, actions: Any, slots: list[int] | np.ndarray) -> Any:
         """``actions`` (a batch: arrays whose first axis runs over ``slots``, or dicts / tuples
@@ -41,6 +44,10 @@ class ActionChecker:
 
     def stack(self, per_slot: list[Any], slots: list[int]) -> Any:
         """The same for one action per slot, stacked into a batch first."""
+        if self._ints is not None:  # Discrete and plain ints, the common case: checked in Python
+            low, high, dtype = self._ints
+            if all(type(a) is int and low <= a <= high for a in per_slot):
+                return np.array(per_slot, dtype=dtype)
         try:
             batch = _stack(self.space, per_slot)
         except InvalidInputError:

@@ -102,6 +102,8 @@ class BatchEnvManager:
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])
+        self._slot_process_list: list[int] = self.slot_process.tolist()  # for per-slot Python loops
+        self._slot_local_list: list[int] = self.slot_local.tolist()
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon)
@@ -173,7 +175,7 @@ class BatchEnvManager:
 
     def worker_of(self, worker_id: int) -> WorkerProcess:
         """The process hosting slot ``worker_id``."""
-        return self.pool.workers[self.slot_process[worker_id]]
+        return self.pool.workers[self._slot_process_list[worker_id]]
 
     @property
     def worker_ids(self) -> list[int]:
@@ -276,19 +278,21 @@ class BatchEnvManager:
     def _plan(self, slots: np.ndarray) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]:
         """Per process: its index, its slots among ``slots``, (their local indices, their rows
         in the batch), and the local indices as a raw STEP request carries them. Cached."""
-        if slots.min() < 0 or slots.max() >= self.n_env:
-            bad = [int(s) for s in slots if not 0 <= s < self.n_env]
+        listed = slots.tolist()
+        bad = [s for s in listed if not 0 <= s < self.n_env]
+        if bad:
             raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={self.n_env})")
-        if len(np.unique(slots)) != len(slots):
-            raise InvalidInputError(f"worker ids must be distinct, got {slots.tolist()}")
+        if len(set(listed)) != len(listed):
+            raise InvalidInputError(f"worker ids must be distinct, got {listed}")
+        process_of, local_of = self._slot_process_list, self._slot_local_list
         by_process: dict[int, list[int]] = {}
-        for row, slot in enumerate(slots.tolist()):
-            by_process.setdefault(int(self.slot_process[slot]), []).append(row)
+        for row, slot in enumerate(listed):
+            by_process.setdefault(process_of[slot], []).append(row)
         plan = []
         for index, rows in sorted(by_process.items()):
-            rows.sort(key=lambda r: slots[r])
-            process_slots = tuple(int(slots[r]) for r in rows)
-            locals_ = tuple(int(self.slot_local[s]) for s in process_slots)
+            rows.sort(key=listed.__getitem__)
+            process_slots = tuple(listed[r] for r in rows)
+            locals_ = tuple(local_of[s] for s in process_slots)
             plan.append((index, process_slots, (locals_, rows), raw_locals(locals_)))
         if len(self._plans) < 1024:  # full batches and the partial batches a user repeats
             self._plans[slots.tobytes()] = plan
@@ -346,7 +350,7 @@ class BatchEnvManager:
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
-        return self._state.timings(worker_id, int(self.slot_process[worker_id]))
+        return self._state.timings(worker_id, self._slot_process_list[worker_id])
 
     # ------------------------------------------------------------------------------------------
     # Resetting

@@ -137,10 +137,10 @@ class SubprocessEnvManager(BatchEnvManager):
             self.pool  # raises if closed
             return
         self._absorb()
-        slots = list(actions)
-        for slot in slots:
+        for slot in actions:
             if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.n_env:
                 raise InvalidInputError(f"unknown worker id {slot!r} (n_env={self.n_env})")
+        slots = sorted(actions)  # in slot order: one cached send plan per set of slots
         self.send_batch(slots, [actions[s] for s in slots], per_slot=True)
         self._actions.update(actions)
 

@@ -22,6 +22,8 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvironmentCommand as Cmd, Stepped
 
+from envmanager.core.pool import worker_error
+
 if TYPE_CHECKING:
     from envmanager.core.pool import Completion
 
@@ -66,8 +68,6 @@ class SlotState:
 
     def file(self, c: Completion) -> None:
         """File one completed STEP or RESET (or a restart's interrupted answer), or its error."""
-        from envmanager.core.pool import worker_error  # pool imports nothing of ours: no cycle, just order
-
         request = c.request
         is_reset = request is not None and request.cmd is Cmd.RESET
         if c.error is not None:
@@ -84,7 +84,10 @@ class SlotState:
             if failed:
                 self._fail(list(failed), list(failed.values()), is_reset)
                 slots = [s for s in slots if s not in failed]
-        self.status[slots] = ARRIVED
+        if len(slots) == 1:  # a scalar index is the cheaper numpy call
+            self.status[slots[0]] = ARRIVED
+        else:
+            self.status[slots] = ARRIVED
         if c.interrupted:
             self.interrupted.update(slots)
         if is_reset:

@@ -48,7 +48,7 @@ class WorkerEnvs:
         self.envs: list[Any] = []
         self.autoreset = [False] * len(env_ids)
         self.buffers: shm.SharedBuffers | None = None
-        self._rows: dict[tuple[int, ...], np.ndarray] = {}  # slots of a request's envs, by locals
+        self._rows: dict[tuple[int, ...], Any] = {}  # slots of a request's envs (an int for one), by locals
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
 
     def build(self) -> Ready:
@@ -110,10 +110,12 @@ class WorkerEnvs:
         """The hot path: actions read from shared memory and results written back as whole
         batches (one numpy operation per array), not env by env."""
         rows = self._rows.get(locals_)
-        if rows is None:
-            rows = self._rows[locals_] = np.array([self.env_ids[i] for i in locals_], dtype=np.int64)
-        actions = b.action[rows]  # a copy: the envs may keep their action
+        if rows is None:  # one env: a plain int index, the cheaper numpy call
+            rows = self._rows[locals_] = (np.array([self.env_ids[i] for i in locals_], dtype=np.int64)
+                                          if len(locals_) > 1 else self.env_ids[locals_[0]])
         n = len(locals_)
+        # A copy (fancy indexing copies; one row is copied by hand): the envs may keep their action.
+        actions = b.action[rows] if n > 1 else b.action[rows : rows + 1].copy()
         observations: list[Any] = [None] * n
         rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
         times = [0.0] * n
@@ -140,17 +142,20 @@ class WorkerEnvs:
             except Exception as exc:
                 self.current = self.env_ids[i]
                 failures[k] = remote_exception(self.current, exc)
-                observations[k] = b.observation[rows[k]]  # unchanged
+                observations[k] = b.observation[self.env_ids[i]]  # unchanged
             times[k] = time.perf_counter() - start
         try:
-            b.observation[rows] = observations
+            b.observation[rows] = observations if n > 1 else observations[0]
         except Exception:  # an observation that does not fit: find it, env by env
             for k, obs in enumerate(observations):
                 try:
-                    b.observation[rows[k]] = obs
+                    b.observation[self.env_ids[locals_[k]]] = obs
                 except Exception as exc:
                     failures[k] = remote_exception(self.env_ids[locals_[k]], exc)
-        b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
+        if n > 1:
+            b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
+        else:
+            b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards[0], terminated[0], truncated[0]
         return Stepped(times, infos or None, failures or None)
 
     def reset(self, request: Reset) -> Stepped:
