@@ -26,6 +26,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envmanager.core.actions import ActionChecker
+from envmanager.core.auto import AUTO, choose_envs_per_worker
 from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.deadline import Deadline
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
@@ -57,7 +58,7 @@ class BatchEnvManager:
         env_factory: Callable[[int], Any],
         n_env: int = 1,
         *,
-        envs_per_worker: int = 1,
+        envs_per_worker: int | str = 1,
         context: str | None = None,
         shared_memory: bool = True,
         autoreset_mode: str | Any = NEXT_STEP,
@@ -72,8 +73,9 @@ class BatchEnvManager:
         self._pool: WorkerPool | None = None
         if not isinstance(n_env, (int, np.integer)) or isinstance(n_env, bool) or n_env < 1:
             raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
-        if not isinstance(envs_per_worker, (int, np.integer)) or isinstance(envs_per_worker, bool) or envs_per_worker < 1:
-            raise InvalidInputError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
+        if envs_per_worker != AUTO and (not isinstance(envs_per_worker, (int, np.integer))
+                                         or isinstance(envs_per_worker, bool) or envs_per_worker < 1):
+            raise InvalidInputError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}")
         if timeout is None or timeout <= 0:
             raise InvalidInputError(f"timeout must be a positive number of seconds, got {timeout!r}")
         modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}
@@ -87,6 +89,8 @@ class BatchEnvManager:
         ctx = get_context(context)
 
         self.n_env = n_env = int(n_env)
+        if envs_per_worker == AUTO:  # one env stepped in this process, within a deadline
+            envs_per_worker = choose_envs_per_worker(env_factory, n_env)
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
         self.timeout = float(timeout)

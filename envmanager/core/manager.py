@@ -38,7 +38,8 @@ class SubprocessEnvManager(BatchEnvManager):
     Args:
         env_factory: ``env_factory(worker_id) -> env``, a gymnasium-style env. Cloudpickled.
         n_env: number of environment slots (``worker_id`` 0 .. n_env-1).
-        envs_per_worker: slots hosted by one process (stepped together, as one message).
+        envs_per_worker: slots hosted by one process (stepped together, as one message), or
+            ``"auto"``: chosen from one env's step cost measured at start-up (``envmanager.core.auto``).
         context: multiprocessing start method: ``"fork"``, ``"forkserver"``, ``"spawn"``.
         shared_memory: keep observations, rewards, flags and actions in shared memory.
         autoreset_mode: gymnasium's ``"next_step"`` (default), ``"same_step"`` or ``"disabled"``.
@@ -59,7 +60,7 @@ class SubprocessEnvManager(BatchEnvManager):
         env_factory: Callable[[int], Any],
         n_env: int = 1,
         *,
-        envs_per_worker: int = 1,
+        envs_per_worker: int | str = 1,
         context: str | None = None,
         shared_memory: bool = True,
         autoreset_mode: str | Any = NEXT_STEP,

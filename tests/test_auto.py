@@ -1,0 +1,96 @@
+"""``envs_per_worker="auto"``: the choice follows one env's step cost, is logged, and results stay right."""
+
+from __future__ import annotations
+
+import logging
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import envmanager
+from envmanager import InvalidInputError, SubprocessEnvManager
+from envmanager.core import auto
+from envmanager.testing.envs import EnvFactory
+
+
+def test_cheap_envs_are_packed_one_process_per_core(caplog):
+    cores = auto.usable_cores()
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        with SubprocessEnvManager(EnvFactory(), 4 * cores, envs_per_worker="auto", context="fork", timeout=30) as m:
+            assert m.envs_per_worker == 4
+            assert len(m.workers) == cores
+            infos = m.reset(seed=3)
+            assert [i.current_result.observation[1] for i in infos] == list(range(4 * cores))
+            done = 0
+            todo = {s: 1 for s in range(m.n_env)}
+            while done < 3 * m.n_env:
+                infos = m.step(todo)
+                todo = {i.worker_id: 2 for i in infos}
+                for i in infos:  # obs = [t, env_id, last action, episode]: right env, right action
+                    assert i.current_result.observation[1] == i.worker_id
+                    assert i.current_result.observation[2] == i.action
+                done += len(infos)
+    assert any("chose 4" in r.getMessage() and "cheap" in r.getMessage() for r in caplog.records)
+
+
+def test_expensive_envs_get_a_process_each(caplog):
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        with SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 4, envs_per_worker="auto", context="fork", timeout=30) as m:
+            assert m.envs_per_worker == 1
+            assert len(m.workers) == 4
+            m.reset(seed=0)
+            infos = m.step([1, 2, 0, 1])
+            assert all(i.current_result.reward == i.action for i in infos)
+    assert any("chose 1" in r.getMessage() and "expensive" in r.getMessage() for r in caplog.records)
+
+
+def test_waiting_envs_get_a_process_each():
+    choice = auto.choose_envs_per_worker(EnvFactory(step_time=3e-4), 8, cores=2)
+    assert choice == 1  # sleeps: cheap in wall time, but packing would serialize the waits
+
+
+def test_an_env_that_does_not_answer_in_time_falls_back_to_one(caplog):
+    gate = "/nonexistent/envmanager-auto-gate"  # each step waits for this file (60 s at most)
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(EnvFactory(gate=gate), 8, cores=2) == 1
+    assert any("no answer within" in r.getMessage() for r in caplog.records)
+
+
+def test_an_env_that_fails_falls_back_to_one(caplog):
+    def broken(env_id):
+        raise RuntimeError("no env here")
+
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(broken, 8, cores=2) == 1
+    assert any("no env here" in r.getMessage() for r in caplog.records)
+
+
+def test_drop_ins_take_auto():
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
+    vec = envmanager.AsyncVectorEnv(fns, envs_per_worker="auto", context="fork")
+    try:
+        assert vec._manager.envs_per_worker == max(1, 4 // auto.usable_cores())
+        obs, _ = vec.reset(seed=1)
+        ref = gym.vector.SyncVectorEnv(fns)
+        ref_obs, _ = ref.reset(seed=1)
+        np.testing.assert_array_equal(obs, ref_obs)
+        actions = np.array([0, 1, 1, 0])
+        np.testing.assert_array_equal(vec.step(actions)[0], ref.step(actions)[0])
+        ref.close()
+    finally:
+        vec.close()
+    sb3 = pytest.importorskip("stable_baselines3")  # noqa: F841
+    from envmanager.sb3 import SubprocVecEnv
+
+    venv = SubprocVecEnv(fns, envs_per_worker="auto", start_method="fork")
+    try:
+        assert venv.reset().shape == (4, 4)
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize("bad", ["Auto", "", 0, 1.5, True])
+def test_other_values_are_rejected(bad):
+    with pytest.raises(InvalidInputError, match="auto"):
+        SubprocessEnvManager(EnvFactory(), 2, envs_per_worker=bad)
