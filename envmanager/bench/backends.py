@@ -24,7 +24,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from envmanager.bench.scenarios import Scenario
+from envmanager.bench import peers
+from envmanager.bench.scenarios import Scenario, env_columns
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
 
@@ -84,13 +85,13 @@ def _env_fns(scenario: Scenario) -> list[Callable[[], Any]]:
 
 
 def run_first_ready(
-    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, envs_per_worker: int = 1
+    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, envs_per_worker: int | str = 1
 ) -> tuple[int, float]:
     """SubprocessEnvManager as designed: step every idle env, take whatever has finished."""
     from envmanager import SubprocessEnvManager
 
     n = scenario.n_env
-    columns = actions.T.tolist()  # python ints: no numpy scalars on the hot path
+    columns = env_columns(actions)
     rows = len(columns[0])
     progress = Progress(tick, scenario, steps)
     manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
@@ -117,6 +118,11 @@ def run_first_ready(
 def run_k_per_worker(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
     """First-ready, with ``n_env // cores`` envs per worker process, stepped as one message."""
     return run_first_ready(scenario, steps, actions, tick, envs_per_worker=envs_per_worker_for(scenario))
+
+
+def run_auto(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """First-ready, ``envs_per_worker="auto"``: the manager measures one env and chooses."""
+    return run_first_ready(scenario, steps, actions, tick, envs_per_worker="auto")
 
 
 def envs_per_worker_for(scenario: Scenario) -> int:
@@ -240,13 +246,18 @@ def run_sb3(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> 
 
 
 def run_envpool(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
-    """EnvPool's own C++ CartPole, synchronous mode (threads in this process)."""
+    """EnvPool's own C++ version of the scenario's envs, synchronous mode (threads in this process).
+
+    It does not autoreset as gymnasium does (it resets a finished env on its next step), and
+    its stepping loop is the same lockstep ``step(actions)`` as every vector env here.
+    """
     import envpool
 
     def make() -> Any:
         with warnings.catch_warnings():  # envpool's spaces warn about float precision
             warnings.simplefilter("ignore")
-            return envpool.make_gymnasium(scenario.gym_id, num_envs=scenario.n_env, seed=0)
+            return envpool.make_gymnasium(scenario.envpool_id, num_envs=scenario.n_env, seed=0,
+                                          **dict(scenario.envpool_kwargs))
 
     def reset(env: Any) -> None:
         with warnings.catch_warnings():  # "seeds are fixed when the environment is created"
@@ -290,9 +301,23 @@ def _envpool_broken() -> str | None:
 
 
 def _envpool_unavailable(scenario: Scenario) -> str | None:
-    if scenario.gym_id != "CartPole-v1":
-        return "not applicable: EnvPool runs its own CartPole-v1 only (here), not arbitrary Python envs"
-    return _envpool_broken()
+    if scenario.envpool_id is None:
+        return "not applicable: EnvPool runs its own C++ envs (CartPole, Pong, HalfCheetah here), not Python envs"
+    return _envpool_broken() or _envpool_env_broken(scenario.envpool_id, scenario.envpool_kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _envpool_env_broken(task: str, kwargs: tuple[tuple[str, Any], ...]) -> str | None:
+    try:
+        import envpool
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            env = envpool.make_gymnasium(task, num_envs=1, seed=0, **dict(kwargs))
+            env.close()
+    except Exception as exc:
+        return f"envpool's {task} does not work here ({type(exc).__name__}: {exc})"
+    return None
 
 
 def _always(scenario: Scenario) -> str | None:
@@ -349,6 +374,8 @@ BACKENDS: dict[str, Backend] = {
         Backend("envmanager", run_first_ready, "SubprocessEnvManager, 1 env/worker, first-ready "
                 "(unity: MLAgentsEnvManager.get_steps)", ours=True, unavailable=_gym_envs_only,
                 unity=_unity("run_first_ready")),
+        Backend("envmanager-auto", run_auto, 'SubprocessEnvManager, envs_per_worker="auto"',
+                ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-k", run_k_per_worker, "SubprocessEnvManager, n_env // cores envs/worker",
                 ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-lockstep", run_lockstep, "SubprocessEnvManager, waiting for all envs each step",
@@ -363,7 +390,13 @@ BACKENDS: dict[str, Backend] = {
                 lockstep=True, unavailable=_gym_envs_only),
         Backend("sb3.SubprocVecEnv", run_sb3, "Stable-Baselines3 SubprocVecEnv",
                 lockstep=True, unavailable=lambda s: _gym_envs_only(s) or _sb3_unavailable(s)),
-        Backend("envpool", run_envpool, "EnvPool (C++ CartPole, sync mode)",
+        Backend("tianshou.SubprocVectorEnv", peers.run_tianshou_subproc, "tianshou SubprocVectorEnv (pipes)",
+                lockstep=True, unavailable=peers.tianshou_unavailable),
+        Backend("tianshou.ShmemVectorEnv", peers.run_tianshou_shmem, "tianshou ShmemVectorEnv (shared memory)",
+                lockstep=True, unavailable=peers.tianshou_unavailable),
+        Backend("torchrl.ParallelEnv", peers.run_torchrl, "TorchRL ParallelEnv of GymWrapper envs",
+                lockstep=True, unavailable=peers.torchrl_unavailable),
+        Backend("envpool", run_envpool, "EnvPool (its own C++ envs, sync mode)",
                 lockstep=True, unavailable=_envpool_unavailable),
         Backend("mlagents.sequential", _unity("run_sequential"),
                 "mlagents_envs UnityEnvironments stepped one after another in this process",

@@ -6,6 +6,7 @@ ship it to its workers under any start method.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -18,9 +19,12 @@ import numpy as np
 from envmanager.envs import ControlledEnv
 
 __all__ = [
+    "GROUPS",
     "Scenario",
     "SCENARIOS",
+    "SWEEP_COSTS",
     "actions_for",
+    "env_columns",
     "in_process_rate",
     "scenario_unavailable",
     "with_n_env",
@@ -29,6 +33,13 @@ __all__ = [
 CPU_TIME = 500e-6  # seconds of CPU each step of the ``cpu`` scenario burns
 UNEVEN = (2e-3, 1.0)  # ``uneven``: lognormal step time (median seconds, sigma)
 UNITY_LATENCY = (5e-3, 10e-3)  # ``unity``: each player sleeps latency + uniform [0, jitter] per step
+SWEEP_COSTS = (5e-6, 20e-6, 50e-6, 200e-6, 1e-3, 5e-3)  # ``sweep``: CPU seconds each step burns
+SWEEP_SECONDS = 2.0  # ``sweep``: default steps per repeat ~ this many seconds at the 2-core limit
+ATARI_ID, MUJOCO_ID = "ALE/Pong-v5", "HalfCheetah-v5"
+#: EnvPool's Pong set up to do what ``atari`` envs do: frameskip 4 (max-pooled), full RGB frames,
+#: no sticky actions, no life-loss episodes, raw rewards.
+ENVPOOL_PONG = (("img_height", 210), ("img_width", 160), ("gray_scale", False), ("stack_num", 1),
+                ("episodic_life", False), ("reward_clip", False), ("repeat_action_probability", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +56,23 @@ def cpu_env(env_id: int) -> gym.Env:
 
 def uneven_env(env_id: int) -> gym.Env:
     return ControlledEnv(env_id, lognormal=UNEVEN)
+
+
+def burn_env(cpu_time: float, env_id: int) -> gym.Env:
+    """``sweep``: an env whose every step burns ``cpu_time`` seconds of CPU."""
+    return ControlledEnv(env_id, cpu_time=cpu_time)
+
+
+def atari_env(env_id: int) -> gym.Env:
+    """``atari``: ALE's Pong, 4 frames per step, no sticky actions (as EnvPool's published table)."""
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make(ATARI_ID, frameskip=4, repeat_action_probability=0.0)
+
+
+def mujoco_env(env_id: int) -> gym.Env:
+    return gym.make(MUJOCO_ID)
 
 
 def unity_env(env_id: int) -> Any:  # pragma: no cover - depends on the ML-Agents adapter
@@ -71,6 +99,10 @@ class Scenario:
         kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
             run by the backends' ML-Agents variants; ``factory`` unused).
         requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
+        action_dim: continuous actions: vectors of this size, uniform in [-1, 1] (else Discrete).
+        envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
+        group: the scenarios run together under this name (``sweep``).
+        step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
     """
 
     name: str
@@ -85,15 +117,33 @@ class Scenario:
     compare_lockstep: bool = False
     kind: str = "gym"
     requires: tuple[str, ...] = ()
+    action_dim: int | None = None
+    envpool_id: str | None = None
+    envpool_kwargs: tuple[tuple[str, Any], ...] = ()
+    group: str | None = None
+    step_cost: float | None = None
+
+
+def _cost_label(seconds: float) -> str:
+    return f"{seconds * 1e3:g}ms" if seconds >= 1e-3 else f"{seconds * 1e6:g}us"
+
+
+def _sweep(cost: float) -> Scenario:
+    return Scenario(
+        f"sweep-{_cost_label(cost)}", f"8 envs burning {_cost_label(cost)} of CPU per step",
+        functools.partial(burn_env, cost), 8, int(min(40_000, SWEEP_SECONDS * 2 / cost)),
+        n_actions=3, measure_limit=True, group="sweep", step_cost=cost,
+    )
 
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("cartpole", "8 CartPole-v1 envs", cartpole, 8, 40_000, gym_id="CartPole-v1"),
+        Scenario("cartpole", "8 CartPole-v1 envs", cartpole, 8, 40_000, gym_id="CartPole-v1",
+                 envpool_id="CartPole-v1"),
         Scenario(
             "many", "64 CartPole-v1 envs (compared with 8)", cartpole, 64, 40_000,
-            gym_id="CartPole-v1", reference_n_env=8,
+            gym_id="CartPole-v1", envpool_id="CartPole-v1", reference_n_env=8,
         ),
         Scenario(
             "cpu", f"8 envs burning {CPU_TIME * 1e6:.0f} us of CPU per step", cpu_env, 8, 8_000,
@@ -103,6 +153,15 @@ SCENARIOS: dict[str, Scenario] = {
             "uneven", f"8 envs sleeping lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step",
             uneven_env, 8, 3_000, n_actions=3, compare_lockstep=True,
         ),
+        *(_sweep(cost) for cost in SWEEP_COSTS),
+        Scenario(
+            "atari", f"8 {ATARI_ID} envs (ale-py), frameskip 4, RGB frames", atari_env, 8, 8_000,
+            n_actions=6, measure_limit=True, requires=("ale_py",), envpool_id="Pong-v5", envpool_kwargs=ENVPOOL_PONG,
+        ),
+        Scenario(
+            "mujoco", f"8 {MUJOCO_ID} envs (gymnasium[mujoco])", mujoco_env, 8, 16_000,
+            action_dim=6, measure_limit=True, requires=("mujoco",), envpool_id=MUJOCO_ID,
+        ),
         Scenario(
             "unity", "8 fake Unity players (gRPC), step latency {:g} ms + uniform [0, {:g} ms]".format(
                 *(1e3 * t for t in UNITY_LATENCY)), unity_env, 8, 1_000,
@@ -111,6 +170,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
+
+
+#: Names that stand for several scenarios on the command line.
+GROUPS: dict[str, list[str]] = {}
+for _s in SCENARIOS.values():
+    if _s.group:
+        GROUPS.setdefault(_s.group, []).append(_s.name)
 
 
 def with_n_env(scenario: Scenario, n_env: int) -> Scenario:
@@ -137,7 +203,17 @@ def actions_for(scenario: Scenario, steps: int, seed: int = 0) -> np.ndarray:
     own pace, wrapping around; so every env sees the same actions in every backend.
     """
     rows = -(-steps // scenario.n_env) + 16
-    return np.random.default_rng(seed).integers(0, scenario.n_actions, size=(rows, scenario.n_env))
+    rng = np.random.default_rng(seed)
+    if scenario.action_dim:
+        return rng.uniform(-1, 1, size=(rows, scenario.n_env, scenario.action_dim)).astype(np.float32)
+    return rng.integers(0, scenario.n_actions, size=(rows, scenario.n_env))
+
+
+def env_columns(actions: np.ndarray) -> list[list[Any]]:
+    """Each env's actions in order: Python ints (Discrete), or arrays (continuous)."""
+    if actions.ndim == 2:
+        return actions.T.tolist()  # python ints: no numpy scalars on the hot path
+    return [list(actions[:, i]) for i in range(actions.shape[1])]
 
 
 def in_process_rate(scenario: Scenario, steps: int, actions: np.ndarray) -> float:
@@ -145,7 +221,7 @@ def in_process_rate(scenario: Scenario, steps: int, actions: np.ndarray) -> floa
     env = scenario.factory(0)
     try:
         env.reset(seed=0)
-        column = actions[:, 0].tolist()
+        column = env_columns(actions)[0]
         rows = len(column)
         step = env.step
         start = time.perf_counter()
