@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from envmanager.bench import BACKENDS, DEFAULT_BACKENDS, SCENARIOS, cores, run_benchmark, targets
 from envmanager.bench.report import (
     PLOT_EXTRA,
+    format_sweep,
     format_table,
     format_targets,
     load_average,
@@ -19,13 +20,15 @@ from envmanager.bench.report import (
     write_json,
     write_plot,
 )
+from envmanager.bench.scenarios import GROUPS
 
 NOTES = (
     "notes: steps/s = env-steps per second of the timed loop (start-up, reset and close not timed);\n"
     "ratios use medians; repeats are interleaved across backends. Every backend starts its workers\n"
     "with fork (sb3.SubprocVecEnv too, whose default is forkserver); sb3 autoresets within the step;\n"
-    "envpool steps its own C++ CartPole in threads of this process. Other load on the machine\n"
-    "(see the load average) widens the min-best spread: compare medians, rerun when in doubt."
+    "envpool steps its own C++ envs in threads of this process. Other load on the machine\n"
+    "(see the load average) widens the min-best spread: compare medians, rerun when in doubt.\n"
+    "tianshou's vector envs do not autoreset: finished envs are reset in the timed loop."
 )
 
 
@@ -80,7 +83,8 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     # In the canonical order whatever the order given: unity (gRPC in this process) comes last,
     # after every backend that forks this process.
-    names = [n for n in SCENARIOS if n in args.scenario or "all" in args.scenario]
+    wanted = {n for name in args.scenario for n in GROUPS.get(name, [name])}
+    names = [n for n in SCENARIOS if n in wanted or "all" in args.scenario]
     if args.backends is None:
         backends = list(DEFAULT_BACKENDS)
     elif "all" in args.backends:
@@ -100,7 +104,11 @@ def bench(args: argparse.Namespace) -> int:
     for result in results:
         print()
         print(format_table(result, show_not_applicable=args.backends is not None))
-    summary = format_targets(targets(results))
+    sweep = format_sweep(results)
+    if sweep:
+        print()
+        print(sweep)
+    summary = format_targets(targets(results)) if args.targets else ""
     if summary:
         print()
         print(summary)
@@ -120,13 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",
-        help="env-steps per second against gymnasium's vector envs (and SB3, EnvPool)",
+        help="env-steps per second against gymnasium's vector envs (and SB3, tianshou, TorchRL, EnvPool)",
         description="Measure env-steps per second of envmanager and its peers on the same envs with the "
         "same actions, in the same run; report medians, min/best and ratios.",
     )
     b.add_argument(
-        "--scenario", nargs="+", choices=[*SCENARIOS, "all"], default=["cartpole"], metavar="SCENARIO",
-        help=f"one or more of {', '.join(SCENARIOS)}, or all (default: cartpole)",
+        "--scenario", nargs="+", choices=[*SCENARIOS, *GROUPS, "all"], default=["cartpole"], metavar="SCENARIO",
+        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*), or all (default: cartpole)",
     )
     b.add_argument(
         "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",
@@ -138,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
     b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")
     b.add_argument("--plot", metavar="PATH", help=f"write a PNG bar chart (needs matplotlib: {PLOT_EXTRA})")
+    b.add_argument("--targets", action="store_true", help="also list the project's performance targets, met or missed")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each backend")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("-v", "--verbose", action="store_true", help="log what the benchmark does")

@@ -33,6 +33,9 @@ __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
 #: cannot tilt the comparison: ``fork`` where there is one.
 START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
+#: What ``envs_per_worker="auto"`` chose, by scenario name (the last run of ``envmanager-auto``).
+AUTO_CHOICES: dict[str, int] = {}
+
 Tick = Callable[[int], None]
 Run = Callable[[Scenario, int, np.ndarray, Tick], "tuple[int, float]"]
 
@@ -95,6 +98,8 @@ def run_first_ready(
     rows = len(columns[0])
     progress = Progress(tick, scenario, steps)
     manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
+    if envs_per_worker == "auto":
+        AUTO_CHOICES[scenario.name] = manager.envs_per_worker
     with manager:
         manager.reset(seed=0)
         step = manager.step

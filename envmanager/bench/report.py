@@ -13,16 +13,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from envmanager.bench.backends import BACKENDS, NOT_APPLICABLE, cores, envs_per_worker_for
+from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, cores, envs_per_worker_for
 from envmanager.bench.runner import ScenarioResult, Target, targets
 
 __all__ = [
     "PLOT_EXTRA",
+    "format_sweep",
     "format_table",
     "format_targets",
     "load_average",
     "metadata",
     "plot_unavailable",
+    "sweep_fractions",
     "to_json",
     "write_json",
     "write_plot",
@@ -75,6 +77,8 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
     packed = [b for b in ("envmanager-k", "envmanager-vector") if b in result.measurements]
     if packed:
         lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
+    if "envmanager-auto" in result.measurements and s.name in AUTO_CHOICES:
+        lines.append(f"   envmanager-auto: chose {AUTO_CHOICES[s.name]} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
     for name, why in result.skipped.items():
         if show_not_applicable or not why.startswith(NOT_APPLICABLE):
@@ -83,6 +87,31 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         lines.append(f"   skipped {', '.join(skipped)}: {why}")
     for name, why in result.failed.items():
         lines.append(f"   FAILED {name}: {why}")
+    return "\n".join(lines)
+
+
+def sweep_fractions(results: Sequence[ScenarioResult]) -> tuple[list[float], dict[str, list[float | None]]]:
+    """The sweep's curve: step costs (seconds), and per backend its fraction of the limit at each."""
+    points = sorted((r for r in results if r.scenario.group == "sweep" and r.limit and r.scenario.step_cost),
+                    key=lambda r: r.scenario.step_cost or 0.0)
+    costs = [r.scenario.step_cost or 0.0 for r in points]
+    names = list(dict.fromkeys(b for r in points for b in r.measurements))
+    curves = {b: [r.measurements[b].median / r.limit if b in r.measurements and r.limit else None for r in points]
+              for b in names}
+    return costs, curves
+
+
+def format_sweep(results: Sequence[ScenarioResult]) -> str:
+    """One line per backend: its fraction of the machine's limit at each step cost of the sweep."""
+    costs, curves = sweep_fractions(results)
+    if not costs:
+        return ""
+    labels = [f"{c * 1e3:g} ms" if c >= 1e-3 else f"{c * 1e6:g} us" for c in costs]
+    width = max([22, *(len(n) + 2 for n in curves)])
+    lines = ["== sweep: fraction of the limit (min(cores, envs) x one env's in-process rate) by CPU time per step",
+             f"{'backend':<{width}}" + "".join(f"{label:>9}" for label in labels)]
+    for name, values in curves.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{'-' if v is None else f'{v:.2f}':>9}" for v in values))
     return "\n".join(lines)
 
 
@@ -137,7 +166,8 @@ def to_json(results: Sequence[ScenarioResult], meta: dict[str, Any] | None = Non
     return {
         "meta": meta or metadata(),
         "backends": {name: {"description": b.description, "ours": b.ours} for name, b in BACKENDS.items()},
-        "scenarios": {r.name: r.to_dict() for r in results},
+        "scenarios": {r.name: {**r.to_dict(), "auto_envs_per_worker": AUTO_CHOICES.get(r.name)} for r in results},
+        "sweep": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results))),
         "targets": [t.to_dict() for t in targets(results)],
     }
 
@@ -164,41 +194,67 @@ def plot_unavailable() -> str | None:
 
 
 def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
-    """A PNG: one panel per scenario, median steps/s per backend, whiskers from min to best."""
+    """A PNG: the sweep as curves (fraction of the limit against CPU time per step, one line per
+    backend), then one bar panel per other scenario (median steps/s, whiskers min to best)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    shown = [r for r in results if r.measurements]
-    fig, axes = plt.subplots(max(1, len(shown)), 1, figsize=(9, 0.5 + 0.45 * sum(
-        len(r.measurements) + 1 for r in shown) + 0.6 * len(shown)), squeeze=False,
-        gridspec_kw={"height_ratios": [len(r.measurements) + 2 for r in shown] or [1]})
+    shown = [r for r in results if r.measurements and r.scenario.group != "sweep"]
+    costs, curves = sweep_fractions(results)
+    heights = ([6] if costs else []) + [len(r.measurements) + 2 for r in shown]
+    fig, axes = plt.subplots(max(1, len(heights)), 1, squeeze=False, figsize=(9, 0.6 + 0.45 * sum(heights)),
+                             gridspec_kw={"height_ratios": heights or [1]})
     try:
-        if not shown:
-            axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
-            axes[0][0].set_axis_off()
-        for ax, r in zip(axes[:, 0], shown):
-            names = list(r.measurements)
-            medians = [r.measurements[n].median for n in names]
-            low = [m - r.measurements[n].worst for n, m in zip(names, medians)]
-            high = [r.measurements[n].best - m for n, m in zip(names, medians)]
-            colors = ["tab:blue" if BACKENDS[n].ours else "tab:gray" for n in names]
-            y = range(len(names))
-            ax.barh(list(y), medians, xerr=[low, high], color=colors, capsize=3)
-            ax.set_yticks(list(y), names)
-            ax.invert_yaxis()
-            for i, (m, h) in enumerate(zip(medians, high)):
-                ax.text(m + h, i, f"  {m:,.0f}", va="center", fontsize=8)
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:,.0f}"))
-            ax.set_xlim(0, max(m + h for m, h in zip(medians, high)) * 1.18 or 1)
-            if r.limit is not None:
-                ax.axvline(r.limit, color="tab:red", linestyle="--", label=f"limit {r.limit:,.0f}/s")
-                ax.legend(loc="lower right", fontsize=8)
-            ax.set_title(f"{r.name}: {r.scenario.description}", fontsize=10)
-            ax.set_xlabel("env-steps per second (median; whiskers: min to best)")
+        panels = list(axes[:, 0])
+        if not heights:
+            panels[0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
+            panels[0].set_axis_off()
+        if costs:
+            _plot_sweep(panels.pop(0), costs, curves)
+        for ax, r in zip(panels, shown):
+            _plot_bars(ax, r)
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=100)
     finally:
         plt.close(fig)
+
+
+def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None]]) -> None:
+    micro = [c * 1e6 for c in costs]
+    for name, values in curves.items():
+        points = [(x, v) for x, v in zip(micro, values) if v is not None]
+        ours = BACKENDS[name].ours if name in BACKENDS else False
+        ax.plot(*zip(*points), marker="o", label=name, linestyle="-" if ours else "--", linewidth=2 if ours else 1)
+    ax.axhline(1.0, color="tab:red", linewidth=0.8)  # the machine's limit
+    ax.set_xscale("log")
+    ax.set_xticks(micro, [f"{x / 1e3:g} ms" if x >= 1e3 else f"{x:g} µs" for x in micro])
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("CPU time per env step")
+    ax.set_ylabel("fraction of the limit")
+    ax.set_title(f"sweep: 8 envs; limit = min({cores()} cores, 8 envs) x one env's in-process rate", fontsize=10)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+
+
+def _plot_bars(ax: Any, r: ScenarioResult) -> None:
+    import matplotlib.ticker
+
+    names = list(r.measurements)
+    medians = [r.measurements[n].median for n in names]
+    low = [m - r.measurements[n].worst for n, m in zip(names, medians)]
+    high = [r.measurements[n].best - m for n, m in zip(names, medians)]
+    colors = ["tab:blue" if BACKENDS[n].ours else "tab:gray" for n in names]
+    y = range(len(names))
+    ax.barh(list(y), medians, xerr=[low, high], color=colors, capsize=3)
+    ax.set_yticks(list(y), names)
+    ax.invert_yaxis()
+    for i, (m, h) in enumerate(zip(medians, high)):
+        ax.text(m + h, i, f"  {m:,.0f}", va="center", fontsize=8)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:,.0f}"))
+    ax.set_xlim(0, max(max(m + h for m, h in zip(medians, high)), r.limit or 0) * 1.18 or 1)
+    if r.limit is not None:
+        ax.axvline(r.limit, color="tab:red", linestyle="--", label=f"limit {r.limit:,.0f}/s")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{r.name}: {r.scenario.description}", fontsize=10)
+    ax.set_xlabel("env-steps per second (median; whiskers: min to best)")

@@ -27,6 +27,16 @@ __all__ = ["Measurement", "ScenarioResult", "Progress", "run_scenario", "run_ben
 
 ASYNC, SYNC, SEQUENTIAL = "gym.AsyncVectorEnv", "gym.SyncVectorEnv", "mlagents.sequential"
 FIRST_READY, LOCKSTEP, VECTOR = "envmanager", "envmanager-lockstep", "envmanager-vector"
+AUTO, PACKED = "envmanager-auto", "envmanager-k"
+ENVPOOL = "envpool"
+#: A ratio column against each peer measured in the run: backend -> column name.
+PEER_COLUMNS = {
+    ASYNC: "vs Async", SYNC: "vs Sync", SEQUENTIAL: "vs sequential", "sb3.SubprocVecEnv": "vs sb3",
+    "tianshou.SubprocVectorEnv": "vs ts.Subproc", "tianshou.ShmemVectorEnv": "vs ts.Shmem",
+    "torchrl.ParallelEnv": "vs torchrl", ENVPOOL: "vs envpool",
+}
+#: The fixed ``envs_per_worker`` choices ``envmanager-auto`` is compared with (1, and n_env // cores).
+FIXED_CHOICES = (FIRST_READY, PACKED)
 
 
 class Progress(Protocol):
@@ -116,11 +126,14 @@ class ScenarioResult:
         """Ratio columns (name -> backend -> median ratio) that apply to this scenario."""
         out: dict[str, dict[str, float]] = {}
         m = self.measurements
-        for column, ref in (("vs Async", ASYNC), ("vs Sync", SYNC), ("vs sequential", SEQUENTIAL)):
+        for ref, column in PEER_COLUMNS.items():
             if ref in m:
                 out[column] = {b: x.median / m[ref].median for b, x in m.items()}
         if self.limit:
             out["vs limit"] = {b: x.median / self.limit for b, x in m.items()}
+        fixed = [m[b].median for b in FIXED_CHOICES if b in m]
+        if AUTO in m and fixed:
+            out["vs best fixed"] = {AUTO: m[AUTO].median / max(fixed)}
         if LOCKSTEP in m and self.scenario.compare_lockstep:
             out["vs lockstep"] = {b: x.median / m[LOCKSTEP].median for b, x in m.items()}
         if self.references:
@@ -312,7 +325,7 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
         ratios = result.ratios()
         name = result.name
         best = _best_ours(result)
-        contenders = [b for b in dict.fromkeys([FIRST_READY, best.backend if best else FIRST_READY])
+        contenders = [b for b in dict.fromkeys([FIRST_READY, AUTO, best.backend if best else FIRST_READY])
                       if b in result.measurements]
         for backend in contenders:
             if name == "cartpole" and backend == VECTOR:
@@ -333,6 +346,31 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
             for column, ref, threshold in (("vs Sync", "SyncVectorEnv", 1.0), ("vs Async", "AsyncVectorEnv", 5.0)):
                 if VECTOR in ratios.get(column, {}):
                     out.append(Target(name, f"drop-in x gym {ref}", VECTOR, ratios[column][VECTOR], threshold))
+        out += _real_targets(result, ratios, contenders)
         if name == "uneven" and FIRST_READY in ratios.get("vs lockstep", {}):
             out.append(Target(name, "first-ready x lockstep", FIRST_READY, ratios["vs lockstep"][FIRST_READY], 1.8))
+    return out
+
+
+def _real_targets(result: ScenarioResult, ratios: dict[str, dict[str, float]], contenders: list[str]) -> list[Target]:
+    """Targets of ``atari``, ``mujoco`` and the ``sweep``; ``auto`` within 10% of the best fixed choice."""
+    out: list[Target] = []
+    s, name = result.scenario, result.name
+    cores_used = min(cores(), s.n_env)
+    limit = ratios.get("vs limit", {})
+    for backend in contenders:
+        if name in ("atari", "mujoco"):
+            if backend in limit:
+                out.append(Target(name, f"x the {cores_used}-core limit", backend, limit[backend], 0.85))
+            for peer, column in PEER_COLUMNS.items():
+                if backend in ratios.get(column, {}):
+                    threshold = 0.8 if peer == ENVPOOL else 1.0
+                    out.append(Target(name, f"x {peer}", backend, ratios[column][backend], threshold))
+        elif s.group == "sweep" and s.step_cost is not None:
+            if s.step_cost >= 200e-6 and backend in limit:
+                out.append(Target(name, f"x the {cores_used}-core limit", backend, limit[backend], 0.9))
+            if s.step_cost >= 20e-6 and backend in ratios.get("vs Sync", {}):
+                out.append(Target(name, "x gym SyncVectorEnv", backend, ratios["vs Sync"][backend], 1.0))
+    if AUTO in ratios.get("vs best fixed", {}):
+        out.append(Target(name, "auto x best fixed envs/worker", AUTO, ratios["vs best fixed"][AUTO], 0.9))
     return out
