@@ -80,7 +80,7 @@ def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
     ],
 )
 def test_scenario_runs_and_writes_json(tmp_path, scenario, steps, backends, ratio_column):
-    stdout, data, _ = run_cli(tmp_path, "--scenario", scenario, "--steps", str(steps), "--backends", *backends)
+    stdout, data, _ = run_cli(tmp_path, "--scenario", scenario, "--steps", str(steps), "--targets", "--backends", *backends)
     result = check_measured(data, scenario, backends)
     assert result["steps"] == steps and result["repeats"] == 1
     assert set(result["ratios"]["vs Sync"]) == set(backends)

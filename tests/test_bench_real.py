@@ -1,0 +1,189 @@
+"""``envmanager bench`` on real environments and against every peer: the sweep, atari, mujoco,
+tianshou, TorchRL, EnvPool and ``envmanager-auto``; tiny step counts, never timing asserts.
+
+Each scenario or peer needs an optional extra; its test skips when the extra is missing, and
+a test checks that the bench itself then skips it with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from envmanager import cli
+from envmanager.bench import BACKENDS, SCENARIOS, Measurement, ScenarioResult, run_scenario, targets
+from envmanager.bench import peers
+from envmanager.bench.report import format_sweep, format_table, sweep_fractions
+from envmanager.bench.scenarios import GROUPS, SWEEP_COSTS, actions_for, scenario_unavailable
+
+from test_bench import PNG_MAGIC, check_measured, child_env, run_cli
+
+OURS_FIXED = ["envmanager", "envmanager-k", "envmanager-auto"]
+
+
+def has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def test_sweep_runs_every_step_cost_against_the_limit(tmp_path):
+    backends = [*OURS_FIXED, "gym.SyncVectorEnv"]
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "sweep", "--steps", "48", "--no-warmup",
+                              "--backends", *backends, timeout=180)
+    assert GROUPS["sweep"] == [f"sweep-{s}" for s in ("5us", "20us", "50us", "200us", "1ms", "5ms")]
+    for name in GROUPS["sweep"]:
+        result = check_measured(data, name, backends)
+        assert result["limit"]["steps_per_second"] > 0
+        assert set(result["ratios"]["vs limit"]) == set(backends)
+        assert set(result["ratios"]["vs best fixed"]) == {"envmanager-auto"}
+        assert result["auto_envs_per_worker"] >= 1
+    sweep = data["sweep"]
+    assert sweep["step_costs"] == list(SWEEP_COSTS)
+    assert set(sweep["fraction_of_limit"]) == set(backends)
+    assert all(v > 0 for values in sweep["fraction_of_limit"].values() for v in values)
+    assert "== sweep: fraction of the limit" in stdout
+    assert "envmanager-auto: chose" in stdout
+    # an expensive step gets one env per process, a cheap one is packed (on more than one core)
+    assert data["scenarios"]["sweep-5ms"]["auto_envs_per_worker"] == 1
+    if data["meta"]["cores"] > 1:
+        assert data["scenarios"]["sweep-5us"]["auto_envs_per_worker"] > 1
+
+
+def test_targets_only_with_the_flag(tmp_path):
+    backends = ["envmanager-auto", "envmanager", "gym.SyncVectorEnv"]
+    args = ("--scenario", "sweep-200us", "--steps", "32", "--no-warmup", "--backends", *backends)
+    stdout, data, _ = run_cli(tmp_path, *args)
+    assert "== targets" not in stdout and "MISSED" not in stdout and "(target >=" not in stdout
+    assert data["targets"]  # the JSON keeps them
+    stdout, data, _ = run_cli(tmp_path, *args, "--targets")
+    assert "== targets (medians)" in stdout
+    found = {(t["what"], t["backend"]) for t in data["targets"]}
+    assert ("auto x best fixed envs/worker", "envmanager-auto") in found
+    assert ("x the 2-core limit" if data["meta"]["cores"] >= 2 else "x the 1-core limit", "envmanager-auto") in found
+
+
+@pytest.mark.skipif(not has("ale_py"), reason="needs the atari extra (ale-py)")
+def test_atari(tmp_path):
+    backends = ["envmanager-auto", "envmanager-batch", "gym.SyncVectorEnv", "envpool"]
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "atari", "--steps", "32", "--no-warmup",
+                              "--backends", *backends, timeout=120)
+    result = data["scenarios"]["atari"]
+    measured = [b for b in backends if b not in result["skipped"]]
+    check_measured(data, "atari", measured)
+    assert set(backends) - set(measured) <= {"envpool"}  # envpool only when it runs here
+    assert result["limit"]["steps_per_second"] > 0
+    if "envpool" in measured:
+        assert "vs envpool" in result["ratios"]
+
+
+@pytest.mark.skipif(not has("mujoco"), reason="needs the mujoco extra (gymnasium[mujoco])")
+def test_mujoco_continuous_actions_in_every_style(tmp_path):
+    backends = ["envmanager", "envmanager-k", "envmanager-batch", "envmanager-vector", "gym.SyncVectorEnv"]
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "mujoco", "--steps", "64", "--no-warmup",
+                              "--backends", *backends, timeout=120)
+    result = check_measured(data, "mujoco", backends)
+    assert result["limit"]["steps_per_second"] > 0
+
+
+def test_continuous_actions_are_the_same_for_every_backend():
+    scenario = SCENARIOS["mujoco"]
+    actions = actions_for(scenario, 64)
+    assert actions.shape[1:] == (8, 6) and actions.dtype.kind == "f"
+    assert (abs(actions) <= 1).all()
+    assert (actions == actions_for(scenario, 64)).all()
+
+
+@pytest.mark.parametrize("backend, module", [("tianshou.SubprocVectorEnv", "tianshou"),
+                                             ("tianshou.ShmemVectorEnv", "tianshou"),
+                                             ("torchrl.ParallelEnv", "torchrl")])
+def test_python_peers(tmp_path, backend, module):
+    if not has(module):
+        pytest.skip(f"needs {module} (extra peers)")
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "cartpole", "cpu", "--steps", "64", "--no-warmup",
+                              "--backends", backend, "gym.SyncVectorEnv", timeout=180)
+    for scenario in ("cartpole", "cpu"):
+        result = check_measured(data, scenario, [backend, "gym.SyncVectorEnv"])
+        column = peers_column(backend)
+        assert result["ratios"][column][backend] == pytest.approx(1.0)
+
+
+def peers_column(backend: str) -> str:
+    from envmanager.bench.runner import PEER_COLUMNS
+
+    return PEER_COLUMNS[backend]
+
+
+def test_missing_extras_are_skipped_with_the_reason(monkeypatch):
+    """With the extras gone, atari and mujoco are not available and the peers are skipped, saying why."""
+    for module in ("ale_py", "mujoco", "tianshou", "tianshou.env", "torchrl", "torchrl.envs"):
+        monkeypatch.setitem(sys.modules, module, None)  # ``import module`` now fails
+    peers._import_problem.cache_clear()
+    try:
+        assert "ale_py cannot be imported" in scenario_unavailable(SCENARIOS["atari"])
+        assert "mujoco cannot be imported" in scenario_unavailable(SCENARIOS["mujoco"])
+        result = run_scenario(SCENARIOS["sweep-50us"], ["gym.SyncVectorEnv", "tianshou.ShmemVectorEnv",
+                                                        "torchrl.ParallelEnv", "envpool"], steps=16, repeats=1,
+                              warmup=False)
+        assert "tianshou cannot be imported" in result.skipped["tianshou.ShmemVectorEnv"]
+        assert "torchrl cannot be imported" in result.skipped["torchrl.ParallelEnv"]
+        assert result.skipped["envpool"].startswith("not applicable")
+        assert "skipped tianshou.ShmemVectorEnv: tianshou cannot be imported" in format_table(result)
+    finally:
+        peers._import_problem.cache_clear()
+
+
+def fake_result(name: str, rates: dict[str, float], single_env_rate: float | None = None) -> ScenarioResult:
+    result = ScenarioResult(SCENARIOS[name], steps=100, repeats=1)
+    for backend, rate in rates.items():
+        result.measurements[backend] = Measurement(backend, name, 8)
+        result.measurements[backend].add(100, 100 / rate)
+    if single_env_rate:
+        result.single_env_rate.append(single_env_rate)
+    return result
+
+
+def fake_sweep() -> list[ScenarioResult]:
+    """Made-up results of every sweep point (one env: 1000 steps/s in process) and of cartpole."""
+    results = [fake_result(n, {"envmanager": 500.0, "envmanager-k": 800.0, "envmanager-auto": 760.0,
+                               "gym.SyncVectorEnv": 400.0}, 1000.0) for n in GROUPS["sweep"]]
+    results.append(fake_result("cartpole", {"envmanager-auto": 300.0, "tianshou.SubprocVectorEnv": 100.0}))
+    return results
+
+
+def test_sweep_summary_plot_and_auto_ratio(tmp_path):
+    """Without any process: the sweep's fractions, its table and curve, auto against the best fixed choice."""
+    pytest.importorskip("matplotlib")
+    from envmanager.bench.backends import cores
+
+    results = fake_sweep()
+    costs, curves = sweep_fractions(results)
+    assert costs == list(SWEEP_COSTS)
+    assert curves["envmanager-k"] == [pytest.approx(800 / (1000 * min(cores(), 8)))] * len(SWEEP_COSTS)
+    assert results[0].ratios()["vs best fixed"] == {"envmanager-auto": pytest.approx(0.95)}
+    assert results[-1].ratios()["vs ts.Subproc"]["envmanager-auto"] == pytest.approx(3.0)
+    text = format_sweep(results)
+    assert "5 us" in text and "5 ms" in text and "envmanager-auto" in text
+    auto = [t for t in targets(results) if t.what == "auto x best fixed envs/worker"]
+    assert len(auto) == len(SWEEP_COSTS) and all(t.met for t in auto)  # 0.95 >= 0.9
+    # the plot in a child process: matplotlib keeps font files open for the life of a process
+    path = tmp_path / "sweep.png"
+    code = ("import sys; from test_bench_real import fake_sweep; from envmanager.bench.report import write_plot; "
+            "write_plot(sys.argv[1], fake_sweep())")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, "-c", code, str(path)], env=child_env(tests), check=True, timeout=60)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_new_choices_parse():
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--scenario", "sweep", "atari", "mujoco", "--targets",
+                              "--backends", "envmanager-auto", "tianshou.ShmemVectorEnv", "torchrl.ParallelEnv"])
+    assert args.targets and args.scenario == ["sweep", "atari", "mujoco"]
+    assert not parser.parse_args(["bench"]).targets
+    assert BACKENDS["envmanager-auto"].ours and not BACKENDS["torchrl.ParallelEnv"].ours
