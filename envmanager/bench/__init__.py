@@ -4,9 +4,10 @@ Every backend in a run steps the same environments with the same (seeded) action
 are reported as ratios against gymnasium's vector envs measured in the same run.
 
 * :mod:`~envmanager.bench.scenarios`: the workloads (``cartpole``, ``many``, ``cpu``,
-  ``uneven``, ``unity``);
-* :mod:`~envmanager.bench.backends`: the contenders (ours in several stepping styles,
-  gymnasium, Stable-Baselines3, EnvPool), each skipped with a reason when unavailable;
+  ``uneven``, the ``sweep`` of CPU costs, ``atari``, ``mujoco``, ``unity``);
+* :mod:`~envmanager.bench.backends`: the contenders (ours in several stepping styles and
+  ``envs_per_worker="auto"``, gymnasium, Stable-Baselines3, EnvPool), each skipped with a
+  reason when unavailable; :mod:`~envmanager.bench.peers`: tianshou and TorchRL;
 * :mod:`~envmanager.bench.runner`: warm-up, interleaved repeats, references, targets;
 * :mod:`~envmanager.bench.report`: tables, JSON and a PNG chart.
 """

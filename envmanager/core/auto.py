@@ -12,8 +12,11 @@ a few steps with sampled actions, for at most :data:`MEASURE_S` of stepping and
   or an env that did not finish the measurement within the deadline: one env per process, so
   first-ready stepping never waits for a slow neighbour and waits overlap.
 
-Measuring in the parent rather than in a worker keeps the worker protocol unchanged; the
-thread is abandoned (daemon) if the env hangs, and the choice then falls back to 1.
+Measuring in the parent rather than in a worker keeps the worker protocol unchanged and costs
+no extra process start (gymnasium's ``AsyncVectorEnv`` builds a dummy env in the parent too).
+The thread is abandoned (daemon) if the env hangs, and the choice then falls back to 1; such an
+env is still stepping in the parent when the workers start (with ``fork``, a lock it holds is
+copied held), which is why the deadline is short and the fallback logged.
 """
 
 from __future__ import annotations
