@@ -156,7 +156,8 @@ def metadata(argv: Sequence[str] | None = None, load_at_start: list[float] | Non
         "load_average_at_end": load_average(),
         "versions": {
             m: _version(m)
-            for m in ("envmanager", "gymnasium", "numpy", "stable_baselines3", "envpool")
+            for m in ("envmanager", "gymnasium", "numpy", "stable_baselines3", "envpool", "tianshou", "torchrl",
+                      "torch", "ale_py", "mujoco")
             if m in sys.modules or m in ("envmanager", "gymnasium", "numpy")
         },
     }
