@@ -142,7 +142,9 @@ class SharedFile:
 
 
 def _inherited(dup: Any) -> SharedFile:
-    return SharedFile(dup.detach())
+    fd = dup.detach()
+    os.set_inheritable(fd, False)  # for the worker, not for programs its envs may exec
+    return SharedFile(fd)
 
 
 class SharedBuffers:
