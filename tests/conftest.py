@@ -1,7 +1,8 @@
-"""Shared fixtures: every test must leave no child process, fd or shared-memory segment."""
+"""Shared fixtures: every test must leave no child process, fd or shared memory behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -25,8 +26,17 @@ def _our_children() -> list[psutil.Process]:
 
 
 def _shm_segments() -> set[str]:
-    """Segments of this test process (named ``envmgr_<pid>_...``)."""
+    """Named segments of this test process (``envmgr_<pid>_...``: the fallback where the shared
+    memory cannot be passed as a descriptor)."""
     return {name for name in os.listdir("/dev/shm") if name.startswith(f"envmgr_{os.getpid()}_")}
+
+
+def _shared_mappings() -> set[str]:
+    """This process's mappings of shared memory it made: a memfd or unlinked file named
+    ``envmgr_<pid>`` (they have no name in /dev/shm, so only the maps show them), or a segment."""
+    marks = (f"/memfd:envmgr_{os.getpid()}", f"/dev/shm/envmgr_{os.getpid()}_")
+    with open("/proc/self/maps") as maps:
+        return {line.strip() for line in maps if any(mark in line for mark in marks)}
 
 
 def _fds() -> set[int]:
@@ -46,9 +56,10 @@ def _start_infrastructure():
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """After each test: no child processes, no new fds, no shared-memory segments of ours."""
+    """After each test: no child processes, no new fds, no shared memory of ours."""
     fds_before = _fds()
     shm_before = _shm_segments()
+    mappings_before = _shared_mappings()
     yield
     deadline = time.monotonic() + 10.0
     while _our_children() and time.monotonic() < deadline:
@@ -59,5 +70,10 @@ def no_leaks(request):
     assert not children, f"child processes left behind: {[c.pid for c in children]}"
     leaked_shm = _shm_segments() - shm_before
     assert not leaked_shm, f"shared memory left behind: {leaked_shm}"
+    leaked_maps = _shared_mappings() - mappings_before
+    if leaked_maps:  # arrays the test still held, freed with their reference cycles
+        gc.collect()
+        leaked_maps = _shared_mappings() - mappings_before
+    assert not leaked_maps, f"shared memory still mapped: {leaked_maps}"
     leaked_fds = _fds() - fds_before
     assert not leaked_fds, f"file descriptors left open: {sorted(leaked_fds)}"

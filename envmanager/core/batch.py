@@ -110,7 +110,7 @@ class BatchEnvManager:
         self._slot_local_list: list[int] = self.slot_local.tolist()
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
-            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon)
+            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
@@ -124,8 +124,7 @@ class BatchEnvManager:
             self.shared_memory = bool(shared_memory)
             if shared_memory:
                 self._check_one_layout()
-                self.results = shm.SharedBuffers.create(n_env, self.observation_space, self.action_space)
-                self._pool.attach_buffers(self.results)
+                self.results = self._pool.share_buffers(n_env, self.observation_space, self.action_space)
             else:  # the parent's copy of results that travel pickled; one layout for all, or a list
                 one_layout = all(shm.array_layout(s) == shm.array_layout(self.observation_space) for s in self.observation_spaces)
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)

@@ -41,7 +41,7 @@ from envmanager.wire.messages import (
     decode_answer,
     encode_request,
 )
-from envmanager.wire.shm import SharedBuffers
+from envmanager.wire.shm import SharedBuffers, SharedFile
 from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.main import WorkerSpec
 
@@ -78,7 +78,9 @@ class Completion:
 class WorkerPool:
     """Worker processes hosting ``specs``' environments, and everything needed to talk to them."""
 
-    def __init__(self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True) -> None:
+    def __init__(
+        self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True, shared_memory: bool = False
+    ) -> None:
         self.ctx = ctx
         self.timeout = timeout
         self.restart_policy = restart_policy
@@ -93,9 +95,13 @@ class WorkerPool:
         self._poller: Any = None
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
-        # One resource tracker for parent and workers: attaching workers then share it, and it
-        # unlinks the shared memory should the parent be killed.
-        resource_tracker.ensure_running()
+        #: Shared memory with no name, made before any worker starts so each gets it as it starts
+        #: (``None``: no shared memory, or named segments where the platform has no such file).
+        self.file: SharedFile | None = SharedFile.create() if shared_memory else None
+        if shared_memory and self.file is None:
+            # One resource tracker for parent and workers: attaching workers then share it, and
+            # it unlinks the named segment should the parent be killed.
+            resource_tracker.ensure_running()
         self.queue: StepQueue | None = StepQueue(ctx)
         self._atexit = _close_at_exit(self)
         try:
@@ -107,7 +113,7 @@ class WorkerPool:
 
     def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
         assert self.queue is not None
-        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot)
+        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file)
 
     # ------------------------------------------------------------------------------------------
     # Sending
@@ -126,11 +132,14 @@ class WorkerPool:
         self._seq = seq = self._seq + 1
         return EnvironmentRequest(Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body)
 
-    def attach_buffers(self, buffers: SharedBuffers) -> None:
-        self.buffers = buffers
+    def share_buffers(self, n_envs: int, observation_space: Any, action_space: Any) -> SharedBuffers:
+        """Shared arrays for ``n_envs`` slots (in ``file``, or a named segment), mapped by
+        every worker before this returns; a restarted worker maps them again (its ``Boot``)."""
+        self.buffers = buffers = SharedBuffers.create(n_envs, observation_space, action_space, self.file)
         for w in self.workers:
             w.send(self.prepare(Cmd.ATTACH, Attach(buffers.layout)))
         self.gather(self.workers, "shared memory")
+        return buffers
 
     # ------------------------------------------------------------------------------------------
     # Receiving
@@ -346,6 +355,9 @@ class WorkerPool:
             if self.buffers is not None:
                 self.buffers.close()
                 self.buffers = None
+            if self.file is not None:
+                self.file.close()
+                self.file = None
             if self.queue is not None:
                 self.queue.close()
                 self.queue = None

@@ -30,6 +30,7 @@ from typing import Any
 
 from envmanager.errors import EnvManagerError, WorkerDiedError, who
 from envmanager.wire.messages import EnvironmentCommand as Cmd, EnvironmentRequest, encode_request
+from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
 from envmanager.worker.main import WorkerSpec, worker_main
 
@@ -66,13 +67,15 @@ class Boot:
 class WorkerProcess:
     """One worker process hosting the env slots ``spec.env_ids``."""
 
-    def __init__(self, ctx: Any, spec: WorkerSpec, queue_writer: Connection, daemon: bool = True, boot: Boot | None = None) -> None:
+    def __init__(
+        self, ctx: Any, spec: WorkerSpec, queue_writer: Connection, daemon: bool = True, boot: Boot | None = None, file: SharedFile | None = None
+    ) -> None:
         self.spec = spec
         self.index = spec.index
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
-            target=worker_main, args=(spec, child_conn, queue_writer), name=f"envmanager-worker-{spec.index}", daemon=daemon
+            target=worker_main, args=(spec, child_conn, queue_writer, file), name=f"envmanager-worker-{spec.index}", daemon=daemon
         )
         self.process.start()
         child_conn.close()

@@ -7,21 +7,28 @@ class over private memory (``SharedBuffers.private``) holds the parent's copy of
 when they travel pickled (``shared_memory=False``), so the layers above read one layout either
 way. Spaces it cannot lay out (anything but Box, Discrete, MultiDiscrete, MultiBinary and
 Dict/Tuple of those) have ``observation`` / ``action`` ``None``: those values travel pickled.
+
+The shared memory has no name where the platform allows (:class:`SharedFile`): nothing is
+left behind however the processes end, even all killed at once. Elsewhere it is a named POSIX
+segment (``envmgr_<pid>_<hex>``) that the creator unlinks at close and multiprocessing's
+resource tracker unlinks should the creator die.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import context, reduction, shared_memory
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["SharedBuffers", "BufferLayout", "array_layout", "tree_map", "write", "read"]
+__all__ = ["SharedBuffers", "SharedFile", "BufferLayout", "array_layout", "tree_map", "write", "read"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,8 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """What lives in the segment; picklable, so workers can attach by name."""
+    """What lives in the shared memory; picklable, so workers can map it. ``name`` is the
+    named segment's, or ``""``: the :class:`SharedFile` the worker was started with."""
 
     name: str
     n_envs: int
@@ -75,16 +83,82 @@ class BufferLayout:
         return max(total, 1)
 
 
+class SharedFile:
+    """Shared memory with no name: a ``memfd`` (Linux), else a file in ``/dev/shm`` unlinked
+    as soon as it is made (as multiprocessing's own heap). The kernel frees it when the last
+    process holding it (a descriptor or a mapping) ends, however it ends: nothing can leak.
+
+    Worker processes receive it as they start, as they receive their pipes: inherited under
+    ``fork``, its descriptor passed by multiprocessing under ``spawn`` and ``forkserver``; a
+    restarted worker the same way. So it is made empty before the workers start, and sized
+    (``resize``) once their spaces give the layout.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def create(cls) -> SharedFile | None:
+        """A new empty file; ``None`` where descriptors cannot reach workers (not POSIX) or
+        there is neither ``memfd_create`` nor ``/dev/shm``: named segments are used there."""
+        if os.name != "posix":
+            return None
+        name = f"envmgr_{os.getpid()}"
+        if hasattr(os, "memfd_create"):
+            try:
+                return cls(os.memfd_create(name, os.MFD_CLOEXEC))
+            except OSError:  # a kernel or sandbox without the call
+                pass
+        if not os.path.isdir("/dev/shm"):
+            return None
+        try:
+            fd, path = tempfile.mkstemp(prefix=name + "_", dir="/dev/shm")
+        except OSError:
+            return None
+        try:
+            os.unlink(path)  # still empty: even a kill before this leaves no memory behind
+        except OSError:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def resize(self, nbytes: int) -> None:
+        os.ftruncate(self.fd, nbytes)
+
+    def map(self, nbytes: int) -> mmap.mmap:
+        return mmap.mmap(self.fd, nbytes)
+
+    def close(self) -> None:
+        """Close this process's descriptor (mappings keep the memory alive). Safe twice."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __reduce__(self) -> tuple[Callable[[Any], SharedFile], tuple[Any]]:
+        # Only to a process being started, whose descriptors multiprocessing passes with it.
+        if context.get_spawning_popen() is None:
+            raise TypeError("a SharedFile can only be passed to a process as it starts")
+        return _inherited, (reduction.DupFd(self.fd),)
+
+
+def _inherited(dup: Any) -> SharedFile:
+    fd = dup.detach()
+    os.set_inheritable(fd, False)  # for the worker, not for programs its envs may exec
+    return SharedFile(fd)
+
+
 class SharedBuffers:
     """Per-slot arrays over one block of memory: ``observation`` and ``action`` (trees of
     arrays, or ``None``), ``reward`` (float64), ``terminated`` and ``truncated`` (bool).
 
-    The creator (``owner``) is the only one to unlink a shared segment.
+    ``mapping`` is the shared memory (an ``mmap`` of a :class:`SharedFile`, or a named
+    ``SharedMemory``), ``None`` for private memory. The creator (``owner``) of a named
+    segment is the only one to unlink it.
     """
 
-    def __init__(self, layout: BufferLayout, memory: Any, shm: shared_memory.SharedMemory | None, owner: bool):
+    def __init__(self, layout: BufferLayout, memory: Any, mapping: mmap.mmap | shared_memory.SharedMemory | None, owner: bool):
         self.layout = layout
-        self._shm = shm
+        self._mapping = mapping
         self._owner = owner
         offset = 0
 
@@ -109,7 +183,14 @@ class SharedBuffers:
         self.action = None if layout.action is None else build(layout.action)
 
     @classmethod
-    def create(cls, n_envs: int, observation_space: spaces.Space | None, action_space: spaces.Space | None) -> SharedBuffers:
+    def create(
+        cls, n_envs: int, observation_space: spaces.Space | None, action_space: spaces.Space | None, file: SharedFile | None = None
+    ) -> SharedBuffers:
+        """Shared arrays in ``file`` (sized here), or, without one, in a new named segment."""
+        if file is not None:
+            layout = _layout("", n_envs, observation_space, action_space)
+            file.resize(layout.nbytes())
+            return cls._over(layout, file.map(layout.nbytes()))
         layout = _layout(f"envmgr_{os.getpid()}_{secrets.token_hex(4)}", n_envs, observation_space, action_space)
         shm = shared_memory.SharedMemory(name=layout.name, create=True, size=layout.nbytes())
         try:
@@ -126,28 +207,41 @@ class SharedBuffers:
         return cls(layout, bytearray(layout.nbytes()), None, owner=False)
 
     @classmethod
-    def attach(cls, layout: BufferLayout) -> SharedBuffers:
-        shm = shared_memory.SharedMemory(name=layout.name)
-        return cls(layout, shm.buf, shm, owner=False)
+    def attach(cls, layout: BufferLayout, file: SharedFile | None = None) -> SharedBuffers:
+        """Map the arrays ``layout`` describes: its named segment, or else ``file``."""
+        if layout.name:
+            shm = shared_memory.SharedMemory(name=layout.name)
+            return cls(layout, shm.buf, shm, owner=False)
+        if file is None:
+            raise ValueError("the shared memory has no name and this process was not started with its file")
+        return cls._over(layout, file.map(layout.nbytes()))
+
+    @classmethod
+    def _over(cls, layout: BufferLayout, mapping: mmap.mmap) -> SharedBuffers:
+        try:
+            return cls(layout, mapping, mapping, owner=False)
+        except BaseException:
+            mapping.close()
+            raise
 
     @property
     def shared(self) -> bool:
-        return self._shm is not None
+        return self._mapping is not None
 
     def close(self) -> None:
-        """Unmap; the owner also unlinks the segment. Safe to call twice."""
+        """Unmap; the owner of a named segment also unlinks it. Safe to call twice."""
         self.observation = self.action = None
-        shm, self._shm = self._shm, None
-        if shm is None:
+        mapping, self._mapping = self._mapping, None
+        if mapping is None:
             return
         self.reward = self.terminated = self.truncated = None  # type: ignore[assignment]
         try:
-            shm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            mapping.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
             pass
-        if self._owner:
+        if self._owner and isinstance(mapping, shared_memory.SharedMemory):
             try:
-                shm.unlink()
+                mapping.unlink()
             except FileNotFoundError:
                 pass
 

@@ -41,13 +41,14 @@ class WorkerEnvs:
     goes on past an env that raises: the others deliver, the failure is reported by position.
     """
 
-    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str) -> None:
+    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None) -> None:
         self.env_ids = env_ids
         self.factory = factory
         self.autoreset_mode = autoreset_mode
         self.envs: list[Any] = []
         self.autoreset = [False] * len(env_ids)
         self.buffers: shm.SharedBuffers | None = None
+        self.file = file  # the shared memory this process was started with (ATTACH maps it)
         self._rows: dict[tuple[int, ...], Any] = {}  # slots of a request's envs (an int for one), by locals
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
 
@@ -198,7 +199,7 @@ class WorkerEnvs:
     def attach(self, request: Attach) -> Values:
         if self.buffers is not None:
             self.buffers.close()
-        self.buffers = shm.SharedBuffers.attach(request.layout)
+        self.buffers = shm.SharedBuffers.attach(request.layout, self.file)
         return Values([])
 
     def _env(self, i: int) -> Any:
@@ -213,6 +214,8 @@ class WorkerEnvs:
                 logger.exception("closing env %d failed", slot)
         if self.buffers is not None:
             self.buffers.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class _Answer:

@@ -24,6 +24,7 @@ from envmanager.wire.messages import (
     decode_request_header,
     encode_answer,
 )
+from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
 from envmanager.worker.envs import WorkerEnvs, remote_exception
 
@@ -59,8 +60,8 @@ HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
 }
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) -> None:
-    """Entry point of a worker process."""
+def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection, file: SharedFile | None = None) -> None:
+    """Entry point of a worker process (``file``: the pool's shared memory, if it has one)."""
     try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
         os.setpgid(0, 0)
     except OSError:
@@ -77,7 +78,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection) ->
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
         StepQueue.post(queue_fd, conn, header, payload)
 
-    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode)
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file)
     try:
         try:
             ready = envs.build()
