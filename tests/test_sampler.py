@@ -1,0 +1,265 @@
+"""The sampler layer with real worker processes and real gymnasium envs (no mocks, no timing)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from envmanager.core.batch import BatchEnvManager
+from envmanager.errors import InvalidInputError
+from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
+
+
+class KindEnv(gym.Env):
+    """Episodes of 5 or 50 steps, the kind drawn from the env's RNG at reset (so by seed).
+    Observation ``[t, length, bonus]``; reward ``1 + bonus``; ``bonus`` is set by env updates."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, crash_marker: str | None = None, crash_at: int = 0) -> None:
+        self.bonus = 0.0
+        self.t = 0
+        self.length = 0
+        self.total = 0
+        self.crash_marker, self.crash_at = crash_marker, crash_at
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t, self.length, self.bonus], dtype=np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.length = 5 if self.np_random.random() < 0.5 else 50
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.total += 1
+        if self.crash_marker and self.total == self.crash_at and not os.path.exists(self.crash_marker):
+            open(self.crash_marker, "w").close()
+            os._exit(3)
+        return self._obs(), 1.0 + self.bonus, self.t >= self.length, False, {"t": self.t}
+
+
+def kind_env(worker_id: int) -> KindEnv:
+    return KindEnv()
+
+
+def true_lengths(seed: int, slot: int, k: int) -> list[int]:
+    """The lengths of a slot's first ``k`` episodes: first reset seeded ``seed + slot``."""
+    env = KindEnv()
+    env.reset(seed=seed + slot)
+    lengths = [env.length]
+    for _ in range(k - 1):
+        env.reset()
+        lengths.append(env.length)
+    return lengths
+
+
+class RandomPolicy:
+    """A numpy policy: random actions, with a log-prob agent info and settable parameters."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+        self.params = 0
+        self.calls: list[np.ndarray] = []
+
+    def get_actions(self, observations, worker_ids):
+        assert observations.shape == (len(worker_ids), 3)
+        self.calls.append(np.array(worker_ids))
+        actions = self.rng.integers(0, 2, len(worker_ids))
+        return actions, {"logp": np.full(len(worker_ids), np.log(0.5)), "params": np.full(len(worker_ids), self.params)}
+
+    def set_param_values(self, params) -> None:
+        self.params = params
+
+
+def set_bonus(value):
+    def update(env):
+        env.unwrapped.bonus = value
+    return update
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+def _batch(n: int, start: int = 0) -> TransitionBatch:
+    from envmanager.sampler.batches import Step
+
+    steps = [Step(np.array([i, 0.0]), i % 2, float(i), i % 3 == 2, False, np.array([i + 1, 0.0]), 0, i // 3, 0, 0,
+                  {"v": float(i)}, {"e": i}) for i in range(start, start + n)]
+    return TransitionBatch.from_steps(steps)
+
+
+def test_transition_batch_concatenate_split_select():
+    a, b = _batch(4), _batch(5, start=4)
+    both = TransitionBatch.concatenate([a, b])
+    assert len(both) == 9
+    assert both.rewards.tolist() == list(map(float, range(9)))
+    assert both.agent_infos["v"].tolist() == both.rewards.tolist()
+    assert both.env_infos["e"].tolist() == list(range(9))
+    parts = both.split(3)
+    assert [len(p) for p in parts] == [3, 3, 3]
+    assert TransitionBatch.concatenate(parts).observations.tolist() == both.observations.tolist()
+    picked = both.select(both.rewards > 6)
+    assert picked.rewards.tolist() == [7.0, 8.0] and picked.next_observations[:, 0].tolist() == [8, 9]
+
+
+def test_episode_batch_lengths_padding_and_returns():
+    episodes = [_batch(3), _batch(1, start=3), _batch(2, start=4)]
+    eb = EpisodeBatch.from_transitions(episodes, [False, True, False])
+    assert eb.lengths.tolist() == [3, 1, 2] and eb.n_episodes == 3
+    assert eb.returns.tolist() == [0 + 1 + 2, 3, 4 + 5]
+    assert eb.last_observations[:, 0].tolist() == [3, 4, 6]
+    padded = eb.padded("rewards", fill=-1)
+    assert padded.tolist() == [[0, 1, 2], [3, -1, -1], [4, 5, -1]]
+    pieces = eb.split_episodes()
+    assert [p.lengths.tolist() for p in pieces] == [[3], [1], [2]]
+    assert pieces[1].episode_interrupted.tolist() == [True]
+    again = EpisodeBatch.concatenate(pieces)
+    assert isinstance(again, EpisodeBatch) and again.rewards.tolist() == eb.rewards.tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampler
+
+
+def test_obtain_steps_is_exact_and_episodes_continue_across_calls():
+    policy = RandomPolicy()
+    with Sampler(kind_env, 3, policy, seed=1) as sampler:
+        first = sampler.obtain_steps(7)
+        second = sampler.obtain_steps(11)
+    assert len(first) == 7 and len(second) == 11
+    # Within one episode, t runs 1, 2, 3, ... across the two calls: nothing lost or repeated.
+    both = TransitionBatch.concatenate([first, second])
+    for episode in np.unique(both.episode_ids):
+        ts = both.next_observations[both.episode_ids == episode, 0]
+        assert ts.tolist() == list(range(int(ts[0]), int(ts[0]) + len(ts)))
+        assert ts[0] == 1  # every episode here started during these calls
+    # Each step's next observation is the following step's observation, within an episode.
+    for w in range(3):
+        rows = both.worker_ids == w
+        obs, nxt, done = both.observations[rows], both.next_observations[rows], both.dones[rows]
+        for i in range(len(obs) - 1):
+            if not done[i]:
+                assert obs[i + 1].tolist() == nxt[i].tolist()
+    assert (both.agent_infos["logp"] == np.log(0.5)).all()
+    assert set(np.concatenate(policy.calls).tolist()) == {0, 1, 2}
+
+
+def test_obtain_samples_whole_episodes_and_policy_versions():
+    policy = RandomPolicy()
+    with Sampler(kind_env, 2, policy, seed=3) as sampler:
+        batch = sampler.obtain_samples(0, 60)
+        assert batch.policy_versions.tolist() == [0] * len(batch)
+        later = sampler.obtain_samples(1, 20, agent_update=7)
+        assert sampler.policy_version == 1
+    assert isinstance(batch, EpisodeBatch) and len(batch) >= 60
+    assert batch.lengths.sum() == len(batch)
+    ends = batch.starts + batch.lengths - 1
+    assert batch.dones[ends].all() and batch.dones.sum() == batch.n_episodes  # whole episodes only
+    assert (batch.observations[batch.starts, 0] == 0).all()  # each starts at its reset
+    assert len(later) >= 20
+    assert later.policy_versions.tolist() == [1] * len(later)
+    assert (later.agent_infos["params"] == 7).all()  # the update reached the policy first
+
+
+def test_exact_episodes_are_unbiased_by_length():
+    """Admission at the start, quotas per slot: the 5-step episodes (which finish first) are
+    not over-represented; the collected lengths are exactly each slot's first k episodes."""
+    seed, n_workers, k = 11, 4, 12
+    with Sampler(kind_env, n_workers, RandomPolicy(), seed=seed) as sampler:
+        batch = sampler.obtain_exact_episodes(k)
+    assert batch.n_episodes == n_workers * k
+    expected = [length for slot in range(n_workers) for length in true_lengths(seed, slot, k)]
+    assert batch.lengths.tolist() == expected  # (worker, admission) order, each run to its end
+    worker_of_episode = batch.worker_ids[batch.starts]
+    assert worker_of_episode.tolist() == sorted(worker_of_episode.tolist())
+    assert batch.lengths.mean() == pytest.approx(np.mean(expected))
+    assert abs(batch.lengths.mean() - 27.5) < 8  # the true mean of the two kinds, within sampling noise
+    assert not batch.episode_interrupted.any()
+
+
+def test_obtain_episodes_spreads_quotas_and_per_worker_lists():
+    with Sampler(kind_env, 3, RandomPolicy(), seed=0) as sampler:
+        spread = sampler.obtain_episodes(5)
+        assert np.bincount(spread.worker_ids[spread.starts], minlength=3).tolist() == [2, 2, 1]
+        listed = sampler.obtain_exact_episodes([0, 3, 1])
+        assert listed.worker_ids[listed.starts].tolist() == [1, 1, 1, 2]
+        per = sampler.obtain_episodes(2, per_worker=True)
+        assert per.worker_ids[per.starts].tolist() == [0, 0, 1, 1, 2, 2]
+        with pytest.raises(InvalidInputError):
+            sampler.obtain_exact_episodes([1, 1])
+        with pytest.raises(InvalidInputError):
+            sampler.obtain_steps(0)
+
+
+def test_running_episodes_are_not_admitted_and_env_updates_wait_for_boundaries():
+    with Sampler(kind_env, 2, RandomPolicy(), seed=5) as sampler:
+        sampler.obtain_steps(3)  # leaves episodes mid-way
+        versions = sampler.update(agent_update=1, env_update=set_bonus(10.0))
+        assert versions == (1, 1)
+        batch = sampler.obtain_exact_episodes(2)
+        assert sampler.stats.counters["discarded_steps"] > 0  # the old episodes ran out unrecorded
+    assert (batch.observations[batch.starts, 0] == 0).all()  # every admitted episode started in the call
+    assert (batch.observations[:, 2] == 10.0).all()  # the env update came before each episode
+    assert (batch.rewards == 11.0).all() and (batch.env_versions == 1).all() and (batch.policy_versions == 1).all()
+
+
+def test_env_update_in_steps_mode_changes_only_new_episodes():
+    with Sampler(kind_env, 1, RandomPolicy(), seed=2) as sampler:
+        sampler.obtain_steps(2)
+        sampler.update(env_update=[set_bonus(3.0)])
+        batch = sampler.obtain_steps(80)
+    for episode in np.unique(batch.episode_ids):
+        rows = batch.episode_ids == episode
+        assert len(set(batch.observations[rows, 2].tolist())) == 1  # one env version per episode
+        assert len(set(batch.env_versions[rows].tolist())) == 1
+    assert batch.env_versions[0] == 0 and batch.env_versions[-1] == 1
+
+
+def test_worker_restart_cuts_an_episode_which_is_kept_flagged_and_counted(tmp_path):
+    marker = str(tmp_path / "crashed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 1 else None, crash_at=3)
+
+    with Sampler(factory, 2, RandomPolicy(), seed=4, restart_workers=True, timeout=30) as sampler:
+        batch = sampler.obtain_exact_episodes(3)
+        assert sampler.stats.counters["interrupted_episodes"] == 1
+    assert os.path.exists(marker)
+    assert batch.n_episodes == 6  # the cut one fills its admission: not replaced
+    cut = np.flatnonzero(batch.episode_interrupted)
+    assert cut.size == 1
+    first_of_1 = int(np.flatnonzero(batch.worker_ids[batch.starts] == 1)[0])
+    assert cut[0] == first_of_1  # the first episode of worker 1, cut after 2 steps
+    assert batch.lengths[first_of_1] == 2
+    rows = slice(batch.starts[first_of_1], batch.starts[first_of_1] + 2)
+    assert batch.interrupted[rows].all() and batch.interrupted.sum() == 2
+    assert not batch.dones[rows].any()
+
+
+def test_sampler_over_a_given_manager_needs_autoreset_disabled():
+    with BatchEnvManager(kind_env, 1) as manager:
+        with pytest.raises(InvalidInputError, match="autoreset_mode"):
+            Sampler(manager, policy=RandomPolicy())
+    with BatchEnvManager(kind_env, 2, autoreset_mode="disabled") as manager:
+        sampler = Sampler(manager, policy=RandomPolicy(), seed=0)
+        assert len(sampler.obtain_steps(5)) == 5
+        sampler.close()  # the caller's manager stays open
+        assert not manager.closed
+
+
+def test_partial_batches_with_several_envs_per_process():
+    policy = RandomPolicy()
+    with Sampler(kind_env, 4, policy, seed=8, envs_per_worker=2) as sampler:
+        batch = sampler.obtain_exact_episodes(2)
+    assert batch.n_episodes == 8
+    assert batch.lengths.tolist() == [n for s in range(4) for n in true_lengths(8, s, 2)]
+    assert all(len(c) <= 4 for c in policy.calls)
