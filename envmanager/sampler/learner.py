@@ -71,6 +71,7 @@ class LearnerFeed:
         self._results: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._put = self._finished = 0  # batches put / learned from (or dropped)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="envmanager-learner", daemon=True)
         self._thread.start()
@@ -83,6 +84,7 @@ class LearnerFeed:
         self.wait_below(self.queue_size, timeout)
         with self._cond:
             self._queue.append(batch)
+            self._put += 1
             self.stats.gauge("queue_size", len(self._queue))
             self._cond.notify_all()
 
@@ -99,6 +101,19 @@ class LearnerFeed:
                     return
                 if deadline.passed():
                     raise TimeoutError(f"the learner did not take a batch within {limit:g} s")
+                self._cond.wait(deadline.left())
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every batch put so far was learned from (raises the learner's error)."""
+        limit = self.put_timeout if timeout is None else timeout
+        deadline = Deadline(limit)
+        with self._cond:
+            while self._finished < self._put:
+                self._raise_error()
+                if self._stopping:
+                    raise LearnerError("the learner feed is stopped")
+                if deadline.passed():
+                    raise TimeoutError(f"the learner did not finish its batches within {limit:g} s")
                 self._cond.wait(deadline.left())
 
     def results(self) -> list[tuple[int, dict[str, Any]]]:
@@ -158,6 +173,9 @@ class LearnerFeed:
                 if batch is None:
                     return
                 self._learn(batch)
+                with self._cond:
+                    self._finished += 1
+                    self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never lost
             with self._cond:
                 self._error = exc
