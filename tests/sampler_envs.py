@@ -15,12 +15,12 @@ class KindEnv(gym.Env):
     observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, crash_marker: str | None = None, crash_at: int = 0) -> None:
+    def __init__(self, crash_marker: str | None = None, crash_at: int = 0, crash: str = "exit") -> None:
         self.bonus = 0.0
         self.t = 0
         self.length = 0
         self.total = 0
-        self.crash_marker, self.crash_at = crash_marker, crash_at
+        self.crash_marker, self.crash_at, self.crash = crash_marker, crash_at, crash
 
     def _obs(self) -> np.ndarray:
         return np.array([self.t, self.length, self.bonus], dtype=np.float64)
@@ -36,6 +36,8 @@ class KindEnv(gym.Env):
         self.total += 1
         if self.crash_marker and self.total == self.crash_at and not os.path.exists(self.crash_marker):
             open(self.crash_marker, "w").close()
+            if self.crash == "raise":
+                raise RuntimeError("env blew up")
             os._exit(3)
         return self._obs(), 1.0 + self.bonus, self.t >= self.length, False, {"t": self.t}
 

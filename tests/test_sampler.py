@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from envmanager.core.batch import BatchEnvManager
-from envmanager.errors import InvalidInputError
+from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
 from sampler_envs import KindEnv, RandomPolicy, kind_env, set_bonus, true_lengths
 
@@ -171,6 +171,48 @@ def test_worker_restart_cuts_an_episode_which_is_kept_flagged_and_counted(tmp_pa
     rows = slice(batch.starts[first_of_1], batch.starts[first_of_1] + 2)
     assert batch.interrupted[rows].all() and batch.interrupted.sum() == 2
     assert not batch.dones[rows].any()
+
+
+@pytest.mark.parametrize("crash", ["raise", "exit"])
+def test_fault_without_restart_names_the_worker_and_close_reaps(tmp_path, crash):
+    marker = str(tmp_path / "crashed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 2 else None, crash_at=4, crash=crash)
+
+    sampler = Sampler(factory, 3, RandomPolicy(), seed=0, timeout=30)
+    try:
+        with pytest.raises(EnvManagerError, match="worker 2") as caught:
+            sampler.obtain_exact_episodes(2)
+        if crash == "raise":
+            assert "env blew up" in str(caught.value)  # the remote traceback
+    finally:
+        sampler.close()
+    assert sampler.manager.closed
+
+
+def test_env_raising_with_restarts_cuts_the_episode_and_collection_goes_on(tmp_path):
+    marker = str(tmp_path / "crashed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 0 else None, crash_at=2, crash="raise")
+
+    with Sampler(factory, 2, RandomPolicy(), seed=1, restart_workers=True, timeout=30) as sampler:
+        batch = sampler.obtain_steps(40)
+        assert sampler.stats.counters["interrupted_episodes"] == 1
+    assert len(batch) == 40
+    assert batch.interrupted[batch.worker_ids == 0][:1].tolist() == [True]
+    assert not batch.interrupted[batch.worker_ids == 1].any()
+
+
+def test_core_does_not_import_the_sampler():
+    import subprocess
+    import sys
+
+    code = "import sys, envmanager, envmanager.core.batch, envmanager.core.manager; print(any(m.startswith('envmanager.sampler') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert out.stdout.strip() == "False"
 
 
 def test_sampler_over_a_given_manager_needs_autoreset_disabled():
