@@ -134,3 +134,22 @@ def test_stats_dict_and_summary_line(caplog):
     with caplog.at_level(logging.INFO, logger="envmanager.sampler.stats"):
         stats.maybe_log()
     assert "sampler: env_steps/s=10.0" in caplog.text and "interrupted_episodes=1" in caplog.text
+
+
+def test_learn_fn_failure_stops_the_stream_in_the_caller():
+    calls = []
+
+    def learn(batch):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise ArithmeticError("nan loss")
+        return {}
+
+    with Sampler(kind_env, 2, RandomPolicy(), seed=0) as sampler:
+        feed = LearnerFeed(learn, queue_size=1)
+        with pytest.raises(LearnerError, match="nan loss"):
+            for _ in sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=50):
+                pass
+        feed.stop(raise_error=False)
+        assert sampler.stats.counters["fragments"] < 50
+        assert len(sampler.obtain_steps(4)) == 4  # the sampler itself is still usable

@@ -233,3 +233,12 @@ def test_partial_batches_with_several_envs_per_process():
     assert batch.n_episodes == 8
     assert batch.lengths.tolist() == [n for s in range(4) for n in true_lengths(8, s, 2)]
     assert all(len(c) <= 4 for c in policy.calls)
+
+
+def test_progress_bar_on_long_collections(capsys):
+    pytest.importorskip("tqdm")
+    with Sampler(kind_env, 2, RandomPolicy(), seed=0, progress=10) as sampler:
+        sampler.obtain_steps(30)
+        assert "sampling" in capsys.readouterr().err
+        sampler.obtain_steps(5)  # below the threshold: no bar
+        assert "sampling" not in capsys.readouterr().err

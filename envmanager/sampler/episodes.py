@@ -49,6 +49,10 @@ class Plan:
     def done(self) -> bool:
         raise NotImplementedError
 
+    def progress(self) -> tuple[int, int, str]:
+        """``(done, total, unit)`` for a progress bar."""
+        raise NotImplementedError
+
 
 class EpisodeQuotas(Plan):
     """Exactly ``quotas[slot]`` episodes per slot, each started during this call."""
@@ -66,6 +70,9 @@ class EpisodeQuotas(Plan):
 
     def done(self) -> bool:
         return all(len(e) == q for e, q in zip(self.episodes, self.quotas))
+
+    def progress(self) -> tuple[int, int, str]:
+        return sum(len(e) for e in self.episodes), sum(self.quotas), "episodes"
 
 
 class SampleCount(Plan):
@@ -92,6 +99,9 @@ class SampleCount(Plan):
     def done(self) -> bool:
         return self.steps >= self.num_samples and not self.active
 
+    def progress(self) -> tuple[int, int, str]:
+        return min(self.steps, self.num_samples), self.num_samples, "steps"
+
 
 class StepCount(Plan):
     """Exactly ``n`` transitions; episodes still running at the end continue in the next call."""
@@ -115,3 +125,6 @@ class StepCount(Plan):
 
     def done(self) -> bool:
         return self.recorded >= self.n
+
+    def progress(self) -> tuple[int, int, str]:
+        return self.recorded, self.n, "steps"

@@ -58,12 +58,15 @@ class Sampler:
             with ``agent_infos`` a dict of arrays.
         seed: slot ``i``'s first reset gets ``seed + i``; later resets continue the env's RNG.
         log_interval: seconds between one-line summaries through ``logging`` (``None``: never).
+        progress: show a tqdm progress bar (an optional extra) on collections of at least
+            ``progress`` steps or episodes (``None``: never).
         manager_options: passed to ``BatchEnvManager`` (``envs_per_worker``, ``timeout``,
             ``restart_workers``, ``context``, ...).
     """
 
     def __init__(self, envs: Callable[[int], Any] | BatchEnvManager, n_workers: int | None = None, policy: Any = None, *,
-                 seed: int | None = None, log_interval: float | None = None, **manager_options: Any) -> None:
+                 seed: int | None = None, log_interval: float | None = None, progress: int | None = None,
+                 **manager_options: Any) -> None:
         if isinstance(envs, BatchEnvManager):
             if manager_options or n_workers not in (None, envs.n_env):
                 raise InvalidInputError("with a manager, give neither n_workers nor manager options")
@@ -77,6 +80,7 @@ class Sampler:
             self._owns_manager = True
         n = self.n_workers = self.manager.n_env
         self.policy = policy
+        self.progress = progress
         self.stats = Stats("sampler", log_interval)
         self._lock = threading.Lock()  # guards pending updates (update() may come from a learner thread)
         self._latest_policy_version = 0
@@ -188,6 +192,7 @@ class Sampler:
         count = 0
         while max_fragments is None or count < max_fragments:
             if feed is not None:
+                self.stats.gauge("learner_queue", feed.qsize())
                 with self.stats.timer("back_pressure"):
                     feed.wait_below(max_batches_waiting)
             batch = self.obtain_steps(fragment_steps)
@@ -204,11 +209,31 @@ class Sampler:
         """Step until ``plan`` is done; episodes running from before are not admitted (they run
         out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
         its own."""
-        m = self.manager
         if not plan.record_partial:
             self._apply_agent_update()
             for slot in range(self.n_workers):
                 self._recording[slot] = False
+        bar = self._progress_bar(plan)
+        try:
+            self._run(plan, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        return plan
+
+    def _progress_bar(self, plan: Plan) -> Any:
+        _, total, unit = plan.progress()
+        if self.progress is None or total < self.progress:
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            logger.info("progress bars need tqdm (pip install tqdm)")
+            return None
+        return tqdm(total=total, unit=unit, desc="sampling", leave=False)
+
+    def _run(self, plan: Plan, bar: Any) -> None:
+        m = self.manager
         while not plan.done():
             if plan.record_partial:
                 self._apply_agent_update()
@@ -230,9 +255,10 @@ class Sampler:
                 raise failed or EnvManagerError("sampler: nothing is running and the collection is not done")
             self._receive(plan)
             self.stats.maybe_log()
+            if bar is not None:
+                bar.update(plan.progress()[0] - bar.n)
         while self._sent:  # run-outs still in flight: take them, so nothing is left half-sent
             self._receive(plan)
-        return plan
 
     def _start_episodes(self, slots: list[int]) -> None:
         m = self.manager
