@@ -242,3 +242,34 @@ def test_progress_bar_on_long_collections(capsys):
         assert "sampling" in capsys.readouterr().err
         sampler.obtain_steps(5)  # below the threshold: no bar
         assert "sampling" not in capsys.readouterr().err
+
+
+class GreedyAgent:
+    """A picklable worker-side agent: action from the observation's parity, with an info."""
+
+    def __init__(self, shift: int = 0) -> None:
+        self.shift = shift
+
+    def get_action(self, observation):
+        return (int(observation[0]) + self.shift) % 2, {"shift": self.shift}
+
+
+def test_worker_side_policy_steps_continue_and_episodes_are_exact():
+    from envmanager.sampler.worker_policy import WorkerPolicySampler
+
+    with WorkerPolicySampler(kind_env, 4, GreedyAgent(), seed=8, envs_per_worker=2) as sampler:
+        steps = sampler.obtain_steps(30)
+        more = sampler.obtain_steps(10, agent_update=GreedyAgent(shift=1))
+        episodes = sampler.obtain_exact_episodes(2)
+        assert sampler.stats.counters["discarded_episodes"] > 0  # running ones are not admitted
+    assert len(steps) == 120 and np.bincount(steps.worker_ids).tolist() == [30] * 4
+    assert (steps.actions == steps.observations[:, 0].astype(int) % 2).all()  # chosen in the worker
+    assert (more.policy_versions == 1).all() and (more.agent_infos["shift"] == 1).all()
+    both = TransitionBatch.concatenate([steps, more])
+    for episode in np.unique(both.episode_ids):  # episodes go on across calls: t keeps counting
+        ts = both.next_observations[both.episode_ids == episode, 0]
+        assert ts.tolist() == list(range(int(ts[0]), int(ts[0]) + len(ts)))
+    assert episodes.n_episodes == 8
+    assert (episodes.observations[episodes.starts, 0] == 0).all()
+    ends = episodes.starts + episodes.lengths - 1
+    assert episodes.dones[ends].all() and episodes.dones.sum() == 8

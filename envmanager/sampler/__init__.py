@@ -6,5 +6,6 @@ from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.learner import LearnerError, LearnerFeed, LearnerStarvedError
 from envmanager.sampler.sampler import Sampler
 from envmanager.sampler.stats import Stats
+from envmanager.sampler.worker_policy import WorkerPolicySampler
 
-__all__ = ["EpisodeBatch", "LearnerError", "LearnerFeed", "LearnerStarvedError", "Sampler", "Stats", "TransitionBatch"]
+__all__ = ["EpisodeBatch", "LearnerError", "LearnerFeed", "LearnerStarvedError", "Sampler", "Stats", "TransitionBatch", "WorkerPolicySampler"]
