@@ -39,6 +39,14 @@ def test_transition_batch_concatenate_split_select():
     assert picked.rewards.tolist() == [7.0, 8.0] and picked.next_observations[:, 0].tolist() == [8, 9]
 
 
+def test_env_infos_of_any_shape_are_kept():
+    from envmanager.sampler.batches import Step
+
+    steps = [Step(np.zeros(1), 0, 0.0, False, False, np.zeros(1), 0, 0, 0, 0, {}, {"ragged": np.zeros(i + 1)}) for i in range(3)]
+    batch = TransitionBatch.from_steps(steps)
+    assert batch.env_infos["ragged"].dtype == object and [len(x) for x in batch.env_infos["ragged"]] == [1, 2, 3]
+
+
 def test_episode_batch_lengths_padding_and_returns():
     episodes = [_batch(3), _batch(1, start=3), _batch(2, start=4)]
     eb = EpisodeBatch.from_transitions(episodes, [False, True, False])

@@ -34,6 +34,16 @@ def stack_values(values: Sequence[Any]) -> Any:
     return np.stack([np.asarray(v) for v in values])
 
 
+def _stack_or_objects(values: Sequence[Any]) -> Any:
+    """Env infos come in any shape: stacked when they can be, else an object array."""
+    try:
+        return stack_values(values)
+    except (ValueError, TypeError, KeyError, IndexError):
+        out = np.empty(len(values), dtype=object)
+        out[:] = list(values) if not isinstance(values, list) else values
+        return out
+
+
 def _take(value: Any, index: Any) -> Any:
     if isinstance(value, dict):
         return {k: _take(v, index) for k, v in value.items()}
@@ -125,7 +135,7 @@ class TransitionBatch:
             interrupted=np.array([s.interrupted for s in steps], dtype=bool),
             valid=np.ones(len(steps), dtype=bool),
             agent_infos={k: stack_values([s.agent_info[k] for s in steps]) for k in agent_keys},
-            env_infos={k: stack_values([s.env_info[k] for s in steps]) for k in sorted(env_keys)},
+            env_infos={k: _stack_or_objects([s.env_info[k] for s in steps]) for k in sorted(env_keys)},
         )
 
 
