@@ -12,10 +12,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(name: str, timeout: float = 240) -> str:
+def run_example(name: str, timeout: float = 240, args: tuple[str, ...] = ()) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "examples", name)],
+        [sys.executable, os.path.join(REPO, "examples", name), *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
@@ -42,3 +42,22 @@ def test_sb3_ppo_learns_cartpole():
     before = float(re.search(r"before training:\s+([0-9.]+)", out).group(1))
     after = float(re.search(r"after \d+ steps .*?:\s+([0-9.]+)", out).group(1))
     assert after > before * 3
+
+
+def test_sync_sampler_loop_return_rises():
+    out = run_example("sync_reinforce_cartpole.py", args=("--iterations", "10"))
+    returns = [float(r) for r in re.findall(r"mean return\s+([0-9.]+)", out)]
+    assert len(returns) == 10
+    assert max(returns[-3:]) > 2 * returns[0]
+    versions = [int(v) for v in re.findall(r"policy version (\d+)", out)]
+    assert versions == list(range(1, 11))  # each iteration acted with the update it was handed
+
+
+def test_async_ppo_with_learner_feed_return_rises():
+    pytest.importorskip("torch")
+    out = run_example("async_ppo_cartpole.py", args=("--steps", "12000"))
+    returns = [float(r) for r in re.findall(r"mean return\s+([0-9.]+)", out)]
+    lags = [float(x) for x in re.findall(r"policy lag ([0-9.]+)", out)]
+    assert len(returns) >= 10 and max(returns[-3:]) > 2 * returns[0]
+    assert max(lags) <= 2  # the bounded queue keeps the lag small
+    assert "final mean return" in out

@@ -1,0 +1,130 @@
+"""Collection plans: which episodes a sampler call admits, and when it is done.
+
+The rule that keeps exact-episode sampling unbiased: whether an episode counts is decided when
+it **starts** (by a quota per env slot), never by when it ends. Every admitted episode runs to
+its end; an episode cut by a worker restart fills its admission (kept, flagged, counted),
+never silently replaced. Results come in (worker, admission) order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from envmanager.sampler.batches import Step
+
+__all__ = ["Plan", "EpisodeQuotas", "SampleCount", "StepCount", "spread"]
+
+
+def spread(n: int, n_workers: int) -> list[int]:
+    """``n`` episodes as per-slot quotas, fixed before collection starts (round robin)."""
+    return [n // n_workers + (1 if i < n % n_workers else 0) for i in range(n_workers)]
+
+
+class Plan:
+    """What one collection call wants. The sampler asks ``admit`` when a slot could start an
+    episode, ``step_budget`` before it sends steps, and reports every recorded episode's end."""
+
+    record_partial = False  # hand out the steps of episodes still running when done (obtain_steps)
+
+    def __init__(self, n_workers: int) -> None:
+        self.episodes: list[list[tuple[list[Step], bool]]] = [[] for _ in range(n_workers)]
+        self.running = [0] * n_workers  # steps of the admitted episode running on each slot
+
+    def admit(self, slot: int) -> bool:
+        """Start (and record) an episode on ``slot`` now? Decided once, at its start."""
+        raise NotImplementedError
+
+    def step_budget(self, in_flight: int) -> int | None:
+        """How many more steps may be sent (``None``: no limit)."""
+        return None
+
+    def recorded_step(self, slot: int) -> None:
+        self.running[slot] += 1
+
+    def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
+        """An admitted episode ended (or was cut by a restart, ``interrupted``)."""
+        self.episodes[slot].append((steps, interrupted))
+        self.running[slot] = 0
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def progress(self) -> tuple[int, int, str]:
+        """``(done, total, unit)`` for a progress bar."""
+        raise NotImplementedError
+
+
+class EpisodeQuotas(Plan):
+    """Exactly ``quotas[slot]`` episodes per slot, each started during this call."""
+
+    def __init__(self, quotas: Sequence[int]) -> None:
+        super().__init__(len(quotas))
+        self.quotas = list(quotas)
+        self.admitted = [0] * len(quotas)
+
+    def admit(self, slot: int) -> bool:
+        if self.admitted[slot] >= self.quotas[slot]:
+            return False
+        self.admitted[slot] += 1
+        return True
+
+    def done(self) -> bool:
+        return all(len(e) == q for e, q in zip(self.episodes, self.quotas))
+
+    def progress(self) -> tuple[int, int, str]:
+        return sum(len(e) for e in self.episodes), sum(self.quotas), "episodes"
+
+
+class SampleCount(Plan):
+    """garage's ``obtain_samples``: whole episodes until at least ``num_samples`` steps. An
+    episode is admitted while finished plus running admitted steps stay below the target."""
+
+    def __init__(self, n_workers: int, num_samples: int) -> None:
+        super().__init__(n_workers)
+        self.num_samples = num_samples
+        self.steps = 0  # steps of finished episodes
+        self.active: set[int] = set()
+
+    def admit(self, slot: int) -> bool:
+        if self.steps + sum(self.running) >= self.num_samples:
+            return False
+        self.active.add(slot)
+        return True
+
+    def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
+        super().finished(slot, steps, interrupted)
+        self.steps += len(steps)
+        self.active.discard(slot)
+
+    def done(self) -> bool:
+        return self.steps >= self.num_samples and not self.active
+
+    def progress(self) -> tuple[int, int, str]:
+        return min(self.steps, self.num_samples), self.num_samples, "steps"
+
+
+class StepCount(Plan):
+    """Exactly ``n`` transitions; episodes still running at the end continue in the next call."""
+
+    record_partial = True
+
+    def __init__(self, n_workers: int, n: int) -> None:
+        super().__init__(n_workers)
+        self.n = n
+        self.recorded = 0
+
+    def admit(self, slot: int) -> bool:
+        return self.recorded < self.n
+
+    def step_budget(self, in_flight: int) -> int | None:
+        return self.n - self.recorded - in_flight
+
+    def recorded_step(self, slot: int) -> None:
+        super().recorded_step(slot)
+        self.recorded += 1
+
+    def done(self) -> bool:
+        return self.recorded >= self.n
+
+    def progress(self) -> tuple[int, int, str]:
+        return self.recorded, self.n, "steps"

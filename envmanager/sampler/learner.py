@@ -1,0 +1,231 @@
+"""``LearnerFeed``: a learner running in a background thread, fed by the sampler (RLlib's
+``LearnerThread``, framework-agnostic).
+
+A bounded queue gives back-pressure to the sampler; each batch is replayed ``num_passes``
+times in ``num_minibatches`` pieces; after each batch the policy version is bumped and
+published through ``on_update`` (that is how new weights reach the sampler). Steps older than
+``max_policy_lag`` versions are dropped or masked, and counted. An exception in ``learn_fn``,
+in ``on_update``, or a queue empty for ``starve_timeout`` is re-raised in the caller (``put``,
+``check``, ``stop``) with its traceback: never a silently dead thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from envmanager.core.deadline import Deadline
+from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.sampler.batches import TransitionBatch
+from envmanager.sampler.stats import Stats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LearnerFeed", "LearnerError", "LearnerStarvedError"]
+
+
+class LearnerError(EnvManagerError):
+    """The learner thread failed; ``__cause__`` is the original exception."""
+
+
+class LearnerStarvedError(LearnerError, TimeoutError):
+    """The learner's queue stayed empty for ``starve_timeout`` seconds."""
+
+
+class LearnerFeed:
+    """Run ``learn_fn(batch) -> dict of metrics`` in a thread over the batches ``put`` into it.
+
+    Args:
+        learn_fn: one update on a ``TransitionBatch``; returns metrics (a dict).
+        queue_size: batches waiting at most; ``put`` blocks beyond that (back-pressure).
+        num_passes: how often each batch is learned from (RLlib's ``num_sgd_iter``).
+        num_minibatches: pieces each pass splits the batch into.
+        starve_timeout: seconds the queue may stay empty before that is an error.
+        max_policy_lag: steps acted by a policy more than this many versions old are ``stale``.
+        stale: ``"drop"`` them or ``"mask"`` them (``batch.valid`` false).
+        on_update: ``on_update(version, metrics)`` after each batch, in the learner thread.
+        put_timeout: the longest ``put`` / ``wait_below`` wait for room.
+    """
+
+    def __init__(self, learn_fn: Callable[[TransitionBatch], dict[str, Any]], queue_size: int = 2, num_passes: int = 1,
+                 num_minibatches: int = 1, starve_timeout: float = 60.0, max_policy_lag: int | None = None,
+                 stale: str = "drop", on_update: Callable[[int, dict[str, Any]], Any] | None = None,
+                 put_timeout: float = 600.0, log_interval: float | None = None) -> None:
+        if queue_size < 1 or num_passes < 1 or num_minibatches < 1:
+            raise InvalidInputError("queue_size, num_passes and num_minibatches must be at least 1")
+        if stale not in ("drop", "mask"):
+            raise InvalidInputError(f"stale must be 'drop' or 'mask', got {stale!r}")
+        self.learn_fn, self.on_update = learn_fn, on_update
+        self.queue_size, self.num_passes, self.num_minibatches = queue_size, num_passes, num_minibatches
+        self.starve_timeout, self.max_policy_lag, self.stale = starve_timeout, max_policy_lag, stale
+        self.put_timeout = put_timeout
+        self.version = 0
+        self.stats = Stats("learner", log_interval)
+        self._queue: collections.deque[TransitionBatch] = collections.deque()
+        self._results: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._put = self._finished = 0  # batches put / learned from (or dropped)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="envmanager-learner", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------
+    # The caller's side
+
+    def put(self, batch: TransitionBatch, timeout: float | None = None) -> None:
+        """Queue a batch; blocks while ``queue_size`` batches wait (at most ``timeout``)."""
+        self.wait_below(self.queue_size, timeout)
+        with self._cond:
+            self._queue.append(batch)
+            self._put += 1
+            self.stats.gauge("queue_size", len(self._queue))
+            self._cond.notify_all()
+
+    def wait_below(self, n: int, timeout: float | None = None) -> None:
+        """Wait until fewer than ``n`` batches are waiting (raises the learner's error)."""
+        limit = self.put_timeout if timeout is None else timeout
+        deadline = Deadline(limit)
+        with self._cond:
+            while True:
+                self._raise_error()
+                if self._stopping:
+                    raise LearnerError("the learner feed is stopped")
+                if len(self._queue) < n:
+                    return
+                if deadline.passed():
+                    raise TimeoutError(f"the learner did not take a batch within {limit:g} s")
+                self._cond.wait(deadline.left())
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every batch put so far was learned from (raises the learner's error)."""
+        limit = self.put_timeout if timeout is None else timeout
+        deadline = Deadline(limit)
+        with self._cond:
+            while self._finished < self._put:
+                self._raise_error()
+                if self._stopping:
+                    raise LearnerError("the learner feed is stopped")
+                if deadline.passed():
+                    raise TimeoutError(f"the learner did not finish its batches within {limit:g} s")
+                self._cond.wait(deadline.left())
+
+    def results(self) -> list[tuple[int, dict[str, Any]]]:
+        """``(steps learned from, metrics)`` of every batch learned since the last call."""
+        with self._cond:
+            out = list(self._results)
+            self._results.clear()
+        return out
+
+    def check(self) -> None:
+        """Raise the learner thread's error, if it had one."""
+        with self._cond:
+            self._raise_error()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def stop(self, timeout: float = 10.0, raise_error: bool = True) -> None:
+        """Stop the thread (batches still queued are not learned from) and wait for it at most
+        ``timeout`` (a ``learn_fn`` that hangs is left behind, logged). Then raise its error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("learner thread still inside learn_fn after %.1f s; left behind (daemon)", timeout)
+        if raise_error:
+            self.check()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> LearnerFeed:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.stop(raise_error=exc_type is None)
+
+    def _raise_error(self) -> None:
+        error = self._error
+        if error is None:
+            return
+        if isinstance(error, LearnerError):
+            raise error
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        raise LearnerError(f"learner thread failed: {error!r}\n{trace}") from error
+
+    # ------------------------------------------------------------------------------------------
+    # The learner thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._learn(batch)
+                with self._cond:
+                    self._finished += 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, never lost
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+            logger.error("learner thread failed: %r", exc)
+
+    def _next_batch(self) -> TransitionBatch | None:
+        with self.stats.timer("dequeue"), self._cond:
+            deadline = Deadline(self.starve_timeout)
+            while not self._queue and not self._stopping:
+                if deadline.passed():
+                    raise LearnerStarvedError(f"the learner's queue stayed empty for {self.starve_timeout:g} s")
+                self._cond.wait(deadline.left())
+            if self._stopping:
+                return None
+            batch = self._queue.popleft()
+            self.stats.gauge("queue_size", len(self._queue))
+            self._cond.notify_all()
+            return batch
+
+    def _learn(self, batch: TransitionBatch) -> None:
+        lag = self.version - batch.policy_versions
+        self.stats.lag(lag)
+        if self.max_policy_lag is not None:
+            stale = lag > self.max_policy_lag
+            n_stale = int(stale.sum())
+            if n_stale:
+                self.stats.count("stale_steps", n_stale)
+                if self.stale == "drop":
+                    batch = batch.select(~stale)
+                else:
+                    batch.valid = batch.valid & ~stale
+        if len(batch) == 0:
+            self.stats.count("dropped_batches")
+            return
+        metrics: dict[str, Any] = {}
+        with self.stats.timer("learn"):
+            for _ in range(self.num_passes):
+                for minibatch in batch.split(self.num_minibatches) if self.num_minibatches > 1 else [batch]:
+                    metrics = self.learn_fn(minibatch) or {}
+        self.stats.count("steps_learned", len(batch))
+        self.stats.count("updates")
+        with self._cond:
+            self.version += 1
+            self._results.append((len(batch), metrics))
+        if self.on_update is not None:
+            self.on_update(self.version, metrics)
+        self.stats.maybe_log()
+
+
+def policy_lag(version: int, batch: TransitionBatch) -> np.ndarray:
+    """Versions between ``version`` and the policy that acted, per step."""
+    return version - batch.policy_versions

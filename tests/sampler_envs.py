@@ -1,0 +1,81 @@
+"""Envs and a numpy policy shared by the sampler tests."""
+
+from __future__ import annotations
+
+import os
+
+import gymnasium as gym
+import numpy as np
+
+
+class KindEnv(gym.Env):
+    """Episodes of 5 or 50 steps, the kind drawn from the env's RNG at reset (so by seed).
+    Observation ``[t, length, bonus]``; reward ``1 + bonus``; ``bonus`` is set by env updates."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, crash_marker: str | None = None, crash_at: int = 0, crash: str = "exit") -> None:
+        self.bonus = 0.0
+        self.t = 0
+        self.length = 0
+        self.total = 0
+        self.crash_marker, self.crash_at, self.crash = crash_marker, crash_at, crash
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t, self.length, self.bonus], dtype=np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.length = 5 if self.np_random.random() < 0.5 else 50
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        self.total += 1
+        if self.crash_marker and self.total == self.crash_at and not os.path.exists(self.crash_marker):
+            open(self.crash_marker, "w").close()
+            if self.crash == "raise":
+                raise RuntimeError("env blew up")
+            os._exit(3)
+        return self._obs(), 1.0 + self.bonus, self.t >= self.length, False, {"t": self.t}
+
+
+def kind_env(worker_id: int) -> KindEnv:
+    return KindEnv()
+
+
+def true_lengths(seed: int, slot: int, k: int) -> list[int]:
+    """The lengths of a slot's first ``k`` episodes: first reset seeded ``seed + slot``."""
+    env = KindEnv()
+    env.reset(seed=seed + slot)
+    lengths = [env.length]
+    for _ in range(k - 1):
+        env.reset()
+        lengths.append(env.length)
+    return lengths
+
+
+class RandomPolicy:
+    """A numpy policy: random actions, with a log-prob agent info and settable parameters."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+        self.params = 0
+        self.calls: list[np.ndarray] = []
+
+    def get_actions(self, observations, worker_ids):
+        assert observations.shape == (len(worker_ids), 3)
+        self.calls.append(np.array(worker_ids))
+        actions = self.rng.integers(0, 2, len(worker_ids))
+        return actions, {"logp": np.full(len(worker_ids), np.log(0.5)), "params": np.full(len(worker_ids), self.params)}
+
+    def set_param_values(self, params) -> None:
+        self.params = params
+
+
+def set_bonus(value):
+    def update(env):
+        env.unwrapped.bonus = value
+    return update

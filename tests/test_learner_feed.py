@@ -1,0 +1,155 @@
+"""LearnerFeed (a learner thread) and the sampler's stream into it, with real worker processes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from envmanager.sampler import LearnerError, LearnerFeed, LearnerStarvedError, Sampler, Stats, TransitionBatch
+from envmanager.sampler.batches import Step
+from sampler_envs import RandomPolicy, kind_env
+
+
+def batch_of(n: int, version: int = 0) -> TransitionBatch:
+    return TransitionBatch.from_steps([
+        Step(np.zeros(2), 0, 1.0, False, False, np.zeros(2), 0, 0, version, 0, {}, {}) for _ in range(n)
+    ])
+
+
+def test_learns_every_batch_with_passes_and_minibatches_then_publishes_versions():
+    seen: list[int] = []
+    published: list[int] = []
+    feed = LearnerFeed(lambda b: seen.append(len(b)) or {"n": len(b)}, queue_size=2, num_passes=3, num_minibatches=2,
+                       on_update=lambda version, metrics: published.append(version))
+    for _ in range(4):
+        feed.put(batch_of(10))
+    feed.drain(timeout=30)
+    assert [n for n, _ in feed.results()] == [10] * 4
+    feed.stop()
+    assert seen == [5] * 24  # 4 batches x 3 passes x 2 minibatches
+    assert published == [1, 2, 3, 4] and feed.version == 4
+    assert feed.stats.counters["steps_learned"] == 40
+
+
+def test_put_blocks_while_the_queue_is_full():
+    release = threading.Event()
+    feed = LearnerFeed(lambda b: release.wait(30) and {}, queue_size=1)
+    try:
+        feed.put(batch_of(1))  # taken by the learner, which now waits
+        feed.put(batch_of(1))  # waits in the queue
+        with pytest.raises(TimeoutError):
+            feed.put(batch_of(1), timeout=0.2)
+        assert feed.qsize() == 1
+    finally:
+        release.set()
+        feed.stop()
+
+
+def test_learn_fn_exception_is_raised_in_the_caller_with_its_traceback():
+    def learn(batch):
+        raise ValueError("bad gradient")
+
+    feed = LearnerFeed(learn, queue_size=1)
+    feed.put(batch_of(2))
+    with pytest.raises(LearnerError, match="bad gradient") as caught:
+        for _ in range(100):
+            feed.put(batch_of(2), timeout=10)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert "in learn" in str(caught.value)  # the learner thread's traceback
+    feed.stop(raise_error=False)
+    assert not feed.alive
+
+
+def test_starved_queue_is_an_error_and_stop_always_ends():
+    feed = LearnerFeed(lambda b: {}, starve_timeout=0.1)
+    feed._thread.join(30)
+    with pytest.raises(LearnerStarvedError):
+        feed.check()
+    release = threading.Event()
+    hung = LearnerFeed(lambda b: release.wait(30) and {})
+    hung.put(batch_of(1))
+    hung.stop(timeout=0.1)  # returns although learn_fn is still inside
+    release.set()
+    hung._thread.join(30)
+
+
+def test_stale_steps_dropped_or_masked_and_counted():
+    kept: list[TransitionBatch] = []
+    for mode in ("drop", "mask"):
+        kept.clear()
+        feed = LearnerFeed(lambda b: kept.append(b) or {}, max_policy_lag=1, stale=mode)
+        feed.version = 3
+        mixed = TransitionBatch.concatenate([batch_of(2, version=3), batch_of(3, version=1), batch_of(1, version=2)])
+        feed.put(mixed)
+        feed.drain(timeout=30)
+        feed.stop()
+        assert feed.stats.counters["stale_steps"] == 3
+        if mode == "drop":
+            assert len(kept[0]) == 3 and kept[0].policy_versions.tolist() == [3, 3, 2]
+        else:
+            assert kept[0].valid.tolist() == [True, True, False, False, False, True]
+        assert feed.stats.stats()["policy_lag_max"] == 2
+
+
+def test_stream_feeds_the_learner_and_new_weights_reach_the_sampler():
+    policy = RandomPolicy()
+    with Sampler(kind_env, 2, policy, seed=0) as sampler:
+        feed = LearnerFeed(lambda b: {"mean_reward": float(b.rewards.mean())}, queue_size=2,
+                           on_update=lambda version, metrics: sampler.update(agent_update=version, version=version))
+        fragments = list(sampler.stream(16, feed=feed, max_batches_waiting=2, max_fragments=12))
+        feed.drain(timeout=30)
+        feed.stop()
+    assert [len(f) for f in fragments] == [16] * 12
+    both = TransitionBatch.concatenate(fragments)
+    assert both.policy_versions[0] == 0 and both.policy_versions.max() > 0  # published versions were used to act
+    for w in (0, 1):  # per worker, in collection order, versions only go up
+        assert (np.diff(both.policy_versions[both.worker_ids == w]) >= 0).all()
+    assert sampler.stats.counters["fragments"] == 12
+    assert sampler.stats.counters["policy_updates"] >= 1
+    stats = feed.stats.stats()
+    assert stats["updates"] >= 10 and "policy_lag_mean" in stats and "learn_ms_mean" in stats
+
+
+def test_stats_dict_and_summary_line(caplog):
+    now = [100.0]
+    stats = Stats("sampler", log_interval=5.0, clock=lambda: now[0])
+    stats.count("env_steps", 50)
+    now[0] += 10.0
+    stats.count("env_steps", 50)
+    stats.count("interrupted_episodes")
+    stats.gauge("queue_size", 2)
+    stats.gauge("queue_size", 4)
+    stats.lag(np.array([0, 1, 3]))
+    with stats.timer("learn"):
+        pass
+    s = stats.stats()
+    assert s["env_steps"] == 100
+    assert s["env_steps_per_s_10s"] == pytest.approx(10.0)  # 100 in the 10 s window
+    assert s["env_steps_per_s_300s"] == pytest.approx(10.0)  # 100 over the 10 s since start
+    assert s["queue_size_mean"] == 3 and s["queue_size_max"] == 4
+    assert (s["policy_lag_min"], s["policy_lag_max"]) == (0, 3) and s["learn_ms_total"] >= 0
+    with caplog.at_level(logging.INFO, logger="envmanager.sampler.stats"):
+        stats.maybe_log()
+    assert "sampler: env_steps/s=10.0" in caplog.text and "interrupted_episodes=1" in caplog.text
+
+
+def test_learn_fn_failure_stops_the_stream_in_the_caller():
+    calls = []
+
+    def learn(batch):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise ArithmeticError("nan loss")
+        return {}
+
+    with Sampler(kind_env, 2, RandomPolicy(), seed=0) as sampler:
+        feed = LearnerFeed(learn, queue_size=1)
+        with pytest.raises(LearnerError, match="nan loss"):
+            for _ in sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=50):
+                pass
+        feed.stop(raise_error=False)
+        assert sampler.stats.counters["fragments"] < 50
+        assert len(sampler.obtain_steps(4)) == 4  # the sampler itself is still usable
