@@ -96,7 +96,8 @@ class WorkerPool:
         self._next_deadline_check = 0.0
         # One resource tracker for parent and workers: attaching workers then share it, and it
         # unlinks the shared memory should the parent be killed.
-        resource_tracker.ensure_running()
+        if os.name == "posix":  # Windows has no resource tracker: shared memory ends with its handles
+            resource_tracker.ensure_running()
         #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
         self.transport = transport_name(transport)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)

@@ -54,8 +54,9 @@ class PortableAnswers:
         """Block up to ``timeout`` s until an answer or a process end; the ended sentinels."""
         conns = [c for c in self._conns if not c.closed and id(c) not in self._ended]
         ready = wait_for_ready([*conns, *self._sentinels], max(0.0, timeout))
-        self._ready = [r for r in ready if isinstance(r, Connection)]
-        return [r for r in ready if not isinstance(r, Connection)]
+        # Sentinels are ints (fds, or handles on Windows, where pipes are not ``Connection``s).
+        self._ready = [r for r in ready if not isinstance(r, int)]
+        return [r for r in ready if isinstance(r, int)]
 
     def take(self) -> list[EnvironmentResponse]:
         """Every whole answer waiting now; never waits for one that has not begun."""

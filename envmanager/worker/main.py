@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+import psutil
+
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
     decode_request,
@@ -127,13 +129,8 @@ def _watch_parent(parent_pid: int, ppid_at_start: int) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # Not ``os.kill(pid, 0)``: on Windows that sends CTRL_C_EVENT (0) instead of probing.
+    return psutil.pid_exists(pid)
 
 
 def _kill_own_group() -> None:
