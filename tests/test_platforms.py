@@ -16,6 +16,7 @@ import pytest
 from envmanager import SubprocessEnvManager
 from envmanager.core import platforms
 from envmanager.core.process import descendants
+from envmanager.testing.envs import EnvFactory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +60,24 @@ def test_portable_transport_steps_first_ready(monkeypatch, envs_per_worker):
                 assert np.shape(info.current_result.observation) == (4,)
                 steps += 1
         assert steps >= 50
+
+
+def test_portable_transport_keeps_first_ready_stepping(monkeypatch):
+    """A slow worker does not hold back the fast ones on the portable transport."""
+    monkeypatch.setenv(platforms.TRANSPORT_ENV, "portable")
+    factory = EnvFactory(per_env={0: {"step_time": [0.0, 30.0]}})  # env 0: its 2nd step takes 30 s
+    with SubprocessEnvManager(factory, n_env=3, timeout=60) as manager:
+        manager.reset(seed=0)
+        first = 0
+        while not first:  # until env 0's instant first step is back
+            first = sum(i.worker_id == 0 for i in manager.step({w: manager.action_space.sample() for w in manager.idle_worker_ids}))
+        fast = 0
+        for _ in range(10):  # the first of these sends env 0 its slow step
+            infos = manager.step({w: manager.action_space.sample() for w in manager.idle_worker_ids})
+            assert 0 not in [i.worker_id for i in infos]
+            fast += len(infos)
+        assert fast >= 10
+        assert 0 not in manager.idle_worker_ids
 
 
 def test_portable_transport_carries_large_answers(monkeypatch):
