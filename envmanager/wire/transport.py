@@ -42,18 +42,18 @@ class PortableAnswers:
         self._conns: list[Connection] = []
         self._sentinels: list[int] = []
         self._ready: list[Connection] | None = None  # pipes ``wait`` found readable, for ``take``
-        self._ended: set[int] = set()  # ids of pipes at end of file: their process is ending
+        self._ended: set[Connection] = set()  # pipes at end of file: their process is ending
 
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
         """Wait from now on for answers on ``conns`` and the end of ``sentinels``' processes."""
         self._conns = [c for c in conns if not c.closed]
         self._sentinels = list(sentinels)
         self._ready = None
+        self._ended &= set(self._conns)
 
     def wait(self, timeout: float) -> list[int]:
         """Block up to ``timeout`` s until an answer or a process end; the ended sentinels."""
-        conns = [c for c in self._conns if not c.closed and id(c) not in self._ended]
-        ready = wait_for_ready([*conns, *self._sentinels], max(0.0, timeout))
+        ready = wait_for_ready([*self._open(), *self._sentinels], max(0.0, timeout))
         # Sentinels are ints (fds, or handles on Windows, where pipes are not ``Connection``s).
         self._ready = [r for r in ready if not isinstance(r, int)]
         return [r for r in ready if isinstance(r, int)]
@@ -62,7 +62,7 @@ class PortableAnswers:
         """Every whole answer waiting now; never waits for one that has not begun."""
         ready, self._ready = self._ready, None
         if ready is None:
-            conns = [c for c in self._conns if not c.closed and id(c) not in self._ended]
+            conns = self._open()
             ready = wait_for_ready(conns, 0) if conns else []
         out = []
         for conn in ready:
@@ -73,11 +73,14 @@ class PortableAnswers:
                     if not conn.poll():
                         break
             except (EOFError, OSError):  # the worker is gone: its sentinel tells the pool
-                self._ended.add(id(conn))
+                self._ended.add(conn)
         return out
 
+    def _open(self) -> list[Connection]:
+        return [c for c in self._conns if not c.closed and c not in self._ended]
+
     def close(self) -> None:
-        self._conns, self._sentinels, self._ready = [], [], None
+        self._conns, self._sentinels, self._ready, self._ended = [], [], None, set()
 
 
 class WorkerLink:
