@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import multiprocessing
 import os
 import time
 import warnings
@@ -26,12 +25,13 @@ import numpy as np
 
 from envmanager.bench import peers
 from envmanager.bench.scenarios import Scenario, env_columns
+from envmanager.core.platforms import default_start_method
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
 
 #: One start method for every backend's workers (gymnasium scenarios), so start-up choices
-#: cannot tilt the comparison: ``fork`` where there is one.
-START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+#: cannot tilt the comparison: the platform's default (``fork`` on Linux, ``spawn`` elsewhere).
+START_METHOD = default_start_method()
 
 #: What ``envs_per_worker="auto"`` chose, by scenario name (the last run of ``envmanager-auto``).
 AUTO_CHOICES: dict[str, int] = {}

@@ -40,7 +40,8 @@ class SubprocessEnvManager(BatchEnvManager):
         n_env: number of environment slots (``worker_id`` 0 .. n_env-1).
         envs_per_worker: slots hosted by one process (stepped together, as one message), or
             ``"auto"``: chosen from one env's step cost measured at start-up (``envmanager.core.auto``).
-        context: multiprocessing start method: ``"fork"``, ``"forkserver"``, ``"spawn"``.
+        context: multiprocessing start method: ``"fork"``, ``"forkserver"``, ``"spawn"``; by
+            default ``"fork"`` on Linux, ``"spawn"`` on macOS and Windows (``platforms``).
         shared_memory: keep observations, rewards, flags and actions in shared memory.
         autoreset_mode: gymnasium's ``"next_step"`` (default), ``"same_step"`` or ``"disabled"``.
         timeout: deadline in seconds for any one worker answer (startup, step, reset, call).

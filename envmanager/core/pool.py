@@ -2,8 +2,9 @@
 
 The transport half of the manager (tianshou's split: workers apart from vectorizing). It
 knows nothing about actions or episodes: it sends requests, one in flight per process, and
-turns what comes back on the shared step queue — or a process's death, or a missed deadline —
-into :class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
+turns what comes back through the answer transport (the shared step queue, or each worker's
+own pipe: ``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
+:class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
 following the life cycle drawn in ``envmanager.core.process``.
 """
 
@@ -11,10 +12,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import multiprocessing as mp
 import os
-import select
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
 from envmanager.core.deadline import Deadline
+from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -42,7 +42,7 @@ from envmanager.wire.messages import (
     encode_request,
 )
 from envmanager.wire.shm import SharedBuffers, SharedFile
-from envmanager.wire.step_queue import StepQueue
+from envmanager.wire.transport import PortableAnswers, StepQueue, make_transport
 from envmanager.worker.main import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class WorkerPool:
     """Worker processes hosting ``specs``' environments, and everything needed to talk to them."""
 
     def __init__(
-        self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True, shared_memory: bool = False
+        self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
+        shared_memory: bool = False, transport: str | None = None
     ) -> None:
         self.ctx = ctx
         self.timeout = timeout
@@ -92,17 +93,19 @@ class WorkerPool:
         self._seq = 0
         self._version = 0  # bumped whenever the set of watched processes may change
         self._poll_version = -1
-        self._poller: Any = None
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
         #: Shared memory with no name, made before any worker starts so each gets it as it starts
         #: (``None``: no shared memory, or named segments where the platform has no such file).
         self.file: SharedFile | None = SharedFile.create() if shared_memory else None
-        if shared_memory and self.file is None:
+        if shared_memory and self.file is None and os.name == "posix":
             # One resource tracker for parent and workers: attaching workers then share it, and
-            # it unlinks the named segment should the parent be killed.
+            # it unlinks the named segment should the parent be killed. (Windows has none: shared
+            # memory ends with its handles.)
             resource_tracker.ensure_running()
-        self.queue: StepQueue | None = StepQueue(ctx)
+        #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
+        self.transport = transport_name(transport)
+        self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
         self._atexit = _close_at_exit(self)
         try:
             for spec in specs:
@@ -113,6 +116,7 @@ class WorkerPool:
 
     def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
         assert self.queue is not None
+        # writer None: the portable transport
         return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file)
 
     # ------------------------------------------------------------------------------------------
@@ -158,10 +162,10 @@ class WorkerPool:
         timeout = min(timeout, self._next_deadline_check - now)
         if self._poll_version != self._version:
             self._rebuild_poller()
-        events = self._poller.poll(max(0, math.ceil(timeout * 1000)))
-        completions = []
+        ended = self.queue.wait(timeout)
+        completions: list[Completion] = []
         self._drain(completions)
-        for fd, _ in events:
+        for fd in ended:
             w = self._by_sentinel.get(fd)
             if w is not None and self.workers[w.index] is w and w.watched:
                 self._drain(completions)  # a worker's last words come before its death
@@ -169,18 +173,16 @@ class WorkerPool:
         return completions
 
     def _rebuild_poller(self) -> None:
-        """A poll object on the step queue and every watched process's sentinel, kept between
-        calls and rebuilt when a process starts, fails or closes (``_version``)."""
+        """Tell the transport what to wait on: every watched process's pipe and sentinel; kept
+        between calls and redone when a process starts, fails or closes (``_version``)."""
         assert self.queue is not None
-        poller = select.poll()
-        poller.register(self.queue.reader.fileno(), select.POLLIN)
-        self._by_sentinel = {w.sentinel: w for w in self.workers if w.watched}
-        for fd in self._by_sentinel:
-            poller.register(fd, select.POLLIN | select.POLLHUP)
-        self._poller, self._poll_version = poller, self._version
+        watched = [w for w in self.workers if w.watched]
+        self._by_sentinel = {w.sentinel: w for w in watched}
+        self.queue.watch([w.conn for w in watched], list(self._by_sentinel))
+        self._poll_version = self._version
 
     def _drain(self, completions: list[Completion]) -> None:
-        """Take every notice waiting on the step queue: the transport's half of every answer."""
+        """Take every answer that has arrived: the transport's half of every answer."""
         assert self.queue is not None
         notices = self.queue.take()
         received = time.monotonic()
@@ -341,6 +343,8 @@ class WorkerPool:
                 if busy:  # it would read CLOSE only after its step: interrupt it (it still closes its envs)
                     w.interrupt()
             deadline = Deadline(timeout)
+            if self.queue is not None:  # from now on: the closing workers' farewells
+                self.queue.watch([w.conn for w in workers], [])
             while any(w.alive() for w in workers) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it
                     while self.queue.take():
@@ -397,4 +401,5 @@ def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
 
 
 def get_context(context: str | None) -> Any:
-    return mp.get_context(context)  # ValueError for unknown methods, as multiprocessing
+    """The multiprocessing context for ``context``, by default ``platforms.default_start_method``."""
+    return mp.get_context(context or default_start_method())  # ValueError for unknown methods

@@ -24,9 +24,12 @@ import logging
 import os
 import signal
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
+
+import psutil
 
 from envmanager.errors import EnvManagerError, WorkerDiedError, who
 from envmanager.wire.messages import EnvironmentCommand as Cmd, EnvironmentRequest, encode_request
@@ -68,8 +71,12 @@ class WorkerProcess:
     """One worker process hosting the env slots ``spec.env_ids``."""
 
     def __init__(
-        self, ctx: Any, spec: WorkerSpec, queue_writer: Connection, daemon: bool = True, boot: Boot | None = None, file: SharedFile | None = None
+        self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
+        file: SharedFile | None = None,
     ) -> None:
+        """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
+        portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
+        ``file`` is the pool's shared memory, handed to the process as it starts."""
         self.spec = spec
         self.index = spec.index
         self.env_ids = spec.env_ids
@@ -81,6 +88,7 @@ class WorkerProcess:
         child_conn.close()
         self.pid = self.process.pid
         self.fd = self.conn.fileno()
+        self._write = self.conn.send_bytes if queue_writer is None else partial(write_frame, self.fd)
         self.state = ProcessState.STARTING if boot is None else ProcessState.BOOTING
         self.boot = boot
         # The first answer is READY (seq 0): the process starts out busy with it.
@@ -122,7 +130,7 @@ class WorkerProcess:
         self.request = request
         self.sent_at = time.monotonic() if now is None else now
         try:
-            write_frame(self.fd, request.data)
+            self._write(request.data)
         except OSError:  # BrokenPipeError, ConnectionResetError, ...
             pass
 
@@ -200,7 +208,7 @@ class WorkerProcess:
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         _kill_all(family + self._family)
-        if pid is not None:
+        if pid is not None and hasattr(os, "killpg"):
             try:
                 os.killpg(pid, signal.SIGKILL)  # anything left in its process group
             except (ProcessLookupError, PermissionError):
@@ -219,32 +227,15 @@ class WorkerProcess:
 def _kill_all(pids: list[int]) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            psutil.Process(pid).kill()  # SIGKILL on POSIX, TerminateProcess on Windows
+        except psutil.Error:  # gone already, or not ours
             pass
 
 
 def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children, their children, ...), from ``/proc`` (Linux);
-    ``[]`` where there is no ``/proc``."""
-    children: dict[int, list[int]] = {}
+    """The processes below ``pid`` (children, their children, ...), found with ``psutil`` on
+    every platform; ``[]`` if ``pid`` is gone."""
     try:
-        entries = os.listdir("/proc")
-    except OSError:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:  # gone meanwhile, or not ours to look at
         return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # fields after "(comm)": state, ppid
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found

@@ -3,12 +3,13 @@
 A plain pipe whose write end all workers share. Each notice is written with a single
 ``write`` of at most ``PIPE_BUF`` bytes, which POSIX makes atomic, so no lock is needed and a
 worker killed mid-write can neither corrupt nor block the queue for the others. An answer
-too big for one notice goes over the worker's own pipe, announced by a notice.
+too big for one notice goes over the worker's own pipe, announced by a notice. Needs
+``fcntl`` and ``select.poll`` only once a queue is made, so the module imports everywhere;
+where they are missing the portable transport (``envmanager.wire.transport``) is used.
 """
 
 from __future__ import annotations
 
-import fcntl
 import math
 import os
 import select
@@ -22,7 +23,7 @@ from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe
 __all__ = ["StepQueue", "FrameReader", "read_message", "write_frame", "MAX_NOTICE_BYTES"]
 
 # Largest notice that still goes out in one atomic write (4-byte length header included).
-MAX_NOTICE_BYTES = select.PIPE_BUF - 4
+MAX_NOTICE_BYTES = getattr(select, "PIPE_BUF", 512) - 4  # POSIX guarantees at least 512
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe so many workers can post without waiting
 
 
@@ -30,6 +31,8 @@ class StepQueue:
     """The shared step queue: many writers (workers), one reader (the parent)."""
 
     def __init__(self, ctx: Any) -> None:
+        import fcntl
+
         self.reader, self.writer = ctx.Pipe(duplex=False)
         try:
             fcntl.fcntl(self.writer.fileno(), _F_SETPIPE_SZ, 1 << 20)
@@ -38,6 +41,23 @@ class StepQueue:
         self._fd = self.reader.fileno()
         os.set_blocking(self._fd, False)  # the parent reads what is there, never waits in read
         self._rest = b""  # the start of a notice cut by the end of a read
+        self._poller: Any = None
+
+    # -- waiting (parent side) --------------------------------------------------------------
+    def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
+        """Wait from now on for the queue and the end of ``sentinels``' processes (answers do
+        not come on the workers' own pipes, ``conns``, here)."""
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        for fd in sentinels:
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+        self._poller = poller
+
+    def wait(self, timeout: float) -> list[int]:
+        """Block up to ``timeout`` s until the queue has notices or a process ended; the ended
+        sentinels."""
+        events = self._poller.poll(max(0, math.ceil(timeout * 1000)))
+        return [fd for fd, _ in events if fd != self._fd]
 
     # -- worker side ------------------------------------------------------------------------
     @staticmethod

@@ -1,7 +1,8 @@
 """The worker process: its start-up arguments, its loop and its handler table.
 
 A worker builds its envs, answers READY, then reads requests from its own pipe and posts
-every answer on the shared step queue. It never raises out of the loop: anything that fails
+every answer through the transport (the shared step queue, or its own pipe: see
+``envmanager.wire.transport``). It never raises out of the loop: anything that fails
 on a request's account (decoding it, running it, encoding the answer) becomes an
 ENV_FAILED answer carrying the traceback, and the worker keeps serving. It closes its envs in
 ``finally`` and exits by itself if the parent process dies.
@@ -10,13 +11,14 @@ ENV_FAILED answer carrying the traceback, and the worker keeps serving. It close
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
+
+import psutil
 
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
@@ -25,7 +27,7 @@ from envmanager.wire.messages import (
     encode_answer,
 )
 from envmanager.wire.shm import SharedFile
-from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
+from envmanager.wire.transport import link_for
 from envmanager.worker.envs import WorkerEnvs, remote_exception
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
@@ -60,23 +62,24 @@ HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
 }
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection, file: SharedFile | None = None) -> None:
-    """Entry point of a worker process (``file``: the pool's shared memory, if it has one)."""
+def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | None, file: SharedFile | None = None) -> None:
+    """Entry point of a worker process; ``queue_writer`` is ``None`` on the portable transport,
+    ``file`` the pool's shared memory, if it has one."""
     try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
         os.setpgid(0, 0)
-    except OSError:
+    except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
 
-    queue_fd = queue_writer.fileno()
+    link = link_for(conn, queue_writer)
 
     def post(cmd: Cmd, seq: int, answer: Any) -> None:
         try:
             header, payload = encode_answer(cmd, spec.index, seq, time.monotonic(), answer)
         except Exception as exc:  # an answer that does not pickle fails its request only
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
-        StepQueue.post(queue_fd, conn, header, payload)
+        link.post(header, payload)
 
     envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file)
     try:
@@ -86,16 +89,13 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection, fi
             post(Cmd.ENV_FAILED, 0, remote_exception(envs.current, exc))
             return
         post(Cmd.READY, 0, ready)
-        incoming = select.poll()
-        incoming.register(conn.fileno(), select.POLLIN)
-        requests = FrameReader(conn.fileno())
         spin = spec.spin_s
         while True:
-            if spin > 0 and not requests.buf:  # a short spin: the next command often comes within microseconds
+            if spin > 0:  # a short spin: the next command often comes within microseconds
                 until = time.perf_counter() + spin
-                while not incoming.poll(0) and time.perf_counter() < until:
+                while not link.has_input() and time.perf_counter() < until:
                     pass
-            data = requests.read()
+            data = link.read()
             cmd, seq, form = decode_request_header(data)
             if cmd is Cmd.CLOSE:
                 break
@@ -110,7 +110,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection, fi
         envs.close()
         try:
             header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)
-            write_frame(queue_fd, header + payload)
+            link.farewell(header + payload)
         except Exception:
             pass
 
@@ -131,13 +131,8 @@ def _watch_parent(parent_pid: int, ppid_at_start: int) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # Not ``os.kill(pid, 0)``: on Windows that sends CTRL_C_EVENT (0) instead of probing.
+    return psutil.pid_exists(pid)
 
 
 def _kill_own_group() -> None:
