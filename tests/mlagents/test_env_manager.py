@@ -303,7 +303,7 @@ def test_crashed_player_restarts_alone_with_params_replayed_until_quota(fake_pla
 
 
 @pytest.mark.timeout(120)
-def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog, process_gone):
+def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, process_gone):
     # Worker 0's player stops answering on its 3rd step and has no watchdog of its own: only
     # the manager can end it once the deadline has cut its worker off.
     hang = ["--crash-after-steps", "2", "--crash-mode", "hang"]
@@ -317,8 +317,9 @@ def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, caplog, pro
         assert [s.worker_id for s in steps if s.interrupted] == [0]
         assert manager.restart_counts == [1, 0]
         assert manager.player_pids[0] != hung_pid
+        # Gone either with its worker's process family at the restart or, if it escaped that
+        # (it did on Python 3.11 but not 3.13), killed by the adapter, which then says so.
         assert process_gone(hung_pid)
-        assert f"killed player process {hung_pid} left behind by a restarted worker" in caplog.text
         assert len(by_worker(steps, 1)) > 2  # worker 1 kept stepping
     finally:
         manager.close()
