@@ -9,6 +9,7 @@ Box, an integer out of the dtype's range).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,20 @@ __all__ = ["ActionChecker"]
 
 _INTEGER_KINDS = "iub"
 _NUMBER_KINDS = "iubf"
+
+
+def _asarray_numpy1(values: Any) -> np.ndarray:
+    """``np.asarray`` that refuses ragged nested sequences as numpy 2 does (numpy 1.x warns
+    and makes an object array of them, which would pass the shape check)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.VisibleDeprecationWarning)
+        try:
+            return np.asarray(values)
+        except np.VisibleDeprecationWarning:
+            raise ValueError("the requested array has an inhomogeneous shape (ragged nested sequences)") from None
+
+
+_asarray = np.asarray if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else _asarray_numpy1
 
 
 class ActionChecker:
@@ -65,7 +80,10 @@ def _fast_check(space: Any) -> Any:
     low, high, dtype = int(space.start), int(space.start) + int(space.n) - 1, np.dtype(space.dtype)
 
     def check(actions: Any, n: int) -> np.ndarray | None:
-        arr = np.asarray(actions)
+        try:
+            arr = _asarray(actions)
+        except ValueError:
+            return None
         if arr.shape != (n,) or arr.dtype.kind not in "iu" or arr.min() < low or arr.max() > high:
             return None
         return arr.astype(dtype, copy=False)
@@ -85,7 +103,7 @@ def _stack(space: Any, values: list[Any]) -> Any:
             if not isinstance(v, (tuple, list)) or len(v) != len(space.spaces):
                 raise InvalidInputError(f"action must be a tuple of {len(space.spaces)} items, got {v!r:.60}")
         return tuple(_stack(sub, [v[k] for v in values]) for k, sub in enumerate(space.spaces))
-    return np.asarray(values)
+    return _asarray(values)
 
 
 def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
@@ -100,7 +118,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
             raise InvalidInputError(f"actions{where} must be a tuple of {len(space.spaces)} items")
         return tuple(_check(sub, b, slots, f"{where}[{k}]") for k, (sub, b) in enumerate(zip(space.spaces, batch)))
     try:
-        arr = np.asarray(batch)
+        arr = _asarray(batch)
     except Exception as exc:  # ragged nested sequences
         raise InvalidInputError(f"actions{where} cannot be read as an array: {exc}") from None
     shape = (n, *space.shape)
