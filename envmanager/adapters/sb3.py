@@ -210,9 +210,15 @@ class SubprocVecEnv(VecEnv):
     # Reaching the envs
 
     def _ids(self, indices: VecEnvIndices) -> list[int] | None:
+        """Env ids for ``indices`` read as SB3 does: ``None`` is every env, an int is one env,
+        and each index picks from the list of envs as Python list indexing does (``-1`` is the
+        last env, out of range is an ``IndexError``). NumPy integers count as ints."""
         if indices is None:
             return None
-        return [int(i) for i in self._get_indices(indices)]
+        if isinstance(indices, np.integer):
+            indices = int(indices)
+        envs = range(self.num_envs)
+        return [envs[i] for i in self._get_indices(indices)]
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """Return attribute from vectorized environment (see base class)."""
