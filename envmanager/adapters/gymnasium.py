@@ -264,7 +264,8 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         self._assert_default("step_async")
         self._step_infos = {}
-        if np.ndim(actions) == 0 and not isinstance(actions, (dict, tuple)):  # as gymnasium's iterate()
+        if isinstance(actions, (int, float, np.generic)) or (isinstance(actions, np.ndarray) and actions.ndim == 0):
+            # as gymnasium's iterate() on a batch space
             raise TypeError(f"Unable to iterate over the following elements: {actions}")
         if (manager.status == NEEDS_RESET).any():  # gymnasium's worker says so; we say it before sending
             raise ResetNeeded("Cannot call env.step() before calling env.reset()")

@@ -19,7 +19,7 @@ from envs import assert_tree_equal, env_fns
 N = 2
 
 
-@pytest.mark.parametrize("scalar", [1, np.int64(1)])
+@pytest.mark.parametrize("scalar", [1, np.int64(1), np.array(1)])
 def test_scalar_action_is_a_type_error(make_async, make_sync, scalar):
     fns = env_fns(N)
     vec, ref = make_async(fns), make_sync(fns)
