@@ -321,3 +321,26 @@ def test_default_start_method_and_ppo_smoke(opened):
     model.learn(total_timesteps=256)
     mean, _ = evaluate_policy(model, env, n_eval_episodes=2)  # checks env_is_wrapped(Monitor)
     assert mean > 0
+
+
+def test_negative_and_numpy_indices_as_sb3(subproc, dummy):
+    env_fns = fns(wrap=time_limited, max_len=10)
+    vec, ref = subproc(env_fns, envs_per_worker=2), dummy(env_fns)
+    vec.reset(), ref.reset()
+    vec.step(np.ones(N, dtype=np.int64)), ref.step(np.ones(N, dtype=np.int64))
+    for indices in ([0, -1], [-1], -1, -N, [-2, 1], np.array([0, -1]), np.array([2], dtype=np.int32)):
+        assert vec.env_method("add", 1, y=2, indices=indices) == ref.env_method("add", 1, y=2, indices=indices)
+        assert vec.get_attr("steps", indices) == ref.get_attr("steps", indices)
+        assert vec.env_is_wrapped(gym.wrappers.TimeLimit, indices) == ref.env_is_wrapped(gym.wrappers.TimeLimit, indices)
+        vec.set_attr("tag", f"i{indices}", indices)
+        ref.set_attr("tag", f"i{indices}", indices)
+        assert vec.get_attr("tag") == ref.get_attr("tag")
+    assert vec.get_attr("tag", indices=[-1, 0, 1, -2]) == ["i[ 0 -1]", "i[ 0 -1]", "i[-2, 1]", "i[2]"]
+    # A NumPy integer is one env (SB3 itself would try to iterate it).
+    assert vec.get_attr("tag", indices=np.int64(-1)) == vec.get_attr("tag", indices=[N - 1])
+    for bad in (N, -N - 1, [0, N]):  # out of range: IndexError, as list indexing in SB3
+        with pytest.raises(IndexError):
+            ref.get_attr("steps", indices=bad)
+        with pytest.raises(IndexError):
+            vec.get_attr("steps", indices=bad)
+    assert vec.get_attr("steps") == ref.get_attr("steps")  # nothing was disturbed

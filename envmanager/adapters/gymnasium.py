@@ -25,13 +25,14 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.spaces import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
 
 from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share
 from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.slots import NEEDS_RESET
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
@@ -263,6 +264,11 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         self._assert_default("step_async")
         self._step_infos = {}
+        if isinstance(actions, (int, float, np.generic)) or (isinstance(actions, np.ndarray) and actions.ndim == 0):
+            # as gymnasium's iterate() on a batch space
+            raise TypeError(f"Unable to iterate over the following elements: {actions}")
+        if (manager.status == NEEDS_RESET).any():  # gymnasium's worker says so; we say it before sending
+            raise ResetNeeded("Cannot call env.step() before calling env.reset()")
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
             self._send(manager, self._all, actions)  # checked there, before anything is sent
             self._stepping[:] = True
@@ -491,7 +497,9 @@ class AsyncVectorEnv(VectorEnv):
     def _assert_default(self, what: str) -> None:
         if self._state != AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
-                f"Calling `{what}` while waiting for a pending call to `{self._state.value}` to complete.",
+                # gymnasium 1.4's wording, down to the missing full stop for reset_async
+                f"Calling `{what}` while waiting for a pending call to `{self._state.value}` to complete"
+                + ("" if what == "reset_async" else "."),
                 str(self._state.value),
             )
 

@@ -148,7 +148,7 @@ class SubprocVecEnv(VecEnv):
             early = manager.receive_batch(0)
             for i in early.interrupted:  # its episode ended where we last saw it
                 self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
-        if manager.actions.space is None:
+        if manager.actions.space is None or _one_per_env(actions, self.action_space):
             manager.send_batch(self._all, list(actions), per_slot=True)
         else:
             manager.send_batch(self._all, actions)
@@ -210,9 +210,15 @@ class SubprocVecEnv(VecEnv):
     # Reaching the envs
 
     def _ids(self, indices: VecEnvIndices) -> list[int] | None:
+        """Env ids for ``indices`` read as SB3 does: ``None`` is every env, an int is one env,
+        and each index picks from the list of envs as Python list indexing does (``-1`` is the
+        last env, out of range is an ``IndexError``). NumPy integers count as ints."""
         if indices is None:
             return None
-        return [int(i) for i in self._get_indices(indices)]
+        if isinstance(indices, np.integer):
+            indices = int(indices)
+        envs = range(self.num_envs)
+        return [envs[i] for i in self._get_indices(indices)]
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """Return attribute from vectorized environment (see base class)."""
@@ -266,6 +272,14 @@ class SubprocVecEnv(VecEnv):
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _one_per_env(actions: Any, space: spaces.Space) -> bool:
+    """A list of one action per env for a Dict / Tuple space (as SB3's own tests send them),
+    rather than a batch of dicts / tuples of arrays."""
+    if isinstance(space, spaces.Dict):
+        return isinstance(actions, (list, tuple))
+    return isinstance(space, spaces.Tuple) and isinstance(actions, list)
 
 
 def _stack_obs(obs_list: list[Any], space: spaces.Space) -> VecEnvObs:

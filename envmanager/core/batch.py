@@ -486,7 +486,7 @@ class BatchEnvManager:
         return self._calls.receive(request, timeout)
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
-        """``worker_ids`` checked (``None``: every slot); negative ids count from the end."""
+        """``worker_ids`` checked (``None``: every slot); each must be in ``range(n_env)``."""
         if worker_ids is None:
             return list(range(self.n_env))
         ids = [worker_ids] if isinstance(worker_ids, (int, np.integer)) else list(worker_ids)

@@ -1,0 +1,93 @@
+"""Misuse of ``AsyncVectorEnv`` fails with gymnasium 1.4's exception classes and messages.
+
+Run with ``ENVMANAGER_CONFORMANCE_REFERENCE=1`` the same scenarios run on gymnasium's own
+``AsyncVectorEnv``, which checks the expected messages below are really gymnasium's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium
+import numpy as np
+import pytest
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError, ResetNeeded
+
+import envs
+from envs import assert_tree_equal, env_fns
+
+N = 2
+
+
+@pytest.mark.parametrize("scalar", [1, np.int64(1), np.array(1)])
+def test_scalar_action_is_a_type_error(make_async, make_sync, scalar):
+    fns = env_fns(N)
+    vec, ref = make_async(fns), make_sync(fns)
+    assert_tree_equal(vec.reset(seed=0), ref.reset(seed=0))
+    with pytest.raises(TypeError, match=r"^Unable to iterate over the following elements: 1$"):
+        vec.step(scalar)
+    actions = vec.action_space.sample()  # nothing was sent: stepping goes on
+    assert_tree_equal(vec.step(actions), ref.step(actions))
+
+
+def test_step_before_reset_is_reset_needed(make_async, make_sync):
+    # gymnasium raises it from the OrderEnforcing wrapper that gymnasium.make adds (in the
+    # worker); ours raises it for any env, before anything is sent.
+    fns = [functools.partial(gymnasium.make, "CartPole-v1") for _ in range(N)]
+    vec, ref = make_async(fns), make_sync(fns)
+    actions = vec.action_space.sample()
+    with pytest.raises(ResetNeeded, match=r"^Cannot call env\.step\(\) before calling env\.reset\(\)$"):
+        vec.step(actions)
+    if envs.REFERENCE:
+        return  # gymnasium found out in the worker, and has closed its pipe
+    # Ours refuses before anything is sent: the envs are untouched and work on.
+    assert_tree_equal(vec.reset(seed=1), ref.reset(seed=1))
+    assert_tree_equal(vec.step(actions), ref.step(actions))
+
+
+@pytest.mark.parametrize("pending, attempt, message", [
+    ("reset", "reset_async", "Calling `reset_async` while waiting for a pending call to `reset` to complete"),
+    ("step", "reset_async", "Calling `reset_async` while waiting for a pending call to `step` to complete"),
+    ("step", "step_async", "Calling `step_async` while waiting for a pending call to `step` to complete."),
+    ("reset", "step_async", "Calling `step_async` while waiting for a pending call to `reset` to complete."),
+    ("step", "call_async", "Calling `call_async` while waiting for a pending call to `step` to complete."),
+    ("call", "call_async", "Calling `call_async` while waiting for a pending call to `call` to complete."),
+    ("step", "get_attr", "Calling `call_async` while waiting for a pending call to `step` to complete."),
+    ("reset", "set_attr", "Calling `set_attr` while waiting for a pending call to `reset` to complete."),
+])
+def test_already_pending_messages(make_async, pending, attempt, message):
+    vec = make_async(env_fns(N))
+    vec.reset(seed=0)
+    actions = vec.action_space.sample()
+    start = {"step": lambda: vec.step_async(actions), "reset": lambda: vec.reset_async(seed=2),
+             "call": lambda: vec.call_async("counts")}
+    calls = {"reset_async": lambda: vec.reset_async(), "step_async": lambda: vec.step_async(actions),
+             "call_async": lambda: vec.call_async("counts"), "get_attr": lambda: vec.get_attr("tag"),
+             "set_attr": lambda: vec.set_attr("tag", 1)}
+    start[pending]()
+    with pytest.raises(AlreadyPendingCallError) as excinfo:
+        calls[attempt]()
+    assert str(excinfo.value) == message and excinfo.value.name == pending
+    {"step": vec.step_wait, "reset": vec.reset_wait, "call": vec.call_wait}[pending]()  # still pending
+
+
+@pytest.mark.parametrize("wait, before, message", [
+    ("step_wait", None, "Calling `step_wait` without any prior call to `step_async`."),
+    ("reset_wait", None, "Calling `reset_wait` without any prior call to `reset_async`."),
+    ("call_wait", None, "Calling `call_wait` without any prior call to `call_async`."),
+    ("step_wait", "reset", "Calling `step_wait` without any prior call to `step_async`."),
+    ("call_wait", "step", "Calling `call_wait` without any prior call to `call_async`."),
+])
+def test_no_async_call_messages(make_async, wait, before, message):
+    vec = make_async(env_fns(N))
+    vec.reset(seed=0)
+    actions = vec.action_space.sample()
+    if before == "reset":
+        vec.reset_async(seed=1)
+    elif before == "step":
+        vec.step_async(actions)
+    with pytest.raises(NoAsyncCallError) as excinfo:
+        getattr(vec, wait)()
+    assert str(excinfo.value) == message
+    if before is not None:
+        {"reset": vec.reset_wait, "step": vec.step_wait}[before]()  # the pending call is unaffected
