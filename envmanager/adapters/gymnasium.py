@@ -25,6 +25,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium import logger as gym_logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.spaces import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
@@ -369,14 +370,23 @@ class AsyncVectorEnv(VectorEnv):
                 raise
             raise multiprocessing.TimeoutError(f"The call to `{what}` has timed out after {timeout} second(s).") from exc
         except EnvManagerError as exc:
-            self._abandon()
-            _reraise(exc)
+            errors = [exc, *self._abandon()]
+            failed = [e for e in errors if isinstance(e, WorkerError)]
+            if not failed:
+                raise
+            for error in failed:  # gymnasium's report of every env that raised, then the last raised
+                gym_logger.error(f"Received the following error from Worker-{error.worker_id} - Shutting it down")
+                gym_logger.error(f"{error.remote_traceback}")
+            gym_logger.error("Raising the last exception back to the main process.")
+            _reraise(failed[-1])
 
-    def _abandon(self) -> None:
-        """After a failure: drop what is in flight so nothing stale surfaces later."""
+    def _abandon(self) -> list[EnvManagerError]:
+        """After a failure: drop what is in flight so nothing stale surfaces later; return the
+        errors of the other envs that failed meanwhile."""
         assert self._manager is not None
+        dropped: list[EnvManagerError] = []
         try:
-            self._manager.drain()
+            dropped = self._manager.drain()
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._stepping[:] = False
@@ -385,6 +395,7 @@ class AsyncVectorEnv(VectorEnv):
         self._outstanding[:] = False
         self._received, self._received_infos = [], {}
         self._state = AsyncState.DEFAULT
+        return dropped
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         self.call_async(name, *args, **kwargs)
@@ -477,8 +488,9 @@ class AsyncVectorEnv(VectorEnv):
         manager, self._manager = self._manager, None
         if manager is None:
             return
+        if self._state != AsyncState.DEFAULT:  # gymnasium's warning, a UserWarning
+            gym_logger.warn(f"Calling `close` while waiting for a pending call to `{self._state.value}` to complete.")
         if self._state != AsyncState.DEFAULT and not terminate:
-            logger.warning("Calling `close` while waiting for a pending call to `%s` to complete.", self._state.value)
             wait = {AsyncState.WAITING_STEP: "step_wait", AsyncState.WAITING_RESET: "reset_wait",
                     AsyncState.WAITING_CALL: "call_wait"}[self._state]
             self._manager = manager

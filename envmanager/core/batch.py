@@ -436,14 +436,15 @@ class BatchEnvManager:
 
         self.wait_for(lambda: not busy(), timeout, "the requests in flight", lambda: [s for w in busy() for s in w.env_ids])
 
-    def drain(self, timeout: float | None = None) -> None:
+    def drain(self, timeout: float | None = None) -> list[EnvManagerError]:
         """Wait out every request in flight and drop every result not handed out, errors too:
-        nothing stale surfaces later. Slots with dropped results count as handed out."""
+        nothing stale surfaces later. Slots with dropped results count as handed out. Returns
+        the dropped step and reset errors (for a caller that reports every failure)."""
         pool = self.pool
         self.wait_for(lambda: not any(w.busy for w in pool.workers), timeout, "the in-flight steps",
                       lambda: [s for w in pool.workers if w.busy for s in w.env_ids])
-        self._state.drop()
         self._calls.clear()
+        return self._state.drop()
 
     # ------------------------------------------------------------------------------------------
     # The parent's half of every answer (steps and resets: ``envmanager.core.slots``)

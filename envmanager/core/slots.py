@@ -153,8 +153,10 @@ class SlotState:
         env = env_times[slots.index(slot)] if slot in slots else 0.0
         return float(env), max(0.0, queued), max(0.0, round_trip)
 
-    def drop(self) -> None:
-        """Forget everything not handed out (``drain``): those slots count as handed out."""
+    def drop(self) -> list[EnvManagerError]:
+        """Forget everything not handed out (``drain``): those slots count as handed out.
+        Returns the errors that were waiting to be raised."""
+        dropped = self.step_errors + self.reset_errors
         self.status[self.status == ARRIVED] = IDLE
         self.arrived.clear()
         self.arrived_resets.clear()
@@ -163,3 +165,4 @@ class SlotState:
         self.interrupted.clear()
         self.step_errors.clear()
         self.reset_errors.clear()
+        return dropped

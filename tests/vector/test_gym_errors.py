@@ -7,6 +7,8 @@ Run with ``ENVMANAGER_CONFORMANCE_REFERENCE=1`` the same scenarios run on gymnas
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 
 import gymnasium
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError, ResetNeeded
 
 import envs
-from envs import assert_tree_equal, env_fns
+from envs import assert_tree_equal, env_fn, env_fns
 
 N = 2
 
@@ -91,3 +93,34 @@ def test_no_async_call_messages(make_async, wait, before, message):
     assert str(excinfo.value) == message
     if before is not None:
         {"reset": vec.reset_wait, "step": vec.step_wait}[before]()  # the pending call is unaffected
+
+
+@pytest.mark.parametrize("pending", ["step", "reset"])
+def test_close_while_pending_warns(make_async, pending):
+    vec = make_async(env_fns(N))
+    vec.reset(seed=0)
+    if pending == "step":
+        vec.step_async(vec.action_space.sample())
+    else:
+        vec.reset_async(seed=1)
+    with pytest.warns(UserWarning, match=f"Calling `close` while waiting for a pending call to `{pending}` to complete."):
+        vec.close(terminate=True)
+
+
+def test_envs_that_raise_are_reported_as_gymnasium_does(make_async):
+    # Envs 1 and 2 raise on their first step: each is reported (two warnings), then the last
+    # exception is raised, the env's own class (gymnasium's test_async_vector_subenv_error).
+    fns = [env_fn()] + [env_fn(fail_at_step=1)] * 2
+    vec = make_async(fns)
+    vec.reset(seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="boom at step 1"):
+            vec.step(vec.action_space.sample())
+    messages = [str(w.message.args[0]) for w in caught if w.category is UserWarning]
+    assert len(messages) == 5, messages
+    for received, trace in (messages[0:2], messages[2:4]):
+        assert re.match(r"\x1b\[31mERROR: Received the following error from Worker-[12] - Shutting it down\x1b\[0m", received)
+        assert re.match(r"\x1b\[31mERROR: Traceback \(most recent call last\):(?s:.)*ValueError: boom at step 1\n\x1b\[0m", trace)
+    assert sorted(m.split("Worker-")[1][0] for m in messages[0:4:2]) == ["1", "2"]
+    assert messages[4] == "\x1b[31mERROR: Raising the last exception back to the main process.\x1b[0m"
