@@ -43,7 +43,7 @@ class ActionChecker:
 
     def __init__(self, space: spaces.Space | None) -> None:
         self.space = space
-        self._fast = _fast_check(space)
+        #: A Discrete space's (lowest, highest, dtype): the fast paths of the common case.
         self._ints: tuple[int, int, np.dtype] | None = None
         if isinstance(space, spaces.Discrete):
             self._ints = (int(space.start), int(space.start) + int(space.n) - 1, np.dtype(space.dtype))
@@ -51,8 +51,8 @@ class ActionChecker:
     def batch(self, actions: Any, slots: list[int] | np.ndarray) -> Any:
         """``actions`` (a batch: arrays whose first axis runs over ``slots``, or dicts / tuples
         of them) checked and as arrays of the space's dtypes."""
-        if self._fast is not None:
-            arr = self._fast(actions, len(slots))
+        if self._ints is not None:
+            arr = _discrete_batch(actions, len(slots), *self._ints)
             if arr is not None:
                 return arr
         return _check(self.space, actions, np.asarray(slots), "")
@@ -72,23 +72,16 @@ class ActionChecker:
         return self.batch(batch, slots)
 
 
-def _fast_check(space: Any) -> Any:
+def _discrete_batch(actions: Any, n: int, low: int, high: int, dtype: np.dtype) -> np.ndarray | None:
     """For a Discrete space, the common case in a few numpy calls: an integer array in range
     (``None`` sends anything else through the full check, which explains what is wrong)."""
-    if not isinstance(space, spaces.Discrete):
+    try:
+        arr = _asarray(actions)
+    except ValueError:
         return None
-    low, high, dtype = int(space.start), int(space.start) + int(space.n) - 1, np.dtype(space.dtype)
-
-    def check(actions: Any, n: int) -> np.ndarray | None:
-        try:
-            arr = _asarray(actions)
-        except ValueError:
-            return None
-        if arr.shape != (n,) or arr.dtype.kind not in "iu" or arr.min() < low or arr.max() > high:
-            return None
-        return arr.astype(dtype, copy=False)
-
-    return check
+    if arr.shape != (n,) or arr.dtype.kind not in "iu" or arr.min() < low or arr.max() > high:
+        return None
+    return arr.astype(dtype, copy=False)
 
 
 def _stack(space: Any, values: list[Any]) -> Any:
