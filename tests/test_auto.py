@@ -31,18 +31,24 @@ def test_cheap_envs_are_packed_one_process_per_core(caplog):
                     assert i.current_result.observation[1] == i.worker_id
                     assert i.current_result.observation[2] == i.action
                 done += len(infos)
-    assert any("chose 4" in r.getMessage() and "cheap" in r.getMessage() for r in caplog.records)
+    assert any("chose 4" in r.getMessage() and "CPU-bound" in r.getMessage() for r in caplog.records)
 
 
-def test_expensive_envs_get_a_process_each(caplog):
+def test_expensive_even_cpu_bound_envs_are_packed_too(caplog):
+    # the sweep shows packing ahead at 1 ms and 5 ms per step as well: fewer processes than
+    # cores compete, and a message still carries several steps
+    cores = auto.usable_cores()
     with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
-        with SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 4, envs_per_worker="auto", context="fork", timeout=30) as m:
-            assert m.envs_per_worker == 1
-            assert len(m.workers) == 4
+        with SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 2 * cores, envs_per_worker="auto", context="fork", timeout=30) as m:
+            assert m.envs_per_worker == 2
+            assert len(m.workers) == cores
             m.reset(seed=0)
-            infos = m.step([1, 2, 0, 1])
-            assert all(i.current_result.reward == i.action for i in infos)
-    assert any("chose 1" in r.getMessage() and "expensive" in r.getMessage() for r in caplog.records)
+            actions = [1, 2] * cores
+            infos = m.step(actions)
+            while len(infos) < m.n_env:
+                infos += m.receive_steps()
+            assert all(i.current_result.reward == i.action == actions[i.worker_id] for i in infos)
+    assert any("chose 2" in r.getMessage() and "CPU-bound" in r.getMessage() for r in caplog.records)
 
 
 def test_waiting_envs_get_a_process_each():

@@ -49,10 +49,10 @@ def test_sweep_runs_every_step_cost_against_the_limit(tmp_path):
     assert all(v > 0 for values in sweep["fraction_of_limit"].values() for v in values)
     assert "== sweep: fraction of the limit" in stdout
     assert "envmanager-auto: chose" in stdout
-    # an expensive step gets one env per process, a cheap one is packed (on more than one core)
-    assert data["scenarios"]["sweep-5ms"]["auto_envs_per_worker"] == 1
+    # even CPU-bound steps, cheap or expensive, are packed (on more than one core)
     if data["meta"]["cores"] > 1:
-        assert data["scenarios"]["sweep-5us"]["auto_envs_per_worker"] > 1
+        for name in ("sweep-5us", "sweep-5ms"):
+            assert data["scenarios"][name]["auto_envs_per_worker"] > 1
 
 
 def test_targets_only_with_the_flag(tmp_path):

@@ -57,7 +57,10 @@ class AsyncVectorEnv(VectorEnv):
     Arguments are gymnasium's (``worker`` must stay ``None``: workers are envmanager's), plus:
 
     Args:
-        envs_per_worker: sub-environments hosted by one process, stepped as one message.
+        envs_per_worker: sub-environments hosted by one process, stepped as one message, or
+            ``"auto"`` (the default): chosen from one env's step cost measured at start-up --
+            even CPU-bound envs are packed one process per core, uneven or waiting ones get a
+            process each (``envmanager.core.auto``).
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
         worker_timeout: deadline in seconds for any one worker answer (the fault model's
             bound on waits that gymnasium leaves unbounded).
@@ -75,7 +78,7 @@ class AsyncVectorEnv(VectorEnv):
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
         *,
-        envs_per_worker: int = 1,
+        envs_per_worker: int | str = "auto",
         batch_size: int | None = None,
         worker_timeout: float = 300.0,
     ) -> None:
