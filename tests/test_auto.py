@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -49,6 +51,39 @@ def test_expensive_even_cpu_bound_envs_are_packed_too(caplog):
                 infos += m.receive_steps()
             assert all(i.current_result.reward == i.action == actions[i.worker_id] for i in infos)
     assert any("chose 2" in r.getMessage() and "CPU-bound" in r.getMessage() for r in caplog.records)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_busy_machine_does_not_make_a_cpu_bound_env_look_waiting_or_uneven():
+    # more spinning processes than cores: the measuring thread is preempted, which stretches
+    # its wall times (the old rule then chose 1); CPU times and the fastest steps are not
+    cores = auto.usable_cores()
+    ctx = multiprocessing.get_context("fork")
+    spinners = [ctx.Process(target=_spin, args=(30.0,), daemon=True) for _ in range(cores + 1)]
+    for p in spinners:
+        p.start()
+    try:
+        cost = auto.measure_step_cost(EnvFactory(cpu_time=3e-4))
+        assert not isinstance(cost, str), cost
+        assert cost.cpu_share >= auto.CPU_BOUND
+        assert cost.cpu_p90_s <= auto.UNEVEN_RATIO * cost.cpu_median_s
+        assert auto.choose_envs_per_worker(EnvFactory(cpu_time=3e-4), 8, cores=2) == 4
+    finally:
+        for p in spinners:
+            p.kill()
+            p.join(10)
+
+
+def test_uneven_cpu_bound_envs_get_a_process_each(caplog):
+    # one step in five burns 20x more CPU: packing would make first-ready wait for the slow ones
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(EnvFactory(cpu_time=[5e-5] * 4 + [1e-3]), 8, cores=2) == 1
+    assert any("uneven" in r.getMessage() for r in caplog.records)
 
 
 def test_waiting_envs_get_a_process_each():

@@ -40,7 +40,7 @@ class ControlledEnv(gym.Env):
     Args:
         env_id: stored in the observation, so results can be traced to their env.
         step_time: seconds each step sleeps (or a sequence, cycled).
-        cpu_time: seconds of CPU time each step burns.
+        cpu_time: seconds of CPU time each step burns (a list: cycled through, step by step).
         lognormal: ``(median, sigma)``: sleep a heavy-tailed time each step.
         gate: path of a file; each step waits (up to 60 s) until it exists.
         episode_length: steps until ``terminated`` (``truncated`` if ``truncate`` is set).
@@ -53,7 +53,7 @@ class ControlledEnv(gym.Env):
         self,
         env_id: int = 0,
         step_time: float | list[float] = 0.0,
-        cpu_time: float = 0.0,
+        cpu_time: float | list[float] = 0.0,
         lognormal: tuple[float, float] | None = None,
         gate: str | None = None,
         episode_length: int = 1_000_000,
@@ -66,7 +66,7 @@ class ControlledEnv(gym.Env):
             raise ValueError(f"unknown fault {fault!r}; pick one of {FAULTS}")
         self.env_id = env_id
         self.step_times = step_time if isinstance(step_time, (list, tuple)) else [step_time]
-        self.cpu_time = cpu_time
+        self.cpu_times = cpu_time if isinstance(cpu_time, (list, tuple)) else [cpu_time]
         self.lognormal = lognormal
         self.gate = gate
         self.episode_length = episode_length
@@ -115,8 +115,9 @@ class ControlledEnv(gym.Env):
             delay += float(median * np.exp(sigma * self._rng.standard_normal()))
         if delay > 0:
             time.sleep(delay)
-        if self.cpu_time > 0:
-            burn_cpu(self.cpu_time)
+        burn = self.cpu_times[(self.total_steps - 1) % len(self.cpu_times)]
+        if burn > 0:
+            burn_cpu(burn)
         if self.gate is not None:
             deadline = time.monotonic() + 60.0
             while not os.path.exists(self.gate) and time.monotonic() < deadline:
