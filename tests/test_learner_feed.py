@@ -153,3 +153,24 @@ def test_learn_fn_failure_stops_the_stream_in_the_caller():
         feed.stop(raise_error=False)
         assert sampler.stats.counters["fragments"] < 50
         assert len(sampler.obtain_steps(4)) == 4  # the sampler itself is still usable
+
+
+def test_buffer_replays_batches_in_turn_and_never_waits_with_passes_left():
+    gate = threading.Event()
+    seen: list[int] = []
+
+    def learn(batch):
+        gate.wait(30)  # the first pass waits until every batch is queued: the order is then fixed
+        seen.append(len(batch))
+        return {}
+
+    feed = LearnerFeed(learn, queue_size=4, num_passes=2, buffer_size=2, starve_timeout=2.0)
+    for n in (1, 2, 3):
+        feed.put(batch_of(n))
+    gate.set()
+    feed.drain(timeout=30)  # would starve (an error) if the buffer waited for a 4th batch
+    feed.stop()
+    assert seen == [1, 2, 1, 2, 3, 3]  # two batches in turn, each twice; the third joins when there is room
+    assert feed.version == 6 and feed.stats.counters["updates"] == 6
+    with pytest.raises(Exception, match="buffer_size"):
+        LearnerFeed(learn, buffer_size=0)

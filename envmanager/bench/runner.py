@@ -6,6 +6,7 @@ a burst of load from elsewhere on the machine hits all backends alike rather tha
 
 from __future__ import annotations
 
+import importlib
 import logging
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -110,6 +111,12 @@ class ScenarioResult:
     single_env_rate: list[float] = field(default_factory=list)  # in-process steps/s of one env
     unavailable: str | None = None  # why the whole scenario could not run
     warmup: bool = True
+    #: Scenarios that run themselves (``Scenario.runner``): their ratio columns, targets, notes
+    #: (printed under the table) and anything else worth keeping in the JSON.
+    extra_ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    own_targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -141,6 +148,7 @@ class ScenarioResult:
             out[f"vs {n} envs"] = {
                 b: x.median / self.references[b].median for b, x in m.items() if b in self.references
             }
+        out.update(self.extra_ratios)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +161,8 @@ class ScenarioResult:
             "repeats": self.repeats,
             "warmup": self.warmup,
             "unavailable": self.unavailable,
+            "notes": list(self.notes),
+            "extra": dict(self.extra),
             "measurements": {b: m.to_dict() for b, m in self.measurements.items()},
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
@@ -194,6 +204,10 @@ def run_scenario(
     if result.unavailable:
         logger.info("scenario %s not available: %s", scenario.name, result.unavailable)
         return result
+    if scenario.runner:  # contenders, ratios and targets of its own (``sampler``, say)
+        module, _, function = scenario.runner.partition(":")
+        run = getattr(importlib.import_module(module), function)
+        return run(scenario, steps, repeats, progress, seed, warmup)  # type: ignore[no-any-return]
     chosen: list[Backend] = []
     for name in backends:
         backend = BACKENDS[name]
@@ -307,7 +321,7 @@ class Target:
 
 
 def _best_ours(result: ScenarioResult) -> Measurement | None:
-    ours = [m for name, m in result.measurements.items() if BACKENDS[name].ours]
+    ours = [m for name, m in result.measurements.items() if name in BACKENDS and BACKENDS[name].ours]
     return max(ours, key=lambda m: m.median, default=None)
 
 
@@ -322,6 +336,7 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     """
     out: list[Target] = []
     for result in results:
+        out += result.own_targets
         ratios = result.ratios()
         name = result.name
         best = _best_ours(result)

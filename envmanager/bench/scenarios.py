@@ -103,6 +103,9 @@ class Scenario:
         envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
         group: the scenarios run together under this name (``sweep``).
         step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
+        runner: ``"module:function"`` that measures the whole scenario itself, with contenders,
+            ratios and targets of its own: ``run(scenario, steps, repeats, progress, seed, warmup)
+            -> ScenarioResult`` (imported only when the scenario runs; ``--backends`` does not apply).
     """
 
     name: str
@@ -122,6 +125,7 @@ class Scenario:
     envpool_kwargs: tuple[tuple[str, Any], ...] = ()
     group: str | None = None
     step_cost: float | None = None
+    runner: str | None = None
 
 
 def _cost_label(seconds: float) -> str:
@@ -152,6 +156,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "uneven", f"8 envs sleeping lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step",
             uneven_env, 8, 3_000, n_actions=3, compare_lockstep=True,
+        ),
+        Scenario(
+            "sampler", "the sampling layer: worker-side policy (8 CartPole, numpy MLP), parent-side policy on uneven "
+            "envs, learner feed", cartpole, 8, 20_000, runner="envmanager.bench.sampler_bench:run",
         ),
         *(_sweep(cost) for cost in SWEEP_COSTS),
         Scenario(
