@@ -198,9 +198,10 @@ def _act(agent: Any, observations: Any, ids: np.ndarray) -> tuple[Any, dict[str,
 
 
 def _rows(actions: Any) -> Any:
-    """Each env's action: Python ints for a Discrete batch (cheapest to step with), rows else."""
+    """Each env's action: rows of an array (numpy scalars for Discrete: gymnasium checks those
+    faster than Python ints), or per-env trees for Dict/Tuple spaces."""
     if isinstance(actions, np.ndarray):
-        return actions.tolist() if actions.ndim == 1 and actions.dtype.kind in "iu" else actions
+        return actions
     if isinstance(actions, (dict, tuple)):
         first = actions
         while isinstance(first, (dict, tuple)):
@@ -276,11 +277,18 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
 
     active = [i for i in range(k) if ready(i)]
     t = 0
+    flat = isinstance(arena.observations, np.ndarray)
     while active:
         sel: Any = slice(None) if len(active) == k else np.array(active)
-        observations = stack_values([states[i].obs for i in active])
+        if flat:  # one array: rows written env by env, in place (no stacking)
+            row, next_row = arena.observations[:, t], arena.next_observations[:, t]
+            for i in active:
+                row[i] = states[i].obs
+            observations = row if len(active) == k else row[active]
+        else:
+            observations = stack_values([states[i].obs for i in active])
+            shm.write(arena.observations, (sel, t), observations)
         actions, agent_info = _act(agent, observations, ids[active])
-        shm.write(arena.observations, (sel, t), observations)
         shm.write(arena.actions, (sel, t), actions)
         done: list[int] = []
         nexts, rewards, terms, truncs, episodes = [], [], [], [], []
@@ -293,10 +301,13 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 states[i].running = False
                 continue
             done.append(i)
-            nexts.append(obs)
-            rewards.append(float(reward))
-            terms.append(bool(term))
-            truncs.append(bool(trunc))
+            if flat:
+                next_row[i] = obs
+            else:
+                nexts.append(obs)
+            rewards.append(reward)
+            terms.append(term)
+            truncs.append(trunc)
             episodes.append(states[i].episode)
             if info and infos[i] is None:
                 infos[i] = [{}] * rows[i]
@@ -308,17 +319,21 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         if done:
             if len(done) != len(active):
                 sel = np.array(done)
-            shm.write(arena.next_observations, (sel, t), stack_values(nexts))
+            if not flat:
+                shm.write(arena.next_observations, (sel, t), stack_values(nexts))
             arena.rewards[sel, t] = rewards
             arena.terminated[sel, t] = terms
             arena.truncated[sel, t] = truncs
             arena.episodes[sel, t] = episodes
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
             ticks.append((t, active, agent_info))
-        for i in done:
-            rows[i] += 1
         t += 1
-        active = [i for i in done if ready(i)]
+        steps = request.steps
+        active = []
+        for i in done:
+            rows[i] = t
+            if (states[i].running and t < steps[i]) or ready(i):
+                active.append(i)
     out = {
         "rows": rows, "started": started, "discarded": discarded, "running": [st.running for st in states],
         "env_versions": versions, "env_infos": infos, "failures": failures,
