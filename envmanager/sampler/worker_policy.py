@@ -207,6 +207,9 @@ class WorkerPolicySampler:
             budget = tuple(min(want[s], self._spec.capacity) if steps is not None else self._spec.capacity for s in slots)
             request = RolloutRequest(tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
                                      tuple(starts[s] for s in slots), fresh[p], tuple(self._seeds[s] for s in slots), updates)
+            if fresh[p]:  # the request abandons the episodes running there: a fault cannot cut them
+                for s in slots:
+                    self._running[s] = None
             if self._arena is not None:  # a worker killed before its first row must not show old rows
                 self._arena.rows[slots] = 0
                 self._arena.started[slots] = 0
