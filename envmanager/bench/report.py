@@ -87,7 +87,7 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         lines.append(f"   skipped {', '.join(skipped)}: {why}")
     for name, why in result.failed.items():
         lines.append(f"   FAILED {name}: {why}")
-    lines += [f"   {note}" for note in result.notes]
+    lines += [f"   {note}" for note in getattr(result, "notes", ())]  # scenarios with a module of their own
     return "\n".join(lines)
 
 

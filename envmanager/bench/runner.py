@@ -36,6 +36,9 @@ PEER_COLUMNS = {
     "tianshou.SubprocVectorEnv": "vs ts.Subproc", "tianshou.ShmemVectorEnv": "vs ts.Shmem",
     "torchrl.ParallelEnv": "vs torchrl", ENVPOOL: "vs envpool",
 }
+#: Scenarios measured by a module of their own (kind -> module with ``run(scenario, steps, repeats,
+#: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.
+OWN_MODULES = {"sampler": "envmanager.bench.sampler_bench"}
 #: The fixed ``envs_per_worker`` choices ``envmanager-auto`` is compared with (1, and n_env // cores).
 FIXED_CHOICES = (FIRST_READY, PACKED)
 
@@ -111,12 +114,6 @@ class ScenarioResult:
     single_env_rate: list[float] = field(default_factory=list)  # in-process steps/s of one env
     unavailable: str | None = None  # why the whole scenario could not run
     warmup: bool = True
-    #: Scenarios that run themselves (``Scenario.runner``): their ratio columns, targets, notes
-    #: (printed under the table) and anything else worth keeping in the JSON.
-    extra_ratios: dict[str, dict[str, float]] = field(default_factory=dict)
-    own_targets: list[Target] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -148,7 +145,6 @@ class ScenarioResult:
             out[f"vs {n} envs"] = {
                 b: x.median / self.references[b].median for b, x in m.items() if b in self.references
             }
-        out.update(self.extra_ratios)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,8 +157,6 @@ class ScenarioResult:
             "repeats": self.repeats,
             "warmup": self.warmup,
             "unavailable": self.unavailable,
-            "notes": list(self.notes),
-            "extra": dict(self.extra),
             "measurements": {b: m.to_dict() for b, m in self.measurements.items()},
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
@@ -204,10 +198,8 @@ def run_scenario(
     if result.unavailable:
         logger.info("scenario %s not available: %s", scenario.name, result.unavailable)
         return result
-    if scenario.runner:  # contenders, ratios and targets of its own (``sampler``, say)
-        module, _, function = scenario.runner.partition(":")
-        run = getattr(importlib.import_module(module), function)
-        return run(scenario, steps, repeats, progress, seed, warmup)  # type: ignore[no-any-return]
+    if scenario.kind in OWN_MODULES:
+        return importlib.import_module(OWN_MODULES[scenario.kind]).run(scenario, steps, repeats, progress, seed)
     chosen: list[Backend] = []
     for name in backends:
         backend = BACKENDS[name]
@@ -321,7 +313,7 @@ class Target:
 
 
 def _best_ours(result: ScenarioResult) -> Measurement | None:
-    ours = [m for name, m in result.measurements.items() if name in BACKENDS and BACKENDS[name].ours]
+    ours = [m for name, m in result.measurements.items() if BACKENDS[name].ours]
     return max(ours, key=lambda m: m.median, default=None)
 
 
@@ -336,7 +328,9 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     """
     out: list[Target] = []
     for result in results:
-        out += result.own_targets
+        if result.scenario.kind in OWN_MODULES:  # their own peers, their own targets
+            out += result.targets() if hasattr(result, "targets") else []  # type: ignore[attr-defined]
+            continue
         ratios = result.ratios()
         name = result.name
         best = _best_ours(result)

@@ -16,6 +16,7 @@ Its contenders are its own (``--backends`` does not apply); targets show with ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -32,7 +33,7 @@ from envmanager.bench.scenarios import Scenario, cartpole, uneven_env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MLPPolicy", "run", "TARGETS"]
+__all__ = ["MLPPolicy", "SamplerResult", "run", "TARGETS"]
 
 WORKER, LOCAL, ASYNC = "worker-policy", "1-process loop", "gym.Async+policy"
 FIRST_READY, LOCKSTEP = "uneven first-ready", "uneven lockstep"
@@ -44,6 +45,25 @@ TARGETS = (
     ("uneven first-ready x lockstep", FIRST_READY, LOCKSTEP, "vs lockstep", 1.8),
     ("learner overlap x in turn", OVERLAP, IN_TURN, "vs in turn", 1.6),
 )
+
+
+@dataclasses.dataclass
+class SamplerResult(ScenarioResult):
+    """A ``ScenarioResult`` with ratio columns, targets and notes of its own."""
+
+    extra_ratios: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    own_targets: list[Target] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        return dict(self.extra_ratios)
+
+    def targets(self) -> list[Target]:
+        return list(self.own_targets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "notes": list(self.notes), "extra": dict(self.extra)}
 
 
 class MLPPolicy:
@@ -228,11 +248,10 @@ def run_overlapped(steps: int, n: int, fragment: int, cost: float, lags: list[di
 # ---------------------------------------------------------------------------------------------
 
 
-def run(scenario: Scenario, steps: int, repeats: int, progress: Any = None, seed: int = 0,
-        warmup: bool = True) -> ScenarioResult:
+def run(scenario: Scenario, steps: int, repeats: int, progress: Any = None, seed: int = 0) -> SamplerResult:
     """Measure every contender ``repeats`` times, interleaved; ratios, targets and notes."""
     n = scenario.n_env
-    result = ScenarioResult(scenario, steps, repeats, warmup=warmup)
+    result = SamplerResult(scenario, steps, repeats)
     uneven_steps = max(2 * n, steps // 10)
     learn_steps = max(2 * n, steps // 2)
     fragment = max(n, learn_steps // 10)

@@ -97,15 +97,14 @@ class Scenario:
             and report the ratio (how throughput holds up as envs are added).
         compare_lockstep: add a ratio column against ``envmanager-lockstep`` (uneven envs).
         kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
-            run by the backends' ML-Agents variants; ``factory`` unused).
+            run by the backends' ML-Agents variants; ``factory`` unused), or a scenario measured by a
+            module of its own, with its own contenders (``"sampler"``: ``envmanager.bench.sampler_bench``;
+            see ``runner.OWN_MODULES``; ``--backends`` does not apply).
         requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
         action_dim: continuous actions: vectors of this size, uniform in [-1, 1] (else Discrete).
         envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
         group: the scenarios run together under this name (``sweep``).
         step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
-        runner: ``"module:function"`` that measures the whole scenario itself, with contenders,
-            ratios and targets of its own: ``run(scenario, steps, repeats, progress, seed, warmup)
-            -> ScenarioResult`` (imported only when the scenario runs; ``--backends`` does not apply).
     """
 
     name: str
@@ -125,7 +124,6 @@ class Scenario:
     envpool_kwargs: tuple[tuple[str, Any], ...] = ()
     group: str | None = None
     step_cost: float | None = None
-    runner: str | None = None
 
 
 def _cost_label(seconds: float) -> str:
@@ -159,7 +157,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "sampler", "the sampling layer: worker-side policy (8 CartPole, numpy MLP), parent-side policy on uneven "
-            "envs, learner feed", cartpole, 8, 20_000, runner="envmanager.bench.sampler_bench:run",
+            "envs, learner feed", cartpole, 8, 20_000, kind="sampler",
         ),
         *(_sweep(cost) for cost in SWEEP_COSTS),
         Scenario(
