@@ -277,5 +277,5 @@ def test_sampler_scenario(tmp_path):
     ours = [t for t in data["targets"] if t["scenario"] == "sampler"]
     assert sorted(t["what"] for t in ours) == sorted(what for what, *_ in TARGETS)
     assert all(t["value"] > 0 for t in ours)
-    assert "policy_lag" in result["extra"] and result["extra"]["learn_fn_seconds"] > 0
+    assert "policy_lag" in result["extra"] and min(result["extra"]["learn_fn_seconds"]) > 0
     assert "== sampler" in stdout and "policy lag" in stdout and "learner overlap x in turn" in stdout
