@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import numpy as np
@@ -174,3 +175,25 @@ def test_buffer_replays_batches_in_turn_and_never_waits_with_passes_left():
     assert feed.version == 6 and feed.stats.counters["updates"] == 6
     with pytest.raises(Exception, match="buffer_size"):
         LearnerFeed(learn, buffer_size=0)
+
+
+def test_worker_killed_during_stream_is_restarted_and_the_stream_goes_on(tmp_path):
+    from sampler_envs import KindEnv
+
+    marker = str(tmp_path / "killed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 1 else None, crash_at=20, crash="sigkill")
+
+    with Sampler(factory, 2, RandomPolicy(), seed=0, restart_workers=True, timeout=30) as sampler:
+        with LearnerFeed(lambda b: {}, queue_size=1) as feed:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=10))
+            feed.drain(timeout=30)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker)
+    assert [len(f) for f in fragments] == [8] * 10  # exact fragments, the stream never stopped
+    both = TransitionBatch.concatenate(fragments)
+    assert counters["interrupted_episodes"] == 1 and both.interrupted.any()
+    assert set(both.worker_ids[both.interrupted].tolist()) == {1}
+    keys = list(zip(both.worker_ids.tolist(), both.episode_ids.tolist(), both.next_observations[:, 0].tolist()))
+    assert len(keys) == len(set(keys))  # nothing duplicated

@@ -170,3 +170,20 @@ def test_stream_feeds_the_learner_and_published_agents_reach_the_workers():
     for w in (0, 1):
         assert (np.diff(both.policy_versions[both.worker_ids == w]) >= 0).all()
     check_no_gap_no_repeat(both)
+
+
+def test_worker_killed_during_stream_keeps_its_rows_and_the_stream_goes_on(tmp_path):
+    marker = str(tmp_path / "killed")
+    with WorkerPolicySampler(crashing(marker, 0, 30, "sigkill"), 2, ParityAgent(), seed=2, restart_workers=True,
+                             timeout=30) as sampler:
+        with LearnerFeed(lambda b: {}, queue_size=1) as feed:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=8))
+            feed.drain(timeout=30)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker)
+    assert [len(f) for f in fragments] == [16] * 8
+    both = TransitionBatch.concatenate(fragments)
+    assert counters["worker_restarts"] == 1 and counters["recovered_steps"] == 5  # rows of the 4th fragment before the kill
+    assert counters["interrupted_episodes"] == 1
+    assert set(both.worker_ids[both.interrupted].tolist()) == {0}  # the cut episode's rows in that fragment
+    check_no_gap_no_repeat(both, fresh=False)
