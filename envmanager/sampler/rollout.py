@@ -291,7 +291,8 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         actions, agent_info = _act(agent, observations, ids[active])
         shm.write(arena.actions, (sel, t), actions)
         done: list[int] = []
-        nexts, rewards, terms, truncs, episodes = [], [], [], [], []
+        nexts: list[Any] = []
+        rewards, terms, truncs, episodes = arena.rewards[:, t], arena.terminated[:, t], arena.truncated[:, t], arena.episodes[:, t]
         per_env = _rows(actions)
         for j, i in enumerate(active):
             try:
@@ -305,10 +306,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 next_row[i] = obs
             else:
                 nexts.append(obs)
-            rewards.append(reward)
-            terms.append(term)
-            truncs.append(trunc)
-            episodes.append(states[i].episode)
+            rewards[i], terms[i], truncs[i], episodes[i] = reward, term, trunc, states[i].episode  # in place
             if info and infos[i] is None:
                 infos[i] = [{}] * rows[i]
             if infos[i] is not None:
@@ -321,10 +319,6 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 sel = np.array(done)
             if not flat:
                 shm.write(arena.next_observations, (sel, t), stack_values(nexts))
-            arena.rewards[sel, t] = rewards
-            arena.terminated[sel, t] = terms
-            arena.truncated[sel, t] = truncs
-            arena.episodes[sel, t] = episodes
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
             ticks.append((t, active, agent_info))
         t += 1
