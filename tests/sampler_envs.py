@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import gymnasium as gym
 import numpy as np
@@ -38,6 +39,8 @@ class KindEnv(gym.Env):
             open(self.crash_marker, "w").close()
             if self.crash == "raise":
                 raise RuntimeError("env blew up")
+            if self.crash == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         return self._obs(), 1.0 + self.bonus, self.t >= self.length, False, {"t": self.t}
 

@@ -264,3 +264,18 @@ def test_progress_bar_is_optional(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # ``import tqdm`` now fails
     assert cli._progress(True) is None
     assert cli._progress(False) is None
+
+
+def test_sampler_scenario(tmp_path):
+    """The sampling layer's figures come from one run of its own contenders (tiny budget)."""
+    from envmanager.bench.sampler_bench import TARGETS
+
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "sampler", "--steps", "160", "--targets", timeout=120)
+    contenders = sorted({c for _, c, r, _, _ in TARGETS} | {r for _, c, r, _, _ in TARGETS})
+    result = check_measured(data, "sampler", contenders)
+    assert set(result["ratios"]) == {column for _, _, _, column, _ in TARGETS}
+    ours = [t for t in data["targets"] if t["scenario"] == "sampler"]
+    assert sorted(t["what"] for t in ours) == sorted(what for what, *_ in TARGETS)
+    assert all(t["value"] > 0 for t in ours)
+    assert "policy_lag" in result["extra"] and min(result["extra"]["learn_fn_seconds"]) > 0
+    assert "== sampler" in stdout and "policy lag" in stdout and "learner overlap x in turn" in stdout

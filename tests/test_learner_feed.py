@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import numpy as np
@@ -153,3 +154,46 @@ def test_learn_fn_failure_stops_the_stream_in_the_caller():
         feed.stop(raise_error=False)
         assert sampler.stats.counters["fragments"] < 50
         assert len(sampler.obtain_steps(4)) == 4  # the sampler itself is still usable
+
+
+def test_buffer_replays_batches_in_turn_and_never_waits_with_passes_left():
+    gate = threading.Event()
+    seen: list[int] = []
+
+    def learn(batch):
+        gate.wait(30)  # the first pass waits until every batch is queued: the order is then fixed
+        seen.append(len(batch))
+        return {}
+
+    feed = LearnerFeed(learn, queue_size=4, num_passes=2, buffer_size=2, starve_timeout=2.0)
+    for n in (1, 2, 3):
+        feed.put(batch_of(n))
+    gate.set()
+    feed.drain(timeout=30)  # would starve (an error) if the buffer waited for a 4th batch
+    feed.stop()
+    assert seen == [1, 2, 1, 2, 3, 3]  # two batches in turn, each twice; the third joins when there is room
+    assert feed.version == 6 and feed.stats.counters["updates"] == 6
+    with pytest.raises(Exception, match="buffer_size"):
+        LearnerFeed(learn, buffer_size=0)
+
+
+def test_worker_killed_during_stream_is_restarted_and_the_stream_goes_on(tmp_path):
+    from sampler_envs import KindEnv
+
+    marker = str(tmp_path / "killed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 1 else None, crash_at=20, crash="sigkill")
+
+    with Sampler(factory, 2, RandomPolicy(), seed=0, restart_workers=True, timeout=30) as sampler:
+        with LearnerFeed(lambda b: {}, queue_size=1) as feed:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=10))
+            feed.drain(timeout=30)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker)
+    assert [len(f) for f in fragments] == [8] * 10  # exact fragments, the stream never stopped
+    both = TransitionBatch.concatenate(fragments)
+    assert counters["interrupted_episodes"] == 1 and both.interrupted.any()
+    assert set(both.worker_ids[both.interrupted].tolist()) == {1}
+    keys = list(zip(both.worker_ids.tolist(), both.episode_ids.tolist(), both.next_observations[:, 0].tolist()))
+    assert len(keys) == len(set(keys))  # nothing duplicated

@@ -181,6 +181,21 @@ def test_worker_restart_cuts_an_episode_which_is_kept_flagged_and_counted(tmp_pa
     assert not batch.dones[rows].any()
 
 
+def test_a_restarted_worker_gets_the_latest_env_update_again(tmp_path):
+    marker = str(tmp_path / "crashed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == 1 else None, crash_at=3)
+
+    with Sampler(factory, 2, RandomPolicy(), seed=4, restart_workers=True, timeout=30) as sampler:
+        sampler.update(env_update=set_bonus(7.0))
+        batch = sampler.obtain_exact_episodes(3)
+        assert sampler.stats.counters["interrupted_episodes"] == 1
+    assert os.path.exists(marker)
+    # Worker 1's envs after its restart are new: the update was applied to them again.
+    assert (batch.observations[:, 2] == 7.0).all() and (batch.env_versions == 1).all()
+
+
 @pytest.mark.parametrize("crash", ["raise", "exit"])
 def test_fault_without_restart_names_the_worker_and_close_reaps(tmp_path, crash):
     marker = str(tmp_path / "crashed")

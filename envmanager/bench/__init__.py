@@ -9,6 +9,8 @@ are reported as ratios against gymnasium's vector envs measured in the same run.
   ``envs_per_worker="auto"``, gymnasium, Stable-Baselines3, EnvPool), each skipped with a
   reason when unavailable; :mod:`~envmanager.bench.peers`: tianshou and TorchRL;
 * :mod:`~envmanager.bench.runner`: warm-up, interleaved repeats, references, targets;
+* :mod:`~envmanager.bench.sampler_bench`: the ``sampler`` scenario, measured by a module of its own
+  (its own contenders, ratios and targets: ``runner.OWN_MODULES``);
 * :mod:`~envmanager.bench.report`: tables, JSON and a PNG chart.
 """
 

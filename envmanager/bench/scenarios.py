@@ -97,7 +97,9 @@ class Scenario:
             and report the ratio (how throughput holds up as envs are added).
         compare_lockstep: add a ratio column against ``envmanager-lockstep`` (uneven envs).
         kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
-            run by the backends' ML-Agents variants; ``factory`` unused).
+            run by the backends' ML-Agents variants; ``factory`` unused), or a scenario measured by a
+            module of its own, with its own contenders (``"sampler"``: ``envmanager.bench.sampler_bench``;
+            see ``runner.OWN_MODULES``; ``--backends`` does not apply).
         requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
         action_dim: continuous actions: vectors of this size, uniform in [-1, 1] (else Discrete).
         envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
@@ -152,6 +154,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "uneven", f"8 envs sleeping lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step",
             uneven_env, 8, 3_000, n_actions=3, compare_lockstep=True,
+        ),
+        Scenario(
+            "sampler", "the sampling layer: worker-side policy (8 CartPole, numpy MLP), parent-side policy on uneven "
+            "envs, learner feed", cartpole, 8, 20_000, kind="sampler",
         ),
         *(_sweep(cost) for cost in SWEEP_COSTS),
         Scenario(

@@ -486,6 +486,11 @@ class BatchEnvManager:
         before a timeout are kept for the next try."""
         return self._calls.receive(request, timeout)
 
+    def call_ready(self, request: CallRequest) -> bool:
+        """Whether every answer to ``send_call``'s ``request`` arrived (answers are taken by any
+        wait: ``wait_for(lambda: manager.call_ready(r), ...)`` waits for one of several calls)."""
+        return self._calls.ready(request)
+
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
         """``worker_ids`` checked (``None``: every slot); each must be in ``range(n_env)``."""
         if worker_ids is None:

@@ -82,6 +82,10 @@ class EnvCalls:
             pool.workers[index].send(request)  # the process may have been replaced meanwhile
         return CallRequest(cmd, slots, by_process)
 
+    def ready(self, request: CallRequest) -> bool:
+        """Whether every answer to ``request`` is in (then ``receive`` does not wait)."""
+        return self._answers.keys() >= request.by_process.keys()
+
     def receive(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
         """The answers to ``send``, in the order of its worker ids. Answers that arrive before
         a timeout are kept: calling again picks up where this call stopped."""

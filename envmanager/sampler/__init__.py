@@ -1,6 +1,7 @@
 """Trajectories for learners: ``Sampler`` (garage-style collection with a parent-side batched
-policy), ``TransitionBatch`` / ``EpisodeBatch``, ``LearnerFeed`` (a learner thread with
-back-pressure) and ``Stats``. Built on the core's batch level; the core never imports this."""
+policy), ``WorkerPolicySampler`` (the policy in the workers: whole fragments per request),
+``TransitionBatch`` / ``EpisodeBatch``, ``LearnerFeed`` (a learner thread with back-pressure) and
+``Stats``. Built on the core's batch level; the core never imports this."""
 
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.learner import LearnerError, LearnerFeed, LearnerStarvedError

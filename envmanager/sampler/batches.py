@@ -61,6 +61,11 @@ def _cat(values: Sequence[Any]) -> Any:
     return np.concatenate(values)
 
 
+def _cat_common(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The keys every batch has, concatenated (a batch without a key drops it: infos vary)."""
+    return {k: _cat([d[k] for d in dicts]) for k in dicts[0] if all(k in d for d in dicts)}
+
+
 @dataclasses.dataclass
 class TransitionBatch:
     """Transitions, one row each.
@@ -112,8 +117,8 @@ class TransitionBatch:
         values = {f: _cat([getattr(b, f) for b in batches]) for f in ROW_FIELDS}
         return TransitionBatch(
             **values,
-            agent_infos=_cat([b.agent_infos for b in batches]) if batches[0].agent_infos else {},
-            env_infos=_cat([b.env_infos for b in batches]) if batches[0].env_infos else {},
+            agent_infos=_cat_common([b.agent_infos for b in batches]),
+            env_infos=_cat_common([b.env_infos for b in batches]),
         )
 
     @classmethod

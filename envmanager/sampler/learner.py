@@ -46,6 +46,10 @@ class LearnerFeed:
         queue_size: batches waiting at most; ``put`` blocks beyond that (back-pressure).
         num_passes: how often each batch is learned from (RLlib's ``num_sgd_iter``).
         num_minibatches: pieces each pass splits the batch into.
+        buffer_size: batches replayed in turn (RLlib's minibatch buffer): with more than one, each
+            update is one pass over one buffered batch, round robin, and a batch leaves the buffer
+            after ``num_passes``; a new batch joins as soon as one waits and there is room. Unlike
+            RLlib's, the buffer never blocks on an empty queue while it still has passes to make.
         starve_timeout: seconds the queue may stay empty before that is an error.
         max_policy_lag: steps acted by a policy more than this many versions old are ``stale``.
         stale: ``"drop"`` them or ``"mask"`` them (``batch.valid`` false).
@@ -56,15 +60,16 @@ class LearnerFeed:
     def __init__(self, learn_fn: Callable[[TransitionBatch], dict[str, Any]], queue_size: int = 2, num_passes: int = 1,
                  num_minibatches: int = 1, starve_timeout: float = 60.0, max_policy_lag: int | None = None,
                  stale: str = "drop", on_update: Callable[[int, dict[str, Any]], Any] | None = None,
-                 put_timeout: float = 600.0, log_interval: float | None = None) -> None:
-        if queue_size < 1 or num_passes < 1 or num_minibatches < 1:
-            raise InvalidInputError("queue_size, num_passes and num_minibatches must be at least 1")
+                 put_timeout: float = 600.0, log_interval: float | None = None, buffer_size: int = 1) -> None:
+        if queue_size < 1 or num_passes < 1 or num_minibatches < 1 or buffer_size < 1:
+            raise InvalidInputError("queue_size, num_passes, num_minibatches and buffer_size must be at least 1")
         if stale not in ("drop", "mask"):
             raise InvalidInputError(f"stale must be 'drop' or 'mask', got {stale!r}")
         self.learn_fn, self.on_update = learn_fn, on_update
         self.queue_size, self.num_passes, self.num_minibatches = queue_size, num_passes, num_minibatches
         self.starve_timeout, self.max_policy_lag, self.stale = starve_timeout, max_policy_lag, stale
         self.put_timeout = put_timeout
+        self.buffer_size = buffer_size
         self.version = 0
         self.stats = Stats("learner", log_interval)
         self._queue: collections.deque[TransitionBatch] = collections.deque()
@@ -168,19 +173,57 @@ class LearnerFeed:
 
     def _run(self) -> None:
         try:
-            while True:
-                batch = self._next_batch()
-                if batch is None:
-                    return
-                self._learn(batch)
-                with self._cond:
-                    self._finished += 1
-                    self._cond.notify_all()
+            if self.buffer_size == 1:
+                while True:
+                    batch = self._next_batch()
+                    if batch is None:
+                        return
+                    admitted = self._admit(batch)
+                    if admitted is not None:
+                        self._update(admitted, self.num_passes)
+                    self._finish()
+            else:
+                self._run_buffered()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never lost
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
             logger.error("learner thread failed: %r", exc)
+
+    def _run_buffered(self) -> None:
+        """RLlib's minibatch buffer: one pass per update over the buffered batches in turn."""
+        buffer: list[list[Any]] = []  # [batch, passes left]
+        i = 0
+        while True:
+            with self._cond:
+                waiting = bool(self._queue)
+            if len(buffer) < self.buffer_size and (waiting or not buffer):
+                batch = self._next_batch()  # waits (up to starve_timeout) only with nothing to replay
+                if batch is None:
+                    return
+                admitted = self._admit(batch)
+                if admitted is None:
+                    self._finish()
+                else:
+                    buffer.append([admitted, self.num_passes])
+                continue
+            with self._cond:
+                if self._stopping:
+                    return
+            i %= len(buffer)
+            entry = buffer[i]
+            self._update(entry[0], 1)
+            entry[1] -= 1
+            if entry[1] == 0:
+                buffer.pop(i)
+                self._finish()
+            else:
+                i += 1
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._finished += 1
+            self._cond.notify_all()
 
     def _next_batch(self) -> TransitionBatch | None:
         with self.stats.timer("dequeue"), self._cond:
@@ -196,7 +239,8 @@ class LearnerFeed:
             self._cond.notify_all()
             return batch
 
-    def _learn(self, batch: TransitionBatch) -> None:
+    def _admit(self, batch: TransitionBatch) -> TransitionBatch | None:
+        """Record the batch's policy lag; drop or mask its stale steps (``None``: nothing left)."""
         lag = self.version - batch.policy_versions
         self.stats.lag(lag)
         if self.max_policy_lag is not None:
@@ -210,10 +254,14 @@ class LearnerFeed:
                     batch.valid = batch.valid & ~stale
         if len(batch) == 0:
             self.stats.count("dropped_batches")
-            return
+            return None
+        return batch
+
+    def _update(self, batch: TransitionBatch, passes: int) -> None:
+        """``passes`` passes over ``batch`` (in minibatches), then a new version, published."""
         metrics: dict[str, Any] = {}
         with self.stats.timer("learn"):
-            for _ in range(self.num_passes):
+            for _ in range(passes):
                 for minibatch in batch.split(self.num_minibatches) if self.num_minibatches > 1 else [batch]:
                     metrics = self.learn_fn(minibatch) or {}
         self.stats.count("steps_learned", len(batch))

@@ -89,6 +89,7 @@ class Sampler:
         self.env_version = 0
         self._pending_env: list[list[tuple[int, Callable[[Any], Any]]]] = [[] for _ in range(n)]
         self._slot_env_version = [0] * n
+        self._applied_env: list[tuple[int, Callable[[Any], Any]] | None] = [None] * n  # replayed after a restart
         self._seeds = seeds_for(seed, n)
         self._obs: list[Any] = [None] * n  # None: the slot has no episode running
         self._recording = [False] * n  # whether the running episode is admitted by this call
@@ -268,6 +269,7 @@ class Sampler:
             for version, update in updates:
                 m.call_on([slot], _apply_env_update, (cloudpickle.dumps(update),))
                 self._slot_env_version[slot] = version
+                self._applied_env[slot] = (version, update)
         m.send_reset({s: (self._seeds[s], None) for s in slots})
         for s in slots:
             self._seeds[s] = None
@@ -306,6 +308,7 @@ class Sampler:
         for slot in batch.slots.tolist():
             sent = self._sent.pop(slot, None)
             if slot in batch.interrupted:  # a restarted worker: the episode was cut; keep it, flagged
+                self._replay_env_update(slot)
                 if self._recording[slot] and self._obs[slot] is not None:
                     for step in self._steps[slot]:
                         step.interrupted = True
@@ -334,6 +337,15 @@ class Sampler:
                 self._end_episode(slot)
             else:
                 self._obs[slot] = next_obs
+
+    def _replay_env_update(self, slot: int) -> None:
+        """A restarted worker has fresh envs: the latest env update applied to the slot goes
+        again before its next episode (updates queued since follow it)."""
+        applied = self._applied_env[slot]
+        if applied is not None:
+            with self._lock:
+                if all(version > applied[0] for version, _ in self._pending_env[slot]):
+                    self._pending_env[slot].insert(0, applied)
 
     def _end_episode(self, slot: int) -> None:
         self._obs[slot] = None

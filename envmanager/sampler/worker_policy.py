@@ -1,85 +1,51 @@
 """``WorkerPolicySampler``: the policy in the workers, garage style.
 
-Each worker gets a picklable agent (``agent.get_action(observation) -> action`` or
-``(action, agent_info)``) and runs a whole fragment or whole episodes per request, so cheap envs
-pay one inter-process round trip per fragment instead of one per step. The agent travels
-cloudpickled with each request and is unpickled once per version in each process.
+Each worker process gets a picklable agent (``get_actions(observations, worker_ids)``, batched
+as the parent-side ``Sampler``'s policy, or ``get_action(observation)``), steps all of its envs
+in lockstep with one policy call per tick and writes whole rollout fragments into a fragment
+arena; one answer per process per fragment announces them (``envmanager.sampler.rollout``).
+Fragments are handed out first-ready: a process that finished gets its next request at once.
 
-This first version returns fragments through the worker's pipe (pickled numpy arrays), not
-yet through shared memory announced by one notice.
+Faults: an env that raises mid-fragment, or a worker process that dies (killed, crashed), cuts
+the episodes running on those slots. With ``restart_workers`` on and within the restart limits
+(the manager's policy, counted per process), the cut episodes are kept -- the rows written
+before the fault, read from the arena -- flagged ``interrupted`` and counted, and collection
+goes on (the env is reset, or the process restarted by the pool); past the limits, or with
+restarts off, the error names the slot and process, with the worker's traceback.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import mmap
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
 from envmanager.core.batch import BatchEnvManager, seeds_for
-from envmanager.errors import InvalidInputError
-from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch
+from envmanager.core.pool import get_context, worker_error
+from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitError
+from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
+from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.stats import Stats
+from envmanager.wire import shm
+from envmanager.wire.messages import EnvFunction
 from envmanager.worker.envs import DISABLED
+
+if TYPE_CHECKING:
+    from envmanager.sampler.learner import LearnerFeed
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["WorkerPolicySampler"]
 
-# In each worker process: the agent of the latest version, and each env's running episode.
-_agent: tuple[int, Any] | None = None
-_running: dict[int, dict[str, Any]] = {}
-
-
-def _get_agent(version: int, payload: bytes) -> Any:
-    global _agent
-    if _agent is None or _agent[0] != version:
-        _agent = (version, cloudpickle.loads(payload))
-    return _agent[1]
-
-
-def _act(agent: Any, observation: Any) -> tuple[Any, dict[str, Any]]:
-    out = agent.get_action(observation)
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return out
-    return out, {}
-
-
-def _set_seed(env: Any, seed: int | None) -> None:
-    """Run in the worker: the seed of this env's next (first) reset."""
-    _running[id(env)] = {"obs": None, "episode": -1, "seed": seed}
-
-
-def _rollout(env: Any, version: int, payload: bytes, n_steps: int, n_episodes: int) -> dict[str, Any]:
-    """Run in the worker: ``n_steps`` steps continuing the running episode (``n_episodes=0``),
-    or ``n_episodes`` whole episodes each started now. Returns one list per field."""
-    agent = _get_agent(version, payload)
-    state = _running.setdefault(id(env), {"obs": None, "episode": -1, "seed": None})
-    fields: dict[str, list] = {k: [] for k in ("obs", "action", "reward", "terminated", "truncated", "next_obs", "episode", "info")}
-    discarded = 0
-    if n_episodes:
-        discarded = int(state["obs"] is not None)
-        state["obs"] = None
-    finished = 0
-    while (n_episodes and finished < n_episodes) or (not n_episodes and len(fields["reward"]) < n_steps):
-        if state["obs"] is None:
-            state["obs"], _ = env.reset(seed=state["seed"])
-            state["seed"] = None
-            state["episode"] += 1
-        action, info = _act(agent, state["obs"])
-        obs, reward, terminated, truncated, _ = env.step(action)
-        for key, value in (("obs", state["obs"]), ("action", action), ("reward", float(reward)), ("terminated", bool(terminated)),
-                           ("truncated", bool(truncated)), ("next_obs", obs), ("episode", state["episode"]), ("info", info)):
-            fields[key].append(value)
-        if terminated or truncated:
-            state["obs"] = None
-            finished += 1
-        else:
-            state["obs"] = obs
-    fields["discarded_episodes"] = discarded  # type: ignore[assignment]
-    return fields
+_ROLLOUT = EnvFunction(cloudpickle.dumps(rollout))
+_FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
 
 
 class WorkerPolicySampler:
@@ -88,74 +54,342 @@ class WorkerPolicySampler:
     Args:
         env_factory: ``env_factory(worker_id) -> env``.
         n_workers: env slots.
-        agent: picklable (cloudpickle), with ``get_action(observation)``.
+        agent: picklable (cloudpickle), with ``get_actions(observations, worker_ids)`` or
+            ``get_action(observation)``; either may return ``(actions, agent_infos)``.
         seed: slot ``i``'s first reset gets ``seed + i``.
-        manager_options: passed to ``BatchEnvManager`` (``envs_per_worker``, ``timeout``, ...).
+        fragment_bytes: arena bytes per slot; a fragment longer than fits is sent in pieces.
+        manager_options: passed to ``BatchEnvManager`` (``envs_per_worker``, ``timeout``,
+            ``restart_workers``, ``context``, ...).
     """
 
     def __init__(self, env_factory: Callable[[int], Any], n_workers: int, agent: Any, *, seed: int | None = None,
-                 **manager_options: Any) -> None:
-        if not hasattr(agent, "get_action"):
-            raise InvalidInputError("the agent needs get_action(observation)")
-        self.manager = BatchEnvManager(env_factory, n_workers, autoreset_mode=DISABLED, **manager_options)
-        self.n_workers = n_workers
+                 fragment_bytes: int = 4 << 20, **manager_options: Any) -> None:
+        if not (hasattr(agent, "get_action") or hasattr(agent, "get_actions")):
+            raise InvalidInputError("the agent needs get_actions(observations, worker_ids) or get_action(observation)")
+        if not isinstance(n_workers, int) or n_workers < 1:
+            raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
+        self.n_workers = n = n_workers
         self.stats = Stats("worker-sampler")
-        for slot, slot_seed in enumerate(seeds_for(seed, n_workers)):
-            if slot_seed is not None:
-                self.manager.call_on([slot], _set_seed, (slot_seed,))
         self.policy_version = 0
+        self.env_version = 0
         self._payload = cloudpickle.dumps(agent)
-        self._episode_ids: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()  # update() may come from a learner thread
+        self._token = secrets.token_hex(8)
+        # Forked workers inherit the arena if it exists before they start; others get none.
+        forked = get_context(manager_options.get("context")).get_start_method() == "fork"
+        self._mapping = mmap.mmap(-1, n * int(fragment_bytes)) if forked else None
+        if self._mapping is not None:
+            ARENAS[self._token] = self._mapping
+        try:
+            self.manager = BatchEnvManager(RegisteredFactory(env_factory), n, autoreset_mode=DISABLED, **manager_options)
+        except BaseException:
+            self._free_arena()
+            raise
+        m = self.manager
+        layouts = shm.array_layout(m.observation_space), shm.array_layout(m.action_space)
+        if None in layouts:
+            self.close()
+            raise InvalidInputError("the worker-side sampler needs Box/Discrete/MultiDiscrete/MultiBinary (or Dict/Tuple of them) spaces")
+        capacity = capacity_for(n * int(fragment_bytes), n, *layouts)
+        self._spec = ArenaSpec(self._token, n, capacity, *layouts)
+        self._arena = Arena(self._spec, self._mapping) if self._mapping is not None else None
+        self._procs: dict[int, list[int]] = {}
+        for slot in range(n):
+            self._procs.setdefault(int(m.slot_process[slot]), []).append(slot)
+        self._seeds = seeds_for(seed, n)
+        self._env_updates: list[tuple[int, bytes] | None] = [None] * n
+        self._incarnation = dict.fromkeys(self._procs, 0)
+        self._sent_version = dict.fromkeys(self._procs, 0)  # the agent version of each process's last request
+        self._sent_env: dict[int, list[int]] = {}  # the env-update version each slot of a process was last sent
+        self._ids: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]  # (incarnation, local episode) -> id
+        self._next_id = 0
+        self._running: list[tuple[int, int] | None] = [None] * n  # (incarnation, local episode) running on a slot
+        self._slot_env_version = [0] * n
+        self._info_template: dict[str, np.ndarray] = {}
+        self._recovered: list[TransitionBatch] = []  # rows read back from a killed worker, in this call
 
-    def update(self, agent_update: Any = None) -> int:
-        """A new agent for the workers (picklable): used from the next request on."""
-        if agent_update is not None:
-            self.policy_version += 1
-            self._payload = cloudpickle.dumps(agent_update)
-        return self.policy_version
+    # ------------------------------------------------------------------------------------------
+    # Versions
 
-    def obtain_steps(self, steps_per_worker: int, agent_update: Any = None) -> TransitionBatch:
+    def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> int:
+        """A new agent for the workers (picklable), used from the next request on; and/or an
+        ``env_update`` (a picklable ``fn(env)``, or a list with one per slot) applied in the
+        worker before each slot's next episode starts. A restarted worker gets the latest."""
+        payload = cloudpickle.dumps(agent_update) if agent_update is not None else None
+        updates = None
+        if env_update is not None:
+            updates = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n_workers
+            if len(updates) != self.n_workers or not all(u is None or callable(u) for u in updates):
+                raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
+        with self._lock:  # version and payload change together: a request never pairs them wrongly
+            if payload is not None:
+                self.policy_version = self.policy_version + 1 if version is None else int(version)
+                self._payload = payload
+            if updates is not None:
+                self.env_version += 1
+                for slot, u in enumerate(updates):
+                    if u is not None:
+                        self._env_updates[slot] = (self.env_version, cloudpickle.dumps(u))
+            return self.policy_version
+
+    # ------------------------------------------------------------------------------------------
+    # Collection
+
+    def obtain_steps(self, steps_per_worker: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
         """``steps_per_worker`` steps from every slot, in worker order; episodes continue."""
-        if not isinstance(steps_per_worker, int) or steps_per_worker < 1:
+        if not isinstance(steps_per_worker, (int, np.integer)) or steps_per_worker < 1:
             raise InvalidInputError(f"steps_per_worker must be a positive int, got {steps_per_worker!r}")
-        self.update(agent_update)
-        return TransitionBatch.from_steps([s for per_slot in self._run(steps_per_worker, 0) for s in per_slot])
+        self.update(agent_update, env_update)
+        chunks = self._collect([int(steps_per_worker)] * self.n_workers, None)
+        return TransitionBatch.concatenate([c for per_slot in chunks for c in per_slot])
 
-    def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None) -> EpisodeBatch:
+    def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n_eps_per_worker`` whole episodes from every slot, each started by this call (a
         running episode is abandoned, counted as ``discarded_episodes``), in worker order."""
-        if not isinstance(n_eps_per_worker, int) or n_eps_per_worker < 1:
+        if not isinstance(n_eps_per_worker, (int, np.integer)) or n_eps_per_worker < 1:
             raise InvalidInputError(f"n_eps_per_worker must be a positive int, got {n_eps_per_worker!r}")
-        self.update(agent_update)
-        episodes = []
-        for per_slot in self._run(0, n_eps_per_worker):
-            by_episode: dict[int, list[Step]] = {}
-            for step in per_slot:
-                by_episode.setdefault(step.episode_id, []).append(step)
-            episodes += [TransitionBatch.from_steps(steps) for steps in by_episode.values()]
-        return EpisodeBatch.from_transitions(episodes, [False] * len(episodes))
+        self.update(agent_update, env_update)
+        episodes, cut = [], []
+        for per_slot in self._collect(None, [int(n_eps_per_worker)] * self.n_workers):
+            if not per_slot:
+                continue
+            rows = TransitionBatch.concatenate(per_slot)
+            bounds = np.flatnonzero(np.diff(rows.episode_ids)) + 1
+            for start, end in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
+                episodes.append(rows.select(slice(start, end)))
+                cut.append(bool(rows.interrupted[start]))
+        return EpisodeBatch.from_transitions(episodes, cut)
 
-    def _run(self, n_steps: int, n_episodes: int) -> list[list[Step]]:
+    def stream(self, steps_per_worker: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
+               max_fragments: int | None = None) -> Iterator[TransitionBatch]:
+        """Fragments of ``steps_per_worker`` steps from every slot, as ``Sampler.stream``: with
+        ``feed``, each is put into the learner feed, and collection pauses while the learner has
+        ``max_batches_waiting`` batches waiting. Agents published meanwhile (``update``, from the
+        feed's ``on_update``, thread-safe) are used from each process's next request on."""
+        count = 0
+        while max_fragments is None or count < max_fragments:
+            if feed is not None:
+                self.stats.gauge("learner_queue", feed.qsize())
+                with self.stats.timer("back_pressure"):
+                    feed.wait_below(max_batches_waiting)
+            batch = self.obtain_steps(steps_per_worker)
+            if feed is not None:
+                feed.put(batch)
+            count += 1
+            yield batch
+
+    def _collect(self, steps: list[int] | None, quotas: list[int] | None) -> list[list[TransitionBatch]]:
+        """Fragments until every slot has its ``steps`` rows (or ``quotas`` episodes, each run to
+        its end), per slot in order. First-ready: each process is sent its next piece as soon
+        as its last one is in."""
         m = self.manager
-        out: list[list[Step]] = []
-        # One request per process (its slots run one after the other), every process at once.
+        want = list(steps) if steps is not None else [self._spec.capacity] * self.n_workers
+        starts = list(quotas) if quotas is not None else [-1] * self.n_workers
+        out: list[list[TransitionBatch]] = [[] for _ in range(self.n_workers)]
+        cut: set[int] = set()  # episode ids cut by a fault, flagged at the end
+        fresh = dict.fromkeys(self._procs, quotas is not None)  # the first piece abandons running episodes
+        pending: dict[int, Any] = {}
+        error: EnvManagerError | None = None
+        self._recovered = []
+
+        def work(p: int) -> bool:
+            slots = self._procs[p]
+            if steps is not None:
+                return any(want[s] > 0 for s in slots)
+            return any(starts[s] > 0 or (self._running[s] is not None and not fresh[p]) for s in slots)
+
+        def send(p: int) -> None:
+            slots = self._procs[p]
+            with self._lock:
+                version, payload, updates = self.policy_version, self._payload, tuple(self._env_updates[s] for s in slots)
+            self._sent_version[p] = version
+            self._sent_env[p] = [u[0] if u is not None else 0 for u in updates]
+            budget = tuple(min(want[s], self._spec.capacity) if steps is not None else self._spec.capacity for s in slots)
+            request = RolloutRequest(tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
+                                     tuple(starts[s] for s in slots), fresh[p], tuple(self._seeds[s] for s in slots), updates)
+            if fresh[p]:  # the request abandons the episodes running there: a fault cannot cut them
+                for s in slots:
+                    self._running[s] = None
+            if self._arena is not None:  # a worker killed before its first row must not show old rows
+                self._arena.rows[slots] = 0
+                self._arena.started[slots] = 0
+            pending[p] = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
+
+        for p in self._procs:
+            if work(p):
+                send(p)
         with self.stats.timer("collect"):
-            answers = m.call_on(None, _rollout, (self.policy_version, self._payload, n_steps, n_episodes))
-        for slot, fields in enumerate(answers):
-            self.stats.count("discarded_episodes", fields["discarded_episodes"])
-            self.stats.count("env_steps", len(fields["reward"]))
-            steps = []
-            for i in range(len(fields["reward"])):
-                key = (slot, fields["episode"][i])
-                episode = self._episode_ids.setdefault(key, len(self._episode_ids))
-                steps.append(Step(fields["obs"][i], fields["action"][i], fields["reward"][i], fields["terminated"][i],
-                                  fields["truncated"][i], fields["next_obs"][i], slot, episode, self.policy_version, 0,
-                                  fields["info"][i], {}))
-            out.append(steps)
+            while pending:
+                m.wait_for(lambda: any(m.call_ready(r) for r in pending.values()), None, "rollout fragments",
+                           lambda: [s for p in pending for s in self._procs[p]])
+                for p in [p for p, r in pending.items() if m.call_ready(r)]:
+                    request = pending.pop(p)
+                    try:
+                        answer = m.receive_call(request, timeout=0)[0]
+                    except EnvManagerError as exc:
+                        error = error or self._lost(p, exc, out, want, starts, cut)
+                    else:
+                        error = error or self._file(p, answer, out, want, starts, cut)
+                    fresh[p] = False
+                    if error is None and work(p):
+                        send(p)
+        if error is not None:
+            raise error
+        if cut:
+            for per_slot in out:
+                for chunk in per_slot:
+                    chunk.interrupted |= np.isin(chunk.episode_ids, list(cut))
+        for chunk in self._recovered:  # filled in now: the template may come from a later fragment
+            chunk.agent_infos = {k: np.full((len(chunk), *v.shape[1:]), np.nan if v.dtype.kind == "f" else 0, dtype=v.dtype)
+                                 for k, v in self._info_template.items()}
+        self._recovered = []
+        for s in range(self.n_workers):  # only a running episode can go on in a later call
+            self._ids[s] = {k: v for k, v in self._ids[s].items() if k == self._running[s]}
         return out
 
+    def _file(self, p: int, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
+              starts: list[int], cut: set[int]) -> EnvManagerError | None:
+        """Take one fragment of process ``p``: its rows out of the arena (or the answer)."""
+        slots, arrays, failures = self._procs[p], answer["arrays"], answer["failures"]
+        error: EnvManagerError | None = None
+        for i, s in enumerate(slots):
+            self._seeds[s] = None
+            n, before = answer["rows"][i], self._running[s]
+            last: tuple[int, int] | None = None
+            if n:
+                if arrays is not None:
+                    fields = {f: shm.tree_map(lambda a: a[i, :n], arrays[f]) for f in _FIELDS}
+                else:
+                    fields = self._read_arena(s, n)
+                infos = {k: v[i, :n] for k, v in answer["agent_infos"].items()}
+                out[s].append(self._batch(s, p, fields, infos, answer["env_infos"][i], answer["env_versions"][i]))
+                if not (fields["terminated"][-1] or fields["truncated"][-1]):
+                    last = (self._incarnation[p], int(fields["episodes"][-1]))
+            elif answer["running"][i] or i in failures:
+                last = before
+            self._running[s] = last if answer["running"][i] or i in failures else None
+            want[s] -= n
+            if starts[s] > 0:
+                starts[s] = max(0, starts[s] - answer["started"][i])
+            self.stats.count("episodes_started", answer["started"][i])
+            if i in failures:
+                self._cut(s, cut)
+                failure = worker_error(failures[i], p)
+                refusal = self._refusal(p)
+                if refusal is not None:
+                    policy_on = self.manager.restart_policy.enabled
+                    error = error or (RestartLimitError(s, refusal, failure, tuple(slots), p) if policy_on else failure)
+                else:
+                    self.manager.restart_policy.record(p)
+                    logger.warning("worker-side sampler: %s; its episode is kept, flagged interrupted; the env is reset", failure)
+        self.stats.count("discarded_episodes", answer["discarded"])
+        self.stats.count("env_steps", sum(answer["rows"]))
+        self.stats.count("fragments")
+        return error
+
+    def _lost(self, p: int, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
+              starts: list[int], cut: set[int]) -> EnvManagerError | None:
+        """Process ``p`` died mid-fragment: keep what it wrote (shared arena), flag the cut
+        episodes; the error, unless the pool restarted the process."""
+        slots = self._procs[p]
+        if self.manager.failure_of(slots[0]) is not None or not self.manager.restart_policy.enabled:
+            return error
+        for s in slots:
+            n = int(self._arena.rows[s]) if self._arena is not None else 0
+            started = int(self._arena.started[s]) if self._arena is not None else 0
+            seen = 0
+            if n:
+                fields = self._read_arena(s, n)
+                before = self._running[s]
+                new = [e for e in np.unique(fields["episodes"]).tolist() if (self._incarnation[p], e) != before]
+                seen = len(new)
+                sent = self._sent_env.get(p, [0] * len(slots))[slots.index(s)]  # new episodes applied it first
+                out[s].append(self._batch(s, p, fields, None, None, {e: max(sent, self._slot_env_version[s]) for e in new}))
+                want[s] -= n
+                self.stats.count("env_steps", n)
+                self.stats.count("recovered_steps", n)
+                ended = fields["terminated"][-1] or fields["truncated"][-1]
+                self._running[s] = None if ended else (self._incarnation[p], int(fields["episodes"][-1]))
+            if starts[s] > 0:  # admitted episodes count, cut or not: none is silently replaced
+                starts[s] = max(0, starts[s] - started)
+            if started > seen:  # started, then cut before its first step was written
+                self.stats.count("interrupted_episodes", started - seen)
+                self.stats.count("empty_cut_episodes", started - seen)
+                logger.warning("worker-side sampler: an admitted episode on worker %d was cut before its first step", s)
+            self._cut(s, cut)
+        if self._arena is None:
+            self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
+        self._incarnation[p] += 1
+        self.stats.count("worker_restarts")
+        logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
+        return None
+
+    def _read_arena(self, s: int, n: int) -> dict[str, Any]:
+        assert self._arena is not None
+        return {f: shm.tree_map(lambda a: a[s, :n].copy(), getattr(self._arena, f)) for f in _FIELDS}
+
+    def _cut(self, s: int, cut: set[int]) -> None:
+        """The episode running on slot ``s`` was cut by a fault: flag it, count it."""
+        running = self._running[s]
+        if running is not None:
+            if running in self._ids[s]:
+                cut.add(self._ids[s][running])
+            self.stats.count("interrupted_episodes")
+        self._running[s] = None
+
+    def _refusal(self, p: int) -> str | None:
+        return self.manager.restart_policy.refusal(p)
+
+    def _batch(self, s: int, p: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None,
+               env_infos: list[dict] | None, env_versions: dict[int, int]) -> TransitionBatch:
+        n = len(fields["rewards"])
+        local = fields["episodes"]
+        ids = np.empty(n, dtype=np.int64)
+        versions = np.empty(n, dtype=np.int64)
+        known = self._ids[s]
+        for value in np.unique(local).tolist():
+            key = (self._incarnation[p], value)
+            if key not in known:
+                known[key] = self._next_id
+                self._next_id += 1
+            rows = local == value
+            ids[rows] = known[key]
+            versions[rows] = env_versions.get(value, self._slot_env_version[s])
+            self._slot_env_version[s] = env_versions.get(value, self._slot_env_version[s])
+        if infos and not self._info_template:
+            self._info_template = {k: v[:1] for k, v in infos.items()}
+        batch = TransitionBatch(
+            observations=fields["observations"], actions=fields["actions"], rewards=fields["rewards"],
+            terminated=fields["terminated"], truncated=fields["truncated"], next_observations=fields["next_observations"],
+            worker_ids=np.full(n, s, dtype=np.int64), episode_ids=ids,
+            policy_versions=np.full(n, self._sent_version[p], dtype=np.int64), env_versions=versions,
+            interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
+            env_infos=_env_infos(env_infos) if env_infos else {},
+        )
+        if infos is None:  # rows recovered from a dead worker: its policy's infos died with it
+            self._recovered.append(batch)
+        return batch
+
+    # ------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def _free_arena(self) -> None:
+        self._arena = None
+        mapping, self._mapping = getattr(self, "_mapping", None), None
+        if mapping is not None:
+            ARENAS.pop(self._token, None)
+            try:
+                mapping.close()
+            except BufferError:  # a view still alive somewhere: the mapping goes with it
+                pass
+
     def close(self) -> None:
-        self.manager.close()
+        """Close the manager (reaps every worker) and free the arena. Idempotent."""
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            manager.close()
+        self._free_arena()
 
     shutdown_worker = close
 
@@ -164,3 +398,8 @@ class WorkerPolicySampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _env_infos(infos: list[dict]) -> dict[str, Any]:
+    keys = set.intersection(*(set(i) for i in infos)) if infos else set()
+    return {k: _stack_or_objects([i[k] for i in infos]) for k in sorted(keys)}

@@ -1,0 +1,367 @@
+"""The worker's half of the worker-side policy: rollout fragments written in place.
+
+A worker process steps all of its envs in lockstep, with one batched policy call per tick, and
+writes every transition into a *fragment arena*: per slot up to ``capacity`` rows of
+observations, actions, rewards, flags, next observations and episode numbers, and a row count
+raised after every tick. One answer per process per fragment (a small CALL answer) announces
+how many rows each slot wrote, with the policy's agent infos and the envs' non-empty infos.
+So cheap envs pay one inter-process round trip per fragment, not one per step.
+
+The arena is an anonymous shared mapping the parent makes before its workers start: workers
+forked from the parent (restarted ones too, forked later) write into it, and the parent reads
+the rows in place -- also those of a worker killed mid-fragment, up to its last whole tick.
+Nothing names it, so nothing outlives the processes. Workers that are not forked (``spawn``,
+``forkserver``) write into private arrays that travel in the answer, pickled: one message per
+fragment; a worker killed mid-fragment then loses that fragment's rows (counted).
+
+The same loop runs in one process over a list of envs (``run_local``): the bench's
+single-process reference, with the same policy and the same recording.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import cloudpickle
+import numpy as np
+
+from envmanager.sampler.batches import stack_values
+from envmanager.wire import shm
+from envmanager.worker.envs import remote_exception
+
+__all__ = ["ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
+
+#: Shared mappings by token, made in the parent before its workers fork (inherited by them).
+ARENAS: dict[str, mmap.mmap] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The arena
+
+
+@dataclass(frozen=True)
+class ArenaSpec:
+    """What an arena holds: ``n_slots`` x ``capacity`` rows of the given layouts (``shm``'s)."""
+
+    token: str
+    n_slots: int
+    capacity: int
+    observation: Any
+    action: Any
+
+
+def _leaf_bytes(layout: Any) -> int:
+    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize for leaf in shm._leaves(layout))
+
+
+def _n_leaves(layout: Any) -> int:
+    return len(shm._leaves(layout))
+
+
+class Arena:
+    """Arrays ``[n_slots, capacity, ...]`` over one buffer (``rows``: ``[n_slots]``)."""
+
+    def __init__(self, spec: ArenaSpec, buffer: Any) -> None:
+        n, c = spec.n_slots, spec.capacity
+        offset = 0
+
+        def take(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            nonlocal offset
+            arr = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+            offset += shm._aligned(arr.nbytes)
+            return arr
+
+        def build(tree: Any) -> Any:
+            if isinstance(tree, dict):
+                return {k: build(v) for k, v in tree.items()}
+            if isinstance(tree, tuple) and not isinstance(tree, shm._Leaf):
+                return tuple(build(v) for v in tree)
+            return take((n, c, *tree.shape), np.dtype(tree.dtype))
+
+        self.rows = take((n,), np.int64)
+        self.started = take((n,), np.int64)  # episodes each slot started in this fragment
+        self.observations = build(spec.observation)
+        self.next_observations = build(spec.observation)
+        self.actions = build(spec.action)
+        self.rewards = take((n, c), np.float64)
+        self.terminated = take((n, c), np.bool_)
+        self.truncated = take((n, c), np.bool_)
+        self.episodes = take((n, c), np.int64)
+        self.nbytes = offset
+
+    @staticmethod
+    def nbytes_for(spec: ArenaSpec) -> int:
+        n, c = spec.n_slots, spec.capacity
+        arrays = 2 + 2 * _n_leaves(spec.observation) + _n_leaves(spec.action) + 4
+        per_row = 2 * _leaf_bytes(spec.observation) + _leaf_bytes(spec.action) + 8 + 1 + 1 + 8
+        return 16 * n + n * c * per_row + 64 * (arrays + 1)
+
+    def view(self, first: int, k: int) -> Arena:
+        """The rows of slots ``first .. first + k - 1`` (views, not copies)."""
+        out = object.__new__(Arena)
+        for name in ("rows", "started", "observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes"):
+            setattr(out, name, shm.tree_map(lambda a: a[first:first + k], getattr(self, name)))
+        out.nbytes = self.nbytes
+        return out
+
+
+def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most: int = 4096) -> int:
+    """Rows per slot that fit in ``nbytes`` (at most ``most``; at least 1)."""
+    spec = ArenaSpec("", n_slots, 1, observation, action)
+    per_slot_row = Arena.nbytes_for(spec) - Arena.nbytes_for(ArenaSpec("", n_slots, 0, observation, action))
+    spare = nbytes - Arena.nbytes_for(ArenaSpec("", n_slots, 0, observation, action))
+    return int(max(1, min(most, spare // max(per_slot_row, 1))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's state (per process: a fork copies the parent's, so it is keyed by pid)
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.obs: Any = None
+        self.running = False
+        self.episode = -1  # local episode number (this process's count)
+        self.seed: int | None = None
+        self.env_version = 0
+
+
+class _Process:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.envs: dict[int, Any] = {}
+        self.slots: dict[int, _Slot] = {}
+        self.agent: tuple[int, Any] | None = None
+        self.arena: tuple[ArenaSpec, int, Arena, bool] | None = None
+
+
+_here: _Process | None = None
+
+
+def _process() -> _Process:
+    global _here
+    if _here is None or _here.pid != os.getpid():
+        _here = _Process()
+    return _here
+
+
+class RegisteredFactory:
+    """The user's env factory, recording each env it makes by slot in its process, so that a
+    rollout request can step every env of that process (a restarted process records anew)."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+
+    def __call__(self, slot: int) -> Any:
+        env = self.factory(slot)
+        _process().envs[slot] = env
+        return env
+
+
+# ---------------------------------------------------------------------------------------------
+# One fragment
+
+
+class RolloutRequest(NamedTuple):
+    """One fragment for one process. Per slot (in ``slots`` order): ``steps`` most rows,
+    ``starts`` episodes that may start (-1: any), a ``seeds`` for its first reset, and the
+    latest ``env_updates`` ``(version, cloudpickled fn(env))``, applied when an episode starts.
+    ``abandon``: episodes running now are not continued (exact episodes start afresh)."""
+
+    slots: tuple[int, ...]
+    first: int  # row of slots[0] in a shared arena
+    spec: ArenaSpec
+    shared: bool
+    agent_version: int
+    agent: bytes
+    steps: tuple[int, ...]
+    starts: tuple[int, ...]
+    abandon: bool
+    seeds: tuple[Any, ...]
+    env_updates: tuple[Any, ...]
+
+
+def _act(agent: Any, observations: Any, ids: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    get_actions = getattr(agent, "get_actions", None)
+    if get_actions is not None:
+        out = get_actions(observations, ids)
+    else:
+        rows = [agent.get_action(shm.tree_map(lambda a: a[j], observations)) for j in range(len(ids))]
+        pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
+        out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out
+    return out, {}
+
+
+def _rows(actions: Any) -> Any:
+    """Each env's action: rows of an array (numpy scalars for Discrete: gymnasium checks those
+    faster than Python ints), or per-env trees for Dict/Tuple spaces."""
+    if isinstance(actions, np.ndarray):
+        return actions
+    if isinstance(actions, (dict, tuple)):
+        first = actions
+        while isinstance(first, (dict, tuple)):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        return [shm.tree_map(lambda a: a[j], actions) for j in range(len(first))]
+    return actions
+
+
+def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
+    """Run in a worker (a CALL on its first slot): one fragment of every slot of the process."""
+    proc = _process()
+    if proc.agent is None or proc.agent[0] != request.agent_version:
+        proc.agent = (request.agent_version, cloudpickle.loads(request.agent))
+    k = len(request.slots)
+    if proc.arena is None or proc.arena[:2] != (request.spec, request.first) or proc.arena[3] != request.shared:
+        if request.shared:
+            arena = Arena(request.spec, ARENAS[request.spec.token]).view(request.first, k)
+        else:
+            spec = ArenaSpec("", k, request.spec.capacity, request.spec.observation, request.spec.action)
+            arena = Arena(spec, bytearray(Arena.nbytes_for(spec)))
+        proc.arena = (request.spec, request.first, arena, request.shared)
+    arena = proc.arena[2]
+    envs = [proc.envs[s] for s in request.slots]
+    states = [proc.slots.setdefault(s, _Slot()) for s in request.slots]
+    return run_fragment(proc.agent[1], envs, states, arena, request)
+
+
+def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest) -> dict[str, Any]:
+    """Step ``envs`` in lockstep with ``agent``, writing rows into ``arena`` (see the module doc)."""
+    k = len(envs)
+    ids = np.array(request.slots, dtype=np.int64)
+    arena.rows[:] = 0
+    arena.started[:] = 0
+    rows = [0] * k
+    started, discarded = [0] * k, 0
+    starts = list(request.starts)
+    failures: dict[int, Any] = {}
+    versions: list[dict[int, int]] = [{} for _ in range(k)]
+    infos: list[list[Any] | None] = [None] * k
+    ticks: list[tuple[int, list[int], dict[str, Any]]] = []
+    for i, st in enumerate(states):
+        if request.seeds[i] is not None and st.episode < 0:
+            st.seed = request.seeds[i]
+        if request.abandon and st.running:
+            st.running = False
+            discarded += 1
+
+    def ready(i: int) -> bool:
+        """Whether slot ``i`` takes a step this tick (starting an episode if it may)."""
+        if rows[i] >= request.steps[i] or i in failures:
+            return False
+        st = states[i]
+        if st.running:
+            return True
+        if starts[i] == 0:
+            return False
+        update = request.env_updates[i]
+        try:
+            if update is not None and update[0] > st.env_version:
+                cloudpickle.loads(update[1])(envs[i])
+                st.env_version = update[0]
+            st.obs, _ = envs[i].reset(seed=st.seed)
+        except Exception as exc:
+            failures[i] = remote_exception(request.slots[i], exc)
+            return False
+        st.seed, st.running = None, True
+        st.episode += 1
+        versions[i][st.episode] = st.env_version
+        started[i] += 1
+        arena.started[i] += 1
+        starts[i] -= 1 if starts[i] > 0 else 0
+        return True
+
+    active = [i for i in range(k) if ready(i)]
+    t = 0
+    flat = isinstance(arena.observations, np.ndarray)
+    while active:
+        sel: Any = slice(None) if len(active) == k else np.array(active)
+        if flat:  # one array: rows written env by env, in place (no stacking)
+            row, next_row = arena.observations[:, t], arena.next_observations[:, t]
+            for i in active:
+                row[i] = states[i].obs
+            observations = row if len(active) == k else row[active]
+        else:
+            observations = stack_values([states[i].obs for i in active])
+            shm.write(arena.observations, (sel, t), observations)
+        actions, agent_info = _act(agent, observations, ids[active])
+        shm.write(arena.actions, (sel, t), actions)
+        done: list[int] = []
+        nexts: list[Any] = []
+        rewards, terms, truncs, episodes = arena.rewards[:, t], arena.terminated[:, t], arena.truncated[:, t], arena.episodes[:, t]
+        per_env = _rows(actions)
+        for j, i in enumerate(active):
+            try:
+                obs, reward, term, trunc, info = envs[i].step(per_env[j])
+            except Exception as exc:
+                failures[i] = remote_exception(request.slots[i], exc)
+                states[i].running = False
+                continue
+            done.append(i)
+            if flat:
+                next_row[i] = obs
+            else:
+                nexts.append(obs)
+            rewards[i], terms[i], truncs[i], episodes[i] = reward, term, trunc, states[i].episode  # in place
+            if info and infos[i] is None:
+                infos[i] = [{}] * rows[i]
+            if infos[i] is not None:
+                infos[i].append(info)
+            states[i].obs = obs
+            if term or trunc:
+                states[i].running = False
+        if done:
+            if len(done) != len(active):
+                sel = np.array(done)
+            if not flat:
+                shm.write(arena.next_observations, (sel, t), stack_values(nexts))
+            arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
+            ticks.append((t, active, agent_info))
+        t += 1
+        steps = request.steps
+        active = []
+        for i in done:
+            rows[i] = t
+            if (states[i].running and t < steps[i]) or ready(i):
+                active.append(i)
+    out = {
+        "rows": rows, "started": started, "discarded": discarded, "running": [st.running for st in states],
+        "env_versions": versions, "env_infos": infos, "failures": failures,
+        "agent_infos": _agent_infos(ticks, k, max(rows, default=0)),
+        "arrays": None,
+    }
+    if not request.shared:
+        n = max(rows, default=0)
+        out["arrays"] = {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name))
+                         for name in ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")}
+    return out
+
+
+def _agent_infos(ticks: list[tuple[int, list[int], dict[str, Any]]], k: int, n: int) -> dict[str, np.ndarray]:
+    """The policy's infos as arrays ``[k, n, ...]`` (row ``t`` of slot ``i``: its ``t``-th step)."""
+    if not ticks or not ticks[0][2]:
+        return {}
+    out: dict[str, np.ndarray] = {}
+    for key, first in ticks[0][2].items():
+        first = np.asarray(first)
+        full = np.zeros((k, n, *first.shape[1:]), dtype=first.dtype)
+        for t, active, info in ticks:
+            full[active, t] = info[key]
+        out[key] = full
+    return out
+
+
+def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: list[_Slot] | None = None,
+              arena: Arena | None = None) -> tuple[dict[str, Any], Arena, list[_Slot]]:
+    """The rollout loop in this process over ``envs``: ``steps`` rows each (the single-process
+    reference: same policy, same lockstep, same recording). Pass ``states`` and ``arena`` back
+    in to go on where the last call stopped."""
+    k = len(envs)
+    arena = arena or Arena(spec, bytearray(Arena.nbytes_for(spec)))
+    states = states or [_Slot() for _ in envs]
+    request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k, False, (None,) * k, (None,) * k)
+    return run_fragment(agent, envs, states, arena, request), arena, states

@@ -1,0 +1,189 @@
+"""The worker-side policy (``WorkerPolicySampler``) with real worker processes: whole fragments
+written in the workers, first-ready pieces, faults mid-fragment (SIGKILL, an env raising) with
+nothing lost or duplicated, and env updates replayed after a restart."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from envmanager.errors import EnvManagerError, WorkerError
+from envmanager.sampler import LearnerFeed, TransitionBatch, WorkerPolicySampler
+from envmanager.sampler.rollout import ARENAS
+from sampler_envs import KindEnv, kind_env, set_bonus, true_lengths
+
+
+class ParityAgent:
+    """A batched worker-side agent: the action is the step count's parity; an agent info."""
+
+    def __init__(self, tag: int = 0) -> None:
+        self.tag = tag
+
+    def get_actions(self, observations, worker_ids):
+        assert observations.shape == (len(worker_ids), 3)
+        return observations[:, 0].astype(np.int64) % 2, {"tag": np.full(len(worker_ids), self.tag)}
+
+
+def crashing(marker: str, slot: int, at: int, crash: str):
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker if worker_id == slot else None, crash_at=at, crash=crash)
+    return factory
+
+
+def check_no_gap_no_repeat(batch, fresh: bool = True) -> None:
+    """Within every episode the step count goes 1, 2, 3... (from 1 if it started in the call):
+    nothing lost in the middle, nothing duplicated; an episode lives on one worker."""
+    for episode in np.unique(batch.episode_ids):
+        rows = batch.episode_ids == episode
+        assert len(set(batch.worker_ids[rows].tolist())) == 1
+        ts = batch.next_observations[rows, 0].astype(int).tolist()
+        first = 1 if fresh else ts[0]
+        assert ts == list(range(first, first + len(ts))), (episode, ts)
+
+
+def test_fragments_in_pieces_continue_across_calls():
+    # A small arena: each 50-step fragment comes in several pieces per process.
+    with WorkerPolicySampler(kind_env, 4, ParityAgent(), seed=8, envs_per_worker=2, fragment_bytes=2048) as sampler:
+        first = sampler.obtain_steps(50)
+        second = sampler.obtain_steps(20, agent_update=ParityAgent(tag=1))
+        assert sampler.stats.counters["fragments"] >= 6  # 2 processes x 3 pieces at least
+        assert sampler.stats.counters["env_steps"] == 280
+    assert len(first) == 200 and np.bincount(first.worker_ids).tolist() == [50] * 4
+    assert (first.actions == first.observations[:, 0].astype(int) % 2).all()  # chosen in the worker
+    assert (first.agent_infos["tag"] == 0).all() and (second.agent_infos["tag"] == 1).all()
+    assert (second.policy_versions == 1).all() and (first.policy_versions == 0).all()
+    check_no_gap_no_repeat(first)
+    both = type(first).concatenate([first, second])
+    check_no_gap_no_repeat(both)  # episodes running at the end of a call go on in the next
+    ends = np.flatnonzero(first.dones)
+    assert (first.next_observations[ends, 0] == first.next_observations[ends, 1]).all()  # ended at its length
+
+
+def test_exact_episodes_are_unbiased_and_ordered():
+    with WorkerPolicySampler(kind_env, 2, ParityAgent(), seed=11) as sampler:
+        sampler.obtain_steps(3)  # leaves episodes mid-way: they are not admitted
+        batch = sampler.obtain_exact_episodes(4)
+        assert sampler.stats.counters["discarded_episodes"] == 2
+    assert batch.n_episodes == 8
+    assert batch.worker_ids[batch.starts].tolist() == [0] * 4 + [1] * 4  # (worker, admission) order
+    assert (batch.observations[batch.starts, 0] == 0).all()
+    # Each slot's episodes are the ones that started next, whatever their length: the second
+    # to fifth episodes of each slot's seeded sequence (the first was abandoned).
+    for slot in (0, 1):
+        lengths = batch.lengths[batch.worker_ids[batch.starts] == slot].tolist()
+        assert lengths == true_lengths(11, slot, 5)[1:]
+
+
+def test_worker_killed_mid_fragment_keeps_its_rows_and_replays_the_env_update(tmp_path):
+    marker = str(tmp_path / "killed")
+    with WorkerPolicySampler(crashing(marker, 1, 7, "sigkill"), 4, ParityAgent(), seed=3, envs_per_worker=2,
+                             restart_workers=True, timeout=30) as sampler:
+        batch = sampler.obtain_steps(30, env_update=set_bonus(2.0))
+        counters = dict(sampler.stats.counters)
+        assert sampler.manager.restart_count(1) == 1
+    assert os.path.exists(marker)
+    assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
+    assert counters["worker_restarts"] == 1
+    assert counters["recovered_steps"] == 12  # 6 whole ticks of slots 0 and 1 before the kill
+    assert counters["interrupted_episodes"] >= 1
+    cut = batch.interrupted
+    assert cut.any() and set(batch.worker_ids[cut].tolist()) <= {0, 1}
+    check_no_gap_no_repeat(batch)
+    # The restarted process's envs got the latest env update before their first episode.
+    assert (batch.observations[:, 2] == 2.0).all() and (batch.env_versions == 1).all()
+    assert (batch.agent_infos["tag"] == 0).all()
+
+
+def test_exact_episodes_with_a_killed_worker_fill_their_admissions(tmp_path):
+    marker = str(tmp_path / "killed")
+    with WorkerPolicySampler(crashing(marker, 0, 4, "sigkill"), 2, ParityAgent(), seed=1, restart_workers=True,
+                             timeout=30) as sampler:
+        batch = sampler.obtain_exact_episodes(3)
+        counters = dict(sampler.stats.counters)
+    assert batch.n_episodes + counters.get("empty_cut_episodes", 0) == 6  # cut ones count: none replaced
+    assert batch.episode_interrupted.sum() >= 1 and counters["interrupted_episodes"] >= 1
+    for episode in batch.split_episodes():
+        assert episode.observations[0, 0] == 0  # started in this call
+        assert episode.dones[-1] != episode.episode_interrupted[0]  # whole, or cut and flagged
+    check_no_gap_no_repeat(batch)
+
+
+def test_env_raising_mid_fragment_is_cut_and_collection_goes_on(tmp_path):
+    marker = str(tmp_path / "raised")
+    with WorkerPolicySampler(crashing(marker, 1, 7, "raise"), 4, ParityAgent(), seed=3, envs_per_worker=2,
+                             restart_workers=True, timeout=30) as sampler:
+        batch = sampler.obtain_steps(30)
+        assert sampler.stats.counters["interrupted_episodes"] == 1
+        assert sampler.manager.restart_policy.counts[0] == 1  # counted against the process's quota
+    assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
+    assert batch.interrupted[batch.worker_ids == 1].any()
+    assert not batch.interrupted[batch.worker_ids != 1].any()
+    check_no_gap_no_repeat(batch)
+
+
+@pytest.mark.parametrize("crash", ["raise", "sigkill"])
+def test_fault_without_restarts_names_the_worker(tmp_path, crash):
+    marker = str(tmp_path / "crashed")
+    sampler = WorkerPolicySampler(crashing(marker, 1, 5, crash), 2, ParityAgent(), seed=0, timeout=30)
+    try:
+        with pytest.raises(EnvManagerError, match="worker 1") as caught:
+            sampler.obtain_steps(20)
+        if crash == "raise":
+            assert isinstance(caught.value, WorkerError) and "env blew up" in str(caught.value)  # the remote traceback
+    finally:
+        sampler.close()
+    assert sampler.manager.closed and sampler._token not in ARENAS
+
+
+def test_spawned_workers_send_fragments_in_the_answer():
+    with WorkerPolicySampler(kind_env, 2, ParityAgent(), seed=8, context="spawn", timeout=60) as sampler:
+        steps = sampler.obtain_steps(12)
+        episodes = sampler.obtain_exact_episodes(1)
+    assert len(steps) == 24 and (steps.actions == steps.observations[:, 0].astype(int) % 2).all()
+    check_no_gap_no_repeat(steps)
+    assert episodes.n_episodes == 2 and episodes.dones[-1]
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(EnvManagerError, match="get_actions"):
+        WorkerPolicySampler(kind_env, 2, object())
+    with WorkerPolicySampler(kind_env, 1, ParityAgent()) as sampler:
+        for bad in (0, -1, 1.5, "3"):
+            with pytest.raises(EnvManagerError, match="steps_per_worker"):
+                sampler.obtain_steps(bad)
+        with pytest.raises(EnvManagerError, match="env_update"):
+            sampler.update(env_update=[set_bonus(1.0), set_bonus(2.0)])
+        assert len(sampler.obtain_steps(2)) == 2  # still usable
+
+
+def test_stream_feeds_the_learner_and_published_agents_reach_the_workers():
+    with WorkerPolicySampler(kind_env, 2, ParityAgent(), seed=0) as sampler:
+        publish = lambda version, metrics: sampler.update(agent_update=ParityAgent(tag=version), version=version)  # noqa: E731
+        with LearnerFeed(lambda b: {}, queue_size=1, on_update=publish) as feed:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=10))
+            feed.drain(timeout=30)
+    both = TransitionBatch.concatenate(fragments)
+    assert len(both) == 160 and both.policy_versions.max() > 0
+    assert (both.agent_infos["tag"] == both.policy_versions).all()  # each step acted by the agent of its version
+    for w in (0, 1):
+        assert (np.diff(both.policy_versions[both.worker_ids == w]) >= 0).all()
+    check_no_gap_no_repeat(both)
+
+
+def test_worker_killed_during_stream_keeps_its_rows_and_the_stream_goes_on(tmp_path):
+    marker = str(tmp_path / "killed")
+    with WorkerPolicySampler(crashing(marker, 0, 30, "sigkill"), 2, ParityAgent(), seed=2, restart_workers=True,
+                             timeout=30) as sampler:
+        with LearnerFeed(lambda b: {}, queue_size=1) as feed:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=8))
+            feed.drain(timeout=30)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker)
+    assert [len(f) for f in fragments] == [16] * 8
+    both = TransitionBatch.concatenate(fragments)
+    assert counters["worker_restarts"] == 1 and counters["recovered_steps"] == 5  # rows of the 4th fragment before the kill
+    assert counters["interrupted_episodes"] == 1
+    assert set(both.worker_ids[both.interrupted].tolist()) == {0}  # the cut episode's rows in that fragment
+    check_no_gap_no_repeat(both, fresh=False)
