@@ -74,6 +74,7 @@ def _extract_tests(sdist: Path, into: Path) -> Path:
     return suite
 
 
+@pytest.mark.timeout(700)  # a whole pytest run of SB3's suite inside; the subprocess has its own 600 s
 def test_sb3_own_vec_env_suite_passes_with_our_subproc_vec_env(tmp_path: Path) -> None:
     suite = _extract_tests(_sdist(sb3.__version__), tmp_path)
     (suite.parent / "conftest.py").write_text(CONFTEST)
