@@ -87,6 +87,7 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         lines.append(f"   skipped {', '.join(skipped)}: {why}")
     for name, why in result.failed.items():
         lines.append(f"   FAILED {name}: {why}")
+    lines += [f"   {note}" for note in getattr(result, "notes", ())]  # scenarios with a module of their own
     return "\n".join(lines)
 
 
@@ -245,7 +246,7 @@ def _plot_bars(ax: Any, r: ScenarioResult) -> None:
     medians = [r.measurements[n].median for n in names]
     low = [m - r.measurements[n].worst for n, m in zip(names, medians)]
     high = [r.measurements[n].best - m for n, m in zip(names, medians)]
-    colors = ["tab:blue" if BACKENDS[n].ours else "tab:gray" for n in names]
+    colors = ["tab:blue" if n not in BACKENDS or BACKENDS[n].ours else "tab:gray" for n in names]
     y = range(len(names))
     ax.barh(list(y), medians, xerr=[low, high], color=colors, capsize=3)
     ax.set_yticks(list(y), names)

@@ -6,6 +6,7 @@ a burst of load from elsewhere on the machine hits all backends alike rather tha
 
 from __future__ import annotations
 
+import importlib
 import logging
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +36,9 @@ PEER_COLUMNS = {
     "tianshou.SubprocVectorEnv": "vs ts.Subproc", "tianshou.ShmemVectorEnv": "vs ts.Shmem",
     "torchrl.ParallelEnv": "vs torchrl", ENVPOOL: "vs envpool",
 }
+#: Scenarios measured by a module of their own (kind -> module with ``run(scenario, steps, repeats,
+#: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.
+OWN_MODULES = {"ray": "envmanager.bench.ray_bench"}
 #: The fixed ``envs_per_worker`` choices ``envmanager-auto`` is compared with (1, and n_env // cores).
 FIXED_CHOICES = (FIRST_READY, PACKED)
 
@@ -194,6 +198,8 @@ def run_scenario(
     if result.unavailable:
         logger.info("scenario %s not available: %s", scenario.name, result.unavailable)
         return result
+    if scenario.kind in OWN_MODULES:
+        return importlib.import_module(OWN_MODULES[scenario.kind]).run(scenario, steps, repeats, progress, seed)
     chosen: list[Backend] = []
     for name in backends:
         backend = BACKENDS[name]
@@ -322,6 +328,9 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     """
     out: list[Target] = []
     for result in results:
+        if result.scenario.kind in OWN_MODULES:  # their own peers, their own targets
+            out += result.targets() if hasattr(result, "targets") else []  # type: ignore[attr-defined]
+            continue
         ratios = result.ratios()
         name = result.name
         best = _best_ours(result)
