@@ -297,4 +297,4 @@ def test_ray_scenario_checks_and_ratios_without_ray():
     assert ratios["vs wait-all"][f"uneven {FIRST}"] == pytest.approx(2.0)
     found_targets = {t.what: t.met for t in targets([result])}
     assert found_targets == {"x local Sampler": True, "x 1 step per call": True, "first-ready x wait-all": True,
-                             "killed nodes: 0 lost/dup/unflagged": True}
+                             "0 lost/dup, cuts reported": True}
