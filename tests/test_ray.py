@@ -24,6 +24,7 @@ from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa
 def ray_session():
     """One local Ray session for the module (the user's session: samplers must leave it running)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local test session: no token written to ~/.ray
     pickle_by_value()
     temp_dir = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths live under it
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)

@@ -34,6 +34,7 @@ def no_leaks():
 @pytest.fixture
 def cluster(monkeypatch):
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a local test session: no token written to ~/.ray
     temp_dir = tempfile.mkdtemp(prefix="rayc")  # short: Ray's socket paths live under it
     monkeypatch.setenv("RAY_TMPDIR", temp_dir)  # every file of the cluster's (its address too) goes there
     pickle_by_value()
