@@ -279,3 +279,37 @@ def test_sampler_scenario(tmp_path):
     assert all(t["value"] > 0 for t in ours)
     assert "policy_lag" in result["extra"] and min(result["extra"]["learn_fn_seconds"]) > 0
     assert "== sampler" in stdout and "policy lag" in stdout and "learner overlap x in turn" in stdout
+
+
+def test_ray_scenario_checks_and_ratios_without_ray():
+    """The ray scenario's stream check finds lost, duplicated and unreported cut steps (it can
+    fail), and its own ratio columns and targets; no Ray needed."""
+    import numpy as np
+
+    from envmanager.bench import Measurement
+    from envmanager.bench.ray_bench import ALL, FIRST, LOCAL, ONE_STEP, RAY, RayResult, check_stream
+    from envmanager.bench.runner import targets
+    from envmanager.sampler.batches import Step, TransitionBatch
+
+    def steps(episode, ts, done_at=None):
+        return [Step(np.array([t], float), 0, 1.0, t + 1 == done_at, False, np.array([t + 1], float), 0, episode, 0, 0, {}, {})
+                for t in ts]
+
+    clean = TransitionBatch.from_steps(steps(0, range(5), done_at=5) + steps(1, range(3)) + steps(2, range(2)))
+    assert check_stream(clean, 10, reported={1}, open_at_end={2}) == {
+        "lost": 0, "duplicated": 0, "cut": 1, "cut_unreported": 0, "flagged_steps": 0}
+    broken = TransitionBatch.from_steps(steps(0, [0, 1, 1, 3], done_at=4) + steps(1, range(3)))
+    found = check_stream(broken, 9, reported=set(), open_at_end=set())
+    assert found["duplicated"] == 1 and found["lost"] == 2 + 2 and found["cut_unreported"] == 1
+
+    result = RayResult(SCENARIOS["ray"], steps=100, repeats=1)
+    for name, rate in ((LOCAL, 100.0), (RAY, 90.0), (ONE_STEP, 3.0), (f"uneven {FIRST}", 40.0), (f"uneven {ALL}", 20.0)):
+        result.measurements[name] = Measurement(name, "ray", 8)
+        result.measurements[name].add(int(rate), 1.0)
+    result.faults = {"lost": 0, "duplicated": 0, "cut_unreported": 0}
+    ratios = result.ratios()
+    assert ratios["vs local"][RAY] == pytest.approx(0.9) and ratios["vs 1-step"][RAY] == pytest.approx(30.0)
+    assert ratios["vs wait-all"][f"uneven {FIRST}"] == pytest.approx(2.0)
+    found_targets = {t.what: t.met for t in targets([result])}
+    assert found_targets == {"x local Sampler": True, "x 1 step per call": True, "first-ready x wait-all": True,
+                             "0 lost/dup, cuts reported": True}

@@ -98,8 +98,9 @@ class Scenario:
         compare_lockstep: add a ratio column against ``envmanager-lockstep`` (uneven envs).
         kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
             run by the backends' ML-Agents variants; ``factory`` unused), or a scenario measured by a
-            module of its own, with its own contenders (``"sampler"``: ``envmanager.bench.sampler_bench``;
-            see ``runner.OWN_MODULES``; ``--backends`` does not apply).
+            module of its own, with its own contenders (``"sampler"``: ``envmanager.bench.sampler_bench``,
+            ``"ray"``: ``envmanager.bench.ray_bench``; see ``runner.OWN_MODULES``; ``--backends``
+            does not apply).
         requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
         action_dim: continuous actions: vectors of this size, uniform in [-1, 1] (else Discrete).
         envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
@@ -167,6 +168,10 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "mujoco", f"8 {MUJOCO_ID} envs (gymnasium[mujoco])", mujoco_env, 8, 16_000,
             action_dim=6, measure_limit=True, requires=("mujoco",), envpool_id=MUJOCO_ID,
+        ),
+        Scenario(
+            "ray", "2 Ray nodes (actors here) x 4 CartPole-v1, fragments of 256 steps, policy on the nodes",
+            cartpole, 8, 100_000, kind="ray", requires=("ray",),
         ),
         Scenario(
             "unity", "8 fake Unity players (gRPC), step latency {:g} ms + uniform [0, {:g} ms]".format(

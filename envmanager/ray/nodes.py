@@ -1,0 +1,286 @@
+"""The driver's side of the nodes: Ray session, one actor per node, requests in flight with
+deadlines, and restarts of hung or dead nodes within limits.
+
+Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request misses its
+deadline counts as hung; a node whose actor died (killed, node lost) counts as dead. Either is
+killed and started again (``RestartPolicy``: lifetime count and rate, per node) with the
+newest weights and every env update replayed; past the limits, ``RayNodeError`` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+
+from envmanager.core.deadline import Deadline
+from envmanager.core.restart import RestartPolicy
+from envmanager.errors import EnvManagerError
+from envmanager.ray.node import SamplerNode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NodePool", "RayNodeError", "Request"]
+
+#: Seconds a node's actor gets to end cleanly on close before it is killed.
+CLOSE_TIMEOUT = 10.0
+
+
+class RayNodeError(EnvManagerError):
+    """A node failed past its restart limits, could not be placed, or its sampler raised."""
+
+    def __init__(self, node: int, message: str, remote_traceback: str | None = None) -> None:
+        self.node = node
+        self.remote_traceback = remote_traceback
+        super().__init__(message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
+
+
+@ray.remote(concurrency_groups={"control": 1})
+class _NodeActor(SamplerNode):
+    """``SamplerNode`` as an actor: collection runs one call at a time; ``update`` runs in its
+    own thread so new weights reach a fragment already under way (the Sampler is thread-safe there)."""
+
+    @ray.method(concurrency_group="control")
+    def update(self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
+        return super().update(version, agent_update, env_updates)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One collection call in flight on a node."""
+
+    node: int
+    kind: str  # "steps", "samples" or "episodes"
+    arg: Any
+    incarnation: int
+    ref: Any = None
+
+
+@dataclasses.dataclass
+class Node:
+    """The driver's record of one node."""
+
+    index: int
+    offset: int
+    n_envs: int
+    actor: Any = None
+    incarnation: int = 0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    queue: list[Request] = dataclasses.field(default_factory=list)  # in submission order (Ray runs them so)
+    head_deadline: Deadline | None = None
+    failed: RayNodeError | None = None
+    updates_sent: int = 0  # to this incarnation: a request waits on the node until it has them all
+
+    def name(self) -> str:
+        where = f", host {self.info['host']}, pid {self.info['pid']}" if self.info else ""
+        return f"node {self.index} (slots {self.offset}–{self.offset + self.n_envs - 1}{where})"
+
+
+class NodePool:
+    """Ray actors for the nodes, the requests in flight, deadlines and restarts."""
+
+    def __init__(self, env_factory: Callable[[int], Any], envs_per_node: list[int], policy: Any, seed: int | None,
+                 sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
+                 restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.restarts = restarts
+        self._owns_session = not ray.is_initialized()
+        self._temp_dir: str | None = None
+        self._args = (env_factory, policy, seed, sampler_options)
+        self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
+                               "max_restarts": 0, "max_task_retries": 0}
+        offsets = [sum(envs_per_node[:i]) for i in range(len(envs_per_node))]
+        self.nodes = [Node(i, offsets[i], n) for i, n in enumerate(envs_per_node)]
+        self.replay: Callable[[Node], None] = lambda node: None  # set by the sampler: weights and env updates
+        self._updates: list[tuple[Node, int, Any]] = []  # (node, incarnation, ref) of updates not yet confirmed
+        self.closed = False
+        try:
+            if self._owns_session:  # ours to shut down; a session the user started is never shut down here
+                options = {"include_dashboard": False, **init_options}
+                if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
+                    self._temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
+                ray.init(address=address, **options)
+            for node in self.nodes:
+                self._start(node)
+            self._await_started(self.nodes)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    # Starting and restarting
+
+    def _start(self, node: Node) -> None:
+        env_factory, policy, seed, sampler_options = self._args
+        node.actor = _NodeActor.options(**self._actor_options).remote(
+            node.index, env_factory, node.n_envs, node.offset, policy, seed, sampler_options)
+        node.info = {}
+        node.queue = []
+        node.head_deadline = None
+        node.updates_sent = 0
+
+    def _await_started(self, nodes: list[Node]) -> None:
+        """Each node answers ``info`` within ``start_timeout`` (an actor whose resources cannot be
+        met would otherwise block forever)."""
+        refs = [node.actor.info.remote() for node in nodes]
+        deadline = Deadline(self.start_timeout)
+        for node, ref in zip(nodes, refs):
+            try:
+                node.info = ray.get(ref, timeout=deadline.left())
+            except GetTimeoutError:
+                raise RayNodeError(node.index, f"{node.name()} did not start within {self.start_timeout:g} s "
+                                   f"(can the cluster meet its actor options {self._actor_options}?)") from None
+            except RayTaskError as exc:
+                raise RayNodeError(node.index, f"{node.name()} failed to start: {exc.cause!r}", str(exc)) from None
+            except RayActorError as exc:
+                raise RayNodeError(node.index, f"{node.name()} died while starting: {exc}") from None
+            self.replay(node)
+
+    def lost(self, node: Node, why: str) -> list[Request]:
+        """``node`` is hung or dead: kill it and start a new one within the restart limits
+        (else raise ``RayNodeError`` naming it). Returns the requests that died with it."""
+        lost = node.queue
+        refusal = self.restarts.refusal(node.index)
+        self._kill(node)
+        if refusal is not None:
+            refusal = refusal.replace("restart_workers", "restart_nodes")
+            node.failed = RayNodeError(node.index, f"{node.name()} {why}; not restarted: {refusal}")
+            raise node.failed
+        self.restarts.record(node.index)
+        logger.warning("ray sampler: %s %s; restarting it (%d so far)", node.name(), why, self.restarts.counts[node.index])
+        node.incarnation += 1
+        self._start(node)
+        try:
+            self._await_started([node])
+        except RayNodeError as exc:
+            node.failed = exc
+            self._kill(node)
+            raise
+        return lost
+
+    def _kill(self, node: Node) -> None:
+        if node.actor is not None:
+            try:
+                ray.kill(node.actor, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug("ray sampler: killing %s: %r", node.name(), exc)
+            node.actor = None
+
+    # ------------------------------------------------------------------------------------------
+    # Requests
+
+    def submit(self, node: Node, kind: str, arg: Any) -> Request:
+        """Queue a collection call on ``node`` (Ray runs one node's calls in order)."""
+        self.check_usable(node)
+        request = Request(node.index, kind, arg, node.incarnation)
+        method = {"steps": node.actor.steps, "samples": node.actor.samples, "episodes": node.actor.exact_episodes}[kind]
+        request.ref = method.remote(arg, node.updates_sent)
+        if not node.queue:
+            node.head_deadline = Deadline(self.timeout)
+        node.queue.append(request)
+        return request
+
+    def send_update(self, node: Node, version: int | None, weights: Any, env_updates: list[Any] | None) -> None:
+        """Send an update without waiting; its answer is checked later (``wait``)."""
+        self.check_usable(node)
+        ref = node.actor.update.remote(version, weights, env_updates)
+        node.updates_sent += 1
+        self._updates.append((node, node.incarnation, ref))
+
+    def check_usable(self, node: Node) -> None:
+        if self.closed:
+            raise EnvManagerError("the ray sampler is closed")
+        if node.failed is not None:
+            raise node.failed
+
+    def in_flight(self) -> int:
+        return sum(len(node.queue) for node in self.nodes)
+
+    def wait(self) -> list[tuple[Request, Any]]:
+        """Block until at least one request is done (first-ready across nodes), then take every
+        other one already done. Returns ``(request, answer)`` pairs; a request whose node died or
+        hung is answered ``None`` after the node was restarted (or ``RayNodeError`` raised)."""
+        self._check_updates()
+        pending = {r.ref: r for node in self.nodes for r in node.queue}
+        if not pending:
+            return []
+        soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=soonest)
+        if ready:  # drain whatever else is done too, without waiting
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        out: list[tuple[Request, Any]] = []
+        for ref in ready:
+            request = pending[ref]
+            node = self.nodes[request.node]
+            if request.incarnation != node.incarnation or request not in node.queue:
+                continue  # answered already as lost with an earlier node
+            try:
+                answer = ray.get(ref, timeout=self.timeout)
+            except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
+                out += [(r, None) for r in self.lost(node, f"died ({type(exc).__name__})")]
+                continue
+            except RayTaskError as exc:
+                raise RayNodeError(node.index, f"{node.name()} raised during {request.kind}: {exc.cause!r}", str(exc)) from None
+            node.queue.remove(request)
+            node.head_deadline = Deadline(self.timeout) if node.queue else None
+            out.append((request, answer))
+        for node in self.nodes:
+            if node.queue and node.head_deadline is not None and node.head_deadline.passed():
+                out += [(r, None) for r in self.lost(node, f"missed its {self.timeout:g} s deadline (hung)")]
+        return out
+
+    def _check_updates(self) -> None:
+        """Answers of updates sent earlier: an error is raised naming the node; a dead node's is dropped."""
+        if not self._updates:
+            return
+        refs = [ref for _, _, ref in self._updates]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        keep = []
+        for node, incarnation, ref in self._updates:
+            if ref not in done:
+                keep.append((node, incarnation, ref))
+                continue
+            try:
+                ray.get(ref, timeout=self.timeout)
+            except RayActorError:
+                pass  # the node died: its collection calls report it, and a restart replays the updates
+            except RayTaskError as exc:
+                if incarnation == node.incarnation:
+                    raise RayNodeError(node.index, f"{node.name()} rejected an update: {exc.cause!r}", str(exc)) from None
+        self._updates = keep
+
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def kill_node(self, index: int) -> None:
+        """Kill one node's actor, as a fault would (for tests and the benchmark)."""
+        ray.kill(self.nodes[index].actor, no_restart=True)
+
+    def close(self) -> None:
+        """End every node (its sampler reaps its env processes), then kill the actors; shut down
+        the Ray session only if this pool started it. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        live = [node for node in self.nodes if node.actor is not None]
+        refs = [node.actor.close.remote() for node in live if node.info]  # started: let it reap its envs
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT)
+        for node in live:
+            self._kill(node)
+        if self._owns_session and ray.is_initialized():
+            ray.shutdown()
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+        self._updates = []
+        for node in self.nodes:
+            node.queue = []
+

@@ -1,0 +1,400 @@
+"""``RaySampler``: the ``Sampler``'s methods across a Ray cluster, one actor per node.
+
+Each node runs a local ``Sampler`` over its own env processes with the policy on the node, and
+every Ray call carries a whole fragment (an actor call costs ~0.85 ms, 20-27x a pipe round
+trip). The driver takes whichever node's answer is done first (``ray.wait``), drains what else
+is done and keeps the other nodes running. Weights travel once per version (one ``ray.put``),
+sent to every node without waiting; each node stamps its steps with the version that chose
+them, and the driver measures the policy lag of what it hands out.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+
+from envmanager.core.restart import RestartPolicy
+from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.ray.node import COUNTERS
+from envmanager.ray.nodes import Node, NodePool, Request
+from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
+
+if TYPE_CHECKING:
+    from envmanager.sampler import LearnerFeed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RaySampler"]
+
+
+class RaySampler:
+    """Collect transitions or whole episodes on Ray nodes; the ``Sampler``'s interface.
+
+    Args:
+        env_factory: ``env_factory(worker_id) -> env``, picklable; ``worker_id`` is the global
+            env slot (node ``i`` hosts slots ``offset_i .. offset_i + envs_per_node[i] - 1``).
+        policy: picklable, with ``get_actions(observations, worker_ids)`` (global slot ids), run
+            on each node over that node's ready envs. Weights from ``update`` go to its
+            ``set_param_values`` / ``load_state_dict``, or replace it.
+        nodes: how many nodes (actors); ``envs_per_node``: an int, or one per node.
+        fragment_steps: transitions per Ray call of ``obtain_steps`` / ``stream`` (choose >= 10 ms
+            of env work: see the README's granularity section).
+        in_flight: requests queued per node, so a node starts its next fragment at once.
+        first_ready: take whichever node is done first (default). ``False``: every round asks each
+            node for one fragment and waits for all of them, handing them out in node order (a
+            reproducible order; the slowest node sets the pace).
+        seed: slot ``i``'s first reset gets ``seed + i``.
+        timeout: seconds a node may take for one request (from when it could start it); past
+            it the node counts as hung. ``start_timeout``: for an actor to be placed and start.
+            ``env_timeout``: the deadline of each env step on the node (its manager's ``timeout``);
+            keep it below ``timeout`` so a hung env is reported by its node, naming the env.
+        restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s:
+            restarts of hung or dead nodes (per node, ML-Agents' rule).
+        actor_options: Ray actor options (``num_cpus``, ``resources``, ``scheduling_strategy``,
+            ``runtime_env``...); default one CPU per node, spread over the cluster.
+        ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (the
+            sampler then shuts that session down on ``close``; a session you started is left alone).
+        sampler_options: passed to each node's ``Sampler`` (``envs_per_worker``, ``timeout``,
+            ``restart_workers``, ``context`` (default forkserver)...).
+    """
+
+    def __init__(self, env_factory: Callable[[int], Any], policy: Any, *, nodes: int = 2,
+                 envs_per_node: int | Sequence[int] = 4, fragment_steps: int = 256, in_flight: int = 2, first_ready: bool = True,
+                 seed: int | None = None, timeout: float = 60.0, start_timeout: float = 60.0, env_timeout: float | None = None,
+                 restart_nodes: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 10,
+                 restarts_rate_limit_period_s: float = 60.0, actor_options: dict[str, Any] | None = None,
+                 ray_address: str | None = None, ray_init_options: dict[str, Any] | None = None,
+                 log_interval: float | None = None, **sampler_options: Any) -> None:
+        _positive("nodes", nodes)
+        _positive("fragment_steps", fragment_steps)
+        _positive("in_flight", in_flight)
+        sizes = [envs_per_node] * nodes if isinstance(envs_per_node, (int, np.integer)) else list(envs_per_node)
+        if len(sizes) != nodes or not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sizes):
+            raise InvalidInputError(f"envs_per_node must be a positive int or {nodes} of them, got {envs_per_node!r}")
+        if timeout is None or timeout <= 0 or start_timeout is None or start_timeout <= 0:
+            raise InvalidInputError("timeout and start_timeout must be positive numbers of seconds")
+        self.n_nodes = nodes
+        self.n_workers = sum(sizes)
+        self.fragment_steps = int(fragment_steps)
+        self.in_flight = int(in_flight)
+        self.first_ready = bool(first_ready)
+        self.stats = Stats("ray-sampler", log_interval)
+        self.policy_version = 0
+        self.env_version = 0
+        self._weights: tuple[int, Any] | None = None  # (version, ObjectRef) of the newest weights
+        self._env_updates: list[list[Any]] = []  # every env update so far, per global slot (replayed on restart)
+        self._buffer: collections.deque[TransitionBatch] = collections.deque()  # fragments not handed out yet
+        self._open: dict[int, int] = {}  # slot -> global id of its episode still running in handed-out/buffered steps
+        self._episode_base = [0] * nodes  # per node: added to its episode ids (a restarted node counts from 0)
+        self._episode_seen = [-1] * nodes
+        self.cut_episodes: list[int] = []  # global ids of episodes cut by a node restart
+        restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
+        if env_timeout is not None:
+            sampler_options["timeout"] = env_timeout
+        self._pool = NodePool(env_factory, sizes, policy, seed, dict(sampler_options), dict(actor_options or {}),
+                              float(timeout), float(start_timeout), restarts, ray_address, dict(ray_init_options or {}))
+        self._pool.replay = self._replay
+
+    # ------------------------------------------------------------------------------------------
+    # Versions and updates
+
+    def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
+        """A new policy (one ``ray.put``, sent to every node without waiting) and/or env update
+        (a picklable ``fn(env)`` or one per global slot, applied at each slot's next episode
+        start). Returns ``(policy_version, env_version)``."""
+        per_slot = None
+        if env_update is not None:
+            per_slot = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n_workers
+            if len(per_slot) != self.n_workers or not all(u is None or callable(u) for u in per_slot):
+                raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
+            self.env_version += 1
+            self._env_updates.append(per_slot)
+        weights = None
+        if agent_update is not None:
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+            weights = ray.put(agent_update)
+            self._weights = (self.policy_version, weights)
+        if weights is not None or per_slot is not None:
+            for node in self._pool.nodes:
+                self._pool.send_update(node, self.policy_version if weights is not None else None, weights,
+                                       None if per_slot is None else _slice(per_slot, node))
+        return self.policy_version, self.env_version
+
+    def _replay(self, node: Node) -> None:
+        """A (re)started node gets the newest weights and every env update, in order."""
+        if self._weights is not None:
+            self._pool.send_update(node, self._weights[0], self._weights[1], None)
+        for per_slot in self._env_updates:
+            self._pool.send_update(node, None, None, _slice(per_slot, node))
+
+    # ------------------------------------------------------------------------------------------
+    # Steps: fragments, first-ready across nodes
+
+    def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
+        """Exactly ``n`` transitions, in the order the nodes delivered them (each node's fragment
+        in its worker order). Fragments beyond ``n`` wait for the next call, and every node keeps
+        ``in_flight`` fragments under way between calls; episodes continue across calls."""
+        _positive("n", n)
+        self.update(agent_update, env_update)
+        while self.buffered_steps < n:
+            if self.first_ready:
+                self._top_up()
+                self._handle(self._pool.wait())
+            else:
+                self._round()
+        batch = self._take(n)
+        self._top_up()
+        lags = self.policy_version - batch.policy_versions
+        self.stats.lag(lags)
+        self.stats.count("steps_handed_out", len(batch))
+        self.stats.maybe_log()
+        return batch
+
+    def stream(self, fragment_steps: int | None = None, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
+               max_fragments: int | None = None) -> Iterator[TransitionBatch]:
+        """Batches of ``fragment_steps`` (default: the sampler's) transitions as the nodes deliver
+        them. With ``feed``, each batch is put into it first, and collection pauses while the
+        learner has ``max_batches_waiting`` batches waiting (policy lag stays bounded)."""
+        size = self.fragment_steps if fragment_steps is None else fragment_steps
+        _positive("fragment_steps", size)
+        count = 0
+        while max_fragments is None or count < max_fragments:
+            if feed is not None:
+                self.stats.gauge("learner_queue", feed.qsize())
+                with self.stats.timer("back_pressure"):
+                    feed.wait_below(max_batches_waiting)
+            batch = self.obtain_steps(size)
+            if feed is not None:
+                feed.put(batch)
+            count += 1
+            yield batch
+
+    @property
+    def buffered_steps(self) -> int:
+        """Steps collected but not handed out yet (the next ``obtain_steps`` starts with them)."""
+        return sum(len(b) for b in self._buffer)
+
+    @property
+    def open_episodes(self) -> set[int]:
+        """Ids of episodes whose steps were handed out or buffered and that are still running."""
+        return set(self._open.values())
+
+    def _round(self) -> None:
+        """Wait-for-all: one fragment from every node, booked in node order."""
+        requests = [self._pool.submit(node, "steps", self.fragment_steps) for node in self._pool.nodes]
+        answers: dict[int, tuple[Request, Any]] = {}
+        while len(answers) < len(requests):
+            for request, answer in self._pool.wait():
+                answers[request.node] = (request, answer)
+        self._handle([answers[i] for i in sorted(answers)])
+
+    def _top_up(self) -> None:
+        if not self.first_ready:
+            return
+        for node in self._pool.nodes:
+            if all(r.kind == "steps" for r in node.queue):
+                while len(node.queue) < self.in_flight:
+                    self._pool.submit(node, "steps", self.fragment_steps)
+
+    def _take(self, n: int) -> TransitionBatch:
+        parts, have = [], 0
+        while have < n:
+            batch = self._buffer.popleft()
+            if have + len(batch) > n:
+                self._buffer.appendleft(batch.select(slice(n - have, None)))
+                batch = batch.select(slice(0, n - have))
+            parts.append(batch)
+            have += len(batch)
+        return TransitionBatch.concatenate(parts)
+
+    def _handle(self, answers: list[tuple[Request, Any]]) -> list[tuple[Request, Any]]:
+        """Book every answer; returns the episode answers (and lost requests) for the caller."""
+        others = []
+        for request, answer in answers:
+            node = self._pool.nodes[request.node]
+            if answer is None:
+                self._node_lost(node, request)
+            else:
+                batch, counters = answer
+                self._global_episodes(batch, node)
+                for key in COUNTERS:
+                    self.stats.count(key, counters.get(key, 0))
+                if request.kind == "steps":
+                    self._book_fragment(batch)
+            if request.kind != "steps":
+                self._forget_open(node)
+                others.append((request, None if answer is None else answer[0]))
+        return others
+
+    def _global_episodes(self, batch: TransitionBatch, node: Node) -> None:
+        """Node episode ids -> ids unique across nodes and restarts."""
+        if len(batch):
+            self._episode_seen[node.index] = max(self._episode_seen[node.index], int(batch.episode_ids.max()))
+        batch.episode_ids = (batch.episode_ids + self._episode_base[node.index]) * self.n_nodes + node.index
+
+    def _book_fragment(self, batch: TransitionBatch) -> None:
+        self.stats.count("fragments")
+        batch.interrupted = batch.interrupted.copy()  # Ray hands arrays out read-only; a later cut may flag these
+        self._buffer.append(batch)
+        ends = batch.dones
+        for slot in np.unique(batch.worker_ids).tolist():
+            rows = np.flatnonzero(batch.worker_ids == slot)
+            last = rows[-1]
+            if ends[last]:
+                self._open.pop(slot, None)
+            else:
+                self._open[slot] = int(batch.episode_ids[last])
+
+    def _node_lost(self, node: Node, request: Request) -> None:
+        """A request died with its node (already restarted). A fragment's episodes still running
+        are cut: flagged where their steps are not handed out yet, and counted; an episode
+        request's answer is lost whole (counted; the caller asks the new node again)."""
+        self._episode_base[node.index] += self._episode_seen[node.index] + 1
+        self._episode_seen[node.index] = -1
+        self.stats.count("lost_requests")
+        if request.kind != "steps":
+            return
+        for slot in range(node.offset, node.offset + node.n_envs):
+            episode = self._open.pop(slot, None)
+            if episode is None:
+                continue
+            self.cut_episodes.append(episode)
+            self.stats.count("interrupted_episodes")
+            for batch in self._buffer:
+                batch.interrupted[batch.episode_ids == episode] = True
+
+    # ------------------------------------------------------------------------------------------
+    # Whole episodes
+
+    def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
+        """Whole episodes, each started during this call, until at least ``num_samples`` steps
+        (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
+        _positive("num_samples", num_samples)
+        self.update(agent_update, env_update)
+        logger.debug("ray obtain_samples itr=%s num_samples=%d", itr, num_samples)
+        chunk = max(1, min(self.fragment_steps, -(-num_samples // self.n_nodes)))
+        got: list[tuple[int, EpisodeBatch]] = []
+        received, outstanding = 0, []
+        for node in self._pool.nodes:
+            outstanding.append(self._pool.submit(node, "samples", chunk))
+        while outstanding:
+            for request, batch in self._handle(self._pool.wait()):
+                if request not in outstanding:
+                    continue
+                outstanding.remove(request)
+                node = self._pool.nodes[request.node]
+                if batch is not None:
+                    got.append((len(got), batch))
+                    received += len(batch)
+                if received + chunk * len(outstanding) < num_samples:  # a lost chunk is asked for again
+                    outstanding.append(self._pool.submit(node, "samples", chunk))
+        self._top_up_if_streaming()
+        return self._merge(got)
+
+    def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
+                              env_update: Any = None) -> EpisodeBatch:
+        """Exactly ``n_eps_per_worker`` episodes from each global slot (an int, or one per slot),
+        each started during this call, in (worker, admission) order: each node decides admission
+        at an episode's start, per slot (unbiased). A node lost during the call loses its whole
+        answer (counted in ``lost_episodes``; the loss does not depend on episode lengths, so
+        asking its replacement for the same quotas keeps the sample unbiased)."""
+        quotas = ([n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer))
+                  else list(n_eps_per_worker))
+        if len(quotas) != self.n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
+            raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
+        self.update(agent_update, env_update)
+        got: dict[int, EpisodeBatch] = {}
+        outstanding = []
+        for node in self._pool.nodes:
+            local = [int(q) for q in _slice(quotas, node)]
+            if sum(local):
+                outstanding.append(self._pool.submit(node, "episodes", local))
+        while outstanding:
+            for request, batch in self._handle(self._pool.wait()):
+                if request not in outstanding:
+                    continue
+                outstanding.remove(request)
+                if batch is None:
+                    self.stats.count("lost_episodes", sum(request.arg))
+                    logger.warning("ray sampler: node %d was lost during obtain_exact_episodes; its %d episodes are "
+                                   "collected again by its replacement", request.node, sum(request.arg))
+                    outstanding.append(self._pool.submit(self._pool.nodes[request.node], "episodes", request.arg))
+                else:
+                    got[request.node] = batch
+        self._top_up_if_streaming()
+        return self._merge([(i, got[i]) for i in sorted(got)])
+
+    def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None,
+                        env_update: Any = None) -> EpisodeBatch:
+        """``n`` episodes in all (quotas spread over the global slots before collection starts),
+        or ``n`` per slot with ``per_worker=True``."""
+        _positive("n", n)
+        k = self.n_workers
+        quotas = n if per_worker else [n // k + (1 if i < n % k else 0) for i in range(k)]  # round robin, fixed up front
+        return self.obtain_exact_episodes(quotas, agent_update, env_update)
+
+    def _forget_open(self, node: Node) -> None:
+        """An episode request makes the node's running episodes run out unrecorded (as the
+        local ``Sampler`` does); they never continue in a fragment."""
+        for slot in range(node.offset, node.offset + node.n_envs):
+            self._open.pop(slot, None)
+
+    def _top_up_if_streaming(self) -> None:
+        if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):
+            self._top_up()
+
+    def _merge(self, batches: list[tuple[int, EpisodeBatch]]) -> EpisodeBatch:
+        """Episodes in (worker, admission) order: by global slot, then in the order they came."""
+        episodes = [e for _, b in batches for e in b.split_episodes()]
+        if not episodes:
+            raise EnvManagerError("ray sampler: no episode was collected")
+        order = sorted(range(len(episodes)), key=lambda i: (int(episodes[i].worker_ids[0]), i))
+        merged = EpisodeBatch.from_transitions([episodes[i] for i in order],
+                                               [bool(episodes[i].episode_interrupted[0]) for i in order])
+        self.stats.lag(self.policy_version - merged.policy_versions)
+        self.stats.count("episodes_handed_out", merged.n_episodes)
+        return merged
+
+    # ------------------------------------------------------------------------------------------
+    # Nodes and lifetime
+
+    def node_info(self) -> list[dict[str, Any]]:
+        """Where each node runs (host, actor pid, env worker pids, Ray node id), as of its start."""
+        return [dict(node.info) for node in self._pool.nodes]
+
+    def kill_node(self, index: int) -> None:
+        """Kill node ``index``'s actor as a fault would; the sampler notices and restarts it."""
+        self._pool.kill_node(index)
+
+    def restart_count(self, index: int) -> int:
+        return self._pool.restarts.counts[index]
+
+    def shutdown_worker(self) -> None:
+        """garage's name for ``close``."""
+        self.close()
+
+    def close(self) -> None:
+        """End every node (reaping its env processes) and shut down the Ray session if this
+        sampler started it. Idempotent."""
+        self._pool.close()
+        self._buffer.clear()
+
+    def __enter__(self) -> RaySampler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _slice(per_slot: Sequence[Any], node: Node) -> list[Any]:
+    return list(per_slot[node.offset: node.offset + node.n_envs])
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,95 @@
+"""What the Ray test modules share: a policy that shows what it saw, envs with faults, and checks
+that processes are gone (Ray's own processes live for a whole module, so the suite's per-test
+leak check is replaced there by explicit checks of the env processes each test started)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import psutil
+
+from sampler_envs import KindEnv
+
+
+class IdPolicy:
+    """Random actions; agent infos carry the slot ids the policy was given and its parameters."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+        self.params = 0
+
+    def get_actions(self, observations, worker_ids):
+        n = len(worker_ids)
+        return self.rng.integers(0, 2, n), {"ids": np.asarray(worker_ids), "params": np.full(n, self.params)}
+
+    def set_param_values(self, params) -> None:
+        self.params = params
+
+
+class HangEnv(KindEnv):
+    """Hangs for a minute at its ``hang_at``-th step, once (a marker file remembers it)."""
+
+    def __init__(self, marker: str, hang_at: int) -> None:
+        super().__init__()
+        self.marker, self.hang_at = marker, hang_at
+
+    def step(self, action):
+        if self.total + 1 == self.hang_at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(60)
+        return super().step(action)
+
+
+def pickle_by_value() -> None:
+    """Ray workers need not import the tests directory: ship these modules' code by value."""
+    import cloudpickle
+    from ray import cloudpickle as ray_cloudpickle  # Ray pickles with its own copy
+
+    for name in ("sampler_envs", "ray_helpers"):
+        cloudpickle.register_pickle_by_value(sys.modules[name])
+        ray_cloudpickle.register_pickle_by_value(sys.modules[name])
+
+
+def alive(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """The pids of ``pids`` still running after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def node_pids(sampler) -> list[int]:
+    """Every node actor's pid and its env worker pids."""
+    return [pid for info in sampler.node_info() for pid in [info["pid"], *info["worker_pids"]]]
+
+
+def children() -> list[psutil.Process]:
+    """Processes under this one, less multiprocessing's own helpers (as the suite's leak check)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "resource_tracker" not in cmdline and "forkserver" not in cmdline:
+            out.append(p)
+    return out
+
+
+def no_contiguity_gaps(batch) -> None:
+    """Within each episode, the env's step counter (observation 0 of next_observations) runs
+    1, 2, 3, ... with nothing missing or repeated."""
+    for episode in np.unique(batch.episode_ids):
+        ts = batch.next_observations[batch.episode_ids == episode, 0]
+        assert ts.tolist() == list(range(int(ts[0]), int(ts[0]) + len(ts))), f"episode {episode}: {ts.tolist()}"
