@@ -235,8 +235,8 @@ class BatchEnvManager:
         return self.worker_of(worker_id).failure
 
     def allow_step_before_reset(self, worker_ids: Sequence[int]) -> None:
-        """Let these slots, never reset yet, be stepped before their first reset: their envs
-        decide what that means (gymnasium's AsyncVectorEnv steps an env without
+        """Let these slots be stepped before their first reset (call it before any reset): their
+        envs decide what that means (gymnasium's AsyncVectorEnv steps an env without
         ``OrderEnforcing``). A slot whose env fails needs a reset as always."""
         slots = [s for s in self.slots(worker_ids) if self.status[s] == NEEDS_RESET and s not in self._state.owed_resets]
         self.status[slots] = IDLE

@@ -42,7 +42,7 @@ def _dynamic_cases():
                                marks=[pytest.mark.gym_defect] if defect else [])
 
 
-@pytest.mark.parametrize("kind, shared_memory", _dynamic_cases())
+@pytest.mark.parametrize("kind, shared_memory", list(_dynamic_cases()))
 def test_dynamic_spaces_step_as_sync_vector_env(impl, make_async, make_sync, kind, shared_memory):
     fns = [functools.partial(SampledEnv, kind, kind)] * N
     if shared_memory and has_dynamic_shape(kind) and envs.REFERENCE:
