@@ -156,3 +156,52 @@ def test_gym_envs_without_array_spaces_travel_pickled():
         assert m.results.observation is None and m.observation_list == [None, None]
         assert [i.current_result.observation for i in m.reset(seed=0)] == ["abc", "abc"]
         assert {i.current_result.observation for i in m.step({0: 1, 1: 0})} == {"abc"}
+
+
+def _order_enforced_cartpole(worker_id):
+    env = gym.make("CartPole-v1")  # gymnasium.make adds OrderEnforcing
+    if worker_id == 1:
+        env.reset(seed=0)  # already reset: stepping it is fine
+    return env
+
+
+def test_workers_report_which_envs_refuse_a_step_before_reset():
+    m = BatchEnvManager(_order_enforced_cartpole, 3, context="fork", timeout=10)
+    try:
+        assert m.order_enforced == [True, False, True]
+        with pytest.raises(InvalidInputError, match="must be reset"):  # the core's rule stays
+            m.send_batch([1], np.array([0]))
+        m.allow_step_before_reset([1])
+        m.send_batch([1], np.array([0]))
+        assert m.receive_batch(1, timeout=10).slots.tolist() == [1]
+    finally:
+        m.close()
+
+
+def test_check_spaces_runs_before_the_layout_and_ends_the_construction():
+    seen = []
+
+    def check(observation_spaces, action_spaces):
+        seen.append((observation_spaces, action_spaces))
+        raise RuntimeError("not these spaces")
+
+    with pytest.raises(RuntimeError, match="not these spaces"):
+        BatchEnvManager(lambda i: ControlledEnv(i), 2, context="fork", timeout=10, check_spaces=check)
+    assert len(seen) == 1 and len(seen[0][0]) == 2 and seen[0][1] == [spaces.Discrete(3)] * 2
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_as_given_actions_reach_the_envs_unchanged(shared_memory):
+    m = BatchEnvManager(lambda i: ControlledEnv(i), 2, context="fork", timeout=10, shared_memory=shared_memory)
+    try:
+        m.send_reset({0: (0, None), 1: (0, None)})
+        m.receive_reset_batch(timeout=10)
+        assert m.actions.exact(np.array([1, 2]), 2) is not None and m.actions.exact([1, 2], 2) is None
+        m.send_batch([0, 1], [7, 0.5], per_slot=True, as_given=True)  # out of range, a fraction: the env decides
+        m.receive_batch(2, timeout=10)
+        np.testing.assert_array_equal(m.results.observation[:, 2], [7.0, 0.5])
+        m.send_batch([0, 1], m.actions.exact(np.array([5, -1]), 2), as_given=True)
+        m.receive_batch(2, timeout=10)
+        np.testing.assert_array_equal(m.results.observation[:, 2], [5.0, -1.0])
+    finally:
+        m.close()

@@ -1,11 +1,13 @@
 """``envmanager.AsyncVectorEnv``: a drop-in for ``gymnasium.vector.AsyncVectorEnv``, on the core.
 
 Same constructor, attributes, methods, errors and results as gymnasium 1.4's class (results
-equal ``SyncVectorEnv``'s), without four of its defects: an explicit reset always cancels a
-pending autoreset; bad actions are rejected before any worker is sent a step; a step that
-timed out stays pending (``step_wait()`` returns *its* results later, never stale ones); and
-with ``autoreset_mode=DISABLED`` stepping a finished env raises ``AssertionError`` as
-``SyncVectorEnv`` does.
+equal ``SyncVectorEnv``'s; each env gets its action as gymnasium hands it over, see
+``gymnasium_actions``), without five of its defects: an explicit reset always cancels a
+pending autoreset; actions of the wrong number are rejected before any worker is sent a
+step; a step that timed out stays pending (``step_wait()`` returns *its* results
+later, never stale ones); with ``autoreset_mode=DISABLED`` stepping a finished env raises
+``AssertionError`` as ``SyncVectorEnv`` does; and with shared memory OneOf observations are
+the envs' own (gymnasium's stay as they were when it was built).
 
 Extras: ``envs_per_worker`` (several envs per process), and EnvPool-style partial batches:
 with ``batch_size=B``, ``send(actions, env_ids)`` steps the listed envs and ``recv()`` returns
@@ -29,9 +31,10 @@ from gymnasium import logger as gym_logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, ResetNeeded
 from gymnasium.spaces import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_differing_spaces, batch_space, concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
-from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share
+from envmanager.adapters.gymnasium_actions import Actions, HandedActions
+from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share, observation_spaces, space_check
 from envmanager.core.batch import BatchEnvManager, seeds_for
 from envmanager.core.slots import NEEDS_RESET
 from envmanager.core.deadline import Deadline
@@ -111,22 +114,7 @@ class AsyncVectorEnv(VectorEnv):
         self.render_mode = dummy_env.render_mode
         self.single_action_space = dummy_env.action_space
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-        if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
-            if not all(isinstance(s, Space) for s in observation_mode):
-                raise TypeError(f"Expected both elements of observation_mode to be Spaces, got {observation_mode}")
-            self.observation_space, self.single_observation_space = observation_mode
-        elif observation_mode == "same":
-            self.single_observation_space = dummy_env.observation_space
-            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        elif observation_mode == "different":
-            env_spaces = [env().observation_space for env in env_fns]
-            self.single_observation_space = env_spaces[0]
-            self.observation_space = batch_differing_spaces(env_spaces)
-        else:
-            raise ValueError(
-                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
-                f"batch observation space, actual got {observation_mode}"
-            )
+        self.single_observation_space, self.observation_space = observation_spaces(observation_mode, dummy_env, env_fns, self.num_envs)
         dummy_env.close()
         del dummy_env
         if shared_memory and not gymnasium_can_share(self.single_observation_space):
@@ -145,12 +133,11 @@ class AsyncVectorEnv(VectorEnv):
             autoreset_mode=self.autoreset_mode.value,
             timeout=worker_timeout,
             daemon=daemon,
+            check_spaces=space_check(observation_mode, self.single_observation_space, self.single_action_space),
         )
-        try:
-            self._check_spaces()
-        except BaseException:
-            self._manager.close()
-            raise
+        # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
+        self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])
+        self._actions_in = Actions(self.single_action_space, self._manager.actions)
         self._all = np.arange(self.num_envs)
         self._observations = None  # the batch returned with copy=False and no array layout
         self._state = AsyncState.DEFAULT
@@ -159,26 +146,12 @@ class AsyncVectorEnv(VectorEnv):
         self._reset_infos: dict[int, dict] = {}
         self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # sent this step, not yet answered
         self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
-        self._actions: Any = None  # the checked action batch of the step in progress
+        self._actions: HandedActions | None = None  # max_concurrency: the actions of the step in progress
         self._step_infos: dict[int, dict] = {}
         self._call: Any = None
         self._outstanding = np.zeros(self.num_envs, dtype=np.bool_)  # partial batches: sent, not received
         self._received: list[int] = []
         self._received_infos: dict[int, dict] = {}
-
-    def _check_spaces(self) -> None:
-        assert self._manager is not None
-        if self.observation_mode == "same" and any(s != self.single_observation_space for s in self._manager.observation_spaces):
-            raise RuntimeError(
-                "Some environments have an observation space different from "
-                f"`{self.single_observation_space}`. In order to batch observations, the "
-                "observation spaces from all environments must be equal."
-            )
-        if any(s != self.single_action_space for s in self._manager.action_spaces):
-            raise RuntimeError(
-                f"Some environments have an action space different from `{self.single_action_space}`. "
-                "In order to batch actions, the action spaces from all environments must be equal."
-            )
 
     # ------------------------------------------------------------------------------------------
     # gymnasium API
@@ -268,41 +241,32 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         self._assert_default("step_async")
         self._step_infos = {}
-        if isinstance(actions, (int, float, np.generic)) or (isinstance(actions, np.ndarray) and actions.ndim == 0):
-            # as gymnasium's iterate() on a batch space
-            raise TypeError(f"Unable to iterate over the following elements: {actions}")
-        if (manager.status == NEEDS_RESET).any():  # gymnasium's worker says so; we say it before sending
-            raise ResetNeeded("Cannot call env.step() before calling env.reset()")
+        handed = self._hand_over(manager, actions, self._all)
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
-            self._send(manager, self._all, actions)  # checked there, before anything is sent
+            self._send(manager, self._all, handed)
             self._stepping[:] = True
         else:  # checked whole, then sent as room frees up
-            self._actions, self._queued = self._check_actions(manager, actions, self._all), list(range(self.num_envs))
+            self._actions, self._queued = handed, list(range(self.num_envs))
             self._send_queued(manager)
         self._state = AsyncState.WAITING_STEP
 
-    def _send(self, manager: BatchEnvManager, ids: np.ndarray, actions: Any) -> None:
+    def _hand_over(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> HandedActions:
+        """What each env in ``ids`` gets, as gymnasium hands it over; everything that would be
+        refused is refused here, before anything is sent."""
         if self.autoreset_mode == AutoresetMode.DISABLED:
             self._check_not_ended(manager, ids)
-        if manager.actions.space is None:
-            manager.send_batch(ids, self._check_actions(manager, actions, ids), per_slot=True)
-        else:
-            manager.send_batch(ids, actions)
+        handed = self._actions_in.hand_over(actions, len(ids))  # iterate()'s errors, as gymnasium's
+        # gymnasium's env says so when stepped; we say it before sending
+        if ((manager.status if ids is self._all else manager.status[ids]) == NEEDS_RESET).any():
+            raise ResetNeeded("Cannot call env.step() before calling env.reset()")
+        return handed
 
-    def _check_actions(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> Any:
-        """Check the batch for ``ids`` before anything is sent, in gymnasium's terms."""
-        if self.autoreset_mode == AutoresetMode.DISABLED:
-            self._check_not_ended(manager, ids)
-        if manager.actions.space is None:  # no array layout: one action per env, as iterate() gives them
-            space = batch_space(self.single_action_space, len(ids))
-            try:
-                per_env = list(iterate(space, actions))
-            except Exception as exc:
-                raise ValueError(f"actions do not fit the action space: {exc}") from exc
-            if len(per_env) != len(ids):
-                raise ValueError(f"expected actions for {len(ids)} environment(s), got {len(per_env)}")
-            return per_env
-        return manager.actions.batch(actions, ids)
+    @staticmethod
+    def _send(manager: BatchEnvManager, ids: np.ndarray, handed: HandedActions) -> None:
+        if handed.per_env is not None:
+            manager.send_batch(ids, handed.per_env, per_slot=True, as_given=True)
+        else:
+            manager.send_batch(ids, handed.batch, as_given=True)
 
     @staticmethod
     def _check_not_ended(manager: BatchEnvManager, ids: np.ndarray) -> None:
@@ -315,11 +279,6 @@ class AsyncVectorEnv(VectorEnv):
                 "them (options={'reset_mask': ...}) before stepping"
             )
 
-    @property
-    def _per_slot(self) -> bool:
-        assert self._manager is not None
-        return self._manager.actions.space is None
-
     def _send_queued(self, manager: BatchEnvManager) -> None:
         """Send queued steps, keeping at most ``max_concurrency`` envs stepping at once."""
         room = (self.max_concurrency or self.num_envs) - int(self._stepping.sum())
@@ -328,10 +287,8 @@ class AsyncVectorEnv(VectorEnv):
         if not chosen:
             return
         rows = np.asarray(chosen)
-        if self._per_slot:
-            manager.send_batch(rows, [self._actions[i] for i in chosen], per_slot=True)
-        else:
-            manager.send_batch(rows, tree_map(lambda a: a[rows], self._actions))
+        assert self._actions is not None
+        self._send(manager, rows, self._actions.rows(rows))
         self._stepping[rows] = True
         self._queued = [i for i in self._queued if i not in set(chosen)]
 
@@ -457,7 +414,7 @@ class AsyncVectorEnv(VectorEnv):
         busy = ids[self._outstanding[ids]]
         if busy.size:
             raise ValueError(f"env(s) {sorted(busy.tolist())} were sent a step whose result was not received yet")
-        self._send(manager, ids, actions)
+        self._send(manager, ids, self._hand_over(manager, actions, ids))
         self._outstanding[ids] = True
 
     def recv(self, timeout: float | None = None):

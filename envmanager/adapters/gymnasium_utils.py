@@ -1,14 +1,65 @@
-"""Helpers of ``envmanager.vector``: space checks, reset masks and batch shapes, as gymnasium
-defines them."""
+"""Helpers of ``envmanager.AsyncVectorEnv``: observation modes, space checks, reset masks, as
+gymnasium 1.4 defines them (same rules, same messages)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.spaces import Space
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
+from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
+
+
+def observation_spaces(observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int) -> tuple[Space, Space]:
+    """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
+    (the first env's, batched), ``"different"`` (every env made once to read its space, batched
+    with ``batch_differing_spaces``, which raises for spaces of different shapes or types), or
+    a tuple ``(batched, single)`` given by the user."""
+    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+        if not all(isinstance(s, Space) for s in observation_mode):
+            raise TypeError(
+                "Expected both elements of observation_mode to be Spaces, got "
+                f"{type(observation_mode[0])} and {type(observation_mode[1])}"
+            )
+        return observation_mode[1], observation_mode[0]
+    if observation_mode == "same":
+        return dummy_env.observation_space, batch_space(dummy_env.observation_space, n)
+    if observation_mode == "different":
+        env_spaces = [env().observation_space for env in env_fns]
+        return env_spaces[0], batch_differing_spaces(env_spaces)
+    raise ValueError(
+        "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+        f"batch observation space, actual got {observation_mode}"
+    )
+
+
+def space_check(observation_mode: Any, single_observation_space: Space, single_action_space: Space) -> Callable[[list[Space], list[Space]], None]:
+    """gymnasium's check of the spaces every env reports (its ``_check_spaces``): equal
+    observation spaces in ``"same"`` mode, of one shape and dtype otherwise; equal action spaces."""
+
+    def check(observation_spaces: list[Space], action_spaces: list[Space]) -> None:
+        if observation_mode == "same":
+            if any(s != single_observation_space for s in observation_spaces):
+                raise RuntimeError(
+                    "AsyncVectorEnv(..., observation_mode='same') however some of the sub-environments observation "
+                    "spaces are not equivalent. If this is intentional, use `observation_mode='different'` instead."
+                )
+        elif not all(is_space_dtype_shape_equiv(single_observation_space, s) for s in observation_spaces):
+            raise RuntimeError(
+                "AsyncVectorEnv(..., observation_mode='different' or custom space) however the sub-environment's "
+                "observation spaces do not share a common shape and dtype."
+            )
+        if any(s != single_action_space for s in action_spaces):
+            raise RuntimeError(
+                f"Some environments have an action space different from `{single_action_space}`. "
+                "In order to batch actions, the action spaces from all environments must be equal."
+            )
+
+    return check
 
 
 def gymnasium_can_share(space: Space) -> bool:

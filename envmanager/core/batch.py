@@ -50,7 +50,10 @@ _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 class BatchEnvManager:
     """Env slots in worker processes, stepped and received as batches (see the module doc).
 
-    Takes ``SubprocessEnvManager``'s arguments, which documents them.
+    Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
+    called with every slot's observation and action spaces as the workers report them, before
+    shared memory is laid out; whatever it raises ends the construction (an adapter's rules
+    and messages about spaces come before the core's).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class BatchEnvManager:
         restarts_rate_limit_period_s: float = 60.0,
         daemon: bool = True,
         spin_s: float | None = None,
+        check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
     ) -> None:
         self._pool: WorkerPool | None = None
         if not isinstance(n_env, (int, np.integer)) or isinstance(n_env, bool) or n_env < 1:
@@ -115,6 +119,10 @@ class BatchEnvManager:
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
             self.action_spaces = [s for r in readies for s in r.action_spaces]
+            #: Per slot: whether its env raises gymnasium's ``ResetNeeded`` if stepped before a reset.
+            self.order_enforced = [e for r in readies for e in (r.order_enforced or (True,) * len(r.env_ids))]
+            if check_spaces is not None:  # the caller's rules (and errors) come before the layout's
+                check_spaces(self.observation_spaces, self.action_spaces)
             first = readies[0]
             self.observation_space: spaces.Space | None = first.observation_spaces[0]
             self.action_space: spaces.Space | None = first.action_spaces[0]
@@ -226,15 +234,27 @@ class BatchEnvManager:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
         return self.worker_of(worker_id).failure
 
+    def allow_step_before_reset(self, worker_ids: Sequence[int]) -> None:
+        """Let these slots be stepped before their first reset (call it before any reset): their
+        envs decide what that means (gymnasium's AsyncVectorEnv steps an env without
+        ``OrderEnforcing``). A slot whose env fails needs a reset as always."""
+        slots = [s for s in self.slots(worker_ids) if self.status[s] == NEEDS_RESET and s not in self._state.owed_resets]
+        self.status[slots] = IDLE
+
     # ------------------------------------------------------------------------------------------
     # Stepping
 
-    def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False) -> None:
+    def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False, as_given: bool = False) -> None:
         """Check ``actions`` for ``slots`` and send them, one request per process.
 
         ``actions`` is a batch whose first axis runs over ``slots`` (dicts / tuples of arrays
         for Dict / Tuple spaces), or with ``per_slot=True`` a sequence of one action per slot.
         Everything is checked before the first send: bad input reaches no worker.
+
+        ``as_given=True``: no check against the space; every env gets exactly what it is given
+        (the gymnasium drop-in, whose envs judge their actions as gymnasium's do). Per-slot
+        actions then travel pickled; a batch must come from ``actions.exact`` (arrays of the
+        space's very layout, written to shared memory unchanged).
         """
         pool = self.pool
         if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
@@ -255,20 +275,25 @@ class BatchEnvManager:
             if ended.any():
                 raise InvalidInputError(f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
         checker = self.actions
-        if checker.space is not None:
+        if as_given:
+            batch = list(actions) if per_slot else actions
+            if per_slot and len(batch) != len(slots):
+                raise InvalidInputError(f"expected {len(slots)} actions, got {len(batch)}")
+        elif checker.space is not None:
             batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
         else:  # a space with no array layout: actions travel pickled, as given
             batch = list(actions)
             if len(batch) != len(slots):
                 raise InvalidInputError(f"expected {len(slots)} actions, got {len(batch)}")
         shared = self.results.action
-        if shared is not None:
+        pickled = as_given and per_slot  # each as given: no array layout to write them into
+        if shared is not None and not pickled:
             requests = [pool.prepare_raw_step(body, process_slots) for _, process_slots, _, body in plan]
             shm.write(shared, slots, batch)
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
-                    pool.prepare(Cmd.STEP, Step(locals_, [_row(batch, k, checker.space) for k in rows]), process_slots)
+                    pool.prepare(Cmd.STEP, Step(locals_, [_row(batch, k, None if pickled else checker.space) for k in rows]), process_slots)
                     for _, process_slots, (locals_, rows), _ in plan
                 ]
             except Exception as exc:

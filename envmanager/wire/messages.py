@@ -134,7 +134,11 @@ class Attach(NamedTuple):
 
 
 class Ready(NamedTuple):
-    """A worker's first answer: what its envs are (spaces, metadata, ...)."""
+    """A worker's first answer: what its envs are (spaces, metadata, ...).
+
+    ``order_enforced``: per env, whether stepping it before a reset raises gymnasium's
+    ``ResetNeeded`` in the env itself (an ``OrderEnforcing`` wrapper not reset yet).
+    """
 
     env_ids: tuple[int, ...]
     observation_spaces: tuple[Any, ...]
@@ -142,6 +146,7 @@ class Ready(NamedTuple):
     metadata: dict[str, Any]
     render_mode: str | None
     spec: Any
+    order_enforced: tuple[bool, ...] = ()
 
 
 class Stepped(NamedTuple):

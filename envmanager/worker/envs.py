@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
+from gymnasium import Wrapper
+from gymnasium.wrappers import OrderEnforcing
 
 from envmanager.wire import shm
 from envmanager.wire.messages import (
@@ -77,6 +79,7 @@ class WorkerEnvs:
             getattr(first, "metadata", None) or {},
             getattr(first, "render_mode", None),
             spec,
+            tuple(order_enforced(e) for e in self.envs),
         )
 
     # -- STEP and RESET ---------------------------------------------------------------------
@@ -249,6 +252,16 @@ class _Answer:
 
     def answer(self) -> Stepped:
         return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars)
+
+
+def order_enforced(env: Any) -> bool:
+    """Whether stepping ``env`` now raises gymnasium's ``ResetNeeded``: an ``OrderEnforcing``
+    wrapper (as ``gymnasium.make`` adds) that was not reset yet."""
+    while env is not None:
+        if isinstance(env, OrderEnforcing):
+            return not env.has_reset
+        env = getattr(env, "env", None) if isinstance(env, Wrapper) else None
+    return False
 
 
 def _get_attr(env: Any, name: str) -> Any:

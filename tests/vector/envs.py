@@ -244,6 +244,108 @@ class TokenEnv(gym.Env):
         return obs, float(action), self._t >= 3, False, {}
 
 
+#: Spaces of no fixed shape (travel pickled), alone and inside Dict / Tuple.
+DYNAMIC_KINDS = ("graph", "sequence", "sequence_stacked", "oneof", "dict_graph", "tuple_sequence", "dict_oneof")
+
+
+def make_dynamic_space(kind: str) -> spaces.Space:
+    if kind == "graph":
+        return spaces.Graph(node_space=spaces.Box(-1, 1, (2,), np.float32), edge_space=spaces.Discrete(3))
+    if kind == "sequence":
+        return spaces.Sequence(spaces.Discrete(4))
+    if kind == "sequence_stacked":
+        return spaces.Sequence(spaces.Box(0, 1, (2,), np.float32), stack=True)
+    if kind == "oneof":
+        return spaces.OneOf([spaces.Discrete(3), spaces.Box(0, 1, (2,), np.float32)])
+    if kind == "dict_graph":
+        return spaces.Dict({"g": spaces.Graph(node_space=spaces.Discrete(4), edge_space=None),
+                            "x": spaces.Box(-1, 1, (2,), np.float32)})
+    if kind == "tuple_sequence":
+        return spaces.Tuple((spaces.Sequence(spaces.Discrete(2)), spaces.Discrete(3)))
+    if kind == "dict_oneof":
+        return spaces.Dict({"o": spaces.OneOf([spaces.Discrete(2), spaces.MultiBinary(3)]), "k": spaces.Discrete(2)})
+    raise ValueError(kind)
+
+
+def has_dynamic_shape(kind: str) -> bool:
+    """Whether gymnasium's shared memory refuses the space (Graph and Sequence, anywhere in it)."""
+    return "graph" in kind or "sequence" in kind
+
+
+class SampledEnv(gym.Env):
+    """Observations sampled from its observation space (any space, or a :data:`DYNAMIC_KINDS`
+    name), reseeded from ``np_random`` at every reset, so runs with the same seeds are equal.
+    Episodes last ``episode_len`` steps; the action is not looked at."""
+
+    def __init__(self, observation_space: spaces.Space | str, action_space: spaces.Space | str | None = None, episode_len: int = 3):
+        def space(s):
+            return make_dynamic_space(s) if isinstance(s, str) else s
+
+        self.observation_space = space(observation_space)
+        self.action_space = space(action_space if action_space is not None else spaces.Discrete(2))
+        self.episode_len = episode_len
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.observation_space.seed(int(self.np_random.integers(2**31)))
+        self._t = 0
+        return self.observation_space.sample(), {"t": 0}
+
+    def step(self, action):
+        self._t += 1
+        return self.observation_space.sample(), float(self._t), self._t >= self.episode_len, False, {"t": self._t}
+
+
+def describe(action: Any) -> Any:
+    """An exact account of an action as an env received it: type, dtype and repr of every
+    part (dicts and tuples part by part)."""
+    if isinstance(action, dict):
+        return {key: describe(value) for key, value in action.items()}
+    if type(action) is tuple:
+        return tuple(describe(item) for item in action)
+    return (f"{type(action).__module__}.{type(action).__qualname__}", str(getattr(action, "dtype", "")), repr(action))
+
+
+RECORDING_SPACES = {
+    "box0": lambda: spaces.Box(0.0, 1.0, (), np.float32),
+    "box": lambda: spaces.Box(-1.0, 1.0, (3,), np.float32),
+    "discrete": lambda: spaces.Discrete(3),
+    "dict": lambda: spaces.Dict({"a": spaces.Discrete(3), "b": spaces.Box(-1.0, 1.0, (2,), np.float32)}),
+    "tuple": lambda: spaces.Tuple((spaces.Discrete(3), spaces.Box(-1.0, 1.0, (2,), np.float64))),
+}
+
+
+class RecordingEnv(gym.Env):
+    """Keeps an exact account (:func:`describe`) of every action it is given, in ``received``;
+    with ``strict``, raises ``ValueError`` for an action outside its action space."""
+
+    def __init__(self, act_kind: str = "box", strict: bool = False):
+        self.action_space = RECORDING_SPACES[act_kind]()
+        self.observation_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.strict = strict
+        self.received: list[Any] = []
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.received.append(describe(action))
+        if self.strict and not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is outside {self.action_space}")
+        return np.full(1, len(self.received) % 2, np.float32), 1.0, False, False, {}
+
+
+def order_enforced_env(reset: bool = False, **kwargs) -> gym.Env:
+    """A :class:`SpaceEnv` in gymnasium's ``OrderEnforcing`` wrapper (as ``gymnasium.make`` adds
+    it), reset by the factory itself if ``reset``."""
+    env = gym.wrappers.OrderEnforcing(SpaceEnv(**kwargs))
+    if reset:
+        env.reset(seed=0)
+    return env
+
+
 def env_fn(**kwargs):
     """A picklable factory for :class:`SpaceEnv`."""
     return functools.partial(SpaceEnv, **kwargs)

@@ -47,6 +47,31 @@ def test_step_before_reset_is_reset_needed(make_async, make_sync):
     assert_tree_equal(vec.step(actions), ref.step(actions))
 
 
+def test_envs_without_order_enforcing_are_stepped_before_reset(make_async):
+    # gymnasium's test_async_vector_subenv_error steps envs never reset: only OrderEnforcing
+    # (which gymnasium.make adds) refuses that, in the env. Envs already reset by their
+    # factory are stepped too.
+    fns = env_fns(N, max_len=None) + [functools.partial(envs.order_enforced_env, reset=True, max_len=None)]
+    vec = make_async(fns)
+    vec.step(vec.action_space.sample())
+    assert vec.get_attr("step_count") == (1, 1, 1)
+
+
+def test_order_enforcing_env_among_others_refuses_the_step(make_async):
+    fns = [functools.partial(envs.order_enforced_env, max_len=None)] + env_fns(N, max_len=None)
+    vec = make_async(fns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gymnasium reports the env that raised
+        with pytest.raises(ResetNeeded, match=r"^Cannot call env\.step\(\) before calling env\.reset\(\)$"):
+            vec.step(vec.action_space.sample())
+    if envs.REFERENCE:
+        return  # gymnasium stepped the others, and shut the refusing worker down
+    assert vec.get_attr("step_count") == (0, 0, 0)  # ours refused before sending anything
+    vec.reset(seed=0)
+    vec.step(vec.action_space.sample())
+    assert vec.get_attr("step_count") == (1, 1, 1)
+
+
 @pytest.mark.parametrize("pending, attempt, message", [
     ("reset", "reset_async", "Calling `reset_async` while waiting for a pending call to `reset` to complete"),
     ("step", "reset_async", "Calling `reset_async` while waiting for a pending call to `step` to complete"),

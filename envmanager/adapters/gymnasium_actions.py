@@ -1,0 +1,69 @@
+"""Actions as gymnasium's ``AsyncVectorEnv`` hands them to its envs, for ``envmanager.AsyncVectorEnv``.
+
+gymnasium sends env ``i`` the ``i``-th item that ``iterate(action_space, actions)`` yields, as
+it is: a ``float64`` scalar from a ``float64`` array, a Python int from a list, an integer out
+of a ``Discrete``'s range, an array of another shape. The env judges it (and raises, if it
+objects). We do the same, on two paths:
+
+* a batch that already is arrays of the space's dtypes and shapes (what ``action_space.sample()``
+  and most policies give) goes through shared memory, whose rows are exactly those items;
+* anything else travels pickled, one item per env, exactly as ``iterate`` yields it.
+
+What ``iterate`` raises (``TypeError`` for a scalar, ``KeyError`` for a Dict batch without a
+key) is raised as gymnasium raises it, before anything is sent. A number of items other than
+the number of envs is refused with ``InvalidInputError`` (a ``ValueError``), also before
+anything is sent: gymnasium sends to some envs, then fails, and every later result is off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import batch_space, iterate
+
+from envmanager.core.actions import ActionChecker
+from envmanager.errors import InvalidInputError
+from envmanager.wire.shm import tree_map
+
+__all__ = ["Actions", "HandedActions"]
+
+
+class HandedActions:
+    """A batch ready to send: ``batch`` (exact arrays) or ``per_env`` (one item per env)."""
+
+    __slots__ = ("batch", "per_env")
+
+    def __init__(self, batch: Any = None, per_env: list[Any] | None = None) -> None:
+        self.batch = batch
+        self.per_env = per_env
+
+    def rows(self, rows: np.ndarray) -> HandedActions:
+        """The actions of these rows only (for envs sent later, with ``max_concurrency``)."""
+        if self.per_env is not None:
+            return HandedActions(per_env=[self.per_env[r] for r in rows.tolist()])
+        return HandedActions(batch=tree_map(lambda a: a[rows], self.batch))
+
+
+class Actions:
+    """Splits a batch of actions into what each env gets, as gymnasium does (module doc)."""
+
+    def __init__(self, single_space: spaces.Space, checker: ActionChecker) -> None:
+        self.single_space = single_space
+        self.checker = checker
+        self._batch_spaces: dict[int, spaces.Space] = {}
+
+    def hand_over(self, actions: Any, n: int) -> HandedActions:
+        """The actions of ``n`` envs, ready to send; raises what gymnasium raises, and
+        ``InvalidInputError`` for a number of items other than ``n``."""
+        exact = self.checker.exact(actions, n)
+        if exact is not None:
+            return HandedActions(batch=exact)
+        space = self._batch_spaces.get(n)
+        if space is None:
+            space = self._batch_spaces[n] = batch_space(self.single_space, n)
+        per_env = list(iterate(space, actions))
+        if len(per_env) != n:
+            raise InvalidInputError(f"expected actions for {n} environment(s), got {len(per_env)}")
+        return HandedActions(per_env=per_env)
