@@ -76,6 +76,27 @@ def test_exact_episodes_are_unbiased_and_ordered():
         assert lengths == true_lengths(11, slot, 5)[1:]
 
 
+def test_garage_obtain_samples_and_obtain_episodes_take_episodes_by_admission():
+    with WorkerPolicySampler(kind_env, 2, ParityAgent(), seed=11) as sampler:
+        samples = sampler.obtain_samples(0, 60, agent_update=ParityAgent(tag=3))
+        assert len(samples) >= 60 and samples.dones[samples.starts + samples.lengths - 1].all()
+        rounds = samples.n_episodes // 2
+        # rounds of one episode per slot: each slot's episodes are its next ones, in order
+        assert sorted(samples.worker_ids[samples.starts].tolist()) == [0] * rounds + [1] * rounds
+        for slot in (0, 1):
+            lengths = samples.lengths[samples.worker_ids[samples.starts] == slot].tolist()
+            assert lengths == true_lengths(11, slot, rounds)
+        assert (samples.agent_infos["tag"] == 3).all() and (samples.policy_versions == 1).all()
+        some = sampler.obtain_episodes(3)  # quotas 2 + 1, decided before collection
+        assert some.worker_ids[some.starts].tolist() == [0, 0, 1]
+        for slot, k in ((0, 2), (1, 1)):
+            lengths = some.lengths[some.worker_ids[some.starts] == slot].tolist()
+            assert lengths == true_lengths(11, slot, rounds + 2)[rounds : rounds + k]
+        assert sampler.obtain_episodes(1, per_worker=True).n_episodes == 2
+        with pytest.raises(EnvManagerError):
+            sampler.obtain_samples(0, 0)
+
+
 def test_worker_killed_mid_fragment_keeps_its_rows_and_replays_the_env_update(tmp_path):
     marker = str(tmp_path / "killed")
     with WorkerPolicySampler(crashing(marker, 1, 7, "sigkill"), 4, ParityAgent(), seed=3, envs_per_worker=2,

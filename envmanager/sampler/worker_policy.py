@@ -31,6 +31,7 @@ from envmanager.core.batch import BatchEnvManager, seeds_for
 from envmanager.core.pool import get_context, worker_error
 from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
+from envmanager.sampler.episodes import spread
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.stats import Stats
 from envmanager.wire import shm
@@ -159,6 +160,42 @@ class WorkerPolicySampler:
                 episodes.append(rows.select(slice(start, end)))
                 cut.append(bool(rows.interrupted[start]))
         return EpisodeBatch.from_transitions(episodes, cut)
+
+    def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
+        """Whole episodes until at least ``num_samples`` steps (garage's ``obtain_samples``):
+        rounds of one episode from every slot, each started by its round, so no slot's short
+        episodes crowd out another's. ``itr`` is for logs."""
+        if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+            raise InvalidInputError(f"num_samples must be a positive int, got {num_samples!r}")
+        self.update(agent_update, env_update)
+        logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
+        rounds: list[EpisodeBatch] = []
+        while sum(len(r) for r in rounds) < num_samples:
+            rounds.append(self.obtain_exact_episodes(1))
+        return rounds[0] if len(rounds) == 1 else EpisodeBatch.concatenate(rounds)  # type: ignore[return-value]
+
+    def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
+        """``n`` whole episodes in all, or ``n`` from every slot with ``per_worker=True`` (as
+        ``Sampler.obtain_episodes``). In all: quotas spread over the slots before collection
+        (``spread``); slots with the smaller quota give their first episodes only, chosen by
+        admission order, never by length, so the sample stays unbiased."""
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise InvalidInputError(f"n must be a positive int, got {n!r}")
+        if per_worker:
+            return self.obtain_exact_episodes(n, agent_update, env_update)
+        quotas = spread(int(n), self.n_workers)
+        batch = self.obtain_exact_episodes(max(quotas), agent_update, env_update)
+        taken = [0] * self.n_workers
+        keep = []
+        for i, episode in enumerate(batch.split_episodes()):
+            slot = int(episode.worker_ids[0])
+            if taken[slot] < quotas[slot]:
+                taken[slot] += 1
+                keep.append(i)
+        if len(keep) == batch.n_episodes:
+            return batch
+        kept = [batch.episode(i) for i in keep]
+        return EpisodeBatch.concatenate(kept)  # type: ignore[return-value]
 
     def stream(self, steps_per_worker: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
