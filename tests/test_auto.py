@@ -131,6 +131,30 @@ def test_drop_ins_take_auto():
         venv.close()
 
 
+def test_drop_ins_keep_one_process_per_env_unless_asked():
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
+    vec = envmanager.AsyncVectorEnv(fns, context="fork")
+    try:
+        assert vec._manager.envs_per_worker == 1  # gymnasium's layout: env 0 is not stepped here
+    finally:
+        vec.close()
+
+
+def test_auto_with_partial_batches_keeps_a_process_per_env():
+    # partial batches send envs one at a time: a packed process would refuse the second send
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
+    vec = envmanager.AsyncVectorEnv(fns, envs_per_worker="auto", batch_size=1, context="fork")
+    try:
+        assert vec._manager.envs_per_worker == 1
+        vec.reset(seed=0)
+        vec.send(np.zeros(4, dtype=np.int64))
+        for _ in range(12):  # each env is sent again as soon as it is back
+            *_, infos = vec.recv()
+            vec.send(np.zeros(1, dtype=np.int64), infos["env_id"])
+    finally:
+        vec.close()
+
+
 @pytest.mark.parametrize("bad", ["Auto", "", 0, 1.5, True])
 def test_other_values_are_rejected(bad):
     with pytest.raises(InvalidInputError, match="auto"):

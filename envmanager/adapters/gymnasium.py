@@ -61,9 +61,11 @@ class AsyncVectorEnv(VectorEnv):
 
     Args:
         envs_per_worker: sub-environments hosted by one process, stepped as one message, or
-            ``"auto"`` (the default): chosen from one env's step cost measured at start-up --
-            even CPU-bound envs are packed one process per core, uneven or waiting ones get a
-            process each (``envmanager.core.auto``).
+            ``"auto"``: chosen from one env's step cost measured at start-up (env 0 is built
+            and stepped in this process) -- even CPU-bound envs are packed one process per
+            core, uneven or waiting ones get a process each (``envmanager.core.auto``). With
+            partial batches (``batch_size`` below the number of envs) ``"auto"`` is 1: a
+            process is sent a step only when all its envs are back.
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
         worker_timeout: deadline in seconds for any one worker answer (the fault model's
             bound on waits that gymnasium leaves unbounded).
@@ -81,7 +83,7 @@ class AsyncVectorEnv(VectorEnv):
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
         *,
-        envs_per_worker: int | str = "auto",
+        envs_per_worker: int | str = 1,
         batch_size: int | None = None,
         worker_timeout: float = 300.0,
     ) -> None:
@@ -124,6 +126,8 @@ class AsyncVectorEnv(VectorEnv):
             )
 
         fns = list(env_fns)
+        if envs_per_worker == "auto" and self.batch_size < self.num_envs:
+            envs_per_worker = 1  # partial batches send envs one by one: a process per env
         self._manager = BatchEnvManager(
             lambda i: fns[i](),
             self.num_envs,

@@ -63,8 +63,8 @@ class SubprocVecEnv(VecEnv):
     :param start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; by default
         ``"forkserver"`` where available, else ``"spawn"`` (as SB3).
     :param envs_per_worker: environments hosted by one process, stepped as one message, or
-        ``"auto"`` (the default): chosen from one env's step cost measured at start-up
-        (``envmanager.core.auto``).
+        ``"auto"``: chosen from one env's step cost measured at start-up (env 0 is built and
+        stepped in this process; ``envmanager.core.auto``).
     :param shared_memory: observations and actions in shared memory (when the spaces allow).
     :param timeout: deadline in seconds for any worker answer.
     :param manager_kwargs: further ``SubprocessEnvManager`` options (``restart_workers``,
@@ -77,7 +77,7 @@ class SubprocVecEnv(VecEnv):
         env_fns: list[Callable[[], gymnasium.Env]],
         start_method: str | None = None,
         *,
-        envs_per_worker: int | str = "auto",
+        envs_per_worker: int | str = 1,
         shared_memory: bool = True,
         timeout: float = 60.0,
         **manager_kwargs: Any,
