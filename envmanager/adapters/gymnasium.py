@@ -250,7 +250,7 @@ class AsyncVectorEnv(VectorEnv):
             self._send(manager, self._all, handed)
             self._stepping[:] = True
         else:  # checked whole, then sent as room frees up
-            self._actions, self._queued = handed, list(range(self.num_envs))
+            self._actions, self._queued = handed.kept(), list(range(self.num_envs))
             self._send_queued(manager)
         self._state = AsyncState.WAITING_STEP
 

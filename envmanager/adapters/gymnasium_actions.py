@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import batch_space, iterate
@@ -38,6 +39,20 @@ class HandedActions:
     def __init__(self, batch: Any = None, per_env: list[Any] | None = None) -> None:
         self.batch = batch
         self.per_env = per_env
+
+    def kept(self) -> HandedActions:
+        """A copy that outlives the caller's buffers, for steps sent later (``max_concurrency``):
+        every item is pickled now, so one that cannot be is refused before anything is sent,
+        and a caller reusing its action array after ``step_async`` changes nothing."""
+        if self.per_env is None:
+            return HandedActions(batch=tree_map(np.copy, self.batch))
+        kept = []
+        for i, item in enumerate(self.per_env):
+            try:
+                kept.append(cloudpickle.loads(cloudpickle.dumps(item)))
+            except Exception as exc:
+                raise InvalidInputError(f"the action for env {i} cannot be pickled: {exc!r}") from exc
+        return HandedActions(per_env=kept)
 
     def rows(self, rows: np.ndarray) -> HandedActions:
         """The actions of these rows only (for envs sent later, with ``max_concurrency``)."""

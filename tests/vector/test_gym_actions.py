@@ -10,6 +10,7 @@ The expected accounts are computed with gymnasium's ``iterate``; run with
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import numpy as np
@@ -79,6 +80,23 @@ def test_with_max_concurrency_too(make_async):
     actions = np.array([0.1, 0.2, 0.3])
     vec.step(actions)
     assert [list(r) for r in vec.get_attr("received")] == [[a] for a in expected_accounts(vec, actions)]
+
+
+@pytest.mark.ours_only
+def test_queued_actions_are_kept_and_checked_before_anything_is_sent(make_async):
+    # max_concurrency sends some envs' actions later: they are copied at step_async (the caller
+    # may reuse its array), and one that cannot travel is refused before any env is stepped
+    vec = make_async([functools.partial(RecordingEnv, "box0")] * 3, max_concurrency=1)
+    vec.reset(seed=0)
+    actions = np.array([0.1, 0.2, 0.3])
+    expected = [[a] for a in expected_accounts(vec, actions)]
+    vec.step_async(actions)
+    actions[:] = 9.0
+    vec.step_wait()
+    assert [list(r) for r in vec.get_attr("received")] == expected
+    with pytest.raises(ValueError, match="cannot be pickled"):
+        vec.step_async([0.5, 0.5, threading.Lock()])
+    assert [list(r) for r in vec.get_attr("received")] == expected  # no env was stepped
 
 
 @pytest.mark.ours_only
