@@ -208,3 +208,64 @@ def test_worker_killed_during_stream_keeps_its_rows_and_the_stream_goes_on(tmp_p
     assert counters["interrupted_episodes"] == 1
     assert set(both.worker_ids[both.interrupted].tolist()) == {0}  # the cut episode's rows in that fragment
     check_no_gap_no_repeat(both, fresh=False)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_fragment_bytes_too_small_for_one_row_is_refused_and_the_workers_reaped(context):
+    # One row of KindEnv needs ~74 bytes per slot plus the arena's headers: 64 bytes cannot
+    # hold it. The workers had started (the spaces come from them): close() must reap them
+    # and free the arena (the autouse leak check).
+    before = set(ARENAS)
+    with pytest.raises(EnvManagerError, match=r"fragment_bytes=64 is too small: .* needs \d+ bytes per slot"):
+        WorkerPolicySampler(kind_env, 2, ParityAgent(), fragment_bytes=64, context=context, timeout=60)
+    assert set(ARENAS) == before
+    with pytest.raises(EnvManagerError, match="fragment_bytes"):
+        WorkerPolicySampler(kind_env, 2, ParityAgent(), fragment_bytes=0)  # refused before any worker starts
+
+
+def test_env_raising_on_the_first_step_of_an_episode_is_counted_not_silently_dropped(tmp_path):
+    # Slot 0's second episode starts in the same fragment as its first and its env raises on
+    # that episode's first step: no row carries it, yet it used an admission -- it is counted.
+    marker = str(tmp_path / "raised")
+    first = true_lengths(5, 0, 1)[0]
+    with WorkerPolicySampler(crashing(marker, 0, first + 1, "raise"), 2, ParityAgent(), seed=5, restart_workers=True,
+                             timeout=30) as sampler:
+        batch = sampler.obtain_exact_episodes(3)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker)
+    starts = batch.worker_ids[batch.starts]
+    assert (starts == 0).sum() == 2 and (starts == 1).sum() == 3
+    assert counters["empty_cut_episodes"] == 1 and counters["interrupted_episodes"] == 1
+    assert not batch.episode_interrupted.any()  # the episodes that have rows are whole
+    check_no_gap_no_repeat(batch)
+
+
+def test_worker_killed_in_its_first_fragment_does_not_replay_its_seed(tmp_path):
+    # Slot 0's process dies on the 3rd step of its first (seeded) episode. The restarted
+    # process must not reset with that seed again: its episodes would repeat the seeded
+    # sequence from the start, the cut episode's prefix twice. (20 lengths of 5 or 50 drawn
+    # afresh match the seeded ones by chance with probability 2**-20.)
+    marker = str(tmp_path / "killed")
+    with WorkerPolicySampler(crashing(marker, 0, 3, "sigkill"), 2, ParityAgent(), seed=4, restart_workers=True,
+                             timeout=30) as sampler:
+        batch = sampler.obtain_exact_episodes(21)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker) and counters["worker_restarts"] == 1
+    slot0 = [e for e in batch.split_episodes() if e.worker_ids[0] == 0]
+    assert len(slot0) == 21 and slot0[0].episode_interrupted[0] and len(slot0[0]) == 2
+    assert slot0[0].observations[0, 1] == true_lengths(4, 0, 1)[0]  # the cut one was the seeded first
+    after = [int(e.observations[0, 1]) for e in slot0[1:]]
+    assert after != true_lengths(4, 0, 20)
+    check_no_gap_no_repeat(batch)
+
+
+def test_an_unclosed_sampler_frees_its_arena_when_collected():
+    import gc
+
+    sampler = WorkerPolicySampler(kind_env, 1, ParityAgent(), context="fork")
+    token = sampler._token
+    assert token in ARENAS
+    sampler.manager.close()  # the workers are reaped here; the sampler itself is never closed
+    del sampler
+    gc.collect()
+    assert token not in ARENAS

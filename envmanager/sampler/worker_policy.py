@@ -20,6 +20,7 @@ import logging
 import mmap
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 from typing import Any
@@ -69,6 +70,8 @@ class WorkerPolicySampler:
             raise InvalidInputError("the agent needs get_actions(observations, worker_ids) or get_action(observation)")
         if not isinstance(n_workers, int) or n_workers < 1:
             raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
+        if isinstance(fragment_bytes, bool) or not isinstance(fragment_bytes, (int, np.integer)) or fragment_bytes < 1:
+            raise InvalidInputError(f"fragment_bytes must be a positive int, got {fragment_bytes!r}")
         self.n_workers = n = n_workers
         self.stats = Stats("worker-sampler")
         self.policy_version = 0
@@ -79,19 +82,34 @@ class WorkerPolicySampler:
         # Forked workers inherit the arena if it exists before they start; others get none.
         forked = get_context(manager_options.get("context")).get_start_method() == "fork"
         self._mapping = mmap.mmap(-1, n * int(fragment_bytes)) if forked else None
+        self._release_arena: Callable[[], Any] | None = None
         if self._mapping is not None:
             ARENAS[self._token] = self._mapping
+            # An unclosed sampler, once collected, frees its arena all the same.
+            self._release_arena = weakref.finalize(self, _release_arena, self._token, self._mapping)
         try:
             self.manager = BatchEnvManager(RegisteredFactory(env_factory), n, autoreset_mode=DISABLED, **manager_options)
         except BaseException:
             self._free_arena()
             raise
+        try:  # the workers run: any failure from here on must reap them
+            self._setup(n, int(fragment_bytes), seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, n: int, fragment_bytes: int, seed: int | None) -> None:
+        """The arena over the workers' spaces and the per-slot bookkeeping."""
         m = self.manager
         layouts = shm.array_layout(m.observation_space), shm.array_layout(m.action_space)
         if None in layouts:
-            self.close()
             raise InvalidInputError("the worker-side sampler needs Box/Discrete/MultiDiscrete/MultiBinary (or Dict/Tuple of them) spaces")
-        capacity = capacity_for(n * int(fragment_bytes), n, *layouts)
+        one_row = Arena.nbytes_for(ArenaSpec(self._token, n, 1, *layouts))
+        if one_row > n * fragment_bytes:
+            per_slot = -(-one_row // n)
+            raise InvalidInputError(f"fragment_bytes={fragment_bytes} is too small: one row of these spaces needs "
+                                    f"{per_slot} bytes per slot ({one_row} for {n} slots, arena headers included)")
+        capacity = capacity_for(n * fragment_bytes, n, *layouts)
         self._spec = ArenaSpec(self._token, n, capacity, *layouts)
         self._arena = Arena(self._spec, self._mapping) if self._mapping is not None else None
         self._procs: dict[int, list[int]] = {}
@@ -293,11 +311,13 @@ class WorkerPolicySampler:
             self._seeds[s] = None
             n, before = answer["rows"][i], self._running[s]
             last: tuple[int, int] | None = None
+            seen = 0  # episodes started in this fragment that wrote a row
             if n:
                 if arrays is not None:
                     fields = {f: shm.tree_map(lambda a: a[i, :n], arrays[f]) for f in _FIELDS}
                 else:
                     fields = self._read_arena(s, n)
+                seen = sum((self._incarnation[p], e) != before for e in np.unique(fields["episodes"]).tolist())
                 infos = {k: v[i, :n] for k, v in answer["agent_infos"].items()}
                 out[s].append(self._batch(s, p, fields, infos, answer["env_infos"][i], answer["env_versions"][i]))
                 if not (fields["terminated"][-1] or fields["truncated"][-1]):
@@ -309,6 +329,8 @@ class WorkerPolicySampler:
             if starts[s] > 0:
                 starts[s] = max(0, starts[s] - answer["started"][i])
             self.stats.count("episodes_started", answer["started"][i])
+            if answer["started"][i] > seen:  # started, then cut by its env before its first step was written
+                self._empty_cut(s, answer["started"][i] - seen)
             if i in failures:
                 self._cut(s, cut)
                 failure = worker_error(failures[i], p)
@@ -350,9 +372,9 @@ class WorkerPolicySampler:
             if starts[s] > 0:  # admitted episodes count, cut or not: none is silently replaced
                 starts[s] = max(0, starts[s] - started)
             if started > seen:  # started, then cut before its first step was written
-                self.stats.count("interrupted_episodes", started - seen)
-                self.stats.count("empty_cut_episodes", started - seen)
-                logger.warning("worker-side sampler: an admitted episode on worker %d was cut before its first step", s)
+                self._empty_cut(s, started - seen)
+            if started:  # the first reset took the seed: the restarted process must not replay it
+                self._seeds[s] = None
             self._cut(s, cut)
         if self._arena is None:
             self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
@@ -373,6 +395,13 @@ class WorkerPolicySampler:
                 cut.add(self._ids[s][running])
             self.stats.count("interrupted_episodes")
         self._running[s] = None
+
+    def _empty_cut(self, s: int, k: int) -> None:
+        """``k`` episodes admitted on slot ``s`` were cut before writing a row: counted, as no
+        row can carry the flag (an exact-episodes quota is short by them, never refilled)."""
+        self.stats.count("interrupted_episodes", k)
+        self.stats.count("empty_cut_episodes", k)
+        logger.warning("worker-side sampler: %d admitted episode(s) on worker %d cut before their first step", k, s)
 
     def _refusal(self, p: int) -> str | None:
         return self.manager.restart_policy.refusal(p)
@@ -412,14 +441,11 @@ class WorkerPolicySampler:
     # Lifetime
 
     def _free_arena(self) -> None:
-        self._arena = None
-        mapping, self._mapping = getattr(self, "_mapping", None), None
-        if mapping is not None:
-            ARENAS.pop(self._token, None)
-            try:
-                mapping.close()
-            except BufferError:  # a view still alive somewhere: the mapping goes with it
-                pass
+        self._arena = None  # its views first: the mapping cannot close under them
+        self._mapping = None
+        release = getattr(self, "_release_arena", None)
+        if release is not None:
+            release()  # once only (weakref.finalize)
 
     def close(self) -> None:
         """Close the manager (reaps every worker) and free the arena. Idempotent."""
@@ -435,6 +461,15 @@ class WorkerPolicySampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _release_arena(token: str, mapping: mmap.mmap) -> None:
+    """Forget an arena and close its mapping (from ``close`` or when the sampler is collected)."""
+    ARENAS.pop(token, None)
+    try:
+        mapping.close()
+    except BufferError:  # a view still alive somewhere: the mapping goes with it
+        pass
 
 
 def _env_infos(infos: list[dict]) -> dict[str, Any]:
