@@ -143,3 +143,10 @@ def pid_file_factory(directory: str, fail_slot: int):
         return ClosedFileEnv(directory, worker_id)
     return factory
 
+
+
+def raising_factory(marker: str, slot: int, at: int):
+    """Slot ``slot``'s env raises ``RuntimeError("env blew up")`` at its ``at``-th step, once."""
+    def factory(worker_id: int):
+        return KindEnv(marker, at, "raise") if worker_id == slot else KindEnv()
+    return factory

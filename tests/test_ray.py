@@ -18,7 +18,7 @@ from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
 from ray_helpers import (HangEnv, IdPolicy, alive, children, no_contiguity_gaps, node_pids,  # noqa: E402
-                         pickle_by_value, pid_file_factory, slow_restart_factory)
+                         pickle_by_value, pid_file_factory, raising_factory, slow_restart_factory)
 from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
 
 
@@ -200,6 +200,23 @@ def test_a_node_that_fails_to_start_leaves_no_node_behind(tmp_path):
     assert not alive(pids), "env processes outlived their failed sampler"
     assert (tmp_path / "closed-2").exists() and (tmp_path / "closed-3").exists(), "node 1 was killed, not closed"
     assert ray.is_initialized()
+
+
+def test_answers_taken_before_a_node_error_are_handed_out_by_the_next_wait(tmp_path):
+    """Both nodes' requests are done when the driver looks: node 1's raised, node 0's answer was
+    taken first; the error names node 1 and node 0's answer comes with the next wait."""
+    factory = raising_factory(str(tmp_path / "raised"), slot=1, at=3)
+    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=8, seed=0, restart_workers=False)
+    pool = sampler._pool
+    try:
+        requests = [pool.submit(node, "steps", 8) for node in pool.nodes]
+        ray.wait([r.ref for r in requests], num_returns=2, timeout=60)
+        with pytest.raises(RayNodeError, match=r"(?s)node 1 .*env blew up"):
+            pool.wait()
+        held = pool.wait()
+        assert [(request.node, len(answer[0])) for request, answer in held] == [(0, 8)]
+    finally:
+        sampler.close()
 
 
 def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
