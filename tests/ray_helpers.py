@@ -93,3 +93,60 @@ def no_contiguity_gaps(batch) -> None:
     for episode in np.unique(batch.episode_ids):
         ts = batch.next_observations[batch.episode_ids == episode, 0]
         assert ts.tolist() == list(range(int(ts[0]), int(ts[0]) + len(ts))), f"episode {episode}: {ts.tolist()}"
+
+
+class SlowEnv(KindEnv):
+    """``KindEnv`` whose every step takes ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return super().step(action)
+
+
+def slow_restart_factory(marker: str, start_delay: float, step_delay: float):
+    """Slot 0 takes ``start_delay`` seconds to build once it was built before (a slow restart);
+    slot 1 steps slowly (its fragments are under way while slot 0 restarts)."""
+    def factory(worker_id: int):
+        if worker_id != 0:
+            return SlowEnv(step_delay)
+        if os.path.exists(marker):
+            time.sleep(start_delay)
+        open(marker, "w").close()
+        return KindEnv()
+    return factory
+
+
+class ClosedFileEnv(KindEnv):
+    """``KindEnv`` that leaves a file ``closed-<slot>`` in ``directory`` when it is closed."""
+
+    def __init__(self, directory: str, slot: int) -> None:
+        super().__init__()
+        self.directory, self.slot = directory, slot
+
+    def close(self) -> None:
+        open(os.path.join(self.directory, f"closed-{self.slot}"), "w").close()
+        super().close()
+
+
+def pid_file_factory(directory: str, fail_slot: int):
+    """Each env leaves its process id in ``directory`` (``pid-<slot>``), and a file when closed;
+    slot ``fail_slot``'s env cannot be built."""
+    def factory(worker_id: int):
+        with open(os.path.join(directory, f"pid-{worker_id}"), "w") as f:
+            f.write(str(os.getpid()))
+        if worker_id == fail_slot:
+            raise ValueError(f"slot {worker_id} cannot be built")
+        return ClosedFileEnv(directory, worker_id)
+    return factory
+
+
+
+def raising_factory(marker: str, slot: int, at: int):
+    """Slot ``slot``'s env raises ``RuntimeError("env blew up")`` at its ``at``-th step, once."""
+    def factory(worker_id: int):
+        return KindEnv(marker, at, "raise") if worker_id == slot else KindEnv()
+    return factory

@@ -13,10 +13,12 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
-from envmanager.errors import InvalidInputError  # noqa: E402
+from envmanager.errors import EnvManagerError, InvalidInputError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
+from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
-from ray_helpers import HangEnv, IdPolicy, alive, children, no_contiguity_gaps, node_pids, pickle_by_value  # noqa: E402
+from ray_helpers import (HangEnv, IdPolicy, alive, children, no_contiguity_gaps, node_pids,  # noqa: E402
+                         pickle_by_value, pid_file_factory, raising_factory, slow_restart_factory)
 from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
 
 
@@ -169,6 +171,66 @@ def _hang_factory(marker: str):
     def factory(worker_id: int):
         return HangEnv(marker, 20) if worker_id == 1 else kind_env(worker_id)
     return factory
+
+
+def test_a_slow_restart_does_not_make_a_healthy_node_hung(tmp_path):
+    """Node 0 dies and its restart takes longer than ``timeout``; node 1, whose fragment was
+    under way and finished meanwhile, is not judged hung by the time the restart took."""
+    factory = slow_restart_factory(str(tmp_path / "built"), start_delay=5.0, step_delay=0.03)
+    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, in_flight=1, seed=0, timeout=3.0)
+    try:
+        sampler.obtain_steps(16)
+        sampler.kill_node(0)
+        batches = [sampler.obtain_steps(16) for _ in range(4)]
+        assert sampler.restart_count(0) == 1
+        assert sampler.restart_count(1) == 0, "a healthy node was killed as hung"
+        pids = node_pids(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert 1 in TransitionBatch.concatenate(batches).worker_ids
+
+
+def test_a_node_that_fails_to_start_leaves_no_node_behind(tmp_path):
+    """Node 0 cannot build an env: the error names it, and every node's env processes end
+    (each live node is closed, not only those whose start was seen)."""
+    with pytest.raises(RayNodeError, match=r"(?s)node 0 .*cannot be built"):
+        RaySampler(pid_file_factory(str(tmp_path), fail_slot=0), IdPolicy(), nodes=2, envs_per_node=2, seed=0)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    assert not alive(pids), "env processes outlived their failed sampler"
+    assert (tmp_path / "closed-2").exists() and (tmp_path / "closed-3").exists(), "node 1 was killed, not closed"
+    assert ray.is_initialized()
+
+
+def test_answers_taken_before_a_node_error_are_handed_out_by_the_next_wait(tmp_path):
+    """Both nodes' requests are done when the driver looks: node 1's raised, node 0's answer was
+    taken first; the error names node 1 and node 0's answer comes with the next wait."""
+    factory = raising_factory(str(tmp_path / "raised"), slot=1, at=3)
+    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=8, seed=0, restart_workers=False)
+    pool = sampler._pool
+    try:
+        requests = [pool.submit(node, "steps", 8) for node in pool.nodes]
+        ray.wait([r.ref for r in requests], num_returns=2, timeout=60)
+        with pytest.raises(RayNodeError, match=r"(?s)node 1 .*env blew up"):
+            pool.wait()
+        held = pool.wait()
+        assert [(request.node, len(answer[0])) for request, answer in held] == [(0, 8)]
+    finally:
+        sampler.close()
+
+
+def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
+    """The node's sampler rejects an update: the next request raises that error at once (not
+    after waiting for an update that was counted as never arrived)."""
+    node = SamplerNode(0, kind_env, 1, 0, IdPolicy(), 0, {})
+    try:
+        with pytest.raises(InvalidInputError):
+            node.update(None, None, ["not callable"])
+        with pytest.raises(EnvManagerError, match=r"node 0: an update sent before this request raised InvalidInputError") as caught:
+            node.steps(4, updates=1)
+        assert isinstance(caught.value.__cause__, InvalidInputError)
+    finally:
+        node.close()
 
 
 def test_past_the_restart_limits_the_error_names_the_node():

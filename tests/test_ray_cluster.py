@@ -84,3 +84,23 @@ def test_two_raylets_a_lost_raylet_mid_collection_is_restarted_elsewhere(cluster
     assert np.isin(slots, TransitionBatch.concatenate(batches[-6:]).worker_ids).all()  # its slots deliver again
     assert (TransitionBatch.concatenate(batches[-6:]).agent_infos["params"] == 4).all()  # with the newest weights
     assert stats["interrupted_episodes"] == len(cut) <= 2 and stats["lost_requests"] >= 1
+
+
+def test_a_session_samplers_started_ends_with_the_last_of_them(cluster):
+    """The first sampler starts the Ray session, a second joins it: closing the first leaves
+    the session to the second, and closing that one ends it."""
+    first = RaySampler(kind_env, IdPolicy(), nodes=1, envs_per_node=1, fragment_steps=16, seed=0, ray_address=cluster.address)
+    second = None
+    try:
+        second = RaySampler(kind_env, IdPolicy(), nodes=1, envs_per_node=1, fragment_steps=16, seed=1)
+        first.obtain_steps(16)
+        first.close()
+        assert ray.is_initialized()
+        assert len(second.obtain_steps(32)) == 32  # its node still runs
+        pids = node_pids(second)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    assert not ray.is_initialized()
+    assert not alive(pids)

@@ -77,16 +77,25 @@ class SamplerNode:
         self._reported: dict[str, int] = {}
         self._updates = threading.Condition()
         self._updates_received = 0
+        self._update_error: BaseException | None = None  # the first update that raised: every later request raises it
 
     # -- control (runs concurrently with collection: the Sampler's update is thread-safe) ------
 
     def update(self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
-        """A policy version (weights from one ``ray.put``, resolved by Ray) and/or env updates."""
-        versions = self.sampler.update(agent_update, env_updates, version=version)
-        with self._updates:
-            self._updates_received += 1
-            self._updates.notify_all()
-        return versions
+        """A policy version (weights from one ``ray.put``, resolved by Ray) and/or env updates.
+        Counted even if it raises (requests waiting on it must not wait in vain); the error is
+        kept and raised by every later request, naming this node."""
+        try:
+            return self.sampler.update(agent_update, env_updates, version=version)
+        except BaseException as exc:
+            with self._updates:
+                if self._update_error is None:
+                    self._update_error = exc
+            raise
+        finally:
+            with self._updates:
+                self._updates_received += 1
+                self._updates.notify_all()
 
     def _await_updates(self, sent: int) -> None:
         """Every update the driver sent before this request is in (so a call made after
@@ -95,6 +104,9 @@ class SamplerNode:
             if not self._updates.wait_for(lambda: self._updates_received >= sent, timeout=UPDATE_WAIT):
                 raise EnvManagerError(f"node {self.index}: {sent - self._updates_received} update(s) sent before this "
                                       f"request did not arrive within {UPDATE_WAIT:g} s")
+            error = self._update_error
+        if error is not None:  # its own traceback goes with it (and Ray's names this node's actor)
+            raise EnvManagerError(f"node {self.index}: an update sent before this request raised {error!r}") from error
 
     def info(self) -> dict[str, Any]:
         """Where this node runs: host, actor pid, env worker pids, Ray node id."""

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,53 @@ __all__ = ["NodePool", "RayNodeError", "Request"]
 
 #: Seconds a node's actor gets to end cleanly on close before it is killed.
 CLOSE_TIMEOUT = 10.0
+
+
+class _Session:
+    """The Ray session samplers started (never one the user started): shared by every pool that
+    finds it running, and shut down when the last of them closes."""
+
+    lock = threading.Lock()
+    job_id: str | None = None  # the driver's job in the session we started (a new ray.init is another)
+    users = 0
+    temp_dir: str | None = None
+
+    @classmethod
+    def join(cls, address: str | None, init_options: dict[str, Any]) -> str | None:
+        """Start a session, or join ours: returns its job id to ``leave`` with; ``None``: the
+        user's session, left alone."""
+        with cls.lock:
+            if ray.is_initialized():
+                if cls.users == 0 or ray.get_runtime_context().get_job_id() != cls.job_id:
+                    return None
+                cls.users += 1
+                return cls.job_id
+            options = {"include_dashboard": False, **init_options}
+            temp_dir = None
+            if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
+                temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
+            try:
+                ray.init(address=address, **options)
+            except BaseException:
+                if temp_dir is not None:
+                    shutil.rmtree(temp_dir, ignore_errors=True)
+                raise
+            cls.job_id, cls.users, cls.temp_dir = ray.get_runtime_context().get_job_id(), 1, temp_dir
+            return cls.job_id
+
+    @classmethod
+    def leave(cls, job_id: str) -> None:
+        with cls.lock:
+            if job_id != cls.job_id:  # that session is gone already (the user shut it down)
+                return
+            cls.users -= 1
+            if cls.users > 0:
+                return
+            if ray.is_initialized() and ray.get_runtime_context().get_job_id() == cls.job_id:
+                ray.shutdown()
+            if cls.temp_dir is not None:
+                shutil.rmtree(cls.temp_dir, ignore_errors=True)
+            cls.job_id, cls.users, cls.temp_dir = None, 0, None
 
 
 class RayNodeError(EnvManagerError):
@@ -91,8 +139,7 @@ class NodePool:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.restarts = restarts
-        self._owns_session = not ray.is_initialized()
-        self._temp_dir: str | None = None
+        self._session: str | None = None  # job id in the session samplers started (see ``_Session``)
         self._args = (env_factory, policy, seed, sampler_options)
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
                                "max_restarts": 0, "max_task_retries": 0}
@@ -100,13 +147,10 @@ class NodePool:
         self.nodes = [Node(i, offsets[i], n) for i, n in enumerate(envs_per_node)]
         self.replay: Callable[[Node], None] = lambda node: None  # set by the sampler: weights and env updates
         self._updates: list[tuple[Node, int, Any]] = []  # (node, incarnation, ref) of updates not yet confirmed
+        self._held: list[tuple[Request, Any]] = []  # answers taken by a wait that then raised
         self.closed = False
         try:
-            if self._owns_session:  # ours to shut down; a session the user started is never shut down here
-                options = {"include_dashboard": False, **init_options}
-                if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
-                    self._temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
-                ray.init(address=address, **options)
+            self._session = _Session.join(address, init_options)
             for node in self.nodes:
                 self._start(node)
             self._await_started(self.nodes)
@@ -131,17 +175,24 @@ class NodePool:
         met would otherwise block forever)."""
         refs = [node.actor.info.remote() for node in nodes]
         deadline = Deadline(self.start_timeout)
+        first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
         for node, ref in zip(nodes, refs):
+            error = None
             try:
                 node.info = ray.get(ref, timeout=deadline.left())
             except GetTimeoutError:
-                raise RayNodeError(node.index, f"{node.name()} did not start within {self.start_timeout:g} s "
-                                   f"(can the cluster meet its actor options {self._actor_options}?)") from None
+                error = RayNodeError(node.index, f"{node.name()} did not start within {self.start_timeout:g} s "
+                                     f"(can the cluster meet its actor options {self._actor_options}?)")
             except RayTaskError as exc:
-                raise RayNodeError(node.index, f"{node.name()} failed to start: {exc.cause!r}", str(exc)) from None
+                error = RayNodeError(node.index, f"{node.name()} failed to start: {exc.cause!r}", str(exc))
             except RayActorError as exc:
-                raise RayNodeError(node.index, f"{node.name()} died while starting: {exc}") from None
-            self.replay(node)
+                error = RayNodeError(node.index, f"{node.name()} died while starting: {exc}")
+            if error is None:
+                self.replay(node)
+            elif first is None:
+                first = error
+        if first is not None:
+            raise first
 
     def lost(self, node: Node, why: str) -> list[Request]:
         """``node`` is hung or dead: kill it and start a new one within the restart limits
@@ -206,7 +257,11 @@ class NodePool:
     def wait(self) -> list[tuple[Request, Any]]:
         """Block until at least one request is done (first-ready across nodes), then take every
         other one already done. Returns ``(request, answer)`` pairs; a request whose node died or
-        hung is answered ``None`` after the node was restarted (or ``RayNodeError`` raised)."""
+        hung is answered ``None`` after the node was restarted (or ``RayNodeError`` raised).
+        Answers taken before an error is raised are returned by the next call."""
+        if self._held:
+            out, self._held = self._held, []
+            return out
         self._check_updates()
         pending = {r.ref: r for node in self.nodes for r in node.queue}
         if not pending:
@@ -215,7 +270,26 @@ class NodePool:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=soonest)
         if ready:  # drain whatever else is done too, without waiting
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        # Hung is judged now, before any restart below (which may take up to start_timeout).
+        done = set(ready)
+        hung = [(node, node.incarnation) for node in self.nodes if node.queue and node.head_deadline is not None
+                and node.head_deadline.passed() and node.queue[0].ref not in done]
         out: list[tuple[Request, Any]] = []
+        try:
+            self._take(ready, pending, out)
+            for node, incarnation in hung:
+                if node.incarnation != incarnation or not node.queue:  # restarted meanwhile
+                    continue
+                if ray.wait([node.queue[0].ref], timeout=0)[0]:  # done during a restart: the next wait takes it
+                    continue
+                out += [(r, None) for r in self.lost(node, f"missed its {self.timeout:g} s deadline (hung)")]
+        except BaseException:
+            self._held = out
+            raise
+        return out
+
+    def _take(self, ready: list[Any], pending: dict[Any, Request], out: list[tuple[Request, Any]]) -> None:
+        """The answers of ``ready`` into ``out``; a node that died is restarted."""
         for ref in ready:
             request = pending[ref]
             node = self.nodes[request.node]
@@ -231,10 +305,6 @@ class NodePool:
             node.queue.remove(request)
             node.head_deadline = Deadline(self.timeout) if node.queue else None
             out.append((request, answer))
-        for node in self.nodes:
-            if node.queue and node.head_deadline is not None and node.head_deadline.passed():
-                out += [(r, None) for r in self.lost(node, f"missed its {self.timeout:g} s deadline (hung)")]
-        return out
 
     def _check_updates(self) -> None:
         """Answers of updates sent earlier: an error is raised naming the node; a dead node's is dropped."""
@@ -271,16 +341,21 @@ class NodePool:
             return
         self.closed = True
         live = [node for node in self.nodes if node.actor is not None]
-        refs = [node.actor.close.remote() for node in live if node.info]  # started: let it reap its envs
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT)
+        # Every live actor reaps its envs; one still starting runs close right after its start.
+        started = [node.actor.close.remote() for node in live if node.info]
+        starting = [node.actor.close.remote() for node in live if not node.info]
+        deadline = Deadline(CLOSE_TIMEOUT)
+        if started:
+            ray.wait(started, num_returns=len(started), timeout=deadline.left())
+        if starting:  # not started within start_timeout: maybe never placed, so no longer than that
+            ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), self.start_timeout))
         for node in live:
             self._kill(node)
-        if self._owns_session and ray.is_initialized():
-            ray.shutdown()
-        if self._temp_dir is not None:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
+        if self._session is not None:
+            _Session.leave(self._session)
+            self._session = None
         self._updates = []
+        self._held = []
         for node in self.nodes:
             node.queue = []
 

@@ -57,8 +57,9 @@ class RaySampler:
             restarts of hung or dead nodes (per node, ML-Agents' rule).
         actor_options: Ray actor options (``num_cpus``, ``resources``, ``scheduling_strategy``,
             ``runtime_env``...); default one CPU per node, spread over the cluster.
-        ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (the
-            sampler then shuts that session down on ``close``; a session you started is left alone).
+        ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (that
+            session is shared with later samplers and shut down when the last of them closes; a
+            session you started is left alone).
         sampler_options: passed to each node's ``Sampler`` (``envs_per_worker``, ``timeout``,
             ``restart_workers``, ``context`` (default forkserver)...).
     """
