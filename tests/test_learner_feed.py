@@ -189,11 +189,15 @@ def test_worker_killed_during_stream_is_restarted_and_the_stream_goes_on(tmp_pat
         with LearnerFeed(lambda b: {}, queue_size=1) as feed:
             fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=1, max_fragments=10))
             feed.drain(timeout=30)
-        counters = dict(sampler.stats.counters)
+        counters, cut = dict(sampler.stats.counters), list(sampler.cut_episodes)
     assert os.path.exists(marker)
     assert [len(f) for f in fragments] == [8] * 10  # exact fragments, the stream never stopped
     both = TransitionBatch.concatenate(fragments)
-    assert counters["interrupted_episodes"] == 1 and both.interrupted.any()
-    assert set(both.worker_ids[both.interrupted].tolist()) == {1}
+    assert counters["interrupted_episodes"] == 1 and len(cut) == 1
+    # the cut episode is worker 1's, it never ended, and its steps still held when the worker
+    # died are flagged (those an earlier fragment handed out cannot be)
+    rows = both.episode_ids == cut[0]
+    assert rows.any() and set(both.worker_ids[rows].tolist()) == {1} and not both.dones[rows].any()
+    assert set(both.episode_ids[both.interrupted].tolist()) <= {cut[0]}
     keys = list(zip(both.worker_ids.tolist(), both.episode_ids.tolist(), both.next_observations[:, 0].tolist()))
     assert len(keys) == len(set(keys))  # nothing duplicated

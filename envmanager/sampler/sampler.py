@@ -95,6 +95,9 @@ class Sampler:
         self._recording = [False] * n  # whether the running episode is admitted by this call
         self._steps: list[list[Step]] = [[] for _ in range(n)]
         self._episode_id = [-1] * n
+        #: Ids of the episodes a worker restart cut, in the order seen: their steps still held are
+        #: flagged ``interrupted``, but steps a ``stream`` already handed out cannot be recalled.
+        self.cut_episodes: list[int] = []
         self._next_episode_id = 0
         self._sent: dict[int, tuple[Any, Any, dict[str, Any], int]] = {}  # slot -> (obs, action, agent info, version)
 
@@ -314,6 +317,7 @@ class Sampler:
                         step.interrupted = True
                     plan.finished(slot, self._steps[slot], True)
                     self.stats.count("interrupted_episodes")
+                    self.cut_episodes.append(self._episode_id[slot])
                 self._end_episode(slot)
                 continue
             if sent is None:
