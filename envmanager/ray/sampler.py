@@ -23,6 +23,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.ray.node import COUNTERS
 from envmanager.ray.nodes import Node, NodePool, Request
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
+from envmanager.sampler.learner import feed_fragments
 
 if TYPE_CHECKING:
     from envmanager.sampler import LearnerFeed
@@ -163,17 +164,7 @@ class RaySampler:
         learner has ``max_batches_waiting`` batches waiting (policy lag stays bounded)."""
         size = self.fragment_steps if fragment_steps is None else fragment_steps
         _positive("fragment_steps", size)
-        count = 0
-        while max_fragments is None or count < max_fragments:
-            if feed is not None:
-                self.stats.gauge("learner_queue", feed.qsize())
-                with self.stats.timer("back_pressure"):
-                    feed.wait_below(max_batches_waiting)
-            batch = self.obtain_steps(size)
-            if feed is not None:
-                feed.put(batch)
-            count += 1
-            yield batch
+        yield from feed_fragments(lambda: self.obtain_steps(size), self.stats, feed, max_batches_waiting, max_fragments)
 
     @property
     def buffered_steps(self) -> int:

@@ -15,7 +15,7 @@ import collections
 import logging
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from envmanager.sampler.stats import Stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LearnerFeed", "LearnerError", "LearnerStarvedError"]
+__all__ = ["LearnerFeed", "LearnerError", "LearnerStarvedError", "feed_fragments"]
 
 
 class LearnerError(EnvManagerError):
@@ -277,3 +277,21 @@ class LearnerFeed:
 def policy_lag(version: int, batch: TransitionBatch) -> np.ndarray:
     """Versions between ``version`` and the policy that acted, per step."""
     return version - batch.policy_versions
+
+
+def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
+                   max_batches_waiting: int, max_fragments: int | None) -> Iterator[TransitionBatch]:
+    """The loop of every sampler's ``stream``: while the learner has ``max_batches_waiting``
+    batches waiting, wait (Sample Factory's back-pressure: policy lag stays bounded); then
+    collect one fragment with ``obtain``, put it into ``feed``, and yield it."""
+    count = 0
+    while max_fragments is None or count < max_fragments:
+        if feed is not None:
+            stats.gauge("learner_queue", feed.qsize())
+            with stats.timer("back_pressure"):
+                feed.wait_below(max_batches_waiting)
+        batch = obtain()
+        if feed is not None:
+            feed.put(batch)
+        count += 1
+        yield batch

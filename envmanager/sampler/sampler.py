@@ -21,6 +21,7 @@ from envmanager.core.batch import BatchEnvManager, seeds_for
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
+from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.stats import Stats
 from envmanager.wire import shm
 from envmanager.worker.envs import DISABLED
@@ -193,18 +194,13 @@ class Sampler:
         has ``max_batches_waiting`` batches waiting (Sample Factory's back-pressure: policy lag
         stays bounded). Policy updates published meanwhile apply between steps."""
         _positive("fragment_steps", fragment_steps)
-        count = 0
-        while max_fragments is None or count < max_fragments:
-            if feed is not None:
-                self.stats.gauge("learner_queue", feed.qsize())
-                with self.stats.timer("back_pressure"):
-                    feed.wait_below(max_batches_waiting)
+
+        def fragment() -> TransitionBatch:
             batch = self.obtain_steps(fragment_steps)
-            if feed is not None:
-                feed.put(batch)
             self.stats.count("fragments")
-            count += 1
-            yield batch
+            return batch
+
+        yield from feed_fragments(fragment, self.stats, feed, max_batches_waiting, max_fragments)
 
     # ------------------------------------------------------------------------------------------
     # The collection loop

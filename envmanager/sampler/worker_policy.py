@@ -34,6 +34,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitEr
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
+from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.stats import Stats
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvFunction
@@ -221,17 +222,8 @@ class WorkerPolicySampler:
         ``feed``, each is put into the learner feed, and collection pauses while the learner has
         ``max_batches_waiting`` batches waiting. Agents published meanwhile (``update``, from the
         feed's ``on_update``, thread-safe) are used from each process's next request on."""
-        count = 0
-        while max_fragments is None or count < max_fragments:
-            if feed is not None:
-                self.stats.gauge("learner_queue", feed.qsize())
-                with self.stats.timer("back_pressure"):
-                    feed.wait_below(max_batches_waiting)
-            batch = self.obtain_steps(steps_per_worker)
-            if feed is not None:
-                feed.put(batch)
-            count += 1
-            yield batch
+        yield from feed_fragments(lambda: self.obtain_steps(steps_per_worker), self.stats, feed,
+                                  max_batches_waiting, max_fragments)
 
     def _collect(self, steps: list[int] | None, quotas: list[int] | None) -> list[list[TransitionBatch]]:
         """Fragments until every slot has its ``steps`` rows (or ``quotas`` episodes, each run to
