@@ -17,6 +17,7 @@ from typing import Any
 
 from envmanager.errors import EnvManagerError
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
+from envmanager.sampler.sampler import apply_agent_update
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,7 @@ class GlobalIds:
 
     def set_param_values(self, update: Any) -> None:
         """Weights into the user's policy (``set_param_values`` / ``load_state_dict``), or a new policy."""
-        if hasattr(self.policy, "set_param_values"):
-            self.policy.set_param_values(update)
-        elif hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(update)
-        else:
-            self.policy = update
+        self.policy = apply_agent_update(self.policy, update)
 
 
 class SamplerNode:

@@ -139,12 +139,7 @@ class Sampler:
         if pending is None:
             return
         version, update = pending
-        if hasattr(self.policy, "set_param_values"):
-            self.policy.set_param_values(update)
-        elif hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(update)
-        else:
-            self.policy = update
+        self.policy = apply_agent_update(self.policy, update)
         self._acting_version = version
         self.stats.count("policy_updates")
 
@@ -378,6 +373,18 @@ class Sampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def apply_agent_update(policy: Any, update: Any) -> Any:
+    """The policy after an ``agent_update``: weights loaded into it (garage's
+    ``set_param_values``, or torch's ``load_state_dict``), or the update itself, a new policy."""
+    if hasattr(policy, "set_param_values"):
+        policy.set_param_values(update)
+        return policy
+    if hasattr(policy, "load_state_dict"):
+        policy.load_state_dict(update)
+        return policy
+    return update
 
 
 def _positive(name: str, value: Any) -> None:
