@@ -5,7 +5,9 @@ a few steps with sampled actions, for at most :data:`MEASURE_S` of stepping and
 :data:`DEADLINE_S` in all (construction included). The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
-  x their median, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
+  x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
+  cost does not hold first-ready back, and cheap steps resumed after preemption on a cold
+  cache vary by more than 3x --, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
   cheap or expensive: pack the envs into one process per core, ``max(1, n_env // cores)``
   envs each -- one message then carries several steps, the per-message cost (a pipe round
   trip, ~60 µs) is shared, and no more processes compete for the cores than there are cores
@@ -41,7 +43,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["AUTO", "StepCost", "choose_envs_per_worker", "measure_step_cost", "usable_cores"]
 
 AUTO = "auto"
-UNEVEN_RATIO = 3.0  # 90th percentile / median of the CPU times above this: uneven
+UNEVEN_RATIO = 3.0  # 90th percentile / median of the CPU times above this: uneven...
+UNEVEN_MIN_S = 50e-6  # ...if the slow tenth is also this much slower (below a message's cost it does not matter)
 CPU_BOUND = 0.5  # median CPU time / fastest wall times below this: the step mostly waits
 MEASURE_S = 0.1  # seconds of stepping at most
 MAX_STEPS = 200
@@ -127,7 +130,7 @@ def choose_envs_per_worker(env_factory: Callable[[int], Any], n_env: int, cores:
         choice, why = 1, cost
     elif cost.cpu_share < CPU_BOUND:
         choice, why = 1, f"steps mostly wait ({cost.cpu_share:.0%} on the CPU)"
-    elif cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s:
+    elif cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
         choice, why = 1, (f"uneven steps (CPU time p90 {cost.cpu_p90_s * 1e6:.0f} us > {UNEVEN_RATIO:g} x "
                           f"median {cost.cpu_median_s * 1e6:.0f} us)")
     else:
