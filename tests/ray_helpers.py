@@ -11,6 +11,7 @@ import time
 import numpy as np
 import psutil
 
+from process_helpers import alive  # noqa: F401 (the Ray test modules import it from here)
 from sampler_envs import KindEnv
 
 
@@ -51,22 +52,6 @@ def pickle_by_value() -> None:
     for name in ("sampler_envs", "ray_helpers"):
         cloudpickle.register_pickle_by_value(sys.modules[name])
         ray_cloudpickle.register_pickle_by_value(sys.modules[name])
-
-
-def alive(pids: list[int], timeout: float = 15.0) -> list[int]:
-    """The pids of ``pids`` still running after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    left.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 def node_pids(sampler) -> list[int]:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import subprocess
 import time
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 
 import envmanager
 from envmanager import InvalidInputError, SubprocessEnvManager
 from envmanager.core import auto
 from envmanager.testing.envs import EnvFactory
+from process_helpers import alive
 
 
 def test_cheap_envs_are_packed_one_process_per_core(caplog):
@@ -134,13 +138,123 @@ def test_drop_ins_take_auto(caplog):
         venv.close()
 
 
-def test_drop_ins_keep_one_process_per_env_unless_asked():
-    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
-    vec = envmanager.AsyncVectorEnv(fns, context="fork")
+def test_drop_ins_default_to_auto_and_the_core_to_one_process_per_slot(caplog):
+    cores = auto.usable_cores()
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(2 * cores)]
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        vec = envmanager.AsyncVectorEnv(fns, context="fork")
     try:
-        assert vec._manager.envs_per_worker == 1  # gymnasium's layout: env 0 is not stepped here
+        chosen = [int(r.getMessage().split("chose ")[1].split()[0]) for r in caplog.records if "chose" in r.getMessage()]
+        assert chosen and vec._manager.envs_per_worker == chosen[-1]
     finally:
         vec.close()
+    vec = envmanager.AsyncVectorEnv(fns, context="fork", envs_per_worker=1)  # gymnasium's layout on request
+    try:
+        assert vec._manager.envs_per_worker == 1
+    finally:
+        vec.close()
+    with SubprocessEnvManager(EnvFactory(), 2 * cores, context="fork") as m:
+        assert m.envs_per_worker == 1 and len(m.workers) == 2 * cores
+
+
+def test_nothing_is_measured_when_there_is_nothing_to_pack(caplog):
+    def never(env_id):
+        raise AssertionError("built")
+
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(never, 3, cores=2) == 1
+    assert any("nothing to pack" in r.getMessage() for r in caplog.records)
+
+
+class Recorded(gym.Wrapper):
+    """Appends "<event> <pid>" to a file for construction, reset and step (as a recording
+    wrapper, SB3's ``Monitor`` or gymnasium's ``RecordVideo``, would write what it sees)."""
+
+    def __init__(self, env: gym.Env, path: str) -> None:
+        super().__init__(env)
+        self.path = path
+        self._write("built")
+
+    def _write(self, event: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{event} {os.getpid()}\n")
+
+    def reset(self, **kwargs):
+        self._write("reset")
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self._write("step")
+        return self.env.step(action)
+
+
+def test_measuring_builds_env_0_elsewhere_and_its_wrappers_see_no_step(tmp_path, caplog):
+    cores = auto.usable_cores()
+    path = str(tmp_path / "events")
+    fns = [lambda i=i: Recorded(gym.make("CartPole-v1"), path) if i == 0 else gym.make("CartPole-v1")
+           for i in range(2 * cores)]
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        vec = envmanager.AsyncVectorEnv(fns, context="fork")
+    try:
+        assert any("CPU-bound" in r.getMessage() or "uneven" in r.getMessage() for r in caplog.records)
+        with open(path) as f:
+            events = [line.split() for line in f]
+        assert {e for e, _ in events} == {"built"}, events  # measured, yet nothing recorded a step or reset
+        worker_pids = {p.pid for p in psutil.Process().children()}
+        builders = {int(pid) for _, pid in events}
+        # gymnasium's dummy env (in this process, as gymnasium builds one), the throwaway
+        # measuring process (gone by now), and env 0's worker
+        measuring = builders - worker_pids - {os.getpid()}
+        assert len(measuring) == 1 and not alive(list(measuring), timeout=0)
+        vec.reset(seed=0)
+        vec.step(np.zeros(2 * cores, dtype=np.int64))
+        with open(path) as f:
+            assert [line.split()[0] for line in f][-2:] == ["reset", "step"]
+    finally:
+        vec.close()
+
+
+def test_an_env_rendering_to_a_window_is_not_stepped(caplog):
+    # CartPole with render_mode="human" would open a window on its first step (pygame)
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(lambda i: gym.make("CartPole-v1", render_mode="human"), 8, cores=2) == 1
+    assert any("render_mode='human'" in r.getMessage() for r in caplog.records)
+
+
+class StartsAHelper(gym.Env):
+    """Starts a process of its own (as a simulator would, in a session of its own), then hangs."""
+
+    observation_space = gym.spaces.Discrete(2)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, path: str) -> None:
+        helper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        with open(path, "w") as f:
+            f.write(str(helper.pid))
+
+    def reset(self, *, seed=None, options=None):
+        return 0, {}
+
+    def step(self, action):
+        time.sleep(60)
+        return 0, 0.0, False, False, {}
+
+
+def test_a_hung_measurement_is_killed_with_what_the_env_started(tmp_path, caplog):
+    path = str(tmp_path / "helper")
+    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
+        assert auto.choose_envs_per_worker(lambda i: StartsAHelper(path), 8, cores=2) == 1
+    assert any("no answer within" in r.getMessage() for r in caplog.records)
+    with open(path) as f:
+        helper = int(f.read())
+    assert not alive([helper], timeout=5), "the env's own process outlived the measurement"
+
+
+def test_measuring_works_under_every_start_method(caplog):
+    for method in multiprocessing.get_all_start_methods():
+        cost = auto.measure_step_cost(EnvFactory(cpu_time=1e-4), multiprocessing.get_context(method))
+        assert not isinstance(cost, str), (method, cost)
+        assert cost.steps > 10 and cost.cpu_median_s > 0
 
 
 def test_auto_with_partial_batches_keeps_a_process_per_env():

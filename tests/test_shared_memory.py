@@ -19,6 +19,7 @@ import pytest
 from envmanager import SubprocessEnvManager
 from envmanager.envs import EnvFactory
 from envmanager.wire import shm
+from process_helpers import alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXTS = ["fork", "spawn", "forkserver"]
@@ -88,22 +89,6 @@ def _kill_everything(pids: list[int]) -> None:
             pass
 
 
-def _alive(pids: list[int], grace: float = 15.0) -> list[int]:
-    """Those of ``pids`` still running after up to ``grace`` s (zombies count as gone)."""
-    deadline = time.monotonic() + grace
-    while True:
-        left = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    left.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
 def _ours(entries: set[str], pids: list[int]) -> set[str]:
     """Entries of /dev/shm that name one of ``pids`` (other jobs on the machine make their own)."""
     return {e for e in entries if any(str(pid) in e for pid in pids)}
@@ -127,7 +112,7 @@ def test_killing_every_process_at_once_leaves_nothing_in_dev_shm(context, envs_p
     finally:
         _kill_everything(family)
         proc.communicate(timeout=30)
-    assert not _alive(family), "processes outlived SIGKILL"
+    assert not alive(family), "processes outlived SIGKILL"
     left = _ours(set(os.listdir("/dev/shm")) - before, family)
     assert not left, f"shared memory left behind: {left}"
 
@@ -145,7 +130,7 @@ def test_the_named_fallback_is_what_leaks_when_everything_is_killed():
         _kill_everything(family)
         proc.communicate(timeout=30)
     try:
-        assert not _alive(family)
+        assert not alive(family)
         assert _ours(set(os.listdir("/dev/shm")) - before, family) == {name}
     finally:
         if os.path.exists(f"/dev/shm/{name}"):

@@ -9,7 +9,7 @@ later, never stale ones); with ``autoreset_mode=DISABLED`` stepping a finished e
 ``AssertionError`` as ``SyncVectorEnv`` does; and with shared memory OneOf observations are
 the envs' own (gymnasium's stay as they were when it was built).
 
-Extras: ``envs_per_worker`` (several envs per process), and EnvPool-style partial batches:
+Extras: ``envs_per_worker`` (several envs per process; ``"auto"`` by default), and EnvPool-style partial batches:
 with ``batch_size=B``, ``send(actions, env_ids)`` steps the listed envs and ``recv()`` returns
 the first ``B`` to finish, their ids in ``infos["env_id"]``. Under partial batches each env
 autoresets on its own, per ``autoreset_mode``, exactly as it would in a one-env vector env.
@@ -61,9 +61,10 @@ class AsyncVectorEnv(VectorEnv):
 
     Args:
         envs_per_worker: sub-environments hosted by one process, stepped as one message, or
-            ``"auto"``: chosen from one env's step cost measured at start-up (env 0 is built
-            and stepped in this process) -- even CPU-bound envs are packed one process per
-            core, uneven or waiting ones get a process each (``envmanager.core.auto``). With
+            ``"auto"`` (the default): chosen from one env's step cost measured at start-up in
+            a throwaway process (``env_fns[0]()`` built there, its unwrapped env stepped) --
+            even CPU-bound envs are packed one process per core, uneven or waiting ones get a
+            process each (``envmanager.core.auto``); ``1`` is gymnasium's layout. With
             partial batches (``batch_size`` below the number of envs) ``"auto"`` is 1: a
             process is sent a step only when all its envs are back.
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
@@ -83,7 +84,7 @@ class AsyncVectorEnv(VectorEnv):
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         max_concurrency: int | None = None,
         *,
-        envs_per_worker: int | str = 1,
+        envs_per_worker: int | str = "auto",
         batch_size: int | None = None,
         worker_timeout: float = 300.0,
     ) -> None:

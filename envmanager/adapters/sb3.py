@@ -18,7 +18,7 @@ reported (``WorkerDiedError``) instead of a bare ``EOFError``, and ``close()`` r
 process. Rewards come back as ``float32`` (as ``DummyVecEnv``), observations with the dtype
 of the observation space.
 
-Extras beyond SB3's signature (keyword-only): ``envs_per_worker``, ``shared_memory``,
+Extras beyond SB3's signature (keyword-only): ``envs_per_worker`` (``"auto"`` by default), ``shared_memory``,
 ``timeout``, ``restart_workers`` and the other ``SubprocessEnvManager`` options.
 """
 
@@ -63,8 +63,9 @@ class SubprocVecEnv(VecEnv):
     :param start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; by default
         ``"forkserver"`` where available, else ``"spawn"`` (as SB3).
     :param envs_per_worker: environments hosted by one process, stepped as one message, or
-        ``"auto"``: chosen from one env's step cost measured at start-up (env 0 is built and
-        stepped in this process; ``envmanager.core.auto``).
+        ``"auto"`` (the default): chosen from one env's step cost measured at start-up in a
+        throwaway process (``env_fns[0]()`` built there, its unwrapped env stepped, so a
+        ``Monitor`` records nothing; ``envmanager.core.auto``); ``1`` is SB3's layout.
     :param shared_memory: observations and actions in shared memory (when the spaces allow).
     :param timeout: deadline in seconds for any worker answer.
     :param manager_kwargs: further ``SubprocessEnvManager`` options (``restart_workers``,
@@ -77,7 +78,7 @@ class SubprocVecEnv(VecEnv):
         env_fns: list[Callable[[], gymnasium.Env]],
         start_method: str | None = None,
         *,
-        envs_per_worker: int | str = 1,
+        envs_per_worker: int | str = "auto",
         shared_memory: bool = True,
         timeout: float = 60.0,
         **manager_kwargs: Any,

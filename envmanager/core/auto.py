@@ -1,8 +1,13 @@
 """``envs_per_worker="auto"``: how many envs one worker process should host, on this machine.
 
-One env is built and stepped in the parent, in a background thread, before any worker starts:
-a few steps with sampled actions, for at most :data:`MEASURE_S` of stepping and
-:data:`DEADLINE_S` in all (construction included). The rule:
+One env is built and stepped in a **throwaway process** before any worker starts (same start
+method, killed with everything it started once it has answered): a few steps with sampled
+actions, for at most :data:`MEASURE_S` of stepping and :data:`DEADLINE_S` in all once the
+process runs (env construction included). Nothing of it touches the user's env 0 or this
+process: the measured env is ``env.unwrapped``, reset and stepped directly, so wrappers that
+record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see no step; an env
+with ``render_mode="human"`` is not stepped at all (it would open a window; such steps wait on
+the display, and get a process each). The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
   x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
@@ -12,31 +17,32 @@ a few steps with sampled actions, for at most :data:`MEASURE_S` of stepping and
   envs each -- one message then carries several steps, the per-message cost (a pipe round
   trip, ~60 µs) is shared, and no more processes compete for the cores than there are cores
   (``envmanager bench --scenario sweep``: packing is ahead from 5 µs to 5 ms per step);
-* anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), or an
-  env that did not finish the measurement within the deadline: one env per process, so
-  first-ready stepping never waits for a slow neighbour and waits overlap.
+* anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), an
+  env that did not finish the measurement within the deadline, or one that failed: one env
+  per process, so first-ready stepping never waits for a slow neighbour and waits overlap.
+
+When there is nothing to pack (``n_env // cores`` is 1 or 0) nothing is measured.
 
 Both tests hold on a busy machine: evenness is judged on CPU time, which preemption does not
 stretch, and the CPU share against the fastest tenth of the wall times (the steps that ran
 without being preempted), not their median.
-
-Measuring in the parent rather than in a worker keeps the worker protocol unchanged and costs
-no extra process start (gymnasium's ``AsyncVectorEnv`` builds a dummy env in the parent too).
-The thread is abandoned (daemon) if the env hangs, and the choice then falls back to 1; such an
-env is still stepping in the parent when the workers start (with ``fork``, a lock it holds is
-copied held), which is why the deadline is short and the fallback logged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import cloudpickle
+
+from envmanager.core.process import descendants, kill_all
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,10 @@ UNEVEN_MIN_S = 50e-6  # ...if the slow tenth is also this much slower (below a m
 CPU_BOUND = 0.5  # median CPU time / fastest wall times below this: the step mostly waits
 MEASURE_S = 0.1  # seconds of stepping at most
 MAX_STEPS = 200
-DEADLINE_S = 0.5  # the whole measurement, env construction included
+DEADLINE_S = 1.0  # the measurement once the process runs, env construction included
+START_TIMEOUT_S = 60.0  # the process starting (spawn imports the env's modules)
+CLOSE_GRACE_S = 1.0  # the env's close() after answering, before the process is killed
+_STARTED = "started"
 
 
 @dataclass(frozen=True)
@@ -77,63 +86,120 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _measure(env_factory: Callable[[int], Any], out: list) -> None:
+def step_cost(env: Any) -> StepCost | str:
+    """Time a few steps of ``env.unwrapped`` with sampled actions (its wrappers see nothing);
+    the cost, or why the env is not stepped."""
+    if getattr(env, "render_mode", None) == "human":
+        return "not stepped: render_mode='human' (it would open a window)"
+    base = getattr(env, "unwrapped", env)
+    base.reset(seed=0)
+    space = base.action_space
+    space.seed(0)
+    times: list[float] = []
+    cpus: list[float] = []
+    end = time.perf_counter() + MEASURE_S
+    while len(times) < MAX_STEPS and time.perf_counter() < end:
+        action = space.sample()
+        c0, t0 = time.process_time(), time.perf_counter()
+        _, _, terminated, truncated, _ = base.step(action)
+        times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        if terminated or truncated:
+            base.reset()
+    # preemption (a busy machine) stretches wall times, not CPU times: judge evenness on CPU
+    # time, and the CPU share against the fastest wall times
+    cpu_median, fastest = statistics.median(cpus), _percentile(times, 0.1)
+    share = min(1.0, cpu_median / fastest) if fastest > 0 else 1.0
+    return StepCost(statistics.median(times), _percentile(times, 0.9), cpu_median, _percentile(cpus, 0.9), share, len(times))
+
+
+def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
+    """The throwaway process: build env 0, answer its cost (or why not), then close it."""
+    from envmanager.worker.main import watch_parent
+
+    try:  # own process group: Ctrl-C goes to the parent, and killing the group reaches what the env started
+        os.setpgid(0, 0)
+    except (OSError, AttributeError):
+        pass
+    threading.Thread(target=watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
+    env = None
     try:
-        env = env_factory(0)
-        try:
-            env.reset(seed=0)
-            space = env.action_space
-            space.seed(0)
-            times: list[float] = []
-            cpus: list[float] = []
-            end = time.perf_counter() + MEASURE_S
-            while len(times) < MAX_STEPS and time.perf_counter() < end:
-                action = space.sample()
-                c0, t0 = time.thread_time(), time.perf_counter()
-                _, _, terminated, truncated, _ = env.step(action)
-                dt = time.perf_counter() - t0
-                cpus.append(time.thread_time() - c0)
-                times.append(dt)
-                if terminated or truncated:
-                    env.reset()
-        finally:
+        conn.send(_STARTED)
+        env = cloudpickle.loads(factory)(0)
+        answer: StepCost | str = step_cost(env)
+    except BaseException as exc:  # the parent falls back to 1
+        answer = f"measuring failed: {exc!r}"
+    try:
+        conn.send(answer)
+        if env is not None:
             env.close()
-        # preemption (a busy machine) stretches wall times, not CPU times: judge evenness on CPU
-        # time, and the CPU share against the fastest wall times
-        cpu_median, fastest = statistics.median(cpus), _percentile(times, 0.1)
-        share = min(1.0, cpu_median / fastest) if fastest > 0 else 1.0
-        out.append(StepCost(statistics.median(times), _percentile(times, 0.9), cpu_median,
-                            _percentile(cpus, 0.9), share, len(times)))
-    except BaseException as exc:  # reported by the caller, which falls back to 1
-        out.append(exc)
+    except BaseException:
+        pass
 
 
-def measure_step_cost(env_factory: Callable[[int], Any], deadline_s: float = DEADLINE_S) -> StepCost | str:
-    """Build env 0 and time a few steps in a thread; the cost, or why it could not be measured."""
-    out: list = []
-    thread = threading.Thread(target=_measure, args=(env_factory, out), name="envmanager-auto", daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    if thread.is_alive() or not out:
-        return f"no answer within {deadline_s:g} s"
-    if isinstance(out[0], BaseException):
-        return f"measuring failed: {out[0]!r}"
-    return out[0]
+def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = None, *, daemon: bool = True,
+                      start_timeout: float = START_TIMEOUT_S, deadline_s: float = DEADLINE_S) -> StepCost | str:
+    """Build env 0 (``env_factory(0)``, a callable or its cloudpickle) in a throwaway process of
+    ``context`` (a multiprocessing context, by default the platform's) and time a few steps;
+    the cost, or why it could not be measured. The process and all it started are gone on return."""
+    from envmanager.core.pool import get_context
+
+    ctx = context if context is not None and not isinstance(context, str) else get_context(context)
+    factory = env_factory if isinstance(env_factory, bytes) else cloudpickle.dumps(env_factory)
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_measuring_process, args=(factory, writer, os.getpid()),
+                          name="envmanager-auto", daemon=daemon)
+    try:
+        process.start()
+        writer.close()
+        if not reader.poll(start_timeout):
+            return f"the measuring process did not start within {start_timeout:g} s"
+        reader.recv()
+        if not reader.poll(deadline_s):
+            return f"no answer within {deadline_s:g} s"
+        return reader.recv()
+    except (EOFError, OSError):
+        return f"the measuring process died (exit code {process.exitcode})"
+    finally:
+        _reap(process)
+        reader.close()
 
 
-def choose_envs_per_worker(env_factory: Callable[[int], Any], n_env: int, cores: int | None = None) -> int:
+def _reap(process: Any) -> None:
+    """Let the measuring process close its env and exit; else kill it and what it started."""
+    if process.pid is None:  # never started
+        return
+    process.join(CLOSE_GRACE_S)
+    family = descendants(process.pid)
+    if process.is_alive():
+        process.kill()
+    process.join()
+    kill_all(family)
+    if hasattr(os, "killpg"):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # anything left in its process group
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.close()
+
+
+def choose_envs_per_worker(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: int | None = None,
+                           context: Any = None, *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S) -> int:
     """The ``envs_per_worker`` for ``n_env`` envs of ``env_factory`` on ``cores`` cores (see the module doc)."""
     cores = cores or usable_cores()
-    cost = measure_step_cost(env_factory)
     packed = max(1, n_env // cores)
-    if isinstance(cost, str):
-        choice, why = 1, cost
-    elif cost.cpu_share < CPU_BOUND:
-        choice, why = 1, f"steps mostly wait ({cost.cpu_share:.0%} on the CPU)"
-    elif cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
-        choice, why = 1, (f"uneven steps (CPU time p90 {cost.cpu_p90_s * 1e6:.0f} us > {UNEVEN_RATIO:g} x "
-                          f"median {cost.cpu_median_s * 1e6:.0f} us)")
+    if packed == 1:
+        choice, why = 1, f"{n_env} envs on {cores} cores: nothing to pack"
     else:
-        choice, why = packed, f"even CPU-bound steps (median {cost.median_s * 1e6:.0f} us): {n_env} envs // {cores} cores"
+        cost = measure_step_cost(env_factory, context, daemon=daemon, start_timeout=start_timeout)
+        if isinstance(cost, str):
+            choice, why = 1, cost
+        elif cost.cpu_share < CPU_BOUND:
+            choice, why = 1, f"steps mostly wait ({cost.cpu_share:.0%} on the CPU)"
+        elif cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
+            choice, why = 1, (f"uneven steps (CPU time p90 {cost.cpu_p90_s * 1e6:.0f} us > {UNEVEN_RATIO:g} x "
+                              f"median {cost.cpu_median_s * 1e6:.0f} us)")
+        else:
+            choice, why = packed, f"even CPU-bound steps (median {cost.median_s * 1e6:.0f} us): {n_env} envs // {cores} cores"
     logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores: %s", choice, n_env, cores, why)
     return choice

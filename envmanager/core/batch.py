@@ -93,8 +93,8 @@ class BatchEnvManager:
         ctx = get_context(context)
 
         self.n_env = n_env = int(n_env)
-        if envs_per_worker == AUTO:  # one env stepped in this process, within a deadline
-            envs_per_worker = choose_envs_per_worker(env_factory, n_env)
+        if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines
+            envs_per_worker = choose_envs_per_worker(factory, n_env, context=ctx, daemon=daemon, start_timeout=timeout)
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
         self.timeout = float(timeout)

@@ -39,7 +39,9 @@ class SubprocessEnvManager(BatchEnvManager):
         env_factory: ``env_factory(worker_id) -> env``, a gymnasium-style env. Cloudpickled.
         n_env: number of environment slots (``worker_id`` 0 .. n_env-1).
         envs_per_worker: slots hosted by one process (stepped together, as one message), or
-            ``"auto"``: chosen from one env's step cost measured at start-up (``envmanager.core.auto``).
+            ``"auto"``: chosen from one env's step cost measured at start-up in a throwaway
+            process (``envmanager.core.auto``). Default 1: one process per slot, so a slot's
+            crash or hang touches only that slot (the drop-ins default to ``"auto"``).
         context: multiprocessing start method: ``"fork"``, ``"forkserver"``, ``"spawn"``; by
             default ``"fork"`` on Linux, ``"spawn"`` on macOS and Windows (``platforms``).
         shared_memory: keep observations, rewards, flags and actions in shared memory.

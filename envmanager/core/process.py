@@ -185,7 +185,7 @@ class WorkerProcess:
             return
         self.interrupt()
         self.process.join(grace)
-        _kill_all(self._family)
+        kill_all(self._family)
 
     def interrupt(self) -> None:
         """SIGTERM now, noting first the processes it started: once it has ended, those in a
@@ -207,7 +207,7 @@ class WorkerProcess:
             self.process.kill()
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
-        _kill_all(family + self._family)
+        kill_all(family + self._family)
         if pid is not None and hasattr(os, "killpg"):
             try:
                 os.killpg(pid, signal.SIGKILL)  # anything left in its process group
@@ -224,7 +224,7 @@ class WorkerProcess:
                 self.state = ProcessState.CLOSED
 
 
-def _kill_all(pids: list[int]) -> None:
+def kill_all(pids: list[int]) -> None:
     for pid in pids:
         try:
             psutil.Process(pid).kill()  # SIGKILL on POSIX, TerminateProcess on Windows

@@ -70,7 +70,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
 
     link = link_for(conn, queue_writer)
 
@@ -119,7 +119,7 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _watch_parent(parent_pid: int, ppid_at_start: int) -> None:
+def watch_parent(parent_pid: int, ppid_at_start: int) -> None:
     """Exit when the parent is gone: first gracefully (SIGTERM), then hard."""
     while True:
         time.sleep(PARENT_CHECK_INTERVAL)
