@@ -2,8 +2,9 @@
 
 One env is built and stepped in a **throwaway process** before any worker starts (same start
 method, killed with everything it started once it has answered): a few steps with sampled
-actions, for at most :data:`MEASURE_S` of stepping and :data:`DEADLINE_S` in all once the
-process runs (env construction included). Nothing of it touches the user's env 0 or this
+actions, for at most :data:`MEASURE_S` of stepping and :data:`DEADLINE_S` for the reset and
+steps; starting the process and building the env have the workers' start-up deadline
+(``timeout``), since spawn imports the env's modules there. Nothing of it touches the user's env 0 or this
 process: the measured env is ``env.unwrapped``, reset and stepped directly, so wrappers that
 record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see no step; an env
 with ``render_mode="human"`` is not stepped at all (it would open a window; such steps wait on
@@ -54,10 +55,10 @@ UNEVEN_MIN_S = 50e-6  # ...if the slow tenth is also this much slower (below a m
 CPU_BOUND = 0.5  # median CPU time / fastest wall times below this: the step mostly waits
 MEASURE_S = 0.1  # seconds of stepping at most
 MAX_STEPS = 200
-DEADLINE_S = 1.0  # the measurement once the process runs, env construction included
-START_TIMEOUT_S = 60.0  # the process starting (spawn imports the env's modules)
+DEADLINE_S = 1.0  # the reset and steps, once the env is built
+START_TIMEOUT_S = 60.0  # the process starting and the env built (spawn imports the env's modules)
 CLOSE_GRACE_S = 1.0  # the env's close() after answering, before the process is killed
-_STARTED = "started"
+_BUILT = "built"
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
     threading.Thread(target=watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
     env = None
     try:
-        conn.send(_STARTED)
         env = cloudpickle.loads(factory)(0)
+        conn.send(_BUILT)
         answer: StepCost | str = step_cost(env)
     except BaseException as exc:  # the parent falls back to 1
         answer = f"measuring failed: {exc!r}"
@@ -149,27 +150,37 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_measuring_process, args=(factory, writer, os.getpid()),
                           name="envmanager-auto", daemon=daemon)
+    answered = False
     try:
-        process.start()
-        writer.close()
+        try:
+            process.start()
+        except Exception as exc:  # e.g. a daemonic caller, which may not have children
+            return f"the measuring process could not start: {exc!r}"
+        finally:
+            writer.close()
         if not reader.poll(start_timeout):
-            return f"the measuring process did not start within {start_timeout:g} s"
-        reader.recv()
+            return f"env 0 not built within {start_timeout:g} s"
+        first = reader.recv()
+        if first != _BUILT:  # building failed: the answer says why
+            answered = True
+            return first
         if not reader.poll(deadline_s):
             return f"no answer within {deadline_s:g} s"
-        return reader.recv()
+        answer = reader.recv()
+        answered = True
+        return answer
     except (EOFError, OSError):
         return f"the measuring process died (exit code {process.exitcode})"
     finally:
-        _reap(process)
+        _reap(process, CLOSE_GRACE_S if answered else 0.0)
         reader.close()
 
 
-def _reap(process: Any) -> None:
-    """Let the measuring process close its env and exit; else kill it and what it started."""
+def _reap(process: Any, grace: float) -> None:
+    """Give the measuring process ``grace`` s to close its env and exit; then kill it and what it started."""
     if process.pid is None:  # never started
         return
-    process.join(CLOSE_GRACE_S)
+    process.join(grace)
     family = descendants(process.pid)
     if process.is_alive():
         process.kill()
