@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +17,9 @@ class KindEnv(gym.Env):
     observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, crash_marker: str | None = None, crash_at: int = 0, crash: str = "exit") -> None:
+    def __init__(self, crash_marker: str | None = None, crash_at: int = 0, crash: str = "exit", step_s: float = 0.0,
+                 hang_at: int = 0) -> None:
+        self.step_s, self.hang_at = step_s, hang_at  # each step sleeps step_s; step hang_at (total) sleeps a minute
         self.bonus = 0.0
         self.t = 0
         self.length = 0
@@ -35,6 +38,8 @@ class KindEnv(gym.Env):
     def step(self, action):
         self.t += 1
         self.total += 1
+        if self.step_s or self.total == self.hang_at:
+            time.sleep(60.0 if self.total == self.hang_at else self.step_s)
         if self.crash_marker and self.total == self.crash_at and not os.path.exists(self.crash_marker):
             open(self.crash_marker, "w").close()
             if self.crash == "raise":

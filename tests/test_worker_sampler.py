@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from envmanager.errors import EnvManagerError, WorkerError
+from envmanager.errors import EnvManagerError, WorkerError, WorkerTimeoutError
 from envmanager.sampler import LearnerFeed, TransitionBatch, WorkerPolicySampler
 from envmanager.sampler.rollout import ARENAS
 from sampler_envs import KindEnv, kind_env, set_bonus, true_lengths
@@ -269,3 +269,28 @@ def test_an_unclosed_sampler_frees_its_arena_when_collected():
     del sampler
     gc.collect()
     assert token not in ARENAS
+
+
+def slow_env(worker_id: int) -> KindEnv:
+    return KindEnv(step_s=0.03)
+
+
+def hanging_env(worker_id: int) -> KindEnv:
+    return KindEnv(hang_at=5 if worker_id == 1 else 0)
+
+
+def test_a_fragment_longer_than_the_deadline_is_not_hung_while_it_writes_rows():
+    # 100 steps of 30 ms: 3 s per fragment, three times the deadline; rows keep coming, so the
+    # process is not killed as hung (it was: the deadline covered the whole fragment)
+    with WorkerPolicySampler(slow_env, 2, ParityAgent(), seed=1, timeout=1.0, context="fork") as sampler:
+        batch = sampler.obtain_steps(100)
+    assert len(batch) == 200 and np.bincount(batch.worker_ids).tolist() == [100, 100]
+    check_no_gap_no_repeat(batch)
+
+
+def test_a_fragment_that_stops_writing_rows_is_hung():
+    # slot 1 hangs on its 5th step: no row for a whole deadline, so it is called hung (and named)
+    with WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=1.0, context="fork") as sampler:
+        with pytest.raises(WorkerTimeoutError) as caught:
+            sampler.obtain_steps(20)
+    assert 1 in caught.value.worker_ids and 0 not in caught.value.worker_ids

@@ -450,6 +450,12 @@ class BatchEnvManager:
                 raise WorkerTimeoutError(late(), limit, what, hung=False)
             self._take(pool.wait(deadline.left()))
 
+    def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
+        """Let calls that keep working outlive the deadline: ``progress(slots)`` is a count
+        that grows while a call on those slots works (0 when sent); such a call is hung only
+        once it has not grown for the deadline (``WorkerPool.progress``). ``None``: off."""
+        self.pool.progress = progress
+
     def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None:
         """Wait until the processes hosting ``worker_ids`` (default: all) have nothing in flight
         (a restart, say); what finishes meanwhile is kept for ``receive_batch``."""

@@ -95,6 +95,10 @@ class WorkerPool:
         self._poll_version = -1
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
+        #: Optional ``progress(slots) -> int``: a count that grows while a call on those slots
+        #: makes progress (0 when sent). A call is then overdue only when it has not grown for
+        #: the deadline, so long calls that keep working (worker-side rollouts) are not hung.
+        self.progress: Callable[[list[int]], int] | None = None
         #: Shared memory with no name, made before any worker starts so each gets it as it starts
         #: (``None``: no shared memory, or named segments where the platform has no such file).
         self.file: SharedFile | None = SharedFile.create() if shared_memory else None
@@ -230,11 +234,16 @@ class WorkerPool:
         note when the next one can be due: no request sent later is due sooner."""
         completions: list[Completion] = []
         for w in list(self.workers):
-            if w.busy and w.watched and now - w.sent_at > self.timeout:
+            if w.busy and w.watched and now - w.alive_at > self.timeout:
                 cmd = w.request.cmd  # type: ignore[union-attr]
+                if cmd is Cmd.CALL and self.progress is not None:
+                    done = self.progress(list(w.env_ids))
+                    if done != w.progress_seen:  # working, not hung: a new deadline from now
+                        w.progress_seen, w.alive_at = done, now
+                        continue
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, WorkerTimeoutError(list(w.env_ids), self.timeout, what, processes=[w.index]), completions)
-        oldest = min((w.sent_at for w in self.workers if w.busy and w.watched), default=now)
+        oldest = min((w.alive_at for w in self.workers if w.busy and w.watched), default=now)
         self._next_deadline_check = oldest + self.timeout + 1e-3
         return completions
 

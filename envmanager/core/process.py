@@ -94,6 +94,9 @@ class WorkerProcess:
         # The first answer is READY (seq 0): the process starts out busy with it.
         self.request: EnvironmentRequest | None = EnvironmentRequest(Cmd.READY, 0, self.env_ids)
         self.sent_at = time.monotonic()
+        #: When it last showed it was working (its request sent, or progress): deadlines count from here.
+        self.alive_at = self.sent_at
+        self.progress_seen = 0
         self.failure: EnvManagerError | None = None
         self.exitcode: int | None = None
         self.reaped = False
@@ -128,7 +131,8 @@ class WorkerProcess:
         """
         assert self.request is None, f"{self.name} already has a request in flight"
         self.request = request
-        self.sent_at = time.monotonic() if now is None else now
+        self.sent_at = self.alive_at = time.monotonic() if now is None else now
+        self.progress_seen = 0
         try:
             self._write(request.data)
         except OSError:  # BrokenPipeError, ConnectionResetError, ...

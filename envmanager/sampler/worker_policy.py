@@ -30,7 +30,7 @@ import numpy as np
 
 from envmanager.core.batch import BatchEnvManager, seeds_for
 from envmanager.core.pool import get_context, worker_error
-from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitError
+from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitError, WorkerTimeoutError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
@@ -113,6 +113,8 @@ class WorkerPolicySampler:
         capacity = capacity_for(n * fragment_bytes, n, *layouts)
         self._spec = ArenaSpec(self._token, n, capacity, *layouts)
         self._arena = Arena(self._spec, self._mapping) if self._mapping is not None else None
+        if self._arena is not None:  # a fragment that keeps writing rows is not hung, however long
+            m.watch_progress(_progress_of(weakref.ref(self)))
         self._procs: dict[int, list[int]] = {}
         for slot in range(n):
             self._procs.setdefault(int(m.slot_process[slot]), []).append(slot)
@@ -267,8 +269,7 @@ class WorkerPolicySampler:
                 send(p)
         with self.stats.timer("collect"):
             while pending:
-                m.wait_for(lambda: any(m.call_ready(r) for r in pending.values()), None, "rollout fragments",
-                           lambda: [s for p in pending for s in self._procs[p]])
+                self._wait_any(pending)
                 for p in [p for p, r in pending.items() if m.call_ready(r)]:
                     request = pending.pop(p)
                     try:
@@ -293,6 +294,30 @@ class WorkerPolicySampler:
         for s in range(self.n_workers):  # only a running episode can go on in a later call
             self._ids[s] = {k: v for k, v in self._ids[s].items() if k == self._running[s]}
         return out
+
+    def _wait_any(self, pending: dict[int, Any]) -> None:
+        """Until one of the ``pending`` fragments is in. A fragment may take longer than the
+        deadline as long as it writes rows (the pool does not call it hung then, see
+        ``_progress``): a wait ends in ``WorkerTimeoutError`` only if nothing was written."""
+        m = self.manager
+
+        def late() -> list[int]:
+            return [s for p in pending for s in self._procs[p]]
+
+        while True:
+            before = self._progress(late())
+            try:
+                m.wait_for(lambda: any(m.call_ready(r) for r in pending.values()), None, "rollout fragments", late)
+                return
+            except WorkerTimeoutError:
+                if self._arena is None or self._progress(late()) == before:
+                    raise
+
+    def _progress(self, slots: list[int]) -> int:
+        """Rows written and episodes started on ``slots`` by the fragments in flight (the
+        arena's counters, zeroed at each send; 0 without an arena: spawn and forkserver)."""
+        arena = self._arena
+        return 0 if arena is None else int(arena.rows[slots].sum() + arena.started[slots].sum())
 
     def _file(self, p: int, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
               starts: list[int], cut: set[int]) -> EnvManagerError | None:
@@ -453,6 +478,14 @@ class WorkerPolicySampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _progress_of(ref: weakref.ref) -> Callable[[list[int]], int]:
+    """The pool's progress hook, holding the sampler weakly (it must not keep the arena alive)."""
+    def progress(slots: list[int]) -> int:
+        sampler = ref()
+        return 0 if sampler is None else sampler._progress(slots)
+    return progress
 
 
 def _release_arena(token: str, mapping: mmap.mmap) -> None:
