@@ -276,3 +276,18 @@ def test_auto_with_partial_batches_keeps_a_process_per_env():
 def test_other_values_are_rejected(bad):
     with pytest.raises(InvalidInputError, match="auto"):
         SubprocessEnvManager(EnvFactory(), 2, envs_per_worker=bad)
+
+
+class LeavesAHelper(StartsAHelper):
+    """Answers in time, but its ``close()`` leaves its helper process running."""
+
+    def step(self, action):
+        return 0, 0.0, False, False, {}
+
+
+def test_what_a_measured_env_started_is_gone_even_if_its_close_left_it(tmp_path):
+    path = str(tmp_path / "helper")
+    assert auto.choose_envs_per_worker(lambda i: LeavesAHelper(path), 8, cores=2) == 4
+    with open(path) as f:
+        helper = int(f.read())
+    assert not alive([helper], timeout=5), "the env's own process outlived the measurement"

@@ -180,8 +180,9 @@ def _reap(process: Any, grace: float) -> None:
     """Give the measuring process ``grace`` s to close its env and exit; then kill it and what it started."""
     if process.pid is None:  # never started
         return
+    family = descendants(process.pid)  # before it exits: its orphans can no longer be found then
     process.join(grace)
-    family = descendants(process.pid)
+    family += descendants(process.pid)
     if process.is_alive():
         process.kill()
     process.join()
