@@ -281,7 +281,7 @@ def test_env_exception_carries_traceback_and_reset_recovers(subproc):
 
 
 def test_restarted_worker_ends_the_episode_as_truncated(subproc):
-    vec = subproc(fns(2, max_len=100), restart_workers=True)
+    vec = subproc(fns(2, max_len=100), restart_workers=True, envs_per_worker=1)  # env 1 alone in its process
     vec.reset()
     before, _, _, _ = vec.step(np.zeros(2, dtype=np.int64))
     os.kill(vec.manager.workers[1].pid, signal.SIGKILL)

@@ -280,17 +280,17 @@ def hanging_env(worker_id: int) -> KindEnv:
 
 
 def test_a_fragment_longer_than_the_deadline_is_not_hung_while_it_writes_rows():
-    # 100 steps of 30 ms: 3 s per fragment, three times the deadline; rows keep coming, so the
+    # 150 steps of 30 ms: 4.5 s per fragment, over twice the deadline; rows keep coming, so the
     # process is not killed as hung (it was: the deadline covered the whole fragment)
-    with WorkerPolicySampler(slow_env, 2, ParityAgent(), seed=1, timeout=1.0, context="fork") as sampler:
-        batch = sampler.obtain_steps(100)
-    assert len(batch) == 200 and np.bincount(batch.worker_ids).tolist() == [100, 100]
+    with WorkerPolicySampler(slow_env, 2, ParityAgent(), seed=1, timeout=2.0, context="fork") as sampler:
+        batch = sampler.obtain_steps(150)
+    assert len(batch) == 300 and np.bincount(batch.worker_ids).tolist() == [150, 150]
     check_no_gap_no_repeat(batch)
 
 
 def test_a_fragment_that_stops_writing_rows_is_hung():
     # slot 1 hangs on its 5th step: no row for a whole deadline, so it is called hung (and named)
-    with WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=1.0, context="fork") as sampler:
+    with WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=2.0, context="fork") as sampler:
         with pytest.raises(WorkerTimeoutError) as caught:
             sampler.obtain_steps(20)
     assert 1 in caught.value.worker_ids and 0 not in caught.value.worker_ids
