@@ -4,11 +4,11 @@ One env is built and stepped in a **throwaway process** before any worker starts
 method, killed with everything it started once it has answered): a few steps with sampled
 actions, for at most :data:`MEASURE_S` of stepping and :data:`DEADLINE_S` for the reset and
 steps; starting the process and building the env have the workers' start-up deadline
-(``timeout``), since spawn imports the env's modules there. Nothing of it touches the user's env 0 or this
-process: the measured env is ``env.unwrapped``, reset and stepped directly, so wrappers that
-record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see no step; an env
-with ``render_mode="human"`` is not stepped at all (it would open a window; such steps wait on
-the display, and get a process each). The rule:
+(``timeout``), since spawn imports the env's modules there. Nothing of it touches the user's
+env 0 or this process: the measured env is ``env.unwrapped``, reset and stepped directly, so
+wrappers that record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see
+no step; an env with ``render_mode="human"`` is not stepped at all (it would open a window;
+such steps wait on the display, and get a process each). The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
   x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
