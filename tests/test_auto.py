@@ -291,3 +291,23 @@ def test_what_a_measured_env_started_is_gone_even_if_its_close_left_it(tmp_path)
     with open(path) as f:
         helper = int(f.read())
     assert not alive([helper], timeout=5), "the env's own process outlived the measurement"
+
+
+def _choose_in_a_daemon(conn) -> None:
+    conn.send(auto.measure_step_cost(EnvFactory(), multiprocessing.get_context("fork")))
+
+
+def test_a_caller_that_may_not_start_processes_gets_the_reason_and_one():
+    # a daemonic process may not have children: no measuring process, a reason instead of an error
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    daemon = ctx.Process(target=_choose_in_a_daemon, args=(writer,), daemon=True)
+    daemon.start()
+    writer.close()
+    try:
+        assert reader.poll(30)
+        answer = reader.recv()
+    finally:
+        daemon.join(10)
+        reader.close()
+    assert isinstance(answer, str) and "could not start" in answer and "daemonic" in answer

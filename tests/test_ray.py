@@ -261,6 +261,14 @@ def test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first():
     assert ray.is_initialized()
 
 
+def test_a_node_whose_runtime_env_fails_is_a_node_error():
+    # Ray raises its own RuntimeEnvSetupError for the actor's first call: it reaches the user
+    # as RayNodeError naming the node (it came through raw)
+    with pytest.raises(RayNodeError, match=r"(?s)node 0 .*could not start: RuntimeEnvSetupError"):
+        RaySampler(kind_env, IdPolicy(), nodes=1, start_timeout=60.0, actor_options={"runtime_env": {"conda": "no-such-env-xyz"}})
+    assert ray.is_initialized()
+
+
 def test_ray_is_imported_only_by_the_ray_backend():
     import subprocess
     import sys

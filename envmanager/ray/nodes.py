@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayError, RayTaskError
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
@@ -187,6 +187,8 @@ class NodePool:
                 error = RayNodeError(node.index, f"{node.name()} failed to start: {exc.cause!r}", str(exc))
             except RayActorError as exc:
                 error = RayNodeError(node.index, f"{node.name()} died while starting: {exc}")
+            except RayError as exc:  # its runtime env could not be set up, its node died, ...
+                error = RayNodeError(node.index, f"{node.name()} could not start: {type(exc).__name__}: {exc}")
             if error is None:
                 self.replay(node)
             elif first is None:
@@ -302,6 +304,9 @@ class NodePool:
                 continue
             except RayTaskError as exc:
                 raise RayNodeError(node.index, f"{node.name()} raised during {request.kind}: {exc.cause!r}", str(exc)) from None
+            except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
+                out += [(r, None) for r in self.lost(node, f"failed ({type(exc).__name__}: {exc})")]
+                continue
             node.queue.remove(request)
             node.head_deadline = Deadline(self.timeout) if node.queue else None
             out.append((request, answer))
@@ -320,11 +325,14 @@ class NodePool:
                 continue
             try:
                 ray.get(ref, timeout=self.timeout)
-            except RayActorError:
+            except (RayActorError, ObjectLostError):
                 pass  # the node died: its collection calls report it, and a restart replays the updates
             except RayTaskError as exc:
                 if incarnation == node.incarnation:
                     raise RayNodeError(node.index, f"{node.name()} rejected an update: {exc.cause!r}", str(exc)) from None
+            except RayError as exc:
+                if incarnation == node.incarnation:
+                    raise RayNodeError(node.index, f"{node.name()}: its update failed: {type(exc).__name__}: {exc}") from None
         self._updates = keep
 
     # ------------------------------------------------------------------------------------------
