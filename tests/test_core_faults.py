@@ -420,3 +420,45 @@ def test_a_reset_that_timed_out_is_not_returned_by_the_next_one(tmp_path):
         infos = m.reset(seed=200)
         assert [i.current_result.info["seed"] for i in infos] == [200, 201]
         assert m.waiting_worker_ids == []
+
+
+class _HeldByAnotherThread:
+    """Garbage in a cycle whose finalizer takes a lock: in a forked child the lock stays held
+    (as a library's mutex held by one of its threads at the fork, gRPC's say), so a child that
+    finalizes it hangs."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock, self.me = lock, self
+
+    def __del__(self) -> None:
+        with self.lock:
+            pass
+
+
+class _CollectingEnv(ControlledEnv):
+    def reset(self, *, seed=None, options=None):
+        import gc
+
+        gc.collect()  # the child's collector runs (it would sooner or later anyway)
+        return super().reset(seed=seed, options=options)
+
+
+def _collecting_env(worker_id: int) -> _CollectingEnv:
+    return _CollectingEnv(worker_id)
+
+
+def test_forked_workers_never_finalize_what_they_inherited():
+    import gc
+
+    lock = threading.Lock()
+    lock.acquire()
+    gc.disable()  # keep the garbage uncollected here until the workers are forked
+    try:
+        _HeldByAnotherThread(lock)
+        with SubprocessEnvManager(_collecting_env, 2, context="fork", timeout=10) as m:
+            infos = m.reset(seed=0)
+            assert sorted(i.worker_id for i in infos) == [0, 1]
+    finally:
+        lock.release()
+        gc.enable()
+        gc.collect()

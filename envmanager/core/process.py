@@ -20,6 +20,7 @@ does the process work: send, read a large answer, stop, kill with every descenda
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import signal
@@ -84,7 +85,7 @@ class WorkerProcess:
         self.process = ctx.Process(
             target=worker_main, args=(spec, child_conn, queue_writer, file), name=f"envmanager-worker-{spec.index}", daemon=daemon
         )
-        self.process.start()
+        start(self.process)
         child_conn.close()
         self.pid = self.process.pid
         self.fd = self.conn.fileno()
@@ -226,6 +227,20 @@ class WorkerProcess:
             self.reaped = True
             if self.state is ProcessState.CLOSING:
                 self.state = ProcessState.CLOSED
+
+
+def start(process: Any) -> None:
+    """Start ``process``; a forked one with this process's objects frozen for the garbage
+    collector (``gc.freeze``), so the child never finalizes what it inherited: a finalizer may
+    call into a library whose lock another thread held at the fork (gRPC's, Ray's), and hang."""
+    if getattr(process, "_start_method", None) != "fork":
+        process.start()
+        return
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
 
 
 def kill_all(pids: list[int]) -> None:
