@@ -232,8 +232,9 @@ class WorkerProcess:
 def start(process: Any) -> None:
     """Start ``process``; a forked one with this process's objects frozen for the garbage
     collector (``gc.freeze``), so the child never finalizes what it inherited: a finalizer may
-    call into a library whose lock another thread held at the fork (gRPC's, Ray's), and hang."""
-    if getattr(process, "_start_method", None) != "fork":
+    call into a library whose lock another thread held at the fork (gRPC's, Ray's), and hang.
+    A program that froze objects itself manages this on its own (``gc.unfreeze`` would undo it)."""
+    if getattr(process, "_start_method", None) != "fork" or gc.get_freeze_count():
         process.start()
         return
     gc.freeze()
