@@ -144,7 +144,8 @@ def _runnable_wait() -> Callable[[], float] | None:
 
 
 def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
-    """The throwaway process: build env 0, answer its cost (or why not), then close it."""
+    """The throwaway process: build env 0, answer its cost (or why not), then -- once the parent
+    has noted what the env started (our orphans cannot be found once we are gone) -- close it."""
     from envmanager.worker.main import watch_parent
 
     try:  # own process group: Ctrl-C goes to the parent, and killing the group reaches what the env started
@@ -161,6 +162,7 @@ def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
         answer = f"measuring failed: {exc!r}"
     try:
         conn.send(answer)
+        conn.poll(START_TIMEOUT_S)  # the parent's go (or its end of the pipe closing)
         if env is not None:
             env.close()
     except BaseException:
@@ -176,7 +178,7 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
 
     ctx = context if context is not None and not isinstance(context, str) else get_context(context)
     factory = env_factory if isinstance(env_factory, bytes) else cloudpickle.dumps(env_factory)
-    reader, writer = ctx.Pipe(duplex=False)
+    reader, writer = ctx.Pipe()
     process = ctx.Process(target=_measuring_process, args=(factory, writer, os.getpid()),
                           name="envmanager-auto", daemon=daemon)
     answered = False
@@ -201,16 +203,23 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
     except (EOFError, OSError):
         return f"the measuring process died (exit code {process.exitcode})"
     finally:
-        _reap(process, CLOSE_GRACE_S if answered else 0.0)
-        reader.close()
+        _reap(process, reader, answered)
 
 
-def _reap(process: Any, grace: float) -> None:
-    """Give the measuring process ``grace`` s to close its env and exit; then kill it and what it started."""
+def _reap(process: Any, conn: Any, answered: bool) -> None:
+    """Note what the measuring process started (it waits for our go once it has answered), let
+    it close its env for :data:`CLOSE_GRACE_S`, then kill it and all it started."""
     if process.pid is None:  # never started
+        conn.close()
         return
-    family = descendants(process.pid)  # before it exits: its orphans can no longer be found then
-    process.join(grace)
+    family = descendants(process.pid)
+    try:
+        if answered:
+            conn.send(None)  # go: close the env and exit
+    except OSError:
+        pass
+    conn.close()
+    process.join(CLOSE_GRACE_S if answered else 0.0)
     family += descendants(process.pid)
     if process.is_alive():
         process.kill()
