@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from envmanager import (
+    InvalidInputError,
     RestartLimitError,
     SubprocessEnvManager,
     WorkerDiedError,
@@ -21,6 +22,7 @@ from envmanager import (
     WorkerTimeoutError,
 )
 from envmanager.envs import ControlledEnv, EnvFactory
+from process_helpers import alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -462,3 +464,56 @@ def test_forked_workers_never_finalize_what_they_inherited():
         lock.release()
         gc.enable()
         gc.collect()
+
+
+def test_a_wait_with_nothing_in_flight_raises_at_once():
+    # Nothing can finish: known before any deadline (a drain-until-idle loop must not hang
+    # for the manager's timeout). The deadline here is far beyond the test's own timeout.
+    with SubprocessEnvManager(EnvFactory(), 2, timeout=600) as m:
+        m.reset()
+        started = time.monotonic()
+        with pytest.raises(InvalidInputError, match="nothing can finish"):
+            m.step({})
+        with pytest.raises(InvalidInputError, match="nothing can finish"):
+            m.receive_batch(1)
+        m.send_step({0: 1})
+        assert [i.worker_id for i in m.receive_steps(min_count=2)] == [0]  # one could finish: it is returned
+        assert time.monotonic() - started < 300, "a wait with nothing in flight waited for the deadline"
+
+
+def test_a_dead_worker_is_raised_at_once_by_the_next_wait():
+    with SubprocessEnvManager(faulty("exit", at=1, worker=0), 2, timeout=600) as m:
+        m.reset()
+        with pytest.raises(WorkerDiedError):
+            m.step({0: 1})
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError) as caught:  # known already: not after the deadline
+            m.receive_batch(1)
+        assert caught.value.worker_id == 0
+        assert time.monotonic() - started < 300
+
+
+@pytest.mark.parametrize("caller_timeout", [None, 1.0])
+def test_one_clock_per_request_a_hung_worker_is_hung_for_the_caller_too(caller_timeout):
+    # The caller's wait and the pool's deadline agree: past the manager's timeout the worker is
+    # hung (killed, hung=True), whether the caller gave no timeout or the same one.
+    with SubprocessEnvManager(faulty("hang", at=1, worker=0), 2, timeout=1.0) as m:
+        m.reset()
+        pid = m.worker_of(0).pid
+        m.send_step({0: 1})
+        with pytest.raises(WorkerTimeoutError) as caught:
+            m.receive_steps(timeout=caller_timeout)
+        assert caught.value.hung is True and caught.value.worker_ids == [0]
+        assert not alive([pid], timeout=5.0), "the hung worker was left running"
+        with pytest.raises(WorkerTimeoutError):  # and its failure is raised at once afterwards
+            m.step({0: 1})
+        assert m.get_attr("env_id", [1]) == [1]  # the other worker is untouched
+
+
+def test_one_clock_with_restarts_the_hung_worker_is_restarted():
+    with SubprocessEnvManager(faulty("hang", at=1, worker=0), 2, timeout=1.0, restart_workers=True) as m:
+        m.reset()
+        m.send_step({0: 1})
+        (info,) = m.receive_steps()  # no clock of its own: the restart's answer ends the wait
+        assert info.worker_id == 0 and info.interrupted
+        assert m.restart_count(0) == 1

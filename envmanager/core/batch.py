@@ -345,36 +345,20 @@ class BatchEnvManager:
         raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
 
     def receive_batch(self, min_count: int = 1, timeout: float | None = None) -> StepBatch:
-        """Wait (at most ``timeout``, default the manager's) until ``min_count`` slots finished a
-        step, take whatever else finished, and hand them out. Raises the first failed step
-        (results that arrived with it stay for the next call)."""
-        pool = self.pool
-        if len(self._state.arrived) >= min_count or self._state.step_errors:
-            self._take(pool.wait(0.0))
-        else:
-            limit = self.timeout if timeout is None else timeout
-            deadline = Deadline(limit)
-            while len(self._state.arrived) < min_count and not self._state.step_errors:
-                got = pool.wait(deadline.left())
-                if got:
-                    self._take(got)
-                    continue
-                busy = [w for w in pool.workers if w.busy and w.watched]
-                if busy and not deadline.passed():
-                    continue  # woken with nothing to take (a death being reaped, say)
-                if busy:
-                    raise WorkerTimeoutError([s for w in busy for s in w.env_ids], limit, "a step result", hung=False,
-                                             processes=[w.index for w in busy])
-                failure = next((w.failure for w in pool.workers if w.failure), None)
-                if failure is not None:
-                    raise failure
-                if self._state.arrived:
-                    break
-                raise InvalidInputError("no step is in flight: nothing can finish")
-        if self._state.step_errors:
-            raise self._state.step_errors.pop(0)
-        arrived, self._state.arrived = self._state.arrived, []
-        return self._state.hand_out(arrived, reset=False)
+        """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand
+        them out. Raises the first failed step (results that arrived with it stay for the next
+        call). With nothing in flight that could finish, returns what arrived or raises at once.
+
+        ``timeout=None``: the manager's deadline per answer is the only clock (a process past
+        it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
+        too (see ``wait_for``)."""
+        state = self._state
+        self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
+                      self._busy_slots, enough=lambda: bool(state.arrived))
+        if state.step_errors:
+            raise state.step_errors.pop(0)
+        arrived, state.arrived = state.arrived, []
+        return state.hand_out(arrived, reset=False)
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
@@ -438,17 +422,53 @@ class BatchEnvManager:
     # ------------------------------------------------------------------------------------------
     # Waiting
 
-    def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]]) -> None:
-        """Take answers until ``done()``; past ``timeout`` (default: the manager's), raise
-        ``WorkerTimeoutError(late(), hung=False)`` — what arrived meanwhile is kept."""
-        limit = self.timeout if timeout is None else timeout
-        deadline = Deadline(limit)
+    def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
+                 enough: Callable[[], bool] = lambda: False) -> None:
+        """Take answers until ``done()``. ``late()`` names the slots whose processes may still
+        make it done: when none of them has a request in flight, nothing can finish and this
+        raises at once (the failure of such a process, else ``InvalidInputError``), unless
+        ``enough()`` says what arrived will do.
+
+        One clock per request: with ``timeout=None`` the wait ends when the answers come or the
+        pool's per-answer deadline judges a process hung (restarted, or its
+        ``WorkerTimeoutError(hung=True)`` raised by the caller). A ``timeout`` of the caller's
+        own bounds the wait too: at its end a process past the pool's deadline is hung all the
+        same; for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay
+        in flight and what arrived meanwhile is kept."""
         pool = self.pool
+        deadline = None if timeout is None else Deadline(timeout)
         self._take(pool.wait(0.0))
         while not done():
-            if deadline.passed():
-                raise WorkerTimeoutError(late(), limit, what, hung=False)
-            self._take(pool.wait(deadline.left()))
+            waiting = late()
+            if not self._in_flight_for(waiting):
+                if enough():
+                    return
+                raise self._nothing_can_finish(waiting, what)
+            if deadline is not None and deadline.passed():
+                self._take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
+                if done():
+                    return
+                still = late()
+                raise WorkerTimeoutError(still, float(timeout), what, hung=False,  # type: ignore[arg-type]
+                                         processes=sorted({self._slot_process_list[s] for s in still}))
+            self._take(pool.wait(pool.timeout if deadline is None else deadline.left()))
+
+    def _busy_slots(self) -> list[int]:
+        """Slots whose process has a request in flight (a restart coming back, say)."""
+        return [s for w in self.pool.workers if w.busy and w.watched for s in w.env_ids]
+
+    def _in_flight_for(self, slots: list[int]) -> bool:
+        workers, process_of = self.pool.workers, self._slot_process_list
+        return any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in slots)
+
+    def _nothing_can_finish(self, slots: list[int], what: str) -> EnvManagerError:
+        """The error for a wait that nothing in flight can end: a failed process's own error."""
+        workers, process_of = self.pool.workers, self._slot_process_list
+        candidates = [workers[process_of[s]] for s in slots] or workers
+        failure = next((w.failure for w in candidates if w.failure is not None), None)
+        if failure is not None:
+            return failure
+        return InvalidInputError(f"nothing in flight can deliver {what}: nothing can finish")
 
     def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
         """Let calls that keep working outlive the deadline: ``progress(slots)`` is a count

@@ -234,7 +234,7 @@ class WorkerPool:
         note when the next one can be due: no request sent later is due sooner."""
         completions: list[Completion] = []
         for w in list(self.workers):
-            if w.busy and w.watched and now - w.alive_at > self.timeout:
+            if w.busy and w.watched and now >= w.alive_at + self.timeout:
                 cmd = w.request.cmd  # type: ignore[union-attr]
                 if cmd is Cmd.CALL and self.progress is not None:
                     done = self.progress(list(w.env_ids))
@@ -244,7 +244,7 @@ class WorkerPool:
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, WorkerTimeoutError(list(w.env_ids), self.timeout, what, processes=[w.index]), completions)
         oldest = min((w.alive_at for w in self.workers if w.busy and w.watched), default=now)
-        self._next_deadline_check = oldest + self.timeout + 1e-3
+        self._next_deadline_check = oldest + self.timeout
         return completions
 
     def gather(self, workers: Iterable[WorkerProcess], what: str) -> list[Completion]:
