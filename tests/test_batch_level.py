@@ -205,3 +205,39 @@ def test_as_given_actions_reach_the_envs_unchanged(shared_memory):
         np.testing.assert_array_equal(m.results.observation[:, 2], [5.0, -1.0])
     finally:
         m.close()
+
+
+def test_send_batch_returns_what_the_envs_get():
+    with BatchEnvManager(EnvFactory(), 2, autoreset_mode="disabled") as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        sent = m.send_batch([1, 0], np.array([1, 0], dtype=np.int8))  # converted to the space's dtype
+        assert sent.dtype == m.action_space.dtype and sent.tolist() == [1, 0]
+        m.receive_batch(2)
+        assert m.results.action[[1, 0]].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_report_failure_goes_through_the_restart_policy(restarts):
+    from envmanager.errors import RestartLimitError, WorkerError
+
+    error = WorkerError(1, "builtins.RuntimeError", "found by the caller", "traceback", None, 1)
+    with BatchEnvManager(EnvFactory(), 2, autoreset_mode="disabled", restart_workers=restarts) as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        pid = m.worker_of(1).pid
+        assert m.generation(1) == 0
+        outcome = m.report_failure(1, error)
+        if restarts:  # restarted: a new process, one generation on, its fresh reset an interrupted result
+            assert outcome is None and m.generation(1) == 1 and m.restart_count(1) == 1
+            batch = m.receive_batch(1)
+            assert batch.slots.tolist() == [1] and batch.interrupted == {1}
+            assert m.worker_of(1).pid != pid
+            # past the rate limit (1 per 60 s): refused, named, the process given up
+            refused = m.report_failure(1, error)
+            assert isinstance(refused, RestartLimitError) and refused.worker_id == 1 and refused.failure is error
+            assert m.failure_of(1) is refused
+        else:  # restarts off: the error to raise; the process serves on
+            assert outcome is error and m.generation(1) == 0 and m.failure_of(1) is None
+            assert m.get_attr("env_id") == [0, 1]
+        assert m.generation(0) == 0

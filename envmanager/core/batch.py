@@ -230,6 +230,22 @@ class BatchEnvManager:
         """How often the process hosting ``worker_id`` was restarted (quotas are per process)."""
         return self.pool.restart_policy.counts[int(self.slot_process[worker_id])]
 
+    def generation(self, worker_id: int) -> int:
+        """How many times the process hosting ``worker_id`` was replaced (0 until its first
+        restart): answers from a newer generation come from fresh envs."""
+        return self.worker_of(worker_id).generation
+
+    def report_failure(self, worker_id: int, error: EnvManagerError) -> EnvManagerError | None:
+        """A failure of ``worker_id``'s env that the caller found in an answer (an env update
+        or a worker-side rollout that raised inside a call), handled as one the pool finds
+        itself: its process is restarted within the restart policy (returns ``None``; the fresh
+        reset comes back ``interrupted``, as a step result), else the error to raise
+        (``RestartLimitError`` past the limits; the error itself with restarts off)."""
+        w = self.worker_of(worker_id)
+        if w.busy:
+            raise InvalidInputError(f"worker {worker_id} has a request in flight; report a failure once it answered")
+        return self.pool.report_failure(w.index, error)
+
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
         return self.worker_of(worker_id).failure
@@ -244,8 +260,9 @@ class BatchEnvManager:
     # ------------------------------------------------------------------------------------------
     # Stepping
 
-    def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False, as_given: bool = False) -> None:
-        """Check ``actions`` for ``slots`` and send them, one request per process.
+    def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False, as_given: bool = False) -> Any:
+        """Check ``actions`` for ``slots`` and send them, one request per process; returns the
+        batch as the envs get it (converted to the space's dtype; rows in ``slots`` order).
 
         ``actions`` is a batch whose first axis runs over ``slots`` (dicts / tuples of arrays
         for Dict / Tuple spaces), or with ``per_slot=True`` a sequence of one action per slot.
@@ -302,6 +319,7 @@ class BatchEnvManager:
         now = time.monotonic()
         for (index, _, _, _), request in zip(plan, requests):
             workers[index].send(request, now)
+        return batch
 
     def _plan(self, slots: np.ndarray) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]:
         """Per process: its index, its slots among ``slots``, (their local indices, their rows

@@ -77,6 +77,9 @@ class EnvCalls:
         except Exception as exc:
             raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
         m.wait_idle(slots)
+        for index, _ in outgoing:  # a restart that failed meanwhile gave the process up
+            if pool.workers[index].failure is not None:
+                raise pool.workers[index].failure  # type: ignore[misc]
         for index, request in outgoing:
             self._answers.pop(index, None)
             pool.workers[index].send(request)  # the process may have been replaced meanwhile

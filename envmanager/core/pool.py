@@ -118,10 +118,11 @@ class WorkerPool:
             self.close(0.0)
             raise
 
-    def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
+    def _start(self, spec: WorkerSpec, boot: Boot | None = None, generation: int = 0) -> WorkerProcess:
         assert self.queue is not None
         # writer None: the portable transport
-        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file)
+        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file,
+                             generation=generation)
 
     # ------------------------------------------------------------------------------------------
     # Sending
@@ -273,6 +274,18 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------------
     # Failures and restarts
 
+    def report_failure(self, index: int, error: EnvManagerError) -> EnvManagerError | None:
+        """A failure of process ``index`` that its caller found in an answer (an env that raised
+        inside a call that steps the envs, say): handled as the pool handles one it finds
+        itself. Returns ``None`` when the process is being restarted (its fresh reset comes back
+        ``interrupted``), else the error to raise (``RestartLimitError`` past the limits)."""
+        w = self.workers[index]
+        if w.failure is not None:
+            return w.failure
+        completions: list[Completion] = []
+        self._on_failure(w, error, completions)
+        return next((c.error for c in completions if c.error is not None), None)
+
     def _on_failure(
         self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
     ) -> None:
@@ -315,7 +328,7 @@ class WorkerPool:
             if request is not None and lost is None:
                 completions.append(Completion(w, request, None, error))  # its caller must know
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], lost, False)
-        self.workers[w.index] = self._start(w.spec, boot)
+        self.workers[w.index] = self._start(w.spec, boot, w.generation + 1)
 
     def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
         """Take a replacement process through its plan (attach → replayed calls → reset)."""

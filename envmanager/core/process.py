@@ -73,13 +73,15 @@ class WorkerProcess:
 
     def __init__(
         self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
-        file: SharedFile | None = None,
+        file: SharedFile | None = None, generation: int = 0,
     ) -> None:
         """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
         portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
-        ``file`` is the pool's shared memory, handed to the process as it starts."""
+        ``file`` is the pool's shared memory, handed to the process as it starts;
+        ``generation``: how many processes held this index before it (0, then one more per restart)."""
         self.spec = spec
         self.index = spec.index
+        self.generation = generation
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
