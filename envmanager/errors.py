@@ -162,3 +162,26 @@ def describe_exitcode(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def with_slot_offset(error: BaseException, offset: int) -> BaseException:
+    """``error`` naming its slots ``offset`` higher: how a Ray node, whose sampler numbers its
+    slots from 0, names them among all the cluster's slots. Other errors are returned as is."""
+    if not offset or not isinstance(error, EnvManagerError):
+        return error
+    shift = [s + offset for s in getattr(error, "worker_ids", [])]
+    if isinstance(error, RestartLimitError):
+        out: BaseException = RestartLimitError(error.worker_id + offset, error.reason,
+                                               with_slot_offset(error.failure, offset) if error.failure else None,
+                                               shift, error.process)
+    elif isinstance(error, WorkerDiedError):
+        out = WorkerDiedError(error.worker_id + offset, error.exitcode, error.detail, shift, error.process)
+    elif isinstance(error, WorkerError):
+        out = WorkerError(error.worker_id + offset, error.exc_type, error.message, error.remote_traceback, error.cause,
+                          error.process)
+    elif isinstance(error, WorkerTimeoutError):
+        out = WorkerTimeoutError(shift, error.timeout, error.what, error.hung, error.processes)
+    else:
+        return error
+    out.__traceback__ = error.__traceback__
+    return out

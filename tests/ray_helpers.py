@@ -4,8 +4,8 @@ leak check is replaced there by explicit checks of the env processes each test s
 
 from __future__ import annotations
 
+import importlib
 import os
-import sys
 import time
 
 import numpy as np
@@ -44,14 +44,28 @@ class HangEnv(KindEnv):
         return super().step(action)
 
 
+class SeedEnv(KindEnv):
+    """``KindEnv`` whose observation's last field is the seed its episode's reset got (-1: none)."""
+
+    def reset(self, *, seed=None, options=None):
+        obs, info = super().reset(seed=seed, options=options)
+        self.bonus = -1.0 if seed is None else float(seed)
+        return self._obs(), info
+
+
+def seed_env(worker_id: int) -> SeedEnv:
+    return SeedEnv()
+
+
 def pickle_by_value() -> None:
     """Ray workers need not import the tests directory: ship these modules' code by value."""
     import cloudpickle
     from ray import cloudpickle as ray_cloudpickle  # Ray pickles with its own copy
 
-    for name in ("sampler_envs", "ray_helpers"):
-        cloudpickle.register_pickle_by_value(sys.modules[name])
-        ray_cloudpickle.register_pickle_by_value(sys.modules[name])
+    for name in ("sampler_envs", "ray_helpers", "fault_envs"):
+        module = importlib.import_module(name)
+        cloudpickle.register_pickle_by_value(module)
+        ray_cloudpickle.register_pickle_by_value(module)
 
 
 def node_pids(sampler) -> list[int]:

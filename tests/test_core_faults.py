@@ -543,3 +543,22 @@ def test_close_from_another_thread_ends_a_waiting_call(tmp_path):
     assert not waiter.is_alive(), "the waiting call did not return after close()"
     assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
     assert not alive(pids, timeout=5.0)
+
+
+def test_a_restart_during_a_reset_of_some_slots_resets_every_env_of_the_process():
+    from envmanager.core.batch import BatchEnvManager
+
+    factory = EnvFactory(per_env={1: {"fault": "raise_reset", "fault_at": 2}})
+    with BatchEnvManager(factory, 2, envs_per_worker=2, autoreset_mode="disabled", restart_workers=True, timeout=30) as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        m.send_reset({1: (7, None)})  # slot 1's second reset raises: its process is restarted
+        batch = m.receive_reset_batch([1])
+        assert batch.slots.tolist() == [1] and batch.interrupted == {1} and m.generation(1) == 1
+        assert m.results.observation[1][0] == 0
+        # Slot 0 shared the process: its env was replaced too, reset, and comes back interrupted.
+        batch = m.receive_batch(1)
+        assert batch.slots.tolist() == [0] and batch.interrupted == {0}
+        assert m.get_attr("resets") == [1, 1]  # both fresh envs were reset once
+        m.send_batch([0, 1], [1, 1])
+        assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]

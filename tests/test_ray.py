@@ -13,12 +13,13 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
-from envmanager.errors import EnvManagerError, InvalidInputError  # noqa: E402
+from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
+from fault_envs import FaultFactory, FaultPolicy, check_rows, update_raising_once  # noqa: E402
 from ray_helpers import (HangEnv, IdPolicy, alive, children, no_contiguity_gaps, node_pids,  # noqa: E402
-                         pickle_by_value, pid_file_factory, raising_factory, slow_restart_factory)
+                         pickle_by_value, pid_file_factory, raising_factory, seed_env, slow_restart_factory)
 from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
 
 
@@ -222,7 +223,7 @@ def test_answers_taken_before_a_node_error_are_handed_out_by_the_next_wait(tmp_p
 def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
     """The node's sampler rejects an update: the next request raises that error at once (not
     after waiting for an update that was counted as never arrived)."""
-    node = SamplerNode(0, kind_env, 1, 0, IdPolicy(), 0, {})
+    node = SamplerNode(0, kind_env, 1, 0, IdPolicy(), [0], [0], 1, {})
     try:
         with pytest.raises(InvalidInputError):
             node.update(None, None, ["not callable"])
@@ -276,3 +277,131 @@ def test_ray_is_imported_only_by_the_ray_backend():
     code = ("import sys, envmanager, envmanager.sampler, envmanager.bench, envmanager.cli; "
             "assert 'ray' not in sys.modules, 'ray imported'; import envmanager.ray; assert 'ray' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fault matrix across nodes: faults inside a node go through its sampler's one failure path
+# (restarts of its env processes); a node that dies or hangs through the driver's; errors name
+# the global slot; the data is checked, not only the error.
+
+
+def _fault_sampler(fault, marker, slot=3, restart_workers=True, restart_nodes=True, **kwargs) -> RaySampler:
+    # Rounds over every node (first_ready=False): the faulty node's fragments are in each round,
+    # however long its restart takes, so what it did is seen.
+    options = {"nodes": 2, "envs_per_node": 2, "fragment_steps": 16, "seed": 0, "timeout": 30.0, "start_timeout": 60.0,
+               "restart_workers": restart_workers, "restart_nodes": restart_nodes, "env_timeout": 5.0, "first_ready": False}
+    return RaySampler(FaultFactory(fault, marker, slot=slot), FaultPolicy(fault, marker, slot=slot), **{**options, **kwargs})
+
+
+@pytest.mark.parametrize("fault", ["step_raise", "step_kill", "update_raise"])
+def test_env_faults_inside_a_node_with_its_restarts_are_absorbed(fault, tmp_path):
+    marker = str(tmp_path / "struck")
+    sampler = _fault_sampler(fault, marker)
+    pids = node_pids(sampler)
+    try:
+        if fault == "update_raise":
+            sampler.update(env_update=update_raising_once(marker, slot=3))
+        batches = [sampler.obtain_steps(40) for _ in range(6)]
+        stats, cut = sampler.stats.stats(), list(sampler.cut_episodes)
+        assert sampler.restart_count(1) == 0  # absorbed inside the node, by its own sampler
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert os.path.exists(marker) and stats["worker_restarts"] == 1
+    everything = TransitionBatch.concatenate(batches)
+    check_rows(everything, cut, 4, whole=False)  # fragments of several calls
+    if fault.startswith("step"):  # the cut episode (one step done) is listed by the driver
+        assert stats["interrupted_episodes"] >= 1 and set(cut) & set(everything.episode_ids.tolist())
+        # its rows not handed out before the cut are flagged (one fragment may have handed them all out)
+        assert set(everything.worker_ids[everything.interrupted].tolist()) <= {2, 3}  # node 1's slots
+    if fault == "update_raise":
+        assert (everything.env_versions == 1).all()
+
+
+def test_an_env_fault_on_a_node_names_the_global_slot(tmp_path):
+    marker = str(tmp_path / "struck")
+    sampler = _fault_sampler("step_raise", marker, restart_workers=False)
+    pids = node_pids(sampler)
+    try:
+        with pytest.raises(RayNodeError) as caught:
+            for _ in range(6):
+                sampler.obtain_steps(40)
+        error = caught.value
+        assert error.node == 1 and isinstance(error.cause, WorkerError) and error.cause.worker_id == 3
+        assert "worker 3" in str(error) and "env step blew up" in str(error)
+        later = TransitionBatch.concatenate([sampler.obtain_steps(40) for _ in range(3)])  # the node serves on
+        cut = list(sampler.cut_episodes)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    check_rows(later, cut, 4, whole=False)
+
+
+def test_a_policy_that_raises_on_a_node_is_a_node_error_and_collection_goes_on(tmp_path):
+    marker = str(tmp_path / "struck")
+    sampler = _fault_sampler("policy_raise", marker)
+    pids = node_pids(sampler)
+    try:
+        with pytest.raises(RayNodeError) as caught:
+            for _ in range(6):
+                sampler.obtain_steps(40)
+        assert caught.value.node == 1 and isinstance(caught.value.cause, RuntimeError)
+        assert "policy blew up" in str(caught.value)
+        later = TransitionBatch.concatenate([sampler.obtain_steps(40) for _ in range(3)])
+        cut = list(sampler.cut_episodes)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    check_rows(later, cut, 4, whole=False)
+
+
+def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
+    sampler = RaySampler(seed_env, IdPolicy(), nodes=2, envs_per_node=2, fragment_steps=32, seed=100, timeout=30.0,
+                         start_timeout=60.0)
+    try:
+        before = [sampler.obtain_steps(64) for _ in range(2)]
+        sampler.kill_node(0)
+        after = [sampler.obtain_steps(64) for _ in range(6)]
+        assert sampler.restart_count(0) == 1
+    finally:
+        sampler.close()
+    everything = TransitionBatch.concatenate([*before, *after])
+    no_contiguity_gaps(everything)
+    seeds: dict[int, int] = {}
+    for episode in np.unique(everything.episode_ids).tolist():
+        rows = everything.episode_ids == episode
+        assert len(set(everything.observations[rows, 2].tolist())) == 1
+        seed = int(everything.observations[rows, 2][0])
+        if seed >= 0:
+            assert seed not in seeds, f"seed {seed} replayed by episodes {seeds[seed]} and {episode}"
+            seeds[seed] = episode
+    assert sorted(seeds) == [100, 101, 102, 103]  # each slot's first episode, once
+    first = TransitionBatch.concatenate(before)
+    for slot in (0, 1):  # the restarted node's episodes are numbered on from what was seen
+        old = first.episode_ids[first.worker_ids == slot]
+        new = TransitionBatch.concatenate(after)
+        new_ids = set(new.episode_ids[new.worker_ids == slot].tolist()) - set(old.tolist())
+        assert new_ids and min(new_ids) > old.max() and all(e % 4 == slot for e in new_ids)
+
+
+def test_close_from_another_thread_ends_a_ray_call():
+    import threading
+
+    sampler = _fault_sampler(None, "unused", fragment_steps=64)
+    pids = node_pids(sampler)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(1000):
+                sampler.obtain_steps(64)
+        except BaseException as exc:  # noqa: BLE001 - what the call raised is the point
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2.0)
+    sampler.close()
+    thread.join(60)
+    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], EnvManagerError), raised
+    assert not alive(pids)

@@ -135,12 +135,17 @@ def test_env_raising_mid_fragment_is_cut_and_collection_goes_on(tmp_path):
     marker = str(tmp_path / "raised")
     with WorkerPolicySampler(crashing(marker, 1, 7, "raise"), 4, ParityAgent(), seed=3, envs_per_worker=2,
                              restart_workers=True, timeout=30) as sampler:
+        pid = sampler.manager.worker_of(1).pid
         batch = sampler.obtain_steps(30)
-        assert sampler.stats.counters["interrupted_episodes"] == 1
+        # One failure path: the env's process goes through a restart (the core's rule), so the
+        # episodes of both its slots are cut, kept and flagged; the other process goes on.
+        assert sampler.stats.counters["interrupted_episodes"] == 2
         assert sampler.manager.restart_policy.counts[0] == 1  # counted against the process's quota
+        assert sampler.manager.worker_of(1).pid != pid and sampler.manager.generation(1) == 1
     assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
-    assert batch.interrupted[batch.worker_ids == 1].any()
-    assert not batch.interrupted[batch.worker_ids != 1].any()
+    assert batch.interrupted[batch.worker_ids == 1].any() and batch.interrupted[batch.worker_ids == 0].any()
+    assert not batch.interrupted[batch.worker_ids >= 2].any()
+    assert set(batch.episode_ids[batch.interrupted].tolist()) == set(sampler.cut_episodes)
     check_no_gap_no_repeat(batch)
 
 

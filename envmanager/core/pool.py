@@ -343,10 +343,11 @@ class WorkerPool:
         else:
             everyone = tuple(range(len(w.env_ids)))
             replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
-            if request is not None and request.cmd is Cmd.RESET:  # keep the seeds and options asked for
-                reset = request.message
-            else:
-                reset = Reset(everyone, (None,) * len(everyone), (None,) * len(everyone))
+            asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
+            if request is not None and request.cmd is Cmd.RESET:
+                asked = {i: (seed, options) for i, seed, options in zip(*request.message)}
+            reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
+                          tuple(asked.get(i, (None, None))[1] for i in everyone))
             # A step or reset is answered by the fresh reset (``interrupted``); a call is not.
             lost = request if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET) else None
             if request is not None and lost is None:

@@ -90,7 +90,11 @@ class SlotState:
             self.status[slots] = ARRIVED
         if c.interrupted:
             self.interrupted.update(slots)
-        if is_reset:
+        if is_reset and c.interrupted:  # a restart reset every env: those not asked come back as steps do
+            owed = self.owed_resets
+            self.arrived_resets.update(s for s in slots if s in owed)
+            self.arrived.extend(s for s in slots if s not in owed)
+        elif is_reset:
             self.arrived_resets.update(slots)
         else:
             self.arrived.extend(slots)

@@ -2,7 +2,7 @@
 cluster, one actor per node, each with a local ``Sampler`` over local env processes and the
 policy on the node. Ray is imported here and nowhere else in envmanager."""
 
-from envmanager.ray.nodes import RayNodeError
+from envmanager.ray.nodes import RayNodeError, RaySessionError
 from envmanager.ray.sampler import RaySampler
 
-__all__ = ["RayNodeError", "RaySampler"]
+__all__ = ["RayNodeError", "RaySampler", "RaySessionError"]

@@ -15,16 +15,18 @@ import socket
 import threading
 from typing import Any
 
-from envmanager.errors import EnvManagerError
+from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
 from envmanager.sampler.sampler import apply_agent_update
+from envmanager.sampler.slots import EpisodeIds
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SamplerNode"]
 
 #: Stats counters of the node's sampler that the driver adds up across the cluster.
-COUNTERS = ("env_steps", "discarded_steps", "interrupted_episodes", "episodes", "policy_updates")
+COUNTERS = ("env_steps", "discarded_steps", "interrupted_episodes", "episodes", "policy_updates", "failed_episodes",
+            "dropped_steps", "empty_cut_episodes", "worker_restarts")
 #: Seconds a request waits on the node for updates the driver sent before it (they come in
 #: another thread: Ray does not order calls across concurrency groups).
 UPDATE_WAIT = 60.0
@@ -56,21 +58,26 @@ class GlobalIds:
 
 
 class SamplerNode:
-    """One node's share of the envs: slots ``offset .. offset + n_envs - 1`` of the cluster.
+    """One node's share of the envs: slots ``offset .. offset + n_envs - 1`` of the cluster's
+    ``n_slots``.
 
-    Every collection method returns ``(batch, counters)``; the batch's ``worker_ids`` are global
-    slots, its ``episode_ids`` the node's own (the driver makes them unique across nodes and
-    restarts), its ``policy_versions`` the versions that chose each action on this node.
+    Every collection method returns ``(batch, counters)``; the batch's ``worker_ids`` and
+    ``episode_ids`` are the cluster's (the ``k``-th episode of global slot ``s`` is
+    ``k * n_slots + s``), its ``policy_versions`` the versions that chose each action on this
+    node. A node started again in place of a lost one is given each slot's seed only if no
+    episode used it yet (``seeds``), and the episodes each slot started so far (``started``),
+    so it neither replays seeded episodes nor reuses ids. Errors name the global slots.
     """
 
-    def __init__(self, index: int, env_factory: Any, n_envs: int, offset: int, policy: Any, seed: int | None,
-                 sampler_options: dict[str, Any]) -> None:
+    def __init__(self, index: int, env_factory: Any, n_envs: int, offset: int, policy: Any, seeds: list[int | None],
+                 started: list[int], n_slots: int, sampler_options: dict[str, Any]) -> None:
         self.index = index
         self.offset = offset
         options = {"context": "forkserver", **sampler_options}  # never fork a Ray worker: it runs threads
         self.sampler = Sampler(functools.partial(_global_env, env_factory, offset), n_envs, GlobalIds(policy, offset),
-                               seed=None if seed is None else seed + offset, **options)
+                               seed=seeds, episode_ids=EpisodeIds(offset, n_slots, started), **options)
         self._reported: dict[str, int] = {}
+        self._cut_reported = 0  # episodes cut by this node's sampler, told the driver so far
         self._updates = threading.Condition()
         self._updates_received = 0
         self._update_error: BaseException | None = None  # the first update that raised: every later request raises it
@@ -116,25 +123,32 @@ class SamplerNode:
 
     def steps(self, n: int, updates: int = 0) -> tuple[TransitionBatch, dict[str, int]]:
         """A fragment of ``n`` transitions; the node's episodes continue in the next fragment."""
-        self._await_updates(updates)
-        return self._answer(self.sampler.obtain_steps(n))
+        return self._collect(updates, self.sampler.obtain_steps, n)
 
     def samples(self, n: int, updates: int = 0) -> tuple[EpisodeBatch, dict[str, int]]:
         """Whole episodes, started now, until at least ``n`` transitions (garage's rule)."""
-        self._await_updates(updates)
-        return self._answer(self.sampler.obtain_samples(0, n))
+        return self._collect(updates, self.sampler.obtain_samples, 0, n)
 
     def exact_episodes(self, quotas: list[int], updates: int = 0) -> tuple[EpisodeBatch, dict[str, int]]:
         """``quotas[i]`` episodes from local slot ``i``, each started now, in (slot, admission) order."""
-        self._await_updates(updates)
-        return self._answer(self.sampler.obtain_exact_episodes(quotas))
+        return self._collect(updates, self.sampler.obtain_exact_episodes, quotas)
 
-    def _answer(self, batch: Any) -> tuple[Any, dict[str, int]]:
-        """The batch with global slot ids, and what the node's counters grew by since the last answer."""
+    def _collect(self, updates: int, obtain: Any, *args: Any) -> tuple[Any, dict[str, int]]:
+        self._await_updates(updates)
+        try:
+            return self._answer(obtain(*args))
+        except EnvManagerError as exc:  # named as the cluster knows the slots
+            raise with_slot_offset(exc, self.offset) from None
+
+    def _answer(self, batch: Any) -> tuple[Any, dict[str, Any]]:
+        """The batch with global slot ids, what the node's counters grew by since the last
+        answer, and the ids of the episodes its sampler cut since (``cut_episodes``)."""
         batch.worker_ids = batch.worker_ids + self.offset
         now = {k: int(self.sampler.stats.counters.get(k, 0)) for k in COUNTERS}
-        grown = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        grown: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
+        cut = self.sampler.cut_episodes
+        grown["cut_episodes"], self._cut_reported = list(cut[self._cut_reported:]), len(cut)
         return batch, grown
 
     def close(self) -> None:

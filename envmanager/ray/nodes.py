@@ -27,7 +27,7 @@ from envmanager.ray.node import SamplerNode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodePool", "RayNodeError", "Request"]
+__all__ = ["NodePool", "RayNodeError", "RaySessionError", "Request"]
 
 #: Seconds a node's actor gets to end cleanly on close before it is killed.
 CLOSE_TIMEOUT = 10.0
@@ -81,12 +81,18 @@ class _Session:
 
 
 class RayNodeError(EnvManagerError):
-    """A node failed past its restart limits, could not be placed, or its sampler raised."""
+    """A node failed past its restart limits, could not be placed, or its sampler raised
+    (``cause``: the node's own error, naming global slots, when it crossed over)."""
 
-    def __init__(self, node: int, message: str, remote_traceback: str | None = None) -> None:
+    def __init__(self, node: int, message: str, remote_traceback: str | None = None, cause: BaseException | None = None) -> None:
         self.node = node
         self.remote_traceback = remote_traceback
+        self.cause = cause
         super().__init__(message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
+
+
+class RaySessionError(EnvManagerError):
+    """The Ray session the sampler runs in is gone (``ray.shutdown()``, or its head lost)."""
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -133,14 +139,18 @@ class Node:
 class NodePool:
     """Ray actors for the nodes, the requests in flight, deadlines and restarts."""
 
-    def __init__(self, env_factory: Callable[[int], Any], envs_per_node: list[int], policy: Any, seed: int | None,
+    def __init__(self, env_factory: Callable[[int], Any], envs_per_node: list[int], policy: Any,
+                 resume: Callable[[Node], tuple[list[int | None], list[int]]],
                  sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
                  restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.restarts = restarts
         self._session: str | None = None  # job id in the session samplers started (see ``_Session``)
-        self._args = (env_factory, policy, seed, sampler_options)
+        self._job_id: str | None = None  # the driver's job in the session the nodes run in
+        self._args = (env_factory, policy, sampler_options)
+        #: Per node: each slot's seed if no episode used it yet, and the episodes each started so far.
+        self.resume = resume
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
                                "max_restarts": 0, "max_task_retries": 0}
         offsets = [sum(envs_per_node[:i]) for i in range(len(envs_per_node))]
@@ -151,6 +161,7 @@ class NodePool:
         self.closed = False
         try:
             self._session = _Session.join(address, init_options)
+            self._job_id = ray.get_runtime_context().get_job_id()
             for node in self.nodes:
                 self._start(node)
             self._await_started(self.nodes)
@@ -162,9 +173,11 @@ class NodePool:
     # Starting and restarting
 
     def _start(self, node: Node) -> None:
-        env_factory, policy, seed, sampler_options = self._args
+        env_factory, policy, sampler_options = self._args
+        seeds, started = self.resume(node)
+        n_slots = sum(n.n_envs for n in self.nodes)
         node.actor = _NodeActor.options(**self._actor_options).remote(
-            node.index, env_factory, node.n_envs, node.offset, policy, seed, sampler_options)
+            node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options)
         node.info = {}
         node.queue = []
         node.head_deadline = None
@@ -199,6 +212,8 @@ class NodePool:
     def lost(self, node: Node, why: str) -> list[Request]:
         """``node`` is hung or dead: kill it and start a new one within the restart limits
         (else raise ``RayNodeError`` naming it). Returns the requests that died with it."""
+        if self.closed:  # closed by another thread meanwhile: nothing is restarted
+            raise EnvManagerError("the ray sampler was closed")
         lost = node.queue
         refusal = self.restarts.refusal(node.index)
         self._kill(node)
@@ -247,11 +262,20 @@ class NodePool:
         node.updates_sent += 1
         self._updates.append((node, node.incarnation, ref))
 
-    def check_usable(self, node: Node) -> None:
+    def check_usable(self, node: Node | None = None) -> None:
+        """Raise at once what makes a request futile: closed, the session gone, the node given up."""
         if self.closed:
             raise EnvManagerError("the ray sampler is closed")
-        if node.failed is not None:
+        if not self.session_alive():
+            raise RaySessionError("the Ray session this sampler ran in is gone (ray.shutdown() was called, or its "
+                                  "head node was lost): close the sampler and make a new one")
+        if node is not None and node.failed is not None:
             raise node.failed
+
+    def session_alive(self) -> bool:
+        """Whether the Ray session the nodes run in is still this process's (never starts one:
+        any Ray call without a session would start a new one behind the user's back)."""
+        return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._job_id
 
     def in_flight(self) -> int:
         return sum(len(node.queue) for node in self.nodes)
@@ -264,6 +288,7 @@ class NodePool:
         if self._held:
             out, self._held = self._held, []
             return out
+        self.check_usable()
         self._check_updates()
         pending = {r.ref: r for node in self.nodes for r in node.queue}
         if not pending:
@@ -302,8 +327,11 @@ class NodePool:
             except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
                 out += [(r, None) for r in self.lost(node, f"died ({type(exc).__name__})")]
                 continue
-            except RayTaskError as exc:
-                raise RayNodeError(node.index, f"{node.name()} raised during {request.kind}: {exc.cause!r}", str(exc)) from None
+            except RayTaskError as exc:  # answered, with the node's error: that request is done
+                node.queue.remove(request)
+                node.head_deadline = Deadline(self.timeout) if node.queue else None
+                raise RayNodeError(node.index, f"{node.name()} raised during {request.kind}: {exc.cause!r}", str(exc),
+                                   exc.cause) from None
             except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
                 out += [(r, None) for r in self.lost(node, f"failed ({type(exc).__name__}: {exc})")]
                 continue
@@ -340,6 +368,7 @@ class NodePool:
 
     def kill_node(self, index: int) -> None:
         """Kill one node's actor, as a fault would (for tests and the benchmark)."""
+        self.check_usable(self.nodes[index])
         ray.kill(self.nodes[index].actor, no_restart=True)
 
     def close(self) -> None:
@@ -348,6 +377,14 @@ class NodePool:
         if self.closed:
             return
         self.closed = True
+        if self._job_id is not None and not self.session_alive():  # its actors went with it: nothing to end
+            for node in self.nodes:
+                node.actor, node.queue = None, []
+            self._updates, self._held = [], []
+            if self._session is not None:
+                _Session.leave(self._session)
+                self._session = None
+            return
         live = [node for node in self.nodes if node.actor is not None]
         # Every live actor reaps its envs; one still starting runs close right after its start.
         started = [node.actor.close.remote() for node in live if node.info]

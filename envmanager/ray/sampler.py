@@ -92,13 +92,14 @@ class RaySampler:
         self._env_updates: list[list[Any]] = []  # every env update so far, per global slot (replayed on restart)
         self._buffer: collections.deque[TransitionBatch] = collections.deque()  # fragments not handed out yet
         self._open: dict[int, int] = {}  # slot -> global id of its episode still running in handed-out/buffered steps
-        self._episode_base = [0] * nodes  # per node: added to its episode ids (a restarted node counts from 0)
-        self._episode_seen = [-1] * nodes
         self.cut_episodes: list[int] = []  # global ids of episodes cut by a node restart
+        self._seeds = [None if seed is None else seed + s for s in range(self.n_workers)]
+        #: Per global slot: the highest episode count ``k`` seen in an answer (ids are ``k * n + slot``).
+        self._seen = np.full(self.n_workers, -1, dtype=np.int64)
         restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         if env_timeout is not None:
             sampler_options["timeout"] = env_timeout
-        self._pool = NodePool(env_factory, sizes, policy, seed, dict(sampler_options), dict(actor_options or {}),
+        self._pool = NodePool(env_factory, sizes, policy, self._resume, dict(sampler_options), dict(actor_options or {}),
                               float(timeout), float(start_timeout), restarts, ray_address, dict(ray_init_options or {}))
         self._pool.replay = self._replay
 
@@ -116,6 +117,7 @@ class RaySampler:
                 raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
             self.env_version += 1
             self._env_updates.append(per_slot)
+        self._pool.check_usable()  # never a ray.put without our session: it would start a new one
         weights = None
         if agent_update is not None:
             self.policy_version = self.policy_version + 1 if version is None else int(version)
@@ -127,8 +129,17 @@ class RaySampler:
                                        None if per_slot is None else _slice(per_slot, node))
         return self.policy_version, self.env_version
 
+    def _resume(self, node: Node) -> tuple[list[int | None], list[int]]:
+        """What a (re)started node is built with, per slot: its seed only if no episode of it
+        reached us yet (a restarted node must not replay seeded episodes), and the episodes
+        started so far (so ids go on: one seen earlier is never reused)."""
+        slots = range(node.offset, node.offset + node.n_envs)
+        return ([self._seeds[s] if self._seen[s] < 0 else None for s in slots],
+                [int(self._seen[s]) + 1 for s in slots])
+
     def _replay(self, node: Node) -> None:
-        """A (re)started node gets the newest weights and every env update, in order."""
+        """A (re)started node gets the newest weights and every env update, in order (with
+        ``_resume``, everything a restarted node needs again, in one place)."""
         if self._weights is not None:
             self._pool.send_update(node, self._weights[0], self._weights[1], None)
         for per_slot in self._env_updates:
@@ -213,21 +224,17 @@ class RaySampler:
                 self._node_lost(node, request)
             else:
                 batch, counters = answer
-                self._global_episodes(batch, node)
+                if len(batch):
+                    np.maximum.at(self._seen, batch.worker_ids, batch.episode_ids // self.n_workers)
                 for key in COUNTERS:
                     self.stats.count(key, counters.get(key, 0))
+                self.cut_episodes.extend(counters.get("cut_episodes", ()))  # cut inside the node: rows flagged there
                 if request.kind == "steps":
                     self._book_fragment(batch)
             if request.kind != "steps":
                 self._forget_open(node)
                 others.append((request, None if answer is None else answer[0]))
         return others
-
-    def _global_episodes(self, batch: TransitionBatch, node: Node) -> None:
-        """Node episode ids -> ids unique across nodes and restarts."""
-        if len(batch):
-            self._episode_seen[node.index] = max(self._episode_seen[node.index], int(batch.episode_ids.max()))
-        batch.episode_ids = (batch.episode_ids + self._episode_base[node.index]) * self.n_nodes + node.index
 
     def _book_fragment(self, batch: TransitionBatch) -> None:
         self.stats.count("fragments")
@@ -246,8 +253,6 @@ class RaySampler:
         """A request died with its node (already restarted). A fragment's episodes still running
         are cut: flagged where their steps are not handed out yet, and counted; an episode
         request's answer is lost whole (counted; the caller asks the new node again)."""
-        self._episode_base[node.index] += self._episode_seen[node.index] + 1
-        self._episode_seen[node.index] = -1
         self.stats.count("lost_requests")
         if request.kind != "steps":
             return

@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 import cloudpickle
 import numpy as np
 
+from envmanager.core.actions import ActionChecker
+from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import stack_values
 from envmanager.wire import shm
 from envmanager.worker.envs import remote_exception
@@ -121,10 +123,12 @@ def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most:
 
 
 class _Slot:
+    """The worker's own state of one slot's episode (garage's worker owns its episode)."""
+
     def __init__(self) -> None:
         self.obs: Any = None
         self.running = False
-        self.episode = -1  # local episode number (this process's count)
+        self.episode = -1  # the running (or last) episode's id, as the parent gave it
         self.seed: int | None = None
         self.env_version = 0
 
@@ -136,6 +140,7 @@ class _Process:
         self.slots: dict[int, _Slot] = {}
         self.agent: tuple[int, Any] | None = None
         self.arena: tuple[ArenaSpec, int, Arena, bool] | None = None
+        self.checker: ActionChecker | None = None
 
 
 _here: _Process | None = None
@@ -167,9 +172,11 @@ class RegisteredFactory:
 
 class RolloutRequest(NamedTuple):
     """One fragment for one process. Per slot (in ``slots`` order): ``steps`` most rows,
-    ``starts`` episodes that may start (-1: any), a ``seeds`` for its first reset, and the
-    latest ``env_updates`` ``(version, cloudpickled fn(env))``, applied when an episode starts.
-    ``abandon``: episodes running now are not continued (exact episodes start afresh)."""
+    ``starts`` episodes that may start (-1: any), the id its next episode gets (``ids``, then
+    ``+ id_stride`` for each one after), the episode the parent expects it to go on with
+    (``continues``, -1: none; a running episode the parent did not expect is abandoned), a
+    seed for its next reset, and the env updates its env has not had: ``(version reached,
+    [(version, cloudpickled fn(env)), ...])``, applied in order when its next episode starts."""
 
     slots: tuple[int, ...]
     first: int  # row of slots[0] in a shared arena
@@ -179,22 +186,35 @@ class RolloutRequest(NamedTuple):
     agent: bytes
     steps: tuple[int, ...]
     starts: tuple[int, ...]
-    abandon: bool
+    ids: tuple[int, ...]
+    id_stride: int
+    continues: tuple[int, ...]
     seeds: tuple[Any, ...]
     env_updates: tuple[Any, ...]
 
 
-def _act(agent: Any, observations: Any, ids: np.ndarray) -> tuple[Any, dict[str, Any]]:
-    get_actions = getattr(agent, "get_actions", None)
-    if get_actions is not None:
-        out = get_actions(observations, ids)
-    else:
-        rows = [agent.get_action(shm.tree_map(lambda a: a[j], observations)) for j in range(len(ids))]
-        pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
-        out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return out
-    return out, {}
+class _AgentFailure(Exception):
+    """The agent raised, or gave actions that do not fit: every slot it acted for fails."""
+
+
+def _act(agent: Any, observations: Any, ids: np.ndarray, checker: ActionChecker) -> tuple[Any, dict[str, Any]]:
+    """The agent's actions for ``ids``, checked against the action space (as the envs get and
+    the arena records them), and its infos; ``_AgentFailure`` if it cannot give them."""
+    try:
+        get_actions = getattr(agent, "get_actions", None)
+        if get_actions is not None:
+            out = get_actions(observations, ids)
+        else:
+            rows = [agent.get_action(shm.tree_map(lambda a: a[j], observations)) for j in range(len(ids))]
+            pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
+            out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
+        actions, infos = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
+        for key, value in infos.items():
+            if len(value) != len(ids):
+                raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(ids)} envs")
+        return checker.batch(actions, ids), infos
+    except Exception as exc:
+        raise _AgentFailure(exc) from exc
 
 
 def _rows(actions: Any) -> Any:
@@ -225,29 +245,38 @@ def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
         proc.arena = (request.spec, request.first, arena, request.shared)
     arena = proc.arena[2]
     envs = [proc.envs[s] for s in request.slots]
+    if proc.checker is None:
+        proc.checker = ActionChecker(envs[0].action_space)
     states = [proc.slots.setdefault(s, _Slot()) for s in request.slots]
-    return run_fragment(proc.agent[1], envs, states, arena, request)
+    return run_fragment(proc.agent[1], envs, states, arena, request, proc.checker)
 
 
-def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest) -> dict[str, Any]:
-    """Step ``envs`` in lockstep with ``agent``, writing rows into ``arena`` (see the module doc)."""
+def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest,
+                 checker: ActionChecker) -> dict[str, Any]:
+    """Step ``envs`` in lockstep with ``agent``, writing rows into ``arena`` (see the module doc).
+
+    An env that raises (in ``step``, ``reset`` or an env update) ends its slot's part of the
+    fragment; an agent that raises or gives actions that do not fit ends it for every slot it
+    acted for. Either is reported per slot in ``failures`` (the parent takes it through the
+    pool's restart policy); the rows written before stay."""
     k = len(envs)
     ids = np.array(request.slots, dtype=np.int64)
     arena.rows[:] = 0
     arena.started[:] = 0
     rows = [0] * k
-    started, discarded = [0] * k, 0
+    started = [0] * k
     starts = list(request.starts)
+    next_ids = list(request.ids)
     failures: dict[int, Any] = {}
+    cut: dict[int, int] = {}  # slot -> the episode a failure ended
     versions: list[dict[int, int]] = [{} for _ in range(k)]
     infos: list[list[Any] | None] = [None] * k
     ticks: list[tuple[int, list[int], dict[str, Any]]] = []
     for i, st in enumerate(states):
-        if request.seeds[i] is not None and st.episode < 0:
+        if request.seeds[i] is not None:
             st.seed = request.seeds[i]
-        if request.abandon and st.running:
+        if st.running and st.episode != request.continues[i]:  # the parent let it go (exact episodes start afresh)
             st.running = False
-            discarded += 1
 
     def ready(i: int) -> bool:
         """Whether slot ``i`` takes a step this tick (starting an episode if it may)."""
@@ -258,17 +287,19 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             return True
         if starts[i] == 0:
             return False
-        update = request.env_updates[i]
+        reached, updates = request.env_updates[i]
         try:
-            if update is not None and update[0] > st.env_version:
-                cloudpickle.loads(update[1])(envs[i])
-                st.env_version = update[0]
+            for version, update in updates:
+                if version > st.env_version:
+                    cloudpickle.loads(update)(envs[i])
+                    st.env_version = version
+            st.env_version = max(st.env_version, reached)
             st.obs, _ = envs[i].reset(seed=st.seed)
         except Exception as exc:
             failures[i] = remote_exception(request.slots[i], exc)
             return False
         st.seed, st.running = None, True
-        st.episode += 1
+        st.episode, next_ids[i] = next_ids[i], next_ids[i] + request.id_stride
         versions[i][st.episode] = st.env_version
         started[i] += 1
         arena.started[i] += 1
@@ -288,7 +319,13 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         else:
             observations = stack_values([states[i].obs for i in active])
             shm.write(arena.observations, (sel, t), observations)
-        actions, agent_info = _act(agent, observations, ids[active])
+        try:
+            actions, agent_info = _act(agent, observations, ids[active], checker)
+        except _AgentFailure as failure:
+            for i in active:  # the agent could not act: these episodes end here
+                failures[i] = remote_exception(request.slots[i], failure.__cause__ or failure)
+                cut[i], states[i].running = states[i].episode, False
+            break
         shm.write(arena.actions, (sel, t), actions)
         done: list[int] = []
         nexts: list[Any] = []
@@ -299,7 +336,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 obs, reward, term, trunc, info = envs[i].step(per_env[j])
             except Exception as exc:
                 failures[i] = remote_exception(request.slots[i], exc)
-                states[i].running = False
+                cut[i], states[i].running = states[i].episode, False
                 continue
             done.append(i)
             if flat:
@@ -320,7 +357,8 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             if not flat:
                 shm.write(arena.next_observations, (sel, t), stack_values(nexts))
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
-            ticks.append((t, active, agent_info))
+            ticks.append((t, done, {key: np.asarray(value)[[active.index(i) for i in done]] for key, value in agent_info.items()}
+                                    if len(done) != len(active) else agent_info))
         t += 1
         steps = request.steps
         active = []
@@ -329,7 +367,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             if (states[i].running and t < steps[i]) or ready(i):
                 active.append(i)
     out = {
-        "rows": rows, "started": started, "discarded": discarded, "running": [st.running for st in states],
+        "rows": rows, "started": started, "running": [st.running for st in states],
+        "episodes": [st.episode if st.running else cut.get(i, -1) for i, st in enumerate(states)],
+        "env_version": [st.env_version for st in states],
         "env_versions": versions, "env_infos": infos, "failures": failures,
         "agent_infos": _agent_infos(ticks, k, max(rows, default=0)),
         "arrays": None,
@@ -363,5 +403,7 @@ def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: 
     k = len(envs)
     arena = arena or Arena(spec, bytearray(Arena.nbytes_for(spec)))
     states = states or [_Slot() for _ in envs]
-    request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k, False, (None,) * k, (None,) * k)
-    return run_fragment(agent, envs, states, arena, request), arena, states
+    request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k,
+                             tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)), k,
+                             tuple(st.episode for st in states), (None,) * k, ((0, []),) * k)
+    return run_fragment(agent, envs, states, arena, request, ActionChecker(envs[0].action_space)), arena, states

@@ -5,6 +5,12 @@ whichever slots are ready (first-ready, partial batches). Built on the core's ba
 (``send_batch`` / ``receive_batch``, ``send_reset`` / ``receive_reset_batch``) with autoreset
 off, so the sampler decides when an episode starts: that is where env updates are applied and
 where exact-episode admission is decided (see ``envmanager.sampler.episodes``).
+
+Each slot's episode is one record (``envmanager.sampler.slots``), moved only by what the core
+hands back: a reset or step answer, an answer from a restarted process (the episode is cut,
+kept and flagged), or an error (the episode failed; the error is raised). Faults take the
+core's one failure path: an env that raises, a process that dies or hangs is restarted within
+the manager's restart policy, or its error names the slot and process.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import numpy as np
 
 from envmanager.core.batch import BatchEnvManager, seeds_for
@@ -22,6 +27,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.slots import EpisodeIds, EpisodeSlots, EpisodeState, Outcome, apply_env_updates, failed_slots
 from envmanager.sampler.stats import Stats
 from envmanager.wire import shm
 from envmanager.worker.envs import DISABLED
@@ -31,12 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "apply_agent_update"]
 
-
-def _apply_env_update(env: Any, update: bytes) -> None:
-    """Run in the worker: ``update(env)`` at an episode boundary (cloudpickled: closures too)."""
-    cloudpickle.loads(update)(env)
+NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
 
 
 def _row(value: Any, i: int) -> Any:
@@ -57,50 +60,45 @@ class Sampler:
         policy: an object with ``get_actions(observations, worker_ids)``, or such a callable;
             returns the actions (first axis over the given slots) or ``(actions, agent_infos)``
             with ``agent_infos`` a dict of arrays.
-        seed: slot ``i``'s first reset gets ``seed + i``; later resets continue the env's RNG.
+        seed: slot ``i``'s first reset gets ``seed + i`` (or a list with one seed per slot);
+            later resets continue the env's RNG.
         log_interval: seconds between one-line summaries through ``logging`` (``None``: never).
         progress: show a tqdm progress bar (an optional extra) on collections of at least
             ``progress`` steps or episodes (``None``: never).
+        episode_ids: how episodes are numbered (``EpisodeIds``; default: the ``k``-th episode
+            of slot ``s`` is ``k * n_workers + s``).
         manager_options: passed to ``BatchEnvManager`` (``envs_per_worker``, ``timeout``,
             ``restart_workers``, ``context``, ...).
     """
 
     def __init__(self, envs: Callable[[int], Any] | BatchEnvManager, n_workers: int | None = None, policy: Any = None, *,
-                 seed: int | None = None, log_interval: float | None = None, progress: int | None = None,
-                 **manager_options: Any) -> None:
+                 seed: int | Sequence[int | None] | None = None, log_interval: float | None = None,
+                 progress: int | None = None, episode_ids: EpisodeIds = EpisodeIds(), **manager_options: Any) -> None:
         if isinstance(envs, BatchEnvManager):
             if manager_options or n_workers not in (None, envs.n_env):
                 raise InvalidInputError("with a manager, give neither n_workers nor manager options")
             if envs.autoreset_mode != DISABLED:
                 raise InvalidInputError("the sampler decides when episodes start: build the manager with autoreset_mode='disabled'")
-            self.manager, self._owns_manager = envs, False
+            n = envs.n_env
         else:
             if not isinstance(n_workers, int) or n_workers < 1:
                 raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
-            self.manager = BatchEnvManager(envs, n_workers, autoreset_mode=DISABLED, **manager_options)
+            n = n_workers
+        self.n_workers = n
+        self.stats = Stats("sampler", log_interval)
+        #: One record per slot: the episode it runs (see ``envmanager.sampler.slots``).
+        self.episodes = EpisodeSlots(seeds_for(seed, n), self.stats, episode_ids)
+        if isinstance(envs, BatchEnvManager):
+            self.manager, self._owns_manager = envs, False
+        else:
+            self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
             self._owns_manager = True
-        n = self.n_workers = self.manager.n_env
         self.policy = policy
         self.progress = progress
-        self.stats = Stats("sampler", log_interval)
-        self._lock = threading.Lock()  # guards pending updates (update() may come from a learner thread)
+        self._lock = threading.Lock()  # guards the pending agent update (update() may come from a learner thread)
         self._latest_policy_version = 0
         self._acting_version = 0
         self._pending_agent: tuple[int, Any] | None = None
-        self.env_version = 0
-        self._pending_env: list[list[tuple[int, Callable[[Any], Any]]]] = [[] for _ in range(n)]
-        self._slot_env_version = [0] * n
-        self._applied_env: list[tuple[int, Callable[[Any], Any]] | None] = [None] * n  # replayed after a restart
-        self._seeds = seeds_for(seed, n)
-        self._obs: list[Any] = [None] * n  # None: the slot has no episode running
-        self._recording = [False] * n  # whether the running episode is admitted by this call
-        self._steps: list[list[Step]] = [[] for _ in range(n)]
-        self._episode_id = [-1] * n
-        #: Ids of the episodes a worker restart cut, in the order seen: their steps still held are
-        #: flagged ``interrupted``, but steps a ``stream`` already handed out cannot be recalled.
-        self.cut_episodes: list[int] = []
-        self._next_episode_id = 0
-        self._sent: dict[int, tuple[Any, Any, dict[str, Any], int]] = {}  # slot -> (obs, action, agent info, version)
 
     # ------------------------------------------------------------------------------------------
     # Versions and updates
@@ -110,6 +108,16 @@ class Sampler:
         """The newest policy version (applied before the next action is chosen)."""
         return self._latest_policy_version
 
+    @property
+    def env_version(self) -> int:
+        return self.episodes.env_version
+
+    @property
+    def cut_episodes(self) -> list[int]:
+        """Ids of the episodes a worker restart cut, in the order seen: their steps still held
+        are flagged ``interrupted``, but steps a ``stream`` already handed out cannot be recalled."""
+        return self.episodes.cut_episodes
+
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """Queue a new policy and/or env update; returns ``(policy_version, env_version)``.
 
@@ -117,21 +125,16 @@ class Sampler:
         policy has one, else it replaces the policy; it applies before the next action choice
         (thread-safe: a learner thread may call this). ``version`` sets the policy version
         (default: one more). ``env_update``: a picklable ``fn(env)``, or a list with one per
-        worker, run in the worker before each slot's next episode starts, never mid-episode.
+        worker, run in the worker before each slot's next episode starts, never mid-episode
+        (and again, with every earlier one, in a restarted worker).
         """
+        if env_update is not None:
+            self.episodes.add_update(env_update)
         with self._lock:
-            if env_update is not None:
-                updates = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n_workers
-                if len(updates) != self.n_workers or not all(u is None or callable(u) for u in updates):
-                    raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
-                self.env_version += 1
-                for slot, u in enumerate(updates):
-                    if u is not None:
-                        self._pending_env[slot].append((self.env_version, u))
             if agent_update is not None:
                 self._latest_policy_version = self._latest_policy_version + 1 if version is None else int(version)
                 self._pending_agent = (self._latest_policy_version, agent_update)
-            return self._latest_policy_version, self.env_version
+            return self._latest_policy_version, self.episodes.env_version
 
     def _apply_agent_update(self) -> None:
         with self._lock:
@@ -175,11 +178,11 @@ class Sampler:
         self.update(agent_update, env_update)
         plan = self._collect(StepCount(self.n_workers, n))
         steps: list[Step] = []
-        for slot in range(self.n_workers):
-            for episode, _ in plan.episodes[slot]:
+        for record in self.episodes:
+            for episode, _ in plan.episodes[record.slot]:
                 steps += episode
-            steps += self._steps[slot]
-            self._steps[slot] = []
+            steps += record.steps  # the running episode's steps so far: it goes on next call
+            record.steps = []
         return TransitionBatch.from_steps(steps)
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
@@ -203,18 +206,39 @@ class Sampler:
     def _collect(self, plan: Plan) -> Plan:
         """Step until ``plan`` is done; episodes running from before are not admitted (they run
         out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
-        its own."""
+        its own. A call that raises drops what it recorded (counted as ``dropped_steps``), and
+        the episodes still running are not recorded on (so no episode's rows have a gap)."""
+        self._raise_given_up()
         if not plan.record_partial:
             self._apply_agent_update()
-            for slot in range(self.n_workers):
-                self._recording[slot] = False
+            for record in self.episodes:
+                record.recording = False
         bar = self._progress_bar(plan)
         try:
             self._run(plan, bar)
+        except BaseException:
+            dropped = sum(len(steps) for per_slot in plan.episodes for steps, _ in per_slot)
+            for record in self.episodes:  # running ones go on unrecorded: no episode's rows have a gap
+                dropped += len(record.steps)
+                record.recording, record.steps = False, []
+            if dropped:
+                self.stats.count("dropped_steps", dropped)
+            raise
         finally:
             if bar is not None:
                 bar.close()
         return plan
+
+    def _raise_given_up(self) -> None:
+        """A process the pool gave up on (past the restart limits, or dead with restarts off):
+        its error, at once, on every call."""
+        m = self.manager
+        for slot in range(self.n_workers):
+            failure = m.failure_of(slot)
+            if failure is not None:
+                for s in failed_slots(failure) or [slot]:
+                    self.episodes.close(s, Outcome.FAILED)
+                raise failure
 
     def _progress_bar(self, plan: Plan) -> Any:
         _, total, unit = plan.progress()
@@ -232,125 +256,187 @@ class Sampler:
         while not plan.done():
             if plan.record_partial:
                 self._apply_agent_update()
-            idle = [s for s in m.idle_worker_ids if s not in self._sent and m.failure_of(s) is None]
-            starting = [s for s in idle if self._obs[s] is None and plan.admit(s)]
-            if starting:
-                self._start_episodes(starting)
-            running = [s for s in idle if self._obs[s] is not None]
-            ready = [s for s in running if not self._recording[s]]  # running out (unrecorded)
-            recording = [s for s in running if self._recording[s]]
-            budget = plan.step_budget(sum(1 for s in self._sent if self._recording[s]))
-            ready += recording if budget is None else recording[: max(budget, 0)]
-            if ready:
-                self._act(sorted(ready))
-            if not self._sent and not m.in_flight() and not m.unreceived():
+            self._start(plan)
+            self._take_resets(plan)
+            self._act(plan)
+            if not self.episodes.in_state(STARTING, STEPPING) and not m.in_flight() and not m.unreceived():
                 if plan.done():
                     break
-                failed = next((m.failure_of(s) for s in range(self.n_workers) if m.failure_of(s) is not None), None)
-                raise failed or EnvManagerError("sampler: nothing is running and the collection is not done")
+                raise EnvManagerError("sampler: nothing is running and the collection is not done")
             self._receive(plan)
             self.stats.maybe_log()
             if bar is not None:
                 bar.update(plan.progress()[0] - bar.n)
-        while self._sent:  # run-outs still in flight: take them, so nothing is left half-sent
+        while self.episodes.in_state(STEPPING) or m.unreceived():  # run-outs in flight: nothing left half-sent
             self._receive(plan)
 
-    def _start_episodes(self, slots: list[int]) -> None:
-        m = self.manager
-        for slot in slots:
-            with self._lock:
-                updates, self._pending_env[slot] = self._pending_env[slot], []
-            for version, update in updates:
-                m.call_on([slot], _apply_env_update, (cloudpickle.dumps(update),))
-                self._slot_env_version[slot] = version
-                self._applied_env[slot] = (version, update)
-        m.send_reset({s: (self._seeds[s], None) for s in slots})
-        for s in slots:
-            self._seeds[s] = None
-        m.receive_reset_batch(slots)
-        for s in slots:
-            self._obs[s] = self._read_observation(s)
-            self._recording[s] = True
-            self._steps[s] = []
-            self._episode_id[s] = self._next_episode_id
-            self._next_episode_id += 1
-        self.stats.count("episodes_started", len(slots))
+    def _start(self, plan: Plan) -> None:
+        """Admitted episodes start on idle slots: env updates applied, then their resets sent."""
+        m, episodes = self.manager, self.episodes
+        starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and plan.admit(s)]
+        resets = {}
+        error: EnvManagerError | None = None
+        for slot in starting:
+            episodes.start(slot, recording=True)
+            if episodes[slot].generation != m.generation(slot):
+                self._replaced(slot, plan)
+                continue
+            version, due = episodes.updates_due(slot)
+            if due:
+                try:
+                    m.call_on([slot], apply_env_updates, (due,))
+                except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
+                    try:
+                        self._fault([slot], exc, plan)
+                    except EnvManagerError as final:
+                        error = error or final
+                    continue
+            episodes.applied(slot, version)
+            resets[slot] = (episodes.take_seed(slot), None)
+        for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
+            if episodes[slot].generation != m.generation(slot):
+                del resets[slot]
+                self._replaced(slot, plan)
+        m.send_reset(resets)  # the others start all the same: the next call takes their resets
+        if error is not None:
+            raise error
 
-    def _read_observation(self, slot: int) -> Any:
+    def _take_resets(self, plan: Plan) -> None:
+        """Every reset sent: the episode is ready, or cut by a restart before its first step."""
+        starting = self.episodes.in_state(STARTING)
+        if not starting:
+            return
         m = self.manager
-        return m.observation_list[slot] if m.observation_list is not None else shm.read(m.results.observation, slot)
+        try:
+            batch = m.receive_reset_batch(starting)
+        except EnvManagerError as exc:
+            self._failed(exc)
+            raise
+        for slot in batch.slots.tolist():
+            if slot in batch.interrupted:  # its process was replaced during the reset
+                self._replaced(slot, plan)
+            else:
+                record = self.episodes[slot]
+                record.observation, record.state = self._read_observation(slot), READY
 
-    def _act(self, slots: list[int]) -> None:
-        observations = [self._obs[s] for s in slots]
-        ids = np.array(slots, dtype=np.int64)
+    def _act(self, plan: Plan) -> None:
+        """One batched policy call over the ready slots (run-outs, and recorded ones within
+        the plan's budget); the actions recorded are the ones the envs get."""
+        episodes = self.episodes
+        ready = episodes.in_state(READY)
+        if not ready:
+            return
+        idle = set(self.manager.idle_worker_ids)  # not a slot whose restart's answer is still to come
+        ready = [s for s in ready if s in idle]
+        running_out = [s for s in ready if not episodes[s].recording]
+        recording = [s for s in ready if episodes[s].recording]
+        budget = plan.step_budget(sum(1 for s in episodes.in_state(STEPPING) if episodes[s].recording))
+        slots = sorted(running_out + (recording if budget is None else recording[: max(budget, 0)]))
+        if not slots:
+            return
+        observations = [episodes[s].observation for s in slots]
         get_actions = getattr(self.policy, "get_actions", self.policy)
         if get_actions is None:
             raise InvalidInputError("the sampler needs a policy (get_actions(observations, worker_ids))")
+        ids = np.array(slots, dtype=np.int64)
         with self.stats.timer("policy"):
             out = get_actions(stack_values(observations), ids)
         actions, agent_infos = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
-        self.manager.send_batch(ids, actions)
+        for key, value in agent_infos.items():
+            if len(value) != len(slots):
+                raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(slots)} workers")
+        sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
         version = self._acting_version
         for i, slot in enumerate(slots):
-            self._sent[slot] = (observations[i], _row(actions, i), {k: v[i] for k, v in agent_infos.items()}, version)
+            record = episodes[slot]
+            record.sent = (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version)
+            record.state = STEPPING
 
     def _receive(self, plan: Plan) -> None:
         m = self.manager
-        with self.stats.timer("wait"):
-            batch = m.receive_batch(1)
+        try:
+            with self.stats.timer("wait"):
+                batch = m.receive_batch(1)
+        except EnvManagerError as exc:
+            self._failed(exc)
+            raise
         r = m.results
         for slot in batch.slots.tolist():
-            sent = self._sent.pop(slot, None)
-            if slot in batch.interrupted:  # a restarted worker: the episode was cut; keep it, flagged
-                self._replay_env_update(slot)
-                if self._recording[slot] and self._obs[slot] is not None:
-                    for step in self._steps[slot]:
-                        step.interrupted = True
-                    plan.finished(slot, self._steps[slot], True)
-                    self.stats.count("interrupted_episodes")
-                    self.cut_episodes.append(self._episode_id[slot])
-                self._end_episode(slot)
+            if slot in batch.interrupted:  # a restarted process: the episode was cut; kept, flagged
+                self._replaced(slot, plan)
                 continue
-            if sent is None:
+            record = self.episodes[slot]
+            if record.state is not STEPPING or record.sent is None:
                 continue
-            observation, action, agent_info, version = sent
+            observation, action, agent_info, version = record.sent
             next_obs = self._read_observation(slot)
             terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
             self.stats.count("env_steps")
-            if self._recording[slot]:
-                self._steps[slot].append(Step(
+            if record.recording:
+                record.steps.append(Step(
                     observation, action, float(r.reward[slot]), terminated, truncated, next_obs, slot,
-                    self._episode_id[slot], version, self._slot_env_version[slot], agent_info, batch.infos.get(slot, {}),
+                    record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
                 plan.recorded_step(slot)
             else:
                 self.stats.count("discarded_steps")
             if terminated or truncated:
-                if self._recording[slot]:
-                    plan.finished(slot, self._steps[slot], False)
-                    self.stats.count("episodes")
-                self._end_episode(slot)
+                self._close(slot, Outcome.ENDED, plan)
             else:
-                self._obs[slot] = next_obs
+                record.observation, record.sent, record.state = next_obs, None, READY
 
-    def _replay_env_update(self, slot: int) -> None:
-        """A restarted worker has fresh envs: the latest env update applied to the slot goes
-        again before its next episode (updates queued since follow it)."""
-        applied = self._applied_env[slot]
-        if applied is not None:
-            with self._lock:
-                if all(version > applied[0] for version, _ in self._pending_env[slot]):
-                    self._pending_env[slot].insert(0, applied)
+    # ------------------------------------------------------------------------------------------
+    # Faults: one path (the pool's), three outcomes for a record
 
-    def _end_episode(self, slot: int) -> None:
-        self._obs[slot] = None
-        self._recording[slot] = False
-        self._steps[slot] = []
+    def _close(self, slot: int, outcome: Outcome, plan: Plan) -> None:
+        recording = self.episodes[slot].recording
+        steps = self.episodes.close(slot, outcome)
+        if recording and outcome is not Outcome.FAILED:
+            plan.finished(slot, steps, outcome is Outcome.CUT)
+            if outcome is Outcome.ENDED:
+                self.stats.count("episodes")
+
+    def _replaced(self, slot: int, plan: Plan) -> None:
+        """An answer from a newer generation of the slot's process: its episode is cut."""
+        m = self.manager
+        if self.episodes.replaced(slot, m.generation(slot)):
+            self._close(slot, Outcome.CUT, plan)
+            if m.slot_local[slot] == 0:  # once per process
+                self.stats.count("worker_restarts")
+
+    def _fault(self, slots: list[int], error: EnvManagerError, plan: Plan) -> None:
+        """``error`` came from a call on ``slots`` (an env update): the pool's failure path
+        decides. Absorbed by a restart (the episodes cut), or raised (the episodes failed)."""
+        m = self.manager
+        if all(m.generation(s) == self.episodes[s].generation for s in slots) and m.failure_of(slots[0]) is None:
+            outcome = m.report_failure(slots[0], error)  # the pool had taken it for the call's own failure
+            if outcome is not None:
+                error = outcome
+        restarted = False
+        for s in slots:
+            if self.episodes[s].generation != m.generation(s):
+                self._replaced(s, plan)
+                restarted = True
+            else:
+                self.episodes.close(s, Outcome.FAILED)
+        if not restarted:
+            raise error
+
+    def _failed(self, error: EnvManagerError) -> None:
+        """``error`` ends the call: the episodes on the slots it names failed (counted)."""
+        for slot in failed_slots(error):
+            if 0 <= slot < self.n_workers:
+                self.episodes.close(slot, Outcome.FAILED)
+
+    def _read_observation(self, slot: int) -> Any:
+        m = self.manager
+        return m.observation_list[slot] if m.observation_list is not None else shm.read(m.results.observation, slot)
 
     def _episodes(self, plan: Plan) -> EpisodeBatch:
         episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in plan.episodes for steps, cut in per_slot if steps]
         empty_cut = sum(1 for per_slot in plan.episodes for steps, cut in per_slot if not steps)
         if empty_cut:  # cut before their first step: nothing to hand out, but counted
+            self.stats.count("empty_cut_episodes", empty_cut)
             logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step", empty_cut)
         if not episodes:
             raise EnvManagerError("sampler: every admitted episode was cut by a worker restart before its first step")

@@ -6,12 +6,13 @@ in lockstep with one policy call per tick and writes whole rollout fragments int
 arena; one answer per process per fragment announces them (``envmanager.sampler.rollout``).
 Fragments are handed out first-ready: a process that finished gets its next request at once.
 
-Faults: an env that raises mid-fragment, or a worker process that dies (killed, crashed), cuts
-the episodes running on those slots. With ``restart_workers`` on and within the restart limits
-(the manager's policy, counted per process), the cut episodes are kept -- the rows written
-before the fault, read from the arena -- flagged ``interrupted`` and counted, and collection
-goes on (the env is reset, or the process restarted by the pool); past the limits, or with
-restarts off, the error names the slot and process, with the worker's traceback.
+Faults take the core's one failure path. An env that raises mid-fragment (in a step, a reset
+or an env update), an agent that raises or gives actions that do not fit, a process that dies
+or hangs: the pool restarts the process within the manager's restart policy -- the episodes
+running there are cut, their rows written before the fault kept (read from the arena),
+flagged ``interrupted`` and counted, and collection goes on -- or, past the limits or with
+restarts off, the error names the slot and process with the worker's traceback. Each slot's
+episode is one record (``envmanager.sampler.slots``); episode ids are the parent's.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cloudpickle
 import numpy as np
 
 from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.calls import CallRequest
 from envmanager.core.pool import get_context, worker_error
-from envmanager.errors import EnvManagerError, InvalidInputError, RestartLimitError, WorkerTimeoutError
+from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
 from envmanager.sampler.episodes import spread
-from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
+from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, failed_slots
 from envmanager.sampler.stats import Stats
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvFunction
@@ -49,6 +51,17 @@ __all__ = ["WorkerPolicySampler"]
 
 _ROLLOUT = EnvFunction(cloudpickle.dumps(rollout))
 _FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
+RUNNING = EpisodeState.RUNNING
+
+
+class _Sent(NamedTuple):
+    """A fragment request in flight on one process, and what the answer is read against."""
+
+    call: CallRequest
+    generation: int  # of the process it went to
+    policy_version: int
+    env_before: list[int]  # each slot's env version when sent: that of an episode going on
+    env_reached: list[int]  # ... and what episodes started in the fragment have
 
 
 class WorkerPolicySampler:
@@ -75,8 +88,9 @@ class WorkerPolicySampler:
             raise InvalidInputError(f"fragment_bytes must be a positive int, got {fragment_bytes!r}")
         self.n_workers = n = n_workers
         self.stats = Stats("worker-sampler")
+        #: One record per slot: the episode it runs (see ``envmanager.sampler.slots``).
+        self.episodes = EpisodeSlots(seeds_for(seed, n), self.stats)
         self.policy_version = 0
-        self.env_version = 0
         self._payload = cloudpickle.dumps(agent)
         self._lock = threading.Lock()  # update() may come from a learner thread
         self._token = secrets.token_hex(8)
@@ -94,13 +108,13 @@ class WorkerPolicySampler:
             self._free_arena()
             raise
         try:  # the workers run: any failure from here on must reap them
-            self._setup(n, int(fragment_bytes), seed)
+            self._setup(n, int(fragment_bytes))
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, n: int, fragment_bytes: int, seed: int | None) -> None:
-        """The arena over the workers' spaces and the per-slot bookkeeping."""
+    def _setup(self, n: int, fragment_bytes: int) -> None:
+        """The arena over the workers' spaces."""
         m = self.manager
         layouts = shm.array_layout(m.observation_space), shm.array_layout(m.action_space)
         if None in layouts:
@@ -118,40 +132,32 @@ class WorkerPolicySampler:
         self._procs: dict[int, list[int]] = {}
         for slot in range(n):
             self._procs.setdefault(int(m.slot_process[slot]), []).append(slot)
-        self._seeds = seeds_for(seed, n)
-        self._env_updates: list[tuple[int, bytes] | None] = [None] * n
-        self._incarnation = dict.fromkeys(self._procs, 0)
-        self._sent_version = dict.fromkeys(self._procs, 0)  # the agent version of each process's last request
-        self._sent_env: dict[int, list[int]] = {}  # the env-update version each slot of a process was last sent
-        self._ids: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]  # (incarnation, local episode) -> id
-        self._next_id = 0
-        self._running: list[tuple[int, int] | None] = [None] * n  # (incarnation, local episode) running on a slot
-        self._slot_env_version = [0] * n
         self._info_template: dict[str, np.ndarray] = {}
         self._recovered: list[TransitionBatch] = []  # rows read back from a killed worker, in this call
 
     # ------------------------------------------------------------------------------------------
     # Versions
 
+    @property
+    def env_version(self) -> int:
+        return self.episodes.env_version
+
+    @property
+    def cut_episodes(self) -> list[int]:
+        """Ids of the episodes a fault cut, in the order seen (their rows still held are flagged)."""
+        return self.episodes.cut_episodes
+
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> int:
         """A new agent for the workers (picklable), used from the next request on; and/or an
         ``env_update`` (a picklable ``fn(env)``, or a list with one per slot) applied in the
-        worker before each slot's next episode starts. A restarted worker gets the latest."""
+        worker before each slot's next episode starts (a restarted worker gets every one again)."""
         payload = cloudpickle.dumps(agent_update) if agent_update is not None else None
-        updates = None
         if env_update is not None:
-            updates = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n_workers
-            if len(updates) != self.n_workers or not all(u is None or callable(u) for u in updates):
-                raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
+            self.episodes.add_update(env_update)
         with self._lock:  # version and payload change together: a request never pairs them wrongly
             if payload is not None:
                 self.policy_version = self.policy_version + 1 if version is None else int(version)
                 self._payload = payload
-            if updates is not None:
-                self.env_version += 1
-                for slot, u in enumerate(updates):
-                    if u is not None:
-                        self._env_updates[slot] = (self.env_version, cloudpickle.dumps(u))
             return self.policy_version
 
     # ------------------------------------------------------------------------------------------
@@ -180,6 +186,8 @@ class WorkerPolicySampler:
             for start, end in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
                 episodes.append(rows.select(slice(start, end)))
                 cut.append(bool(rows.interrupted[start]))
+        if not episodes:
+            raise EnvManagerError("worker-side sampler: every admitted episode was cut before its first step")
         return EpisodeBatch.from_transitions(episodes, cut)
 
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
@@ -230,14 +238,20 @@ class WorkerPolicySampler:
     def _collect(self, steps: list[int] | None, quotas: list[int] | None) -> list[list[TransitionBatch]]:
         """Fragments until every slot has its ``steps`` rows (or ``quotas`` episodes, each run to
         its end), per slot in order. First-ready: each process is sent its next piece as soon
-        as its last one is in."""
-        m = self.manager
+        as its last one is in. A call that raises drops its rows (counted as ``dropped_steps``)
+        and lets the episodes running go (``discarded_episodes``): none has a gap in its rows."""
+        m, episodes = self.manager, self.episodes
+        self._raise_given_up()
+        for p in self._procs:
+            self._sync(p)
+        if quotas is not None:  # exact episodes start afresh: what runs now is let go
+            for s in episodes.in_state(RUNNING):
+                episodes.close(s, Outcome.DISCARDED)
         want = list(steps) if steps is not None else [self._spec.capacity] * self.n_workers
         starts = list(quotas) if quotas is not None else [-1] * self.n_workers
         out: list[list[TransitionBatch]] = [[] for _ in range(self.n_workers)]
-        cut: set[int] = set()  # episode ids cut by a fault, flagged at the end
-        fresh = dict.fromkeys(self._procs, quotas is not None)  # the first piece abandons running episodes
-        pending: dict[int, Any] = {}
+        cut_before = len(episodes.cut_episodes)
+        pending: dict[int, _Sent] = {}
         error: EnvManagerError | None = None
         self._recovered = []
 
@@ -245,73 +259,70 @@ class WorkerPolicySampler:
             slots = self._procs[p]
             if steps is not None:
                 return any(want[s] > 0 for s in slots)
-            return any(starts[s] > 0 or (self._running[s] is not None and not fresh[p]) for s in slots)
-
-        def send(p: int) -> None:
-            slots = self._procs[p]
-            with self._lock:
-                version, payload, updates = self.policy_version, self._payload, tuple(self._env_updates[s] for s in slots)
-            self._sent_version[p] = version
-            self._sent_env[p] = [u[0] if u is not None else 0 for u in updates]
-            budget = tuple(min(want[s], self._spec.capacity) if steps is not None else self._spec.capacity for s in slots)
-            request = RolloutRequest(tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
-                                     tuple(starts[s] for s in slots), fresh[p], tuple(self._seeds[s] for s in slots), updates)
-            if fresh[p]:  # the request abandons the episodes running there: a fault cannot cut them
-                for s in slots:
-                    self._running[s] = None
-            if self._arena is not None:  # a worker killed before its first row must not show old rows
-                self._arena.rows[slots] = 0
-                self._arena.started[slots] = 0
-            pending[p] = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
+            return any(starts[s] > 0 or episodes[s].state is RUNNING for s in slots)
 
         for p in self._procs:
             if work(p):
-                send(p)
+                pending[p] = self._send(p, want if steps is not None else None, starts)
         with self.stats.timer("collect"):
             while pending:
                 self._wait_any(pending)
-                for p in [p for p, r in pending.items() if m.call_ready(r)]:
-                    request = pending.pop(p)
+                for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
+                    sent = pending.pop(p)
                     try:
-                        answer = m.receive_call(request, timeout=0)[0]
+                        answer = m.receive_call(sent.call, timeout=0)[0]
                     except EnvManagerError as exc:
-                        error = error or self._lost(p, exc, out, want, starts, cut)
+                        failure = self._lost(p, sent, exc, out, want, starts)
                     else:
-                        error = error or self._file(p, answer, out, want, starts, cut)
-                    fresh[p] = False
+                        failure = self._file(p, sent, answer, out, want, starts)
+                    error = error or failure
                     if error is None and work(p):
-                        send(p)
-        if error is not None:
+                        pending[p] = self._send(p, want if steps is not None else None, starts)
+        if error is not None:  # what was collected is dropped, and what runs is let go: no episode has a gap
+            dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
+            if dropped:
+                self.stats.count("dropped_steps", dropped)
+            for s in episodes.in_state(RUNNING):
+                episodes.close(s, Outcome.DISCARDED)
             raise error
+        cut = episodes.cut_episodes[cut_before:]
         if cut:
             for per_slot in out:
                 for chunk in per_slot:
-                    chunk.interrupted |= np.isin(chunk.episode_ids, list(cut))
+                    chunk.interrupted |= np.isin(chunk.episode_ids, cut)
         for chunk in self._recovered:  # filled in now: the template may come from a later fragment
             chunk.agent_infos = {k: np.full((len(chunk), *v.shape[1:]), np.nan if v.dtype.kind == "f" else 0, dtype=v.dtype)
                                  for k, v in self._info_template.items()}
         self._recovered = []
-        for s in range(self.n_workers):  # only a running episode can go on in a later call
-            self._ids[s] = {k: v for k, v in self._ids[s].items() if k == self._running[s]}
         return out
 
-    def _wait_any(self, pending: dict[int, Any]) -> None:
-        """Until one of the ``pending`` fragments is in. A fragment may take longer than the
-        deadline as long as it writes rows (the pool does not call it hung then, see
-        ``_progress``): a wait ends in ``WorkerTimeoutError`` only if nothing was written."""
+    def _send(self, p: int, want: list[int] | None, starts: list[int]) -> _Sent:
+        """The next fragment request for process ``p``: what each slot's record says."""
+        m, episodes = self.manager, self.episodes
+        self._sync(p)
+        slots = self._procs[p]
+        with self._lock:
+            version, payload = self.policy_version, self._payload
+        due = [episodes.updates_due(s) for s in slots]
+        budget = tuple(min(want[s], self._spec.capacity) if want is not None else self._spec.capacity for s in slots)
+        request = RolloutRequest(
+            tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
+            tuple(starts[s] for s in slots), tuple(episodes.next_id(s) for s in slots), episodes.id_stride,
+            tuple(episodes[s].episode_id if episodes[s].state is RUNNING else -1 for s in slots),
+            tuple(episodes[s].seed for s in slots), tuple(due))
+        if self._arena is not None:  # a worker killed before its first row must not show old rows
+            self._arena.rows[slots] = 0
+            self._arena.started[slots] = 0
+        call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
+        return _Sent(call, m.generation(slots[0]), version, [episodes[s].env_version for s in slots], [r for r, _ in due])
+
+    def _wait_any(self, pending: dict[int, _Sent]) -> None:
+        """Until one of the ``pending`` fragments is in. One clock: the pool's deadline, which
+        counts from a fragment's last row written (``_progress``), so a long fragment that keeps
+        working is not hung, and one that writes nothing for ``timeout`` is."""
         m = self.manager
-
-        def late() -> list[int]:
-            return [s for p in pending for s in self._procs[p]]
-
-        while True:
-            before = self._progress(late())
-            try:
-                m.wait_for(lambda: any(m.call_ready(r) for r in pending.values()), None, "rollout fragments", late)
-                return
-            except WorkerTimeoutError:
-                if self._arena is None or self._progress(late()) == before:
-                    raise
+        m.wait_for(lambda: any(m.call_ready(sent.call) for sent in pending.values()), None, "rollout fragments",
+                   lambda: [s for p in pending for s in self._procs[p]])
 
     def _progress(self, slots: list[int]) -> int:
         """Rows written and episodes started on ``slots`` by the fragments in flight (the
@@ -319,133 +330,144 @@ class WorkerPolicySampler:
         arena = self._arena
         return 0 if arena is None else int(arena.rows[slots].sum() + arena.started[slots].sum())
 
-    def _file(self, p: int, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
-              starts: list[int], cut: set[int]) -> EnvManagerError | None:
+    # ------------------------------------------------------------------------------------------
+    # Answers: what each fragment did to each slot's record
+
+    def _file(self, p: int, sent: _Sent, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
+              starts: list[int]) -> EnvManagerError | None:
         """Take one fragment of process ``p``: its rows out of the arena (or the answer)."""
         slots, arrays, failures = self._procs[p], answer["arrays"], answer["failures"]
-        error: EnvManagerError | None = None
+        empty: dict[int, int] = {}
         for i, s in enumerate(slots):
-            self._seeds[s] = None
-            n, before = answer["rows"][i], self._running[s]
-            last: tuple[int, int] | None = None
-            seen = 0  # episodes started in this fragment that wrote a row
+            n = answer["rows"][i]
             if n:
-                if arrays is not None:
-                    fields = {f: shm.tree_map(lambda a: a[i, :n], arrays[f]) for f in _FIELDS}
-                else:
-                    fields = self._read_arena(s, n)
-                seen = sum((self._incarnation[p], e) != before for e in np.unique(fields["episodes"]).tolist())
+                fields = {f: shm.tree_map(lambda a: a[i, :n], arrays[f]) for f in _FIELDS} if arrays is not None else self._read_arena(s, n)
                 infos = {k: v[i, :n] for k, v in answer["agent_infos"].items()}
-                out[s].append(self._batch(s, p, fields, infos, answer["env_infos"][i], answer["env_versions"][i]))
-                if not (fields["terminated"][-1] or fields["truncated"][-1]):
-                    last = (self._incarnation[p], int(fields["episodes"][-1]))
-            elif answer["running"][i] or i in failures:
-                last = before
-            self._running[s] = last if answer["running"][i] or i in failures else None
-            want[s] -= n
-            if starts[s] > 0:
-                starts[s] = max(0, starts[s] - answer["started"][i])
-            self.stats.count("episodes_started", answer["started"][i])
-            if answer["started"][i] > seen:  # started, then cut by its env before its first step was written
-                self._empty_cut(s, answer["started"][i] - seen)
-            if i in failures:
-                self._cut(s, cut)
-                failure = worker_error(failures[i], p)
-                refusal = self._refusal(p)
-                if refusal is not None:
-                    policy_on = self.manager.restart_policy.enabled
-                    error = error or (RestartLimitError(s, refusal, failure, tuple(slots), p) if policy_on else failure)
-                else:
-                    self.manager.restart_policy.record(p)
-                    logger.warning("worker-side sampler: %s; its episode is kept, flagged interrupted; the env is reset", failure)
-        self.stats.count("discarded_episodes", answer["discarded"])
+                batch = self._batch(s, fields, infos, answer["env_infos"][i], answer["env_versions"][i], sent, i)
+                out[s].append(batch)
+            empty[s] = self._advance(s, fields if n else None, answer["started"][i], answer["episodes"][i], want, starts)
+            self.episodes.applied(s, answer["env_version"][i])
         self.stats.count("env_steps", sum(answer["rows"]))
         self.stats.count("fragments")
+        error = None
+        if failures:
+            first = min(failures)
+            error = self._fault(p, sent, worker_error(failures[first], p), [slots[i] for i in sorted(failures)])
+        self._count_empty(empty, absorbed=error is None)
         return error
 
-    def _lost(self, p: int, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
-              starts: list[int], cut: set[int]) -> EnvManagerError | None:
-        """Process ``p`` died mid-fragment: keep what it wrote (shared arena), flag the cut
-        episodes; the error, unless the pool restarted the process."""
+    def _lost(self, p: int, sent: _Sent, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
+              starts: list[int]) -> EnvManagerError | None:
+        """Process ``p``'s fragment failed as a whole (it died, hung, or the rollout raised):
+        keep what it wrote (shared arena), then the pool's outcome: restarted or the error."""
         slots = self._procs[p]
-        if self.manager.failure_of(slots[0]) is not None or not self.manager.restart_policy.enabled:
-            return error
-        for s in slots:
+        empty: dict[int, int] = {}
+        for i, s in enumerate(slots):
             n = int(self._arena.rows[s]) if self._arena is not None else 0
             started = int(self._arena.started[s]) if self._arena is not None else 0
-            seen = 0
-            if n:
-                fields = self._read_arena(s, n)
-                before = self._running[s]
-                new = [e for e in np.unique(fields["episodes"]).tolist() if (self._incarnation[p], e) != before]
-                seen = len(new)
-                sent = self._sent_env.get(p, [0] * len(slots))[slots.index(s)]  # new episodes applied it first
-                out[s].append(self._batch(s, p, fields, None, None, {e: max(sent, self._slot_env_version[s]) for e in new}))
-                want[s] -= n
+            fields = self._read_arena(s, n) if n else None
+            if fields is not None:
+                out[s].append(self._batch(s, fields, None, None, {}, sent, i))
                 self.stats.count("env_steps", n)
                 self.stats.count("recovered_steps", n)
-                ended = fields["terminated"][-1] or fields["truncated"][-1]
-                self._running[s] = None if ended else (self._incarnation[p], int(fields["episodes"][-1]))
-            if starts[s] > 0:  # admitted episodes count, cut or not: none is silently replaced
-                starts[s] = max(0, starts[s] - started)
-            if started > seen:  # started, then cut before its first step was written
-                self._empty_cut(s, started - seen)
-            if started:  # the first reset took the seed: the restarted process must not replay it
-                self._seeds[s] = None
-            self._cut(s, cut)
+            record = self.episodes[s]
+            running = record.episode_id if record.state is RUNNING and not started else -1
+            if fields is not None and not (fields["terminated"][-1] or fields["truncated"][-1]):
+                running = int(fields["episodes"][-1])
+            empty[s] = self._advance(s, fields, started, running, want, starts)
         if self._arena is None:
             self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
-        self._incarnation[p] += 1
-        self.stats.count("worker_restarts")
-        logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
-        return None
+        failure = self._fault(p, sent, error, slots)
+        self._count_empty(empty, absorbed=failure is None)
+        return failure
+
+    def _advance(self, s: int, fields: dict[str, Any] | None, started: int, running: int, want: list[int],
+                 starts: list[int]) -> int:
+        """Book one slot's part of a fragment in its record; returns how many episodes started
+        in it that wrote no row (cut or failed before their first step)."""
+        record = self.episodes[s]
+        before = record.episode_id if record.state is RUNNING else -1
+        with_rows: set[int] = set()
+        if fields is not None:
+            with_rows = set(np.unique(fields["episodes"]).tolist())
+            want[s] -= len(fields["rewards"])
+            self.stats.count("episodes", int(np.count_nonzero(fields["terminated"] | fields["truncated"])))
+        if running >= 0 and running != before and running not in with_rows:
+            running = -1  # started, then ended by a fault before its first row: one of the empty ones
+        if starts[s] > 0:  # admitted episodes count, cut or not: none is silently replaced
+            starts[s] = max(0, starts[s] - started)
+        self.episodes.advanced(s, started, running)
+        return max(0, started - len(with_rows - {before}))
+
+    def _fault(self, p: int, sent: _Sent, error: EnvManagerError, failing: list[int]) -> EnvManagerError | None:
+        """A fault of process ``p`` through the pool's one failure path: restarted within the
+        restart policy (every episode of the process cut, ``None``), else the error to raise
+        (the failing slots' episodes failed; every slot's if the process was given up)."""
+        m, slots = self.manager, self._procs[p]
+        if m.generation(slots[0]) == sent.generation and m.failure_of(slots[0]) is None and isinstance(error, WorkerError):
+            outcome = m.report_failure(failing[0], error)  # found in the answer: the pool decides
+            error = error if outcome is None else outcome
+        if m.generation(slots[0]) != sent.generation:
+            self._sync(p)
+            logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
+            return None
+        given_up = m.failure_of(slots[0]) is not None
+        for s in slots if given_up else failing:
+            self.episodes.close(s, Outcome.FAILED)
+        return error
+
+    def _sync(self, p: int) -> None:
+        """Process ``p`` is a newer generation than its records: their episodes were cut."""
+        m = self.manager
+        replaced = [s for s in self._procs[p] if self.episodes.replaced(s, m.generation(s))]
+        for s in replaced:
+            self.episodes.close(s, Outcome.CUT)
+        if replaced:
+            self.stats.count("worker_restarts")
+
+    def _raise_given_up(self) -> None:
+        """A process the pool gave up on: its error at once, on every call."""
+        for p, slots in self._procs.items():
+            failure = self.manager.failure_of(slots[0])
+            if failure is not None:
+                for s in failed_slots(failure) or slots:
+                    self.episodes.close(s, Outcome.FAILED)
+                raise failure
+
+    def _count_empty(self, empty: dict[int, int], absorbed: bool) -> None:
+        for s, k in empty.items():
+            if not k:
+                continue
+            if absorbed:  # no row can carry the flag: counted (an exact-episodes quota is short by them)
+                self.stats.count("interrupted_episodes", k)
+                self.stats.count("empty_cut_episodes", k)
+                logger.warning("worker-side sampler: %d admitted episode(s) on worker %d cut before their first step", k, s)
+            else:
+                self.stats.count("failed_episodes", k)
 
     def _read_arena(self, s: int, n: int) -> dict[str, Any]:
         assert self._arena is not None
         return {f: shm.tree_map(lambda a: a[s, :n].copy(), getattr(self._arena, f)) for f in _FIELDS}
 
-    def _cut(self, s: int, cut: set[int]) -> None:
-        """The episode running on slot ``s`` was cut by a fault: flag it, count it."""
-        running = self._running[s]
-        if running is not None:
-            if running in self._ids[s]:
-                cut.add(self._ids[s][running])
-            self.stats.count("interrupted_episodes")
-        self._running[s] = None
-
-    def _empty_cut(self, s: int, k: int) -> None:
-        """``k`` episodes admitted on slot ``s`` were cut before writing a row: counted, as no
-        row can carry the flag (an exact-episodes quota is short by them, never refilled)."""
-        self.stats.count("interrupted_episodes", k)
-        self.stats.count("empty_cut_episodes", k)
-        logger.warning("worker-side sampler: %d admitted episode(s) on worker %d cut before their first step", k, s)
-
-    def _refusal(self, p: int) -> str | None:
-        return self.manager.restart_policy.refusal(p)
-
-    def _batch(self, s: int, p: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None,
-               env_infos: list[dict] | None, env_versions: dict[int, int]) -> TransitionBatch:
+    def _batch(self, s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None, env_infos: list[dict] | None,
+               env_versions: dict[int, int], sent: _Sent, i: int) -> TransitionBatch:
+        """Rows of slot ``s`` as a batch; episode ids are in the rows (the parent gave them).
+        An episode going on has the env version it started with; new ones what they applied
+        (for rows read back from a killed worker: what the request brought)."""
         n = len(fields["rewards"])
-        local = fields["episodes"]
-        ids = np.empty(n, dtype=np.int64)
-        versions = np.empty(n, dtype=np.int64)
-        known = self._ids[s]
-        for value in np.unique(local).tolist():
-            key = (self._incarnation[p], value)
-            if key not in known:
-                known[key] = self._next_id
-                self._next_id += 1
-            rows = local == value
-            ids[rows] = known[key]
-            versions[rows] = env_versions.get(value, self._slot_env_version[s])
-            self._slot_env_version[s] = env_versions.get(value, self._slot_env_version[s])
+        ids = fields["episodes"]
+        before = self.episodes[s].episode_id if self.episodes[s].state is RUNNING else -1
+        versions = np.full(n, sent.env_before[i], dtype=np.int64)
+        for episode in np.unique(ids).tolist():
+            if episode != before:
+                versions[ids == episode] = env_versions.get(episode, sent.env_reached[i])
         if infos and not self._info_template:
             self._info_template = {k: v[:1] for k, v in infos.items()}
         batch = TransitionBatch(
             observations=fields["observations"], actions=fields["actions"], rewards=fields["rewards"],
             terminated=fields["terminated"], truncated=fields["truncated"], next_observations=fields["next_observations"],
-            worker_ids=np.full(n, s, dtype=np.int64), episode_ids=ids,
-            policy_versions=np.full(n, self._sent_version[p], dtype=np.int64), env_versions=versions,
+            worker_ids=np.full(n, s, dtype=np.int64), episode_ids=ids.astype(np.int64, copy=False),
+            policy_versions=np.full(n, sent.policy_version, dtype=np.int64), env_versions=versions,
             interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
             env_infos=_env_infos(env_infos) if env_infos else {},
         )
@@ -453,7 +475,6 @@ class WorkerPolicySampler:
             self._recovered.append(batch)
         return batch
 
-    # ------------------------------------------------------------------------------------------
     # ------------------------------------------------------------------------------------------
     # Lifetime
 

@@ -1,0 +1,197 @@
+"""The samplers' fault matrix: every fault the sampling layer exists to absorb, in both samplers
+(parent-side ``Sampler``; worker-side ``WorkerPolicySampler`` under fork and spawn, one and
+several envs per process), with restarts on and off. Each case checks the data, not only the
+error: no episode id spans two env episodes, the recorded action is the one the env received,
+no step is lost or duplicated, cut episodes are flagged and listed, every call returns or
+raises within its deadline, and nothing is left running (the suite's no-leak fixture)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from envmanager.errors import (
+    EnvManagerError,
+    InvalidInputError,
+    ManagerClosedError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
+from envmanager.sampler import Sampler, WorkerPolicySampler
+from fault_envs import ENV_FAULTS, FAULT_SLOT, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, update_raising_once
+from process_helpers import alive
+
+N = 4  # env slots
+TIMEOUT = 3.0  # the managers' deadline per answer (a hung env is judged after it)
+MARGIN = 30.0  # what a call may take beyond its deadline here: restarts, spawn, a loaded machine
+VARIANTS = {
+    "sampler": ("sampler", 1, "fork"),
+    "sampler-k2": ("sampler", 2, "fork"),
+    "worker-fork-k2": ("worker", 2, "fork"),
+    "worker-spawn-k1": ("worker", 1, "spawn"),
+}
+
+
+def make(variant: str, fault: str | None, marker: str, restarts: bool, step_s: float = 0.0):
+    kind, k, context = VARIANTS[variant]
+    options = {"seed": 0, "envs_per_worker": k, "context": context, "timeout": TIMEOUT, "restart_workers": restarts}
+    cls = Sampler if kind == "sampler" else WorkerPolicySampler
+    return cls(FaultFactory(fault, marker, step_s), N, FaultPolicy(fault, marker), **options)
+
+
+def collect(sampler):
+    """About 30 steps from every slot (episodes of 3-8 steps: several resets each)."""
+    return sampler.obtain_steps(30 * N) if isinstance(sampler, Sampler) else sampler.obtain_steps(30)
+
+
+def process_of(variant: str) -> int:
+    return FAULT_SLOT // VARIANTS[variant][1]
+
+
+def named_process(error: BaseException) -> set[int]:
+    return set(getattr(error, "processes", None) or [getattr(error, "process", None)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Env faults: in a step, in a reset, in an env update; raise, SIGKILL, hang
+
+
+@pytest.mark.parametrize("fault", [*ENV_FAULTS, "update_raise"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
+    marker = str(tmp_path / "struck")
+    with make(variant, fault, marker, restarts=True) as sampler:
+        if fault == "update_raise":
+            sampler.update(env_update=update_raising_once(marker))
+        pid = sampler.manager.worker_of(FAULT_SLOT).pid
+        started = time.monotonic()
+        first = collect(sampler)
+        assert time.monotonic() - started < TIMEOUT + MARGIN
+        second = sampler.obtain_exact_episodes(2)
+        counters, cut = dict(sampler.stats.counters), list(sampler.cut_episodes)
+        assert sampler.manager.restart_count(FAULT_SLOT) == 1 and sampler.manager.generation(FAULT_SLOT) == 1
+        assert sampler.manager.worker_of(FAULT_SLOT).pid != pid
+    assert not alive([pid], timeout=5.0)
+    assert counters["worker_restarts"] == 1 and counters.get("failed_episodes", 0) == 0
+    assert len(first) == 30 * N
+    if VARIANTS[variant][0] == "worker":  # exactly its steps from every slot
+        assert np.bincount(first.worker_ids).tolist() == [30] * N
+    check_rows(first, cut, N)
+    check_rows(second, cut, N)
+    assert second.n_episodes + counters.get("empty_cut_episodes", 0) - sum(
+        1 for e in cut if e not in first.episode_ids and e not in second.episode_ids and e % N == FAULT_SLOT) <= 2 * N
+    no_arena = VARIANTS[variant][0] == "worker" and VARIANTS[variant][2] != "fork"
+    if no_arena and fault in ("step_kill", "step_hang"):  # the fragment's rows died with the process: counted
+        assert counters["lost_fragments"] >= 1
+    elif fault.startswith("step"):  # an episode was running: cut, kept, flagged, listed
+        assert counters["interrupted_episodes"] >= 1 and first.interrupted.any()
+        assert set(first.episode_ids[first.interrupted].tolist()) <= set(cut)
+    if fault == "update_raise":  # replayed on the restarted process: every episode ran with it
+        assert (first.env_versions == 1).all() and (second.env_versions == 1).all()
+
+
+@pytest.mark.parametrize("fault", [*ENV_FAULTS, "update_raise"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_env_fault_without_restarts_names_the_slot(variant, fault, tmp_path):
+    marker = str(tmp_path / "struck")
+    how = fault.split("_")[1]
+    with make(variant, fault, marker, restarts=False) as sampler:
+        if fault == "update_raise":
+            sampler.update(env_update=update_raising_once(marker))
+        pid = sampler.manager.worker_of(FAULT_SLOT).pid
+        started = time.monotonic()
+        with pytest.raises(EnvManagerError) as caught:
+            for _ in range(3):
+                collect(sampler)
+        assert time.monotonic() - started < TIMEOUT + MARGIN
+        error = caught.value
+        # A process that died or hung is named with every slot it hosted (which env did it is
+        # unknown); an env that raised, by its own slot.
+        assert FAULT_SLOT in error.worker_ids and process_of(variant) in named_process(error), error
+        if how == "raise":  # the env's own error with its traceback; the process serves on
+            assert isinstance(error, WorkerError) and error.worker_id == FAULT_SLOT and "blew up" in error.remote_traceback
+            batch = collect(sampler)  # carries on: the failed episode is dropped and counted
+            check_rows(batch, sampler.cut_episodes, N)
+            assert len(batch) == 30 * N and not batch.interrupted.any()
+            if fault == "update_raise":  # applied at last, before any episode of the slot
+                assert (batch.env_versions == 1).all()
+        else:  # killed or hung: the process is given up, named on this and every later call, at once
+            assert isinstance(error, WorkerDiedError if how == "kill" else WorkerTimeoutError)
+            if how == "hang":
+                assert error.hung is True
+            assert not alive([pid], timeout=5.0), "the failed process was left running"
+            again = time.monotonic()
+            with pytest.raises(type(error)) as later:
+                collect(sampler)
+            assert later.value is error and time.monotonic() - again < TIMEOUT
+        if fault.startswith("step"):  # the episode it ran failed (or, with no arena, the fragment was lost): counted
+            counters = sampler.stats.counters
+            assert counters["failed_episodes"] + counters["lost_fragments"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy faults: it raises, or gives too few actions, a fraction, a value out of range
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+@pytest.mark.parametrize("fault", POLICY_FAULTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_policy_fault(variant, fault, restarts, tmp_path):
+    marker = str(tmp_path / "struck")
+    worker_side = VARIANTS[variant][0] == "worker"
+    with make(variant, fault, marker, restarts) as sampler:
+        started = time.monotonic()
+        if worker_side and restarts:  # in the worker: the process goes through a restart
+            batches = [collect(sampler)]
+            assert sampler.manager.restart_count(FAULT_SLOT) == 1
+        else:
+            expected = (RuntimeError if fault == "policy_raise" else InvalidInputError) if not worker_side else WorkerError
+            with pytest.raises(expected) as caught:
+                collect(sampler)
+            error = caught.value
+            if worker_side:  # named, with the worker's traceback
+                assert process_of(variant) in named_process(error) and error.worker_id // VARIANTS[variant][1] == process_of(variant)
+                why = {"policy_raise": "policy blew up", "policy_count": "rows", "policy_dtype": "integer actions only",
+                       "policy_range": "Discrete(3)"}[fault]
+                assert why in error.remote_traceback or why in str(error), error
+            else:  # the parent's own exception: nothing was sent
+                assert sampler.manager.restart_count(FAULT_SLOT) == 0
+            batches = [collect(sampler), collect(sampler)]  # the sampler carries on
+        assert time.monotonic() - started < TIMEOUT + MARGIN
+        cut = list(sampler.cut_episodes)
+    assert marker and all(len(b) == 30 * N for b in batches)
+    for batch in batches:
+        check_rows(batch, cut, N)
+        assert set(batch.next_observations[:, 1].tolist()) <= {0.0, 1.0, 2.0}, "an env got an action that does not fit"
+
+
+# ---------------------------------------------------------------------------------------------
+# Close from another thread in the middle of a call
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_close_mid_call_ends_the_call(variant, tmp_path):
+    sampler = make(variant, None, str(tmp_path / "unused"), restarts=True, step_s=0.05)
+    pids = [w.pid for w in sampler.manager.workers]
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(20):
+                collect(sampler)
+        except BaseException as exc:  # noqa: BLE001 - what the call raised is the point
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    sampler.close()
+    thread.join(TIMEOUT + MARGIN)
+    assert not thread.is_alive(), "a call went on after close()"
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
+    assert not alive(pids, timeout=5.0)
+    sampler.close()  # idempotent
