@@ -241,3 +241,18 @@ def test_report_failure_goes_through_the_restart_policy(restarts):
             assert outcome is error and m.generation(1) == 0 and m.failure_of(1) is None
             assert m.get_attr("env_id") == [0, 1]
         assert m.generation(0) == 0
+
+
+def test_a_failed_reset_keeps_the_resets_that_arrived():
+    from envmanager.errors import WorkerError
+
+    factory = EnvFactory(per_env={1: {"fault": "raise_reset", "fault_at": 1}})
+    with BatchEnvManager(factory, 3, autoreset_mode="disabled") as m:
+        m.send_reset({0: (0, None), 1: (1, None), 2: (2, None)})
+        with pytest.raises(WorkerError) as caught:
+            m.receive_reset_batch()
+        assert caught.value.worker_id == 1
+        batch = m.receive_reset_batch()  # the others' resets are still there, nothing lost
+        assert batch.slots.tolist() == [0, 2]
+        m.send_batch([0, 2], [1, 1])
+        assert sorted(m.receive_batch(2).slots.tolist()) == [0, 2]

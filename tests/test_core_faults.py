@@ -517,3 +517,29 @@ def test_one_clock_with_restarts_the_hung_worker_is_restarted():
         (info,) = m.receive_steps()  # no clock of its own: the restart's answer ends the wait
         assert info.worker_id == 0 and info.interrupted
         assert m.restart_count(0) == 1
+
+
+def test_close_from_another_thread_ends_a_waiting_call(tmp_path):
+    from envmanager import ManagerClosedError
+
+    gate = str(tmp_path / "never")
+    m = SubprocessEnvManager(EnvFactory(per_env={0: {"gate": gate}}), 2, timeout=600)
+    m.reset()
+    pids = [w.pid for w in m.workers]
+    m.send_step({0: 1})
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            m.receive_steps()
+        except BaseException as exc:  # noqa: BLE001 - what the waiting call raised is the point
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)  # let it block on the workers
+    m.close()
+    waiter.join(30)
+    assert not waiter.is_alive(), "the waiting call did not return after close()"
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
+    assert not alive(pids, timeout=5.0)

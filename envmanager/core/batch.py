@@ -419,19 +419,16 @@ class BatchEnvManager:
 
     def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
-        them out, sorted by slot. Answers that arrive before a timeout are kept, so a later call
-        picks up where this one stopped."""
+        them out, sorted by slot. Raises the first failed reset (that slot needs a new reset);
+        the others, and answers that arrive before a timeout, are kept, so a later call picks up
+        where this one stopped."""
         wanted = set(self._state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
         if not wanted <= self._state.owed_resets:
             raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._state.owed_resets)}")
         self.wait_for(lambda: wanted.isdisjoint(self._state.owed_resets - self._state.arrived_resets) or bool(self._state.reset_errors),
                       timeout, "a reset result", lambda: sorted(wanted & (self._state.owed_resets - self._state.arrived_resets)))
         if self._state.reset_errors:
-            error = self._state.reset_errors.pop(0)
-            self._state.owed_resets -= wanted & self._state.arrived_resets
-            self._state.arrived_resets -= wanted
-            self._state.owed_resets -= {s for s in wanted if self.status[s] == NEEDS_RESET}
-            raise error
+            raise self._state.reset_errors.pop(0)
         done = sorted(wanted)
         self._state.owed_resets -= wanted
         self._state.arrived_resets -= wanted

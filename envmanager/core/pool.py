@@ -14,6 +14,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -26,7 +27,14 @@ from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
 from envmanager.core.restart import RestartPolicy
-from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from envmanager.errors import (
+    EnvManagerError,
+    ManagerClosedError,
+    RestartLimitError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
 from envmanager.wire.messages import (
     ON_PIPE,
     RAW,
@@ -95,6 +103,9 @@ class WorkerPool:
         self._poll_version = -1
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
+        self._closing = False
+        self._waiters: set[int] = set()  # threads inside ``wait``
+        self._waiting = threading.Condition()
         #: Optional ``progress(slots) -> int``: a count that grows while a call on those slots
         #: makes progress (0 when sent). A call is then overdue only when it has not grown for
         #: the deadline, so long calls that keep working (worker-side rollouts) are not hung.
@@ -155,9 +166,20 @@ class WorkerPool:
 
     def wait(self, timeout: float) -> list[Completion]:
         """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
-        or failed. Restarts, stale answers and large payloads are handled here."""
-        if self.queue is None:
-            return []
+        or failed. Restarts, stale answers and large payloads are handled here. Raises
+        ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
+        with self._waiting:
+            self._waiters.add(threading.get_ident())
+        try:
+            return self._wait(timeout)
+        finally:
+            with self._waiting:
+                self._waiters.discard(threading.get_ident())
+                self._waiting.notify_all()
+
+    def _wait(self, timeout: float) -> list[Completion]:
+        if self.queue is None or self._closing:
+            raise ManagerClosedError("the SubprocessEnvManager was closed")
         now = time.monotonic()
         if now >= self._next_deadline_check:
             completions = self._check_deadlines(now)
@@ -168,6 +190,8 @@ class WorkerPool:
         if self._poll_version != self._version:
             self._rebuild_poller()
         ended = self.queue.wait(timeout)
+        if self._closing:  # closed by another thread meanwhile: its workers' ends woke us
+            raise ManagerClosedError("the SubprocessEnvManager was closed while waiting for its workers")
         completions: list[Completion] = []
         self._drain(completions)
         for fd in ended:
@@ -354,8 +378,11 @@ class WorkerPool:
 
         Idle workers are asked to close their envs and get ``timeout`` seconds for it; a worker
         still busy with a step is interrupted at once (SIGTERM, it still closes its envs).
-        Stragglers are killed with every process they started, and all are reaped.
+        Stragglers are killed with every process they started, and all are reaped. A call of
+        another thread waiting on the workers meanwhile raises ``ManagerClosedError``.
         """
+        self._closing = True
+        self._leave_waiters()
         workers, self.workers = self.workers, []
         self._version += 1
         try:
@@ -390,6 +417,19 @@ class WorkerPool:
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
+
+
+    def _leave_waiters(self) -> None:
+        """Closing while another thread waits on the workers: end them now (SIGTERM: they still
+        close their envs), which wakes that thread; it raises ``ManagerClosedError`` and leaves
+        before anything is freed (bounded)."""
+        with self._waiting:
+            others = self._waiters - {threading.get_ident()}
+            if not others:
+                return
+            for w in self.workers:
+                w.interrupt()
+            self._waiting.wait_for(lambda: not (self._waiters - {threading.get_ident()}), timeout=10.0)
 
 
 def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
