@@ -142,8 +142,11 @@ def check(args: argparse.Namespace) -> int:
         if tqdm is None or args.no_progress:
             return
         if bar is None:
-            bar = tqdm(total=total, file=sys.stderr, leave=False, disable=None, unit="stage",
-                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]")
+            class Bar(tqdm):  # type: ignore[misc, valid-type]
+                monitor_interval = 0  # no monitor thread: the check forks workers, which threads make unsafe
+
+            bar = Bar(total=total, file=sys.stderr, leave=False, disable=None, unit="stage",
+                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]")
         bar.set_description_str(stage)
         bar.update(done - bar.n)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import re
 import sys
 import threading
 import time
@@ -239,7 +240,7 @@ def test_a_hang_is_caught_at_its_deadline_and_nothing_runs_here(env, what):
 def test_a_worker_that_dies():
     report = run(check_envs.CrashingEnv)
     assert report.problem_ids == ["worker-died"], report.format()
-    assert "step 3 in a fork worker: worker 0 died (killed by SIGKILL)" in evidence(report, "worker-died")
+    assert re.search(r"step 3 in a fork worker: worker [01] died \(killed by SIGKILL\)", evidence(report, "worker-died"))
     assert any("nothing ran in this process" in n for n in report.notes)  # it would have killed pytest
 
 
