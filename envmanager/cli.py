@@ -1,8 +1,9 @@
-"""The ``envmanager`` command line: ``envmanager bench``."""
+"""The ``envmanager`` command line: ``envmanager bench``, ``envmanager check``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -123,6 +124,46 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def check(args: argparse.Namespace) -> int:
+    """``envmanager check TARGET``: 0 when nothing is wrong, 1 when a problem was found, 2 when
+    the target or an option is not usable."""
+    from envmanager.check import TargetError, check as run_check
+
+    if os.getcwd() not in sys.path:  # MODULE:FACTORY from the current folder, as ``python -m`` finds it
+        sys.path.insert(0, os.getcwd())
+    bar = None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety (extra ``bench``), not a requirement
+        tqdm = None
+
+    def progress(done: int, total: int, stage: str) -> None:
+        nonlocal bar
+        if tqdm is None or args.no_progress:
+            return
+        if bar is None:
+            class Bar(tqdm):  # type: ignore[misc, valid-type]
+                monitor_interval = 0  # no monitor thread: the check forks workers, which threads make unsafe
+
+            bar = Bar(total=total, file=sys.stderr, leave=False, disable=None, unit="stage",
+                      bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]")
+        bar.set_description_str(stage)
+        bar.update(done - bar.n)
+
+    try:
+        report = run_check(args.target, num_envs=args.num_envs, start_methods=args.start_method, seed=args.seed,
+                           steps=args.steps, deadline=args.deadline, time_limit=args.time_limit,
+                           advice=not args.no_advice, progress=progress)
+    except (TargetError, ValueError) as exc:
+        print(f"envmanager check: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else report.format(), end="\n" if args.json else "")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="envmanager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("-v", "--verbose", action="store_true", help="log what the benchmark does")
     b.set_defaults(func=bench)
+
+    c = sub.add_parser(
+        "check",
+        help="will an env survive the process boundary, and should it cross it at all?",
+        description="Run an env in this process and in envmanager's workers under every start method; report "
+        "named problems (pickling, seeding, spaces and dtypes, leaks, hangs, gymnasium's checker) with evidence "
+        "and fixes, then measure which layout is fastest here. Exit status 0: no problem; 1: a problem; 2: usage.",
+    )
+    c.add_argument("target", help="a gymnasium id (CartPole-v1) or MODULE:FACTORY, a factory () -> Env or (worker_id) -> Env")
+    c.add_argument("--num-envs", type=_positive, default=8, help="how many envs the advice is for (default: 8)")
+    c.add_argument("--start-method", nargs="+", choices=["fork", "forkserver", "spawn"], default=None,
+                   help="start methods to check (default: every one available here)")
+    c.add_argument("--seed", type=int, default=0, help="seed of reset and of the sampled actions (default: 0)")
+    c.add_argument("--steps", type=_positive, default=64, help="sampled actions per run (default: 64)")
+    c.add_argument("--deadline", type=float, default=5.0, help="seconds a reset or step may take (default: 5)")
+    c.add_argument("--time-limit", type=float, default=50.0, help="seconds for the whole check (default: 50)")
+    c.add_argument("--no-advice", action="store_true", help="report problems only; measure nothing")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("-v", "--verbose", action="store_true", help="log what the checker does")
+    c.set_defaults(func=check)
     return parser
 
 

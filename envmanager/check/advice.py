@@ -1,0 +1,153 @@
+"""Advice from measurement: which layout of ``num_envs`` envs is fastest on this machine.
+
+One env's step cost comes from ``envmanager.core.auto``'s throwaway-process measurement (wall
+and CPU time, their spread, the CPU share). Then each candidate layout runs briefly
+(``envmanager.check.measure``: env-steps/s now, and expected when the machine is yours): the
+envs in this process (gymnasium's ``SyncVectorEnv``), envmanager with ``num_envs // cores``
+envs per process, one env per process, and -- where the parent has a core of its own (3 cores
+or more) -- twice as many processes with half the envs each, so one half steps while the parent
+turns the other around (double buffering). A layout whose one round would take too long is
+estimated from the step cost instead, and marked so.
+
+The choice, on the expected figures: envmanager's own rule picks among the process layouts
+(even, CPU-bound steps: k per process; uneven or waiting steps: one per process; the other is
+taken only when it is 25% faster), then the in-process layout wins if it is at least as fast:
+below ~50 µs per step the cost of crossing the process boundary is larger than what the other
+cores give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from envmanager.check import measure
+from envmanager.check.report import Advice, Layout
+from envmanager.core.auto import CPU_BOUND, UNEVEN_MIN_S, UNEVEN_RATIO, StepCost, measure_step_cost, usable_cores
+
+__all__ = ["advise"]
+
+WARMUP_S = measure.WARMUP_S
+OTHER_WINS = 1.25  # the process layout the rule did not pick must measure this much faster to be chosen
+DOUBLE_WINS = 1.1
+
+
+def _kind(cost: StepCost | str) -> str:
+    if isinstance(cost, str):
+        return "unmeasured"
+    if cost.cpu_share < CPU_BOUND:
+        return "waiting"
+    if cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
+        return "cpu-bound, uneven"
+    return "cpu-bound, even"
+
+
+def stages(num_envs: int, cores: int | None = None) -> list[str]:
+    """The stages :func:`advise` reports through ``tick``, in order."""
+    return ["step cost", *[lay.description for lay in _layouts(num_envs, cores or usable_cores()) if lay.processes]]
+
+
+def _layouts(num_envs: int, cores: int) -> list[Layout]:
+    """The candidate layouts (see the module doc); one with no processes is not run."""
+    k = max(1, num_envs // cores)
+    layouts = [Layout("in-process", f"in this process: SyncVectorEnv of {num_envs}", num_envs, 1)]
+    if k > 1:
+        layouts.append(Layout("k-per-process", f"envmanager, {k} envs per process", k, -(-num_envs // k)))
+    layouts.append(Layout("one-per-process", "envmanager, 1 env per process", 1, num_envs))
+    if cores >= 3 and num_envs // (2 * (cores - 1)) >= 1:
+        half = num_envs // (2 * (cores - 1))
+        layouts.append(Layout("double-buffered", f"envmanager, {half} per process, 2 processes per core", half,
+                              -(-num_envs // half)))
+    else:
+        layouts.append(Layout("double-buffered", "envmanager, double-buffered", note=(
+            f"not measured: on {cores} cores the parent has no core of its own, and without one the parent's "
+            "work per request comes out of the envs' share (it measured 0.67-1.03x plain on 2 cores)")))
+    return layouts
+
+
+def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = None, seed: int = 0,
+           measure_s: float = 1.0, deadline_s: float = 5.0, startup_s: float = 30.0, here: bool = True,
+           tick: Callable[[str], None] = lambda stage: None) -> Advice:
+    """Measure and advise (see the module doc). ``here=False``: do not run the envs in this
+    process (estimate that layout from the step cost)."""
+    cores = cores or usable_cores()
+    tick("step cost")
+    cost = measure_step_cost(factory, start_timeout=startup_s)
+    kind = _kind(cost)
+    k = max(1, num_envs // cores)
+    layouts = _layouts(num_envs, cores)
+    step_s = None if isinstance(cost, str) else cost.median_s
+    for layout in layouts:
+        if not layout.processes:
+            continue
+        per_round = step_s * (num_envs if layout.id == "in-process" else layout.envs_per_process) if step_s else None
+        if per_round is not None and per_round > measure_s / 4:  # too slow to measure briefly: estimate
+            busy = 1 if layout.id == "in-process" else (layout.processes if kind == "waiting" else min(cores, layout.processes))
+            layout.steps_per_s, layout.estimated = busy / step_s, True
+            continue
+        if layout.id == "in-process" and not here:
+            layout.note = "not run: the env cannot safely run in this process (see the problems)"
+            continue
+        tick(layout.description)
+        try:
+            if layout.id == "in-process":
+                found = measure.in_process(factory, num_envs, seed, measure_s)
+            else:
+                found = measure.in_processes(factory, num_envs, layout.envs_per_process, seed, measure_s,
+                                             deadline_s, startup_s, cores)
+        except Exception as exc:
+            layout.note = f"failed: {type(exc).__name__}: {exc}"
+            continue
+        layout.steps_per_s, layout.now_per_s, layout.bound = found.expected, found.now, found.bound
+    advice = _choose(num_envs, cores, cost, kind, k, layouts)
+    advice.load_average = measure.load_average()
+    return advice
+
+
+def _choose(num_envs: int, cores: int, cost: StepCost | str, kind: str, k: int, layouts: list[Layout]) -> Advice:
+    by_id = {layout.id: layout for layout in layouts}
+    rate = {i: (lay.steps_per_s or 0.0) for i, lay in by_id.items()}
+    rule = "k-per-process" if kind == "cpu-bound, even" and k > 1 else "one-per-process"
+    other = "one-per-process" if rule == "k-per-process" else ("k-per-process" if k > 1 else rule)
+    best = rule
+    if rate[other] > OTHER_WINS * rate[rule]:
+        best = other
+    if rate.get("double-buffered", 0.0) > DOUBLE_WINS * rate[best]:
+        best = "double-buffered"
+    chosen = "in-process" if rate["in-process"] > 0 and rate["in-process"] >= rate[best] else best
+    step = ({"unmeasured": cost} if isinstance(cost, str) else
+            {"median_us": cost.median_s * 1e6, "p90_us": cost.p90_s * 1e6, "cpu_median_us": cost.cpu_median_s * 1e6,
+             "cpu_p90_us": cost.cpu_p90_s * 1e6, "cpu_share": cost.cpu_share, "steps": cost.steps})
+    why, how = _explain(chosen, best, by_id, kind, num_envs, cost)
+    return Advice(num_envs, cores, step, kind, layouts, chosen, why, how)
+
+
+def _rate(layout: Layout) -> str:
+    return "unmeasured" if layout.steps_per_s is None else f"{layout.steps_per_s:,.0f} env-steps/s"
+
+
+def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int, cost: StepCost | str) -> tuple[str, str]:
+    lay, proc = by_id[chosen], by_id[best]
+    per_step = "" if isinstance(cost, str) else f"at {cost.median_s * 1e6:,.0f} µs per step, "
+    if chosen == "in-process":
+        ratio = (lay.steps_per_s or 0) / proc.steps_per_s if proc.steps_per_s else float("inf")
+        why = (f"in this process, gymnasium.vector.SyncVectorEnv ({_rate(lay)}, {ratio:.1f}x envmanager's best here: "
+               f"{proc.description}, {_rate(proc)}). {per_step.capitalize()}crossing the process boundary costs more "
+               "than the other cores give. Choose processes anyway if the env may crash or hang: in a worker that "
+               "is an exception, in your process it stops your trainer.")
+        how = f"envs = gymnasium.vector.SyncVectorEnv([functools.partial(make_env, i) for i in range({n})])"
+        return why, how
+    sync = by_id["in-process"]
+    versus = f", {(lay.steps_per_s or 0) / sync.steps_per_s:.1f}x SyncVectorEnv" if sync.steps_per_s else ""
+    reason = {
+        "k-per-process": "even, CPU-bound steps: one message carries several steps and no more processes compete "
+                         "for the cores than there are cores",
+        "one-per-process": "uneven or waiting steps: first-ready stepping never waits for a slow neighbour, and "
+                           "waits overlap" if kind != "cpu-bound, even" else "it measured fastest",
+        "double-buffered": "the parent has a core of its own: one half of the envs steps while it turns the other around",
+    }[chosen]
+    why = f"{lay.description} ({_rate(lay)}{versus}): {reason}."
+    how = f"SubprocessEnvManager(make_env, {n}, envs_per_worker={lay.envs_per_process})"
+    if chosen != "one-per-process":
+        how += f"  # or envmanager.AsyncVectorEnv(env_fns, envs_per_worker={lay.envs_per_process})"
+    return why, how

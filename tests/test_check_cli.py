@@ -1,0 +1,82 @@
+"""``envmanager check`` on the command line, and the pytest plugin (fixture and marker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from envmanager import cli
+
+TESTS = Path(__file__).parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+BIN = Path(sys.executable).parent
+
+
+def test_command_line_reports_a_good_env_as_json_and_exits_0():
+    out = subprocess.run([str(BIN / "envmanager"), "check", "CartPole-v1", "--start-method", "fork", "--json",
+                          "--no-progress", "--num-envs", "4"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] is True and report["problems"] == [] and report["start_methods"] == ["fork"]
+    advice = report["advice"]
+    assert advice["num_envs"] == 4 and advice["recommended"] in {lay["id"] for lay in advice["layouts"]}
+
+
+def test_command_line_names_the_problem_and_exits_1(capsys, monkeypatch):
+    monkeypatch.chdir(TESTS)  # MODULE:FACTORY from the current folder, as `python -m` would find it
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(TESTS))])
+    monkeypatch.delitem(sys.modules, "check_envs", raising=False)  # found again through the current folder only
+    code = cli.main(["check", "check_envs:SimErrorEnv", "--start-method", "fork", "--no-advice", "--deadline", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Problem 1: env-raises [fork]" in out and "Problem 2: exception-not-picklable [fork]" in out
+    assert "fix: An exception class whose __init__" in out
+
+
+def test_command_line_refuses_a_bad_target_with_exit_2(capsys):
+    assert cli.main(["check", "NoSuchEnv-v0", "--no-advice"]) == 2
+    assert "envmanager check: NoSuchEnv-v0: not a registered gymnasium id" in capsys.readouterr().err
+
+
+def test_the_plugin_is_registered_and_imports_nothing_heavy():
+    assert "_envmanager_pytest" in {ep.value for ep in entry_points(group="pytest11")}
+    out = subprocess.run([sys.executable, "-c", "import sys, _envmanager_pytest; "
+                          "print(sorted(m for m in ('numpy', 'gymnasium', 'envmanager', 'psutil') if m in sys.modules))"],
+                         capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_fixture_and_the_marker_fail_a_test_with_the_report(tmp_path):
+    (tmp_path / "test_envs.py").write_text(textwrap.dedent("""
+        import pytest
+        import check_envs
+
+        def test_good(envmanager_check):
+            report = envmanager_check(check_envs.make_good, start_methods=["fork"])
+            assert report.ok and report.advice is None
+
+        def test_float64(envmanager_check):
+            envmanager_check(check_envs.Float64Env, start_methods=["fork"])
+
+        @pytest.mark.envmanager_check("check_envs:make_good", start_methods=["fork"])
+        def test_marked_good():
+            pass
+
+        @pytest.mark.envmanager_check(check_envs.RaisingEnv, start_methods=["fork"])
+        def test_marked_raising():
+            raise AssertionError("the body runs only if the check passes")
+
+        def test_untouched():
+            pass
+    """))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert "2 failed, 3 passed" in out.stdout, out.stdout + out.stderr
+    assert "FAILED test_envs.py::test_float64" in out.stdout and "observation-dtype" in out.stdout
+    assert "FAILED test_envs.py::test_marked_raising" in out.stdout and "env-raises" in out.stdout
+    assert "the body runs only if" not in out.stdout
