@@ -104,8 +104,7 @@ class WorkerPool:
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
         self._closing = False
-        self._waiters: set[int] = set()  # threads inside ``wait``
-        self._waiting = threading.Condition()
+        self._waiter: int | None = None  # the thread inside ``wait``, if one is
         #: Optional ``progress(slots) -> int``: a count that grows while a call on those slots
         #: makes progress (0 when sent). A call is then overdue only when it has not grown for
         #: the deadline, so long calls that keep working (worker-side rollouts) are not hung.
@@ -168,14 +167,11 @@ class WorkerPool:
         """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
         or failed. Restarts, stale answers and large payloads are handled here. Raises
         ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
-        with self._waiting:
-            self._waiters.add(threading.get_ident())
+        self._waiter = threading.get_ident()  # one thread waits at a time (the pool is not shared for waiting)
         try:
             return self._wait(timeout)
         finally:
-            with self._waiting:
-                self._waiters.discard(threading.get_ident())
-                self._waiting.notify_all()
+            self._waiter = None
 
     def _wait(self, timeout: float) -> list[Completion]:
         if self.queue is None or self._closing:
@@ -424,13 +420,14 @@ class WorkerPool:
         """Closing while another thread waits on the workers: end them now (SIGTERM: they still
         close their envs), which wakes that thread; it raises ``ManagerClosedError`` and leaves
         before anything is freed (bounded)."""
-        with self._waiting:
-            others = self._waiters - {threading.get_ident()}
-            if not others:
-                return
-            for w in self.workers:
-                w.interrupt()
-            self._waiting.wait_for(lambda: not (self._waiters - {threading.get_ident()}), timeout=10.0)
+        waiter = self._waiter
+        if waiter is None or waiter == threading.get_ident():
+            return
+        for w in self.workers:
+            w.interrupt()
+        deadline = Deadline(10.0)
+        while self._waiter == waiter and not deadline.passed():
+            time.sleep(0.005)
 
 
 def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
