@@ -15,21 +15,22 @@ import argparse
 import multiprocessing as mp
 import time
 
-from envmanager.protocol import EnvironmentCommand, encode_notice, encode_payload
-from envmanager.transport import StepQueue
+from envmanager.wire.messages import EnvironmentCommand, Stepped, encode_answer
+from envmanager.wire.step_queue import StepQueue
 
-PAYLOAD = [(0, None, None, None, None, {}, 1e-5)]  # what a step notice carries
+# What a step answer carries when infos are empty and everything is in shared memory.
+ANSWER = Stepped(env_times=(1e-5,))
 
 
 def _writer(kind: str, index: int, conn, queue) -> None:
     while True:
         if conn.recv() is None:
             return
-        notice = encode_notice(EnvironmentCommand.STEP, index, 1, time.monotonic(), False)
+        header, payload = encode_answer(EnvironmentCommand.STEP, index, 1, time.monotonic(), ANSWER)
         if kind == "StepQueue":
-            StepQueue.post(queue, conn, notice, encode_payload(PAYLOAD))
+            StepQueue.post(queue.fileno(), conn, header, payload)
         else:  # the same bytes as StepQueue.post sends
-            queue.put(notice + encode_payload(PAYLOAD))
+            queue.put(header + payload)
 
 
 def measure(kind: str, writers: int, rounds: int) -> float:
@@ -37,13 +38,21 @@ def measure(kind: str, writers: int, rounds: int) -> float:
     ctx = mp.get_context("fork")
     if kind == "StepQueue":
         step_queue = StepQueue(ctx)
-        shared, get = step_queue.writer, step_queue.reader.recv_bytes
-    elif kind == "Queue":
-        queue = ctx.Queue()
-        shared, get = queue, queue.get
+        step_queue.watch([], [])
+        shared = step_queue.writer
+
+        def get_all(n: int) -> None:  # notices come several per read
+            got = 0
+            while got < n:
+                step_queue.wait(5.0)
+                got += len(step_queue.take())
     else:
-        queue = ctx.SimpleQueue()
-        shared, get = queue, queue.get
+        queue = ctx.Queue() if kind == "Queue" else ctx.SimpleQueue()
+        shared = queue
+
+        def get_all(n: int) -> None:
+            for _ in range(n):
+                queue.get()
     pipes, procs = [], []
     for i in range(writers):
         parent, child = ctx.Pipe()
@@ -57,8 +66,7 @@ def measure(kind: str, writers: int, rounds: int) -> float:
             for _ in range(rounds // 10 if warm else rounds):
                 for pipe in pipes:
                     pipe.send(1)
-                for _ in pipes:
-                    get()
+                get_all(len(pipes))
             elapsed = time.perf_counter() - start
         return rounds / elapsed
     finally:

@@ -1,8 +1,10 @@
 """envmanager: run RL environments in worker processes, get results as soon as they are ready.
 
 Layers: ``core`` (the manager: StepInfo and batch levels, the worker pool), ``wire`` (messages,
-step queue, shared memory), ``worker`` (the worker process), ``adapters`` (gymnasium, SB3,
-ML-Agents), ``testing`` (controllable envs, a fake Unity player), ``bench``.
+step queue, shared memory), ``worker`` (the worker process), the drop-ins (``adapters``:
+gymnasium's ``AsyncVectorEnv``; ``sb3``: SB3's ``SubprocVecEnv``), ``mlagents`` (ML-Agents'
+trainer backend), ``sampler`` and ``ray`` (trajectories for learners), ``check``, ``testing``
+(controllable envs, a fake Unity player), ``bench``.
 """
 
 from envmanager.adapters.gymnasium import AsyncVectorEnv

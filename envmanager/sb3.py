@@ -1,7 +1,362 @@
-"""Old import path, kept working: this module is ``envmanager.adapters.sb3``."""
+"""A Stable-Baselines3 ``VecEnv`` on :class:`~envmanager.SubprocessEnvManager`.
 
-import sys
+Switch by changing one import::
 
-import envmanager.adapters.sb3
+    # from stable_baselines3.common.vec_env import SubprocVecEnv
+    from envmanager.sb3 import SubprocVecEnv
 
-sys.modules[__name__] = envmanager.adapters.sb3
+    vec_env = SubprocVecEnv([make_env(i) for i in range(8)])      # same arguments
+    vec_env = make_vec_env("CartPole-v1", 8, vec_env_cls=SubprocVecEnv)
+
+Semantics are SB3's ``SubprocVecEnv``: a finished episode is reset at once, its last
+observation is in ``info["terminal_observation"]``, ``info["TimeLimit.truncated"]`` is
+``truncated and not terminated`` and ``reset_infos[i]`` holds the new episode's reset info;
+``seed()``/``set_options()`` apply at the next ``reset()``. What changes is underneath:
+observations and actions travel in shared memory, every wait has a deadline, an exception
+in an env arrives with the worker's traceback (``envmanager.WorkerError``), a dead worker is
+reported (``WorkerDiedError``) instead of a bare ``EOFError``, and ``close()`` reaps every
+process. Rewards come back as ``float32`` (as ``DummyVecEnv``), observations with the dtype
+of the observation space.
+
+Extras beyond SB3's signature (keyword-only): ``envs_per_worker`` (``"auto"`` by default), ``shared_memory``,
+``timeout``, ``restart_workers`` and the other ``SubprocessEnvManager`` options.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from stable_baselines3.common.vec_env.base_vec_env import (
+    VecEnv,
+    VecEnvIndices,
+    VecEnvObs,
+    VecEnvStepReturn,
+)
+
+from envmanager.adapters import env_functions
+from envmanager.core.batch import BatchEnvManager
+from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.wire.shm import tree_map
+
+__all__ = ["SubprocVecEnv", "RemoteAttributeError"]
+
+
+class RemoteAttributeError(WorkerError, AttributeError):
+    """An env attribute or method that does not exist (raised in the worker).
+
+    Both a :class:`~envmanager.WorkerError` (with the worker's traceback) and an
+    ``AttributeError``, so SB3 code that probes attributes keeps working.
+    """
+
+
+class SubprocVecEnv(VecEnv):
+    """Stable-Baselines3 ``SubprocVecEnv``, running on envmanager's worker processes.
+
+    :param env_fns: functions that build the environments, one per environment.
+    :param start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; by default
+        ``"forkserver"`` where available, else ``"spawn"`` (as SB3).
+    :param envs_per_worker: environments hosted by one process, stepped as one message, or
+        ``"auto"`` (the default): chosen from one env's step cost measured at start-up in a
+        throwaway process (``env_fns[0]()`` built there, its unwrapped env stepped, so a
+        ``Monitor`` records nothing; ``envmanager.core.auto``); ``1`` is SB3's layout.
+    :param shared_memory: observations and actions in shared memory (when the spaces allow).
+    :param timeout: deadline in seconds for any worker answer.
+    :param manager_kwargs: further ``SubprocessEnvManager`` options (``restart_workers``,
+        ``max_lifetime_restarts``, ...). An episode cut short by a restart comes back as
+        ``done`` with ``info["TimeLimit.truncated"] = True`` and ``info["interrupted"] = True``.
+    """
+
+    def __init__(
+        self,
+        env_fns: list[Callable[[], gymnasium.Env]],
+        start_method: str | None = None,
+        *,
+        envs_per_worker: int | str = "auto",
+        shared_memory: bool = True,
+        timeout: float = 60.0,
+        **manager_kwargs: Any,
+    ) -> None:
+        self.waiting = False
+        self.closed = False
+        self._manager: BatchEnvManager | None = None
+        for fixed in ("autoreset_mode", "context", "policy", "n_env", "env_factory"):
+            if fixed in manager_kwargs:
+                raise TypeError(f"SubprocVecEnv() does not take {fixed!r}")
+        if start_method is None:
+            # As SB3: fork is not thread-safe (SB3 issue #217)
+            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        mp.get_context(start_method)  # ValueError for unknown methods, before anything starts
+        env_fns = list(env_fns)
+        self._manager = BatchEnvManager(
+            _worker_factory(env_fns),
+            len(env_fns),
+            envs_per_worker=envs_per_worker,
+            context=start_method,
+            shared_memory=shared_memory,
+            autoreset_mode="same_step",
+            timeout=timeout,
+            **manager_kwargs,
+        )
+        try:
+            self.num_envs = len(env_fns)
+            self._all = np.arange(self.num_envs)
+            self._cut: dict[int, dict] = {}  # episodes cut by a restart while idle, by env
+            self._last_obs: Any = None
+            super().__init__(len(env_fns), self._manager.observation_space, self._manager.action_space)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def manager(self) -> BatchEnvManager:
+        """The underlying manager (the core's batch level)."""
+        if self._manager is None:
+            raise ManagerClosedError("the SubprocVecEnv is closed")
+        return self._manager
+
+    # ------------------------------------------------------------------------------------------
+    # Stepping and resetting
+
+    def reset(self) -> VecEnvObs:
+        manager = self.manager
+        manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
+        self.waiting = False
+        self._cut = {}
+        manager.send_reset(
+            # As SB3's worker: options are passed only when there are some.
+            {i: (self._seeds[i], self._options[i] or None) for i in range(self.num_envs)}
+        )
+        batch = manager.receive_reset_batch()
+        self.reset_infos = [batch.infos.get(i, {}) for i in range(self.num_envs)]
+        # Seeds and options are only used once
+        self._reset_seeds()
+        self._reset_options()
+        self._last_obs = self._observations()
+        return self._last_obs
+
+    def step_async(self, actions: np.ndarray) -> None:
+        if len(actions) != self.num_envs:
+            raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
+        manager = self.manager
+        if manager.in_flight():  # a worker restarted while idle is still booting
+            manager.wait_idle()
+        if manager.unreceived():  # results nobody asked for: a restart of an idle worker
+            early = manager.receive_batch(0)
+            for i in early.interrupted:  # its episode ended where we last saw it
+                self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
+        if manager.actions.space is None or _one_per_env(actions, self.action_space):
+            manager.send_batch(self._all, list(actions), per_slot=True)
+        else:
+            manager.send_batch(self._all, actions)
+        self.waiting = True
+
+    def step_wait(self) -> VecEnvStepReturn:
+        if not self.waiting:
+            raise InvalidInputError("step_wait() without a step_async() before it")
+        manager = self.manager
+        pending = np.ones(self.num_envs, dtype=np.bool_)
+        infos: dict[int, dict] = {}
+        interrupted: set[int] = set()
+        try:
+            while pending.any():
+                batch = manager.receive_batch(int(pending.sum()))
+                pending[batch.slots] = False
+                infos.update(batch.infos)
+                interrupted |= batch.interrupted
+        finally:
+            # After a failure the envs must be reset (reset() drops the other results).
+            self.waiting = False
+        r = manager.results
+        obs = self._observations()
+        rewards = r.reward.astype(np.float32)
+        dones = r.terminated | r.truncated
+        time_limit = (r.truncated & ~r.terminated).tolist()
+        step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
+        for i in np.flatnonzero(dones).tolist():
+            info = dict(infos.pop(i, {}))
+            terminal = info.pop("final_obs")
+            step_info = info.pop("final_info")
+            self.reset_infos[i] = info  # what is left is the reset's info
+            step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
+        for i, info in infos.items():
+            step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
+        for i in interrupted:  # the worker was restarted during the step: the episode ends here
+            step_infos[i] = self._interrupted_info(i, infos.get(i, {}))
+            rewards[i], dones[i] = 0.0, True
+        for i, info in self._cut.items():  # restarted while idle, then stepped (see step_async)
+            rewards[i], dones[i], step_infos[i] = 0.0, True, info
+        self._cut = {}
+        self._last_obs = obs
+        return obs, rewards, dones, step_infos
+
+    def _interrupted_info(self, i: int, reset_info: dict) -> dict:
+        """An episode cut short by a restart: truncated where we last saw it."""
+        self.reset_infos[i] = reset_info
+        terminal = _row(self._last_obs, i)
+        return {"TimeLimit.truncated": True, "terminal_observation": terminal, "interrupted": True}
+
+    def _observations(self) -> VecEnvObs:
+        """Every env's observation as SB3 stacks them, copied once from the results."""
+        m = self.manager
+        if m.observation_list is None:
+            return tree_map(np.copy, m.results.observation)
+        return _stack_obs(list(m.observation_list), self.observation_space)
+
+    # ------------------------------------------------------------------------------------------
+    # Reaching the envs
+
+    def _ids(self, indices: VecEnvIndices) -> list[int] | None:
+        """Env ids for ``indices`` read as SB3 does: ``None`` is every env, an int is one env,
+        and each index picks from the list of envs as Python list indexing does (``-1`` is the
+        last env, out of range is an ``IndexError``). NumPy integers count as ints."""
+        if indices is None:
+            return None
+        if isinstance(indices, np.integer):
+            indices = int(indices)
+        envs = range(self.num_envs)
+        return [envs[i] for i in self._get_indices(indices)]
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        """Return attribute from vectorized environment (see base class)."""
+        with _attribute_errors():
+            return self.manager.get_attr(attr_name, self._ids(indices))
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        """Set attribute inside vectorized environments (see base class).
+
+        As SB3: ``setattr`` on the outermost env object (not through wrappers).
+        """
+        self._call(indices, env_functions.set_outer_attr, attr_name, value)
+
+    def has_attr(self, attr_name: str) -> bool:
+        """Check if an attribute exists for a vectorized environment. (see base class)."""
+        return all(self._call(None, env_functions.has_attr, attr_name))
+
+    def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any) -> list[Any]:
+        """Call instance methods of vectorized environments."""
+        with _attribute_errors():
+            return self.manager.call_on(self._ids(indices), method_name, method_args, method_kwargs)
+
+    def env_is_wrapped(self, wrapper_class: type[gymnasium.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
+        """Check if worker environments are wrapped with a given wrapper"""
+        return self._call(indices, env_functions.is_wrapped, _ByValue(wrapper_class))
+
+    def _call(self, indices: VecEnvIndices, function: Callable[..., Any], *args: Any) -> list[Any]:
+        with _attribute_errors():
+            return self.manager.call_on(self._ids(indices), function, args)
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        if self.render_mode != "rgb_array":
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images."
+            )
+            return [None for _ in range(self.num_envs)]
+        return self.manager.call("render")
+
+    # ------------------------------------------------------------------------------------------
+    # Lifetime
+
+    def close(self) -> None:
+        """End every worker (a step in flight is abandoned) and free shared memory. Idempotent."""
+        if self.closed:
+            return
+        if self._manager is not None:
+            self._manager.close()
+        self.waiting = False
+        self.closed = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _one_per_env(actions: Any, space: spaces.Space) -> bool:
+    """A list of one action per env for a Dict / Tuple space (as SB3's own tests send them),
+    rather than a batch of dicts / tuples of arrays."""
+    if isinstance(space, spaces.Dict):
+        return isinstance(actions, (list, tuple))
+    return isinstance(space, spaces.Tuple) and isinstance(actions, list)
+
+
+def _stack_obs(obs_list: list[Any], space: spaces.Space) -> VecEnvObs:
+    """SB3's stacking (an array, or a dict / tuple of arrays with the env index first), in the
+    dtype of the observation space, as ``DummyVecEnv`` returns it."""
+    if isinstance(space, spaces.Dict):
+        return {key: _stack([o[key] for o in obs_list], sub) for key, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(_stack([o[n] for o in obs_list], sub) for n, sub in enumerate(space.spaces))
+    return _stack(obs_list, space)
+
+
+def _stack(values: list[Any], space: spaces.Space) -> np.ndarray:
+    stacked = np.stack(values)
+    dtype = getattr(space, "dtype", None)
+    if dtype is not None and stacked.dtype != object:
+        stacked = stacked.astype(dtype, copy=False)
+    return stacked
+
+
+def _row(obs: VecEnvObs, i: int) -> Any:
+    """Env ``i``'s observation out of a stacked batch (a copy)."""
+    if obs is None:
+        return None
+    if isinstance(obs, dict):
+        return {key: np.copy(value[i]) for key, value in obs.items()}
+    if isinstance(obs, tuple):
+        return tuple(np.copy(value[i]) for value in obs)
+    return np.copy(obs[i])
+
+
+class _attribute_errors:
+    """Re-raise an env's ``AttributeError`` as :class:`RemoteAttributeError`."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, WorkerError) and not isinstance(exc, RemoteAttributeError) and (
+            isinstance(exc.cause, AttributeError) or exc.exc_type == "builtins.AttributeError"
+        ):
+            raise RemoteAttributeError(
+                exc.worker_id, exc.exc_type, exc.message, exc.remote_traceback, exc.cause
+            ) from None
+        return False
+
+
+class _ByValue:
+    """Send ``obj`` through the (plain-pickle) pipe with cloudpickle, so that a class defined in
+    ``__main__`` or a notebook reaches ``spawn`` / ``forkserver`` workers too. Unpickles as
+    ``obj`` itself: the worker never sees this class."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __reduce__(self) -> tuple:
+        return (cloudpickle.loads, (cloudpickle.dumps(self.obj),))
+
+
+def _worker_factory(env_fns: list[Callable[[], Any]]) -> Callable[[int], Any]:
+    """The ``env_factory`` that runs in the workers.
+
+    Everything it uses is defined in here, so cloudpickle ships it by value: the worker code
+    needs gymnasium and the user's env code, not this module nor stable_baselines3 / torch
+    (except to convert an OpenAI Gym env, SB3's ``_patch_env``). Under spawn / forkserver a
+    worker still imports what the main script imports at top level, as with SB3's own.
+    """
+
+    def make_env(worker_id: int) -> Any:
+        env = env_fns[worker_id]()
+        if not isinstance(env, gymnasium.Env):
+            from stable_baselines3.common.vec_env.patch_gym import _patch_env
+
+            env = _patch_env(env)
+        return env
+
+    return make_env

@@ -19,7 +19,7 @@ import numpy as np
 from mlagents_envs.base_env import ActionTuple
 
 from envmanager.mlagents import ActionInfo, MLAgentsEnvManager, UnityEnvironmentFactory
-from envmanager.mlagents.fake_unity import free_base_port, write_launcher
+from envmanager.testing.fake_unity import free_base_port, write_launcher
 
 BEHAVIOR = "FakeBehavior?team=0"
 N = 3  # targets = actions

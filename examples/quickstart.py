@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 
 from envmanager import SubprocessEnvManager, WorkerError
-from envmanager.envs import EnvFactory
+from envmanager.testing.envs import EnvFactory
 
 
 def main() -> None:

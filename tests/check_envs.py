@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from envmanager.envs import burn_cpu
+from envmanager.testing.envs import burn_cpu
 
 #: Read by ``RuntimeSettingEnv`` at every step: a test changes it at run time, in this process only.
 SETTINGS = {"gravity": 9.8}

@@ -313,3 +313,13 @@ def test_ray_scenario_checks_and_ratios_without_ray():
     found_targets = {t.what: t.met for t in targets([result])}
     assert found_targets == {"x local Sampler": True, "x 1 step per call": True, "first-ready x wait-all": True,
                              "0 lost/dup, cuts reported": True}
+
+
+def test_step_queue_benchmark_runs():
+    """``benchmarks/step_queue.py`` (README: why one shared queue) still runs on today's wire API."""
+    script = os.path.join(REPO, "benchmarks", "step_queue.py")
+    proc = subprocess.run([sys.executable, script, "--writers", "1", "--rounds", "200"], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()[1:]
+    assert len(rows) == 1 and rows[0].split()[0] == "1" and len(rows[0].split()) == 4, proc.stdout

@@ -21,7 +21,7 @@ from envmanager import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.envs import ControlledEnv, EnvFactory
+from envmanager.testing.envs import ControlledEnv, EnvFactory
 from process_helpers import alive
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +228,7 @@ SCRIPT = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     from envmanager import SubprocessEnvManager
-    from envmanager.envs import EnvFactory
+    from envmanager.testing.envs import EnvFactory
     m = SubprocessEnvManager(EnvFactory(step_time=0.05), 2, context={context!r})
     m.reset()
     try:

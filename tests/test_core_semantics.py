@@ -13,7 +13,7 @@ from envmanager import (
     StepInfo,
     SubprocessEnvManager,
 )
-from envmanager.envs import ControlledEnv, EnvFactory
+from envmanager.testing.envs import ControlledEnv, EnvFactory
 
 
 def make_manager(n_env=3, **kwargs):

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from envmanager import SubprocessEnvManager
-from envmanager.envs import EnvFactory
+from envmanager.testing.envs import EnvFactory
 from envmanager.wire import shm
 from process_helpers import alive
 
@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     sys.path.insert(0, {repo!r})
     from envmanager import SubprocessEnvManager
-    from envmanager.envs import EnvFactory
+    from envmanager.testing.envs import EnvFactory
     from envmanager.wire import shm
     if {named!r}:  # the fallback of platforms that cannot pass descriptors
         shm.SharedFile.create = classmethod(lambda cls: None)

@@ -1,3 +1,3 @@
-"""Adapters on the core's public API: gymnasium's ``AsyncVectorEnv`` (``gymnasium``), SB3's
-``SubprocVecEnv`` (``sb3``, extra ``sb3``) and ML-Agents' trainer backend (``mlagents``, extra
-``mlagents``). Optional dependencies are imported only inside their adapter."""
+"""The gymnasium drop-in on the core's public API: ``AsyncVectorEnv`` (``gymnasium``) and the
+pieces it shares with the other adapters (``envmanager.sb3``, ``envmanager.mlagents``), which
+import their optional dependencies only inside their own module."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from envmanager.bench.runner import Measurement, ScenarioResult, Target
 from envmanager.bench.scenarios import UNEVEN, Scenario, cartpole
-from envmanager.envs import ControlledEnv
+from envmanager.testing.envs import ControlledEnv
 from envmanager.sampler import Sampler, TransitionBatch
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from envmanager.envs import ControlledEnv
+from envmanager.testing.envs import ControlledEnv
 
 __all__ = [
     "GROUPS",

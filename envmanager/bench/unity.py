@@ -1,6 +1,6 @@
 """The ``unity`` scenario: fake Unity players (real gRPC, real ``mlagents_envs`` client).
 
-Each run writes a launcher for :mod:`envmanager.mlagents.fake_unity` into a temporary
+Each run writes a launcher for :mod:`envmanager.testing.fake_unity` into a temporary
 directory and starts ``n_env`` players with a step latency of ``UNITY_LATENCY[0]`` seconds
 plus a uniform ``[0, UNITY_LATENCY[1]]``. The agent (one per player, behaviour ``FakeBehavior?team=0``, one
 discrete branch of 3) gets the scenario's seeded actions in every backend:
@@ -33,7 +33,7 @@ TIMEOUT_WAIT = 60  # seconds a player may take to connect
 
 @contextmanager
 def _launcher() -> Iterator[str]:
-    from envmanager.mlagents.fake_unity import write_launcher
+    from envmanager.testing.fake_unity import write_launcher
 
     with tempfile.TemporaryDirectory(prefix="envmanager-bench-") as directory:
         yield write_launcher(directory, PLAYER_CONFIG, "fakeplayer")
@@ -44,7 +44,7 @@ def _with_free_ports(start: Callable[[int], Any], n: int, attempts: int = 3) -> 
     from mlagents_envs.exception import UnityWorkerInUseException
 
     from envmanager.mlagents import UnityPortInUseError
-    from envmanager.mlagents.fake_unity import free_base_port
+    from envmanager.testing.fake_unity import free_base_port
 
     for attempt in range(attempts):
         try:

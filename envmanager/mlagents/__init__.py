@@ -1,13 +1,51 @@
-"""Old import path of the ML-Agents adapter, kept working: see ``envmanager.adapters.mlagents``."""
+"""ML-Agents backend for envmanager (optional extra: ``pip install envmanager[mlagents]``).
+
+:class:`MLAgentsEnvManager` runs ``mlagents_envs`` environments (``UnityEnvironment`` or any
+``BaseEnv``) in envmanager worker processes behind ML-Agents' trainer ``EnvManager`` contract::
+
+    from envmanager.mlagents import MLAgentsEnvManager, UnityEnvironmentFactory
+
+    factory = UnityEnvironmentFactory("path/to/build.x86_64", base_port=5005, timeout_wait=60)
+    with MLAgentsEnvManager(factory, n_env=4) as manager:
+        manager.set_policy("MyBehavior?team=0", my_policy)  # get_action(decision_steps, worker_id)
+        manager.reset(config={"gravity": 9.81})
+        for _ in range(1000):
+            for step in manager.get_steps():   # EnvironmentStep, first-ready
+                ...
+
+Names are imported lazily, so ``import envmanager.mlagents`` stays light (and the fake player,
+``envmanager.testing.fake_unity``, does not pull in the core).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from envmanager.adapters import mlagents as _adapter
+_EXPORTS = {
+    "MLAgentsEnvManager": "envmanager.mlagents.env_manager",
+    "EnvironmentStep": "envmanager.mlagents.env_manager",
+    "ActionInfo": "envmanager.mlagents.env_manager",
+    "MLAgentsWorkerEnv": "envmanager.mlagents.worker_env",
+    "WorkerEnvFactory": "envmanager.mlagents.worker_env",
+    "UnityEnvironmentFactory": "envmanager.mlagents.worker_env",
+    "UnityPortInUseError": "envmanager.mlagents.worker_env",
+    "normalize_env_parameters": "envmanager.mlagents.worker_env",
+    "normalize_engine_config": "envmanager.mlagents.worker_env",
+}
 
-__all__ = list(_adapter.__all__)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    return getattr(_adapter, name)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,7 +1,475 @@
-"""Old import path, kept working: this module is ``envmanager.adapters.mlagents.env_manager``."""
+"""``MLAgentsEnvManager``: ML-Agents' trainer ``EnvManager`` contract on envmanager's core.
 
-import sys
+It mirrors ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager`` (names and
+semantics: ``reset(config)``, ``set_env_parameters``, ``training_behaviors``, ``set_policy``,
+``get_steps`` returning ``EnvironmentStep``s first-ready, ``process_steps``,
+``on_training_started``, ``close``), and runs each environment through the core
+:class:`~envmanager.SubprocessEnvManager` and :mod:`envmanager.mlagents.worker_env`, so it gets
+the core's deadlines, clean shutdown and restarts: a player that crashes, stops or hangs is
+restarted alone (the others keep stepping), environment parameters are replayed on it, and past
+the restart limits :class:`~envmanager.RestartLimitError` is raised.
+"""
 
-import envmanager.adapters.mlagents.env_manager
+from __future__ import annotations
 
-sys.modules[__name__] = envmanager.adapters.mlagents.env_manager
+import logging
+import multiprocessing as mp
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.core.manager import SubprocessEnvManager
+from envmanager.core.results import StepInfo
+from envmanager.mlagents.worker_env import (
+    EnvFactory,
+    UnityPortInUseError,
+    WorkerEnvFactory,
+    kill_stale_player,
+    normalize_engine_config,
+    normalize_env_parameters,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MLAgentsEnvManager", "EnvironmentStep", "ActionInfo"]
+
+#: ``behavior_name -> (DecisionSteps, TerminalSteps)``
+AllStepResult = Dict[str, Tuple[Any, Any]]
+#: ``stat key -> [(value, StatsAggregationMethod), ...]``, as ``StatsSideChannel.get_and_reset_stats()``
+EnvironmentStats = Dict[str, List[Tuple[float, Any]]]
+
+
+class ActionInfo(NamedTuple):
+    """ML-Agents' ``ActionInfo``: what a policy's ``get_action(decision_steps, worker_id)`` returns.
+
+    ``env_action`` is the ``ActionTuple`` sent to the environment (one row per agent in
+    ``decision_steps``), ``action`` the policy's own form of it, ``outputs`` anything the
+    trainer wants back (log-probs...), ``agent_ids`` the agents the rows belong to.
+    """
+
+    action: Any
+    env_action: Any
+    outputs: Dict[str, Any]
+    agent_ids: List[int]
+
+    @staticmethod
+    def empty() -> "ActionInfo":
+        return ActionInfo([], [], {}, [])
+
+    @staticmethod
+    def for_steps(decision_steps: Any, env_action: Any, outputs: Optional[Dict[str, Any]] = None) -> "ActionInfo":
+        """An ActionInfo for ``env_action`` (an ``ActionTuple``) chosen for ``decision_steps``."""
+        return ActionInfo(env_action, env_action, dict(outputs or {}), [int(a) for a in decision_steps.agent_id])
+
+
+class EnvironmentStep(NamedTuple):
+    """ML-Agents' ``EnvironmentStep``: one worker's result.
+
+    ``brain_name_to_action_info`` holds the ActionInfos that led to this result (empty after a
+    reset). ``interrupted`` (an addition) marks the fresh reset of a restarted worker: its
+    episodes were cut short and no action led here.
+    """
+
+    current_all_step_result: AllStepResult
+    worker_id: int
+    brain_name_to_action_info: Dict[str, ActionInfo]
+    environment_stats: EnvironmentStats
+    interrupted: bool = False
+
+    @property
+    def name_behavior_ids(self) -> Iterable[str]:
+        return self.current_all_step_result.keys()
+
+    @staticmethod
+    def empty(worker_id: int) -> "EnvironmentStep":
+        return EnvironmentStep({}, worker_id, {}, {})
+
+
+def default_context() -> str:
+    """``forkserver`` where available, else ``spawn``: never fork a parent that may hold gRPC state."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class MLAgentsEnvManager:
+    """Run ``n_env`` ML-Agents environments in worker processes, ML-Agents trainer style.
+
+    Args:
+        env_factory: ``env_factory(worker_id, side_channels) -> BaseEnv``, run in the worker
+            (cloudpickled), e.g. :class:`~envmanager.mlagents.UnityEnvironmentFactory`. It must
+            pass ``side_channels`` (environment parameters, engine configuration, stats) on.
+        n_env: number of environments (``worker_id`` 0 .. n_env-1), one process each.
+        engine_config: ``EngineConfig`` or dict of its fields, set before each env is created.
+        timeout: deadline in seconds for any one worker answer, startup included. Keep it above
+            the players' ``timeout_wait``, so a hung player is reported by mlagents (and shut down
+            by its worker) rather than cut off by the deadline.
+        restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s:
+            restart a failed worker alone, within these limits (ML-Agents' defaults).
+        context: multiprocessing start method; default ``forkserver`` (else ``spawn``), since
+            gRPC state must not be forked.
+    """
+
+    def __init__(
+        self,
+        env_factory: EnvFactory,
+        n_env: int = 1,
+        *,
+        engine_config: Any = None,
+        timeout: float = 120.0,
+        restart_workers: bool = True,
+        max_lifetime_restarts: int = 10,
+        restarts_rate_limit_n: int = 1,
+        restarts_rate_limit_period_s: float = 60.0,
+        context: Optional[str] = None,
+    ) -> None:
+        self._closed = True
+        self._manager: Optional[SubprocessEnvManager] = None
+        self.policies: Dict[str, Any] = {}
+        self.agent_managers: Dict[str, Any] = {}
+        self.first_step_infos: List[EnvironmentStep] = []
+        self.env_parameters: Dict[str, Any] = {}
+        self.engine_config: Dict[str, Any] = normalize_engine_config(engine_config)
+        self.training_started: Dict[str, Any] = {}  # behavior_name -> trainer_settings
+        self._engine_overrides: Dict[str, Any] = {}
+        self._specs: Dict[int, Dict[str, Any]] = {}
+        self._action_infos: Dict[int, Dict[str, ActionInfo]] = {}
+        self._players: Dict[int, Any] = {}
+        self._stale_players: List[Any] = []
+        with _port_errors():
+            self._manager = SubprocessEnvManager(
+                WorkerEnvFactory(env_factory, self.engine_config or None),
+                n_env,
+                context=context or default_context(),
+                shared_memory=False,  # DecisionSteps/TerminalSteps are pickled
+                timeout=timeout,
+                restart_workers=restart_workers,
+                max_lifetime_restarts=max_lifetime_restarts,
+                restarts_rate_limit_n=restarts_rate_limit_n,
+                restarts_rate_limit_period_s=restarts_rate_limit_period_s,
+                policy=self._actions_for,
+            )
+        self._closed = False
+        try:
+            self._specs = dict(enumerate(self._manager.call("behavior_specs")))
+            self._players = dict(enumerate(self._manager.get_attr("player")))
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    # ML-Agents' EnvManager interface
+
+    @property
+    def n_env(self) -> int:
+        return self.manager.n_env
+
+    @property
+    def manager(self) -> SubprocessEnvManager:
+        """The core manager underneath."""
+        if self._manager is None:
+            raise ManagerClosedError("the MLAgentsEnvManager is closed")
+        return self._manager
+
+    def set_policy(self, behavior_name: str, policy: Any) -> None:
+        """Act for ``behavior_name`` with ``policy.get_action(decision_steps, worker_id) -> ActionInfo``.
+
+        Behaviours without a policy get empty actions (zeros), as in ML-Agents.
+        """
+        self.policies[behavior_name] = policy
+        if behavior_name in self.agent_managers:
+            self.agent_managers[behavior_name].policy = policy
+
+    def set_agent_manager(self, behavior_name: str, agent_manager: Any) -> None:
+        """Feed ``behavior_name``'s steps to an ML-Agents ``AgentManager`` in :meth:`process_steps`."""
+        self.agent_managers[behavior_name] = agent_manager
+
+    def on_training_started(self, behavior_name: str, trainer_settings: Any) -> None:
+        """Training of a behaviour started (recorded in ``training_started``)."""
+        self.training_started[behavior_name] = trainer_settings
+
+    @property
+    def training_behaviors(self) -> Dict[str, Any]:
+        """The ``BehaviorSpec`` of every behaviour seen by any worker."""
+        merged: Dict[str, Any] = {}
+        for worker_id in sorted(self._specs):
+            merged.update(self._specs[worker_id])
+        return merged
+
+    def reset(self, config: Optional[Mapping[str, Any]] = None) -> int:
+        """Apply ``config`` (environment parameters), reset every env; returns their number.
+
+        The reset results wait in ``first_step_infos`` (handed to the agent managers by the next
+        :meth:`get_steps`); their ``environment_stats`` hold what the players sent on reset.
+        """
+        self._check_open()
+        for agent_manager in self.agent_managers.values():
+            _call_if_present(agent_manager, "end_episode")
+        if config is not None:
+            self.set_env_parameters(config)
+        with _port_errors():
+            infos = self.manager.reset()
+        self._action_infos.clear()
+        self.first_step_infos = [self._environment_step(info) for info in infos]
+        return len(self.first_step_infos)
+
+    def set_env_parameters(self, config: Optional[Mapping[str, Any]] = None) -> None:
+        """Send environment parameters to every worker; they reach the players with the next
+        message. A restarted worker gets all parameters set so far before its reset.
+
+        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.worker_env.normalize_env_parameters`)
+        or ML-Agents ``ParameterRandomizationSettings``. Bad values are rejected before sending.
+        """
+        self._check_open()
+        params = normalize_env_parameters(config)
+        if not params:
+            return
+        self.env_parameters.update(params)
+        self._update_replay_calls()
+        with _port_errors():
+            self.manager.call_on(self._healthy_worker_ids(), "set_env_parameters", (params,))
+
+    def set_engine_config(self, config: Any = None, **fields: Any) -> None:
+        """Change engine settings (``EngineConfig``, dict or fields such as ``time_scale=20``) on
+        every worker; replayed on restarted workers."""
+        self._check_open()
+        values = normalize_engine_config(config, **fields)
+        if not values:
+            return
+        self._engine_overrides.update(values)
+        self._update_replay_calls()
+        with _port_errors():
+            self.manager.call_on(self._healthy_worker_ids(), "set_engine_config", (values,))
+
+    def get_steps(self) -> List[EnvironmentStep]:
+        """Step every idle worker with the policies' actions; return the finished workers' steps.
+
+        Blocks (with the deadline) until at least one worker finished. A restarted worker comes
+        back as an ``EnvironmentStep`` with ``interrupted=True`` holding its fresh reset.
+        """
+        self._check_open()
+        if self.first_step_infos:
+            self._process_step_infos(self.first_step_infos)
+            self.first_step_infos = []
+        self._pull_policies()
+        with _port_errors():
+            infos = self.manager.step()
+        return [self._environment_step(info) for info in infos]
+
+    def process_steps(self, new_step_infos: List[EnvironmentStep]) -> int:
+        """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""
+        return self._process_step_infos(new_step_infos)
+
+    def advance(self) -> int:
+        """``process_steps(get_steps())`` (ML-Agents' older single call)."""
+        return self.process_steps(self.get_steps())
+
+    def close(self) -> None:
+        """Close every worker and its player; kill players a killed worker left behind."""
+        self._closed = True
+        manager, self._manager = self._manager, None
+        try:
+            if manager is not None:
+                manager.close()
+        finally:
+            for identity in [*self._players.values(), *self._stale_players]:
+                if kill_stale_player(identity):
+                    logger.warning("killed player process %d left behind by its worker", identity[0])
+            self._players, self._stale_players = {}, []
+
+    # ------------------------------------------------------------------------------------------
+    # Extras
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def player_pids(self) -> Dict[int, Optional[int]]:
+        """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
+        return {w: (identity[0] if identity else None) for w, identity in sorted(self._players.items())}
+
+    @property
+    def restart_counts(self) -> List[int]:
+        """How often each worker was restarted."""
+        m = self.manager
+        return [m.restart_count(w) for w in m.worker_ids]
+
+    def __enter__(self) -> "MLAgentsEnvManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError("the MLAgentsEnvManager is closed")
+
+    def _healthy_worker_ids(self) -> List[int]:
+        m = self.manager
+        return [w for w in m.worker_ids if m.failure_of(w) is None]
+
+    def _update_replay_calls(self) -> None:
+        calls: List[Tuple[str, tuple, dict]] = []
+        if self._engine_overrides:
+            calls.append(("set_engine_config", (dict(self._engine_overrides),), {}))
+        if self.env_parameters:
+            calls.append(("set_env_parameters", (dict(self.env_parameters),), {}))
+        self.manager.set_replay_calls(calls)
+
+    def _pull_policies(self) -> None:
+        """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
+        for name, agent_manager in self.agent_managers.items():
+            queue = getattr(agent_manager, "policy_queue", None)
+            if queue is None:
+                continue
+            latest = None
+            while not queue.empty():
+                latest = queue.get_nowait()
+            if latest is not None:
+                self.set_policy(name, latest)
+
+    def _actions_for(self, info: StepInfo) -> Dict[str, Any]:
+        """The core's policy hook: ``behavior_name -> ActionTuple`` for one idle worker.
+
+        Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
+        stepped. The ActionInfos are kept to go with that worker's next result.
+        """
+        worker_id = info.worker_id
+        specs = self._specs.get(worker_id) or self.training_behaviors
+        action_infos: Dict[str, ActionInfo] = {}
+        env_actions: Dict[str, Any] = {}
+        for name, (decision_steps, _) in info.current_result.observation.items():
+            policy = self.policies.get(name)
+            if policy is None:
+                continue
+            action_info = policy.get_action(decision_steps, worker_id)
+            action_infos[name] = action_info
+            n = len(decision_steps)
+            env_action = getattr(action_info, "env_action", action_info)
+            if n == 0 or (_is_empty(env_action) and not len(getattr(action_info, "agent_ids", ()) or ())):
+                continue
+            _check_action(name, worker_id, env_action, n, specs.get(name))
+            env_actions[name] = env_action
+        self._action_infos[worker_id] = action_infos
+        return env_actions
+
+    def _environment_step(self, info: StepInfo) -> EnvironmentStep:
+        worker_id = info.worker_id
+        result_info = info.current_result.info or {}
+        if "behavior_specs" in result_info:
+            self._specs[worker_id] = result_info["behavior_specs"]
+        if "player_process" in result_info:
+            old, new = self._players.get(worker_id), result_info["player_process"]
+            if old and old != new:
+                self._stale_players.append(old)
+            self._players[worker_id] = new
+        if info.interrupted:
+            self._kill_stale_players()
+        sent = self._action_infos.pop(worker_id, {})
+        action_infos = {} if info.interrupted or info.previous_result is None else sent
+        return EnvironmentStep(
+            info.current_result.observation,
+            worker_id,
+            action_infos,
+            result_info.get("environment_stats", {}),
+            info.interrupted,
+        )
+
+    def _kill_stale_players(self) -> None:
+        """The worker of these players was killed (restart): nobody will ever talk to them."""
+        for identity in self._stale_players:
+            if kill_stale_player(identity):
+                logger.warning("killed player process %d left behind by a restarted worker", identity[0])
+        self._stale_players = []
+
+    def _process_step_infos(self, step_infos: List[EnvironmentStep]) -> int:
+        if self.agent_managers and any(step.interrupted for step in step_infos):
+            # ML-Agents resets every env after a restart; here only one was, but the restarted
+            # worker's trajectories must not run on across the cut.
+            for agent_manager in self.agent_managers.values():
+                _call_if_present(agent_manager, "end_episode")
+        for step in step_infos:
+            for name in step.name_behavior_ids:
+                agent_manager = self.agent_managers.get(name)
+                if agent_manager is None:
+                    if self.agent_managers:
+                        logger.warning("Agent manager was not created for behavior id %s.", name)
+                    continue
+                decision_steps, terminal_steps = step.current_all_step_result[name]
+                agent_manager.add_experiences(
+                    decision_steps,
+                    terminal_steps,
+                    step.worker_id,
+                    step.brain_name_to_action_info.get(name, ActionInfo.empty()),
+                )
+                _call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
+        return len(step_infos)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _call_if_present(obj: Any, name: str, *args: Any) -> None:
+    method = getattr(obj, name, None)
+    if callable(method):
+        method(*args)
+
+
+def _is_empty(env_action: Any) -> bool:
+    if env_action is None:
+        return True
+    try:
+        return len(env_action) == 0
+    except TypeError:
+        return False
+
+
+def _check_action(name: str, worker_id: int, env_action: Any, n_agents: int, spec: Any) -> None:
+    """Reject an action that does not fit the behaviour's ActionSpec (before anything is sent)."""
+    where = f"the policy of behaviour {name!r} (worker {worker_id})"
+    continuous, discrete = getattr(env_action, "continuous", None), getattr(env_action, "discrete", None)
+    if continuous is None or discrete is None:
+        raise InvalidInputError(f"{where} returned {env_action!r}; env_action must be an mlagents ActionTuple")
+    if spec is None:
+        return
+    action_spec = spec.action_spec
+    for kind, array, width in (("continuous", continuous, action_spec.continuous_size),
+                               ("discrete", discrete, len(action_spec.discrete_branches))):
+        if tuple(array.shape) != (n_agents, width):
+            raise InvalidInputError(
+                f"{where} returned {kind} actions of shape {tuple(array.shape)}; expected {(n_agents, width)} "
+                "(one row per agent that requested a decision)"
+            )
+    for branch, size in enumerate(action_spec.discrete_branches):
+        column = discrete[:, branch]
+        if n_agents and (column.min() < 0 or column.max() >= size):
+            raise InvalidInputError(f"{where} returned discrete actions outside [0, {size}) on branch {branch}")
+
+
+@contextmanager
+def _port_errors() -> Iterator[None]:
+    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it."""
+    try:
+        yield
+    except EnvManagerError as exc:
+        found = _find_port_error(exc)
+        if found is not None and found is not exc:
+            raise found from exc
+        raise
+
+
+def _find_port_error(exc: BaseException) -> Optional[UnityPortInUseError]:
+    seen: List[BaseException] = []
+    todo: List[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or any(e is s for s in seen) or len(seen) > 20:
+            continue
+        seen.append(e)
+        if isinstance(e, UnityPortInUseError):
+            return e
+        todo += [getattr(e, "cause", None), getattr(e, "failure", None), e.__cause__, e.__context__]
+    return None

@@ -2,9 +2,9 @@
 
 ``mlagents_envs.environment.UnityEnvironment(file_name=...)`` can launch it as if it were a
 Unity build; it connects, as a gRPC *client*, to the server UnityEnvironment starts, and runs
-the small learnable task of :mod:`envmanager.mlagents.fake_unity_task`.
+the small learnable task of :mod:`envmanager.testing.fake_unity_task`.
 
-Run as ``envmanager-fake-unity``, ``python -m envmanager.mlagents.fake_unity`` or
+Run as ``envmanager-fake-unity``, ``python -m envmanager.testing.fake_unity`` or
 ``python path/to/fake_unity.py`` (no ``envmanager`` import; :func:`write_launcher` does this)::
 
     envmanager-fake-unity --mlagents-port 5005 [--config cfg.json] [flags...]
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Fake Unity ML-Agents player (gRPC client, API 1.5.0).")
     a = p.add_argument
     a("--mlagents-port", type=int, default=5005, help="port of the Python gRPC server")
-    a("--config", help="JSON config file (see envmanager.mlagents.fake_unity_task.FakeConfig)")
+    a("--config", help="JSON config file (see envmanager.testing.fake_unity_task.FakeConfig)")
     a("--record", help="append JSON lines of what the player receives to this file")
     a("--seed", type=int, help="task seed (default: the seed UnityEnvironment sends)")
     a("--step-latency", type=float, help="seconds to sleep per STEP")

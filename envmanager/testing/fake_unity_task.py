@@ -1,7 +1,7 @@
 """Configuration, side-channel codec and the small learnable task of the fake Unity player.
 
 Pure Python (no numpy, no protobuf) so the player starts fast; the wire protocol lives in
-:mod:`envmanager.mlagents.fake_unity`.
+:mod:`envmanager.testing.fake_unity`.
 
 The task, per agent: observation 0 starts with a one-hot *discrete target* (size of the first
 discrete branch) followed by a *continuous target* in [-1, 1] (when the behaviour has continuous

@@ -2,7 +2,7 @@
 
 The reusable helpers live in the player module itself, so any test can import them::
 
-    from envmanager.mlagents.fake_unity import write_launcher, free_base_port
+    from envmanager.testing.fake_unity import write_launcher, free_base_port
 
 Fixtures here:
 
@@ -28,7 +28,7 @@ if REPO_ROOT not in sys.path:  # plain ``pytest`` does not put the repo root on 
 
 pytest.importorskip("mlagents_envs")
 
-from envmanager.mlagents.fake_unity import free_base_port, write_launcher  # noqa: E402
+from envmanager.testing.fake_unity import free_base_port, write_launcher  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

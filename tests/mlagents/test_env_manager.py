@@ -25,7 +25,7 @@ from envmanager.mlagents import (  # noqa: E402
     normalize_engine_config,
     normalize_env_parameters,
 )
-from envmanager.mlagents.fake_unity import free_base_port  # noqa: E402
+from envmanager.testing.fake_unity import free_base_port  # noqa: E402
 
 B = "FakeBehavior?team=0"
 WALKER, PICKER = "Walker?team=0", "Picker?team=1"

@@ -26,7 +26,7 @@ from mlagents_envs.side_channel.environment_parameters_channel import Environmen
 from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel  # noqa: E402
 from mlagents_envs.side_channel.stats_side_channel import StatsSideChannel  # noqa: E402
 
-from envmanager.mlagents.fake_unity import (  # noqa: E402
+from envmanager.testing.fake_unity import (  # noqa: E402
     CONFIG_ENV_VAR,
     free_base_port,
     main,
