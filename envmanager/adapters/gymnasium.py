@@ -35,7 +35,8 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
 from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share, observation_spaces, space_check
-from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.arguments import seeds_for
+from envmanager.core.batch import BatchEnvManager
 from envmanager.core.slots import NEEDS_RESET
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch

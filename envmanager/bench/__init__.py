@@ -14,7 +14,8 @@ are reported as ratios against gymnasium's vector envs measured in the same run.
 * :mod:`~envmanager.bench.report`: tables, JSON and a PNG chart.
 """
 
-from envmanager.bench.backends import BACKENDS, DEFAULT_BACKENDS, Backend, cores
+from envmanager.bench.backends import BACKENDS, DEFAULT_BACKENDS, Backend
+from envmanager.bench.common import cores
 from envmanager.bench.runner import (
     Measurement,
     ScenarioResult,

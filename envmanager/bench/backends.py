@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -24,63 +23,15 @@ import gymnasium as gym
 import numpy as np
 
 from envmanager.bench import peers
+from envmanager.bench.common import START_METHOD, Progress, Tick, cores, env_fns, lockstep
 from envmanager.bench.scenarios import Scenario, env_columns
-from envmanager.core.platforms import default_start_method
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
-
-#: One start method for every backend's workers (gymnasium scenarios), so start-up choices
-#: cannot tilt the comparison: the platform's default (``fork`` on Linux, ``spawn`` elsewhere).
-START_METHOD = default_start_method()
 
 #: What ``envs_per_worker="auto"`` chose, by scenario name (the last run of ``envmanager-auto``).
 AUTO_CHOICES: dict[str, int] = {}
 
-Tick = Callable[[int], None]
 Run = Callable[[Scenario, int, np.ndarray, Tick], "tuple[int, float]"]
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-class Progress:
-    """Hands env-steps to ``tick`` in chunks of ~1/50 of a run: a call per step would cost
-    more than the step. ``done`` counts them all."""
-
-    def __init__(self, tick: Tick, scenario: Scenario, steps: int) -> None:
-        self.tick, self.chunk = tick, max(scenario.n_env, steps // 50)
-        self.done = self._reported = 0
-
-    def add(self, n: int) -> None:
-        self.done += n
-        if self.done - self._reported >= self.chunk:
-            self.tick(self.done - self._reported)
-            self._reported = self.done
-
-    def close(self) -> None:
-        self.tick(self.done - self._reported)
-        self._reported = self.done
-
-
-def lockstep(step: Callable[[dict[int, Any]], list], table: list[dict[int, Any]], n: int, rounds: int,
-             progress: Progress) -> None:
-    """Drive a first-ready ``step(actions) -> finished`` in lockstep: every round sends all
-    ``n`` actions, then waits until all ``n`` came back."""
-    nothing: dict[int, Any] = {}
-    for k in range(rounds):
-        got = len(step(table[k % len(table)]))
-        while got < n:
-            got += len(step(nothing))
-        progress.add(n)
-
-
-def _env_fns(scenario: Scenario) -> list[Callable[[], Any]]:
-    return [functools.partial(scenario.factory, i) for i in range(scenario.n_env)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +110,7 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
     batch = max(1, n // 2)
     rows = len(actions)
     progress = Progress(tick, scenario, steps)
-    vec = envmanager.AsyncVectorEnv(_env_fns(scenario), batch_size=batch, context=START_METHOD)
+    vec = envmanager.AsyncVectorEnv(env_fns(scenario), batch_size=batch, context=START_METHOD)
     try:
         vec.reset(seed=0)
         position = np.ones(n, dtype=np.int64)
@@ -190,7 +141,7 @@ def run_vector(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) 
     return _run_vector(
         scenario, steps, actions, tick,
         lambda: envmanager.AsyncVectorEnv(
-            _env_fns(scenario), context=START_METHOD, envs_per_worker=envs_per_worker_for(scenario)
+            env_fns(scenario), context=START_METHOD, envs_per_worker=envs_per_worker_for(scenario)
         ),
     )
 
@@ -223,12 +174,12 @@ def _run_vector(
 
 
 def run_gym_sync(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
-    return _run_vector(scenario, steps, actions, tick, lambda: gym.vector.SyncVectorEnv(_env_fns(scenario)))
+    return _run_vector(scenario, steps, actions, tick, lambda: gym.vector.SyncVectorEnv(env_fns(scenario)))
 
 
 def run_gym_async(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
     return _run_vector(
-        scenario, steps, actions, tick, lambda: gym.vector.AsyncVectorEnv(_env_fns(scenario), context=START_METHOD)
+        scenario, steps, actions, tick, lambda: gym.vector.AsyncVectorEnv(env_fns(scenario), context=START_METHOD)
     )
 
 
@@ -246,7 +197,7 @@ def run_sb3(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> 
         env.reset()
 
     return _run_vector(
-        scenario, steps, actions, tick, lambda: SubprocVecEnv(_env_fns(scenario), start_method=START_METHOD), reset
+        scenario, steps, actions, tick, lambda: SubprocVecEnv(env_fns(scenario), start_method=START_METHOD), reset
     )
 
 

@@ -50,12 +50,12 @@ def _run_tianshou(scenario: Scenario, steps: int, actions: np.ndarray, tick: Cal
                   share_memory: bool) -> tuple[int, float]:
     from tianshou.env import SubprocVectorEnv
 
-    from envmanager.bench.backends import START_METHOD, Progress, _env_fns
+    from envmanager.bench.common import START_METHOD, Progress, env_fns
 
     n, rows = scenario.n_env, len(actions)
     progress = Progress(tick, scenario, steps)
     # ShmemVectorEnv is SubprocVectorEnv(share_memory=True) without a ``context`` argument
-    env = SubprocVectorEnv(_env_fns(scenario), share_memory=share_memory, context=START_METHOD)
+    env = SubprocVectorEnv(env_fns(scenario), share_memory=share_memory, context=START_METHOD)
     try:
         env.seed(0)  # env i gets seed i, as everywhere else
         env.reset()
@@ -104,7 +104,7 @@ def run_torchrl(scenario: Scenario, steps: int, actions: np.ndarray, tick: Calla
     import torch
     from torchrl.envs import ParallelEnv
 
-    from envmanager.bench.backends import START_METHOD, Progress
+    from envmanager.bench.common import START_METHOD, Progress
 
     n, rows = scenario.n_env, len(actions)
     progress = Progress(tick, scenario, steps)

@@ -13,7 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, cores, envs_per_worker_for
+from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
+from envmanager.bench.common import cores
 from envmanager.bench.runner import ScenarioResult, Target, targets
 
 __all__ = [

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from envmanager.bench.backends import BACKENDS, Backend, cores
+from envmanager.bench.backends import BACKENDS, Backend
+from envmanager.bench.common import cores
 from envmanager.bench.scenarios import (
     Scenario,
     actions_for,

@@ -27,7 +27,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from envmanager.bench.backends import START_METHOD, cores
+from envmanager.bench.common import START_METHOD, cores
 from envmanager.bench.runner import Measurement, ScenarioResult, Target
 from envmanager.bench.scenarios import Scenario, cartpole, uneven_env
 
@@ -103,7 +103,7 @@ def run_worker_policy(steps: int, n: int) -> tuple[int, float]:
 
 
 def run_one_process(steps: int, n: int) -> tuple[int, float]:
-    from envmanager.sampler.rollout import Arena, ArenaSpec, run_local
+    from envmanager.sampler.rollout import ArenaSpec, run_local
     from envmanager.wire import shm
 
     per_slot = max(1, steps // n)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from envmanager.bench.backends import Progress, Tick, lockstep
+from envmanager.bench.common import Progress, Tick, lockstep
 from envmanager.bench.scenarios import UNITY_LATENCY, Scenario
 
 BEHAVIOR = "FakeBehavior?team=0"

@@ -21,27 +21,28 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 from gymnasium import spaces
 
 from envmanager.core.actions import ActionChecker
+from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_envs_per_worker
 from envmanager.core.calls import CallRequest, EnvCalls
-from envmanager.core.deadline import Deadline
+from envmanager.core.plans import BatchPlans, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
+from envmanager.core import waiting
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus  # noqa: F401
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step, raw_locals
-from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
+from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step
+from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchEnvManager", "SlotStatus", "seeds_for"]
+__all__ = ["BatchEnvManager", "SlotStatus"]
 
 
 _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
@@ -75,21 +76,7 @@ class BatchEnvManager:
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
     ) -> None:
         self._pool: WorkerPool | None = None
-        if not isinstance(n_env, (int, np.integer)) or isinstance(n_env, bool) or n_env < 1:
-            raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
-        if envs_per_worker != AUTO and (not isinstance(envs_per_worker, (int, np.integer))
-                                         or isinstance(envs_per_worker, bool) or envs_per_worker < 1):
-            raise InvalidInputError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}")
-        if timeout is None or timeout <= 0:
-            raise InvalidInputError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}
-        mode = modes.get(str(getattr(autoreset_mode, "value", autoreset_mode)).lower().replace("_", ""), "")
-        if not mode:  # accepts "next_step" and gymnasium's AutoresetMode.NEXT_STEP alike
-            raise InvalidInputError(f"unknown autoreset_mode {autoreset_mode!r}")
-        try:
-            factory = cloudpickle.dumps(env_factory)
-        except Exception as exc:
-            raise InvalidInputError(f"env_factory cannot be pickled: {exc!r}") from exc
+        factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
         ctx = get_context(context)
 
         self.n_env = n_env = int(n_env)
@@ -101,7 +88,6 @@ class BatchEnvManager:
         self._state = SlotState(n_env)
         #: Per-slot state (see the module doc).
         self.status = self._state.status
-        self._plans: dict[bytes, list] = {}  # send_batch's per-process split, by slots
 
         n_procs = -(-n_env // self.envs_per_worker)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
@@ -112,6 +98,7 @@ class BatchEnvManager:
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])
         self._slot_process_list: list[int] = self.slot_process.tolist()  # for per-slot Python loops
         self._slot_local_list: list[int] = self.slot_local.tolist()
+        self._plans = BatchPlans(self._slot_process_list, self._slot_local_list)  # send_batch's per-process split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
@@ -131,7 +118,7 @@ class BatchEnvManager:
             self.spec = first.spec
             self.shared_memory = bool(shared_memory)
             if shared_memory:
-                self._check_one_layout()
+                shm.check_one_layout(self.observation_spaces, self.action_spaces)
                 self.results = self._pool.share_buffers(n_env, self.observation_space, self.action_space)
             else:  # the parent's copy of results that travel pickled; one layout for all, or a list
                 one_layout = all(shm.array_layout(s) == shm.array_layout(self.observation_space) for s in self.observation_spaces)
@@ -144,17 +131,6 @@ class BatchEnvManager:
         except BaseException:
             self.close()
             raise
-
-    def _check_one_layout(self) -> None:
-        """Shared memory lays out every slot alike: all envs' spaces must have one layout."""
-        for kind, spaces_ in (("observation", self.observation_spaces), ("action", self.action_spaces)):
-            first = shm.array_layout(spaces_[0])
-            for slot, space in enumerate(spaces_):
-                if shm.array_layout(space) != first:
-                    raise SpaceMismatchError(
-                        f"worker {slot} has {kind} space {space}, unlike worker 0's {spaces_[0]}; shared "
-                        "memory needs one layout for all (pass shared_memory=False)"
-                    )
 
     # ------------------------------------------------------------------------------------------
     # State
@@ -278,7 +254,7 @@ class BatchEnvManager:
             slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return
-        plan = self._plans.get(slots.tobytes()) or self._plan(slots)
+        plan = self._plans.get(slots)
         status = self.status[slots]
         if not (status == IDLE).all():
             self._refuse(slots, status)
@@ -310,7 +286,7 @@ class BatchEnvManager:
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
-                    pool.prepare(Cmd.STEP, Step(locals_, [_row(batch, k, None if pickled else checker.space) for k in rows]), process_slots)
+                    pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]), process_slots)
                     for _, process_slots, (locals_, rows), _ in plan
                 ]
             except Exception as exc:
@@ -320,29 +296,6 @@ class BatchEnvManager:
         for (index, _, _, _), request in zip(plan, requests):
             workers[index].send(request, now)
         return batch
-
-    def _plan(self, slots: np.ndarray) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]:
-        """Per process: its index, its slots among ``slots``, (their local indices, their rows
-        in the batch), and the local indices as a raw STEP request carries them. Cached."""
-        listed = slots.tolist()
-        bad = [s for s in listed if not 0 <= s < self.n_env]
-        if bad:
-            raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={self.n_env})")
-        if len(set(listed)) != len(listed):
-            raise InvalidInputError(f"worker ids must be distinct, got {listed}")
-        process_of, local_of = self._slot_process_list, self._slot_local_list
-        by_process: dict[int, list[int]] = {}
-        for row, slot in enumerate(listed):
-            by_process.setdefault(process_of[slot], []).append(row)
-        plan = []
-        for index, rows in sorted(by_process.items()):
-            rows.sort(key=listed.__getitem__)
-            process_slots = tuple(listed[r] for r in rows)
-            locals_ = tuple(local_of[s] for s in process_slots)
-            plan.append((index, process_slots, (locals_, rows), raw_locals(locals_)))
-        if len(self._plans) < 1024:  # full batches and the partial batches a user repeats
-            self._plans[slots.tobytes()] = plan
-        return plan
 
     def _refuse(self, slots: np.ndarray, status: np.ndarray) -> None:
         for slot, s in zip(slots.tolist(), status.tolist()):
@@ -439,51 +392,14 @@ class BatchEnvManager:
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
                  enough: Callable[[], bool] = lambda: False) -> None:
-        """Take answers until ``done()``. ``late()`` names the slots whose processes may still
-        make it done: when none of them has a request in flight, nothing can finish and this
-        raises at once (the failure of such a process, else ``InvalidInputError``), unless
-        ``enough()`` says what arrived will do.
-
-        One clock per request: with ``timeout=None`` the wait ends when the answers come or the
-        pool's per-answer deadline judges a process hung (restarted, or its
-        ``WorkerTimeoutError(hung=True)`` raised by the caller). A ``timeout`` of the caller's
-        own bounds the wait too: at its end a process past the pool's deadline is hung all the
-        same; for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay
-        in flight and what arrived meanwhile is kept."""
-        pool = self.pool
-        deadline = None if timeout is None else Deadline(timeout)
-        self._take(pool.wait(0.0))
-        while not done():
-            waiting = late()
-            if not self._in_flight_for(waiting):
-                if enough():
-                    return
-                raise self._nothing_can_finish(waiting, what)
-            if deadline is not None and deadline.passed():
-                self._take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
-                if done():
-                    return
-                still = late()
-                raise WorkerTimeoutError(still, float(timeout), what, hung=False,  # type: ignore[arg-type]
-                                         processes=sorted({self._slot_process_list[s] for s in still}))
-            self._take(pool.wait(pool.timeout if deadline is None else deadline.left()))
+        """Take answers until ``done()``; ``late()`` names the slots whose processes may still
+        make it done. Raises at once when nothing in flight can (unless ``enough()``); one clock
+        per request (``timeout=None``: the pool's deadline). See ``envmanager.core.waiting``."""
+        waiting.wait_for(self.pool, self._take, self._slot_process_list, done, timeout, what, late, enough)
 
     def _busy_slots(self) -> list[int]:
         """Slots whose process has a request in flight (a restart coming back, say)."""
         return [s for w in self.pool.workers if w.busy and w.watched for s in w.env_ids]
-
-    def _in_flight_for(self, slots: list[int]) -> bool:
-        workers, process_of = self.pool.workers, self._slot_process_list
-        return any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in slots)
-
-    def _nothing_can_finish(self, slots: list[int], what: str) -> EnvManagerError:
-        """The error for a wait that nothing in flight can end: a failed process's own error."""
-        workers, process_of = self.pool.workers, self._slot_process_list
-        candidates = [workers[process_of[s]] for s in slots] or workers
-        failure = next((w.failure for w in candidates if w.failure is not None), None)
-        if failure is not None:
-            return failure
-        return InvalidInputError(f"nothing in flight can deliver {what}: nothing can finish")
 
     def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
         """Let calls that keep working outlive the deadline: ``progress(slots)`` is a count
@@ -590,22 +506,3 @@ class BatchEnvManager:
             self.close()
         except Exception:
             pass
-
-
-def _row(batch: Any, k: int, space: Any) -> Any:
-    """Row ``k`` of a batch (one env's action, for actions that travel pickled)."""
-    if space is None:
-        return batch[k]
-    return shm.tree_map(lambda a: a[k], batch)
-
-
-def seeds_for(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
-    """One seed per slot: ``None``; an int (slot ``i`` gets ``seed + i``); or a list of ``n``."""
-    if seed is None:
-        return [None] * n
-    if isinstance(seed, (int, np.integer)):
-        return [int(seed) + i for i in range(n)]
-    seeds = list(seed)
-    if len(seeds) != n:
-        raise InvalidInputError(f"expected {n} seeds (one per worker), got {len(seeds)}")
-    return seeds

@@ -4,16 +4,14 @@ CALL, GET_ATTR and SET_ATTR commands, a component of the batch manager."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import cloudpickle
+import numpy as np
 
+from envmanager.core.pool import Completion, WorkerPool
 from envmanager.errors import InvalidInputError
 from envmanager.wire.messages import Call, EnvFunction, EnvironmentCommand as Cmd, GetAttr, SetAttr
-
-if TYPE_CHECKING:
-    from envmanager.core.batch import BatchEnvManager
-    from envmanager.core.pool import Completion
 
 __all__ = ["EnvCalls", "CallRequest"]
 
@@ -27,10 +25,27 @@ class CallRequest:
         self.by_process = by_process
 
 
+class CallHost(Protocol):
+    """What the calls need of the batch manager that owns them."""
+
+    slot_process: np.ndarray
+    slot_local: np.ndarray
+
+    @property
+    def pool(self) -> WorkerPool: ...
+
+    def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]: ...
+
+    def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None: ...
+
+    def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
+                 enough: Callable[[], bool] = ...) -> None: ...
+
+
 class EnvCalls:
     """Sends a request to the processes hosting chosen slots; collects one answer per slot."""
 
-    def __init__(self, manager: BatchEnvManager) -> None:
+    def __init__(self, manager: CallHost) -> None:
         self.manager = manager
         self._answers: dict[int, Completion] = {}  # by process index
 

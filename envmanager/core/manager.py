@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.arguments import seeds_for
+from envmanager.core.batch import BatchEnvManager
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.arguments import seeds_for
+from envmanager.core.batch import BatchEnvManager
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import cloudpickle
 import numpy as np
 
-from envmanager.core.batch import BatchEnvManager, seeds_for
+from envmanager.core.arguments import seeds_for
+from envmanager.core.batch import BatchEnvManager
 from envmanager.core.calls import CallRequest
 from envmanager.core.pool import get_context, worker_error
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from envmanager.errors import SpaceMismatchError
+
 __all__ = ["SharedBuffers", "SharedFile", "BufferLayout", "array_layout", "tree_map", "write", "read"]
 
 
@@ -283,3 +285,15 @@ def read(tree: Any, index: int) -> Any:
     if isinstance(tree, dict):
         return {key: read(arr, index) for key, arr in tree.items()}
     return tuple(read(arr, index) for arr in tree)
+
+
+def check_one_layout(observation_spaces: list[Any], action_spaces: list[Any]) -> None:
+    """Shared memory lays out every slot alike: all envs' spaces must have one layout."""
+    for kind, spaces_ in (("observation", observation_spaces), ("action", action_spaces)):
+        first = array_layout(spaces_[0])
+        for slot, space in enumerate(spaces_):
+            if array_layout(space) != first:
+                raise SpaceMismatchError(
+                    f"worker {slot} has {kind} space {space}, unlike worker 0's {spaces_[0]}; shared "
+                    "memory needs one layout for all (pass shared_memory=False)"
+                )

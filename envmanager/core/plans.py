@@ -1,0 +1,59 @@
+"""How a batch of slots splits into one request per process (``send_batch``'s plan), cached
+for the full batches and the partial batches a user repeats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from envmanager.errors import InvalidInputError
+from envmanager.wire import shm
+from envmanager.wire.messages import raw_locals
+
+__all__ = ["BatchPlans", "Plan", "row_of"]
+
+#: Per process: its index, its slots among the batch's, (their local indices, their rows in the
+#: batch), and the local indices as a raw STEP request carries them.
+Plan = list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
+
+
+class BatchPlans:
+    """The plan of every batch of slots asked for so far (up to ``limit`` of them)."""
+
+    def __init__(self, slot_process: list[int], slot_local: list[int], limit: int = 1024) -> None:
+        self.slot_process, self.slot_local, self.limit = slot_process, slot_local, limit
+        self._plans: dict[bytes, Plan] = {}
+
+    def get(self, slots: np.ndarray) -> Plan:
+        """The plan for ``slots`` (int64, one axis); ``InvalidInputError`` for unknown or
+        repeated slots."""
+        return self._plans.get(slots.tobytes()) or self._make(slots)
+
+    def _make(self, slots: np.ndarray) -> Plan:
+        listed = slots.tolist()
+        n = len(self.slot_process)
+        bad = [s for s in listed if not 0 <= s < n]
+        if bad:
+            raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={n})")
+        if len(set(listed)) != len(listed):
+            raise InvalidInputError(f"worker ids must be distinct, got {listed}")
+        by_process: dict[int, list[int]] = {}
+        for row, slot in enumerate(listed):
+            by_process.setdefault(self.slot_process[slot], []).append(row)
+        plan: Plan = []
+        for index, rows in sorted(by_process.items()):
+            rows.sort(key=listed.__getitem__)
+            process_slots = tuple(listed[r] for r in rows)
+            locals_ = tuple(self.slot_local[s] for s in process_slots)
+            plan.append((index, process_slots, (locals_, rows), raw_locals(locals_)))
+        if len(self._plans) < self.limit:
+            self._plans[slots.tobytes()] = plan
+        return plan
+
+
+def row_of(batch: Any, k: int, space: Any) -> Any:
+    """Row ``k`` of a batch (one env's action, for actions that travel pickled)."""
+    if space is None:
+        return batch[k]
+    return shm.tree_map(lambda a: a[k], batch)
