@@ -139,3 +139,26 @@ def check_rows(batch, cut_episodes, n_slots: int, whole: bool = True) -> None:
     assert flagged <= set(cut_episodes), "rows flagged interrupted of an episode not listed as cut"
     for episode in set(cut_episodes) & set(ids.tolist()) if whole else ():
         assert batch.interrupted[ids == episode].all(), f"cut episode {episode} has rows not flagged"
+
+
+class SignalledOnCloseEnv(gym.Env):
+    """An env whose ``close()`` gets a SIGTERM halfway (as when the parent interrupts a worker it
+    saw as busy while that worker was already closing), then finishes and writes ``marker``."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1), {}
+
+    def step(self, action):
+        return np.zeros(1), 0.0, False, False, {}
+
+    def close(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the signal is handled here, if it is handled at all
+        with open(self.marker, "w") as f:
+            f.write("closed")

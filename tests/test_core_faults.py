@@ -562,3 +562,18 @@ def test_a_restart_during_a_reset_of_some_slots_resets_every_env_of_the_process(
         assert m.get_attr("resets") == [1, 1]  # both fresh envs were reset once
         m.send_batch([0, 1], [1, 1])
         assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+
+
+def test_sigterm_while_closing_does_not_cut_the_close_short(tmp_path):
+    """A worker that is closing its envs finishes closing even if a SIGTERM arrives meanwhile
+    (the parent interrupts a worker it sees as busy at close; the worker may already have read
+    CLOSE): the env's close runs to its end, so e.g. a Unity player is told to quit, not killed."""
+    from fault_envs import SignalledOnCloseEnv
+
+    marker = tmp_path / "closed"
+    m = SubprocessEnvManager(lambda i: SignalledOnCloseEnv(str(marker)), 1, timeout=30)
+    m.reset()
+    pid = m.workers[0].pid
+    m.close(timeout=10.0)
+    assert marker.read_text() == "closed"
+    assert not alive([pid], timeout=0)

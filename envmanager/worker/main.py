@@ -107,12 +107,24 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     except (KeyboardInterrupt, SystemExit, EOFError, BrokenPipeError):
         pass  # parent gone or asked us to stop: fall through to cleanup
     finally:
+        # Closing now: a SIGTERM (the parent interrupting a step it saw as busy, which may have
+        # asked CLOSE at the same time) must not cut the envs' close short, as a SystemExit in the
+        # middle of it would (a Unity player killed instead of told to quit, a gRPC server left
+        # half stopped). The parent still kills us if the close outlasts its grace.
+        _ignore_sigterm()
         envs.close()
         try:
             header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)
             link.farewell(header + payload)
         except Exception:
             pass
+
+
+def _ignore_sigterm() -> None:
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except (ValueError, OSError):  # not the main thread, or no such signal
+        pass
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
