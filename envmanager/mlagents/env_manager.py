@@ -15,15 +15,20 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from collections.abc import Mapping
-from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.errors import ManagerClosedError
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
+from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
+from envmanager.mlagents.trainer import (
+    end_worker_episodes,
+    environment_initialized,
+    manager_options,
+    training_started,
+)
 from envmanager.mlagents.worker_env import (
     EnvFactory,
-    UnityPortInUseError,
     WorkerEnvFactory,
     kill_stale_player,
     normalize_engine_config,
@@ -107,6 +112,8 @@ class MLAgentsEnvManager:
             restart a failed worker alone, within these limits (ML-Agents' defaults).
         context: multiprocessing start method; default ``forkserver`` (else ``spawn``), since
             gRPC state must not be forked.
+        training_analytics: give worker 0's env a training-analytics channel, as ML-Agents'
+            trainer does (set by :meth:`from_run_options`).
     """
 
     def __init__(
@@ -121,8 +128,13 @@ class MLAgentsEnvManager:
         restarts_rate_limit_n: int = 1,
         restarts_rate_limit_period_s: float = 60.0,
         context: Optional[str] = None,
+        training_analytics: bool = False,
     ) -> None:
         self._closed = True
+        self.run_options: Any = None
+        self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
+        self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
+        self._analytics: List[bytes] = []
         self._manager: Optional[SubprocessEnvManager] = None
         self.policies: Dict[str, Any] = {}
         self.agent_managers: Dict[str, Any] = {}
@@ -135,9 +147,9 @@ class MLAgentsEnvManager:
         self._action_infos: Dict[int, Dict[str, ActionInfo]] = {}
         self._players: Dict[int, Any] = {}
         self._stale_players: List[Any] = []
-        with _port_errors():
+        with port_errors():
             self._manager = SubprocessEnvManager(
-                WorkerEnvFactory(env_factory, self.engine_config or None),
+                WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
                 n_env,
                 context=context or default_context(),
                 shared_memory=False,  # DecisionSteps/TerminalSteps are pickled
@@ -155,6 +167,31 @@ class MLAgentsEnvManager:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_run_options(
+        cls, env_factory: EnvFactory, run_options: Any, n_env: Optional[int] = None, **overrides: Any
+    ) -> "MLAgentsEnvManager":
+        """A manager set up as ML-Agents' trainer sets up its own: the same call as
+        ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager(env_factory, run_options, n_env)``.
+
+        ``run_options`` is ML-Agents' ``RunOptions``: engine settings, restart limits and
+        ``timeout_wait`` are read from it (:func:`~envmanager.mlagents.trainer.manager_options`);
+        ``n_env`` defaults to its ``env_settings.num_envs``. Worker 0's player gets ML-Agents'
+        training analytics. ``overrides`` replace any constructor argument (``timeout=...``).
+        """
+        options: Dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
+        manager = cls(env_factory, run_options.env_settings.num_envs if n_env is None else n_env, **options)
+        try:
+            manager.run_options = run_options
+            if options["training_analytics"]:
+                manager._analytics = environment_initialized(run_options)
+                manager._update_replay_calls()
+                manager._send_analytics(manager._analytics)
+        except BaseException:
+            manager.close()
+            raise
+        return manager
 
     # ------------------------------------------------------------------------------------------
     # ML-Agents' EnvManager interface
@@ -184,8 +221,11 @@ class MLAgentsEnvManager:
         self.agent_managers[behavior_name] = agent_manager
 
     def on_training_started(self, behavior_name: str, trainer_settings: Any) -> None:
-        """Training of a behaviour started (recorded in ``training_started``)."""
+        """Training of a behaviour started (recorded in ``training_started``; worker 0's player
+        is told, as ML-Agents does, when the manager came from :meth:`from_run_options`)."""
         self.training_started[behavior_name] = trainer_settings
+        if self._analytics and self.run_options is not None:
+            self._send_analytics(training_started(self.run_options, behavior_name, trainer_settings))
 
     @property
     def training_behaviors(self) -> Dict[str, Any]:
@@ -203,10 +243,10 @@ class MLAgentsEnvManager:
         """
         self._check_open()
         for agent_manager in self.agent_managers.values():
-            _call_if_present(agent_manager, "end_episode")
+            call_if_present(agent_manager, "end_episode")
         if config is not None:
             self.set_env_parameters(config)
-        with _port_errors():
+        with port_errors():
             infos = self.manager.reset()
         self._action_infos.clear()
         self.first_step_infos = [self._environment_step(info) for info in infos]
@@ -225,7 +265,7 @@ class MLAgentsEnvManager:
             return
         self.env_parameters.update(params)
         self._update_replay_calls()
-        with _port_errors():
+        with port_errors():
             self.manager.call_on(self._healthy_worker_ids(), "set_env_parameters", (params,))
 
     def set_engine_config(self, config: Any = None, **fields: Any) -> None:
@@ -237,7 +277,7 @@ class MLAgentsEnvManager:
             return
         self._engine_overrides.update(values)
         self._update_replay_calls()
-        with _port_errors():
+        with port_errors():
             self.manager.call_on(self._healthy_worker_ids(), "set_engine_config", (values,))
 
     def get_steps(self) -> List[EnvironmentStep]:
@@ -251,7 +291,7 @@ class MLAgentsEnvManager:
             self._process_step_infos(self.first_step_infos)
             self.first_step_infos = []
         self._pull_policies()
-        with _port_errors():
+        with port_errors():
             infos = self.manager.step()
         return [self._environment_step(info) for info in infos]
 
@@ -317,7 +357,14 @@ class MLAgentsEnvManager:
             calls.append(("set_engine_config", (dict(self._engine_overrides),), {}))
         if self.env_parameters:
             calls.append(("set_env_parameters", (dict(self.env_parameters),), {}))
+        if self._analytics:  # a restarted worker 0 announces itself again, as ML-Agents' does
+            calls.append(("send_analytics", (list(self._analytics),), {}))
         self.manager.set_replay_calls(calls)
+
+    def _send_analytics(self, payloads: List[bytes]) -> None:
+        if payloads and 0 in self._healthy_worker_ids():
+            with port_errors():
+                self.manager.call_on([0], "send_analytics", (payloads,))
 
     def _pull_policies(self) -> None:
         """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
@@ -349,9 +396,9 @@ class MLAgentsEnvManager:
             action_infos[name] = action_info
             n = len(decision_steps)
             env_action = getattr(action_info, "env_action", action_info)
-            if n == 0 or (_is_empty(env_action) and not len(getattr(action_info, "agent_ids", ()) or ())):
+            if n == 0 or (is_empty(env_action) and not len(getattr(action_info, "agent_ids", ()) or ())):
                 continue
-            _check_action(name, worker_id, env_action, n, specs.get(name))
+            check_action(name, worker_id, env_action, n, specs.get(name))
             env_actions[name] = env_action
         self._action_infos[worker_id] = action_infos
         return env_actions
@@ -378,6 +425,21 @@ class MLAgentsEnvManager:
             info.interrupted,
         )
 
+    def _cut_episodes(self, worker_id: int) -> None:
+        """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
+        as ML-Agents drops every worker's when it resets them all); the other workers' go on."""
+        agents = dropped = 0
+        for agent_manager in self.agent_managers.values():
+            cut, lost = end_worker_episodes(agent_manager, worker_id)
+            if cut < 0:
+                logger.warning("worker %d restarted: every unfinished episode dropped (end_episode)", worker_id)
+                continue
+            agents, dropped = agents + cut, dropped + lost
+        self.cut_agent_episodes += agents
+        self.dropped_experiences += dropped
+        logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
+                       worker_id, agents, dropped)
+
     def _kill_stale_players(self) -> None:
         """The worker of these players was killed (restart): nobody will ever talk to them."""
         for identity in self._stale_players:
@@ -386,12 +448,9 @@ class MLAgentsEnvManager:
         self._stale_players = []
 
     def _process_step_infos(self, step_infos: List[EnvironmentStep]) -> int:
-        if self.agent_managers and any(step.interrupted for step in step_infos):
-            # ML-Agents resets every env after a restart; here only one was, but the restarted
-            # worker's trajectories must not run on across the cut.
-            for agent_manager in self.agent_managers.values():
-                _call_if_present(agent_manager, "end_episode")
         for step in step_infos:
+            if step.interrupted and self.agent_managers:
+                self._cut_episodes(step.worker_id)
             for name in step.name_behavior_ids:
                 agent_manager = self.agent_managers.get(name)
                 if agent_manager is None:
@@ -405,71 +464,5 @@ class MLAgentsEnvManager:
                     step.worker_id,
                     step.brain_name_to_action_info.get(name, ActionInfo.empty()),
                 )
-                _call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
+                call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
         return len(step_infos)
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _call_if_present(obj: Any, name: str, *args: Any) -> None:
-    method = getattr(obj, name, None)
-    if callable(method):
-        method(*args)
-
-
-def _is_empty(env_action: Any) -> bool:
-    if env_action is None:
-        return True
-    try:
-        return len(env_action) == 0
-    except TypeError:
-        return False
-
-
-def _check_action(name: str, worker_id: int, env_action: Any, n_agents: int, spec: Any) -> None:
-    """Reject an action that does not fit the behaviour's ActionSpec (before anything is sent)."""
-    where = f"the policy of behaviour {name!r} (worker {worker_id})"
-    continuous, discrete = getattr(env_action, "continuous", None), getattr(env_action, "discrete", None)
-    if continuous is None or discrete is None:
-        raise InvalidInputError(f"{where} returned {env_action!r}; env_action must be an mlagents ActionTuple")
-    if spec is None:
-        return
-    action_spec = spec.action_spec
-    for kind, array, width in (("continuous", continuous, action_spec.continuous_size),
-                               ("discrete", discrete, len(action_spec.discrete_branches))):
-        if tuple(array.shape) != (n_agents, width):
-            raise InvalidInputError(
-                f"{where} returned {kind} actions of shape {tuple(array.shape)}; expected {(n_agents, width)} "
-                "(one row per agent that requested a decision)"
-            )
-    for branch, size in enumerate(action_spec.discrete_branches):
-        column = discrete[:, branch]
-        if n_agents and (column.min() < 0 or column.max() >= size):
-            raise InvalidInputError(f"{where} returned discrete actions outside [0, {size}) on branch {branch}")
-
-
-@contextmanager
-def _port_errors() -> Iterator[None]:
-    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it."""
-    try:
-        yield
-    except EnvManagerError as exc:
-        found = _find_port_error(exc)
-        if found is not None and found is not exc:
-            raise found from exc
-        raise
-
-
-def _find_port_error(exc: BaseException) -> Optional[UnityPortInUseError]:
-    seen: List[BaseException] = []
-    todo: List[Any] = [exc]
-    while todo:
-        e = todo.pop()
-        if not isinstance(e, BaseException) or any(e is s for s in seen) or len(seen) > 20:
-            continue
-        seen.append(e)
-        if isinstance(e, UnityPortInUseError):
-            return e
-        todo += [getattr(e, "cause", None), getattr(e, "failure", None), e.__cause__, e.__context__]
-    return None

@@ -235,9 +235,11 @@ class WorkerEnvFactory:
     env_factory: EnvFactory
     engine_config: Optional[Dict[str, Any]] = None
     close_timeout: float = 5.0
+    training_analytics: bool = False
 
     def __call__(self, worker_id: int) -> "MLAgentsWorkerEnv":
-        return MLAgentsWorkerEnv(self.env_factory, worker_id, self.engine_config, self.close_timeout)
+        return MLAgentsWorkerEnv(self.env_factory, worker_id, self.engine_config, self.close_timeout,
+                                 self.training_analytics)
 
 
 class MLAgentsWorkerEnv:
@@ -259,8 +261,11 @@ class MLAgentsWorkerEnv:
         worker_id: int,
         engine_config: Optional[Mapping[str, Any]] = None,
         close_timeout: float = 5.0,
+        training_analytics: bool = False,
     ) -> None:
         from mlagents_envs.exception import UnityWorkerInUseException
+        from mlagents_envs.side_channel import DefaultTrainingAnalyticsSideChannel
+        from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel
         from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
         from mlagents_envs.side_channel.environment_parameters_channel import EnvironmentParametersChannel
         from mlagents_envs.side_channel.stats_side_channel import StatsSideChannel
@@ -275,6 +280,12 @@ class MLAgentsWorkerEnv:
         if engine_config:
             self.set_engine_config(dict(engine_config))
         side_channels = [self.env_parameters_channel, self.engine_configuration_channel, self.stats_channel]
+        # ML-Agents' trainer talks training analytics to worker 0's player (send_analytics); the
+        # others keep the default channel UnityEnvironment adds.
+        self.analytics_channel: Optional[Any] = None
+        if training_analytics and worker_id == 0:
+            self.analytics_channel = RawBytesChannel(DefaultTrainingAnalyticsSideChannel.CHANNEL_ID)
+            side_channels.append(self.analytics_channel)
         try:
             self.env = env_factory(worker_id, side_channels)
         except UnityWorkerInUseException as exc:
@@ -336,6 +347,19 @@ class MLAgentsWorkerEnv:
     def set_configuration(self, config: Any) -> None:
         """ML-Agents' ``EngineConfigurationChannel.set_configuration`` spelling."""
         self.set_engine_config(config)
+
+    def send_analytics(self, payloads: List[bytes]) -> bool:
+        """Queue training-analytics messages (made by ML-Agents' ``TrainingAnalyticsSideChannel``
+        in the trainer) for the player, as ML-Agents' worker 0 does: only on the env built with
+        ``training_analytics`` and only if the player reports the capability. Returns whether
+        they were queued."""
+        self._check_open()
+        capabilities = getattr(self.env, "academy_capabilities", None)
+        if self.analytics_channel is None or not capabilities or not capabilities.trainingAnalytics:
+            return False
+        for payload in payloads:
+            self.analytics_channel.send_raw_data(bytearray(payload))
+        return True
 
     # -- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -1,0 +1,78 @@
+"""Checks and small helpers of :class:`~envmanager.mlagents.MLAgentsEnvManager` (parent side).
+
+An action batch checked against a behaviour's ``ActionSpec`` before anything is sent, and a
+taken gRPC port found however deep the core wrapped it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
+
+from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.mlagents.worker_env import UnityPortInUseError
+
+__all__ = ["call_if_present", "is_empty", "check_action", "port_errors", "find_port_error"]
+
+
+def call_if_present(obj: Any, name: str, *args: Any) -> None:
+    method = getattr(obj, name, None)
+    if callable(method):
+        method(*args)
+
+
+def is_empty(env_action: Any) -> bool:
+    if env_action is None:
+        return True
+    try:
+        return len(env_action) == 0
+    except TypeError:
+        return False
+
+
+def check_action(name: str, worker_id: int, env_action: Any, n_agents: int, spec: Any) -> None:
+    """Reject an action that does not fit the behaviour's ActionSpec (before anything is sent)."""
+    where = f"the policy of behaviour {name!r} (worker {worker_id})"
+    continuous, discrete = getattr(env_action, "continuous", None), getattr(env_action, "discrete", None)
+    if continuous is None or discrete is None:
+        raise InvalidInputError(f"{where} returned {env_action!r}; env_action must be an mlagents ActionTuple")
+    if spec is None:
+        return
+    action_spec = spec.action_spec
+    for kind, array, width in (("continuous", continuous, action_spec.continuous_size),
+                               ("discrete", discrete, len(action_spec.discrete_branches))):
+        if tuple(array.shape) != (n_agents, width):
+            raise InvalidInputError(
+                f"{where} returned {kind} actions of shape {tuple(array.shape)}; expected {(n_agents, width)} "
+                "(one row per agent that requested a decision)"
+            )
+    for branch, size in enumerate(action_spec.discrete_branches):
+        column = discrete[:, branch]
+        if n_agents and (column.min() < 0 or column.max() >= size):
+            raise InvalidInputError(f"{where} returned discrete actions outside [0, {size}) on branch {branch}")
+
+
+@contextmanager
+def port_errors() -> Iterator[None]:
+    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it."""
+    try:
+        yield
+    except EnvManagerError as exc:
+        found = find_port_error(exc)
+        if found is not None and found is not exc:
+            raise found from exc
+        raise
+
+
+def find_port_error(exc: BaseException) -> Optional[UnityPortInUseError]:
+    seen: List[BaseException] = []
+    todo: List[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or any(e is s for s in seen) or len(seen) > 20:
+            continue
+        seen.append(e)
+        if isinstance(e, UnityPortInUseError):
+            return e
+        todo += [getattr(e, "cause", None), getattr(e, "failure", None), e.__cause__, e.__context__]
+    return None

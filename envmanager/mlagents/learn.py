@@ -1,0 +1,115 @@
+"""``envmanager-learn``: ML-Agents' own trainer, with envmanager's env manager.
+
+Type ``envmanager-learn`` where you typed ``mlagents-learn``; every argument is ML-Agents'::
+
+    envmanager-learn config.yaml --env=builds/MyGame.x86_64 --num-envs=8 --run-id=run1
+
+It runs ML-Agents' own CLI (``mlagents.trainers.learn``: its argument parser, ``RunOptions``,
+``TrainerController``, PPO/SAC/POCA, stats writers, checkpoints, ``--resume``,
+``--initialize-from``, curricula and environment parameters) and changes one thing: where
+``run_training`` builds ``SubprocessEnvManager(env_factory, run_options, num_envs)``, it gets
+:meth:`MLAgentsEnvManager.from_run_options <envmanager.mlagents.MLAgentsEnvManager.from_run_options>`
+with the same arguments. ML-Agents has no plug-in point for the env manager (only stats
+writers and trainer types), so that one name is swapped for the length of the run.
+
+Options of envmanager-learn's own (ML-Agents' options go to ML-Agents unchanged):
+
+* ``--ray-address ADDRESS``: run the players on the nodes of a Ray cluster
+  (:mod:`envmanager.mlagents.ray_env_manager`); the trainer stays here.
+
+This module imports ``mlagents`` only when it runs, so the ``forkserver`` that starts the
+workers (it imports ``__main__``, this console script) stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, List, Optional, Tuple
+
+__all__ = ["main", "env_manager_factory", "using_env_manager"]
+
+INSTALL_HINT = (
+    'ML-Agents\' trainer is needed: pip install --ignore-requires-python "envmanager[mlagents-trainer]" '
+    "(mlagents 1.1.0 declares Python <= 3.10.12 and wants a torch <= 2.8; see the README's \"Train with ML-Agents\")"
+)
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="envmanager-learn", add_help=False, allow_abbrev=False,
+        usage="envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS]",
+        description="envmanager-learn's own options (every other argument is mlagents-learn's):",
+    )
+    parser.add_argument(
+        "--ray-address", default=None, metavar="ADDRESS",
+        help="run the players on the nodes of this Ray cluster ('auto': the one this machine belongs to); "
+             "the trainer stays here",
+    )
+    return parser
+
+
+def split_arguments(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
+    """envmanager-learn's own options, and the rest for ML-Agents (``--env-args`` and what
+    follows it go to the player untouched)."""
+    argv = list(argv)
+    cut = argv.index("--env-args") if "--env-args" in argv else len(argv)
+    ours, rest = _own_parser().parse_known_args(argv[:cut])
+    return ours, rest + argv[cut:]
+
+
+def env_manager_factory(ray_address: Optional[str] = None) -> Callable[..., Any]:
+    """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
+    if ray_address is None:
+        from envmanager.mlagents.env_manager import MLAgentsEnvManager
+
+        return MLAgentsEnvManager.from_run_options
+    import functools
+
+    from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager
+
+    return functools.partial(RayMLAgentsEnvManager.from_run_options, address=ray_address)
+
+
+@contextmanager
+def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``learn_module.run_training`` builds its env manager with ``factory``."""
+    name = "SubprocessEnvManager"
+    if not hasattr(learn_module, name):
+        raise RuntimeError(
+            f"{learn_module.__name__} has no {name}: this ML-Agents version builds its env manager "
+            "elsewhere, and envmanager-learn does not know where (tested with mlagents 1.1.0)"
+        )
+    original = getattr(learn_module, name)
+    setattr(learn_module, name, factory)
+    try:
+        yield
+    finally:
+        setattr(learn_module, name, original)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = split_arguments(args)
+    try:
+        from mlagents.trainers import learn
+    except ImportError as exc:
+        print(f"envmanager-learn: {INSTALL_HINT} ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        learn.parser.prog = "envmanager-learn"
+        learn.parser.print_help()
+        print()
+        print(_own_parser().format_help().rstrip())
+        return 0
+    options = learn.parse_command_line(rest)
+    with using_env_manager(learn, env_manager_factory(ours.ray_address)):
+        learn.run_cli(options)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

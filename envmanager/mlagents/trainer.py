@@ -1,0 +1,130 @@
+"""What ML-Agents' own trainer (``mlagents.trainers``) needs from an env manager, on envmanager.
+
+* :func:`manager_options`: the :class:`~envmanager.mlagents.MLAgentsEnvManager` settings that
+  ML-Agents' ``SubprocessEnvManager`` reads from a ``RunOptions`` (engine settings, restart
+  limits; ``timeout_wait`` becomes the deadline's floor).
+* :func:`end_worker_episodes`: drop the unfinished trajectories of one worker's agents in an
+  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs).
+* :func:`environment_initialized` / :func:`training_started`: the training-analytics messages
+  ML-Agents' worker 0 sends its player, made here in the trainer's process (so the workers never
+  import ``mlagents.trainers`` and torch) and sent as bytes.
+
+``mlagents`` is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Tuple
+
+from envmanager.mlagents.worker_env import ENGINE_FIELDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEADLINE_MARGIN",
+    "manager_options",
+    "end_worker_episodes",
+    "environment_initialized",
+    "training_started",
+]
+
+#: Seconds the deadline of a worker answer allows beyond the players' ``timeout_wait``: a player
+#: that stops answering is reported by ``mlagents_envs`` (and its env shut down by the worker)
+#: before the deadline would cut the worker off.
+DEADLINE_MARGIN = 60.0
+
+
+def manager_options(run_options: Any) -> Dict[str, Any]:
+    """``MLAgentsEnvManager`` keyword arguments from an ML-Agents ``RunOptions``.
+
+    What ML-Agents' ``SubprocessEnvManager`` reads there: ``engine_settings`` (width, height,
+    quality level, time scale, frame rates), ``env_settings.max_lifetime_restarts``,
+    ``restarts_rate_limit_n`` and ``restarts_rate_limit_period_s`` (``-1`` lifts a limit, as in
+    ML-Agents). ``env_settings.timeout_wait`` (how long ``mlagents_envs`` waits for a player) plus
+    :data:`DEADLINE_MARGIN` is the deadline on every worker answer. The port, seed, number of
+    areas, graphics flags and player arguments are the ``env_factory``'s (as in ML-Agents).
+    """
+    env, engine = run_options.env_settings, run_options.engine_settings
+    return {
+        "engine_config": {name: getattr(engine, name) for name in ENGINE_FIELDS if hasattr(engine, name)},
+        "timeout": float(env.timeout_wait) + DEADLINE_MARGIN,
+        "restart_workers": True,
+        "max_lifetime_restarts": int(env.max_lifetime_restarts),
+        "restarts_rate_limit_n": int(env.restarts_rate_limit_n),
+        "restarts_rate_limit_period_s": float(env.restarts_rate_limit_period_s),
+    }
+
+
+def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
+    """Drop what ``agent_manager`` holds of ``worker_id``'s unfinished episodes.
+
+    ML-Agents' ``AgentManager.end_episode()`` drops every agent's, on every worker: right for
+    ML-Agents, which resets every environment after a restart, but here only the restarted
+    worker's episodes were cut. Its agents' trajectory pieces, last observations and actions,
+    previous actions and memories go; the other workers' stay. An ``AgentManager`` without
+    ML-Agents' ``AgentProcessor`` internals gets ``end_episode()``.
+
+    Returns ``(agents, experiences)``: how many agents' episodes were cut and how many of their
+    steps (not yet in a trajectory) were dropped; ``(-1, -1)`` when ``end_episode()`` was used.
+    """
+    clean = getattr(agent_manager, "_clean_agent_data", None)
+    tables = [getattr(agent_manager, name, None)
+              for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
+    if not callable(clean) or any(not isinstance(table, dict) for table in tables):
+        end_episode = getattr(agent_manager, "end_episode", None)
+        if callable(end_episode):
+            end_episode()
+        return -1, -1
+    prefix = _global_agent_id(worker_id, "")
+    ids = sorted({gid for table in tables for gid in table if isinstance(gid, str) and gid.startswith(prefix)})
+    dropped = sum(len(tables[0].get(gid) or ()) for gid in ids)
+    clear_group = getattr(agent_manager, "_clear_group_status_and_obs", None)
+    for gid in ids:
+        clean(gid)
+        if callable(clear_group):
+            clear_group(gid)
+    return len(ids), dropped
+
+
+def _global_agent_id(worker_id: int, agent_id: Any) -> str:
+    try:
+        from mlagents.trainers.behavior_id_utils import get_global_agent_id
+    except ImportError:  # the trainer package is not installed: its format (1.x)
+        return f"agent_{worker_id}-{agent_id}"
+    return get_global_agent_id(worker_id, agent_id)
+
+
+def environment_initialized(run_options: Any) -> List[bytes]:
+    """The messages ML-Agents' worker 0 sends its player once its env exists (``[]`` if
+    ``mlagents.trainers`` is not importable)."""
+    channel = _analytics_channel()
+    if channel is None:
+        return []
+    channel.environment_initialized(run_options)
+    return _take(channel)
+
+
+def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> List[bytes]:
+    """The message ML-Agents' worker 0 sends when training of ``behavior_name`` starts."""
+    channel = _analytics_channel()
+    if channel is None:
+        return []
+    channel.run_options = run_options  # which behaviours a curriculum names
+    channel.training_started(behavior_name, trainer_settings)
+    return _take(channel)
+
+
+def _analytics_channel() -> Any:
+    try:
+        from mlagents.trainers.training_analytics_side_channel import TrainingAnalyticsSideChannel
+    except ImportError:
+        return None
+    return TrainingAnalyticsSideChannel()
+
+
+def _take(channel: Any) -> List[bytes]:
+    """The payloads a side channel queued (``queue_message_to_send``), taken off it."""
+    queued = list(getattr(channel, "message_queue", []))
+    channel.message_queue = []
+    return [bytes(payload) for payload in queued]

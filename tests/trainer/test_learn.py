@@ -1,0 +1,185 @@
+"""``envmanager-learn``: ML-Agents' own trainer (PPO) with envmanager's env manager, on fake
+Unity players over real gRPC. Each run is checked for what a user would check (exit code,
+checkpoints, TensorBoard, learning) and for what it did to the players and the machine (every
+decision acted on, settings delivered, nothing lost or left running)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+
+import pytest
+
+if os.environ.get("ENVMANAGER_REQUIRE_TRAINER") == "1":
+    import mlagents.trainers.learn  # noqa: F401  (the trainer leg: an ImportError fails the run)
+else:
+    pytest.importorskip("mlagents.trainers.learn", reason="ML-Agents' trainer (mlagents) is not installed")
+
+from trainer_run import AGENTS, ANALYTICS_CHANNEL, BEHAVIOR, TIME_HORIZON, TrainerRun, trainer_config
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def check_clean_exit(run: TrainerRun) -> None:
+    assert not run.left_running(), f"processes left running: {run.left_running(0)}"
+    assert not run.new_shared_memory(), f"left in /dev/shm: {run.new_shared_memory()}"
+    for player in run.players():
+        assert player.exit is not None or player.pid in run.killed, f"player {player.pid} never exited"
+
+
+def check_accounting(run: TrainerRun, dropped: int = 0, extra_in_flight: int = 0) -> None:
+    """Every agent step the trainer counted was an action a player got, once: the players got
+    what the trainer counted, plus what it dropped (a restart), plus at most what was still
+    unfinished (< time horizon per agent) or in flight (one step per player) at the end."""
+    sent, counted = run.agent_steps(), run.final_steps()
+    slack = run.num_envs * AGENTS * TIME_HORIZON + extra_in_flight
+    assert counted + dropped <= sent <= counted + dropped + slack, (sent, counted, dropped, slack)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One full run: 2 envs, 3000 steps, a curriculum, --time-scale; the results are reused."""
+    run = TrainerRun(tmp_path_factory.mktemp("learn"), trainer_config(3000, curriculum=True), run_id="base",
+                     extra_args=["--time-scale=7", "--width=96", "--height=64"])
+    run.killed = set()
+    try:
+        run.start()
+        run.wait()
+    finally:
+        run.kill()
+    return run
+
+
+def test_trains_to_the_end(trained):
+    run = trained
+    assert run.returncode == 0, run.log_text()[-3000:]
+    log = run.log_text()
+    for trouble in ("restarted", "did not close", "killed player", "Learning was interrupted"):
+        assert trouble not in log, log[-3000:]
+    behavior = run.behavior_dir()
+    assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").stat().st_size > 0
+    assert sorted(behavior.glob(f"{BEHAVIOR}-*.pt")) and sorted(behavior.glob(f"{BEHAVIOR}-*.onnx"))
+    assert run.final_steps() >= 3000
+    # it learned: the mean episode return (50 steps, 1 per right action) rose well above chance (~17)
+    rewards = [value for _, value in run.scalars("Environment/Cumulative Reward")]
+    assert len(rewards) >= 4, rewards
+    assert rewards[-1] > 35 and rewards[-1] > rewards[0] + 10, rewards
+    check_clean_exit(run)
+    check_accounting(run)
+
+
+def test_settings_reach_every_player(trained):
+    """Engine settings, curriculum parameters and training analytics arrive as ML-Agents' own
+    manager sends them; every decision of every agent got its action."""
+    run = trained
+    players = run.players_by_worker()
+    assert sorted(players) == [0, 1] and all(len(p) == 1 for p in players.values())  # nothing restarted
+    for worker_id, (player,) in players.items():
+        first = player.inputs[0]
+        assert first["command"] == "RESET"
+        assert first["engine"] == {"width": 96, "height": 64, "quality_level": 5, "time_scale": 7.0,
+                                   "target_frame_rate": -1, "capture_frame_rate": 60}, first["engine"]
+        gravity = [i["env_params"]["gravity"]["sampled"] for i in player.inputs if "gravity" in i["env_params"]]
+        assert gravity[0] == 1.0 and gravity[-1] == 2.0, gravity  # the lesson changed mid-run
+        assert all(s["actions"][f"{BEHAVIOR}?team=0"]["agents"] == AGENTS for s in player.steps)
+        analytics = [o for i in player.inputs for o in i["other"] if o["channel"] == ANALYTICS_CHANNEL]
+        # ML-Agents' worker 0 tells its player about the run (its options: large) and the behaviour;
+        # the others send mlagents_envs' default announcement (versions only)
+        if worker_id == 0:
+            assert len(analytics) == 2 and analytics[0]["bytes"] > 500, analytics
+        else:
+            assert len(analytics) == 1 and analytics[0]["bytes"] < 200, analytics
+    lessons = [value for _, value in run.scalars("Environment/Lesson Number/gravity")]
+    assert lessons[0] == 0 and lessons[-1] == 1, lessons
+
+
+def test_resume_and_initialize_from(trained, tmp_path):
+    """--resume goes on from the last checkpoint; --initialize-from starts a new run from it."""
+    results = tmp_path / "results"
+    shutil.copytree(trained.results, results)
+    resumed = TrainerRun(tmp_path, trainer_config(4000), run_id=trained.run_id, results_dir=results,
+                         extra_args=["--resume"])
+    resumed.killed = set()
+    try:
+        assert resumed.start().wait() == 0, resumed.log_text()[-3000:]
+    finally:
+        resumed.kill()
+    assert "Resuming from" in resumed.log_text()
+    steps = [step for step, _ in resumed.scalars("Environment/Cumulative Reward")]
+    assert resumed.final_steps() >= 4000 and steps[-1] > 3000
+    assert resumed.agent_steps() < 2000  # it did not start again from 0
+    check_clean_exit(resumed)
+
+    warm = TrainerRun(tmp_path / "warm", trainer_config(600), run_id="warm",
+                      extra_args=[f"--initialize-from={trained.run_id}"], results_dir=results)
+    warm.killed = set()
+    try:
+        assert warm.start().wait() == 0, warm.log_text()[-3000:]
+    finally:
+        warm.kill()
+    assert "Initializing from" in warm.log_text()
+    rewards = [value for _, value in warm.scalars("Environment/Cumulative Reward")]
+    assert rewards and rewards[0] > 35, rewards  # the trained policy from its first episodes
+    check_clean_exit(warm)
+    check_accounting(warm)
+
+
+def _steps_of(run: TrainerRun, worker_id: int) -> int:
+    return sum(len(p.steps) for p in run.players() if p.worker_id == worker_id)
+
+
+def test_killed_player_is_restarted_alone(tmp_path):
+    """A player SIGKILLed mid-run: only that one is started again (the other keeps its player and
+    its episodes), the run completes, and its accounting holds (what the cut dropped is counted)."""
+    # --timeout-wait 10: mlagents_envs looks at a silent player's process every timeout_wait / 10 s
+    run = TrainerRun(tmp_path, trainer_config(4000), extra_args=["--time-scale=5", "--timeout-wait=10"])
+    run.killed = set()
+    try:
+        run.start()
+        assert run.watch(lambda r: _steps_of(r, 1) >= 150), run.log_text()[-3000:]
+        (victim,) = run.players_by_worker()[1]
+        run.killed.add(victim.pid)
+        os.kill(victim.pid, signal.SIGKILL)
+        assert run.wait() == 0, run.log_text()[-3000:]
+    finally:
+        run.kill()
+    players = run.players_by_worker()
+    assert len(players[0]) == 1, players[0]  # worker 0's player ran through
+    old, new = players[1]
+    assert old.pid == victim.pid and old.exit is None and new.exit is not None
+    assert new.inputs[0]["command"] == "RESET" and new.inputs[0]["engine"]["time_scale"] == 5.0  # replayed
+    assert len(new.steps) > 0  # it went on training with the others
+    log = run.log_text()
+    match = re.search(r"worker 1 restarted: (\d+) agents' unfinished episodes cut, (\d+) of their steps dropped", log)
+    assert match, log[-3000:]
+    agents, dropped = int(match.group(1)), int(match.group(2))
+    assert agents == AGENTS and dropped <= AGENTS * TIME_HORIZON
+    assert "Traceback" in log and "SIGKILL" in log  # the failure is reported, with the worker's traceback
+    assert run.final_steps() >= 4000
+    assert sorted(run.behavior_dir().glob(f"{BEHAVIOR}-*.onnx"))
+    check_clean_exit(run)
+    check_accounting(run, dropped=dropped, extra_in_flight=AGENTS)
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
+    """Ctrl-C (SIGINT to the trainer's process group, as a terminal sends it): ML-Agents saves a
+    checkpoint of where it got to and exits 0; nothing is left running."""
+    run = TrainerRun(tmp_path, trainer_config(1_000_000))
+    run.killed = set()
+    try:
+        run.start()
+        assert run.watch(lambda r: _steps_of(r, 0) >= 300), run.log_text()[-3000:]
+        run.interrupt()
+        assert run.wait() == 0, run.log_text()[-3000:]
+    finally:
+        run.kill()
+    log = run.log_text()
+    assert "Learning was interrupted" in log, log[-3000:]
+    steps = run.final_steps()
+    assert 0 < steps < 1_000_000
+    assert (run.behavior_dir() / f"{BEHAVIOR}-{steps}.onnx").exists()
+    assert (run.behavior_dir() / f"{BEHAVIOR}-{steps}.pt").exists()
+    assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
+    assert all(p.exit is not None for p in run.players()), [p.pid for p in run.players() if p.exit is None]
+    check_clean_exit(run)
