@@ -323,3 +323,17 @@ def test_step_queue_benchmark_runs():
     assert proc.returncode == 0, proc.stderr
     rows = proc.stdout.splitlines()[1:]
     assert len(rows) == 1 and rows[0].split()[0] == "1" and len(rows[0].split()) == 4, proc.stdout
+
+
+def test_unity_trainer_scenario_without_mlagents_says_why(tmp_path):
+    """``unity-trainer`` needs ML-Agents' trainer; where it is missing the scenario is reported
+    as not available, with the reason, and the run goes on (exit 0)."""
+    from envmanager.bench.scenarios import scenario_unavailable
+
+    if scenario_unavailable(SCENARIOS["unity-trainer"]) is None:
+        pytest.skip("mlagents is installed here: the scenario runs (tests/trainer/test_bench_trainer.py)")
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "unity-trainer", "--steps", "1000", "--no-warmup")
+    result = data["scenarios"]["unity-trainer"]
+    assert "mlagents.trainers.learn cannot be imported" in result["unavailable"]
+    assert result["measurements"] == {}
+    assert "not available" in stdout

@@ -39,7 +39,8 @@ PEER_COLUMNS = {
 }
 #: Scenarios measured by a module of their own (kind -> module with ``run(scenario, steps, repeats,
 #: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.
-OWN_MODULES = {"sampler": "envmanager.bench.sampler_bench", "ray": "envmanager.bench.ray_bench"}
+OWN_MODULES = {"sampler": "envmanager.bench.sampler_bench", "ray": "envmanager.bench.ray_bench",
+               "unity-trainer": "envmanager.bench.unity_trainer"}
 #: The fixed ``envs_per_worker`` choices ``envmanager-auto`` is compared with (1, and n_env // cores).
 FIXED_CHOICES = (FIRST_READY, PACKED)
 

@@ -179,6 +179,11 @@ SCENARIOS: dict[str, Scenario] = {
             n_actions=3, compare_lockstep=True, kind="unity",
             requires=("mlagents_envs", "envmanager.mlagents:MLAgentsEnvManager"),
         ),
+        Scenario(
+            "unity-trainer", "ML-Agents' trainer (PPO): mlagents-learn against envmanager-learn, fake players "
+            "(4 agents, 2 ms), 1, 2, 4 envs and 4 of uneven speed", unity_env, 4, 6_000, kind="unity-trainer",
+            requires=("mlagents.trainers.learn",),
+        ),
     )
 }
 
