@@ -10,4 +10,4 @@
 # Any settings given here come before UnityEnvironment's arguments, so those win.
 # FAKE_UNITY_PYTHON picks the interpreter (default: python3 on PATH, with mlagents-envs installed).
 here=$(cd "$(dirname "$0")" && pwd)
-exec "${FAKE_UNITY_PYTHON:-python3}" "$here/../envmanager/mlagents/fake_unity.py" "$@"
+exec "${FAKE_UNITY_PYTHON:-python3}" "$here/../envmanager/testing/fake_unity.py" "$@"
