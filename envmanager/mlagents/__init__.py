@@ -31,6 +31,7 @@ _EXPORTS = {
     "UnityPortInUseError": "envmanager.mlagents.worker_env",
     "normalize_env_parameters": "envmanager.mlagents.worker_env",
     "normalize_engine_config": "envmanager.mlagents.worker_env",
+    "RayMLAgentsEnvManager": "envmanager.mlagents.ray_env_manager",  # extra ``ray``
 }
 
 __all__ = list(_EXPORTS)

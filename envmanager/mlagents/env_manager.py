@@ -135,7 +135,7 @@ class MLAgentsEnvManager:
         self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
         self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
         self._analytics: List[bytes] = []
-        self._manager: Optional[SubprocessEnvManager] = None
+        self._manager: Any = None  # the core's SubprocessEnvManager (or the Ray variant's pool)
         self.policies: Dict[str, Any] = {}
         self.agent_managers: Dict[str, Any] = {}
         self.first_step_infos: List[EnvironmentStep] = []
@@ -147,18 +147,18 @@ class MLAgentsEnvManager:
         self._action_infos: Dict[int, Dict[str, ActionInfo]] = {}
         self._players: Dict[int, Any] = {}
         self._stale_players: List[Any] = []
+        core_options: Dict[str, Any] = dict(
+            context=context or default_context(),
+            timeout=timeout,
+            restart_workers=restart_workers,
+            max_lifetime_restarts=max_lifetime_restarts,
+            restarts_rate_limit_n=restarts_rate_limit_n,
+            restarts_rate_limit_period_s=restarts_rate_limit_period_s,
+        )
         with port_errors():
-            self._manager = SubprocessEnvManager(
+            self._manager = self._start_core(
                 WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
-                n_env,
-                context=context or default_context(),
-                shared_memory=False,  # DecisionSteps/TerminalSteps are pickled
-                timeout=timeout,
-                restart_workers=restart_workers,
-                max_lifetime_restarts=max_lifetime_restarts,
-                restarts_rate_limit_n=restarts_rate_limit_n,
-                restarts_rate_limit_period_s=restarts_rate_limit_period_s,
-                policy=self._actions_for,
+                n_env, core_options,
             )
         self._closed = False
         try:
@@ -192,6 +192,11 @@ class MLAgentsEnvManager:
             manager.close()
             raise
         return manager
+
+    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
+        """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
+        # DecisionSteps/TerminalSteps are pickled (no shared memory); the policy hook acts per worker
+        return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, policy=self._actions_for, **options)
 
     # ------------------------------------------------------------------------------------------
     # ML-Agents' EnvManager interface
