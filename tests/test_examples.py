@@ -61,3 +61,87 @@ def test_async_ppo_with_learner_feed_return_rises():
     assert len(returns) >= 10 and max(returns[-3:]) > 2 * returns[0]
     assert max(lags) <= 2  # the bounded queue keeps the lag small
     assert "final mean return" in out
+
+
+# ------------------------------------------------------------------ the README and the docs
+
+README_QUICK_STARTS = {  # snippet section of README.md -> what it needs beyond the core
+    "gymnasium": (),
+    "sb3": ("stable_baselines3", "torch"),
+    "mlagents": ("mlagents_envs",),
+}
+
+
+def readme_section(name: str) -> str:
+    """The text between ``<!-- --8<-- [start:name] -->`` and ``[end:name]`` in README.md (the
+    sections the docs site includes), without its code fence."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    found = re.search(rf"\[start:{name}\] -->\n(.*?)\n<!-- --8<-- \[end:{name}\]", text, re.S)
+    assert found, f"README.md has no snippet section {name!r}"
+    block = re.fullmatch(r"```python\n(.*)\n```", found.group(1), re.S)
+    assert block, f"README section {name!r} is not one python block"
+    return block.group(1) + "\n"
+
+
+@pytest.mark.timeout(600)  # the SB3 one trains PPO for 10k steps: slow on a loaded 2-core machine
+@pytest.mark.parametrize("name", sorted(README_QUICK_STARTS))
+def test_readme_quick_start_runs_as_written(name, tmp_path):
+    """Each quick start of the README, copied into a file and run as a script from elsewhere."""
+    for module in README_QUICK_STARTS[name]:
+        pytest.importorskip(module)
+    script = tmp_path / f"quickstart_{name}.py"
+    script.write_text(readme_section(name), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=540,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    if name == "sb3":
+        assert "mean episode reward:" in done.stdout
+    if name == "mlagents":
+        assert re.search(r"worker \d rewards \[", done.stdout), done.stdout
+
+
+def documented_paths() -> dict[str, set[str]]:
+    """Every dotted ``envmanager.x.y`` path, and every name a ``from envmanager... import``
+    takes, in README.md and docs/ (not CHANGELOG.md: it names removed paths on purpose)."""
+    files = [os.path.join(REPO, "README.md")]
+    for root, _, names in os.walk(os.path.join(REPO, "docs")):
+        files += [os.path.join(root, n) for n in names if n.endswith(".md")]
+    paths: dict[str, set[str]] = {}
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+        where = os.path.relpath(file, REPO)
+        for path in re.findall(r"(?<![\w/.-])envmanager(?:\.[A-Za-z_]\w*)+", text):
+            if not path.endswith(".md"):  # a link to the API page envmanager.md
+                paths.setdefault(path, set()).add(where)
+        for module, names in re.findall(r"^\s*from (envmanager(?:\.\w+)*) import ([\w, ]+)", text, re.M):
+            for name in names.split(","):
+                paths.setdefault(f"{module}.{name.strip()}", set()).add(where)
+    return paths
+
+
+def test_docs_name_only_real_modules_and_names():
+    """A module path or name the README or a docs page teaches exists (a stale path such as
+    ``envmanager.vector`` after a move fails here). Paths behind a missing optional dependency
+    are skipped."""
+    import importlib
+
+    stale = []
+    for path, where in sorted(documented_paths().items()):
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError as exc:
+                if exc.name and not exc.name.startswith("envmanager"):
+                    break  # an optional dependency (ray, mlagents_envs, ...) is not installed
+                continue
+            try:
+                for part in parts[i:]:
+                    obj = getattr(obj, part)
+            except AttributeError:
+                stale.append(f"{path} ({', '.join(sorted(where))})")
+            break
+    assert not stale, "the docs name what does not exist: " + "; ".join(stale)
