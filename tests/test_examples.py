@@ -145,3 +145,27 @@ def test_docs_name_only_real_modules_and_names():
                 stale.append(f"{path} ({', '.join(sorted(where))})")
             break
     assert not stale, "the docs name what does not exist: " + "; ".join(stale)
+
+
+def test_fake_unity_player_script_launches(tmp_path):
+    """``examples/fake_unity_player.sh`` is a "build" UnityEnvironment can launch (it pointed at
+    a module path that had moved, unnoticed)."""
+    pytest.importorskip("mlagents_envs")
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "from mlagents_envs.environment import UnityEnvironment\n"
+        "from mlagents_envs.side_channel.stats_side_channel import StatsSideChannel\n"
+        "from envmanager.testing.fake_unity import free_base_port\n"
+        "env = UnityEnvironment('examples/fake_unity_player.sh', base_port=free_base_port(1), timeout_wait=30,\n"
+        "                       side_channels=[StatsSideChannel()], additional_args=['--agents', '4', '--discrete', '3'])\n"
+        "env.reset()\n"
+        "name = next(iter(env.behavior_specs))\n"
+        "print(name, len(env.get_steps(name)[0]), env.behavior_specs[name].action_spec.discrete_branches)\n"
+        "env.close()\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "FAKE_UNITY_PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[1:] == ["4", "(3,)"], done.stdout
