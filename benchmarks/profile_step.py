@@ -1,7 +1,7 @@
 """Count the parent's function calls per env-step, ours against gymnasium's and SB3's.
 
-On cheap envs the parent's Python work per env-step is what limits throughput (see the
-README's benchmark), and a count of function calls measures that work without the noise of
+On cheap envs the parent's Python work per env-step is what limits throughput (see
+docs/guide/performance.md), and a count of function calls measures that work without the noise of
 timings: this script steps 8 CartPole-v1 envs (workers started with ``fork``) through
 
 * ``envmanager.AsyncVectorEnv`` (``envs_per_worker`` 1 and 4) next to gymnasium's own
@@ -9,7 +9,7 @@ timings: this script steps 8 CartPole-v1 envs (workers started with ``fork``) th
 * ``envmanager.sb3.SubprocVecEnv`` (``envs_per_worker`` 1 and 4) next to Stable-Baselines3's
   own ``SubprocVecEnv`` (rows skipped with the reason when SB3 is not installed),
 * ``SubprocessEnvManager.step`` (``envs_per_worker`` 1 and 4), a dict of actions for the idle
-  workers as in the README's quick start, counting the env-steps it returns; it has no peer
+  workers as in docs/guide/step-semantics.md's first loop, counting the env-steps it returns; it has no peer
   with the same API, so its ratio is to gymnasium's ``AsyncVectorEnv``, for scale only,
 
 resets and warms each up outside the profile, then counts with :mod:`cProfile` (Python and
@@ -177,8 +177,8 @@ def ours_sb3(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: int)
 
 
 def ours_core(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: int) -> tuple[int, pstats.Stats]:
-    """``SubprocessEnvManager.step`` with a dict of actions for the idle workers (README's quick
-    start), first-ready: counts the env-steps (StepInfos) it returns."""
+    """``SubprocessEnvManager.step`` with a dict of actions for the idle workers (the first
+    loop of docs/guide/step-semantics.md), first-ready: counts the env-steps (StepInfos) it returns."""
     from envmanager import SubprocessEnvManager
     from envmanager.bench.scenarios import cartpole  # module level: picklable by reference
 

@@ -316,7 +316,7 @@ def test_ray_scenario_checks_and_ratios_without_ray():
 
 
 def test_step_queue_benchmark_runs():
-    """``benchmarks/step_queue.py`` (README: why one shared queue) still runs on today's wire API."""
+    """``benchmarks/step_queue.py`` (docs/guide/performance.md: why one shared queue) still runs on today's wire API."""
     script = os.path.join(REPO, "benchmarks", "step_queue.py")
     proc = subprocess.run([sys.executable, script, "--writers", "1", "--rounds", "200"], env=child_env(),
                           capture_output=True, text=True, timeout=120)

@@ -44,7 +44,7 @@ class RaySampler:
             ``set_param_values`` / ``load_state_dict``, or replace it.
         nodes: how many nodes (actors); ``envs_per_node``: an int, or one per node.
         fragment_steps: transitions per Ray call of ``obtain_steps`` / ``stream`` (choose >= 10 ms
-            of env work: see the README's granularity section).
+            of env work: see the Ray guide's granularity section).
         in_flight: requests queued per node, so a node starts its next fragment at once.
         first_ready: take whichever node is done first (default). ``False``: every round asks each
             node for one fragment and waits for all of them, handing them out in node order (a
