@@ -11,6 +11,7 @@ Loaded by mkdocs.yml (``hooks:``); no effect on the code.
 from __future__ import annotations
 
 import ast
+import os
 import re
 from typing import Any
 
@@ -74,7 +75,8 @@ def _exports(module: griffe.Module) -> dict[str, str]:
 
 
 def on_post_build(config: Any) -> None:
-    package = griffe.load("envmanager", search_paths=["."], resolve_aliases=True)
+    root = os.path.dirname(os.path.abspath(config.config_file_path))
+    package = griffe.load("envmanager", search_paths=[root], resolve_aliases=True)
     documented = {_canonical(package, identifier) for identifier in _documented}
     missing = []
     for path in PUBLIC:
