@@ -3,7 +3,7 @@
 The docstrings are free-form prose that here and there use Sphinx roles
 (:class:`~envmanager.SubprocessEnvManager`, :func:`check`, :data:`FAULTS`) and reST's ``::``
 before a code block. Markdown knows neither, so this rewrites each role to inline code (the
-last part of the name where the role has ``~``) and ``text::`` to ``text:`` before
+last part of the name where the role has ``~``, the title of ``title <target>``) and ``text::`` to ``text:`` before
 mkdocstrings renders the docstring. Loaded by mkdocs.yml (plugins.mkdocstrings.handlers.python.
 options.extensions); no effect on the code.
 """
@@ -21,6 +21,9 @@ LITERAL = re.compile(r"(\S)::$", re.MULTILINE)
 
 def _role(match: re.Match[str]) -> str:
     tilde, target = match.groups()
+    titled = re.fullmatch(r"(.+?)\s*<[^>]+>", target)  # :meth:`title <target>`
+    if titled:
+        return f"`{titled.group(1)}`"
     return f"`{target.rsplit('.', 1)[-1] if tilde else target}`"
 
 
