@@ -47,7 +47,7 @@ from envmanager.core.process import descendants, kill_all, start
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO", "StepCost", "choose_envs_per_worker", "measure_step_cost", "usable_cores"]
+__all__ = ["AUTO", "StepCost", "choose_double_buffer", "choose_envs_per_worker", "measure_step_cost", "usable_cores"]
 
 AUTO = "auto"
 UNEVEN_RATIO = 3.0  # 90th percentile / median of the CPU times above this: uneven...
@@ -252,4 +252,21 @@ def choose_envs_per_worker(env_factory: Callable[[int], Any] | bytes, n_env: int
         else:
             choice, why = packed, f"even CPU-bound steps (median {cost.median_s * 1e6:.0f} us): {n_env} envs // {cores} cores"
     logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores: %s", choice, n_env, cores, why)
+    return choice
+
+
+def choose_double_buffer(n_procs: int, envs_per_worker: int, cores: int | None = None) -> bool:
+    """``double_buffer="auto"``: two lanes per process when the parent has a core of its own --
+    more usable cores (this process's CPU affinity) than worker processes -- and each process
+    hosts at least two envs. Where the workers take every core, the parent's second answer per
+    process is CPU taken from the envs: measured on 2 shared cores, double buffering lost
+    (0.67x on CartPole, 0.92x at 50 us per step), so it stays off there."""
+    cores = cores or usable_cores()
+    if envs_per_worker < 2:
+        choice, why = False, "one env per process: nothing to split"
+    elif n_procs >= cores:
+        choice, why = False, f"{n_procs} worker processes on {cores} cores: the parent has no core of its own"
+    else:
+        choice, why = True, f"{n_procs} worker processes on {cores} cores: the parent has a core of its own"
+    logger.info("double_buffer='auto' chose %s: %s", choice, why)
     return choice

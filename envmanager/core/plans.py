@@ -13,16 +13,19 @@ from envmanager.wire.messages import raw_locals
 
 __all__ = ["BatchPlans", "Plan", "row_of"]
 
-#: Per process: its index, its slots among the batch's, (their local indices, their rows in the
-#: batch), and the local indices as a raw STEP request carries them.
-Plan = list[tuple[int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
+#: Per request (one per process, or per lane of a double-buffered process): the process index,
+#: the lanes mask, its slots among the batch's, (their local indices, their rows in the batch),
+#: and the local indices as a raw STEP request carries them.
+Plan = list[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
 
 
 class BatchPlans:
     """The plan of every batch of slots asked for so far (up to ``limit`` of them)."""
 
-    def __init__(self, slot_process: list[int], slot_local: list[int], limit: int = 1024) -> None:
+    def __init__(self, slot_process: list[int], slot_local: list[int], slot_lanes: list[int] | None = None,
+                 limit: int = 1024) -> None:
         self.slot_process, self.slot_local, self.limit = slot_process, slot_local, limit
+        self.slot_lanes = slot_lanes or [1] * len(slot_process)  # each slot's lane, as a mask
         self._plans: dict[bytes, Plan] = {}
 
     def get(self, slots: np.ndarray) -> Plan:
@@ -38,15 +41,15 @@ class BatchPlans:
             raise InvalidInputError(f"unknown worker id {bad[0]} (n_env={n})")
         if len(set(listed)) != len(listed):
             raise InvalidInputError(f"worker ids must be distinct, got {listed}")
-        by_process: dict[int, list[int]] = {}
+        by_lane: dict[tuple[int, int], list[int]] = {}
         for row, slot in enumerate(listed):
-            by_process.setdefault(self.slot_process[slot], []).append(row)
+            by_lane.setdefault((self.slot_process[slot], self.slot_lanes[slot]), []).append(row)
         plan: Plan = []
-        for index, rows in sorted(by_process.items()):
+        for (index, lanes), rows in sorted(by_lane.items()):
             rows.sort(key=listed.__getitem__)
             process_slots = tuple(listed[r] for r in rows)
             locals_ = tuple(self.slot_local[s] for s in process_slots)
-            plan.append((index, process_slots, (locals_, rows), raw_locals(locals_)))
+            plan.append((index, lanes, process_slots, (locals_, rows), raw_locals(locals_)))
         if len(self._plans) < self.limit:
             self._plans[slots.tobytes()] = plan
         return plan

@@ -84,28 +84,37 @@ class SlotState:
             if failed:
                 self._fail(list(failed), list(failed.values()), is_reset)
                 slots = [s for s in slots if s not in failed]
+        if c.interrupted:  # a restart reset every env: those owed a reset come back as resets, the rest as steps
+            self._file_interrupted(slots)
+            return
         if len(slots) == 1:  # a scalar index is the cheaper numpy call
             self.status[slots[0]] = ARRIVED
         else:
             self.status[slots] = ARRIVED
-        if c.interrupted:
-            self.interrupted.update(slots)
-        if is_reset and c.interrupted:  # a restart reset every env: those not asked come back as steps do
-            owed = self.owed_resets
-            self.arrived_resets.update(s for s in slots if s in owed)
-            self.arrived.extend(s for s in slots if s not in owed)
-        elif is_reset:
+        if is_reset:
             self.arrived_resets.update(slots)
         else:
             self.arrived.extend(slots)
 
+    def _file_interrupted(self, slots: list[int]) -> None:
+        """A restart's fresh reset, for every slot of the process: each comes back once,
+        ``interrupted`` — also a slot whose answer arrived but was not handed out (the other
+        half of a double-buffered process): its result was overwritten by the reset."""
+        owed, status = self.owed_resets, self.status
+        waiting = {s for s in slots if status[s] == ARRIVED}  # already listed to be handed out
+        status[slots] = ARRIVED
+        self.interrupted.update(slots)
+        self.arrived_resets.update(s for s in slots if s in owed)
+        self.arrived.extend(s for s in slots if s not in owed and s not in waiting)
+
     def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
         self.status[slots] = NEEDS_RESET
+        target = self.reset_errors if is_reset else self.step_errors
         if is_reset:
             self.owed_resets.difference_update(slots)
-            self.reset_errors.extend(errors)
-        else:
-            self.step_errors.extend(errors)
+        for error in errors:  # one failure cutting two requests short is raised once
+            if not any(error is e for e in target):
+                target.append(error)
 
     def _file_extras(self, answer: Stepped, slots: list[int]) -> dict[int, EnvManagerError]:
         """Infos, and results that travelled pickled: the slow path, per env. Returns the

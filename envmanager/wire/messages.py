@@ -269,11 +269,16 @@ def on_pipe_notice(header: bytes) -> bytes:
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, ON_PIPE)
 
 
+#: The lanes mask of a request that occupies its whole process (calls, attach, start-up).
+ALL_LANES = 0xFF
+
+
 class EnvironmentRequest(NamedTuple):
     """A request in flight to one worker process: what was sent, to answer or replay it.
 
     ``slots`` are the env slots (public ``worker_id``s) it concerns; ``data`` the encoded
-    request, kept so a restart can send it again.
+    request, kept so a restart can send it again; ``lanes`` the groups of the process's slots
+    it occupies (a bit mask; every lane unless the batch level says otherwise).
     """
 
     cmd: Cmd
@@ -281,3 +286,4 @@ class EnvironmentRequest(NamedTuple):
     slots: tuple[int, ...] = ()
     data: bytes = b""
     message: Any = None
+    lanes: int = ALL_LANES
