@@ -68,6 +68,8 @@ class SubprocVecEnv(VecEnv):
         ``Monitor`` records nothing; ``envmanager.core.auto``); ``1`` is SB3's layout.
     :param shared_memory: observations and actions in shared memory (when the spaces allow).
     :param timeout: deadline in seconds for any worker answer.
+    :param double_buffer: two requests in flight per process, one per half of its envs;
+        ``"auto"`` (the default): when the parent has a core of its own (``SubprocessEnvManager``).
     :param manager_kwargs: further ``SubprocessEnvManager`` options (``restart_workers``,
         ``max_lifetime_restarts``, ...). An episode cut short by a restart comes back as
         ``done`` with ``info["TimeLimit.truncated"] = True`` and ``info["interrupted"] = True``.
@@ -81,6 +83,7 @@ class SubprocVecEnv(VecEnv):
         envs_per_worker: int | str = "auto",
         shared_memory: bool = True,
         timeout: float = 60.0,
+        double_buffer: bool | str = "auto",
         **manager_kwargs: Any,
     ) -> None:
         self.waiting = False
@@ -102,6 +105,7 @@ class SubprocVecEnv(VecEnv):
             shared_memory=shared_memory,
             autoreset_mode="same_step",
             timeout=timeout,
+            double_buffer=double_buffer,
             **manager_kwargs,
         )
         try:

@@ -71,6 +71,9 @@ class AsyncVectorEnv(VectorEnv):
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
         worker_timeout: deadline in seconds for any one worker answer (the fault model's
             bound on waits that gymnasium leaves unbounded).
+        double_buffer: two requests in flight per process, one per half of its envs (see
+            ``SubprocessEnvManager``); ``"auto"`` (the default): on when the parent has a core
+            of its own (more usable cores than worker processes) and a process hosts 2+ envs.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class AsyncVectorEnv(VectorEnv):
         envs_per_worker: int | str = "auto",
         batch_size: int | None = None,
         worker_timeout: float = 300.0,
+        double_buffer: bool | str = "auto",
     ) -> None:
         self._manager: BatchEnvManager | None = None
         self.closed = False
@@ -140,6 +144,7 @@ class AsyncVectorEnv(VectorEnv):
             timeout=worker_timeout,
             daemon=daemon,
             check_spaces=space_check(observation_mode, self.single_observation_space, self.single_action_space),
+            double_buffer=double_buffer,
         )
         # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])
