@@ -34,7 +34,9 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
-from envmanager.adapters.gymnasium_utils import check_reset_mask, gymnasium_can_share, observation_spaces, space_check
+from envmanager.adapters.gymnasium_utils import (
+    batched_infos, check_reset_mask, env_ids_checked as _env_ids, gymnasium_can_share, observation_spaces, space_check,
+)
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.slots import NEEDS_RESET
@@ -159,6 +161,7 @@ class AsyncVectorEnv(VectorEnv):
         self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
         self._actions: HandedActions | None = None  # max_concurrency: the actions of the step in progress
         self._step_infos: dict[int, dict] = {}
+        self._step_columns: list = []  # infos that came as columns (``InfoBlock``s)
         self._call: Any = None
         self._outstanding = np.zeros(self.num_envs, dtype=np.bool_)  # partial batches: sent, not received
         self._received: list[int] = []
@@ -251,7 +254,7 @@ class AsyncVectorEnv(VectorEnv):
     def step_async(self, actions) -> None:
         manager = self._running()
         self._assert_default("step_async")
-        self._step_infos = {}
+        self._step_infos, self._step_columns = {}, []
         handed = self._hand_over(manager, actions, self._all)
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
             self._send(manager, self._all, handed)
@@ -311,18 +314,18 @@ class AsyncVectorEnv(VectorEnv):
         with self._waiting("step_wait", timeout):
             while self._stepping.any() or self._queued:
                 wanted = 1 if self._queued else int(self._stepping.sum())
-                batch = manager.receive_batch(wanted, None if deadline is None else deadline.left())
+                batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
                 self._stepping[batch.slots] = False
                 if batch.infos:
                     self._step_infos.update(batch.infos)
+                if batch.info_columns:
+                    self._step_columns += batch.info_columns
                 if self._queued:  # max_concurrency: start queued envs as others finish
                     self._send_queued(manager)
         self._state = AsyncState.DEFAULT
         r = manager.results
-        infos: dict[str, Any] = {}
-        for i in sorted(self._step_infos):
-            infos = self._add_info(infos, self._step_infos[i], i)
-        self._step_infos, self._actions = {}, None
+        infos = batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
+        self._step_infos, self._step_columns, self._actions = {}, [], None
         return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
     @contextmanager
@@ -361,7 +364,7 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._stepping[:] = False
-        self._queued, self._actions, self._step_infos = [], None, {}
+        self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
         self._reset_waves, self._reset_infos = [], {}
         self._outstanding[:] = False
         self._received, self._received_infos = [], {}
@@ -492,16 +495,6 @@ class AsyncVectorEnv(VectorEnv):
                 self.close(terminate=True)
             except Exception:
                 pass
-
-
-def _env_ids(env_ids: Any, n: int) -> np.ndarray:
-    ids = np.asarray(env_ids).reshape(-1)
-    if ids.size and ids.dtype.kind not in "iu":
-        raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
-    ids = ids.astype(np.int64)
-    if len(np.unique(ids)) != len(ids) or ((ids < 0) | (ids >= n)).any():
-        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {ids.tolist()}")
-    return ids
 
 
 def _reraise(exc: EnvManagerError) -> None:

@@ -331,10 +331,11 @@ class BatchEnvManager:
         slot = int(slots[np.isin(slots, w.env_ids)][0])
         raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
 
-    def receive_batch(self, min_count: int = 1, timeout: float | None = None) -> StepBatch:
+    def receive_batch(self, min_count: int = 1, timeout: float | None = None, info_columns: bool = False) -> StepBatch:
         """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand
         them out. Raises the first failed step (results that arrived with it stay for the next
         call). With nothing in flight that could finish, returns what arrived or raises at once.
+        ``info_columns=True``: infos that came as columns stay so (``StepBatch.info_columns``).
 
         ``timeout=None``: the manager's deadline per answer is the only clock (a process past
         it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
@@ -345,7 +346,7 @@ class BatchEnvManager:
         if state.step_errors:
             raise state.step_errors.pop(0)
         arrived, state.arrived = state.arrived, []
-        return state.hand_out(arrived, reset=False)
+        return state.hand_out(arrived, reset=False, columns=info_columns)
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""

@@ -155,7 +155,9 @@ class Stepped(NamedTuple):
     ``env_times``: seconds inside each env. ``infos``: the non-empty info dicts, by position.
     ``failures``: the envs that raised, by position (the others stepped fine and deliver).
     ``observations``: each env's observation, when observations are not in shared memory;
-    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either.
+    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either;
+    ``info_columns``: every env's info as columns, instead of ``infos``, where they fit
+    (``envmanager.wire.info_columns``).
     """
 
     env_times: list[float] | tuple[float, ...]
@@ -163,11 +165,13 @@ class Stepped(NamedTuple):
     failures: dict[int, RemoteException] | None = None
     observations: list[Any] | None = None
     scalars: list[tuple[float, bool, bool]] | None = None
+    info_columns: Any = None
 
     @property
     def raw(self) -> bool:
         """Nothing but env times: the answer travels with no pickle."""
-        return not self.infos and not self.failures and self.observations is None and self.scalars is None
+        return (not self.infos and not self.failures and self.observations is None and self.scalars is None
+                and self.info_columns is None)
 
 
 class Values(NamedTuple):

@@ -15,6 +15,7 @@ from gymnasium import Wrapper
 from gymnasium.wrappers import OrderEnforcing
 
 from envmanager.wire import shm
+from envmanager.wire.info_columns import to_columns
 from envmanager.wire.messages import (
     Attach,
     Call,
@@ -160,6 +161,10 @@ class WorkerEnvs:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         else:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards[0], terminated[0], truncated[0]
+        if len(infos) == n and not failures:  # every env said the same kind of thing: columns, no dicts
+            columns = to_columns([infos[k] for k in range(n)])
+            if columns is not None:
+                return Stepped(times, None, None, None, None, columns)
         return Stepped(times, infos or None, failures or None)
 
     def reset(self, request: Reset) -> Stepped:
