@@ -221,7 +221,9 @@ class WorkerPool:
             requests = w.requests
             if requests and requests[0][0].seq == notice.seq and notice.cmd is not Cmd.CLOSED:
                 request, sent_at = requests[0]  # the usual case: answers come in the order sent
+                head = True
             else:
+                head = False
                 found = None if notice.cmd is Cmd.CLOSED else next((e for e in requests if e[0].seq == notice.seq), None)
                 if found is None:
                     continue  # a farewell, or the last words of a process already replaced
@@ -233,7 +235,12 @@ class WorkerPool:
                 except (EOFError, OSError, TimeoutError) as exc:
                     self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
                     continue
-            w.answered(request.seq, received)
+            if head:  # ``w.answered`` inline: this runs once per answer
+                del requests[0]
+                if requests:  # the next request's clock starts now
+                    w.alive_at, w.progress_seen = received, 0
+            else:
+                w.answered(request.seq, received)
             self.answers += 1
             try:
                 answer = decode_answer(notice.form, data)

@@ -124,7 +124,7 @@ class WorkerProcess:
 
     @property
     def busy(self) -> bool:
-        return bool(self.requests)
+        return self.requests != []  # (no call: this is asked per slot on the hot path)
 
     @property
     def request(self) -> EnvironmentRequest | None:
@@ -177,9 +177,10 @@ class WorkerProcess:
         A broken pipe is not raised: the request counts as in flight and the death is noticed
         through the process sentinel, like any other.
         """
-        assert not self.busy_on(request.lanes), f"{self.name} already has a request in flight on lanes {request.lanes}"
         now = time.monotonic() if now is None else now
-        if not self.requests:
+        if self.requests:
+            assert not self.busy_on(request.lanes), f"{self.name} already has a request in flight on lanes {request.lanes}"
+        else:
             self.alive_at = now
             self.progress_seen = 0
         self.requests.append((request, now))
