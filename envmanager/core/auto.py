@@ -268,5 +268,5 @@ def choose_double_buffer(n_procs: int, envs_per_worker: int, cores: int | None =
         choice, why = False, f"{n_procs} worker processes on {cores} cores: the parent has no core of its own"
     else:
         choice, why = True, f"{n_procs} worker processes on {cores} cores: the parent has a core of its own"
-    logger.info("double_buffer='auto' chose %s: %s", choice, why)
+    logger.info("double_buffer='auto' is %s: %s", "on" if choice else "off", why)
     return choice
