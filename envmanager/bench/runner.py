@@ -180,6 +180,7 @@ class ScenarioResult:
             "scenario": s.name,
             "description": s.description,
             "n_env": s.n_env,
+            "step_cost": s.step_cost,
             "steps": self.steps,
             "repeats": self.repeats,
             "warmup": self.warmup,
