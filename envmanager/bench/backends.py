@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 from collections.abc import Callable
 from typing import Any
 

@@ -33,7 +33,7 @@ from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
-from envmanager.core.plans import BatchPlans, row_of
+from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core import waiting
@@ -96,12 +96,8 @@ class BatchEnvManager:
         self.status = self._state.status
 
         n_procs = -(-n_env // self.envs_per_worker)
-        if double_buffer == AUTO:
-            double_buffer = choose_double_buffer(n_procs, self.envs_per_worker)
-        elif not isinstance(double_buffer, bool):
-            raise InvalidInputError(f"double_buffer must be True, False or 'auto', got {double_buffer!r}")
         #: Whether each process's slots form two lanes, each with its own request in flight.
-        self.double_buffer = bool(double_buffer) and self.envs_per_worker >= 2
+        self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
             spin_s = 50e-6 if n_procs + 1 <= usable_cores() else 0.0
         specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s)
@@ -112,8 +108,7 @@ class BatchEnvManager:
         self._slot_local_list: list[int] = self.slot_local.tolist()
         #: Each slot's lane as a bit mask: 1, or with double buffering 1 (first half of its
         #: process's envs) or 2 (second half).
-        self.slot_lanes = [1 << (local * 2 // len(spec.env_ids)) if self.double_buffer else 1
-                           for spec in specs for local in range(len(spec.env_ids))]
+        self.slot_lanes = lanes_of([len(spec.env_ids) for spec in specs], self.double_buffer)
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
@@ -274,12 +269,12 @@ class BatchEnvManager:
         plan = self._plans.get(slots)
         status = self.status[slots]
         if not (status == IDLE).all():
-            self._refuse(slots, status)
+            refuse_slots(slots, status, self.worker_of)
         workers = pool.workers
         for index, lanes, _, _, _ in plan:
             w = workers[index]
             if w.requests and w.busy_on(lanes) or w.failure is not None:
-                self._refuse_process(w, slots)
+                refuse_process(w, slots)
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
@@ -314,24 +309,6 @@ class BatchEnvManager:
         for entry, request in zip(plan, requests):
             workers[entry[0]].send(request, now)
         return batch
-
-    def _refuse(self, slots: np.ndarray, status: np.ndarray) -> None:
-        for slot, s in zip(slots.tolist(), status.tolist()):
-            failure = self.worker_of(slot).failure
-            if failure is not None:
-                raise failure
-            if s == NEEDS_RESET:
-                raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
-            if s == IN_FLIGHT:
-                raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
-            if s == ARRIVED:
-                raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
-
-    def _refuse_process(self, w: WorkerProcess, slots: np.ndarray) -> None:
-        if w.failure is not None:
-            raise w.failure
-        slot = int(slots[np.isin(slots, w.env_ids)][0])
-        raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
 
     def receive_batch(self, min_count: int = 1, timeout: float | None = None, info_columns: bool = False) -> StepBatch:
         """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand

@@ -1,8 +1,10 @@
-"""How a batch of slots splits into one request per process (``send_batch``'s plan), cached
-for the full batches and the partial batches a user repeats."""
+"""How a batch of slots splits into one request per process, or per lane of a double-buffered
+process (``send_batch``'s plan), cached for the full batches and the partial batches a user
+repeats; and what ``send_batch`` says when it refuses a batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,10 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import raw_locals
 
-__all__ = ["BatchPlans", "Plan", "row_of"]
+__all__ = ["BatchPlans", "Plan", "lanes_of", "refuse_process", "refuse_slots", "row_of"]
+
+# Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
+_NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
 
 #: Per request (one per process, or per lane of a double-buffered process): the process index,
 #: the lanes mask, its slots among the batch's, (their local indices, their rows in the batch),
@@ -53,6 +58,34 @@ class BatchPlans:
         if len(self._plans) < self.limit:
             self._plans[slots.tobytes()] = plan
         return plan
+
+
+def lanes_of(envs_per_process: list[int], double_buffer: bool) -> list[int]:
+    """Each slot's lane as a bit mask: 1; double buffered, 1 for the first half of its
+    process's envs and 2 for the second."""
+    return [1 << (local * 2 // k) if double_buffer else 1 for k in envs_per_process for local in range(k)]
+
+
+def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int], Any]) -> None:
+    """Raise why ``slots`` (with ``status``) cannot be stepped: the first one that cannot."""
+    for slot, s in zip(slots.tolist(), status.tolist()):
+        failure = worker_of(slot).failure
+        if failure is not None:
+            raise failure
+        if s == _NEEDS_RESET:
+            raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
+        if s == _IN_FLIGHT:
+            raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
+        if s == _ARRIVED:
+            raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
+
+
+def refuse_process(w: Any, slots: np.ndarray) -> None:
+    """Raise why process ``w`` cannot take ``slots``' steps: it failed, or their lane is busy."""
+    if w.failure is not None:
+        raise w.failure
+    slot = int(slots[np.isin(slots, w.env_ids)][0])
+    raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
 
 
 def row_of(batch: Any, k: int, space: Any) -> Any:
