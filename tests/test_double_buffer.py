@@ -283,6 +283,22 @@ def test_gymnasium_drop_in_double_buffered_equals_sync():
         sync.close()
 
 
+def test_gymnasium_auto_double_buffers_partial_batches_only():
+    """Lockstep ``step()`` waits for both halves: ``"auto"`` leaves it off there; partial
+    batches follow the core rule (the parent's own core), as does ``SubprocessEnvManager``."""
+    import envmanager
+
+    fns = [lambda i=i: ControlledEnv(i) for i in range(4)]
+    lockstep = envmanager.AsyncVectorEnv(fns, envs_per_worker=4)
+    partial = envmanager.AsyncVectorEnv(fns, envs_per_worker=4, batch_size=2)
+    try:
+        assert not lockstep._manager.double_buffer
+        assert partial._manager.double_buffer == choose_double_buffer(1, 4)
+    finally:
+        lockstep.close()
+        partial.close()
+
+
 def test_gymnasium_partial_batches_double_buffered():
     """EnvPool-style send/recv with a batch of half the envs: each half of the one process
     comes back as a batch and goes out again while the other half steps."""
