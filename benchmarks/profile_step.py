@@ -273,7 +273,7 @@ def ours_batch(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: in
         def drive(limit: int) -> int:
             done = 0
             while done < limit:
-                slots = manager.receive_batch(1).slots
+                slots = manager.receive_batch(1, info_columns=True).slots  # infos unread: no dicts made
                 p = position[slots]
                 manager.send_batch(slots, actions[p % rows, slots])
                 position[slots] = p + 1

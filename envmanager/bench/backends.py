@@ -106,7 +106,7 @@ def run_batch_level(scenario: Scenario, steps: int, actions: np.ndarray, tick: T
         manager.send_batch(every, actions[0])
         progress.start()
         while progress.done < steps:
-            slots = manager.receive_batch(1).slots
+            slots = manager.receive_batch(1, info_columns=True).slots  # infos unread: no dicts made
             p = position[slots]
             manager.send_batch(slots, actions[p % rows, slots])
             position[slots] = p + 1

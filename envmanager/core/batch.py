@@ -113,7 +113,9 @@ class BatchEnvManager:
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if hasattr(self._pool.queue, "spin_s"):  # the parent spins for answers where the workers spin for requests
+            if hasattr(self._pool.queue, "spin_s") and not self.double_buffer:
+                # The parent spins for answers where the workers spin for requests; double
+                # buffered it has half a process's work to wait out: spinning would only burn CPU.
                 self._pool.queue.spin_s = spin_s
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.

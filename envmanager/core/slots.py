@@ -186,23 +186,23 @@ class SlotState:
         used = np.unique(ids[ids >= 0]).tolist()
         if not used:
             return ()
+        self.block_of[slots] = -1
         out = []
         for block in used:
-            rows, info = self.info_blocks[block]
-            current = self.block_of[rows] == block  # not replaced since
-            mine = current & np.isin(rows, slots)
-            if not (current & ~mine).any():  # nothing of it left to hand out
+            rows, info = self.info_blocks[block]  # rows ascending (a request's slots are)
+            mine = slots[ids == block]
+            whole = len(mine) == len(rows)  # the usual case: the whole answer handed out at once
+            positions = None if whole else np.searchsorted(rows, mine)
+            if whole or not (self.block_of[rows] == block).any():  # nothing of it left to hand out
                 del self.info_blocks[block]
-            positions = np.flatnonzero(mine)
             if columns:
-                whole = len(positions) == len(rows)
                 arrays = info.arrays()
-                out.append(InfoBlock(rows if whole else rows[positions], info.keys,
+                out.append(InfoBlock(rows if whole else mine, info.keys,
                                      arrays if whole else [a[positions] for a in arrays],
                                      tuple(d.startswith("py:") for d in info.dtypes)))
             else:
-                dicts.update(zip(rows[positions].tolist(), info.dicts(positions.tolist())))
-        self.block_of[slots] = -1
+                dicts.update(zip(rows.tolist() if whole else mine.tolist(),
+                                 info.dicts(None if positions is None else positions.tolist())))
         return tuple(out)
 
     def timings(self, slot: int, process: int) -> tuple[float, float, float]:
