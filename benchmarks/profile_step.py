@@ -264,7 +264,7 @@ def ours_batch(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: in
 
     rows = len(actions)
     with BatchEnvManager(cartpole, N_ENV, envs_per_worker=envs_per_worker, context=CONTEXT,
-                         double_buffer=double_buffer) as manager:
+                         double_buffer=double_buffer, info_columns=True) as manager:
         manager.send_reset({i: (i, None) for i in range(N_ENV)})
         manager.receive_reset_batch()
         position = np.ones(N_ENV, dtype=np.int64)

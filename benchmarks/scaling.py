@@ -8,8 +8,10 @@ double-buffered batch level, ``envmanager-db``):
 * ``r``: one env's in-process rate (the limit of one worker core),
 * ``eta``: the fraction of the worker cores' limit the backend reached (the turnaround it did
   not hide),
-* ``P``: the parent's CPU time per answer, and ``e``: env-steps per answer (half a process's
-  envs, double buffered),
+* ``P``: the parent's CPU time per answer when it never waits -- the smallest measured in the
+  run, where the parent is the bottleneck (at the cheapest step); where it has time to spare
+  its CPU per answer also counts waking up, which a saturated parent does not do --, and
+  ``e``: env-steps per answer (half a process's envs, double buffered),
 
 and predicts ``min((N - 1) * eta * r, e / P)``: the workers' capacity, or the parent's, which
 is the one serial part (it turns around at most ``1 / P`` answers per second whatever ``N``).
@@ -33,8 +35,8 @@ from collections.abc import Sequence
 CORES = (8, 16, 32, 64)
 
 
-def figures(data: dict, backend: str) -> list[dict]:
-    """Per pinned step cost: cost, r, eta, P, e (those the run measured)."""
+def figures(data: dict, backend: str, parent_s: float | None = None) -> list[dict]:
+    """Per pinned step cost: cost, r, eta, P (``parent_s``, else the run's smallest), e."""
     out = []
     for name, s in data["scenarios"].items():
         m = s["measurements"].get(backend)
@@ -47,6 +49,9 @@ def figures(data: dict, backend: str) -> list[dict]:
         per_step = [a / n for a, n in zip(m["answers"], m["env_steps"])]
         out.append({"scenario": name, "cost": s.get("step_cost"), "r": r, "eta": eta, "cores": cores,
                     "P": statistics.median(per_answer), "e": 1 / statistics.median(per_step)})
+    saturated = parent_s or min((f["P"] for f in out), default=0.0)
+    for f in out:
+        f["P measured"], f["P"] = f["P"], saturated
     return sorted(out, key=lambda f: (f["cost"] is None, f["cost"] or 0))
 
 
@@ -58,7 +63,7 @@ def predict(f: dict, n: int) -> tuple[float, bool, float]:
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = "| step | one env in process | reached (pinned) | parent CPU per answer | env-steps per answer | " + \
+    head = "| step | one env in process | reached (pinned) | parent CPU per answer (measured) | env-steps per answer | " + \
         " | ".join(f"{n} cores" for n in CORES) + " | parent saturates at |"
     lines = [head, "|" + "---|" * (6 + len(CORES))]
     for f in rows:
@@ -70,7 +75,7 @@ def table(rows: Sequence[dict]) -> str:
         limit = f["e"] / f["P"] / (f["eta"] * f["r"]) + 1  # cores at which the workers outrun the parent
         saturates = f"{limit:.0f} cores"
         label = f["scenario"] if f["cost"] is None else (f"{f['cost'] * 1e6:g} µs" if f["cost"] < 1e-3 else f"{f['cost'] * 1e3:g} ms")
-        lines.append(f"| {label} | {f['r']:,.0f}/s | {f['eta']:.2f} | {f['P'] * 1e6:.0f} µs | {f['e']:.1f} | "
+        lines.append(f"| {label} | {f['r']:,.0f}/s | {f['eta']:.2f} | {f['P measured'] * 1e6:.0f} µs | {f['e']:.1f} | "
                      + " | ".join(cells) + f" | {saturates} |")
     return "\n".join(lines)
 
@@ -79,13 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", help="the JSON of `envmanager bench --scenario pinned --json FILE`")
     parser.add_argument("--backend", default="envmanager-db", help="whose figures (default: envmanager-db)")
+    parser.add_argument("--parent-us", type=float, default=None,
+                        help="the saturated parent's CPU per answer, µs (default: the run's smallest)")
     args = parser.parse_args(argv)
     with open(args.json) as fh:
-        rows = figures(json.load(fh), args.backend)
+        rows = figures(json.load(fh), args.backend, None if args.parent_us is None else args.parent_us * 1e-6)
     if not rows:
         print(f"no pinned measurements of {args.backend} with answers counted in {args.json}", file=sys.stderr)
         return 1
     print(table(rows))
+    print(f"\nThe parent's CPU per answer, saturated (the model's P): {rows[0]['P'] * 1e6:.0f} µs; it caps the machine at "
+          f"{rows[0]['e'] / rows[0]['P']:,.0f} env-steps/s with {rows[0]['e']:.0f} env-steps per answer.")
     return 0
 
 

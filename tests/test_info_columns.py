@@ -50,7 +50,7 @@ def test_to_columns_keeps_types_and_refuses_what_does_not_fit():
 
 
 def test_batch_level_hands_out_the_envs_own_dicts_or_columns():
-    with BatchEnvManager(flat_env, 4, envs_per_worker=4) as m:
+    with BatchEnvManager(flat_env, 4, envs_per_worker=4, info_columns=True) as m:
         m.send_reset({s: (s, None) for s in range(4)})
         m.receive_reset_batch()
         ones = np.ones(4, dtype=np.int64)
@@ -109,7 +109,18 @@ def test_gymnasium_drop_in_on_halfcheetah_infos():
     compare_with_sync(fns, 45, lambda t: rng.uniform(-1, 1, (4, 6)).astype(np.float32))
 
 
-def test_sb3_gets_dicts_from_columns():
+def test_columns_only_when_the_caller_batches_infos():
+    """Making a dict per env from columns costs more than unpickling the dicts: a manager whose
+    caller did not ask for columns gets dicts from its workers, as before."""
+    with BatchEnvManager(flat_env, 4, envs_per_worker=4) as m:
+        m.send_reset({s: (s, None) for s in range(4)})
+        m.receive_reset_batch()
+        m.send_batch(np.arange(4), np.ones(4, dtype=np.int64))
+        batch = m.receive_batch(4, info_columns=True)
+        assert batch.info_columns == () and batch.infos[0] == {"t": 1, "x": 0.5, "ok": False, "f32": np.float32(0)}
+
+
+def test_sb3_gets_dicts():
     pytest.importorskip("stable_baselines3")
     from envmanager.sb3 import SubprocVecEnv
 

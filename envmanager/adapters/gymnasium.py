@@ -151,6 +151,7 @@ class AsyncVectorEnv(VectorEnv):
             daemon=daemon,
             check_spaces=space_check(observation_mode, self.single_observation_space, self.single_action_space),
             double_buffer=double_buffer,
+            info_columns=True,  # gymnasium batches infos: a few numpy operations per key, not _add_info per env
         )
         # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])

@@ -96,7 +96,7 @@ def run_batch_level(scenario: Scenario, steps: int, actions: np.ndarray, tick: T
     n, rows = scenario.n_env, len(actions)
     progress = Progress(tick, scenario, steps)
     manager = BatchEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker_for(scenario), context=START_METHOD,
-                              double_buffer=double_buffer)
+                              double_buffer=double_buffer, info_columns=True)
     progress.answers = lambda: manager.pool.answers
     with manager:
         manager.send_reset({i: (i, None) for i in range(n)})

@@ -59,7 +59,9 @@ class BatchEnvManager:
     Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
     called with every slot's observation and action spaces as the workers report them, before
     shared memory is laid out; whatever it raises ends the construction (an adapter's rules
-    and messages about spaces come before the core's).
+    and messages about spaces come before the core's); and ``info_columns``: the caller batches
+    infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
+    making a dict per env from columns costs more than unpickling the dicts, so only then).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class BatchEnvManager:
         spin_s: float | None = None,
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
         double_buffer: bool | str = False,
+        info_columns: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
@@ -100,7 +103,7 @@ class BatchEnvManager:
         self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
             spin_s = 50e-6 if n_procs + 1 <= usable_cores() else 0.0
-        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s)
+        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])

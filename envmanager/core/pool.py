@@ -470,10 +470,12 @@ def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
     return close_if_alive
 
 
-def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0) -> list[WorkerSpec]:
+def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0,
+               info_columns: bool = False) -> list[WorkerSpec]:
     """Split ``n_env`` slots over processes, ``envs_per_worker`` each (the last may have fewer)."""
     return [
-        WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s)
+        WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s,
+                   info_columns)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
 

@@ -44,8 +44,10 @@ class WorkerEnvs:
     goes on past an env that raises: the others deliver, the failure is reported by position.
     """
 
-    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None) -> None:
+    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
+                 info_columns: bool = False) -> None:
         self.env_ids = env_ids
+        self.info_columns = info_columns  # the parent batches infos: columns where they fit
         self.factory = factory
         self.autoreset_mode = autoreset_mode
         self.envs: list[Any] = []
@@ -161,7 +163,7 @@ class WorkerEnvs:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         else:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards[0], terminated[0], truncated[0]
-        if len(infos) == n and not failures:  # every env said the same kind of thing: columns, no dicts
+        if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
             columns = to_columns([infos[k] for k in range(n)])
             if columns is not None:
                 return Stepped(times, None, None, None, None, columns)
