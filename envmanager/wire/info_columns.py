@@ -14,6 +14,7 @@ scalars (``InfoColumns.dicts``), so whoever asks for per-env dicts gets the envs
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,6 +22,12 @@ import numpy as np
 __all__ = ["InfoColumns", "to_columns"]
 
 _PYTHON = (int, float, bool)
+#: Scalar types packed with the ``array`` module (a worker's step is no place for numpy's
+#: per-call overhead): type -> (array typecode, the column's dtype string).
+_PACK: dict[type, tuple[str, str]] = {
+    int: ("q", "py:<i8"), float: ("d", "py:<f8"), bool: ("B", "py:|b1"),
+    np.float64: ("d", "<f8"), np.float32: ("f", "<f4"), np.int64: ("q", "<i8"), np.int32: ("i", "<i4"),
+}
 
 
 class InfoColumns(NamedTuple):
@@ -75,18 +82,22 @@ def to_columns(infos: list[dict]) -> InfoColumns | None:
             return None
         values = [info[key] for info in infos]
         kind = type(values[0])
-        python = kind in _PYTHON
-        if not python and not issubclass(kind, np.number):
-            return None
         for v in values:
             if type(v) is not kind:
                 return None
+        packed = _PACK.get(kind)
         try:
-            array = np.array(values, dtype=kind)
+            if packed is not None:
+                chunks.append(array(packed[0], values).tobytes())
+                dtypes.append(packed[1])
+                continue
+            if kind in _PYTHON or not issubclass(kind, np.number):
+                return None
+            column = np.array(values, dtype=kind)
         except (OverflowError, TypeError, ValueError):  # an int beyond 64 bits, say
             return None
-        if array.dtype.hasobject:
+        if column.dtype.hasobject:
             return None
-        dtypes.append(("py:" if python else "") + array.dtype.str)
-        chunks.append(array.tobytes())
+        dtypes.append(column.dtype.str)
+        chunks.append(column.tobytes())
     return InfoColumns(keys, tuple(dtypes), b"".join(chunks))
