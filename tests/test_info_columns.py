@@ -36,8 +36,9 @@ def test_to_columns_keeps_types_and_refuses_what_does_not_fit():
     back = columns.dicts()
     assert back == infos
     assert [type(v) for v in back[0].values()] == [int, float, bool, np.float32]
+    assert to_columns([{"a": 1}] * 4) is None  # too few values to pay (MIN_VALUES)
     for unfit in (
-        [{"a": 1}, {"b": 1}],  # different keys
+        [{"a": 1, "z": 0}, {"b": 1, "z": 0}],  # different keys
         [{"a": 1, "b": 2}, {"b": 2, "a": 1}],  # different order
         [{"a": 1}, {"a": 1.0}],  # different types
         [{"a": {"n": 1}}, {"a": {"n": 2}}],  # nested
@@ -46,7 +47,7 @@ def test_to_columns_keeps_types_and_refuses_what_does_not_fit():
         [{"a": 2**70}, {"a": 1}],  # beyond int64
         [{"a": "text"}, {"a": "more"}],
     ):
-        assert to_columns(unfit) is None, unfit
+        assert to_columns(unfit * 4) is None, unfit
 
 
 def test_batch_level_hands_out_the_envs_own_dicts_or_columns():
