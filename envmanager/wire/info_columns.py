@@ -60,8 +60,8 @@ class InfoColumns(NamedTuple):
     def dicts(self, positions: list[int] | None = None) -> list[dict[str, Any]]:
         """The envs' own info dicts (at ``positions``, default all), values as they were."""
         columns = []
-        for dtype, array in zip(self.dtypes, self.arrays()):
-            columns.append(array.tolist() if dtype.startswith("py:") else list(array))
+        for dtype, column in zip(self.dtypes, self.arrays()):
+            columns.append(column.tolist() if dtype.startswith("py:") else list(column))
         n = self.count()
         return [{k: c[i] for k, c in zip(self.keys, columns)} for i in (range(n) if positions is None else positions)]
 
