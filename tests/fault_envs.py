@@ -80,14 +80,17 @@ class FaultEnv(gym.Env):
 
 
 class FaultFactory:
-    """``factory(worker_id)``: slot ``slot`` gets the fault."""
+    """``factory(worker_id)``: slot ``slot`` gets the fault; the slots ``slow`` (default: all)
+    take ``step_s`` seconds a step."""
 
-    def __init__(self, fault: str | None, marker: str, step_s: float = 0.0, slot: int = FAULT_SLOT) -> None:
-        self.fault, self.marker, self.step_s, self.slot = fault, marker, step_s, slot
+    def __init__(self, fault: str | None, marker: str, step_s: float = 0.0, slot: int = FAULT_SLOT,
+                 slow: tuple[int, ...] | None = None) -> None:
+        self.fault, self.marker, self.step_s, self.slot, self.slow = fault, marker, step_s, slot, slow
 
     def __call__(self, worker_id: int) -> FaultEnv:
         fault = self.fault if self.fault in ENV_FAULTS and worker_id == self.slot else None
-        return FaultEnv(worker_id, fault, self.marker, self.step_s)
+        step_s = self.step_s if self.slow is None or worker_id in self.slow else 0.0
+        return FaultEnv(worker_id, fault, self.marker, step_s)
 
 
 class FaultPolicy:

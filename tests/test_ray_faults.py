@@ -54,11 +54,12 @@ def no_leaks():
     yield
 
 
-def make(fault: str | None, marker: str, mode: str, **options) -> RaySampler:
+def make(fault: str | None, marker: str, mode: str, slow_node_0: float = 0.0, **options) -> RaySampler:
     workers, nodes = MODES[mode]
     defaults = {"nodes": 2, "envs_per_node": 2, "envs_per_worker": 2, "fragment_steps": 16, "seed": 0, "timeout": TIMEOUT,
                 "start_timeout": 60.0, "env_timeout": ENV_TIMEOUT, "restart_workers": workers, "restart_nodes": nodes}
-    return RaySampler(FaultFactory(fault, marker, slot=SLOT), FaultPolicy(fault, marker, slot=SLOT), **{**defaults, **options})
+    factory = FaultFactory(fault, marker, slow_node_0, slot=SLOT, slow=(0, 1))
+    return RaySampler(factory, FaultPolicy(fault, marker, slot=SLOT), **{**defaults, **options})
 
 
 class Run:
@@ -289,3 +290,49 @@ def test_close_mid_call_ends_the_call(tmp_path):
     assert not alive(pids)
     sampler.close()  # idempotent
     assert ray.is_initialized()  # the user's session is left running
+
+
+# ---------------------------------------------------------------------------------------------
+# What the driver holds when a fault is found
+
+
+def test_a_cut_inside_a_node_flags_the_rows_the_driver_holds(tmp_path):
+    """A restart inside node 1 cuts an episode whose first step came in an earlier fragment (one
+    step per slot a fragment) that the driver still holds: those rows are flagged when handed
+    out, and the episode no longer counts as running."""
+    sampler = make("step_raise", str(tmp_path / "struck"), "on", fragment_steps=2)
+    pids = node_trees(sampler)
+    try:
+        give_up = time.monotonic() + 60  # a bound on the loop, not a timing assertion
+        while not sampler.stats.counters.get("worker_restarts") and time.monotonic() < give_up:
+            sampler._top_up()
+            sampler._wait()  # booked, nothing handed out
+        cut = list(sampler.cut_episodes)
+        assert [e for e in cut if e % N == SLOT] and not set(cut) & sampler.open_episodes
+        batch = sampler.obtain_steps(sampler.buffered_steps)
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    check_rows(batch, cut, N)  # every row of a cut episode in it is flagged
+    assert batch.interrupted.any()
+
+
+def test_episodes_of_a_call_that_raised_are_dropped_and_counted(tmp_path):
+    """``obtain_exact_episodes`` raises node 1's policy error while node 0 (slow) still collects
+    its episodes: they arrive during a later call, which drops them, counted as ``dropped_steps``."""
+    sampler = make("policy_raise", str(tmp_path / "struck"), "off", slow_node_0=0.1)
+    pids = node_trees(sampler)
+    try:
+        with pytest.raises(RayNodeError, match="policy blew up"):
+            sampler.obtain_exact_episodes(3)
+        batches, give_up = [], time.monotonic() + 60  # a bound on the loop, not a timing assertion
+        while not any(0 in b.worker_ids for b in batches) and time.monotonic() < give_up:
+            batches.append(sampler.obtain_steps(8))
+        dropped = sampler.stats.counters["dropped_steps"]
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert dropped >= 2 * 3 * 3  # three episodes of at least three steps from each of node 0's slots
+    check_rows(TransitionBatch.concatenate(batches), [], N, whole=False)

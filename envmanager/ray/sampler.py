@@ -253,9 +253,9 @@ class RaySampler:
                     np.maximum.at(self._seen, batch.worker_ids, batch.episode_ids // self.n_workers)
                 for key in COUNTERS:
                     self.stats.count(key, counters.get(key, 0))
-                self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node: flagged there too
                 if request.kind == "steps":
                     self._book_fragment(batch)
+                self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
             if request.kind == "steps":
                 continue
             self._forget_open(node)
@@ -273,7 +273,7 @@ class RaySampler:
         for slot in np.unique(batch.worker_ids).tolist():
             rows = np.flatnonzero(batch.worker_ids == slot)
             last = rows[-1]
-            if ends[last] or batch.interrupted[last]:  # ended, or cut inside the node
+            if ends[last]:
                 self._open.pop(slot, None)
             else:
                 self._open[slot] = int(batch.episode_ids[last])
@@ -285,15 +285,16 @@ class RaySampler:
         self.stats.count("lost_requests")
         if request.kind == "steps":
             slots = range(node.offset, node.offset + node.n_envs)
-            self._cut([self._open.pop(s) for s in slots if s in self._open], counted=False)
+            self._cut([self._open[s] for s in slots if s in self._open], counted=False)
 
     def _cut(self, episodes: Sequence[int], counted: bool) -> None:
         """``episodes`` were cut (by a restart inside a node, ``counted`` there, or of a node):
-        listed, and their rows not handed out yet flagged ``interrupted``."""
+        listed, no longer running, and their rows not handed out yet flagged ``interrupted``."""
         for episode in episodes:
             self.cut_episodes.append(episode)
             if not counted:
                 self.stats.count("interrupted_episodes")
+            self._open = {s: e for s, e in self._open.items() if e != episode}
             for batch in self._buffer:
                 batch.interrupted[batch.episode_ids == episode] = True
 
