@@ -67,11 +67,18 @@ def ray_session():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local test session: no token written to ~/.ray
     pickle_by_value()
     temp_dir = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths live under it
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    yield
-    ray.shutdown()
-    left = alive([p.pid for p in children()], timeout=15)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        yield
+    finally:  # a session that failed to start too: what it started must not outlive the module
+        ray.shutdown()
+        left = alive([p.pid for p in children()], timeout=15)
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert not left, f"processes left after ray.shutdown(): {left}"
 
 

@@ -24,7 +24,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
-from envmanager.errors import (EnvManagerError, InvalidInputError, WorkerDiedError, WorkerError,  # noqa: E402
+from envmanager.errors import (InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerError,  # noqa: E402
                                WorkerTimeoutError)
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.sampler import TransitionBatch  # noqa: E402
@@ -112,10 +112,11 @@ class Run:
 
     def raises_at_once(self, like: RayNodeError) -> None:
         """A node given up: every later call raises its error at once."""
-        started = time.monotonic()
+        started, held = time.monotonic(), self.sampler.buffered_steps
         with pytest.raises(RayNodeError) as later:
             self.sampler.obtain_steps(40)
         assert time.monotonic() - started < HANG, "an error already known waited for a deadline"
+        assert self.sampler.buffered_steps == held, "the call took steps it did not hand out"
         assert later.value.node == NODE and type(later.value.cause) is type(like.cause)
 
     def slot_pids(self) -> set[int]:
@@ -179,7 +180,9 @@ def test_env_fault(fault, mode, tmp_path):
         everything = run.close()
     assert node_restarts == (1 if mode == "nodes" else 0)
     assert stats.get("worker_restarts", 0) == (1 if mode == "on" else 0)  # inside the node
-    assert set(everything.worker_ids.tolist()) == set(range(N)) and good_actions(everything)
+    assert good_actions(everything)
+    if mode != "off" or how == "raise":  # every slot delivered (else node 1 was given up, maybe before it did)
+        assert set(everything.worker_ids.tolist()) == set(range(N))
     if mode == "on" and fault.startswith("step"):  # its running episode (one step done) cut and listed, its
         # rows kept (flagged unless handed out before the cut was known: check_rows, call by call)
         assert [e for e in cut if e % N == SLOT] and set(cut) & set(everything.episode_ids.tolist())
@@ -286,7 +289,7 @@ def test_close_mid_call_ends_the_call(tmp_path):
     sampler.close()
     thread.join(TIMEOUT + MARGIN)
     assert not thread.is_alive(), "a call went on after close()"
-    assert len(raised) == 1 and isinstance(raised[0], EnvManagerError), raised
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
     assert not alive(pids)
     sampler.close()  # idempotent
     assert ray.is_initialized()  # the user's session is left running

@@ -23,7 +23,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayE
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
-from envmanager.errors import EnvManagerError
+from envmanager.errors import EnvManagerError, ManagerClosedError
 from envmanager.ray.node import NodeFailure, SamplerNode
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class NodePool:
         from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
         in it was given up), as a process whose env raised does."""
         if self.closed:  # closed by another thread meanwhile: nothing is restarted
-            raise EnvManagerError("the ray sampler was closed")
+            raise ManagerClosedError("the ray sampler was closed")
         refusal = self.restarts.refusal(node.index)
         if refusal is not None:
             refusal = refusal.replace("restart_workers", "restart_nodes")
@@ -288,7 +288,7 @@ class NodePool:
     def check_usable(self, node: Node | None = None) -> None:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
         if self.closed:
-            raise EnvManagerError("the ray sampler is closed")
+            raise ManagerClosedError("the ray sampler is closed")
         if not self.session_alive():
             raise RaySessionError("the Ray session this sampler ran in is gone (ray.shutdown() was called, or its "
                                   "head node was lost): close the sampler and make a new one")
