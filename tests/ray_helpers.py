@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from process_helpers import alive  # noqa: F401 (the Ray test modules import it from here)
+from process_helpers import alive
 from sampler_envs import KindEnv
 
 

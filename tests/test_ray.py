@@ -13,8 +13,16 @@ from envmanager.errors import EnvManagerError, InvalidInputError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
-from ray_helpers import (IdPolicy, alive, no_contiguity_gaps, node_pids, pid_file_factory, raising_factory,  # noqa: E402
-                         ray_session, seed_env, slow_restart_factory)
+from ray_helpers import (  # noqa: E402
+    IdPolicy,
+    alive,
+    no_contiguity_gaps,
+    node_pids,
+    pid_file_factory,
+    raising_factory,
+    seed_env,
+    slow_restart_factory,
+)
 from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
 
 

@@ -24,12 +24,10 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
-from envmanager.errors import (InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerError,  # noqa: E402
-                               WorkerTimeoutError)
+from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.sampler import TransitionBatch  # noqa: E402
-from fault_envs import (ENV_FAULTS, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, pid_of,  # noqa: E402
-                        update_raising_once)
+from fault_envs import ENV_FAULTS, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, pid_of, update_raising_once  # noqa: E402
 from ray_helpers import alive, node_trees, ray_session  # noqa: E402,F401
 
 N, NODE, SLOT = 4, 1, 3  # two nodes of two slots (one env process each); the fault strikes slot 3, on node 1
@@ -280,7 +278,7 @@ def test_close_mid_call_ends_the_call(tmp_path):
         try:
             for _ in range(1000):
                 sampler.obtain_steps(64)
-        except BaseException as exc:  # noqa: BLE001 - what the call raised is the point
+        except BaseException as exc:
             raised.append(exc)
 
     thread = threading.Thread(target=run)
