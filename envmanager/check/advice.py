@@ -5,8 +5,8 @@ and CPU time, their spread, the CPU share). Then each candidate layout runs brie
 (``envmanager.check.measure``: env-steps/s now, and expected when the machine is yours): the
 envs in this process (gymnasium's ``SyncVectorEnv``), envmanager with ``num_envs // cores``
 envs per process, one env per process, and -- where the parent has a core of its own (3 cores
-or more) -- twice as many processes with half the envs each, so one half steps while the parent
-turns the other around (double buffering). A layout whose one round would take too long is
+or more) -- one process per remaining core, double buffered (``double_buffer=True``: two lanes
+per process, one steps while the parent turns the other around). A layout whose one round would take too long is
 estimated from the step cost instead, and marked so.
 
 The choice, on the expected figures: envmanager's own rule picks among the process layouts
@@ -54,10 +54,13 @@ def _layouts(num_envs: int, cores: int) -> list[Layout]:
     if k > 1:
         layouts.append(Layout("k-per-process", f"envmanager, {k} envs per process", k, -(-num_envs // k)))
     layouts.append(Layout("one-per-process", "envmanager, 1 env per process", 1, num_envs))
-    if cores >= 3 and num_envs // (2 * (cores - 1)) >= 1:
-        half = num_envs // (2 * (cores - 1))
-        layouts.append(Layout("double-buffered", f"envmanager, {half} per process, 2 processes per core", half,
-                              -(-num_envs // half)))
+    per_core = max(2, num_envs // (cores - 1)) if cores >= 3 else 0  # two lanes need two envs
+    if cores >= 3 and num_envs >= 2:
+        layouts.append(Layout("double-buffered", f"envmanager, {per_core} envs per process, double-buffered", per_core,
+                              -(-num_envs // per_core)))
+    elif cores >= 3:
+        layouts.append(Layout("double-buffered", "envmanager, double-buffered", note=(
+            "not measured: one env has nothing to split into two lanes")))
     else:
         layouts.append(Layout("double-buffered", "envmanager, double-buffered", note=(
             f"not measured: on {cores} cores the parent has no core of its own, and without one the parent's "
@@ -96,7 +99,8 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
                 found = measure.in_process(factory, num_envs, seed, measure_s)
             else:
                 found = measure.in_processes(factory, num_envs, layout.envs_per_process, seed, measure_s,
-                                             deadline_s, startup_s, cores)
+                                             deadline_s, startup_s, cores,
+                                             double_buffer=layout.id == "double-buffered")
         except Exception as exc:
             layout.note = f"failed: {type(exc).__name__}: {exc}"
             continue
@@ -149,6 +153,9 @@ def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int
         "double-buffered": "the parent has a core of its own: one half of the envs steps while it turns the other around",
     }[chosen]
     why = f"{lay.description} ({_rate(lay)}{versus}): {reason}."
+    if chosen == "double-buffered":  # the lockstep drop-ins wait for both lanes each step: no gain there
+        how = f"SubprocessEnvManager(make_env, {n}, envs_per_worker={lay.envs_per_process}, double_buffer=True)"
+        return why, how
     how = f"SubprocessEnvManager(make_env, {n}, envs_per_worker={lay.envs_per_process})"
     if chosen != "one-per-process":
         how += f"  # or envmanager.AsyncVectorEnv(env_fns, envs_per_worker={lay.envs_per_process})"

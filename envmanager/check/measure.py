@@ -124,9 +124,10 @@ def in_process(factory: Callable[[int], Any], n: int, seed: int, measure_s: floa
 
 
 def in_processes(factory: Callable[[int], Any], n: int, k: int, seed: int, measure_s: float, deadline_s: float,
-                 startup_s: float, cores: int) -> Measurement:
-    """envmanager's batch level, ``k`` envs per process, stepped first-ready."""
-    with BatchEnvManager(factory, n, envs_per_worker=k, timeout=startup_s) as manager:
+                 startup_s: float, cores: int, double_buffer: bool = False) -> Measurement:
+    """envmanager's batch level, ``k`` envs per process, stepped first-ready (each lane on its own
+    when ``double_buffer``)."""
+    with BatchEnvManager(factory, n, envs_per_worker=k, timeout=startup_s, double_buffer=double_buffer) as manager:
         manager.send_reset({slot: (seed + slot, None) for slot in range(n)})
         manager.receive_reset_batch(timeout=deadline_s)
         space = manager.action_space
@@ -134,7 +135,8 @@ def in_processes(factory: Callable[[int], Any], n: int, k: int, seed: int, measu
         singles = [[space.sample() for _ in range(n)] for _ in range(len(arrays))]
         firsts = [int(s) for s in np.flatnonzero(np.r_[True, np.diff(manager.slot_process) != 0])]
         workers = [psutil.Process(manager.worker_of(s).pid) for s in firsts]
-        process_of = manager.slot_process.tolist()
+        # one request per process, or per lane of it when double buffered
+        request_of = [(p, lane) for p, lane in zip(manager.slot_process.tolist(), manager.slot_lanes, strict=True)]
         slots = np.arange(n)
         turn = iter(range(1 << 62))
         seen = {"turnaround": float("inf"), "env": 0.0, "requests": 0, "cpu": 0.0, "parent": 0.0, "delay": 0.0}
@@ -147,12 +149,12 @@ def in_processes(factory: Callable[[int], Any], n: int, k: int, seed: int, measu
             else:
                 manager.send_batch(slots, [singles[i][s] for s in slots.tolist()], per_slot=True)
             slots = manager.receive_batch(timeout=deadline_s).slots
-            per_process: dict[int, list[float]] = {}
+            per_request: dict[tuple[int, int], list[float]] = {}
             for slot in slots.tolist():
                 env, _, round_trip = manager.timings(slot)
-                entry = per_process.setdefault(process_of[slot], [0.0, round_trip])
+                entry = per_request.setdefault(request_of[slot], [0.0, round_trip])
                 entry[0] += env
-            for env, round_trip in per_process.values():
+            for env, round_trip in per_request.values():
                 seen["turnaround"] = min(seen["turnaround"], round_trip - env)
                 seen["env"] += env
                 seen["requests"] += 1
