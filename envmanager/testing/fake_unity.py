@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="episodes end interrupted (max_step_reached) instead of terminated")
     b.add_argument("--decision-period", type=int)
     b.add_argument("--wrong-reward", type=float)
+    b.add_argument("--echo-actions", action="store_true", default=None,
+                   help="observations after the first hold the agent's last action received")
     return p
 
 
@@ -126,7 +128,7 @@ TOP_FLAGS = ("record", "seed", "step_latency", "latency_jitter", "reset_latency"
              "crash_mode", "crash_exit_code", "crash_on_start", "stats", "connect_timeout",
              "exchange_timeout", "echo_channels")
 BEHAVIOR_FLAGS = ("name", "agents", "observation_shapes", "continuous", "discrete", "action_masks",
-                  "episode_length", "episode_end", "decision_period", "wrong_reward")
+                  "episode_length", "episode_end", "decision_period", "wrong_reward", "echo_actions")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[_task.FakeConfig, Dict[str, Any]]:

@@ -6,7 +6,8 @@ Pure Python (no numpy, no protobuf) so the player starts fast; the wire protocol
 The task, per agent: observation 0 starts with a one-hot *discrete target* (size of the first
 discrete branch) followed by a *continuous target* in [-1, 1] (when the behaviour has continuous
 actions); the rest of observation 0 is zero. Every other observation is filled with the agent's
-step count in the current episode. Reward per step:
+step count in the current episode (with ``echo_actions``: its last action received, the first
+discrete one, else the first continuous one; 0 at an episode's start). Reward per step:
 
 * discrete part: ``1.0`` if ``discrete_action[0] == target`` else ``wrong_reward``;
 * continuous part: ``1 - |clip(continuous_action[0], -1, 1) - target|`` (in [-1, 1]);
@@ -52,6 +53,7 @@ class BehaviorConfig:
     decision_period: int = 1  # agent i requests a decision when (step + i) % period == 0
     wrong_reward: float = 0.0  # discrete reward for a wrong action
     group_id: int = 0  # non-zero: agents share this group id; group_reward = mean step reward
+    echo_actions: bool = False  # observations after the first hold the last action received
 
     def __post_init__(self) -> None:
         self.discrete = [int(b) for b in (self.discrete or [])]
@@ -293,8 +295,14 @@ class BehaviorSim:
                     task.append(a.target_c)
                 out.append((task + [0.0] * size)[:size])
             else:
-                out.append([float(a.step)] * size)
+                out.append([self._echo(a) if self.cfg.echo_actions else float(a.step)] * size)
         return out
+
+    def _echo(self, a: _Agent) -> float:
+        """The agent's last action received: its first discrete one, else its first continuous one."""
+        if a.last_d:
+            return float(a.last_d[0])
+        return float(a.last_c[0]) if a.last_c else 0.0
 
     def _info(self, a: _Agent, done: bool, group_reward: float) -> Info:
         interrupted = done and self.cfg.episode_end == "interrupt"
