@@ -17,7 +17,7 @@ import multiprocessing as mp
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-from envmanager.errors import ManagerClosedError
+from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
 from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
@@ -66,6 +66,23 @@ class ActionInfo(NamedTuple):
     def for_steps(decision_steps: Any, env_action: Any, outputs: Optional[Dict[str, Any]] = None) -> "ActionInfo":
         """An ActionInfo for ``env_action`` (an ``ActionTuple``) chosen for ``decision_steps``."""
         return ActionInfo(env_action, env_action, dict(outputs or {}), [int(a) for a in decision_steps.agent_id])
+
+
+class SentActions(dict):
+    """``behavior_name -> ActionTuple`` sent to one worker in one step request, with the
+    ActionInfos they came from (``infos``). It is the request's own object (the core hands it
+    back as the answer's ``StepInfo.action``), so a step's ActionInfos are always the ones its
+    env acted on. Only the actions travel: it pickles as a plain ``dict``, so the policy's
+    outputs (log-probs, memories...) never go to the worker."""
+
+    __slots__ = ("infos",)
+
+    def __init__(self, actions: Dict[str, Any], infos: Dict[str, "ActionInfo"]) -> None:
+        super().__init__(actions)
+        self.infos = infos
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
 
 
 class EnvironmentStep(NamedTuple):
@@ -144,7 +161,8 @@ class MLAgentsEnvManager:
         self.training_started: Dict[str, Any] = {}  # behavior_name -> trainer_settings
         self._engine_overrides: Dict[str, Any] = {}
         self._specs: Dict[int, Dict[str, Any]] = {}
-        self._action_infos: Dict[int, Dict[str, ActionInfo]] = {}
+        self._last: Dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
+        self._held: List[StepInfo] = []  # results taken from the workers, not handed out yet
         self._players: Dict[int, Any] = {}
         self._stale_players: List[Any] = []
         core_options: Dict[str, Any] = dict(
@@ -195,8 +213,8 @@ class MLAgentsEnvManager:
 
     def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
         """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
-        # DecisionSteps/TerminalSteps are pickled (no shared memory); the policy hook acts per worker
-        return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, policy=self._actions_for, **options)
+        # DecisionSteps/TerminalSteps are pickled (no shared memory)
+        return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, **options)
 
     # ------------------------------------------------------------------------------------------
     # ML-Agents' EnvManager interface
@@ -251,9 +269,9 @@ class MLAgentsEnvManager:
             call_if_present(agent_manager, "end_episode")
         if config is not None:
             self.set_env_parameters(config)
+        self._held = []  # dropped with the steps in flight
         with port_errors():
             infos = self.manager.reset()
-        self._action_infos.clear()
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
 
@@ -269,9 +287,7 @@ class MLAgentsEnvManager:
         if not params:
             return
         self.env_parameters.update(params)
-        self._update_replay_calls()
-        with port_errors():
-            self.manager.call_on(self._healthy_worker_ids(), "set_env_parameters", (params,))
+        self._set_everywhere("set_env_parameters", params)
 
     def set_engine_config(self, config: Any = None, **fields: Any) -> None:
         """Change engine settings (``EngineConfig``, dict or fields such as ``time_scale=20``) on
@@ -281,23 +297,34 @@ class MLAgentsEnvManager:
         if not values:
             return
         self._engine_overrides.update(values)
-        self._update_replay_calls()
-        with port_errors():
-            self.manager.call_on(self._healthy_worker_ids(), "set_engine_config", (values,))
+        self._set_everywhere("set_engine_config", values)
 
     def get_steps(self) -> List[EnvironmentStep]:
         """Step every idle worker with the policies' actions; return the finished workers' steps.
 
         Blocks (with the deadline) until at least one worker finished. A restarted worker comes
         back as an ``EnvironmentStep`` with ``interrupted=True`` holding its fresh reset.
+
+        As in ML-Agents, the policies act only on results the trainer was handed: results that
+        came in meanwhile (during a settings change, or a restart's fresh reset) are returned
+        first, and their workers are stepped by the next call.
         """
         self._check_open()
         if self.first_step_infos:
             self._process_step_infos(self.first_step_infos)
             self.first_step_infos = []
         self._pull_policies()
+        m = self.manager
         with port_errors():
-            infos = self.manager.step()
+            self._held += m.receive_steps(min_count=0)  # no wait: what came in already
+            waiting = {info.worker_id for info in self._held}
+            actions = {w: self._actions_for(w) for w in m.idle_worker_ids
+                       if w not in waiting and m.failure_of(w) is None}  # all checked before any is sent
+            if actions:
+                m.send_step(actions)
+            infos, self._held = self._held, []
+            if not infos:
+                infos = m.receive_steps()
         return [self._environment_step(info) for info in infos]
 
     def process_steps(self, new_step_infos: List[EnvironmentStep]) -> int:
@@ -366,6 +393,13 @@ class MLAgentsEnvManager:
             calls.append(("send_analytics", (list(self._analytics),), {}))
         self.manager.set_replay_calls(calls)
 
+    def _set_everywhere(self, method: str, values: Dict[str, Any]) -> None:
+        """``method(values)`` on every worker's env (queued for its player's next message), and
+        on every restarted worker from now on."""
+        self._update_replay_calls()
+        with port_errors():
+            self.manager.call_on(self._healthy_worker_ids(), method, (values,))
+
     def _send_analytics(self, payloads: List[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
             with port_errors():
@@ -383,13 +417,16 @@ class MLAgentsEnvManager:
             if latest is not None:
                 self.set_policy(name, latest)
 
-    def _actions_for(self, info: StepInfo) -> Dict[str, Any]:
-        """The core's policy hook: ``behavior_name -> ActionTuple`` for one idle worker.
+    def _actions_for(self, worker_id: int) -> SentActions:
+        """``behavior_name -> ActionTuple`` for one idle worker, from its latest result the
+        trainer was handed, with the ActionInfos they came from (they go with the request).
 
         Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
-        stepped. The ActionInfos are kept to go with that worker's next result.
+        stepped.
         """
-        worker_id = info.worker_id
+        info = self._last.get(worker_id)
+        if info is None:
+            raise InvalidInputError(f"worker {worker_id} must be reset before it is stepped")
         specs = self._specs.get(worker_id) or self.training_behaviors
         action_infos: Dict[str, ActionInfo] = {}
         env_actions: Dict[str, Any] = {}
@@ -405,8 +442,7 @@ class MLAgentsEnvManager:
                 continue
             check_action(name, worker_id, env_action, n, specs.get(name))
             env_actions[name] = env_action
-        self._action_infos[worker_id] = action_infos
-        return env_actions
+        return SentActions(env_actions, action_infos)
 
     def _environment_step(self, info: StepInfo) -> EnvironmentStep:
         worker_id = info.worker_id
@@ -420,7 +456,8 @@ class MLAgentsEnvManager:
             self._players[worker_id] = new
         if info.interrupted:
             self._kill_stale_players()
-        sent = self._action_infos.pop(worker_id, {})
+        self._last[worker_id] = info
+        sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
         action_infos = {} if info.interrupted or info.previous_result is None else sent
         return EnvironmentStep(
             info.current_result.observation,
@@ -471,3 +508,4 @@ class MLAgentsEnvManager:
                 )
                 call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
         return len(step_infos)
+

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepInfo
-from envmanager.errors import EnvManagerError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
@@ -57,17 +57,18 @@ class _Node:
     actor: Any = None
     pending: Any = None  # the step request in flight
     idle: Set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
+    sent: Dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
     info: Dict[str, Any] = field(default_factory=dict)
 
 
 class RayPlayerPool:
     """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes."""
 
-    def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *, policy: Callable[[StepInfo], Any],
+    def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *,
                  address: Optional[str] = None, ray_init: Optional[Dict[str, Any]] = None, timeout: float = 120.0,
                  restart_workers: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 1,
                  restarts_rate_limit_period_s: float = 60.0, context: Optional[str] = None) -> None:
-        self.n_env, self.policy, self.worker_factory = int(n_env), policy, worker_factory
+        self.n_env, self.worker_factory = int(n_env), worker_factory
         self.worker_ids = list(range(self.n_env))
         self.deadline_s = float(timeout) + RAY_MARGIN
         self.options = dict(timeout=timeout, restart_workers=restart_workers, max_lifetime_restarts=max_lifetime_restarts,
@@ -142,6 +143,7 @@ class RayPlayerPool:
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
                 node.pending = None
+            node.sent.clear()
         self._ready = []
         out: List[StepInfo] = []
         for node in self.nodes:
@@ -151,24 +153,48 @@ class RayPlayerPool:
                 out += self._replace(node, str(lost))
         return sorted(out, key=lambda info: info.worker_id)
 
-    def step(self) -> List[StepInfo]:
-        """Send every idle player its actions (one request per node without one in flight), then
-        return the steps of whichever nodes answer first (at least one step)."""
+    @property
+    def idle_worker_ids(self) -> List[int]:
+        """Players whose last step arrived, on nodes with no request in flight: they can be sent
+        actions now."""
+        return sorted(w for node in self.nodes if node.pending is None for w in node.idle)
+
+    def send_step(self, actions: Dict[int, Any]) -> None:
+        """Send ``actions`` (worker id -> the env's actions; idle players only), one request per node."""
         self._check_open()
+        by_node: Dict[int, Dict[int, Any]] = {}
+        for w, action in actions.items():
+            node = self._node_of(w)
+            if node.pending is not None or w not in node.idle:
+                raise InvalidInputError(f"worker {w} is not idle: it cannot be sent actions now")
+            by_node.setdefault(node.index, {})[w] = action
         for node in self.nodes:
-            if node.pending is None:  # its idle players' actions; it answers when one of its players has
-                actions = {w: self.policy(self._last[w]) for w in sorted(node.idle)}
-                node.idle.clear()
-                node.pending = node.actor.step.remote(actions)
+            if node.index in by_node:
+                sent = by_node[node.index]
+                node.pending = node.actor.step.remote(sent)
+                node.idle -= set(sent)
+                node.sent.update(sent)
+
+    def receive_steps(self, min_count: int = 1) -> List[StepInfo]:
+        """The steps that finished: at least ``min_count`` (0: only what is in already), from
+        whichever nodes answer first."""
+        self._check_open()
         out, self._ready = self._ready, []
         deadline = Deadline(self.deadline_s)
-        while not out:
+        first = True
+        while first or len(out) < min_count:
             pending = {node.pending: node for node in self.nodes if node.pending is not None}
             if not pending:
+                if len(out) >= min_count:
+                    break
                 raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline.left()))
-            if not done:  # every node missed the deadline: the oldest counts as hung
-                node = next(iter(pending.values()))
+            timeout = 0.0 if len(out) >= min_count else max(0.0, deadline.left())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            first = False
+            if not done:
+                if len(out) >= min_count:
+                    break
+                node = next(iter(pending.values()))  # every node missed the deadline: the oldest counts as hung
                 out += self._replace(node, f"no answer within {self.deadline_s:.0f} s")
                 continue
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
@@ -218,7 +244,7 @@ class RayPlayerPool:
         node.actor = _Actor.options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         ).remote(self.worker_factory, node.ids, self.options, self.replay_calls)
-        node.idle = set(node.ids)
+        node.idle, node.sent = set(node.ids), {}
 
     def _call(self, node: _Node, method: str, *args: Any) -> Any:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
@@ -245,12 +271,16 @@ class RayPlayerPool:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
 
     def _arrived(self, node: _Node, infos: List[StepInfo], interrupted: bool = False) -> List[StepInfo]:
+        """A node's answer as the trainer's steps: global ids (the node's), the previous result
+        and the actions sent (the driver's: the very objects the policy made)."""
         out = []
         for info in infos:
             w = info.worker_id
             previous = self._last.get(w)
-            info = info._replace(previous_result=None if info.interrupted or interrupted or previous is None
-                                 else previous.current_result, interrupted=info.interrupted or interrupted)
+            cut = info.interrupted or interrupted
+            action = node.sent.pop(w, None)
+            info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
+                                 action=None if cut else action, interrupted=cut)
             self._last[w] = info
             node.idle.add(w)
             out.append(info)
@@ -311,7 +341,7 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
         super().__init__(env_factory, n_env, **kwargs)
 
     def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
-        return RayPlayerPool(worker_factory, n_env, policy=self._actions_for, address=self._address,
+        return RayPlayerPool(worker_factory, n_env, address=self._address,
                              ray_init=self._ray_init, **options)
 
     def node_info(self) -> List[Dict[str, Any]]:
