@@ -79,6 +79,7 @@ class RayPlayerPool:
         self.nodes: List[_Node] = []
         self._last: Dict[int, StepInfo] = {}
         self._ready: List[StepInfo] = []
+        self._resets: List[int] = []
         self._started_ray = False
         self._closed = False
         if not ray.is_initialized():
@@ -151,6 +152,23 @@ class RayPlayerPool:
                 out += self._arrived(node, self._get(node, node.actor.reset.remote()))
             except _NodeLost as lost:
                 out += self._replace(node, str(lost))
+        return sorted(out, key=lambda info: info.worker_id)
+
+    def send_reset(self, seeds_and_options: Dict[int, Tuple[Any, Any]]) -> None:
+        """Reset these players (seeds and options are the players' own): done by ``receive_resets``."""
+        self._resets = sorted(seeds_and_options)
+
+    def receive_resets(self, worker_ids: Sequence[int]) -> List[StepInfo]:
+        """The fresh resets of the players ``send_reset`` named (idle ones), node by node."""
+        out: List[StepInfo] = []
+        for node in self.nodes:
+            ids = [w for w in self._resets if w in node.ids]
+            if ids:
+                try:
+                    out += self._arrived(node, self._get(node, node.actor.reset.remote(ids)))
+                except _NodeLost as lost:  # its players come back as the replacement's resets
+                    self._ready += self._replace(node, str(lost))
+        self._resets = []
         return sorted(out, key=lambda info: info.worker_id)
 
     @property

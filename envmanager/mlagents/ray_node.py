@@ -65,8 +65,13 @@ class PlayerNode:
     def behavior_specs(self) -> Dict[int, Dict[str, Any]]:
         return dict(zip(self.ids, self.core.call("behavior_specs")))
 
-    def reset(self) -> List[StepInfo]:
-        return self._out(self.core.reset())
+    def reset(self, ids: Optional[Sequence[int]] = None) -> List[StepInfo]:
+        """Reset every player (steps in flight dropped), or the idle players ``ids``."""
+        if ids is None:
+            return self._out(self.core.reset())
+        local = [self.local[g] for g in ids]
+        self.core.send_reset({i: (None, None) for i in local})
+        return self._out(self.core.receive_resets(local))
 
     def step(self, actions: Dict[int, Any], timeout: Optional[float] = None) -> List[StepInfo]:
         """Send ``actions`` (global id -> env actions, this node's idle players), then return the

@@ -4,10 +4,12 @@ Fake players echo each agent's last continuous action in their second observatio
 (``echo_actions``), and the policy gives every agent of every call an action of its own, so a
 step's ``brain_name_to_action_info`` can be checked against what its player got: after settings
 changes (ML-Agents' lesson changes, ``set_env_parameters`` without a reset) while another worker
-is stepping, and after a restart noticed during such a change.
+is stepping, after a restart noticed during such a change, and after a change while a restarted
+player was still starting (its first episode must run with the new settings).
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -64,6 +66,7 @@ class Checker:
     def __init__(self) -> None:
         self.checked = {}  # worker_id -> steps checked
         self.interrupted = {}  # worker_id -> interrupted steps seen
+        self.restarts = []  # the interrupted steps
 
     def __call__(self, steps) -> None:
         for step in steps:
@@ -72,6 +75,7 @@ class Checker:
             if step.interrupted:  # a restarted player's fresh reset: no action led to it
                 assert info is None, f"worker {w}: an interrupted step with actions {info}"
                 self.interrupted[w] = self.interrupted.get(w, 0) + 1
+                self.restarts.append(step)
                 continue
             assert info is not None, f"worker {w}: a step without the ActionInfo that led to it"
             decision, _ = step.current_all_step_result[B]
@@ -140,3 +144,39 @@ def test_after_a_restart_noticed_during_a_settings_change(fake_player, tmp_path)
         assert check.checked[1] >= 3 * 2 + 2  # its steps before each stop, and after the last restart
     finally:
         manager.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_change_while_a_player_restarts_reaches_its_first_episode(fake_player, tmp_path):
+    """Worker 1's player stops on its 4th step; while its replacement starts (a slow reset), the
+    environment parameters change. The replacement's first episode — the first the trainer sees
+    of it — runs with the new parameters, and the interrupted step reports them."""
+    crash = ["--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0", "--reset-latency", "1"]
+    manager = start(fake_player, tmp_path, 2, {1: SLOW + crash}, restarts_rate_limit_n=10)
+    try:
+        manager.set_policy(B, UniquePolicy())
+        manager.reset(config={"gravity": 1.0})
+        pids = dict(manager.player_pids)
+        check, changed = Checker(), []
+
+        def change(steps):  # once worker 1's replacement is on its way up, not yet seen
+            if not changed and manager.manager.generation(1) == 1 and 1 in manager.manager.waiting_worker_ids \
+                    and not check.interrupted:
+                changed.append(True)
+                manager.set_env_parameters({"gravity": 7.0})
+
+        run_until(manager, check, lambda: check.checked.get(1, 0) >= 5, change)
+        assert changed and check.interrupted == {1: 1}
+        (restarted,) = check.restarts
+        gravity = [value for value, _ in restarted.environment_stats["Fake/EnvParam/gravity"]]
+        assert gravity[-1] == 7.0, gravity  # what its player reported on the reset the trainer saw
+        new_pid = manager.player_pids[1]
+        assert new_pid != pids[1]
+    finally:
+        manager.close()
+    inputs = [r for r in map(json.loads, (tmp_path / "players.jsonl").read_text().splitlines())
+              if r["event"] == "input" and r["pid"] == new_pid]
+    first_step = next(i for i, r in enumerate(inputs) if r["command"] == "STEP")
+    resets = [r for r in inputs[:first_step] if r["command"] == "RESET"]
+    gravity = [r["env_params"]["gravity"]["sampled"] for r in resets if "gravity" in r.get("env_params", {})]
+    assert resets and gravity and gravity[-1] == 7.0, inputs[:first_step]  # its first episode: the new value
