@@ -20,14 +20,16 @@ import logging
 import os
 import re
 import shlex
+import signal
 import statistics
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from envmanager.bench.runner import Measurement, ScenarioResult, Target
 from envmanager.bench.scenarios import Scenario
@@ -41,7 +43,7 @@ OURS, THEIRS = "envmanager-learn", "mlagents-learn"
 #: (label suffix, number of envs, uneven)
 SETUPS = ((" 1 env", 1, False), (" 2 envs", 2, False), (" 4 envs", 4, False), (" 4 envs uneven", 4, True))
 CONTENDERS = [f"{tool}{label}" for label, _, _ in SETUPS for tool in (THEIRS, OURS)]
-RUN_DEADLINE = 600.0  # seconds one trainer run may take
+RUN_DEADLINE = 600.0  # seconds one trainer run may take (then its process group is killed)
 SUMMARY = re.compile(r"Step: (\d+)\. Time Elapsed")
 
 
@@ -116,7 +118,12 @@ def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path
     marks: List[Tuple[int, float, float]] = []
     proc = subprocess.Popen(command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    deadline = time.monotonic() + RUN_DEADLINE
+    # The deadline is a timer, not a check per line: a trainer that hangs silently is stopped
+    # too (killed with everything it started: its output ends, and so does the loop below).
+    expired = threading.Event()
+    timer = threading.Timer(RUN_DEADLINE, _kill_group, (proc, expired))
+    timer.daemon = True
+    timer.start()
     tail: List[str] = []
     try:
         assert proc.stdout is not None
@@ -125,17 +132,42 @@ def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path
             found = SUMMARY.search(line)
             if found:
                 marks.append((int(found.group(1)), time.perf_counter(), tree_cpu(proc.pid)))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{tool.name} did not finish in {RUN_DEADLINE:.0f} s")
         code = proc.wait(60)
     finally:
+        timer.cancel()
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+            _kill_group(proc)
             proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if expired.is_set():
+        raise TimeoutError(f"{tool.name} did not finish in {RUN_DEADLINE:.0f} s: its process group was killed")
     if code != 0 or len(marks) < 2:
         raise RuntimeError(f"{tool.name} exited {code} with {len(marks)} summaries: {''.join(tail)[-1500:]}")
     (n0, t0, c0), (n1, t1, c1) = marks[0], marks[-1]
     return n1 - n0, t1 - t0, c1 - c0
+
+
+def _kill_group(proc: subprocess.Popen, expired: Optional[threading.Event] = None) -> None:
+    """SIGKILL the run: its process group (it was started in a session of its own) and every
+    process below it (workers have groups of their own, and hold its output open)."""
+    import psutil
+
+    if expired is not None:
+        expired.set()
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in below:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def tree_cpu(pid: int) -> float:
