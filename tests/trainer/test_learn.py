@@ -176,3 +176,23 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
     assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
     assert all(p.exit is not None for p in run.players()), [p.pid for p in run.players() if p.exit is None]
     check_clean_exit(run)
+
+
+def test_help_only_before_env_args(tmp_path, monkeypatch, capsys):
+    """``-h`` after ``--env-args`` is the player's (ML-Agents passes everything after it on):
+    training runs with it in ``env_args``; before ``--env-args`` it prints the help."""
+    import yaml
+    from mlagents.trainers import learn as mlagents_learn
+
+    from envmanager.mlagents import learn
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(100)))
+    runs = []
+    monkeypatch.setattr(mlagents_learn, "run_cli", lambda options: runs.append(options))
+    assert learn.main([str(config), "--env=player", "--env-args", "-h", "--level", "2"]) == 0
+    assert "usage" not in capsys.readouterr().out
+    (options,) = runs
+    assert options.env_settings.env_args == ["-h", "--level", "2"]
+    assert learn.main([str(config), "-h", "--env=player", "--env-args", "--level", "2"]) == 0
+    assert "--ray-address" in capsys.readouterr().out and len(runs) == 1
