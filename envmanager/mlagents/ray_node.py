@@ -62,9 +62,6 @@ class PlayerNode:
         return {"ray_node_id": node_id, "pid": os.getpid(), "ids": self.ids, "worker_pids": workers,
                 "player_pids": {g: (p[0] if p else None) for g, p in self.players.items()}}
 
-    def behavior_specs(self) -> Dict[int, Dict[str, Any]]:
-        return dict(zip(self.ids, self.core.call("behavior_specs")))
-
     def reset(self, ids: Optional[Sequence[int]] = None) -> List[StepInfo]:
         """Reset every player (steps in flight dropped), or the idle players ``ids``."""
         if ids is None:
@@ -88,10 +85,6 @@ class PlayerNode:
 
     def restart_counts(self) -> Dict[int, int]:
         return {g: self.core.restart_count(i) for i, g in enumerate(self.ids)}
-
-    def failures(self) -> Dict[int, Optional[str]]:
-        return {g: (None if self.core.failure_of(i) is None else str(self.core.failure_of(i)))
-                for i, g in enumerate(self.ids)}
 
     def close(self) -> None:
         try:

@@ -344,10 +344,6 @@ class MLAgentsWorkerEnv:
         if values:
             self.engine_configuration_channel.set_configuration_parameters(**values)
 
-    def set_configuration(self, config: Any) -> None:
-        """ML-Agents' ``EngineConfigurationChannel.set_configuration`` spelling."""
-        self.set_engine_config(config)
-
     def send_analytics(self, payloads: List[bytes]) -> bool:
         """Queue training-analytics messages (made by ML-Agents' ``TrainingAnalyticsSideChannel``
         in the trainer) for the player, as ML-Agents' worker 0 does: only on the env built with
