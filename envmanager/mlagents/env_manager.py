@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.core.manager import SubprocessEnvManager
@@ -27,86 +27,14 @@ from envmanager.mlagents.trainer import (
     manager_options,
     training_started,
 )
-from envmanager.mlagents.worker_env import (
-    EnvFactory,
-    WorkerEnvFactory,
-    kill_stale_player,
-    normalize_engine_config,
-    normalize_env_parameters,
-)
+from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
+from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
+from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MLAgentsEnvManager", "EnvironmentStep", "ActionInfo"]
-
-#: ``behavior_name -> (DecisionSteps, TerminalSteps)``
-AllStepResult = Dict[str, Tuple[Any, Any]]
-#: ``stat key -> [(value, StatsAggregationMethod), ...]``, as ``StatsSideChannel.get_and_reset_stats()``
-EnvironmentStats = Dict[str, List[Tuple[float, Any]]]
-
-
-class ActionInfo(NamedTuple):
-    """ML-Agents' ``ActionInfo``: what a policy's ``get_action(decision_steps, worker_id)`` returns.
-
-    ``env_action`` is the ``ActionTuple`` sent to the environment (one row per agent in
-    ``decision_steps``), ``action`` the policy's own form of it, ``outputs`` anything the
-    trainer wants back (log-probs...), ``agent_ids`` the agents the rows belong to.
-    """
-
-    action: Any
-    env_action: Any
-    outputs: Dict[str, Any]
-    agent_ids: List[int]
-
-    @staticmethod
-    def empty() -> "ActionInfo":
-        return ActionInfo([], [], {}, [])
-
-    @staticmethod
-    def for_steps(decision_steps: Any, env_action: Any, outputs: Optional[Dict[str, Any]] = None) -> "ActionInfo":
-        """An ActionInfo for ``env_action`` (an ``ActionTuple``) chosen for ``decision_steps``."""
-        return ActionInfo(env_action, env_action, dict(outputs or {}), [int(a) for a in decision_steps.agent_id])
-
-
-class SentActions(dict):
-    """``behavior_name -> ActionTuple`` sent to one worker in one step request, with the
-    ActionInfos they came from (``infos``). It is the request's own object (the core hands it
-    back as the answer's ``StepInfo.action``), so a step's ActionInfos are always the ones its
-    env acted on. Only the actions travel: it pickles as a plain ``dict``, so the policy's
-    outputs (log-probs, memories...) never go to the worker."""
-
-    __slots__ = ("infos",)
-
-    def __init__(self, actions: Dict[str, Any], infos: Dict[str, "ActionInfo"]) -> None:
-        super().__init__(actions)
-        self.infos = infos
-
-    def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
-
-
-class EnvironmentStep(NamedTuple):
-    """ML-Agents' ``EnvironmentStep``: one worker's result.
-
-    ``brain_name_to_action_info`` holds the ActionInfos that led to this result (empty after a
-    reset). ``interrupted`` (an addition) marks the fresh reset of a restarted worker: its
-    episodes were cut short and no action led here.
-    """
-
-    current_all_step_result: AllStepResult
-    worker_id: int
-    brain_name_to_action_info: Dict[str, ActionInfo]
-    environment_stats: EnvironmentStats
-    interrupted: bool = False
-
-    @property
-    def name_behavior_ids(self) -> Iterable[str]:
-        return self.current_all_step_result.keys()
-
-    @staticmethod
-    def empty(worker_id: int) -> "EnvironmentStep":
-        return EnvironmentStep({}, worker_id, {}, {})
-
+__all__ = ["MLAgentsEnvManager"]
 
 def default_context() -> str:
     """``forkserver`` where available, else ``spawn``: never fork a parent that may hold gRPC state."""
@@ -163,8 +91,7 @@ class MLAgentsEnvManager:
         self._specs: Dict[int, Dict[str, Any]] = {}
         self._last: Dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
         self._held: List[StepInfo] = []  # results taken from the workers, not handed out yet
-        self._players: Dict[int, Any] = {}
-        self._stale_players: List[Any] = []
+        self._players = PlayerProcesses()
         core_options: Dict[str, Any] = dict(
             context=context or default_context(),
             timeout=timeout,
@@ -181,7 +108,7 @@ class MLAgentsEnvManager:
         self._closed = False
         try:
             self._specs = dict(enumerate(self._manager.call("behavior_specs")))
-            self._players = dict(enumerate(self._manager.get_attr("player")))
+            self._players = PlayerProcesses(dict(enumerate(self._manager.get_attr("player"))))
         except BaseException:
             self.close()
             raise
@@ -279,7 +206,7 @@ class MLAgentsEnvManager:
         """Send environment parameters to every worker; they reach the players with the next
         message. A restarted worker gets all parameters set so far before its reset.
 
-        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.worker_env.normalize_env_parameters`)
+        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.settings.normalize_env_parameters`)
         or ML-Agents ``ParameterRandomizationSettings``. Bad values are rejected before sending.
         """
         self._check_open()
@@ -343,10 +270,7 @@ class MLAgentsEnvManager:
             if manager is not None:
                 manager.close()
         finally:
-            for identity in [*self._players.values(), *self._stale_players]:
-                if kill_stale_player(identity):
-                    logger.warning("killed player process %d left behind by its worker", identity[0])
-            self._players, self._stale_players = {}, []
+            self._players.kill_all()
 
     # ------------------------------------------------------------------------------------------
     # Extras
@@ -358,7 +282,7 @@ class MLAgentsEnvManager:
     @property
     def player_pids(self) -> Dict[int, Optional[int]]:
         """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
-        return {w: (identity[0] if identity else None) for w, identity in sorted(self._players.items())}
+        return self._players.pids
 
     @property
     def restart_counts(self) -> List[int]:
@@ -464,12 +388,9 @@ class MLAgentsEnvManager:
         if "behavior_specs" in result_info:
             self._specs[worker_id] = result_info["behavior_specs"]
         if "player_process" in result_info:
-            old, new = self._players.get(worker_id), result_info["player_process"]
-            if old and old != new:
-                self._stale_players.append(old)
-            self._players[worker_id] = new
-        if info.interrupted:
-            self._kill_stale_players()
+            self._players.note(worker_id, result_info["player_process"])
+        if info.interrupted:  # the restarted worker's old player: nobody will talk to it again
+            self._players.kill_stale()
         self._last[worker_id] = info
         sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
         action_infos = {} if info.interrupted or info.previous_result is None else sent
@@ -495,13 +416,6 @@ class MLAgentsEnvManager:
         self.dropped_experiences += dropped
         logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
                        worker_id, agents, dropped)
-
-    def _kill_stale_players(self) -> None:
-        """The worker of these players was killed (restart): nobody will ever talk to them."""
-        for identity in self._stale_players:
-            if kill_stale_player(identity):
-                logger.warning("killed player process %d left behind by a restarted worker", identity[0])
-        self._stale_players = []
 
     def _process_step_infos(self, step_infos: List[EnvironmentStep]) -> int:
         for step in step_infos:

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo, StepResult
-from envmanager.mlagents.worker_env import WorkerEnvFactory, kill_stale_player
+from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.worker_env import WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,7 @@ class PlayerNode:
         # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
         self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
                                          **{"context": "forkserver", **options})
-        self.players: Dict[int, Any] = dict(zip(self.ids, self.core.get_attr("player")))
-        self.stale: List[Any] = []
+        self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"))))
         self.set_replay_calls(replay_calls)
         for name, args, kwargs in replay_calls:
             self.core.call_on(None, name, args, kwargs)
@@ -60,7 +60,7 @@ class PlayerNode:
             node_id = None
         workers = [w.pid for w in self.core.workers]
         return {"ray_node_id": node_id, "pid": os.getpid(), "ids": self.ids, "worker_pids": workers,
-                "player_pids": {g: (p[0] if p else None) for g, p in self.players.items()}}
+                "player_pids": self.players.pids}
 
     def reset(self, ids: Optional[Sequence[int]] = None) -> List[StepInfo]:
         """Reset every player (steps in flight dropped), or the idle players ``ids``."""
@@ -90,30 +90,22 @@ class PlayerNode:
         try:
             self.core.close()
         finally:
-            for identity in [*self.players.values(), *self.stale]:
-                if kill_stale_player(identity):
-                    logger.warning("killed player process %d left behind by its worker", identity[0])
-            self.players, self.stale = {}, []
+            self.players.kill_all()
 
     def _out(self, infos: List[StepInfo]) -> List[StepInfo]:
-        """Global ids; the previous result left out (the driver has it); players noted here (a
-        restarted worker's old player is killed on this node, where its pid means something)."""
+        """Global ids; the previous result and the actions left out (the driver has them); players
+        noted here (a restarted worker's old player is killed on this node, where its pid means
+        something)."""
         out = []
         for info in infos:
             gid = self.ids[info.worker_id]
             result_info = dict(info.current_result.info or {})
             player = result_info.pop("player_process", None)
             if player is not None:
-                old = self.players.get(gid)
-                if old and old != player:
-                    self.stale.append(old)
-                self.players[gid] = player
-            if info.interrupted:
-                for identity in self.stale:
-                    if kill_stale_player(identity):
-                        logger.warning("killed player process %d left behind by a restarted worker", identity[0])
-                self.stale = []
+                self.players.note(gid, player)
+            if info.interrupted:  # killed here, where its pid means something
+                self.players.kill_stale()
             current = StepResult(info.current_result.observation, info.current_result.reward,
                                  info.current_result.terminated, info.current_result.truncated, result_info)
-            out.append(info._replace(worker_id=gid, previous_result=None, current_result=current))
+            out.append(info._replace(worker_id=gid, previous_result=None, action=None, current_result=current))
         return out

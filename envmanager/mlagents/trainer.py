@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Tuple
 
-from envmanager.mlagents.worker_env import ENGINE_FIELDS
+from envmanager.mlagents.settings import ENGINE_FIELDS
 
 logger = logging.getLogger(__name__)
 

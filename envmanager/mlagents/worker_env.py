@@ -8,26 +8,22 @@ and ``{"environment_stats", "behavior_specs"}`` as the info. It never reports ``
 Unity resets its agents by itself.
 
 If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
-(player killed and reaped) before the error travels to the parent, which restarts the worker.
-
-The parameter and engine-config checks used by both sides (:func:`normalize_env_parameters`,
-:func:`normalize_engine_config`) live here, so the parent can reject bad input before it sends.
+(player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
+the parent, which restarts the worker. Environment parameters and engine settings are checked
+and applied by :mod:`envmanager.mlagents.settings`.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import numbers
-import os
-import signal
-import subprocess
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.errors import EnvManagerError
+from envmanager.mlagents.player_process import PlayerIdentity, player_identity, shutdown_env
+from envmanager.mlagents.settings import apply_env_parameter, normalize_engine_config, normalize_env_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -36,29 +32,10 @@ __all__ = [
     "WorkerEnvFactory",
     "UnityEnvironmentFactory",
     "UnityPortInUseError",
-    "normalize_env_parameters",
-    "normalize_engine_config",
 ]
 
 #: ``env_factory(worker_id, side_channels) -> BaseEnv``, as in ML-Agents' trainer.
 EnvFactory = Callable[[int, List[Any]], Any]
-#: ``(pid, start time)`` of a launched player, to recognise it later without mistaking a reused pid.
-PlayerIdentity = Tuple[int, Optional[float]]
-
-ENGINE_FIELDS = {
-    "width": int,
-    "height": int,
-    "quality_level": int,
-    "time_scale": float,
-    "target_frame_rate": int,
-    "capture_frame_rate": int,
-}
-SAMPLERS = {
-    "uniform": ("min_value", "max_value"),
-    "gaussian": ("mean", "st_dev"),
-    "multirangeuniform": ("intervals",),
-    "constant": ("value",),
-}
 
 
 class UnityPortInUseError(EnvManagerError):
@@ -119,109 +96,6 @@ class UnityEnvironmentFactory:
         if self.num_areas != 1:
             kwargs["num_areas"] = self.num_areas
         return UnityEnvironment(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks shared by parent and worker
-
-
-def normalize_env_parameters(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Check environment parameters; return them as floats, sampler dicts or ML-Agents settings.
-
-    A value is a number (``set_float_parameter``), an object with ``apply(key, channel)`` (ML-Agents'
-    ``ParameterRandomizationSettings``), or a sampler dict in ML-Agents' YAML shape:
-    ``{"sampler_type": "uniform", "sampler_parameters": {"min_value": 1, "max_value": 2, "seed": 0}}``
-    (``gaussian``: ``mean``, ``st_dev``; ``multirangeuniform``: ``intervals``; ``constant``:
-    ``value``; the parameters may also sit next to ``sampler_type``).
-    """
-    if config is None:
-        return {}
-    if not isinstance(config, Mapping):
-        raise InvalidInputError(f"environment parameters must be a mapping, got {type(config).__name__}")
-    out: Dict[str, Any] = {}
-    for key, value in config.items():
-        if not isinstance(key, str) or not key:
-            raise InvalidInputError(f"environment parameter names must be non-empty strings, got {key!r}")
-        out[key] = _normalize_value(key, value)
-    return out
-
-
-def _normalize_value(key: str, value: Any) -> Any:
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if callable(getattr(value, "apply", None)):
-        return value
-    if not isinstance(value, Mapping):
-        raise InvalidInputError(
-            f"environment parameter {key!r}: expected a number, a sampler dict or a settings object "
-            f"with apply(key, channel), got {value!r}"
-        )
-    kind = str(value.get("sampler_type", "")).lower().replace("_", "").replace("-", "")
-    if kind not in SAMPLERS:
-        raise InvalidInputError(f"environment parameter {key!r}: unknown sampler_type {value.get('sampler_type')!r}; "
-                                f"known: {sorted(SAMPLERS)}")
-    params = dict(value.get("sampler_parameters") or {})
-    params.update({k: v for k, v in value.items() if k not in ("sampler_type", "sampler_parameters")})
-    missing = [name for name in SAMPLERS[kind] if name not in params]
-    if missing:
-        raise InvalidInputError(f"environment parameter {key!r}: the {kind} sampler needs {missing}")
-    try:
-        if kind == "constant":
-            return float(params["value"])
-        seed = int(params.get("seed", 0))
-        if kind == "multirangeuniform":
-            intervals = [(float(lo), float(hi)) for lo, hi in params["intervals"]]
-            return {"sampler_type": kind, "intervals": intervals, "seed": seed}
-        a, b = SAMPLERS[kind]
-        return {"sampler_type": kind, a: float(params[a]), b: float(params[b]), "seed": seed}
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"environment parameter {key!r}: bad sampler parameters ({exc})") from None
-
-
-def apply_env_parameter(channel: Any, key: str, value: Any) -> None:
-    """Queue one normalized parameter on an ``EnvironmentParametersChannel``."""
-    if isinstance(value, float):
-        channel.set_float_parameter(key, value)
-    elif isinstance(value, dict):
-        kind, seed = value["sampler_type"], value["seed"]
-        if kind == "uniform":
-            channel.set_uniform_sampler_parameters(key, value["min_value"], value["max_value"], seed)
-        elif kind == "gaussian":
-            channel.set_gaussian_sampler_parameters(key, value["mean"], value["st_dev"], seed)
-        else:
-            channel.set_multirangeuniform_sampler_parameters(key, value["intervals"], seed)
-    else:
-        value.apply(key, channel)
-
-
-def normalize_engine_config(config: Any = None, **fields: Any) -> Dict[str, Any]:
-    """Check an engine configuration (an ``EngineConfig``, a dict and/or keyword fields).
-
-    Returns the fields that are set, with their types fixed; ``width`` and ``height`` go together.
-    """
-    values: Dict[str, Any] = {}
-    if config is not None:
-        if hasattr(config, "_asdict"):
-            values.update(config._asdict())
-        elif isinstance(config, Mapping):
-            values.update(config)
-        else:
-            raise InvalidInputError(f"engine config must be an EngineConfig or a dict, got {config!r}")
-    values.update(fields)
-    unknown = sorted(set(values) - set(ENGINE_FIELDS))
-    if unknown:
-        raise InvalidInputError(f"unknown engine config fields {unknown}; known: {list(ENGINE_FIELDS)}")
-    out: Dict[str, Any] = {}
-    for name, value in values.items():
-        if value is None:
-            continue
-        try:
-            out[name] = ENGINE_FIELDS[name](value)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"engine config {name}={value!r} is not a {ENGINE_FIELDS[name].__name__}") from None
-    if ("width" in out) != ("height" in out):
-        raise InvalidInputError("engine config: width and height must be set together")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,100 +261,6 @@ class MLAgentsWorkerEnv:
         except fatal:
             self.close()
             raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Player processes
-
-
-def shutdown_env(env: Any, timeout: float = 5.0) -> None:
-    """Close ``env``; for a ``UnityEnvironment`` also reap its player and release gRPC and pipes.
-
-    ``UnityEnvironment.close()`` kills a player that does not quit within ``timeout_wait`` but
-    never reaps it, leaves one end of its communicator's pipe open and does not wait for the gRPC
-    server to stop; this does all three, with ``timeout`` in place of ``timeout_wait``.
-    """
-    try:
-        from mlagents_envs.environment import UnityEnvironment
-    except ImportError:  # pragma: no cover - the subpackage needs mlagents_envs anyway
-        UnityEnvironment = None
-    if UnityEnvironment is None or not isinstance(env, UnityEnvironment):
-        env.close()
-        return
-    proc: Optional[subprocess.Popen] = getattr(env, "_process", None)
-    comm = getattr(env, "_communicator", None)
-    try:
-        env._close(timeout=timeout)  # status 400 to the player, wait, kill
-    except Exception:
-        logger.warning("closing the UnityEnvironment failed", exc_info=True)
-    finally:
-        try:
-            atexit.unregister(env._close)
-        except Exception:
-            pass
-        if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                logger.warning("player process %d did not exit after SIGKILL", proc.pid)
-        _release_communicator(comm)
-
-
-def _release_communicator(comm: Any) -> None:
-    server = getattr(comm, "server", None)
-    if server is not None:
-        try:
-            server.stop(None).wait(5.0)
-        except Exception:
-            pass
-    servicer = getattr(comm, "unity_to_external", None)
-    for name in ("parent_conn", "child_conn"):
-        conn = getattr(servicer, name, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
-
-
-def process_start_time(pid: int) -> Optional[float]:
-    """When process ``pid`` started (an opaque number), or ``None`` if it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return float(fields[19])  # field 22, starttime in clock ticks
-    except (OSError, IndexError, ValueError):
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process(pid).create_time())
-    except Exception:
-        return None
-
-
-def player_identity(env: Any) -> Optional[PlayerIdentity]:
-    proc = getattr(env, "_process", None)
-    pid = getattr(proc, "pid", None)
-    if not isinstance(pid, int):
-        return None
-    return (pid, process_start_time(pid))
-
-
-def kill_stale_player(identity: Optional[PlayerIdentity]) -> bool:
-    """SIGKILL a player left behind by a killed worker, if it still runs (same pid *and* start)."""
-    if not identity or identity[1] is None:
-        return False
-    pid, started = identity
-    if process_start_time(pid) != started:
-        return False
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def _port_in_use_error(exc: BaseException, worker_id: int) -> UnityPortInUseError:
