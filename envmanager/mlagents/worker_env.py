@@ -4,8 +4,8 @@
 channels ML-Agents' trainer uses (environment parameters, engine configuration, stats), builds
 the user's environment with ``env_factory(worker_id, side_channels)``, and answers the core's
 ``reset``/``step`` with ``behavior_name -> (DecisionSteps, TerminalSteps)`` as the observation
-and ``{"environment_stats", "behavior_specs"}`` as the info. It never reports ``terminated``:
-Unity resets its agents by itself.
+and ``{"environment_stats"}`` as the info, with ``"behavior_specs"`` on a reset and when a
+behaviour appeared. It never reports ``terminated``: Unity resets its agents by itself.
 
 If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
 (player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
@@ -166,6 +166,7 @@ class MLAgentsWorkerEnv:
             raise _port_in_use_error(exc, worker_id) from None
         self.player: Optional[PlayerIdentity] = player_identity(self.env)
         self._last: Dict[str, Tuple[Any, Any]] = {}
+        self._specs_sent: Tuple[str, ...] = ()  # the behaviours the parent was last told about
 
     # -- the core's interface ----------------------------------------------------------------
     def reset(self, seed: Any = None, options: Any = None) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, Any]]:
@@ -173,7 +174,7 @@ class MLAgentsWorkerEnv:
         with self._closing_on_failure():
             self.env.reset()
             results = self._results()
-        info = self._info()
+        info = self._info(reset=True)
         info["player_process"] = self.player
         return results, info
 
@@ -241,12 +242,16 @@ class MLAgentsWorkerEnv:
         self._last = {name: env.get_steps(name) for name in env.behavior_specs}
         return self._last
 
-    def _info(self) -> Dict[str, Any]:
+    def _info(self, reset: bool = False) -> Dict[str, Any]:
+        """The stats the player sent; the behaviour specs with a reset and when a behaviour
+        appeared (a BehaviorSpec never changes under its name: they need not travel every step)."""
         stats = self.stats_channel.get_and_reset_stats()
-        return {
-            "environment_stats": {key: list(values) for key, values in stats.items()},
-            "behavior_specs": dict(self.env.behavior_specs) if self.env is not None else {},
-        }
+        info: Dict[str, Any] = {"environment_stats": {key: list(values) for key, values in stats.items()}}
+        specs = dict(self.env.behavior_specs) if self.env is not None else {}
+        if reset or tuple(specs) != self._specs_sent:
+            info["behavior_specs"] = specs
+            self._specs_sent = tuple(specs)
+        return info
 
     @contextmanager
     def _closing_on_failure(self) -> Iterator[None]:
