@@ -22,6 +22,7 @@ from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
 from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
 from envmanager.mlagents.trainer import (
+    cut_stats,
     end_worker_episodes,
     environment_initialized,
     manager_options,
@@ -404,13 +405,15 @@ class MLAgentsEnvManager:
 
     def _cut_episodes(self, worker_id: int) -> None:
         """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
-        as ML-Agents drops every worker's when it resets them all); the other workers' go on."""
+        as ML-Agents drops every worker's when it resets them all); the other workers' go on.
+        Counted here, in the log and in each behaviour's trainer statistics."""
         agents = dropped = 0
         for agent_manager in self.agent_managers.values():
             cut, lost = end_worker_episodes(agent_manager, worker_id)
             if cut < 0:
                 logger.warning("worker %d restarted: every unfinished episode dropped (end_episode)", worker_id)
                 continue
+            call_if_present(agent_manager, "record_environment_stats", cut_stats(cut, lost), worker_id)
             agents, dropped = agents + cut, dropped + lost
         self.cut_agent_episodes += agents
         self.dropped_experiences += dropped

@@ -4,7 +4,8 @@
   ML-Agents' ``SubprocessEnvManager`` reads from a ``RunOptions`` (engine settings, restart
   limits; ``timeout_wait`` becomes the deadline's floor).
 * :func:`end_worker_episodes`: drop the unfinished trajectories of one worker's agents in an
-  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs).
+  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs);
+  :func:`cut_stats`: what that cut, as trainer statistics.
 * :func:`environment_initialized` / :func:`training_started`: the training-analytics messages
   ML-Agents' worker 0 sends its player, made here in the trainer's process (so the workers never
   import ``mlagents.trainers`` and torch) and sent as bytes.
@@ -25,6 +26,9 @@ __all__ = [
     "DEADLINE_MARGIN",
     "manager_options",
     "end_worker_episodes",
+    "cut_stats",
+    "CUT_AGENT_EPISODES",
+    "DROPPED_EXPERIENCES",
     "environment_initialized",
     "training_started",
 ]
@@ -33,6 +37,9 @@ __all__ = [
 #: that stops answering is reported by ``mlagents_envs`` (and its env shut down by the worker)
 #: before the deadline would cut the worker off.
 DEADLINE_MARGIN = 60.0
+#: Trainer statistics of the episodes restarts cut (per behaviour, summed per summary period).
+CUT_AGENT_EPISODES = "Env Manager/Cut Agent Episodes"
+DROPPED_EXPERIENCES = "Env Manager/Dropped Experiences"
 
 
 def manager_options(run_options: Any) -> Dict[str, Any]:
@@ -85,6 +92,15 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
         if callable(clear_group):
             clear_group(gid)
     return len(ids), dropped
+
+
+def cut_stats(agents: int, experiences: int) -> Dict[str, List[Tuple[float, Any]]]:
+    """A cut as environment statistics (``AgentManager.record_environment_stats``): its agents'
+    episodes and their dropped steps, summed per summary period (TensorBoard, the console)."""
+    from mlagents_envs.side_channel.stats_side_channel import StatsAggregationMethod
+
+    return {CUT_AGENT_EPISODES: [(float(agents), StatsAggregationMethod.SUM)],
+            DROPPED_EXPERIENCES: [(float(experiences), StatsAggregationMethod.SUM)]}
 
 
 def _global_agent_id(worker_id: int, agent_id: Any) -> str:

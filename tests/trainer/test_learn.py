@@ -148,6 +148,9 @@ def test_killed_player_is_restarted_alone(tmp_path):
     assert match, log[-3000:]
     agents, dropped = int(match.group(1)), int(match.group(2))
     assert agents == AGENTS and dropped <= AGENTS * TIME_HORIZON
+    # ... and in the trainer's statistics (TensorBoard): the cut and what it dropped
+    assert sum(v for _, v in run.scalars("Env Manager/Cut Agent Episodes")) == agents
+    assert sum(v for _, v in run.scalars("Env Manager/Dropped Experiences")) == dropped
     assert "Traceback" in log and "SIGKILL" in log  # the failure is reported, with the worker's traceback
     assert run.final_steps() >= 4000
     assert sorted(run.behavior_dir().glob(f"{BEHAVIOR}-*.onnx"))
