@@ -24,6 +24,7 @@ from envmanager.mlagents.checks import call_if_present, check_action, is_empty, 
 from envmanager.mlagents.trainer import (
     cut_stats,
     end_worker_episodes,
+    merge_worker_timers,
     environment_initialized,
     manager_options,
     training_started,
@@ -253,7 +254,9 @@ class MLAgentsEnvManager:
             infos, self._held = self._held, []
             if not infos:
                 infos = m.receive_steps()
-        return [self._environment_step(info) for info in infos]
+        steps = [self._environment_step(info) for info in infos]
+        merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
+        return steps
 
     def process_steps(self, new_step_infos: List[EnvironmentStep]) -> int:
         """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""

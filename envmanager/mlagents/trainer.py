@@ -6,6 +6,8 @@
 * :func:`end_worker_episodes`: drop the unfinished trajectories of one worker's agents in an
   ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs);
   :func:`cut_stats`: what that cut, as trainer statistics.
+* :func:`merge_worker_timers`: the workers' ``mlagents_envs`` timers into the trainer's
+  (``timers.json``), as ML-Agents' ``SubprocessEnvManager`` merges them.
 * :func:`environment_initialized` / :func:`training_started`: the training-analytics messages
   ML-Agents' worker 0 sends its player, made here in the trainer's process (so the workers never
   import ``mlagents.trainers`` and torch) and sent as bytes.
@@ -27,6 +29,7 @@ __all__ = [
     "manager_options",
     "end_worker_episodes",
     "cut_stats",
+    "merge_worker_timers",
     "CUT_AGENT_EPISODES",
     "DROPPED_EXPERIENCES",
     "environment_initialized",
@@ -101,6 +104,19 @@ def cut_stats(agents: int, experiences: int) -> Dict[str, List[Tuple[float, Any]
 
     return {CUT_AGENT_EPISODES: [(float(agents), StatsAggregationMethod.SUM)],
             DROPPED_EXPERIENCES: [(float(experiences), StatsAggregationMethod.SUM)]}
+
+
+def merge_worker_timers(roots: List[Any]) -> None:
+    """Merge the timers the workers sent with their steps into this thread's, under ``workers``
+    (their time overlaps: ``is_parallel``), as ML-Agents' ``SubprocessEnvManager`` does."""
+    roots = [root for root in roots if root is not None]
+    if not roots:
+        return
+    from mlagents_envs.timers import hierarchical_timer
+
+    with hierarchical_timer("workers") as node:
+        for root in roots:
+            node.merge(root, root_name="worker_root", is_parallel=True)
 
 
 def _global_agent_id(worker_id: int, agent_id: Any) -> str:

@@ -5,7 +5,7 @@ channels ML-Agents' trainer uses (environment parameters, engine configuration, 
 the user's environment with ``env_factory(worker_id, side_channels)``, and answers the core's
 ``reset``/``step`` with ``behavior_name -> (DecisionSteps, TerminalSteps)`` as the observation
 and ``{"environment_stats"}`` as the info, with ``"behavior_specs"`` on a reset and when a
-behaviour appeared. It never reports ``terminated``: Unity resets its agents by itself.
+behaviour appeared, and the ``mlagents_envs`` timers (``"timer_root"``) with a step. It never reports ``terminated``: Unity resets its agents by itself.
 
 If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
 (player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
@@ -193,7 +193,9 @@ class MLAgentsWorkerEnv:
             self.env.step()
             results = self._results()
         reward = float(sum(float(d.reward.sum()) + float(t.reward.sum()) for d, t in results.values()))
-        return results, reward, False, False, self._info()
+        info = self._info()
+        info["timer_root"] = _take_timers()
+        return results, reward, False, False, info
 
     def close(self) -> None:
         if self.closed:
@@ -266,6 +268,17 @@ class MLAgentsWorkerEnv:
         except fatal:
             self.close()
             raise
+
+
+def _take_timers() -> Any:
+    """This process's ``mlagents_envs`` timers since the last call (``UnityEnvironment.step``,
+    ``communicator.exchange``...), as ML-Agents' workers send them with each step: the trainer
+    merges them into its own (``timers.json``)."""
+    from mlagents_envs.timers import get_timer_root, reset_timers
+
+    root = get_timer_root()
+    reset_timers()
+    return root
 
 
 def _port_in_use_error(exc: BaseException, worker_id: int) -> UnityPortInUseError:

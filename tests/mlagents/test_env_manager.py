@@ -369,3 +369,23 @@ def test_parameter_and_engine_config_checks():
     assert ActionInfo.empty() == ([], [], {}, []) and EnvironmentStep.empty(3) == ({}, 3, {}, {}, False)
     err = UnityPortInUseError(5005, 5004, 1)
     assert str(err).startswith("port 5005 (base_port 5004 + worker_id 1) is in use")
+
+
+@pytest.mark.timeout(60)
+def test_worker_timers_merge_into_the_trainers(fake_player):
+    """The workers' mlagents_envs timers come with their steps and are merged into this thread's
+    under workers/worker_root, as ML-Agents' manager merges them (its timers.json)."""
+    from mlagents_envs.timers import get_timer_tree, reset_timers
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset()
+        reset_timers()
+        steps = steps_until(manager, lambda got: len(got) >= 10)
+        workers = get_timer_tree()["children"]["workers"]
+        step_timer = workers["children"]["worker_root"]["children"]["UnityEnvironment.step"]
+        assert step_timer["count"] == len(steps) and workers["count"] >= 1
+    finally:
+        reset_timers()
+        manager.close()

@@ -5,6 +5,7 @@ decision acted on, with the action recorded that its player got, settings delive
 or left running)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -59,6 +60,18 @@ def test_trains_to_the_end(trained):
     assert rewards[-1] > 35 and rewards[-1] > rewards[0] + 10, rewards
     check_clean_exit(run)
     check_accounting(run)
+    # the workers' timers are in timers.json, as ML-Agents' own manager puts them
+    timers = json.loads((run.results / run.run_id / "run_logs" / "timers.json").read_text())
+    workers = find_timer(timers, "workers")
+    assert workers and workers["children"]["worker_root"]["children"]["UnityEnvironment.step"]["count"] > 100
+
+
+def find_timer(node, name):
+    for child_name, child in node.get("children", {}).items():
+        found = child if child_name == name else find_timer(child, name)
+        if found:
+            return found
+    return None
 
 
 def test_settings_reach_every_player(trained):
