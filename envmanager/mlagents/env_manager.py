@@ -199,7 +199,7 @@ class MLAgentsEnvManager:
         if config is not None:
             self.set_env_parameters(config)
         self._held = []  # dropped with the steps in flight
-        with port_errors():
+        with port_errors(self._for_trainer):
             infos = self.manager.reset()
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
@@ -244,7 +244,7 @@ class MLAgentsEnvManager:
             self.first_step_infos = []
         self._pull_policies()
         m = self.manager
-        with port_errors():
+        with port_errors(self._for_trainer):
             self._held += m.receive_steps(min_count=0)  # no wait: what came in already
             waiting = {info.worker_id for info in self._held}
             actions = {w: self._actions_for(w) for w in m.idle_worker_ids
@@ -303,6 +303,12 @@ class MLAgentsEnvManager:
     # ------------------------------------------------------------------------------------------
     # Internals
 
+    @property
+    def _for_trainer(self) -> bool:
+        """Made for ML-Agents' trainer (:meth:`from_run_options`): its errors end the run as a
+        player's failure does there (``checks.as_unity_error``)."""
+        return self.run_options is not None
+
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
@@ -331,7 +337,7 @@ class MLAgentsEnvManager:
         restarted during this call already had them: resetting it again does no harm)."""
         self._update_replay_calls()
         m = self.manager
-        with port_errors():
+        with port_errors(self._for_trainer):
             m.call_on(self._healthy_worker_ids(), method, (values,))
             self._held += m.receive_steps(min_count=0)
             stale = sorted({info.worker_id for info in self._held if info.interrupted})
@@ -344,7 +350,7 @@ class MLAgentsEnvManager:
 
     def _send_analytics(self, payloads: List[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
-            with port_errors():
+            with port_errors(self._for_trainer):
                 self.manager.call_on([0], "send_analytics", (payloads,))
 
     def _pull_policies(self) -> None:

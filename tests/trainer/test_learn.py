@@ -212,3 +212,22 @@ def test_help_only_before_env_args(tmp_path, monkeypatch, capsys):
     assert options.env_settings.env_args == ["-h", "--level", "2"]
     assert learn.main([str(config), "-h", "--env=player", "--env-args", "--level", "2"]) == 0
     assert "--ray-address" in capsys.readouterr().out and len(runs) == 1
+
+
+def test_past_the_restart_limits_the_run_ends_as_on_a_unity_failure(tmp_path):
+    """A player failing past the restart limits ends the run as a player's failure ends ML-Agents'
+    own: the trainer joins its threads, says the learning was interrupted, saves the model and
+    exits 1 with the error (RestartLimitError, naming the worker); nothing is left running."""
+    run = TrainerRun(tmp_path, trainer_config(4000), player={"crash_after_steps": 30, "crash_mode": "exit"},
+                     extra_args=["--timeout-wait=10", "--max-lifetime-restarts=0"])
+    run.killed = set()
+    try:
+        run.start()
+        assert run.wait() == 1, run.log_text()[-3000:]
+    finally:
+        run.kill()
+    log = run.log_text()
+    assert "Learning was interrupted" in log, log[-3000:]
+    assert re.search(r"RestartLimitError: worker [01] ", log), log[-3000:]
+    assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
+    check_clean_exit(run)
