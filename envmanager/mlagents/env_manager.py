@@ -398,8 +398,9 @@ class MLAgentsEnvManager:
         if "behavior_specs" in result_info:
             self._specs[worker_id] = result_info["behavior_specs"]
         if "player_process" in result_info:
+            # A reset; a new player means the old one's worker was restarted (maybe unseen, in a
+            # reset's drain): nobody will talk to the old one again.
             self._players.note(worker_id, result_info["player_process"])
-        if info.interrupted:  # the restarted worker's old player: nobody will talk to it again
             self._players.kill_stale()
         self._last[worker_id] = info
         sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers

@@ -36,7 +36,7 @@ class PlayerProcesses:
         self.current[worker_id] = player
 
     def kill_stale(self) -> None:
-        """Kill the players of restarted workers (a worker restarted: its fresh reset came back)."""
+        """Kill the players of restarted workers (a reset reported a new player)."""
         for identity in self.stale:
             if kill_stale_player(identity):
                 logger.warning("killed player process %d left behind by a restarted worker", identity[0])

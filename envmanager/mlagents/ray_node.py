@@ -102,8 +102,9 @@ class PlayerNode:
             result_info = dict(info.current_result.info or {})
             player = result_info.pop("player_process", None)
             if player is not None:
+                # A new player: the old one's worker was restarted (maybe unseen, in a reset's
+                # drain); it is killed here, where its pid means something.
                 self.players.note(gid, player)
-            if info.interrupted:  # killed here, where its pid means something
                 self.players.kill_stale()
             current = StepResult(info.current_result.observation, info.current_result.reward,
                                  info.current_result.terminated, info.current_result.truncated, result_info)

@@ -325,6 +325,31 @@ def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, process_gon
         manager.close()
 
 
+@pytest.mark.timeout(120)
+def test_player_left_by_a_worker_killed_before_a_reset_is_killed_by_the_reset(fake_player, process_gone):
+    """Worker 1's player hangs in its 3rd step; its worker is SIGKILLed meanwhile (the player,
+    with no watchdog, lives on as an orphan no process tree leads to); the trainer then resets
+    every env: the restart happens in the reset's drain (its interrupted answer dropped), and the
+    reset kills the orphan."""
+    import os
+    import signal
+
+    hang = ["--crash-after-steps", "2", "--crash-mode", "hang"]
+    config = {"parent_watchdog": False, "behaviors": [{"agents": 1, "episode_length": 0}]}
+    manager = start(fake_player, config, 2, extra_args={1: hang}, timeout_wait=60)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset()
+        orphan = manager.player_pids[1]
+        steps_until(manager, lambda got: len(by_worker(got, 1)) >= 2 and 1 in manager.manager.waiting_worker_ids)
+        os.kill(manager.manager.workers[1].pid, signal.SIGKILL)
+        assert manager.reset() == 2
+        assert manager.restart_counts == [0, 1] and manager.player_pids[1] != orphan
+        assert process_gone(orphan, timeout=5)  # by the reset, not at close
+    finally:
+        manager.close()
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
