@@ -1,4 +1,5 @@
-"""Count the parent's function calls per env-step, ours against gymnasium's and SB3's.
+"""Count the parent's function calls per env-step, ours against gymnasium's and SB3's, and
+measure the parent's CPU time per env-step and per answer.
 
 On cheap envs the parent's Python work per env-step is what limits throughput (see
 docs/guide/performance.md), and a count of function calls measures that work without the noise of
@@ -11,11 +12,17 @@ timings: this script steps 8 CartPole-v1 envs (workers started with ``fork``) th
 * ``SubprocessEnvManager.step`` (``envs_per_worker`` 1 and 4), a dict of actions for the idle
   workers as in docs/guide/step-semantics.md's first loop, counting the env-steps it returns; it has no peer
   with the same API, so its ratio is to gymnasium's ``AsyncVectorEnv``, for scale only,
+* the batch level, ``BatchEnvManager.send_batch`` / ``receive_batch`` first-ready, plain and
+  double buffered (two lanes per process; for scale, as the StepInfo level),
 
 resets and warms each up outside the profile, then counts with :mod:`cProfile` (Python and
 built-in functions, as ``pstats.Stats.total_calls`` counts them) over ``--steps`` env-steps,
 and prints a markdown table with the ratios and the targets: with ``envs_per_worker=4`` a
 drop-in makes at most half the calls of its peer, with ``envs_per_worker=1`` at most as many.
+Before the profile, an unprofiled pass of as many env-steps measures the parent's CPU time
+(``time.process_time``: every thread of the parent, none of the workers) per env-step and,
+for ours, per answer it took (``WorkerPool.answers``): on a many-core machine that is the one
+serial part, capping the whole machine at ``1 / (CPU per env-step)`` env-steps per second.
 Counts are per env-step of the parent process only; workers are not profiled. A profiled
 parent is slower, so a first-ready ``step()`` finds more workers done per call than it would
 unprofiled: its count is a little optimistic.
@@ -58,13 +65,39 @@ SB3_SUBPROC = "sb3.SubprocVecEnv"
 OURS_VECTOR = "envmanager.AsyncVectorEnv"
 OURS_SB3 = "envmanager.sb3.SubprocVecEnv"
 OURS_CORE = "SubprocessEnvManager.step"
+OURS_BATCH = "BatchEnvManager"
+OURS_BATCH_DB = "BatchEnvManager (double buffered)"
 
 #: Target ratio of calls per env-step, ours / theirs, by ``envs_per_worker``.
 TARGETS = {1: 1.0, 4: 0.5}
 
 # A driver profiles one config: (envs_per_worker, actions, warm-up env-steps, env-steps)
-# -> (env-steps profiled, stats). It closes everything it started, whatever happens.
-Driver = Callable[[int, np.ndarray, int, int], "tuple[int, pstats.Stats]"]
+# -> (env-steps profiled, stats, Clock of the unprofiled pass). It closes everything it
+# started, whatever happens.
+Driver = Callable[[int, np.ndarray, int, int], "tuple[int, pstats.Stats, Clock]"]
+
+
+@dataclass
+class Clock:
+    """The unprofiled pass: env-steps, the parent's CPU seconds, answers taken (ours)."""
+
+    env_steps: int = 0
+    cpu_s: float = 0.0
+    answers: int | None = None
+
+
+def _timed(drive: Callable[[int], int], steps: int, answers: Callable[[], int] | None) -> Clock:
+    """Run ``drive(steps)`` unprofiled; the parent's CPU time and the answers it took."""
+    a0 = answers() if answers else 0
+    c0 = time.process_time()
+    done = drive(steps)
+    cpu = time.process_time() - c0
+    return Clock(done, cpu, answers() - a0 if answers else None)
+
+
+def _answers_of(env: Any) -> Callable[[], int] | None:
+    manager = getattr(env, "_manager", None)
+    return (lambda: manager.pool.answers) if manager is not None else None
 
 
 @dataclass(frozen=True)
@@ -95,13 +128,23 @@ class Row:
     reference: str | None = None
     ratio: float | None = None
     top: list[dict[str, Any]] = field(default_factory=list)
+    clock: Clock = field(default_factory=Clock)
 
     @property
     def calls_per_env_step(self) -> float:
         return self.calls / self.env_steps
 
+    @property
+    def cpu_us_per_env_step(self) -> float | None:
+        return self.clock.cpu_s / self.clock.env_steps * 1e6 if self.clock.env_steps else None
+
+    @property
+    def cpu_us_per_answer(self) -> float | None:
+        return self.clock.cpu_s / self.clock.answers * 1e6 if self.clock.answers else None
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "calls_per_env_step": self.calls_per_env_step}
+        return {**asdict(self), "calls_per_env_step": self.calls_per_env_step,
+                "parent_cpu_us_per_env_step": self.cpu_us_per_env_step, "parent_cpu_us_per_answer": self.cpu_us_per_answer}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,14 +157,22 @@ def _env_fns() -> list[Callable[[], gym.Env]]:
 
 def _profile_lockstep(
     make: Callable[[], Any], reset: Callable[[Any], Any], actions: np.ndarray, warmup: int, steps: int
-) -> tuple[int, pstats.Stats]:
-    """A vector env's ``step(actions_row)``: ``warmup`` env-steps unprofiled, then ``steps``."""
+) -> tuple[int, pstats.Stats, Clock]:
+    """A vector env's ``step(actions_row)``: ``warmup`` env-steps unprofiled, ``steps`` timed
+    (the parent's CPU), then ``steps`` profiled."""
     env = make()
     try:
         reset(env)
         step, rows = env.step, len(actions)
         for k in range(-(-warmup // N_ENV)):
             step(actions[k % rows])
+
+        def drive(limit: int) -> int:
+            for k in range(-(-limit // N_ENV)):
+                step(actions[k % rows])
+            return -(-limit // N_ENV) * N_ENV
+
+        clock = _timed(drive, steps, _answers_of(env))
         rounds = -(-steps // N_ENV)
         profiler = cProfile.Profile()
         profiler.enable()
@@ -130,7 +181,7 @@ def _profile_lockstep(
         profiler.disable()
     finally:
         env.close()
-    return rounds * N_ENV, pstats.Stats(profiler)
+    return rounds * N_ENV, pstats.Stats(profiler), clock
 
 
 def _reset_seeded(env: Any) -> None:
@@ -197,11 +248,51 @@ def ours_core(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: int
             return done
 
         drive(warmup)
+        clock = _timed(drive, steps, lambda: manager.pool.answers)
         profiler = cProfile.Profile()
         profiler.enable()
         done = drive(steps)
         profiler.disable()
-    return done, pstats.Stats(profiler)
+    return done, pstats.Stats(profiler), clock
+
+
+def ours_batch(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: int,
+               double_buffer: bool = False) -> tuple[int, pstats.Stats, Clock]:
+    """The batch level, first-ready: whatever came back is sent its next actions at once."""
+    from envmanager.bench.scenarios import cartpole
+    from envmanager.core.batch import BatchEnvManager
+
+    rows = len(actions)
+    with BatchEnvManager(cartpole, N_ENV, envs_per_worker=envs_per_worker, context=CONTEXT,
+                         double_buffer=double_buffer, info_columns=True) as manager:
+        manager.send_reset({i: (i, None) for i in range(N_ENV)})
+        manager.receive_reset_batch()
+        position = np.ones(N_ENV, dtype=np.int64)
+        manager.send_batch(np.arange(N_ENV), actions[0])
+
+        def drive(limit: int) -> int:
+            done = 0
+            while done < limit:
+                slots = manager.receive_batch(1, info_columns=True).slots  # infos unread: no dicts made
+                p = position[slots]
+                manager.send_batch(slots, actions[p % rows, slots])
+                position[slots] = p + 1
+                done += len(slots)
+            return done
+
+        drive(warmup)
+        clock = _timed(drive, steps, lambda: manager.pool.answers)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        done = drive(steps)
+        profiler.disable()
+        manager.drain()
+    return done, pstats.Stats(profiler), clock
+
+
+def ours_batch_db(envs_per_worker: int, actions: np.ndarray, warmup: int, steps: int) -> tuple[int, pstats.Stats, Clock]:
+    """``ours_batch`` with two lanes per process (double buffering)."""
+    return ours_batch(envs_per_worker, actions, warmup, steps, double_buffer=True)
 
 
 CONFIGS: dict[str, Config] = {
@@ -212,6 +303,8 @@ CONFIGS: dict[str, Config] = {
         Config(SB3_SUBPROC, sb3_subproc, requires=("stable_baselines3",)),
         Config(OURS_SB3, ours_sb3, reference=SB3_SUBPROC, per_worker=True, requires=("stable_baselines3",)),
         Config(OURS_CORE, ours_core, reference=GYM_ASYNC, matching=False, per_worker=True),
+        Config(OURS_BATCH, ours_batch, reference=GYM_ASYNC, matching=False, per_worker=True),
+        Config(OURS_BATCH_DB, ours_batch_db, reference=GYM_ASYNC, matching=False, per_worker=True),
     )
 }
 
@@ -255,12 +348,12 @@ def measure(configs: Sequence[str], envs_per_worker: Sequence[int], steps: int, 
         for k in (envs_per_worker if config.per_worker else (1,)):
             label = f"{config.name} (envs_per_worker={k})"
             try:
-                done, stats = config.driver(k, actions, warmup, steps)
+                done, stats, clock = config.driver(k, actions, warmup, steps)
             except Exception as exc:  # one broken config does not cost the others
                 failed[label] = f"{type(exc).__name__}: {exc}"
                 continue
             rows.append(Row(config.name, k, done, stats.total_calls,  # type: ignore[attr-defined]
-                            top=_top(stats, done, top) if top else []))
+                            top=_top(stats, done, top) if top else [], clock=clock))
     counts = {row.config: row.calls_per_env_step for row in rows if not CONFIGS[row.config].reference}
     for row in rows:
         reference = CONFIGS[row.config].reference
@@ -300,8 +393,9 @@ def format_report(rows: Sequence[Row], skipped: dict[str, str], failed: dict[str
         f"Parent-side function calls per env-step (cProfile total_calls / env-steps), {N_ENV} {ENV_ID} envs, "
         f"context {CONTEXT}, ~{steps:,} env-steps per row:",
         "",
-        "| config | envs_per_worker | env-steps | calls per env-step | ratio to reference |",
-        "|---|---:|---:|---:|---|",
+        "| config | envs_per_worker | env-steps | calls per env-step | ratio to reference "
+        "| parent CPU µs per env-step | per answer |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if r.ratio is not None:
@@ -309,7 +403,10 @@ def format_report(rows: Sequence[Row], skipped: dict[str, str], failed: dict[str
             ratio = f"{r.ratio:.2f}x {r.reference}{scale}"
         else:
             ratio = "reference" if not CONFIGS[r.config].reference else "- (reference not measured)"
-        lines.append(f"| {r.config} | {r.envs_per_worker} | {r.env_steps:,} | {r.calls_per_env_step:.1f} | {ratio} |")
+        cpu = "-" if r.cpu_us_per_env_step is None else f"{r.cpu_us_per_env_step:.1f}"
+        per_answer = "-" if r.cpu_us_per_answer is None else f"{r.cpu_us_per_answer:.1f}"
+        lines.append(f"| {r.config} | {r.envs_per_worker} | {r.env_steps:,} | {r.calls_per_env_step:.1f} | {ratio} "
+                     f"| {cpu} | {per_answer} |")
     found = targets(rows)
     if found:
         lines += ["", "Targets (calls per env-step, ours / theirs):", ""]

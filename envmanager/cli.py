@@ -21,7 +21,7 @@ from envmanager.bench.report import (
     write_json,
     write_plot,
 )
-from envmanager.bench.scenarios import GROUPS
+from envmanager.bench.scenarios import GROUPS, pinned
 
 NOTES = (
     "notes: steps/s = env-steps per second of the timed loop (start-up, reset and close not timed);\n"
@@ -98,17 +98,18 @@ def bench(args: argparse.Namespace) -> int:
         + (f"; load average {load[0]:.2f}" if load else "")
     )
     results = run_benchmark(
-        [SCENARIOS[n] for n in names], backends, steps=args.steps or None, repeats=args.repeats,
+        [pinned(SCENARIOS[n]) if args.pin else SCENARIOS[n] for n in names], backends, steps=args.steps or None, repeats=args.repeats,
         progress=_progress(not args.no_progress), seed=args.seed, warmup=not args.no_warmup,
     )
     meta = metadata(args.argv, load)
     for result in results:
         print()
         print(format_table(result, show_not_applicable=args.backends is not None))
-    sweep = format_sweep(results)
-    if sweep:
-        print()
-        print(sweep)
+    for group in ("sweep", "pinned"):
+        sweep = format_sweep(results, group)
+        if sweep:
+            print()
+            print(sweep)
     summary = format_targets(targets(results)) if args.targets else ""
     if summary:
         print()
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--scenario", nargs="+", choices=[*SCENARIOS, *GROUPS, "all"], default=["cartpole"], metavar="SCENARIO",
-        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*), or all (default: cartpole)",
+        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*), or all (default: cartpole)",
     )
     b.add_argument(
         "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
     b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")
     b.add_argument("--plot", metavar="PATH", help=f"write a PNG bar chart (needs matplotlib: {PLOT_EXTRA})")
+    b.add_argument("--pin", action="store_true",
+                   help="pin the parent to a core of its own and the workers to the others while timing (as the "
+                   "pinned scenarios do): the regime of a many-core machine; the limit is then the worker cores'")
     b.add_argument("--targets", action="store_true", help="also list the project's performance targets, met or missed")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each backend")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -68,6 +68,10 @@ class SubprocVecEnv(VecEnv):
         ``Monitor`` records nothing; ``envmanager.core.auto``); ``1`` is SB3's layout.
     :param shared_memory: observations and actions in shared memory (when the spaces allow).
     :param timeout: deadline in seconds for any worker answer.
+    :param double_buffer: two requests in flight per process, one per half of its envs
+        (``SubprocessEnvManager``). Off by default: SB3 steps in lockstep, waiting for both
+        halves each step, where double buffering measured 0.65-0.99x with the parent on a
+        core of its own.
     :param manager_kwargs: further ``SubprocessEnvManager`` options (``restart_workers``,
         ``max_lifetime_restarts``, ...). An episode cut short by a restart comes back as
         ``done`` with ``info["TimeLimit.truncated"] = True`` and ``info["interrupted"] = True``.
@@ -81,6 +85,7 @@ class SubprocVecEnv(VecEnv):
         envs_per_worker: int | str = "auto",
         shared_memory: bool = True,
         timeout: float = 60.0,
+        double_buffer: bool | str = False,
         **manager_kwargs: Any,
     ) -> None:
         self.waiting = False
@@ -102,6 +107,7 @@ class SubprocVecEnv(VecEnv):
             shared_memory=shared_memory,
             autoreset_mode="same_step",
             timeout=timeout,
+            double_buffer=double_buffer,
             **manager_kwargs,
         )
         try:

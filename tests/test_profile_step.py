@@ -46,7 +46,7 @@ def table_rows(text: str) -> dict[tuple[str, int], list[str]]:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 5 and cells[1].isdigit():
+        if line.startswith("| ") and len(cells) == 7 and cells[1].isdigit():
             rows[cells[0], int(cells[1])] = cells
     return rows
 
@@ -65,9 +65,11 @@ def test_profile_step_prints_calls_per_env_step(profile_step, tmp_path, capsys):
     assert set(rows) == {("gymnasium.AsyncVectorEnv", 1), ("envmanager.AsyncVectorEnv", 1),
                          ("envmanager.AsyncVectorEnv", 4), ("SubprocessEnvManager.step", 1),
                          ("SubprocessEnvManager.step", 4)}, out
-    for (config, _), (_, _, env_steps, per_step, ratio) in rows.items():
+    for (config, _), (_, _, env_steps, per_step, ratio, cpu_per_step, cpu_per_answer) in rows.items():
         assert int(env_steps.replace(",", "")) >= 48
         assert float(per_step) > 0
+        assert float(cpu_per_step) > 0  # the parent's CPU per env-step; per answer only where answers are counted
+        assert (cpu_per_answer == "-") == (config == "gymnasium.AsyncVectorEnv"), (config, cpu_per_answer)
         if config == "gymnasium.AsyncVectorEnv":
             assert ratio == "reference"
         else:
@@ -76,6 +78,7 @@ def test_profile_step_prints_calls_per_env_step(profile_step, tmp_path, capsys):
 
     data = json.loads(out_json.read_text())
     assert len(data["rows"]) == 5 and data["failed"] == {} and data["left_behind"] == []
+    assert all(r["parent_cpu_us_per_env_step"] > 0 for r in data["rows"])
     assert {(t["config"], t["envs_per_worker"]) for t in data["targets"]} == {
         ("envmanager.AsyncVectorEnv", 1), ("envmanager.AsyncVectorEnv", 4)}  # the core has no peer API
     assert all(r["calls_per_env_step"] > 0 for r in data["rows"])

@@ -1,5 +1,6 @@
 """Helpers of ``envmanager.AsyncVectorEnv``: observation modes, space checks, reset masks, as
-gymnasium 1.4 defines them (same rules, same messages)."""
+gymnasium 1.4 defines them (same rules, same messages); infos that came as columns, batched
+as gymnasium batches infos."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from gymnasium.spaces import Space
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
+
+from envmanager.core.results import InfoBlock
 
 
 def observation_spaces(observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int) -> tuple[Space, Space]:
@@ -90,3 +93,50 @@ def check_reset_mask(reset_mask: Any, n: int) -> np.ndarray:
             f"got reset_mask={reset_mask}"
         )
     return reset_mask
+
+
+def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, Any]:
+    """gymnasium's batched infos (``{key: array, "_key": mask}``, as ``VectorEnv._add_info``
+    builds them env by env) from infos that came as columns: a few numpy operations per key
+    and answer, no per-env Python. Each array takes the dtype of the lowest env's value, as
+    gymnasium's does."""
+    infos: dict[str, Any] = {}
+    for block in sorted(blocks, key=lambda b: int(b.slots.min())):
+        for key, column in zip(block.keys, block.columns):
+            if key not in infos:
+                infos[key] = np.zeros(num_envs, dtype=column.dtype)
+                infos[f"_{key}"] = np.zeros(num_envs, dtype=np.bool_)
+            infos[key][block.slots] = column
+            infos[f"_{key}"][block.slots] = True
+    return infos
+
+
+def batched_infos(dicts: dict[int, dict], columns: Sequence[InfoBlock], num_envs: int,
+                  add_info: Callable[[dict, dict, int], dict]) -> dict[str, Any]:
+    """gymnasium's batched infos of a step: from columns alone with a few numpy operations,
+    else (some envs' infos came as dicts) env by env with gymnasium's ``add_info``."""
+    if columns and not dicts:
+        return infos_from_columns(columns, num_envs)
+    for block in columns:
+        dicts.update(block_dicts(block))
+    infos: dict[str, Any] = {}
+    for i in sorted(dicts):
+        infos = add_info(infos, dicts[i], i)
+    return infos
+
+
+def env_ids_checked(env_ids: Any, n: int) -> np.ndarray:
+    """``send``'s ``env_ids``: distinct integer ids in ``[0, n)``, as an int64 array."""
+    ids = np.asarray(env_ids).reshape(-1)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
+    ids = ids.astype(np.int64)
+    if len(np.unique(ids)) != len(ids) or ((ids < 0) | (ids >= n)).any():
+        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {ids.tolist()}")
+    return ids
+
+
+def block_dicts(block: InfoBlock) -> dict[int, dict]:
+    """Each slot's info dict, from a block of columns (values as the envs returned them)."""
+    columns = [c.tolist() if py else list(c) for c, py in zip(block.columns, block.python)]
+    return {slot: {k: c[i] for k, c in zip(block.keys, columns)} for i, slot in enumerate(block.slots.tolist())}

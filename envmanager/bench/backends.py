@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 
 from envmanager.bench import peers
-from envmanager.bench.common import START_METHOD, Progress, Tick, cores, env_fns, lockstep
+from envmanager.bench.common import START_METHOD, Progress, Tick, cores, env_fns, lockstep, worker_cores
 from envmanager.bench.scenarios import Scenario, env_columns
 
 __all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
@@ -51,12 +50,13 @@ def run_first_ready(
     manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
     if envs_per_worker == "auto":
         AUTO_CHOICES[scenario.name] = manager.envs_per_worker
+    progress.answers = lambda: manager.pool.answers
     with manager:
         manager.reset(seed=0)
         step = manager.step
         position = [1] * n
         todo = {w: columns[w][0] for w in range(n)}
-        start = time.perf_counter()
+        progress.start()
         while progress.done < steps:
             infos = step(todo)
             todo = {}
@@ -66,7 +66,7 @@ def run_first_ready(
                 todo[w] = columns[w][p % rows]
                 position[w] = p + 1
             progress.add(len(infos))
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
     progress.close()
     return progress.done, elapsed
 
@@ -82,8 +82,52 @@ def run_auto(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) ->
 
 
 def envs_per_worker_for(scenario: Scenario) -> int:
-    """Envs per worker process for the ``-k`` and ``-vector`` backends: one process per core."""
-    return max(1, scenario.n_env // cores())
+    """Envs per worker process for the ``-k``, ``-vector`` and batch-level backends: one process
+    per core (per worker core, pinned)."""
+    return max(1, scenario.n_env // worker_cores(scenario))
+
+
+def run_batch_level(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick,
+                    double_buffer: bool = False) -> tuple[int, float]:
+    """The core's batch level, first-ready: whatever came back is sent its next actions at once
+    (rows of the action table, one numpy operation); ``envs_per_worker_for`` envs per process."""
+    from envmanager.core.batch import BatchEnvManager
+
+    n, rows = scenario.n_env, len(actions)
+    progress = Progress(tick, scenario, steps)
+    manager = BatchEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker_for(scenario), context=START_METHOD,
+                              double_buffer=double_buffer, info_columns=True)
+    progress.answers = lambda: manager.pool.answers
+    with manager:
+        manager.send_reset({i: (i, None) for i in range(n)})
+        manager.receive_reset_batch()
+        position = np.ones(n, dtype=np.int64)
+        every = np.arange(n)
+        manager.send_batch(every, actions[0])
+        progress.start()
+        while progress.done < steps:
+            slots = manager.receive_batch(1, info_columns=True).slots  # infos unread: no dicts made
+            p = position[slots]
+            manager.send_batch(slots, actions[p % rows, slots])
+            position[slots] = p + 1
+            progress.add(len(slots))
+        elapsed = progress.stop()
+        manager.drain()
+    progress.close()
+    return progress.done, elapsed
+
+
+def run_double_buffered(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """``run_batch_level`` with two lanes per process: one half steps while the other turns around."""
+    return run_batch_level(scenario, steps, actions, tick, double_buffer=True)
+
+
+def run_partial_batch_db(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """The drop-in's partial batches, double buffered: ``batch_size = n_env // 2``,
+    ``envs_per_worker_for`` envs per process in two lanes: Sample Factory's design, through
+    ``envmanager.AsyncVectorEnv``'s ``send``/``recv``."""
+    return run_partial_batch(scenario, steps, actions, tick, envs_per_worker=envs_per_worker_for(scenario),
+                             double_buffer=True)
 
 
 def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
@@ -94,15 +138,16 @@ def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick
     table = [dict(enumerate(row)) for row in actions.tolist()]
     progress = Progress(tick, scenario, steps)
     with SubprocessEnvManager(scenario.factory, n, context=START_METHOD) as manager:
+        progress.answers = lambda: manager.pool.answers
         manager.reset(seed=0)
-        start = time.perf_counter()
+        progress.start()
         lockstep(manager.step, table, n, -(-steps // n), progress)
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
     progress.close()
     return progress.done, elapsed
 
 
-def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, **options: Any) -> tuple[int, float]:
     """``envmanager.AsyncVectorEnv(batch_size=n // 2)``: EnvPool-style ``send``/``recv``."""
     import envmanager
 
@@ -110,13 +155,14 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
     batch = max(1, n // 2)
     rows = len(actions)
     progress = Progress(tick, scenario, steps)
-    vec = envmanager.AsyncVectorEnv(env_fns(scenario), batch_size=batch, context=START_METHOD)
+    vec = envmanager.AsyncVectorEnv(env_fns(scenario), batch_size=batch, context=START_METHOD, **options)
+    progress.answers = lambda: vec._manager.pool.answers if vec._manager is not None else 0
     try:
         vec.reset(seed=0)
         position = np.ones(n, dtype=np.int64)
         ids = np.arange(n)
         vec.send(actions[0].copy(), ids)
-        start = time.perf_counter()
+        progress.start()
         while progress.done < steps:
             *_, infos = vec.recv()
             ids = np.asarray(infos["env_id"])
@@ -124,7 +170,7 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
             vec.send(actions[p % rows, ids], ids)
             position[ids] = p + 1
             progress.add(len(ids))
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
         for _ in range(n // batch):  # collect what is still stepping before closing
             vec.recv()
     finally:
@@ -159,14 +205,16 @@ def _run_vector(
     rows = len(actions)
     progress = Progress(tick, scenario, steps)
     env = make()
+    if getattr(env, "_manager", None) is not None:  # ours: count the answers
+        progress.answers = lambda: env._manager.pool.answers if env._manager is not None else 0
     try:
         reset(env)
         step = env.step
-        start = time.perf_counter()
+        progress.start()
         for k in range(-(-steps // n)):
             step(actions[k % rows])
             progress.add(n)
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
     finally:
         env.close()
     progress.close()
@@ -276,6 +324,10 @@ def _envpool_env_broken(task: str, kwargs: tuple[tuple[str, Any], ...]) -> str |
     return None
 
 
+def _not_pinned(scenario: Scenario) -> str | None:
+    return "not applicable when pinned: its threads run in this process (no worker processes to pin)" if scenario.pin else None
+
+
 def _always(scenario: Scenario) -> str | None:
     return None
 
@@ -338,6 +390,12 @@ BACKENDS: dict[str, Backend] = {
                 ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
         Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",
                 ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-batchlevel", run_batch_level, "the core's batch level (send_batch / receive_batch), "
+                "first-ready, n_env // cores envs/worker", ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-db", run_double_buffered, "the batch level, first-ready, n_env // cores envs/worker, "
+                "double buffered (two lanes per process)", ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-batch-db", run_partial_batch_db, "envmanager.AsyncVectorEnv, batch_size = n_env // 2, "
+                "n_env // cores envs/worker, double buffered", ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-vector", run_vector, "envmanager.AsyncVectorEnv, step(actions) in lockstep, "
                 "n_env // cores envs/worker", ours=True, lockstep=True, unavailable=_gym_envs_only),
         Backend("gym.SyncVectorEnv", run_gym_sync, "gymnasium SyncVectorEnv (in process)",
@@ -353,7 +411,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("torchrl.ParallelEnv", peers.run_torchrl, "TorchRL ParallelEnv of GymWrapper envs",
                 lockstep=True, unavailable=peers.torchrl_unavailable),
         Backend("envpool", run_envpool, "EnvPool (its own C++ envs, sync mode)",
-                lockstep=True, unavailable=_envpool_unavailable),
+                lockstep=True, unavailable=lambda s: _not_pinned(s) or _envpool_unavailable(s)),
         Backend("mlagents.sequential", _unity("run_sequential"),
                 "mlagents_envs UnityEnvironments stepped one after another in this process",
                 lockstep=True, unavailable=_unity_only),

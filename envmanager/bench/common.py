@@ -1,17 +1,20 @@
-"""What the bench's runners share: the start method, the cores, progress in chunks, lockstep
-driving, one factory per env. Imported by the backends, the peers and the unity runners alike."""
+"""What the bench's runners share: the start method, the cores, progress in chunks (and the
+timed loop's clocks: wall time and the parent's CPU time), lockstep driving, one factory per
+env. Imported by the backends, the peers and the unity runners alike."""
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+from envmanager.bench import pinning
 from envmanager.bench.scenarios import Scenario
 from envmanager.core.platforms import default_start_method
 
-__all__ = ["START_METHOD", "Tick", "Progress", "cores", "env_fns", "lockstep"]
+__all__ = ["START_METHOD", "Tick", "Progress", "RunStats", "LAST_RUN", "cores", "worker_cores", "env_fns", "lockstep"]
 
 #: One start method for every backend's workers (gymnasium scenarios), so start-up choices
 #: cannot tilt the comparison: the platform's default (``fork`` on Linux, ``spawn`` elsewhere).
@@ -28,6 +31,25 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def worker_cores(scenario: Scenario) -> int:
+    """The cores the workers run on: every usable one, or all but the parent's when pinned."""
+    return cores() - 1 if scenario.pin else cores()
+
+
+class RunStats:
+    """The last timed loop's clocks: wall seconds, the parent's CPU seconds (every thread of
+    this process, none of its children), and the answers our backends took (``None``: a peer)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.cpu_s = 0.0
+        self.answers: int | None = None
+
+
+#: What the last ``Progress.stop`` measured (the runner reads it after each backend's run).
+LAST_RUN = RunStats()
+
+
 class Progress:
     """Hands env-steps to ``tick`` in chunks of ~1/50 of a run: a call per step would cost
     more than the step. ``done`` counts them all."""
@@ -35,6 +57,27 @@ class Progress:
     def __init__(self, tick: Tick, scenario: Scenario, steps: int) -> None:
         self.tick, self.chunk = tick, max(scenario.n_env, steps // 50)
         self.done = self._reported = 0
+        self._start = self._cpu = 0.0
+        #: Our backends set it: the count of answers the parent took so far.
+        self.answers: Callable[[], int] | None = None
+        self._answers = 0
+
+    def start(self) -> float:
+        """The timed loop starts: pin (the pinned scenarios), start the clocks; the wall clock."""
+        pinning.pin_for_timing()
+        LAST_RUN.__init__()  # type: ignore[misc]
+        self._answers = self.answers() if self.answers else 0
+        self._cpu = time.process_time()
+        self._start = time.perf_counter()
+        return self._start
+
+    def stop(self) -> float:
+        """The timed loop ended: its wall seconds (the parent's CPU seconds in ``LAST_RUN``)."""
+        elapsed = time.perf_counter() - self._start
+        LAST_RUN.cpu_s = time.process_time() - self._cpu
+        LAST_RUN.seconds = elapsed
+        LAST_RUN.answers = self.answers() - self._answers if self.answers else None
+        return elapsed
 
     def add(self, n: int) -> None:
         self.done += n

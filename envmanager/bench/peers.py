@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,14 +59,14 @@ def _run_tianshou(scenario: Scenario, steps: int, actions: np.ndarray, tick: Cal
         env.seed(0)  # env i gets seed i, as everywhere else
         env.reset()
         step, reset = env.step, env.reset
-        start = time.perf_counter()
+        progress.start()
         for k in range(-(-steps // n)):
             _, _, terminated, truncated, _ = step(actions[k % rows])
             done = np.flatnonzero(np.logical_or(terminated, truncated))
             if len(done):  # tianshou's vector envs leave resets to the caller
                 reset(done)
             progress.add(n)
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
     finally:
         env.close()
     progress.close()
@@ -113,12 +112,12 @@ def run_torchrl(scenario: Scenario, steps: int, actions: np.ndarray, tick: Calla
     try:
         env.set_seed(0)
         td = env.reset()
-        start = time.perf_counter()
+        progress.start()
         for k in range(-(-steps // n)):
             td["action"] = table[k % rows]
             _, td = env.step_and_maybe_reset(td)
             progress.add(n)
-        elapsed = time.perf_counter() - start
+        elapsed = progress.stop()
     finally:
         env.close()
     progress.close()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
-from envmanager.bench.common import cores
+from envmanager.bench.common import cores, worker_cores
 from envmanager.bench.runner import ScenarioResult, Target, targets
 
 __all__ = [
@@ -55,29 +55,32 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
     width = max([22, *(len(n) + 2 for n in names)])
     widths = {c: max(11, len(c) + 2) for c in columns}
     lines = [head]
-    header = f"{'backend':<{width}}{'median/s':>12}{'min/s':>12}{'best/s':>12}" + "".join(
+    header = f"{'backend':<{width}}{'median/s':>12}{'min/s':>12}{'best/s':>12}{'cpu/step':>10}{'cpu/ans':>9}" + "".join(
         f"{c:>{widths[c]}}" for c in columns
     )
     lines.append(header)
     for name, m in result.measurements.items():
         row = f"{name:<{width}}{_rate(m.median):>12}{_rate(m.worst):>12}{_rate(m.best):>12}"
+        row += f"{_micro(m.cpu_per_env_step):>10}{_micro(m.cpu_per_answer):>9}"
         for c in columns:
             value = ratios[c].get(name)
             row += f"{'-' if value is None else f'{value:.2f}x':>{widths[c]}}"
         lines.append(row)
     if result.limit is not None:
         rate = sorted(result.single_env_rate)[len(result.single_env_rate) // 2]
+        where = f"{worker_cores(s)} worker cores (the parent pinned to a core of its own)" if s.pin else f"{cores()} cores"
         lines.append(
-            f"{'limit':<{width}}{_rate(result.limit):>12}   = min({cores()} cores, {s.n_env} envs)"
+            f"{'limit':<{width}}{_rate(result.limit):>12}   = min({where}, {s.n_env} envs)"
             f" x {_rate(rate)} steps/s of one env in process"
         )
     if result.references:
         n = s.reference_n_env
         refs = ", ".join(f"{b} {_rate(m.median)}" for b, m in result.references.items())
         lines.append(f"   at {n} envs (median steps/s): {refs}")
-    packed = [b for b in ("envmanager-k", "envmanager-vector") if b in result.measurements]
+    packed = [b for b in ("envmanager-k", "envmanager-vector", "envmanager-batchlevel", "envmanager-db", "envmanager-batch-db")
+              if b in result.measurements]
     if packed:
-        lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({cores()} cores)")
+        lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({worker_cores(s)} worker cores)")
     if "envmanager-auto" in result.measurements and s.name in AUTO_CHOICES:
         lines.append(f"   envmanager-auto: chose {AUTO_CHOICES[s.name]} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
@@ -89,12 +92,19 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
     for name, why in result.failed.items():
         lines.append(f"   FAILED {name}: {why}")
     lines += [f"   {note}" for note in getattr(result, "notes", ())]  # scenarios with a module of their own
+    if any(m.parent_cpu_s for m in result.measurements.values()):
+        lines.append("   cpu/step, cpu/ans: the parent's CPU time (us) per env-step and per answer it took (ours)")
     return "\n".join(lines)
 
 
-def sweep_fractions(results: Sequence[ScenarioResult]) -> tuple[list[float], dict[str, list[float | None]]]:
-    """The sweep's curve: step costs (seconds), and per backend its fraction of the limit at each."""
-    points = sorted((r for r in results if r.scenario.group == "sweep" and r.limit and r.scenario.step_cost),
+def _micro(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def sweep_fractions(results: Sequence[ScenarioResult], group: str = "sweep") -> tuple[list[float], dict[str, list[float | None]]]:
+    """A sweep's curve (``sweep``, or ``pinned``): step costs (seconds), and per backend its
+    fraction of the limit at each."""
+    points = sorted((r for r in results if r.scenario.group == group and r.limit and r.scenario.step_cost),
                     key=lambda r: r.scenario.step_cost or 0.0)
     costs = [r.scenario.step_cost or 0.0 for r in points]
     names = list(dict.fromkeys(b for r in points for b in r.measurements))
@@ -103,14 +113,17 @@ def sweep_fractions(results: Sequence[ScenarioResult]) -> tuple[list[float], dic
     return costs, curves
 
 
-def format_sweep(results: Sequence[ScenarioResult]) -> str:
-    """One line per backend: its fraction of the machine's limit at each step cost of the sweep."""
-    costs, curves = sweep_fractions(results)
+def format_sweep(results: Sequence[ScenarioResult], group: str = "sweep") -> str:
+    """One line per backend: its fraction of the machine's limit at each step cost of the sweep
+    (``group="pinned"``: of the worker cores' limit, the parent on a core of its own)."""
+    costs, curves = sweep_fractions(results, group)
     if not costs:
         return ""
     labels = [f"{c * 1e3:g} ms" if c >= 1e-3 else f"{c * 1e6:g} us" for c in costs]
     width = max([22, *(len(n) + 2 for n in curves)])
-    lines = ["== sweep: fraction of the limit (min(cores, envs) x one env's in-process rate) by CPU time per step",
+    what = ("(worker cores x one env's in-process rate; the parent pinned to a core of its own)" if group == "pinned"
+            else "(min(cores, envs) x one env's in-process rate)")
+    lines = [f"== {group}: fraction of the limit {what} by CPU time per step",
              f"{'backend':<{width}}" + "".join(f"{label:>9}" for label in labels)]
     for name, values in curves.items():
         lines.append(f"{name:<{width}}" + "".join(f"{'-' if v is None else f'{v:.2f}':>9}" for v in values))
@@ -124,7 +137,7 @@ def format_targets(found: Sequence[Target]) -> str:
     for t in found:
         mark = "met" if t.met else "MISSED"
         lines.append(
-            f"{t.scenario:<10}{t.what:<30}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
+            f"{t.scenario:<15}{t.what:<32}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
         )
     return "\n".join(lines)
 
@@ -171,6 +184,7 @@ def to_json(results: Sequence[ScenarioResult], meta: dict[str, Any] | None = Non
         "backends": {name: {"description": b.description, "ours": b.ours} for name, b in BACKENDS.items()},
         "scenarios": {r.name: {**r.to_dict(), "auto_envs_per_worker": AUTO_CHOICES.get(r.name)} for r in results},
         "sweep": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results))),
+        "pinned": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results, "pinned"))),
         "targets": [t.to_dict() for t in targets(results)],
     }
 
@@ -204,9 +218,10 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    shown = [r for r in results if r.measurements and r.scenario.group != "sweep"]
-    costs, curves = sweep_fractions(results)
-    heights = ([6] if costs else []) + [len(r.measurements) + 2 for r in shown]
+    shown = [r for r in results if r.measurements and not (r.scenario.group in ("sweep", "pinned") and r.scenario.step_cost)]
+    sweeps = [(group, *sweep_fractions(results, group)) for group in ("sweep", "pinned")]
+    sweeps = [(group, costs, curves) for group, costs, curves in sweeps if costs]
+    heights = [6] * len(sweeps) + [len(r.measurements) + 2 for r in shown]
     fig, axes = plt.subplots(max(1, len(heights)), 1, squeeze=False, figsize=(9, 0.6 + 0.45 * sum(heights)),
                              gridspec_kw={"height_ratios": heights or [1]})
     try:
@@ -214,8 +229,8 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
         if not heights:
             panels[0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
             panels[0].set_axis_off()
-        if costs:
-            _plot_sweep(panels.pop(0), costs, curves)
+        for group, costs, curves in sweeps:
+            _plot_sweep(panels.pop(0), costs, curves, group)
         for ax, r in zip(panels, shown):
             _plot_bars(ax, r)
         fig.tight_layout()
@@ -224,7 +239,7 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
         plt.close(fig)
 
 
-def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None]]) -> None:
+def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None]], group: str = "sweep") -> None:
     micro = [c * 1e6 for c in costs]
     for name, values in curves.items():
         points = [(x, v) for x, v in zip(micro, values) if v is not None]
@@ -236,7 +251,11 @@ def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("CPU time per env step")
     ax.set_ylabel("fraction of the limit")
-    ax.set_title(f"sweep: 8 envs; limit = min({cores()} cores, 8 envs) x one env's in-process rate", fontsize=10)
+    if group == "pinned":
+        ax.set_title(f"pinned: 8 envs; parent on a core of its own, limit = {max(1, cores() - 1)} worker core(s) x one "
+                     "env's in-process rate", fontsize=10)
+    else:
+        ax.set_title(f"sweep: 8 envs; limit = min({cores()} cores, 8 envs) x one env's in-process rate", fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
 
 

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from envmanager.bench import pinning
 from envmanager.bench.backends import BACKENDS, Backend
-from envmanager.bench.common import cores
+from envmanager.bench.common import LAST_RUN, cores, worker_cores
 from envmanager.bench.scenarios import (
     Scenario,
     actions_for,
@@ -70,11 +71,31 @@ class Measurement:
     steps_per_second: list[float] = field(default_factory=list)
     env_steps: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    parent_cpu_s: list[float] = field(default_factory=list)  # the parent's CPU seconds in the timed loop
+    answers: list[int] = field(default_factory=list)  # answers the parent took (ours only)
 
     def add(self, env_steps: int, seconds: float) -> None:
         self.env_steps.append(env_steps)
         self.seconds.append(seconds)
         self.steps_per_second.append(env_steps / seconds if seconds > 0 else float("inf"))
+        if LAST_RUN.seconds > 0:  # the runner's timed loop said what it cost the parent
+            self.parent_cpu_s.append(LAST_RUN.cpu_s)
+            if LAST_RUN.answers:
+                self.answers.append(LAST_RUN.answers)
+
+    @property
+    def cpu_per_env_step(self) -> float | None:
+        """The parent's CPU seconds per env-step (median over repeats)."""
+        if not self.parent_cpu_s:
+            return None
+        return float(statistics.median(c / n for c, n in zip(self.parent_cpu_s, self.env_steps)))
+
+    @property
+    def cpu_per_answer(self) -> float | None:
+        """The parent's CPU seconds per answer it took (ours; median over repeats)."""
+        if not self.answers or len(self.answers) != len(self.parent_cpu_s):
+            return None
+        return float(statistics.median(c / a for c, a in zip(self.parent_cpu_s, self.answers)))
 
     @property
     def median(self) -> float:
@@ -99,6 +120,10 @@ class Measurement:
             "steps_per_second": self.steps_per_second,
             "env_steps": self.env_steps,
             "seconds": self.seconds,
+            "parent_cpu_s": self.parent_cpu_s,
+            "answers": self.answers,
+            "parent_cpu_per_env_step_us": None if self.cpu_per_env_step is None else self.cpu_per_env_step * 1e6,
+            "parent_cpu_per_answer_us": None if self.cpu_per_answer is None else self.cpu_per_answer * 1e6,
         }
 
 
@@ -123,10 +148,11 @@ class ScenarioResult:
 
     @property
     def limit(self) -> float | None:
-        """``min(cores, n_env)`` x one env's in-process step rate (median), when measured."""
+        """``min(cores, n_env)`` x one env's in-process step rate (median), when measured; pinned,
+        the worker cores'."""
         if not self.single_env_rate:
             return None
-        return min(cores(), self.scenario.n_env) * statistics.median(self.single_env_rate)
+        return min(worker_cores(self.scenario), self.scenario.n_env) * statistics.median(self.single_env_rate)
 
     def ratios(self) -> dict[str, dict[str, float]]:
         """Ratio columns (name -> backend -> median ratio) that apply to this scenario."""
@@ -155,6 +181,7 @@ class ScenarioResult:
             "scenario": s.name,
             "description": s.description,
             "n_env": s.n_env,
+            "step_cost": s.step_cost,
             "steps": self.steps,
             "repeats": self.repeats,
             "warmup": self.warmup,
@@ -164,8 +191,9 @@ class ScenarioResult:
             "failed": dict(self.failed),
             "ratios": self.ratios(),
             "references": {b: m.to_dict() for b, m in self.references.items()},
+            "pinned": self.scenario.pin,
             "limit": None if self.limit is None else {
-                "cores": cores(),
+                "cores": worker_cores(self.scenario),
                 "single_env_steps_per_second": self.single_env_rate,
                 "steps_per_second": self.limit,
             },
@@ -175,7 +203,9 @@ class ScenarioResult:
 def _measure(
     backend: Backend, scenario: Scenario, steps: int, actions: Any, tick: Callable[[int], None]
 ) -> tuple[int, float]:
-    return backend.runner(scenario)(scenario, steps, actions, tick)
+    LAST_RUN.__init__()  # type: ignore[misc]
+    with pinning.pinned(pinning.plan() if scenario.pin else None):
+        return backend.runner(scenario)(scenario, steps, actions, tick)
 
 
 def run_scenario(
@@ -196,7 +226,7 @@ def run_scenario(
     """
     steps = steps or scenario.steps
     result = ScenarioResult(scenario, steps, repeats, warmup=warmup)
-    result.unavailable = scenario_unavailable(scenario)
+    result.unavailable = scenario_unavailable(scenario) or (pinning.unavailable() if scenario.pin else None)
     if result.unavailable:
         logger.info("scenario %s not available: %s", scenario.name, result.unavailable)
         return result
@@ -234,8 +264,9 @@ def run_scenario(
             _try(result, backend, lambda b=backend: _measure(b, scenario, max(scenario.n_env * 20, steps // 20),
                                                             actions, _ignore))
         for r in range(repeats):
-            if scenario.measure_limit:
-                result.single_env_rate.append(in_process_rate(scenario, max(200, steps // scenario.n_env), actions))
+            if scenario.measure_limit:  # pinned: on the workers' cores
+                with pinning.on_worker_cores(pinning.plan() if scenario.pin else None):
+                    result.single_env_rate.append(in_process_rate(scenario, max(200, steps // scenario.n_env), actions))
             for backend in chosen:
                 if backend.name in result.failed:
                     continue
@@ -358,6 +389,7 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
                 if VECTOR in ratios.get(column, {}):
                     out.append(Target(name, f"drop-in x gym {ref}", VECTOR, ratios[column][VECTOR], threshold))
         out += _real_targets(result, ratios, contenders)
+        out += _pinned_targets(result, ratios, best)
         if name == "uneven" and FIRST_READY in ratios.get("vs lockstep", {}):
             out.append(Target(name, "first-ready x lockstep", FIRST_READY, ratios["vs lockstep"][FIRST_READY], 1.8))
     return out
@@ -384,4 +416,26 @@ def _real_targets(result: ScenarioResult, ratios: dict[str, dict[str, float]], c
                 out.append(Target(name, "x gym SyncVectorEnv", backend, ratios["vs Sync"][backend], 1.0))
     if AUTO in ratios.get("vs best fixed", {}):
         out.append(Target(name, "auto x best fixed envs/worker", AUTO, ratios["vs best fixed"][AUTO], 0.9))
+    return out
+
+
+def _pinned_targets(result: ScenarioResult, ratios: dict[str, dict[str, float]], best: Measurement | None) -> list[Target]:
+    """``pinned``: the best of ours >= 0.95 of the worker cores' limit from 63 us per step up
+    (and on the real envs), >= 0.85 at 20 us, and >= 2x gymnasium's AsyncVectorEnv pinned the
+    same way at every cost."""
+    s, name = result.scenario, result.name
+    if s.group != "pinned" or best is None:
+        return []
+    out: list[Target] = []
+    limit = ratios.get("vs limit", {})
+    n = min(worker_cores(s), s.n_env)
+    threshold = None
+    if s.step_cost is None or s.step_cost >= 63e-6:
+        threshold = 0.95
+    elif s.step_cost >= 20e-6:
+        threshold = 0.85
+    if threshold is not None and best.backend in limit:
+        out.append(Target(name, f"x the {n}-worker-core limit", best.backend, limit[best.backend], threshold))
+    if best.backend in ratios.get("vs Async", {}):
+        out.append(Target(name, "x gym AsyncVectorEnv pinned", best.backend, ratios["vs Async"][best.backend], 2.0))
     return out

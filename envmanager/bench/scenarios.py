@@ -23,6 +23,8 @@ __all__ = [
     "Scenario",
     "SCENARIOS",
     "SWEEP_COSTS",
+    "PINNED_COSTS",
+    "pinned",
     "actions_for",
     "env_columns",
     "in_process_rate",
@@ -35,6 +37,7 @@ UNEVEN = (2e-3, 1.0)  # ``uneven``: lognormal step time (median seconds, sigma)
 UNITY_LATENCY = (5e-3, 10e-3)  # ``unity``: each player sleeps latency + uniform [0, jitter] per step
 SWEEP_COSTS = (5e-6, 20e-6, 50e-6, 200e-6, 1e-3, 5e-3)  # ``sweep``: CPU seconds each step burns
 SWEEP_SECONDS = 2.0  # ``sweep``: default steps per repeat ~ this many seconds at the 2-core limit
+PINNED_COSTS = (5e-6, 20e-6, 63e-6, 200e-6, 1e-3)  # ``pinned``: 63 us is HalfCheetah's step
 ATARI_ID, MUJOCO_ID = "ALE/Pong-v5", "HalfCheetah-v5"
 #: EnvPool's Pong set up to do what ``atari`` envs do: frameskip 4 (max-pooled), full RGB frames,
 #: no sticky actions, no life-loss episodes, raw rewards.
@@ -106,6 +109,8 @@ class Scenario:
         envpool_id, envpool_kwargs: EnvPool's own version of these envs, if it has one.
         group: the scenarios run together under this name (``sweep``).
         step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
+        pin: the parent on a core of its own, the workers on the others, during the timed loop
+            (``envmanager.bench.pinning``); the limit is then the worker cores' (``pinned``, ``--pin``).
     """
 
     name: str
@@ -125,10 +130,27 @@ class Scenario:
     envpool_kwargs: tuple[tuple[str, Any], ...] = ()
     group: str | None = None
     step_cost: float | None = None
+    pin: bool = False
 
 
 def _cost_label(seconds: float) -> str:
     return f"{seconds * 1e3:g}ms" if seconds >= 1e-3 else f"{seconds * 1e6:g}us"
+
+
+def _pinned(cost: float) -> Scenario:
+    return Scenario(
+        f"pinned-{_cost_label(cost)}", f"8 envs burning {_cost_label(cost)} of CPU per step; parent pinned to a core "
+        "of its own, workers to the rest", functools.partial(burn_env, cost), 8, int(min(40_000, SWEEP_SECONDS / cost)),
+        n_actions=3, measure_limit=True, group="pinned", step_cost=cost, pin=True,
+    )
+
+
+def pinned(scenario: Scenario) -> Scenario:
+    """``scenario`` with the parent pinned to a core of its own (``--pin``)."""
+    if scenario.pin:
+        return scenario
+    group = "pinned" if scenario.group == "sweep" else scenario.group  # its curve: the pinned one
+    return replace(scenario, name=f"{scenario.name}+pin", pin=True, measure_limit=True, group=group)
 
 
 def _sweep(cost: float) -> Scenario:
@@ -168,6 +190,15 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "mujoco", f"8 {MUJOCO_ID} envs (gymnasium[mujoco])", mujoco_env, 8, 16_000,
             action_dim=6, measure_limit=True, requires=("mujoco",), envpool_id=MUJOCO_ID,
+        ),
+        *(_pinned(cost) for cost in PINNED_COSTS),
+        Scenario(
+            "pinned-mujoco", f"8 {MUJOCO_ID} envs; parent pinned to a core of its own, workers to the rest", mujoco_env,
+            8, 16_000, action_dim=6, measure_limit=True, requires=("mujoco",), group="pinned", pin=True,
+        ),
+        Scenario(
+            "pinned-atari", f"8 {ATARI_ID} envs (ale-py); parent pinned to a core of its own, workers to the rest",
+            atari_env, 8, 8_000, n_actions=6, measure_limit=True, requires=("ale_py",), group="pinned", pin=True,
         ),
         Scenario(
             "ray", "2 Ray nodes (actors here) x 4 CartPole-v1, fragments of 256 steps, policy on the nodes",

@@ -8,15 +8,20 @@ its answer are fixed binary headers with no pickle. Per-env Python runs only for
 put in a non-empty info dict, or where the user asked for per-env objects (``StepInfo``).
 
 State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
-A slot may be sent a step only when IDLE and its process has nothing in flight (a process
+A slot may be sent a step only when IDLE and its lane has nothing in flight (a process
 hosting several slots steps them as one request). Its results are valid until it is sent
-again. The process-level half (one request in flight per process, restarts) is the pool's.
+again. The process-level half (requests in flight, restarts) is the pool's.
+
+Double buffering (``double_buffer``): each process's slots form two lanes (the first half of
+its envs, the second half), and each lane may have its own request in flight, so the worker
+steps one half while the parent turns the other half around (Sample Factory's design). It
+pays when the parent has a core of its own; on shared cores the parent's extra answer per
+process is taken from the envs (``envmanager.core.auto.choose_double_buffer``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,9 +31,9 @@ from gymnasium import spaces
 
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
-from envmanager.core.auto import AUTO, choose_envs_per_worker
+from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
-from envmanager.core.plans import BatchPlans, row_of
+from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core import waiting
@@ -54,7 +59,9 @@ class BatchEnvManager:
     Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
     called with every slot's observation and action spaces as the workers report them, before
     shared memory is laid out; whatever it raises ends the construction (an adapter's rules
-    and messages about spaces come before the core's).
+    and messages about spaces come before the core's); and ``info_columns``: the caller batches
+    infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
+    making a dict per env from columns costs more than unpickling the dicts, so only then).
     """
 
     def __init__(
@@ -74,6 +81,8 @@ class BatchEnvManager:
         daemon: bool = True,
         spin_s: float | None = None,
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
+        double_buffer: bool | str = False,
+        info_columns: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
@@ -90,18 +99,27 @@ class BatchEnvManager:
         self.status = self._state.status
 
         n_procs = -(-n_env // self.envs_per_worker)
+        #: Whether each process's slots form two lanes, each with its own request in flight.
+        self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
-            spin_s = 50e-6 if n_procs + 1 <= (os.cpu_count() or 1) else 0.0
-        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s)
+            spin_s = 50e-6 if n_procs + 1 <= usable_cores() else 0.0
+        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])
         self._slot_process_list: list[int] = self.slot_process.tolist()  # for per-slot Python loops
         self._slot_local_list: list[int] = self.slot_local.tolist()
-        self._plans = BatchPlans(self._slot_process_list, self._slot_local_list)  # send_batch's per-process split
+        #: Each slot's lane as a bit mask: 1, or with double buffering 1 (first half of its
+        #: process's envs) or 2 (second half).
+        self.slot_lanes = lanes_of([len(spec.env_ids) for spec in specs], self.double_buffer)
+        self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
+            if hasattr(self._pool.queue, "spin_s") and not self.double_buffer:
+                # The parent spins for answers where the workers spin for requests; double
+                # buffered it has half a process's work to wait out: spinning would only burn CPU.
+                self._pool.queue.spin_s = spin_s
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
@@ -170,16 +188,15 @@ class BatchEnvManager:
 
     @property
     def idle_worker_ids(self) -> list[int]:
-        """Slots with nothing in flight or waiting to be received, on a process with nothing in
+        """Slots with nothing in flight or waiting to be received, on a lane with nothing in
         flight. Slots of a failed process count as idle: stepping them raises its error."""
-        busy = {w.index for w in self.pool.workers if w.busy}
-        procs = self.slot_process
-        return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if procs[s] not in busy]
+        workers, procs, lanes = self.pool.workers, self._slot_process_list, self.slot_lanes
+        return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if not workers[procs[s]].busy_on(lanes[s])]
 
     def in_flight(self) -> bool:
         """Whether any process has a request in flight (a restart on its way back, say)."""
         for w in self.pool.workers:
-            if w.request is not None:
+            if w.requests:
                 return True
         return False
 
@@ -189,9 +206,9 @@ class BatchEnvManager:
 
     @property
     def waiting_worker_ids(self) -> list[int]:
-        """Slots whose process has a request in flight (a restart, say)."""
-        pool = self.pool
-        return [s for s in range(self.n_env) if pool.workers[self.slot_process[s]].busy]
+        """Slots whose lane has a request in flight (a restart, say)."""
+        workers, procs, lanes = self.pool.workers, self._slot_process_list, self.slot_lanes
+        return [s for s in range(self.n_env) if workers[procs[s]].busy_on(lanes[s])]
 
     @property
     def replay_calls(self) -> list[tuple[str, tuple, dict]]:
@@ -257,12 +274,12 @@ class BatchEnvManager:
         plan = self._plans.get(slots)
         status = self.status[slots]
         if not (status == IDLE).all():
-            self._refuse(slots, status)
+            refuse_slots(slots, status, self.worker_of)
         workers = pool.workers
-        for index, _, _, _ in plan:
+        for index, lanes, _, _, _ in plan:
             w = workers[index]
-            if w.request is not None or w.failure is not None:
-                self._refuse_process(w, slots)
+            if w.requests and w.busy_on(lanes) or w.failure is not None:
+                refuse_process(w, slots)
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
@@ -281,44 +298,28 @@ class BatchEnvManager:
         shared = self.results.action
         pickled = as_given and per_slot  # each as given: no array layout to write them into
         if shared is not None and not pickled:
-            requests = [pool.prepare_raw_step(body, process_slots) for _, process_slots, _, body in plan]
+            requests = [pool.prepare_raw_step(body, process_slots, lanes) for _, lanes, process_slots, _, body in plan]
             shm.write(shared, slots, batch)
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
-                    pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]), process_slots)
-                    for _, process_slots, (locals_, rows), _ in plan
+                    pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]),
+                                 process_slots, lanes)
+                    for _, lanes, process_slots, (locals_, rows), _ in plan
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
         now = time.monotonic()
-        for (index, _, _, _), request in zip(plan, requests):
-            workers[index].send(request, now)
+        for entry, request in zip(plan, requests):
+            workers[entry[0]].send(request, now)
         return batch
 
-    def _refuse(self, slots: np.ndarray, status: np.ndarray) -> None:
-        for slot, s in zip(slots.tolist(), status.tolist()):
-            failure = self.worker_of(slot).failure
-            if failure is not None:
-                raise failure
-            if s == NEEDS_RESET:
-                raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
-            if s == IN_FLIGHT:
-                raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
-            if s == ARRIVED:
-                raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
-
-    def _refuse_process(self, w: WorkerProcess, slots: np.ndarray) -> None:
-        if w.failure is not None:
-            raise w.failure
-        slot = int(slots[np.isin(slots, w.env_ids)][0])
-        raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
-
-    def receive_batch(self, min_count: int = 1, timeout: float | None = None) -> StepBatch:
+    def receive_batch(self, min_count: int = 1, timeout: float | None = None, info_columns: bool = False) -> StepBatch:
         """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand
         them out. Raises the first failed step (results that arrived with it stay for the next
         call). With nothing in flight that could finish, returns what arrived or raises at once.
+        ``info_columns=True``: infos that came as columns stay so (``StepBatch.info_columns``).
 
         ``timeout=None``: the manager's deadline per answer is the only clock (a process past
         it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
@@ -329,7 +330,7 @@ class BatchEnvManager:
         if state.step_errors:
             raise state.step_errors.pop(0)
         arrived, state.arrived = state.arrived, []
-        return state.hand_out(arrived, reset=False)
+        return state.hand_out(arrived, reset=False, columns=info_columns)
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
@@ -347,13 +348,15 @@ class BatchEnvManager:
         if slots.min() < 0 or slots.max() >= self.n_env:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
         by_process: dict[int, list[int]] = {}
+        lanes: dict[int, int] = {}  # the lanes each process's reset occupies
         for slot in slots.tolist():
             w = self.worker_of(slot)
             if w.failure is not None:
                 raise w.failure
-            if w.busy or self.status[slot] == ARRIVED:
+            if w.busy_on(self.slot_lanes[slot]) or self.status[slot] == ARRIVED:
                 raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
             by_process.setdefault(w.index, []).append(slot)
+            lanes[w.index] = lanes.get(w.index, 0) | self.slot_lanes[slot]
         outgoing = []
         try:  # encode everything before the first send
             for index, own in by_process.items():
@@ -362,7 +365,7 @@ class BatchEnvManager:
                     tuple(seeds_and_options[s][0] for s in own),
                     tuple(seeds_and_options[s][1] for s in own),
                 )
-                outgoing.append((index, pool.prepare(Cmd.RESET, message, tuple(own))))
+                outgoing.append((index, pool.prepare(Cmd.RESET, message, tuple(own), lanes[index])))
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT

@@ -54,9 +54,14 @@ class SubprocessEnvManager(BatchEnvManager):
             process (with ``envs_per_worker=k``, one quota for its k slots).
         policy: ``policy(step_info) -> action``, used by ``step()`` when no actions are given.
         daemon: start workers as daemonic processes (they cannot start multiprocessing children).
-        spin_s: seconds an idle worker polls for its next command before it blocks. Default:
-            50 µs when every worker process and the parent have a core of their own, else 0
-            (spinning processes that outnumber the cores slow everything down).
+        spin_s: seconds an idle worker polls for its next command before it blocks, and the
+            parent for the next answer. Default: 50 µs when every worker process and the parent
+            have a core of their own (this process's CPU affinity), else 0 (spinning processes
+            that outnumber the cores slow everything down).
+        double_buffer: split each process's slots into two lanes, each with its own request in
+            flight: the worker steps one half while the parent turns the other around. Pays
+            where the parent has a core of its own; ``"auto"``: on when there are more usable
+            cores than worker processes (``envmanager.core.auto.choose_double_buffer``).
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class SubprocessEnvManager(BatchEnvManager):
         policy: Policy | None = None,
         daemon: bool = True,
         spin_s: float | None = None,
+        double_buffer: bool | str = False,
     ) -> None:
         self.policy = policy
         self._last: list[StepInfo | None] = [None] * (n_env if isinstance(n_env, int) and n_env > 0 else 0)
@@ -86,6 +92,7 @@ class SubprocessEnvManager(BatchEnvManager):
             autoreset_mode=autoreset_mode, timeout=timeout, restart_workers=restart_workers,
             max_lifetime_restarts=max_lifetime_restarts, restarts_rate_limit_n=restarts_rate_limit_n,
             restarts_rate_limit_period_s=restarts_rate_limit_period_s, daemon=daemon, spin_s=spin_s,
+            double_buffer=double_buffer,
         )
 
     def set_policy(self, policy: Policy | None) -> None:

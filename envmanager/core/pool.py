@@ -1,8 +1,8 @@
 """``WorkerPool``: the worker processes, their requests and answers, failures and restarts.
 
 The transport half of the manager (tianshou's split: workers apart from vectorizing). It
-knows nothing about actions or episodes: it sends requests, one in flight per process, and
-turns what comes back through the answer transport (the shared step queue, or each worker's
+knows nothing about actions or episodes: it sends requests — one in flight per process, or one
+per lane of a double-buffered process (``envmanager.core.process``) — and turns what comes back through the answer transport (the shared step queue, or each worker's
 own pipe: ``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
 :class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
 following the life cycle drawn in ``envmanager.core.process``.
@@ -39,6 +39,7 @@ from envmanager.wire.messages import (
     ON_PIPE,
     RAW,
     REQUEST_HEADER,
+    ALL_LANES,
     Attach,
     Call,
     EnvironmentCommand as Cmd,
@@ -64,8 +65,8 @@ class Completion:
     """A finished request of one worker process.
 
     ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
-    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request``, the
-    request the failure cut short.
+    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
+    first of the requests the failure cut short) and ``lost``, all of them.
     """
 
     worker: WorkerProcess
@@ -77,6 +78,7 @@ class Completion:
     sent_at: float = 0.0
     interrupted: bool = False
     slots: tuple[int, ...] = ()  # the slots the answer is for (a restart's reset: all it reset)
+    lost: tuple[EnvironmentRequest, ...] = ()  # an interrupted answer: every request it answers
 
     @property
     def cmd(self) -> Cmd | None:
@@ -105,6 +107,9 @@ class WorkerPool:
         self._next_deadline_check = 0.0
         self._closing = False
         self._waiter: int | None = None  # the thread inside ``wait``, if one is
+        #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
+        #: bench divides the parent's CPU time by it.
+        self.answers = 0
         #: Optional ``progress(slots) -> int``: a count that grows while a call on those slots
         #: makes progress (0 when sent). A call is then overdue only when it has not grown for
         #: the deadline, so long calls that keep working (worker-side rollouts) are not hung.
@@ -137,19 +142,19 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------------
     # Sending
 
-    def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
+    def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = (), lanes: int = ALL_LANES) -> EnvironmentRequest:
         """Number and encode a request; raises (before anything is sent) if it cannot be encoded.
 
         Sequence numbers are unique across restarts, so an answer from a replaced process can
-        never be taken for an answer to a newer request.
+        never be taken for an answer to a newer request. ``lanes``: the lanes it occupies.
         """
         self._seq += 1
-        return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message)
+        return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message, lanes)
 
-    def prepare_raw_step(self, body: bytes, slots: tuple[int, ...]) -> EnvironmentRequest:
+    def prepare_raw_step(self, body: bytes, slots: tuple[int, ...], lanes: int = ALL_LANES) -> EnvironmentRequest:
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
-        return EnvironmentRequest(Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body)
+        return EnvironmentRequest(Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None, lanes)
 
     def share_buffers(self, n_envs: int, observation_space: Any, action_space: Any) -> SharedBuffers:
         """Shared arrays for ``n_envs`` slots (in ``file``, or a named segment), mapped by
@@ -213,9 +218,16 @@ class WorkerPool:
         received = time.monotonic()
         for notice in notices:
             w = self.workers[notice.process]
-            request = w.request
-            if notice.cmd is Cmd.CLOSED or request is None or notice.seq != request.seq:
-                continue  # a farewell, or the last words of a process already replaced
+            requests = w.requests
+            if requests and requests[0][0].seq == notice.seq and notice.cmd is not Cmd.CLOSED:
+                request, sent_at = requests[0]  # the usual case: answers come in the order sent
+                head = True
+            else:
+                head = False
+                found = None if notice.cmd is Cmd.CLOSED else next((e for e in requests if e[0].seq == notice.seq), None)
+                if found is None:
+                    continue  # a farewell, or the last words of a process already replaced
+                request, sent_at = found
             data = notice.payload
             if notice.form == ON_PIPE:
                 try:
@@ -223,7 +235,13 @@ class WorkerPool:
                 except (EOFError, OSError, TimeoutError) as exc:
                     self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
                     continue
-            w.request = None
+            if head:  # ``w.answered`` inline: this runs once per answer
+                del requests[0]
+                if requests:  # the next request's clock starts now
+                    w.alive_at, w.progress_seen = received, 0
+            else:
+                w.answered(request.seq, received)
+            self.answers += 1
             try:
                 answer = decode_answer(notice.form, data)
             except Exception as exc:  # e.g. a class the parent cannot import
@@ -243,7 +261,7 @@ class WorkerPool:
                 first = min(answer.failures)
                 self._on_failure(w, worker_error(answer.failures[first], w.index), completions, request)
                 continue
-            completion = Completion(w, request, answer, None, notice.posted_at, received, w.sent_at, False, list(request.slots))
+            completion = Completion(w, request, answer, None, notice.posted_at, received, sent_at, False, list(request.slots))
             if w.state is ProcessState.BOOTING:
                 self._advance_boot(w, completion, completions)
             else:
@@ -251,8 +269,8 @@ class WorkerPool:
                 completions.append(completion)
 
     def _check_deadlines(self, now: float) -> list[Completion]:
-        """Fail every process whose request is older than the deadline (restart or error), and
-        note when the next one can be due: no request sent later is due sooner."""
+        """Fail every process whose oldest request's clock is past the deadline (restart or
+        error), and note when the next one can be due: no clock started later is due sooner."""
         completions: list[Completion] = []
         for w in list(self.workers):
             if w.busy and w.watched and now >= w.alive_at + self.timeout:
@@ -309,46 +327,54 @@ class WorkerPool:
     def _on_failure(
         self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
     ) -> None:
-        """Restart ``w`` if the policy allows; otherwise report ``error`` for its request."""
+        """Restart ``w`` if the policy allows; otherwise report ``error`` for every request the
+        failure cut short (``request``, already out of flight, and those still in flight)."""
         self._version += 1
-        request = request or w.request
-        w.request = None
-        if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
-            request = w.boot.lost
+        lost = [request] if request is not None else []
         refusal = self.restart_policy.refusal(w.index)
-        if refusal is None and self.queue is not None:
-            self._restart(w, request, error, completions)
-            return
-        if self.restart_policy.enabled and refusal is not None:
+        restart = refusal is None and self.queue is not None
+        if not restart and self.restart_policy.enabled and refusal is not None:
             error = RestartLimitError(error_slot(error, w), refusal, error, w.env_ids, w.index)
-        if isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None:
+        gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None
+        if restart or gone:  # the process goes: every request in flight is cut short with it
+            lost += w.cut()
+            if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
+                lost = list(w.boot.lost)
+        if restart:
+            self._restart(w, lost, error, completions)
+            return
+        if gone:
             w.fail(error)  # the process is gone or stuck for good
-        completions.append(Completion(w, request, None, error))
+        for lost_request in lost or [None]:  # the same error for each (the slots file it once)
+            completions.append(Completion(w, lost_request, None, error))
 
-    def _restart(self, w: WorkerProcess, request: EnvironmentRequest | None, error: EnvManagerError, completions: list[Completion]) -> None:
+    def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError, completions: list[Completion]) -> None:
         """Replace ``w`` by a new process and plan how it comes back (see ``Boot``)."""
         logger.warning("restarting %s after: %s", w.name, error)
         self.restart_policy.record(w.index)
         w.kill()
         attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
+        startup = [r for r in lost if r.cmd in (Cmd.READY, Cmd.ATTACH)]
         if w.boot is not None:  # it failed again while coming back: the same way up, from the start
             boot = Boot(w.boot.all_steps, w.boot.lost, w.boot.startup)
-        elif request is not None and request.cmd in (Cmd.READY, Cmd.ATTACH):
+        elif startup:
             # Failed while the pool was starting: the new process answers the startup instead.
-            boot = Boot(attach if request.cmd is Cmd.ATTACH else [], request, True)
+            boot = Boot(attach if startup[0].cmd is Cmd.ATTACH else [], startup, True)
         else:
             everyone = tuple(range(len(w.env_ids)))
             replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
             asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
-            if request is not None and request.cmd is Cmd.RESET:
-                asked = {i: (seed, options) for i, seed, options in zip(*request.message)}
+            for r in lost:
+                if r.cmd is Cmd.RESET:
+                    asked.update({i: (seed, options) for i, seed, options in zip(*r.message)})
             reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
                           tuple(asked.get(i, (None, None))[1] for i in everyone))
-            # A step or reset is answered by the fresh reset (``interrupted``); a call is not.
-            lost = request if request is not None and request.cmd in (Cmd.STEP, Cmd.RESET) else None
-            if request is not None and lost is None:
-                completions.append(Completion(w, request, None, error))  # its caller must know
-            boot = Boot([*attach, *replays, (Cmd.RESET, reset)], lost, False)
+            # Steps and resets are answered by the fresh reset (``interrupted``); a call is not.
+            answered = [r for r in lost if r.cmd in (Cmd.STEP, Cmd.RESET)]
+            for r in lost:
+                if r.cmd not in (Cmd.STEP, Cmd.RESET):
+                    completions.append(Completion(w, r, None, error))  # its caller must know
+            boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
         self.workers[w.index] = self._start(w.spec, boot, w.generation + 1)
 
     def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
@@ -362,7 +388,8 @@ class WorkerPool:
             w.send(self.prepare(cmd, message, slots))
             return
         completion.interrupted = not boot.startup
-        completion.request = boot.lost
+        completion.request = boot.lost[0] if boot.lost else None
+        completion.lost = tuple(boot.lost)
         w.boot = None
         w.state = ProcessState.RUNNING
         completions.append(completion)
@@ -443,10 +470,12 @@ def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
     return close_if_alive
 
 
-def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0) -> list[WorkerSpec]:
+def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0,
+               info_columns: bool = False) -> list[WorkerSpec]:
     """Split ``n_env`` slots over processes, ``envs_per_worker`` each (the last may have fewer)."""
     return [
-        WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s)
+        WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s,
+                   info_columns)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
 

@@ -1,4 +1,11 @@
-"""The parent's handle on one worker process: its pipe, its one request in flight, its life.
+"""The parent's handle on one worker process: its pipe, its requests in flight, its life.
+
+Requests in flight form a FIFO (``WorkerProcess.requests``): the worker serves its pipe in
+order, so answers come back in the order sent. Each request names the **lanes** it occupies
+(a bit mask over the groups of slots the batch level splits the process into): two requests
+may be in flight at once only on disjoint lanes (double buffering: the worker steps one half
+of its envs while the parent turns the other half around). A request's clock starts when the
+worker can start on it: when it is sent, or when the one ahead of it is answered.
 
 Life cycle of a worker process (``WorkerProcess.state``)::
 
@@ -55,12 +62,12 @@ class ProcessState(enum.Enum):
 @dataclass
 class Boot:
     """How a replacement process comes back: ``plan`` (requests still to send, in order,
-    after ``all_steps`` were planned), then it answers ``lost`` — the request the failure cut
-    short — with its last answer. ``startup``: it replaces a process that failed while the
+    after ``all_steps`` were planned), then it answers ``lost`` — the requests the failure cut
+    short (both halves, double buffered) — with its last answer. ``startup``: it replaces a process that failed while the
     pool was starting, so its answer is a normal startup answer, not ``interrupted``."""
 
     all_steps: list[tuple[Cmd, Any]]
-    lost: EnvironmentRequest | None
+    lost: list[EnvironmentRequest]
     startup: bool
     plan: list[tuple[Cmd, Any]] = field(default_factory=list)
 
@@ -95,10 +102,12 @@ class WorkerProcess:
         self.state = ProcessState.STARTING if boot is None else ProcessState.BOOTING
         self.boot = boot
         # The first answer is READY (seq 0): the process starts out busy with it.
-        self.request: EnvironmentRequest | None = EnvironmentRequest(Cmd.READY, 0, self.env_ids)
-        self.sent_at = time.monotonic()
-        #: When it last showed it was working (its request sent, or progress): deadlines count from here.
-        self.alive_at = self.sent_at
+        now = time.monotonic()
+        #: The requests in flight, oldest first, each with the time it was sent.
+        self.requests: list[tuple[EnvironmentRequest, float]] = [(EnvironmentRequest(Cmd.READY, 0, self.env_ids), now)]
+        #: When the oldest request's clock started (sent, the one ahead answered, or progress):
+        #: deadlines count from here.
+        self.alive_at = now
         self.progress_seen = 0
         self.failure: EnvManagerError | None = None
         self.exitcode: int | None = None
@@ -115,7 +124,43 @@ class WorkerProcess:
 
     @property
     def busy(self) -> bool:
-        return self.request is not None
+        return self.requests != []  # (no call: this is asked per slot on the hot path)
+
+    @property
+    def request(self) -> EnvironmentRequest | None:
+        """The oldest request in flight (the one the worker is on), or ``None``."""
+        return self.requests[0][0] if self.requests else None
+
+    @property
+    def sent_at(self) -> float:
+        """When the oldest request in flight was sent."""
+        return self.requests[0][1] if self.requests else self.alive_at
+
+    def busy_on(self, lanes: int) -> bool:
+        """Whether a request in flight occupies any of ``lanes`` (a bit mask)."""
+        for request, _ in self.requests:
+            if request.lanes & lanes:
+                return True
+        return False
+
+    def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
+        """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not
+        in flight (a stale answer). The next request's clock starts now."""
+        requests = self.requests
+        for k, entry in enumerate(requests):
+            if entry[0].seq == seq:
+                del requests[k]
+                if requests:
+                    self.alive_at = now
+                    self.progress_seen = 0
+                return entry
+        return None
+
+    def cut(self) -> list[EnvironmentRequest]:
+        """Take every request out of flight (a failure cut them short), oldest first."""
+        lost = [request for request, _ in self.requests]
+        self.requests = []
+        return lost
 
     @property
     def watched(self) -> bool:
@@ -127,15 +172,18 @@ class WorkerProcess:
         return self.process.sentinel
 
     def send(self, request: EnvironmentRequest, now: float | None = None) -> None:
-        """Send one request (already encoded in ``request.data``); the process must be idle.
+        """Send one request (already encoded in ``request.data``); its lanes must be free.
 
         A broken pipe is not raised: the request counts as in flight and the death is noticed
         through the process sentinel, like any other.
         """
-        assert self.request is None, f"{self.name} already has a request in flight"
-        self.request = request
-        self.sent_at = self.alive_at = time.monotonic() if now is None else now
-        self.progress_seen = 0
+        now = time.monotonic() if now is None else now
+        if self.requests:
+            assert not self.busy_on(request.lanes), f"{self.name} already has a request in flight on lanes {request.lanes}"
+        else:
+            self.alive_at = now
+            self.progress_seen = 0
+        self.requests.append((request, now))
         try:
             self._write(request.data)
         except OSError:  # BrokenPipeError, ConnectionResetError, ...
@@ -163,7 +211,7 @@ class WorkerProcess:
         """Give up on this process: kill it and keep ``error`` to raise on every later use."""
         self.failure = error
         self.state = ProcessState.FAILED
-        self.request = None
+        self.requests = []
         self.kill()
 
     def request_close(self) -> None:

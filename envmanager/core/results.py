@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["StepResult", "StepTimings", "StepInfo", "StepBatch"]
+__all__ = ["StepResult", "StepTimings", "StepInfo", "StepBatch", "InfoBlock"]
 
 
 class StepResult(NamedTuple):
@@ -49,16 +49,30 @@ class StepInfo(NamedTuple):
     interrupted: bool = False
 
 
+class InfoBlock(NamedTuple):
+    """The infos of some slots as columns (one answer's, ``envmanager.wire.info_columns``):
+    ``columns[j][i]`` is slot ``slots[i]``'s value of ``keys[j]``; ``python[j]``: the envs
+    returned Python scalars for that key (else numpy scalars of the column's dtype)."""
+
+    slots: np.ndarray
+    keys: tuple[str, ...]
+    columns: list[np.ndarray]
+    python: tuple[bool, ...]
+
+
 class StepBatch(NamedTuple):
     """The slots that finished, in the order they finished, and what only they carry.
 
     Their observations, rewards and flags are rows ``slots`` of the manager's ``results``
     arrays (shared memory when it is on): read them before sending those slots again.
     ``infos`` holds the non-empty info dicts by slot; ``interrupted`` the slots whose result is
-    the fresh reset of a restarted worker; ``resets`` the slots whose result is a reset.
+    the fresh reset of a restarted worker; ``resets`` the slots whose result is a reset;
+    ``info_columns`` the infos that came as columns, when the receiver asked for them so
+    (``receive_batch(info_columns=True)``; else they are in ``infos`` as dicts).
     """
 
     slots: np.ndarray
     infos: dict[int, dict]
     interrupted: frozenset[int] = frozenset()
     resets: frozenset[int] = frozenset()
+    info_columns: tuple[InfoBlock, ...] = ()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.results import StepBatch
+from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvironmentCommand as Cmd, Stepped
@@ -50,6 +50,10 @@ class SlotState:
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
         self.infos: dict[int, dict] = {}
+        # Infos that came as columns: blocks by id (their slots, the columns), each slot's block.
+        self.info_blocks: dict[int, tuple[np.ndarray, Any]] = {}
+        self.block_of = np.full(n_env, -1, dtype=np.int64)
+        self._blocks = 0
         self.interrupted: set[int] = set()
         self.step_errors: list[EnvManagerError] = []
         self.reset_errors: list[EnvManagerError] = []
@@ -77,40 +81,63 @@ class SlotState:
         answer: Stepped = c.answer
         slots = c.slots
         self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
-        if answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
+        if answer.info_columns is not None:
+            self._file_columns(answer.info_columns, slots)
+        elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
             failed = self._file_extras(answer, slots)
             if answer.failures:
                 failed.update({slots[n]: worker_error(f, c.worker.index) for n, f in answer.failures.items()})
             if failed:
                 self._fail(list(failed), list(failed.values()), is_reset)
                 slots = [s for s in slots if s not in failed]
+        if c.interrupted:  # a restart reset every env: those owed a reset come back as resets, the rest as steps
+            self._file_interrupted(slots)
+            return
         if len(slots) == 1:  # a scalar index is the cheaper numpy call
             self.status[slots[0]] = ARRIVED
         else:
             self.status[slots] = ARRIVED
-        if c.interrupted:
-            self.interrupted.update(slots)
-        if is_reset and c.interrupted:  # a restart reset every env: those not asked come back as steps do
-            owed = self.owed_resets
-            self.arrived_resets.update(s for s in slots if s in owed)
-            self.arrived.extend(s for s in slots if s not in owed)
-        elif is_reset:
+        if is_reset:
             self.arrived_resets.update(slots)
         else:
             self.arrived.extend(slots)
 
+    def _file_interrupted(self, slots: list[int]) -> None:
+        """A restart's fresh reset, for every slot of the process: each comes back once,
+        ``interrupted`` — also a slot whose answer arrived but was not handed out (the other
+        half of a double-buffered process): its result was overwritten by the reset."""
+        owed, status = self.owed_resets, self.status
+        waiting = {s for s in slots if status[s] == ARRIVED}  # already listed to be handed out
+        status[slots] = ARRIVED
+        self.interrupted.update(slots)
+        self.arrived_resets.update(s for s in slots if s in owed)
+        self.arrived.extend(s for s in slots if s not in owed and s not in waiting)
+
     def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
         self.status[slots] = NEEDS_RESET
+        target = self.reset_errors if is_reset else self.step_errors
         if is_reset:
             self.owed_resets.difference_update(slots)
-            self.reset_errors.extend(errors)
-        else:
-            self.step_errors.extend(errors)
+        for error in errors:  # one failure cutting two requests short is raised once
+            if not any(error is e for e in target):
+                target.append(error)
+
+    def _file_columns(self, columns: Any, slots: list[int]) -> None:
+        """Infos as columns: kept as one block for the answer's slots, no per-env Python."""
+        self._blocks = block = self._blocks + 1
+        rows = np.array(slots, dtype=np.int64)
+        self.info_blocks[block] = (rows, columns)
+        self.block_of[rows] = block
+        if self.infos:  # a dict not handed out yet is replaced
+            for slot in slots:
+                self.infos.pop(slot, None)
 
     def _file_extras(self, answer: Stepped, slots: list[int]) -> dict[int, EnvManagerError]:
         """Infos, and results that travelled pickled: the slow path, per env. Returns the
         slots whose observation did not fit, with their errors."""
         infos = answer.infos or {}
+        if self.info_blocks:  # columns not handed out yet are replaced
+            self.block_of[slots] = -1
         for n, slot in enumerate(slots):  # an empty info replaces an older one not handed out
             if n in infos:
                 self.infos[slot] = infos[n]
@@ -141,15 +168,42 @@ class SlotState:
     # ------------------------------------------------------------------------------------------
     # Handing out
 
-    def hand_out(self, slots_list: list[int], reset: bool) -> StepBatch:
-        """Mark ``slots_list`` handed out and return them as a batch with what only they carry."""
+    def hand_out(self, slots_list: list[int], reset: bool, columns: bool = False) -> StepBatch:
+        """Mark ``slots_list`` handed out and return them as a batch with what only they carry;
+        infos that came as columns stay columns with ``columns=True``, else become dicts."""
         slots = np.array(slots_list, dtype=np.int64)
         self.status[slots] = IDLE
         infos, interrupted = self.infos, self.interrupted
         mine = {s: infos.pop(s) for s in slots_list if s in infos} if infos else {}
+        blocks = self._hand_out_columns(slots, mine, columns) if self.info_blocks else ()
         cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else frozenset()
         interrupted -= cut
-        return StepBatch(slots, mine, cut, frozenset(slots_list) if reset else frozenset())
+        return StepBatch(slots, mine, cut, frozenset(slots_list) if reset else frozenset(), blocks)
+
+    def _hand_out_columns(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
+        """The column infos of ``slots``: as blocks (``columns``), or into ``dicts``."""
+        ids = self.block_of[slots]
+        used = np.unique(ids[ids >= 0]).tolist()
+        if not used:
+            return ()
+        self.block_of[slots] = -1
+        out = []
+        for block in used:
+            rows, info = self.info_blocks[block]  # rows ascending (a request's slots are)
+            mine = slots[ids == block]
+            whole = len(mine) == len(rows)  # the usual case: the whole answer handed out at once
+            positions = None if whole else np.searchsorted(rows, mine)
+            if whole or not (self.block_of[rows] == block).any():  # nothing of it left to hand out
+                del self.info_blocks[block]
+            if columns:
+                arrays = info.arrays()
+                out.append(InfoBlock(rows if whole else mine, info.keys,
+                                     arrays if whole else [a[positions] for a in arrays],
+                                     tuple(d.startswith("py:") for d in info.dtypes)))
+            else:
+                dicts.update(zip(rows.tolist() if whole else mine.tolist(),
+                                 info.dicts(None if positions is None else positions.tolist())))
+        return tuple(out)
 
     def timings(self, slot: int, process: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
@@ -166,6 +220,8 @@ class SlotState:
         self.arrived_resets.clear()
         self.owed_resets.clear()
         self.infos.clear()
+        self.info_blocks.clear()
+        self.block_of[:] = -1
         self.interrupted.clear()
         self.step_errors.clear()
         self.reset_errors.clear()

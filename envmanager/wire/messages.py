@@ -155,7 +155,9 @@ class Stepped(NamedTuple):
     ``env_times``: seconds inside each env. ``infos``: the non-empty info dicts, by position.
     ``failures``: the envs that raised, by position (the others stepped fine and deliver).
     ``observations``: each env's observation, when observations are not in shared memory;
-    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either.
+    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either;
+    ``info_columns``: every env's info as columns, instead of ``infos``, where they fit
+    (``envmanager.wire.info_columns``).
     """
 
     env_times: list[float] | tuple[float, ...]
@@ -163,11 +165,13 @@ class Stepped(NamedTuple):
     failures: dict[int, RemoteException] | None = None
     observations: list[Any] | None = None
     scalars: list[tuple[float, bool, bool]] | None = None
+    info_columns: Any = None
 
     @property
     def raw(self) -> bool:
         """Nothing but env times: the answer travels with no pickle."""
-        return not self.infos and not self.failures and self.observations is None and self.scalars is None
+        return (not self.infos and not self.failures and self.observations is None and self.scalars is None
+                and self.info_columns is None)
 
 
 class Values(NamedTuple):
@@ -269,11 +273,16 @@ def on_pipe_notice(header: bytes) -> bytes:
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, ON_PIPE)
 
 
+#: The lanes mask of a request that occupies its whole process (calls, attach, start-up).
+ALL_LANES = 0xFF
+
+
 class EnvironmentRequest(NamedTuple):
     """A request in flight to one worker process: what was sent, to answer or replay it.
 
     ``slots`` are the env slots (public ``worker_id``s) it concerns; ``data`` the encoded
-    request, kept so a restart can send it again.
+    request, kept so a restart can send it again; ``lanes`` the groups of the process's slots
+    it occupies (a bit mask; every lane unless the batch level says otherwise).
     """
 
     cmd: Cmd
@@ -281,3 +290,4 @@ class EnvironmentRequest(NamedTuple):
     slots: tuple[int, ...] = ()
     data: bytes = b""
     message: Any = None
+    lanes: int = ALL_LANES

@@ -42,6 +42,9 @@ class StepQueue:
         os.set_blocking(self._fd, False)  # the parent reads what is there, never waits in read
         self._rest = b""  # the start of a notice cut by the end of a read
         self._poller: Any = None
+        #: Seconds ``wait`` polls without blocking before it blocks: set only where the parent
+        #: has a core of its own (a blocked parent wakes tens of microseconds after the notice).
+        self.spin_s = 0.0
 
     # -- waiting (parent side) --------------------------------------------------------------
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
@@ -55,8 +58,15 @@ class StepQueue:
 
     def wait(self, timeout: float) -> list[int]:
         """Block up to ``timeout`` s until the queue has notices or a process ended; the ended
-        sentinels."""
-        events = self._poller.poll(max(0, math.ceil(timeout * 1000)))
+        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks)."""
+        poll = self._poller.poll
+        if self.spin_s > 0 and timeout > 0:
+            until = time.perf_counter() + min(self.spin_s, timeout)
+            while time.perf_counter() < until:
+                events = poll(0)
+                if events:
+                    return [fd for fd, _ in events if fd != self._fd]
+        events = poll(max(0, math.ceil(timeout * 1000)))
         return [fd for fd, _ in events if fd != self._fd]
 
     # -- worker side ------------------------------------------------------------------------

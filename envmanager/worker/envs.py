@@ -15,6 +15,7 @@ from gymnasium import Wrapper
 from gymnasium.wrappers import OrderEnforcing
 
 from envmanager.wire import shm
+from envmanager.wire.info_columns import to_columns
 from envmanager.wire.messages import (
     Attach,
     Call,
@@ -43,8 +44,10 @@ class WorkerEnvs:
     goes on past an env that raises: the others deliver, the failure is reported by position.
     """
 
-    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None) -> None:
+    def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
+                 info_columns: bool = False) -> None:
         self.env_ids = env_ids
+        self.info_columns = info_columns  # the parent batches infos: columns where they fit
         self.factory = factory
         self.autoreset_mode = autoreset_mode
         self.envs: list[Any] = []
@@ -160,6 +163,10 @@ class WorkerEnvs:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         else:
             b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards[0], terminated[0], truncated[0]
+        if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
+            columns = to_columns([infos[k] for k in range(n)])
+            if columns is not None:
+                return Stepped(times, None, None, None, None, columns)
         return Stepped(times, infos or None, failures or None)
 
     def reset(self, request: Reset) -> Stepped:

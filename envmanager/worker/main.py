@@ -49,6 +49,7 @@ class WorkerSpec:
     autoreset_mode: str
     parent_pid: int
     spin_s: float = 0.0  # seconds to spin for the next command before blocking on the pipe
+    info_columns: bool = False  # the parent batches infos: send them as columns where they fit
 
 
 #: The worker's half of every command: request message -> answer message.
@@ -81,7 +82,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
         link.post(header, payload)
 
-    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file)
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns)
     try:
         try:
             ready = envs.build()
