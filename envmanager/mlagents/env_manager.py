@@ -31,6 +31,7 @@ from envmanager.mlagents.trainer import (
 )
 from envmanager.mlagents.player_process import PlayerProcesses
 from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
+from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 
@@ -329,29 +330,20 @@ class MLAgentsEnvManager:
 
     def _set_everywhere(self, method: str, values: Dict[str, Any]) -> None:
         """``method(values)`` on every worker's env (queued for its player's next message), and
-        on every restarted worker from now on.
-
-        A worker restarted before this change whose fresh reset the trainer has not seen yet was
-        reset with the old settings (its restart replayed what was set when it began): it is
-        reset again now, so the first episode the trainer sees of it runs with these (one
-        restarted during this call already had them: resetting it again does no harm)."""
+        on every restarted worker from now on (:mod:`envmanager.mlagents.replay`): a worker
+        restarted during the call has it from its replay; one restarted before it whose fresh
+        reset the trainer has not seen yet is reset again, so the first episode the trainer sees
+        of it runs with the new values."""
         self._update_replay_calls()
         m = self.manager
         with port_errors(self._for_trainer):
-            m.call_on(self._healthy_worker_ids(), method, (values,))
-            self._held += m.receive_steps(min_count=0)
-            stale = sorted({info.worker_id for info in self._held if info.interrupted})
-            if not stale:
-                return
-            m.send_reset({w: (None, None) for w in stale})
-            fresh = {info.worker_id: info for info in m.receive_resets(stale)}
-        self._held = [_replace_reset(info, fresh.pop(info.worker_id)) if info.interrupted and info.worker_id in fresh
-                      else info for info in self._held]
+            call_replayed(m, self._healthy_worker_ids(), method, (values,))
+            self._held = reset_restarted(m, self._held)
 
     def _send_analytics(self, payloads: List[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
-            with port_errors(self._for_trainer):
-                self.manager.call_on([0], "send_analytics", (payloads,))
+            with port_errors(self._for_trainer):  # replayed too: worker 0 announces itself again
+                call_replayed(self.manager, [0], "send_analytics", (payloads,))
 
     def _pull_policies(self) -> None:
         """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
@@ -449,13 +441,3 @@ class MLAgentsEnvManager:
                 )
                 call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
         return len(step_infos)
-
-
-def _replace_reset(stale: StepInfo, fresh: StepInfo) -> StepInfo:
-    """A restarted worker's fresh reset in place of its first one (made with older settings):
-    still interrupted, with what its player reported on both."""
-    old = (stale.current_result.info or {}).get("environment_stats", {})
-    info = dict(fresh.current_result.info or {})
-    new = info.get("environment_stats", {})
-    info["environment_stats"] = {key: [*old.get(key, []), *new.get(key, [])] for key in {**old, **new}}
-    return fresh._replace(current_result=fresh.current_result._replace(info=info), interrupted=True)

@@ -350,6 +350,47 @@ def test_player_left_by_a_worker_killed_before_a_reset_is_killed_by_the_reset(fa
         manager.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_dying_during_a_settings_change_is_restarted_with_it(fake_player):
+    """Worker 1's process dies while a settings change waits for its answer (stopped, then killed
+    once the call is in flight): no error reaches the trainer — the restart replays the change —
+    and its fresh reset reports the new value."""
+    import os
+    import signal
+    import threading
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset(config={"gravity": 1.0})
+        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
+        worker = manager.manager.workers[1]
+        os.kill(worker.pid, signal.SIGSTOP)
+        raised = []
+
+        def change():
+            try:
+                manager.set_env_parameters({"gravity": 2.0})
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                raised.append(exc)
+
+        thread = threading.Thread(target=change)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while worker.request is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.request is not None  # the call is in flight on it
+        os.kill(worker.pid, signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive() and raised == []
+        steps = steps_until(manager, lambda got: any(s.interrupted for s in got))
+        (restarted,) = [s for s in steps if s.interrupted]
+        assert restarted.worker_id == 1 and stat(restarted, "Fake/EnvParam/gravity")[-1] == 2.0
+        assert manager.restart_counts == [0, 1]
+    finally:
+        manager.close()
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
