@@ -80,6 +80,7 @@ class RayPlayerPool:
         self._last: Dict[int, StepInfo] = {}
         self._ready: List[StepInfo] = []
         self._resets: List[int] = []
+        self.restarts_seen: Dict[int, int] = {}  # worker id -> its fresh resets after a restart
         self._started_ray = False
         self._closed = False
         if not ray.is_initialized():
@@ -105,7 +106,7 @@ class RayPlayerPool:
     def call(self, name: str) -> List[Any]:
         found: Dict[int, Any] = {}
         for node in self.nodes:
-            found.update(dict(zip(node.ids, self._get(node, node.actor.call_on.remote(None, name)))))
+            found.update(dict(zip(node.ids, self._answer(node, node.actor.call_on.remote(None, name)))))
         return [found[w] for w in self.worker_ids]
 
     def get_attr(self, name: str) -> List[Any]:
@@ -116,10 +117,11 @@ class RayPlayerPool:
         """``name(*args)`` on the given players' envs; a node lost meanwhile is replaced (its new
         players get the replay calls, which hold what is being set) and answers ``None``."""
         found: Dict[int, Any] = {}
+        replayed = name in {n for n, _, _ in self.replay_calls}  # a setting every restart replays
         for node in self.nodes:
             ids = [w for w in worker_ids if w in node.ids]
             if ids:
-                found.update(dict(zip(ids, self._call(node, "call_on", ids, name, args) or [None] * len(ids))))
+                found.update(dict(zip(ids, self._call(node, "call_on", ids, name, args, replayed) or [None] * len(ids))))
         return [found[w] for w in worker_ids]
 
     def set_replay_calls(self, calls: Sequence[Tuple[str, tuple, dict]]) -> None:
@@ -131,16 +133,15 @@ class RayPlayerPool:
         return None  # a node that cannot go on raises instead
 
     def restart_count(self, worker_id: int) -> int:
-        node = self._node_of(worker_id)
-        local = (self._call(node, "restart_counts") or {}).get(worker_id, 0)
-        return int(local) + self.restarts.counts[node.index]
+        """How often the player was restarted: on its node, or with its node."""
+        return self.restarts_seen.get(worker_id, 0)
 
     def reset(self) -> List[StepInfo]:
         """Reset every player (steps in flight are waited out and dropped)."""
         for node in self.nodes:
             if node.pending is not None:
                 try:
-                    self._get(node, node.pending)
+                    self._answer(node, node.pending)
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
                 node.pending = None
@@ -149,7 +150,7 @@ class RayPlayerPool:
         out: List[StepInfo] = []
         for node in self.nodes:
             try:
-                out += self._arrived(node, self._get(node, node.actor.reset.remote()))
+                out += self._arrived(node, self._answer(node, node.actor.reset.remote()))
             except _NodeLost as lost:
                 out += self._replace(node, str(lost))
         return sorted(out, key=lambda info: info.worker_id)
@@ -165,7 +166,7 @@ class RayPlayerPool:
             ids = [w for w in self._resets if w in node.ids]
             if ids:
                 try:
-                    out += self._arrived(node, self._get(node, node.actor.reset.remote(ids)))
+                    out += self._arrived(node, self._answer(node, node.actor.reset.remote(ids)))
                 except _NodeLost as lost:  # its players come back as the replacement's resets
                     self._ready += self._replace(node, str(lost))
         self._resets = []
@@ -220,7 +221,7 @@ class RayPlayerPool:
                 node = pending[ref]
                 node.pending = None
                 try:
-                    out += self._arrived(node, self._get(node, ref))
+                    out += self._arrived(node, self._answer(node, ref))
                 except _NodeLost as lost:
                     out += self._replace(node, str(lost))
         return out
@@ -268,10 +269,18 @@ class RayPlayerPool:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
         the next ``step``) and the answer is ``None``."""
         try:
-            return self._get(node, getattr(node.actor, method).remote(*args))
+            return self._answer(node, getattr(node.actor, method).remote(*args))
         except _NodeLost as lost:
             self._ready += self._replace(node, str(lost))
             return None
+
+    def _answer(self, node: _Node, ref: Any) -> Any:
+        """The value of a node call that answers ``(value, error)``: ``error`` (what its players
+        raised, naming global ids) is raised."""
+        value, error = self._get(node, ref)
+        if error is not None:
+            raise error
+        return value
 
     def _get(self, node: _Node, ref: Any) -> Any:
         """``ray.get`` with the deadline; a dead or silent actor is ``_NodeLost``, a node's own error
@@ -297,6 +306,8 @@ class RayPlayerPool:
             previous = self._last.get(w)
             cut = info.interrupted or interrupted
             action = node.sent.pop(w, None)
+            if cut:
+                self.restarts_seen[w] = self.restarts_seen.get(w, 0) + 1
             info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
                                  action=None if cut else action, interrupted=cut)
             self._last[w] = info
@@ -324,7 +335,7 @@ class RayPlayerPool:
             try:
                 self._start(node, target)
                 node.info = self._get(node, node.actor.info.remote())
-                return self._arrived(node, self._get(node, node.actor.reset.remote()), interrupted=True)
+                return self._arrived(node, self._answer(node, node.actor.reset.remote()), interrupted=True)
             except _NodeLost as lost:
                 why = str(lost)
 

@@ -2,27 +2,42 @@
 its share of the players, through the core's ``SubprocessEnvManager`` (a worker process per
 player, first-ready, deadlines, a killed player restarted alone on the node).
 
-:class:`PlayerNode` is a plain class; the driver runs it as a Ray actor pinned to a node. It
-speaks global worker ids (the trainer's ``worker_id``: port ``base_port + worker_id``, seed
-``seed + worker_id``); its core counts its own slots from 0. It does not import ``ray``.
+:class:`PlayerNode` is a plain class; the driver runs it as a Ray actor. It speaks global worker
+ids (the trainer's ``worker_id``: port ``base_port + worker_id``, seed ``seed + worker_id``; a
+node hosts consecutive ids); its core counts its own slots from 0. It does not import ``ray``.
+
+Every call answers ``(value, error)``: ``error`` is what the node's players raised that no
+restart on the node absorbed (a player past its restart limits, or any failure with restarts
+off), naming the global worker ids; the driver raises it. An exception (or a dead or silent
+actor) is the node's own failure, which the driver's node pool handles (a new node).
+
+A player the node restarted while the driver thought it idle (its worker died during a call on
+other players) is never sent the actions the trainer chose for its old env: its fresh reset is
+returned first, and the trainer acts on that.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import socket
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo, StepResult
+from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.worker_env import WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlobalIds", "PlayerNode"]
+__all__ = ["GlobalIds", "PlayerNode", "Answer"]
 
 ReplayCall = Tuple[str, tuple, dict]
+T = TypeVar("T")
+#: What every call of a node answers: its value, or what its players raised (global ids).
+Answer = Tuple[Optional[T], Optional[BaseException]]
 
 
 class GlobalIds:
@@ -36,20 +51,32 @@ class GlobalIds:
 
 
 class PlayerNode:
-    """The players of worker ids ``ids`` on this node, with their env parameters, engine settings
-    and analytics (``replay_calls``, applied before the first reset and on every restart)."""
+    """The players of worker ids ``ids`` (consecutive) on this node, with their env parameters,
+    engine settings and analytics (``replay_calls``, applied before the first reset and on every
+    restart)."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: Dict[str, Any],
                  replay_calls: Sequence[ReplayCall] = ()) -> None:
         self.ids = list(ids)
+        if self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
+            raise ValueError(f"a node hosts consecutive worker ids, not {self.ids}")
+        self.offset = self.ids[0]
         self.local = {g: i for i, g in enumerate(self.ids)}
-        # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
-        self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
-                                         **{"context": "forkserver", **options})
-        self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"))))
-        self.set_replay_calls(replay_calls)
-        for name, args, kwargs in replay_calls:
-            self.core.call_on(None, name, args, kwargs)
+        self.held: List[StepInfo] = []  # results taken from the core, not handed to the driver yet
+        self.core: Any = None
+        self.players = PlayerProcesses()
+        try:
+            # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
+            self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
+                                             **{"context": "forkserver", **options})
+            self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"))))
+            self.core.set_replay_calls(list(replay_calls))
+            for name, args, kwargs in replay_calls:
+                self.core.call_on(None, name, args, kwargs)
+        except Exception as exc:
+            if self.core is not None:
+                self.core.close()
+            raise with_slot_offset(exc, self.offset) from None
 
     def info(self) -> Dict[str, Any]:
         try:
@@ -59,43 +86,85 @@ class PlayerNode:
         except Exception:  # pragma: no cover - outside Ray
             node_id = None
         workers = [w.pid for w in self.core.workers]
-        return {"ray_node_id": node_id, "pid": os.getpid(), "ids": self.ids, "worker_pids": workers,
-                "player_pids": self.players.pids}
+        return {"ray_node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), "ids": self.ids,
+                "worker_pids": workers, "player_pids": self.players.pids}
 
-    def reset(self, ids: Optional[Sequence[int]] = None) -> List[StepInfo]:
-        """Reset every player (steps in flight dropped), or the idle players ``ids``."""
-        if ids is None:
-            return self._out(self.core.reset())
-        local = [self.local[g] for g in ids]
-        self.core.send_reset({i: (None, None) for i in local})
-        return self._out(self.core.receive_resets(local))
+    # -- the calls (each answers ``(value, error)``) --------------------------------------------
 
-    def step(self, actions: Dict[int, Any], timeout: Optional[float] = None) -> List[StepInfo]:
-        """Send ``actions`` (global id -> env actions, this node's idle players), then return the
-        steps that finished: at least one, within ``timeout`` (the core's deadline by default)."""
-        if actions:
-            self.core.send_step({self.local[g]: a for g, a in actions.items()})
-        return self._out(self.core.receive_steps(timeout))
+    def reset(self, ids: Optional[Sequence[int]] = None) -> Answer[List[StepInfo]]:
+        """Reset every player (steps in flight dropped), or the players ``ids`` (idle ones)."""
+        def run() -> List[StepInfo]:
+            if ids is None:
+                self.held = []
+                return self._out(self.core.reset())
+            local = [self.local[g] for g in ids]
+            self.core.send_reset({i: (None, None) for i in local})
+            return self._out(self.core.receive_resets(local))
 
-    def call_on(self, ids: Optional[Sequence[int]], name: str, args: tuple = ()) -> List[Any]:
-        return self.core.call_on(None if ids is None else [self.local[g] for g in ids], name, args)
+        return self._answer(run)
 
-    def set_replay_calls(self, calls: Sequence[ReplayCall]) -> None:
-        self.core.set_replay_calls(list(calls))
+    def step(self, actions: Dict[int, Any], timeout: Optional[float] = None) -> Answer[List[StepInfo]]:
+        """Send ``actions`` (global id -> env actions, players the driver saw idle), then return
+        the steps that finished: at least one, within ``timeout`` (the core's deadline by default).
 
-    def restart_counts(self) -> Dict[int, int]:
-        return {g: self.core.restart_count(i) for i, g in enumerate(self.ids)}
+        Results the node took meanwhile come first (a call waited for them, or a restarted
+        player's fresh reset); a player with such a result, or still coming back from a restart,
+        is not sent the actions (they were chosen for what the driver saw before)."""
+        def run() -> List[StepInfo]:
+            self._take()
+            waiting = {info.worker_id for info in self.held}
+            idle = set(self.core.idle_worker_ids)
+            send = {}
+            for g, action in actions.items():
+                i = self.local[g]
+                if i in idle and i not in waiting and self.core.failure_of(i) is None:
+                    send[i] = action
+            if send:
+                self.core.send_step(send)
+            out, self.held = self.held, []
+            return self._out(out or self.core.receive_steps(timeout))
+
+        return self._answer(run)
+
+    def call_on(self, ids: Optional[Sequence[int]], name: str, args: tuple = (), replayed: bool = False) -> Answer[List[Any]]:
+        """``name(*args)`` on the players ``ids`` (all: ``None``). ``replayed``: a setting every
+        restart replays (:mod:`envmanager.mlagents.replay`): a player restarted during the call
+        has it from its replay, one restarted before it is reset again with it."""
+        def run() -> Optional[List[Any]]:
+            local = None if ids is None else [self.local[g] for g in ids]
+            if not replayed:
+                return self.core.call_on(local, name, args)
+            call_replayed(self.core, local, name, args)
+            self.held = reset_restarted(self.core, self.held)
+            return None
+
+        return self._answer(run)
+
+    def set_replay_calls(self, calls: Sequence[ReplayCall]) -> Answer[None]:
+        return self._answer(lambda: self.core.set_replay_calls(list(calls)))
 
     def close(self) -> None:
         try:
-            self.core.close()
+            if self.core is not None:
+                self.core.close()
         finally:
             self.players.kill_all()
 
+    # -- internals -----------------------------------------------------------------------------
+
+    def _answer(self, run: Callable[[], T]) -> Answer[T]:
+        try:
+            return run(), None
+        except EnvManagerError as exc:  # the players' failure, as the cluster names them
+            return None, with_slot_offset(exc, self.offset)
+
+    def _take(self) -> None:
+        """Results that came in meanwhile (during a call, a restart's fresh reset), without waiting."""
+        self.held += self.core.receive_steps(min_count=0)
+
     def _out(self, infos: List[StepInfo]) -> List[StepInfo]:
         """Global ids; the previous result and the actions left out (the driver has them); players
-        noted here (a restarted worker's old player is killed on this node, where its pid means
-        something)."""
+        noted here."""
         out = []
         for info in infos:
             gid = self.ids[info.worker_id]
