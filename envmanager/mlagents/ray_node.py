@@ -8,8 +8,13 @@ node hosts consecutive ids); its core counts its own slots from 0. It does not i
 
 Every call answers ``(value, error)``: ``error`` is what the node's players raised that no
 restart on the node absorbed (a player past its restart limits, or any failure with restarts
-off), naming the global worker ids; the driver raises it. An exception (or a dead or silent
-actor) is the node's own failure, which the driver's node pool handles (a new node).
+off), naming the global worker ids; the driver raises it. Players that could not start (a port
+taken, a build missing) are such an error too, answered by :meth:`PlayerNode.info`. An exception
+(or a dead or silent actor) is the node's own failure, which the driver handles (a new node).
+
+A node started in place of a lost one on the same host first kills what the lost one left
+running there (``left_behind``: its env workers, which hold the players' gRPC ports, and its
+players), so the new players can take those ports.
 
 A player the node restarted while the driver thought it idle (its worker died during a call on
 other players) is never sent the actions the trainer chose for its old env: its fresh reset is
@@ -21,12 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
+from envmanager.core.deadline import Deadline
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo, StepResult
 from envmanager.errors import EnvManagerError, with_slot_offset
-from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.player_process import PlayerIdentity, PlayerProcesses, kill_stale_player, process_start_time
 from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.worker_env import WorkerEnvFactory
 
@@ -56,7 +63,8 @@ class PlayerNode:
     restart)."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: Dict[str, Any],
-                 replay_calls: Sequence[ReplayCall] = ()) -> None:
+                 replay_calls: Sequence[ReplayCall] = (),
+                 left_behind: Optional[Tuple[str, List[PlayerIdentity]]] = None) -> None:
         self.ids = list(ids)
         if self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
             raise ValueError(f"a node hosts consecutive worker ids, not {self.ids}")
@@ -65,6 +73,9 @@ class PlayerNode:
         self.held: List[StepInfo] = []  # results taken from the core, not handed to the driver yet
         self.core: Any = None
         self.players = PlayerProcesses()
+        self.start_error: Optional[BaseException] = None  # what the players raised when starting
+        if left_behind is not None and left_behind[0] == socket.gethostname():
+            _kill_left_behind(left_behind[1])
         try:
             # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
             self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
@@ -76,9 +87,17 @@ class PlayerNode:
         except Exception as exc:
             if self.core is not None:
                 self.core.close()
-            raise with_slot_offset(exc, self.offset) from None
+                self.core = None
+            self.players.kill_all()
+            if not isinstance(exc, EnvManagerError):
+                raise with_slot_offset(exc, self.offset) from None
+            self.start_error = with_slot_offset(exc, self.offset)  # the players': answered by info()
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> Answer[Dict[str, Any]]:
+        """Where the node runs and its processes (``processes``: each one's identity, for a
+        replacement on this host to kill), or what its players raised when starting."""
+        if self.start_error is not None:
+            return None, self.start_error
         try:
             import ray
 
@@ -86,8 +105,10 @@ class PlayerNode:
         except Exception:  # pragma: no cover - outside Ray
             node_id = None
         workers = [w.pid for w in self.core.workers]
+        processes = [(pid, process_start_time(pid)) for pid in workers]
+        processes += [p for p in self.players.current.values() if p]
         return {"ray_node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), "ids": self.ids,
-                "worker_pids": workers, "player_pids": self.players.pids}
+                "worker_pids": workers, "player_pids": self.players.pids, "processes": processes}, None
 
     # -- the calls (each answers ``(value, error)``) --------------------------------------------
 
@@ -179,3 +200,24 @@ class PlayerNode:
                                  info.current_result.terminated, info.current_result.truncated, result_info)
             out.append(info._replace(worker_id=gid, previous_result=None, action=None, current_result=current))
         return out
+
+
+def _kill_left_behind(identities: Sequence[PlayerIdentity], wait_s: float = 5.0) -> None:
+    """SIGKILL these processes (same pid and start time) and wait, up to ``wait_s``, until they
+    are gone or zombies (whose ports are free)."""
+    import psutil
+
+    killed = []
+    for identity in identities:
+        if kill_stale_player(identity):
+            logger.warning("killed process %d, left behind by the node this one replaces", identity[0])
+            killed.append(identity[0])
+    deadline = Deadline(wait_s)
+    for pid in killed:
+        while not deadline.passed():
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
