@@ -7,8 +7,9 @@ knows them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
 
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.mlagents.worker_env import UnityPortInUseError
@@ -71,7 +72,7 @@ def port_errors(for_trainer: bool = False) -> Iterator[None]:
         raise
 
 
-_UNITY_TYPES: Dict[type, type] = {}
+_UNITY_TYPES: dict[type, type] = {}
 
 
 def as_unity_error(error: EnvManagerError) -> EnvManagerError:
@@ -94,9 +95,9 @@ def as_unity_error(error: EnvManagerError) -> EnvManagerError:
     return error
 
 
-def find_port_error(exc: BaseException) -> Optional[UnityPortInUseError]:
-    seen: List[BaseException] = []
-    todo: List[Any] = [exc]
+def find_port_error(exc: BaseException) -> UnityPortInUseError | None:
+    seen: list[BaseException] = []
+    todo: list[Any] = [exc]
     while todo:
         e = todo.pop()
         if not isinstance(e, BaseException) or any(e is s for s in seen) or len(seen) > 20:

@@ -15,24 +15,24 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
-from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
+from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
+from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.replay import call_replayed, reset_restarted
+from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
+from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
 from envmanager.mlagents.trainer import (
     cut_stats,
     end_worker_episodes,
-    merge_worker_timers,
     environment_initialized,
     manager_options,
+    merge_worker_timers,
     training_started,
 )
-from envmanager.mlagents.player_process import PlayerProcesses
-from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
-from envmanager.mlagents.replay import call_replayed, reset_restarted
-from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
@@ -75,34 +75,34 @@ class MLAgentsEnvManager:
         max_lifetime_restarts: int = 10,
         restarts_rate_limit_n: int = 1,
         restarts_rate_limit_period_s: float = 60.0,
-        context: Optional[str] = None,
+        context: str | None = None,
         training_analytics: bool = False,
     ) -> None:
         self._closed = True
         self.run_options: Any = None
         self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
         self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
-        self._analytics: List[bytes] = []
+        self._analytics: list[bytes] = []
         self._manager: Any = None  # the core's SubprocessEnvManager (or the Ray variant's pool)
-        self.policies: Dict[str, Any] = {}
-        self.agent_managers: Dict[str, Any] = {}
-        self.first_step_infos: List[EnvironmentStep] = []
-        self.env_parameters: Dict[str, Any] = {}
-        self.engine_config: Dict[str, Any] = normalize_engine_config(engine_config)
-        self.training_started: Dict[str, Any] = {}  # behavior_name -> trainer_settings
-        self._engine_overrides: Dict[str, Any] = {}
-        self._specs: Dict[int, Dict[str, Any]] = {}
-        self._last: Dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
-        self._held: List[StepInfo] = []  # results taken from the workers, not handed out yet
+        self.policies: dict[str, Any] = {}
+        self.agent_managers: dict[str, Any] = {}
+        self.first_step_infos: list[EnvironmentStep] = []
+        self.env_parameters: dict[str, Any] = {}
+        self.engine_config: dict[str, Any] = normalize_engine_config(engine_config)
+        self.training_started: dict[str, Any] = {}  # behavior_name -> trainer_settings
+        self._engine_overrides: dict[str, Any] = {}
+        self._specs: dict[int, dict[str, Any]] = {}
+        self._last: dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
+        self._held: list[StepInfo] = []  # results taken from the workers, not handed out yet
         self._players = PlayerProcesses()
-        core_options: Dict[str, Any] = dict(
-            context=context or default_context(),
-            timeout=timeout,
-            restart_workers=restart_workers,
-            max_lifetime_restarts=max_lifetime_restarts,
-            restarts_rate_limit_n=restarts_rate_limit_n,
-            restarts_rate_limit_period_s=restarts_rate_limit_period_s,
-        )
+        core_options: dict[str, Any] = {
+            "context": context or default_context(),
+            "timeout": timeout,
+            "restart_workers": restart_workers,
+            "max_lifetime_restarts": max_lifetime_restarts,
+            "restarts_rate_limit_n": restarts_rate_limit_n,
+            "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
+        }
         with port_errors():
             self._manager = self._start_core(
                 WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
@@ -118,8 +118,8 @@ class MLAgentsEnvManager:
 
     @classmethod
     def from_run_options(
-        cls, env_factory: EnvFactory, run_options: Any, n_env: Optional[int] = None, **overrides: Any
-    ) -> "MLAgentsEnvManager":
+        cls, env_factory: EnvFactory, run_options: Any, n_env: int | None = None, **overrides: Any
+    ) -> MLAgentsEnvManager:
         """A manager set up as ML-Agents' trainer sets up its own: the same call as
         ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager(env_factory, run_options, n_env)``.
 
@@ -128,7 +128,7 @@ class MLAgentsEnvManager:
         ``n_env`` defaults to its ``env_settings.num_envs``. Worker 0's player gets ML-Agents'
         training analytics. ``overrides`` replace any constructor argument (``timeout=...``).
         """
-        options: Dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
+        options: dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
         manager = cls(env_factory, run_options.env_settings.num_envs if n_env is None else n_env, **options)
         try:
             manager.run_options = run_options
@@ -141,7 +141,7 @@ class MLAgentsEnvManager:
             raise
         return manager
 
-    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
+    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
         """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
         # DecisionSteps/TerminalSteps are pickled (no shared memory)
         return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, **options)
@@ -181,14 +181,14 @@ class MLAgentsEnvManager:
             self._send_analytics(training_started(self.run_options, behavior_name, trainer_settings))
 
     @property
-    def training_behaviors(self) -> Dict[str, Any]:
+    def training_behaviors(self) -> dict[str, Any]:
         """The ``BehaviorSpec`` of every behaviour seen by any worker."""
-        merged: Dict[str, Any] = {}
+        merged: dict[str, Any] = {}
         for worker_id in sorted(self._specs):
             merged.update(self._specs[worker_id])
         return merged
 
-    def reset(self, config: Optional[Mapping[str, Any]] = None) -> int:
+    def reset(self, config: Mapping[str, Any] | None = None) -> int:
         """Apply ``config`` (environment parameters), reset every env; returns their number.
 
         The reset results wait in ``first_step_infos`` (handed to the agent managers by the next
@@ -205,7 +205,7 @@ class MLAgentsEnvManager:
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
 
-    def set_env_parameters(self, config: Optional[Mapping[str, Any]] = None) -> None:
+    def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
         """Send environment parameters to every worker; they reach the players with the next
         message. A restarted worker gets all parameters set so far before its reset.
 
@@ -229,7 +229,7 @@ class MLAgentsEnvManager:
         self._engine_overrides.update(values)
         self._set_everywhere("set_engine_config", values)
 
-    def get_steps(self) -> List[EnvironmentStep]:
+    def get_steps(self) -> list[EnvironmentStep]:
         """Step every idle worker with the policies' actions; return the finished workers' steps.
 
         Blocks (with the deadline) until at least one worker finished. A restarted worker comes
@@ -259,7 +259,7 @@ class MLAgentsEnvManager:
         merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
         return steps
 
-    def process_steps(self, new_step_infos: List[EnvironmentStep]) -> int:
+    def process_steps(self, new_step_infos: list[EnvironmentStep]) -> int:
         """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""
         return self._process_step_infos(new_step_infos)
 
@@ -285,17 +285,17 @@ class MLAgentsEnvManager:
         return self._closed
 
     @property
-    def player_pids(self) -> Dict[int, Optional[int]]:
+    def player_pids(self) -> dict[int, int | None]:
         """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
         return self._players.pids
 
     @property
-    def restart_counts(self) -> List[int]:
+    def restart_counts(self) -> list[int]:
         """How often each worker was restarted."""
         m = self.manager
         return [m.restart_count(w) for w in m.worker_ids]
 
-    def __enter__(self) -> "MLAgentsEnvManager":
+    def __enter__(self) -> MLAgentsEnvManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -314,12 +314,12 @@ class MLAgentsEnvManager:
         if self._closed:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
 
-    def _healthy_worker_ids(self) -> List[int]:
+    def _healthy_worker_ids(self) -> list[int]:
         m = self.manager
         return [w for w in m.worker_ids if m.failure_of(w) is None]
 
     def _update_replay_calls(self) -> None:
-        calls: List[Tuple[str, tuple, dict]] = []
+        calls: list[tuple[str, tuple, dict]] = []
         if self._engine_overrides:
             calls.append(("set_engine_config", (dict(self._engine_overrides),), {}))
         if self.env_parameters:
@@ -328,7 +328,7 @@ class MLAgentsEnvManager:
             calls.append(("send_analytics", (list(self._analytics),), {}))
         self.manager.set_replay_calls(calls)
 
-    def _set_everywhere(self, method: str, values: Dict[str, Any]) -> None:
+    def _set_everywhere(self, method: str, values: dict[str, Any]) -> None:
         """``method(values)`` on every worker's env (queued for its player's next message), and
         on every restarted worker from now on (:mod:`envmanager.mlagents.replay`): a worker
         restarted during the call has it from its replay; one restarted before it whose fresh
@@ -340,7 +340,7 @@ class MLAgentsEnvManager:
             call_replayed(m, self._healthy_worker_ids(), method, (values,))
             self._held = reset_restarted(m, self._held)
 
-    def _send_analytics(self, payloads: List[bytes]) -> None:
+    def _send_analytics(self, payloads: list[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
             with port_errors(self._for_trainer):  # replayed too: worker 0 announces itself again
                 call_replayed(self.manager, [0], "send_analytics", (payloads,))
@@ -368,8 +368,8 @@ class MLAgentsEnvManager:
         if info is None:
             raise InvalidInputError(f"worker {worker_id} must be reset before it is stepped")
         specs = self._specs.get(worker_id) or self.training_behaviors
-        action_infos: Dict[str, ActionInfo] = {}
-        env_actions: Dict[str, Any] = {}
+        action_infos: dict[str, ActionInfo] = {}
+        env_actions: dict[str, Any] = {}
         for name, (decision_steps, _) in info.current_result.observation.items():
             policy = self.policies.get(name)
             if policy is None:
@@ -422,7 +422,7 @@ class MLAgentsEnvManager:
         logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
                        worker_id, agents, dropped)
 
-    def _process_step_infos(self, step_infos: List[EnvironmentStep]) -> int:
+    def _process_step_infos(self, step_infos: list[EnvironmentStep]) -> int:
         for step in step_infos:
             if step.interrupted and self.agent_managers:
                 self._cut_episodes(step.worker_id)

@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import subprocess
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -17,18 +17,18 @@ __all__ = ["PlayerIdentity", "PlayerProcesses", "shutdown_env", "player_identity
            "process_start_time"]
 
 #: ``(pid, start time)`` of a launched player, to recognise it later without mistaking a reused pid.
-PlayerIdentity = Tuple[int, Optional[float]]
+PlayerIdentity = tuple[int, float | None]
 
 
 class PlayerProcesses:
     """Each worker's current player, and the players of restarted workers (their workers were
     killed: nobody will ever talk to them again, so they are killed)."""
 
-    def __init__(self, players: Optional[Dict[int, Optional[PlayerIdentity]]] = None) -> None:
-        self.current: Dict[int, Optional[PlayerIdentity]] = dict(players or {})
-        self.stale: List[PlayerIdentity] = []
+    def __init__(self, players: dict[int, PlayerIdentity | None] | None = None) -> None:
+        self.current: dict[int, PlayerIdentity | None] = dict(players or {})
+        self.stale: list[PlayerIdentity] = []
 
-    def note(self, worker_id: int, player: Optional[PlayerIdentity]) -> None:
+    def note(self, worker_id: int, player: PlayerIdentity | None) -> None:
         """Worker ``worker_id`` reported ``player`` (with a reset): a new one replaces the old."""
         old = self.current.get(worker_id)
         if old and old != player:
@@ -45,12 +45,12 @@ class PlayerProcesses:
     def kill_all(self) -> None:
         """After the workers were closed: kill any player still running (its worker was killed)."""
         for identity in [*self.current.values(), *self.stale]:
-            if kill_stale_player(identity):
+            if identity and kill_stale_player(identity):
                 logger.warning("killed player process %d left behind by its worker", identity[0])
         self.current, self.stale = {}, []
 
     @property
-    def pids(self) -> Dict[int, Optional[int]]:
+    def pids(self) -> dict[int, int | None]:
         """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
         return {w: (identity[0] if identity else None) for w, identity in sorted(self.current.items())}
 
@@ -69,7 +69,7 @@ def shutdown_env(env: Any, timeout: float = 5.0) -> None:
     if UnityEnvironment is None or not isinstance(env, UnityEnvironment):
         env.close()
         return
-    proc: Optional[subprocess.Popen] = getattr(env, "_process", None)
+    proc: subprocess.Popen | None = getattr(env, "_process", None)
     comm = getattr(env, "_communicator", None)
     try:
         env._close(timeout=timeout)  # status 400 to the player, wait, kill
@@ -107,7 +107,7 @@ def _release_communicator(comm: Any) -> None:
                 pass
 
 
-def process_start_time(pid: int) -> Optional[float]:
+def process_start_time(pid: int) -> float | None:
     """When process ``pid`` started (an opaque number), or ``None`` if it is gone or unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -123,7 +123,7 @@ def process_start_time(pid: int) -> Optional[float]:
         return None
 
 
-def player_identity(env: Any) -> Optional[PlayerIdentity]:
+def player_identity(env: Any) -> PlayerIdentity | None:
     proc = getattr(env, "_process", None)
     pid = getattr(proc, "pid", None)
     if not isinstance(pid, int):
@@ -131,7 +131,7 @@ def player_identity(env: Any) -> Optional[PlayerIdentity]:
     return (pid, process_start_time(pid))
 
 
-def kill_stale_player(identity: Optional[PlayerIdentity]) -> bool:
+def kill_stale_player(identity: PlayerIdentity | None) -> bool:
     """SIGKILL a player left behind by a killed worker, if it still runs (same pid *and* start)."""
     if not identity or identity[1] is None:
         return False

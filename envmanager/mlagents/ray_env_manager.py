@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -58,7 +59,7 @@ class RayPlayerError(EnvManagerError):
     start (``cause``: what its players raised then, naming the trainer's worker ids), or raised.
     ``node``: the node's index; ``worker_ids``: the trainer's worker ids it hosts."""
 
-    def __init__(self, node: int, worker_ids: Sequence[int], message: str, cause: Optional[BaseException] = None) -> None:
+    def __init__(self, node: int, worker_ids: Sequence[int], message: str, cause: BaseException | None = None) -> None:
         self.node, self.worker_ids, self.cause = node, list(worker_ids), cause
         super().__init__(message)
 
@@ -66,14 +67,14 @@ class RayPlayerError(EnvManagerError):
 @dataclass
 class _Node:
     index: int
-    ids: List[int]
+    ids: list[int]
     ray_node_id: str
     actor: Any = None
     pending: Any = None  # the step request in flight
-    deadline: Optional[Deadline] = None  # the pending request's: from when it was sent
-    idle: Set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
-    sent: Dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
-    info: Dict[str, Any] = field(default_factory=dict)
+    deadline: Deadline | None = None  # the pending request's: from when it was sent
+    idle: set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
+    sent: dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
+    info: dict[str, Any] = field(default_factory=dict)
 
     def name(self) -> str:
         return f"Ray node {self.index} (worker ids {self.ids}, Ray node {self.ray_node_id})"
@@ -86,25 +87,25 @@ class RayPlayerPool:
     live Ray node (at most ``n_env``). Actors are placed on the live nodes in turn."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *,
-                 address: Optional[str] = None, ray_init: Optional[Dict[str, Any]] = None, timeout: float = 120.0,
+                 address: str | None = None, ray_init: dict[str, Any] | None = None, timeout: float = 120.0,
                  restart_workers: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 1,
-                 restarts_rate_limit_period_s: float = 60.0, context: Optional[str] = None,
-                 n_nodes: Optional[int] = None) -> None:
+                 restarts_rate_limit_period_s: float = 60.0, context: str | None = None,
+                 n_nodes: int | None = None) -> None:
         self.n_env, self.worker_factory = int(n_env), worker_factory
         self.worker_ids = list(range(self.n_env))
         self.deadline_s = float(timeout) + RAY_MARGIN
         self.start_s = float(timeout) + RAY_MARGIN + RAY_START_MARGIN
-        self.options = dict(timeout=timeout, restart_workers=restart_workers, max_lifetime_restarts=max_lifetime_restarts,
-                            restarts_rate_limit_n=restarts_rate_limit_n,
-                            restarts_rate_limit_period_s=restarts_rate_limit_period_s)
+        self.options = {"timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
+                        "restarts_rate_limit_n": restarts_rate_limit_n,
+                        "restarts_rate_limit_period_s": restarts_rate_limit_period_s}
         self.restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
-        self.replay_calls: List[Tuple[str, tuple, dict]] = []
-        self.nodes: List[_Node] = []
-        self._last: Dict[int, StepInfo] = {}
-        self._ready: List[StepInfo] = []
-        self._resets: List[int] = []
-        self._failures: Dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
-        self.restarts_seen: Dict[int, int] = {}  # worker id -> its fresh resets after a restart
+        self.replay_calls: list[tuple[str, tuple, dict]] = []
+        self.nodes: list[_Node] = []
+        self._last: dict[int, StepInfo] = {}
+        self._ready: list[StepInfo] = []
+        self._resets: list[int] = []
+        self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
+        self.restarts_seen: dict[int, int] = {}  # worker id -> its fresh resets after a restart
         self._started_ray = False
         self._closed = False
         if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
@@ -131,8 +132,8 @@ class RayPlayerPool:
             raise
 
     # -- the core's interface, as MLAgentsEnvManager uses it -----------------------------------
-    def call(self, name: str) -> List[Any]:
-        found: Dict[int, Any] = {}
+    def call(self, name: str) -> list[Any]:
+        found: dict[int, Any] = {}
         for node in self.nodes:
             answer = self._call(node, "call_on", None, name)
             if answer is None:  # the node was lost and replaced: ask its replacement
@@ -142,14 +143,14 @@ class RayPlayerPool:
             found.update(zip(node.ids, answer, strict=True))
         return [found[w] for w in self.worker_ids]
 
-    def get_attr(self, name: str) -> List[Any]:
+    def get_attr(self, name: str) -> list[Any]:
         """Players live on the nodes, where their processes are looked after: nothing here."""
         return [None] * self.n_env
 
-    def call_on(self, worker_ids: Sequence[int], name: str, args: tuple = ()) -> List[Any]:
+    def call_on(self, worker_ids: Sequence[int], name: str, args: tuple = ()) -> list[Any]:
         """``name(*args)`` on the given players' envs; a node lost meanwhile is replaced (its new
         players get the replay calls, which hold what is being set) and answers ``None``."""
-        found: Dict[int, Any] = {}
+        found: dict[int, Any] = {}
         replayed = name in {n for n, _, _ in self.replay_calls}  # a setting every restart replays
         for node in self.nodes:
             ids = [w for w in worker_ids if w in node.ids]
@@ -158,12 +159,12 @@ class RayPlayerPool:
                 found.update(zip(ids, answer or [None] * len(ids), strict=True))
         return [found[w] for w in worker_ids]
 
-    def set_replay_calls(self, calls: Sequence[Tuple[str, tuple, dict]]) -> None:
+    def set_replay_calls(self, calls: Sequence[tuple[str, tuple, dict]]) -> None:
         self.replay_calls = list(calls)
         for node in self.nodes:
             self._call(node, "set_replay_calls", self.replay_calls)
 
-    def failure_of(self, worker_id: int) -> Optional[EnvManagerError]:
+    def failure_of(self, worker_id: int) -> EnvManagerError | None:
         """What its node's players raised for ``worker_id`` (past its limits on the node), if any."""
         return self._failures.get(worker_id)
 
@@ -171,12 +172,12 @@ class RayPlayerPool:
         """How often the player was restarted: on its node, or with its node."""
         return self.restarts_seen.get(worker_id, 0)
 
-    def reset(self) -> List[StepInfo]:
+    def reset(self) -> list[StepInfo]:
         """Reset every player (steps in flight are waited out, each to its node's deadline, and
         dropped); a node lost meanwhile is replaced, its players' fresh resets are its resets."""
         self._check_open()
-        out: List[StepInfo] = []
-        lost: List[Tuple[_Node, str]] = []
+        out: list[StepInfo] = []
+        lost: list[tuple[_Node, str]] = []
         for node in self.nodes:
             if node.pending is not None:
                 try:
@@ -198,11 +199,11 @@ class RayPlayerPool:
                 out += self._replace(node, str(exc))
         return sorted(out, key=lambda info: info.worker_id)
 
-    def send_reset(self, seeds_and_options: Dict[int, Tuple[Any, Any]]) -> None:
+    def send_reset(self, seeds_and_options: dict[int, tuple[Any, Any]]) -> None:
         """Reset these players (seeds and options are the players' own): done by ``receive_resets``."""
         self._resets = sorted(seeds_and_options)
 
-    def receive_resets(self, worker_ids: Sequence[int]) -> List[StepInfo]:
+    def receive_resets(self, worker_ids: Sequence[int]) -> list[StepInfo]:
         """The fresh resets of the players ``send_reset`` named (idle ones), from every node at once."""
         resetting = []
         for node in self.nodes:
@@ -210,7 +211,7 @@ class RayPlayerPool:
             if ids:
                 resetting.append((node, node.actor.reset.remote(ids)))
         self._resets = []
-        out: List[StepInfo] = []
+        out: list[StepInfo] = []
         for node, ref in resetting:
             try:
                 out += self._arrived(node, self._answer(node, ref))
@@ -219,21 +220,21 @@ class RayPlayerPool:
         return sorted(out, key=lambda info: info.worker_id)
 
     @property
-    def idle_worker_ids(self) -> List[int]:
+    def idle_worker_ids(self) -> list[int]:
         """Players whose last step arrived, on nodes with no request in flight: they can be sent
         actions now."""
         return sorted(w for node in self.nodes if node.pending is None for w in node.idle)
 
     @property
-    def waiting_worker_ids(self) -> List[int]:
+    def waiting_worker_ids(self) -> list[int]:
         """Players with a step in flight."""
         return sorted(w for node in self.nodes if node.pending is not None for w in node.sent)
 
-    def send_step(self, actions: Dict[int, Any]) -> None:
+    def send_step(self, actions: dict[int, Any]) -> None:
         """Send ``actions`` (worker id -> the env's actions; idle players only), one request per
         node; each request's deadline runs from now."""
         self._check_open()
-        by_node: Dict[int, Dict[int, Any]] = {}
+        by_node: dict[int, dict[int, Any]] = {}
         for w, action in actions.items():
             node = self._node_of(w)
             if node.pending is not None or w not in node.idle:
@@ -247,7 +248,7 @@ class RayPlayerPool:
                 node.idle -= set(sent)
                 node.sent.update(sent)
 
-    def receive_steps(self, min_count: int = 1) -> List[StepInfo]:
+    def receive_steps(self, min_count: int = 1) -> list[StepInfo]:
         """The steps that finished: at least ``min_count`` (0: only what is in already), from
         whichever nodes answer first, waiting at most until the nearest node's deadline at a
         time. Every node past its own deadline is replaced, whether or not others answered."""
@@ -266,7 +267,7 @@ class RayPlayerPool:
                     done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 hung = [node for ref, node in pending.items() if ref not in done and node.deadline is not None
                         and node.deadline.passed()]  # judged now, before any replacement takes time
-                error: Optional[EnvManagerError] = None
+                error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]
                     node.pending = node.deadline = None
@@ -304,7 +305,7 @@ class RayPlayerPool:
                 self._started_ray = False
                 ray.shutdown()
 
-    def node_info(self) -> List[Dict[str, Any]]:
+    def node_info(self) -> list[dict[str, Any]]:
         return [dict(n.info, index=n.index) for n in self.nodes]
 
     # -- internals ---------------------------------------------------------------------------
@@ -322,7 +323,7 @@ class RayPlayerPool:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node.ray_node_id = ray_node_id
-        node.actor = _Actor.options(  # type: ignore[attr-defined]  # ray.remote's ActorClass
+        node.actor = _Actor.options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
         ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
         node.idle, node.sent, node.info = set(node.ids), {}, {}
@@ -357,7 +358,7 @@ class RayPlayerPool:
             self._ready += self._replace(node, str(lost))
             return None
 
-    def _answer(self, node: _Node, ref: Any, timeout: Optional[float] = None) -> Any:
+    def _answer(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
         """The value of a node call that answers ``(value, error)``: ``error`` (what its players
         raised, naming the trainer's worker ids) is noted for ``failure_of`` and raised."""
         value, error = self._get(node, ref, timeout)
@@ -368,7 +369,7 @@ class RayPlayerPool:
             raise error
         return value
 
-    def _get(self, node: _Node, ref: Any, timeout: Optional[float] = None) -> Any:
+    def _get(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
         """``ray.get`` within ``timeout`` (default: a deadline from now); a dead or silent actor is
         ``_NodeLost``, a node's own error is ``RayPlayerError``."""
         try:
@@ -380,7 +381,7 @@ class RayPlayerPool:
         except RayError as exc:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
 
-    def _arrived(self, node: _Node, infos: List[StepInfo], interrupted: bool = False) -> List[StepInfo]:
+    def _arrived(self, node: _Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
         """A node's answer as the trainer's steps: global ids (the node's), the previous result
         and the actions sent (the driver's: the very objects the policy made)."""
         out = []
@@ -398,7 +399,7 @@ class RayPlayerPool:
             out.append(info)
         return out
 
-    def _replace(self, node: _Node, why: str) -> List[StepInfo]:
+    def _replace(self, node: _Node, why: str) -> list[StepInfo]:
         """Start ``node``'s worker ids anew (on another Ray node if there is one), within the
         restart limits; their fresh resets (interrupted). Else, or if the new one cannot start,
         ``RayPlayerError`` names the node and its worker ids."""
@@ -410,12 +411,13 @@ class RayPlayerPool:
         old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
         self._kill(node)
         alive = _alive_nodes(exclude=old) or _alive_nodes()
-        busy: Dict[str, int] = {}
+        busy: dict[str, int] = {}
         for n in self.nodes:
             if n is not node:
                 busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
         target = min(alive, key=lambda nid: busy.get(nid, 0))
-        logger.warning("%s lost (%s): restarting its players on Ray node %s", node.name(), why, target)
+        logger.warning("Ray node %d (worker ids %s) lost: restarting its players on Ray node %s (%s)",
+                       node.index, node.ids, target, why)
         self._start(node, target, left_behind)
         self._await_start(node)
         try:
@@ -431,7 +433,7 @@ class _NodeLost(Exception):
     """A node's actor died or missed its deadline (never leaves :class:`RayPlayerPool`)."""
 
 
-def _alive_nodes(exclude: Optional[str] = None, wait_s: float = 10.0) -> List[str]:
+def _alive_nodes(exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
     """Ids of the cluster's live nodes (the head's first), waiting up to ``wait_s`` for one."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -452,15 +454,18 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
     per live Ray node). A session it started is shut down by :meth:`close`.
     """
 
-    def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: Optional[str] = None,
-                 ray_init: Optional[Dict[str, Any]] = None, n_nodes: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: str | None = None,
+                 ray_init: dict[str, Any] | None = None, n_nodes: int | None = None, **kwargs: Any) -> None:
         self._address, self._ray_init, self._n_nodes = address, dict(ray_init or {}), n_nodes
         super().__init__(env_factory, n_env, **kwargs)
 
-    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
+    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
         return RayPlayerPool(worker_factory, n_env, address=self._address,
                              ray_init=self._ray_init, n_nodes=self._n_nodes, **options)
 
-    def node_info(self) -> List[Dict[str, Any]]:
+    def node_info(self) -> list[dict[str, Any]]:
         """Per node: its Ray node id, actor pid, worker ids, worker and player pids."""
-        return self.manager.node_info()
+        pool = self.manager
+        if not isinstance(pool, RayPlayerPool):  # pragma: no cover - _start_core made it
+            raise TypeError(f"not a RayPlayerPool: {pool!r}")
+        return pool.node_info()

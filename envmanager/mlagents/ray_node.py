@@ -27,7 +27,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.manager import SubprocessEnvManager
@@ -41,10 +42,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GlobalIds", "PlayerNode", "Answer"]
 
-ReplayCall = Tuple[str, tuple, dict]
+ReplayCall = tuple[str, tuple, dict]
 T = TypeVar("T")
 #: What every call of a node answers: its value, or what its players raised (global ids).
-Answer = Tuple[Optional[T], Optional[BaseException]]
+Answer = tuple[T | None, BaseException | None]
 
 
 class GlobalIds:
@@ -62,25 +63,25 @@ class PlayerNode:
     engine settings and analytics (``replay_calls``, applied before the first reset and on every
     restart)."""
 
-    def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: Dict[str, Any],
+    def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: dict[str, Any],
                  replay_calls: Sequence[ReplayCall] = (),
-                 left_behind: Optional[Tuple[str, List[PlayerIdentity]]] = None) -> None:
+                 left_behind: tuple[str, list[PlayerIdentity]] | None = None) -> None:
         self.ids = list(ids)
         if self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
             raise ValueError(f"a node hosts consecutive worker ids, not {self.ids}")
         self.offset = self.ids[0]
         self.local = {g: i for i, g in enumerate(self.ids)}
-        self.held: List[StepInfo] = []  # results taken from the core, not handed to the driver yet
+        self.held: list[StepInfo] = []  # results taken from the core, not handed to the driver yet
         self.core: Any = None
         self.players = PlayerProcesses()
-        self.start_error: Optional[BaseException] = None  # what the players raised when starting
+        self.start_error: BaseException | None = None  # what the players raised when starting
         if left_behind is not None and left_behind[0] == socket.gethostname():
             _kill_left_behind(left_behind[1])
         try:
             # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
             self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
                                              **{"context": "forkserver", **options})
-            self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"))))
+            self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"), strict=True)))
             self.core.set_replay_calls(list(replay_calls))
             for name, args, kwargs in replay_calls:
                 self.core.call_on(None, name, args, kwargs)
@@ -93,7 +94,7 @@ class PlayerNode:
                 raise with_slot_offset(exc, self.offset) from None
             self.start_error = with_slot_offset(exc, self.offset)  # the players': answered by info()
 
-    def info(self) -> Answer[Dict[str, Any]]:
+    def info(self) -> Answer[dict[str, Any]]:
         """Where the node runs and its processes (``processes``: each one's identity, for a
         replacement on this host to kill), or what its players raised when starting."""
         if self.start_error is not None:
@@ -101,7 +102,7 @@ class PlayerNode:
         try:
             import ray
 
-            node_id: Optional[str] = ray.get_runtime_context().get_node_id()
+            node_id: str | None = ray.get_runtime_context().get_node_id()
         except Exception:  # pragma: no cover - outside Ray
             node_id = None
         workers = [w.pid for w in self.core.workers]
@@ -112,26 +113,26 @@ class PlayerNode:
 
     # -- the calls (each answers ``(value, error)``) --------------------------------------------
 
-    def reset(self, ids: Optional[Sequence[int]] = None) -> Answer[List[StepInfo]]:
+    def reset(self, ids: Sequence[int] | None = None) -> Answer[list[StepInfo]]:
         """Reset every player (steps in flight dropped), or the players ``ids`` (idle ones)."""
-        def run() -> List[StepInfo]:
+        def run() -> list[StepInfo]:
             if ids is None:
                 self.held = []
                 return self._out(self.core.reset())
             local = [self.local[g] for g in ids]
-            self.core.send_reset({i: (None, None) for i in local})
+            self.core.send_reset(dict.fromkeys(local, (None, None)))
             return self._out(self.core.receive_resets(local))
 
         return self._answer(run)
 
-    def step(self, actions: Dict[int, Any], timeout: Optional[float] = None) -> Answer[List[StepInfo]]:
+    def step(self, actions: dict[int, Any], timeout: float | None = None) -> Answer[list[StepInfo]]:
         """Send ``actions`` (global id -> env actions, players the driver saw idle), then return
         the steps that finished: at least one, within ``timeout`` (the core's deadline by default).
 
         Results the node took meanwhile come first (a call waited for them, or a restarted
         player's fresh reset); a player with such a result, or still coming back from a restart,
         is not sent the actions (they were chosen for what the driver saw before)."""
-        def run() -> List[StepInfo]:
+        def run() -> list[StepInfo]:
             self._take()
             waiting = {info.worker_id for info in self.held}
             idle = set(self.core.idle_worker_ids)
@@ -147,11 +148,11 @@ class PlayerNode:
 
         return self._answer(run)
 
-    def call_on(self, ids: Optional[Sequence[int]], name: str, args: tuple = (), replayed: bool = False) -> Answer[List[Any]]:
+    def call_on(self, ids: Sequence[int] | None, name: str, args: tuple = (), replayed: bool = False) -> Answer[list[Any]]:
         """``name(*args)`` on the players ``ids`` (all: ``None``). ``replayed``: a setting every
         restart replays (:mod:`envmanager.mlagents.replay`): a player restarted during the call
         has it from its replay, one restarted before it is reset again with it."""
-        def run() -> Optional[List[Any]]:
+        def run() -> list[Any] | None:
             local = None if ids is None else [self.local[g] for g in ids]
             if not replayed:
                 return self.core.call_on(local, name, args)
@@ -183,7 +184,7 @@ class PlayerNode:
         """Results that came in meanwhile (during a call, a restart's fresh reset), without waiting."""
         self.held += self.core.receive_steps(min_count=0)
 
-    def _out(self, infos: List[StepInfo]) -> List[StepInfo]:
+    def _out(self, infos: list[StepInfo]) -> list[StepInfo]:
         """Global ids; the previous result and the actions left out (the driver has them); players
         noted here."""
         out = []

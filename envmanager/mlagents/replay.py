@@ -11,7 +11,8 @@ core's workers: what ``MLAgentsEnvManager`` does on this machine and each Ray no
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from envmanager.core.results import StepInfo
 from envmanager.errors import RestartLimitError, WorkerDiedError, WorkerTimeoutError
@@ -19,7 +20,7 @@ from envmanager.errors import RestartLimitError, WorkerDiedError, WorkerTimeoutE
 __all__ = ["call_replayed", "reset_restarted", "replace_reset"]
 
 
-def call_replayed(manager: Any, worker_ids: Optional[Sequence[int]], name: str, args: tuple) -> None:
+def call_replayed(manager: Any, worker_ids: Sequence[int] | None, name: str, args: tuple) -> None:
     """``name(*args)`` on the envs of ``worker_ids`` (a core manager's); a worker restarted
     meanwhile (not given up) has it from its replay."""
     try:
@@ -31,14 +32,14 @@ def call_replayed(manager: Any, worker_ids: Optional[Sequence[int]], name: str, 
             raise
 
 
-def reset_restarted(manager: Any, held: List[StepInfo]) -> List[StepInfo]:
+def reset_restarted(manager: Any, held: list[StepInfo]) -> list[StepInfo]:
     """``held`` (results taken, not handed on yet) and what else came in, with every restarted
     worker's fresh reset among them made again (:func:`replace_reset`)."""
     held = held + manager.receive_steps(min_count=0)
     stale = sorted({info.worker_id for info in held if info.interrupted})
     if not stale:
         return held
-    manager.send_reset({w: (None, None) for w in stale})
+    manager.send_reset(dict.fromkeys(stale, (None, None)))
     fresh = {info.worker_id: info for info in manager.receive_resets(stale)}
     return [replace_reset(info, fresh.pop(info.worker_id)) if info.interrupted and info.worker_id in fresh else info
             for info in held]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any
 
 from envmanager.errors import InvalidInputError
 
@@ -28,7 +28,7 @@ SAMPLERS = {
 }
 
 
-def normalize_env_parameters(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+def normalize_env_parameters(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check environment parameters; return them as floats, sampler dicts or ML-Agents settings.
 
     A value is a number (``set_float_parameter``), an object with ``apply(key, channel)`` (ML-Agents'
@@ -41,7 +41,7 @@ def normalize_env_parameters(config: Optional[Mapping[str, Any]]) -> Dict[str, A
         return {}
     if not isinstance(config, Mapping):
         raise InvalidInputError(f"environment parameters must be a mapping, got {type(config).__name__}")
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key, value in config.items():
         if not isinstance(key, str) or not key:
             raise InvalidInputError(f"environment parameter names must be non-empty strings, got {key!r}")
@@ -97,12 +97,12 @@ def apply_env_parameter(channel: Any, key: str, value: Any) -> None:
         value.apply(key, channel)
 
 
-def normalize_engine_config(config: Any = None, **fields: Any) -> Dict[str, Any]:
+def normalize_engine_config(config: Any = None, **fields: Any) -> dict[str, Any]:
     """Check an engine configuration (an ``EngineConfig``, a dict and/or keyword fields).
 
     Returns the fields that are set, with their types fixed; ``width`` and ``height`` go together.
     """
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     if config is not None:
         if hasattr(config, "_asdict"):
             values.update(config._asdict())
@@ -114,7 +114,7 @@ def normalize_engine_config(config: Any = None, **fields: Any) -> Dict[str, Any]
     unknown = sorted(set(values) - set(ENGINE_FIELDS))
     if unknown:
         raise InvalidInputError(f"unknown engine config fields {unknown}; known: {list(ENGINE_FIELDS)}")
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, value in values.items():
         if value is None:
             continue

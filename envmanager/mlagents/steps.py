@@ -7,14 +7,15 @@ the request to one worker: the actions, with the ActionInfos they came from.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 __all__ = ["ActionInfo", "EnvironmentStep", "SentActions", "AllStepResult", "EnvironmentStats"]
 
 #: ``behavior_name -> (DecisionSteps, TerminalSteps)``
-AllStepResult = Dict[str, Tuple[Any, Any]]
+AllStepResult = dict[str, tuple[Any, Any]]
 #: ``stat key -> [(value, StatsAggregationMethod), ...]``, as ``StatsSideChannel.get_and_reset_stats()``
-EnvironmentStats = Dict[str, List[Tuple[float, Any]]]
+EnvironmentStats = dict[str, list[tuple[float, Any]]]
 
 
 class ActionInfo(NamedTuple):
@@ -27,15 +28,15 @@ class ActionInfo(NamedTuple):
 
     action: Any
     env_action: Any
-    outputs: Dict[str, Any]
-    agent_ids: List[int]
+    outputs: dict[str, Any]
+    agent_ids: list[int]
 
     @staticmethod
-    def empty() -> "ActionInfo":
+    def empty() -> ActionInfo:
         return ActionInfo([], [], {}, [])
 
     @staticmethod
-    def for_steps(decision_steps: Any, env_action: Any, outputs: Optional[Dict[str, Any]] = None) -> "ActionInfo":
+    def for_steps(decision_steps: Any, env_action: Any, outputs: dict[str, Any] | None = None) -> ActionInfo:
         """An ActionInfo for ``env_action`` (an ``ActionTuple``) chosen for ``decision_steps``."""
         return ActionInfo(env_action, env_action, dict(outputs or {}), [int(a) for a in decision_steps.agent_id])
 
@@ -49,7 +50,7 @@ class SentActions(dict):
 
     __slots__ = ("infos",)
 
-    def __init__(self, actions: Dict[str, Any], infos: Dict[str, "ActionInfo"]) -> None:
+    def __init__(self, actions: dict[str, Any], infos: dict[str, ActionInfo]) -> None:
         super().__init__(actions)
         self.infos = infos
 
@@ -67,7 +68,7 @@ class EnvironmentStep(NamedTuple):
 
     current_all_step_result: AllStepResult
     worker_id: int
-    brain_name_to_action_info: Dict[str, ActionInfo]
+    brain_name_to_action_info: dict[str, ActionInfo]
     environment_stats: EnvironmentStats
     interrupted: bool = False
 
@@ -76,5 +77,5 @@ class EnvironmentStep(NamedTuple):
         return self.current_all_step_result.keys()
 
     @staticmethod
-    def empty(worker_id: int) -> "EnvironmentStep":
+    def empty(worker_id: int) -> EnvironmentStep:
         return EnvironmentStep({}, worker_id, {}, {})

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from envmanager.mlagents.settings import ENGINE_FIELDS
 
@@ -45,7 +45,7 @@ CUT_AGENT_EPISODES = "Env Manager/Cut Agent Episodes"
 DROPPED_EXPERIENCES = "Env Manager/Dropped Experiences"
 
 
-def manager_options(run_options: Any) -> Dict[str, Any]:
+def manager_options(run_options: Any) -> dict[str, Any]:
     """``MLAgentsEnvManager`` keyword arguments from an ML-Agents ``RunOptions``.
 
     What ML-Agents' ``SubprocessEnvManager`` reads there: ``engine_settings`` (width, height,
@@ -66,7 +66,7 @@ def manager_options(run_options: Any) -> Dict[str, Any]:
     }
 
 
-def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
+def end_worker_episodes(agent_manager: Any, worker_id: int) -> tuple[int, int]:
     """Drop what ``agent_manager`` holds of ``worker_id``'s unfinished episodes.
 
     ML-Agents' ``AgentManager.end_episode()`` drops every agent's, on every worker: right for
@@ -79,9 +79,10 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
     steps (not yet in a trajectory) were dropped; ``(-1, -1)`` when ``end_episode()`` was used.
     """
     clean = getattr(agent_manager, "_clean_agent_data", None)
-    tables = [getattr(agent_manager, name, None)
-              for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
-    if not callable(clean) or any(not isinstance(table, dict) for table in tables):
+    found = [getattr(agent_manager, name, None)
+             for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
+    tables = [table for table in found if isinstance(table, dict)]
+    if not callable(clean) or len(tables) != len(found):
         end_episode = getattr(agent_manager, "end_episode", None)
         if callable(end_episode):
             end_episode()
@@ -97,7 +98,7 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
     return len(ids), dropped
 
 
-def cut_stats(agents: int, experiences: int) -> Dict[str, List[Tuple[float, Any]]]:
+def cut_stats(agents: int, experiences: int) -> dict[str, list[tuple[float, Any]]]:
     """A cut as environment statistics (``AgentManager.record_environment_stats``): its agents'
     episodes and their dropped steps, summed per summary period (TensorBoard, the console)."""
     from mlagents_envs.side_channel.stats_side_channel import StatsAggregationMethod
@@ -106,7 +107,7 @@ def cut_stats(agents: int, experiences: int) -> Dict[str, List[Tuple[float, Any]
             DROPPED_EXPERIENCES: [(float(experiences), StatsAggregationMethod.SUM)]}
 
 
-def merge_worker_timers(roots: List[Any]) -> None:
+def merge_worker_timers(roots: list[Any]) -> None:
     """Merge the timers the workers sent with their steps into this thread's, under ``workers``
     (their time overlaps: ``is_parallel``), as ML-Agents' ``SubprocessEnvManager`` does."""
     roots = [root for root in roots if root is not None]
@@ -127,7 +128,7 @@ def _global_agent_id(worker_id: int, agent_id: Any) -> str:
     return get_global_agent_id(worker_id, agent_id)
 
 
-def environment_initialized(run_options: Any) -> List[bytes]:
+def environment_initialized(run_options: Any) -> list[bytes]:
     """The messages ML-Agents' worker 0 sends its player once its env exists (``[]`` if
     ``mlagents.trainers`` is not importable)."""
     channel = _analytics_channel()
@@ -137,7 +138,7 @@ def environment_initialized(run_options: Any) -> List[bytes]:
     return _take(channel)
 
 
-def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> List[bytes]:
+def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> list[bytes]:
     """The message ML-Agents' worker 0 sends when training of ``behavior_name`` starts."""
     channel = _analytics_channel()
     if channel is None:
@@ -155,7 +156,7 @@ def _analytics_channel() -> Any:
     return TrainingAnalyticsSideChannel()
 
 
-def _take(channel: Any) -> List[bytes]:
+def _take(channel: Any) -> list[bytes]:
     """The payloads a side channel queued (``queue_message_to_send``), taken off it."""
     queued = list(getattr(channel, "message_queue", []))
     channel.message_queue = []

@@ -5,7 +5,8 @@ channels ML-Agents' trainer uses (environment parameters, engine configuration, 
 the user's environment with ``env_factory(worker_id, side_channels)``, and answers the core's
 ``reset``/``step`` with ``behavior_name -> (DecisionSteps, TerminalSteps)`` as the observation
 and ``{"environment_stats"}`` as the info, with ``"behavior_specs"`` on a reset and when a
-behaviour appeared, and the ``mlagents_envs`` timers (``"timer_root"``) with a step. It never reports ``terminated``: Unity resets its agents by itself.
+behaviour appeared, and the ``mlagents_envs`` timers (``"timer_root"``) with a step. It never
+reports ``terminated``: Unity resets its agents by itself.
 
 If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
 (player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
@@ -16,10 +17,10 @@ and applied by :mod:`envmanager.mlagents.settings`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from envmanager.errors import EnvManagerError
 from envmanager.mlagents.player_process import PlayerIdentity, player_identity, shutdown_env
@@ -35,14 +36,14 @@ __all__ = [
 ]
 
 #: ``env_factory(worker_id, side_channels) -> BaseEnv``, as in ML-Agents' trainer.
-EnvFactory = Callable[[int, List[Any]], Any]
+EnvFactory = Callable[[int, list[Any]], Any]
 
 
 class UnityPortInUseError(EnvManagerError):
     """The gRPC port a ``UnityEnvironment`` needs (``base_port + worker_id``) is taken."""
 
     def __init__(
-        self, port: Optional[int], base_port: Optional[int] = None, worker_id: Optional[int] = None, detail: str = ""
+        self, port: int | None, base_port: int | None = None, worker_id: int | None = None, detail: str = ""
     ) -> None:
         self.port, self.base_port, self.worker_id, self.detail = port, base_port, worker_id, detail
         if port is None:
@@ -69,30 +70,30 @@ class UnityEnvironmentFactory:
     ``base_port=None`` is UnityEnvironment's default (5005 with a build, 5004 for the Editor).
     """
 
-    file_name: Optional[str]
-    base_port: Optional[int] = None
+    file_name: str | None
+    base_port: int | None = None
     worker_id_offset: int = 0
     seed: int = 0
     no_graphics: bool = True
     timeout_wait: int = 60
-    additional_args: Tuple[str, ...] = ()
-    log_folder: Optional[str] = None
+    additional_args: tuple[str, ...] = ()
+    log_folder: str | None = None
     num_areas: int = 1
 
-    def __call__(self, worker_id: int, side_channels: List[Any]) -> Any:
+    def __call__(self, worker_id: int, side_channels: list[Any]) -> Any:
         from mlagents_envs.environment import UnityEnvironment
 
-        kwargs: Dict[str, Any] = dict(
-            file_name=self.file_name,
-            worker_id=worker_id + self.worker_id_offset,
-            base_port=self.base_port,
-            seed=self.seed + worker_id,
-            no_graphics=self.no_graphics,
-            timeout_wait=self.timeout_wait,
-            additional_args=list(self.additional_args),
-            side_channels=list(side_channels),
-            log_folder=self.log_folder,
-        )
+        kwargs: dict[str, Any] = {
+            "file_name": self.file_name,
+            "worker_id": worker_id + self.worker_id_offset,
+            "base_port": self.base_port,
+            "seed": self.seed + worker_id,
+            "no_graphics": self.no_graphics,
+            "timeout_wait": self.timeout_wait,
+            "additional_args": list(self.additional_args),
+            "side_channels": list(side_channels),
+            "log_folder": self.log_folder,
+        }
         if self.num_areas != 1:
             kwargs["num_areas"] = self.num_areas
         return UnityEnvironment(**kwargs)
@@ -107,11 +108,11 @@ class WorkerEnvFactory:
     """The picklable ``factory(worker_id)`` handed to the core: builds a :class:`MLAgentsWorkerEnv`."""
 
     env_factory: EnvFactory
-    engine_config: Optional[Dict[str, Any]] = None
+    engine_config: dict[str, Any] | None = None
     close_timeout: float = 5.0
     training_analytics: bool = False
 
-    def __call__(self, worker_id: int) -> "MLAgentsWorkerEnv":
+    def __call__(self, worker_id: int) -> MLAgentsWorkerEnv:
         return MLAgentsWorkerEnv(self.env_factory, worker_id, self.engine_config, self.close_timeout,
                                  self.training_analytics)
 
@@ -125,7 +126,7 @@ class MLAgentsWorkerEnv:
 
     observation_space = None  # observations and actions are pickled, not put in shared memory
     action_space = None
-    metadata: Dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
     render_mode = None
     spec = None
 
@@ -133,15 +134,15 @@ class MLAgentsWorkerEnv:
         self,
         env_factory: EnvFactory,
         worker_id: int,
-        engine_config: Optional[Mapping[str, Any]] = None,
+        engine_config: Mapping[str, Any] | None = None,
         close_timeout: float = 5.0,
         training_analytics: bool = False,
     ) -> None:
         from mlagents_envs.exception import UnityWorkerInUseException
         from mlagents_envs.side_channel import DefaultTrainingAnalyticsSideChannel
-        from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel
         from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
         from mlagents_envs.side_channel.environment_parameters_channel import EnvironmentParametersChannel
+        from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel
         from mlagents_envs.side_channel.stats_side_channel import StatsSideChannel
 
         self.worker_id = worker_id
@@ -156,7 +157,7 @@ class MLAgentsWorkerEnv:
         side_channels = [self.env_parameters_channel, self.engine_configuration_channel, self.stats_channel]
         # ML-Agents' trainer talks training analytics to worker 0's player (send_analytics); the
         # others keep the default channel UnityEnvironment adds.
-        self.analytics_channel: Optional[Any] = None
+        self.analytics_channel: Any | None = None
         if training_analytics and worker_id == 0:
             self.analytics_channel = RawBytesChannel(DefaultTrainingAnalyticsSideChannel.CHANNEL_ID)
             side_channels.append(self.analytics_channel)
@@ -164,12 +165,12 @@ class MLAgentsWorkerEnv:
             self.env = env_factory(worker_id, side_channels)
         except UnityWorkerInUseException as exc:
             raise _port_in_use_error(exc, worker_id) from None
-        self.player: Optional[PlayerIdentity] = player_identity(self.env)
-        self._last: Dict[str, Tuple[Any, Any]] = {}
-        self._specs_sent: Tuple[str, ...] = ()  # the behaviours the parent was last told about
+        self.player: PlayerIdentity | None = player_identity(self.env)
+        self._last: dict[str, tuple[Any, Any]] = {}
+        self._specs_sent: tuple[str, ...] = ()  # the behaviours the parent was last told about
 
     # -- the core's interface ----------------------------------------------------------------
-    def reset(self, seed: Any = None, options: Any = None) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, Any]]:
+    def reset(self, seed: Any = None, options: Any = None) -> tuple[dict[str, tuple[Any, Any]], dict[str, Any]]:
         self._check_open()
         with self._closing_on_failure():
             self.env.reset()
@@ -178,7 +179,7 @@ class MLAgentsWorkerEnv:
         info["player_process"] = self.player
         return results, info
 
-    def step(self, actions: Optional[Mapping[str, Any]]) -> Tuple[Any, float, bool, bool, Dict[str, Any]]:
+    def step(self, actions: Mapping[str, Any] | None) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self._check_open()
         actions = dict(actions or {})
         with self._closing_on_failure():
@@ -206,11 +207,11 @@ class MLAgentsWorkerEnv:
             shutdown_env(env, self.close_timeout)
 
     # -- reached through the core's call() ---------------------------------------------------
-    def behavior_specs(self) -> Dict[str, Any]:
+    def behavior_specs(self) -> dict[str, Any]:
         self._check_open()
         return dict(self.env.behavior_specs)
 
-    def set_env_parameters(self, config: Optional[Mapping[str, Any]] = None) -> None:
+    def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
         """Queue environment parameters; they reach the player with the next reset or step."""
         for key, value in normalize_env_parameters(config).items():
             apply_env_parameter(self.env_parameters_channel, key, value)
@@ -221,7 +222,7 @@ class MLAgentsWorkerEnv:
         if values:
             self.engine_configuration_channel.set_configuration_parameters(**values)
 
-    def send_analytics(self, payloads: List[bytes]) -> bool:
+    def send_analytics(self, payloads: list[bytes]) -> bool:
         """Queue training-analytics messages (made by ML-Agents' ``TrainingAnalyticsSideChannel``
         in the trainer) for the player, as ML-Agents' worker 0 does: only on the env built with
         ``training_analytics`` and only if the player reports the capability. Returns whether
@@ -239,16 +240,16 @@ class MLAgentsWorkerEnv:
         if self.closed or self.env is None:
             raise RuntimeError(f"the environment of worker {self.worker_id} was closed after a failure")
 
-    def _results(self) -> Dict[str, Tuple[Any, Any]]:
+    def _results(self) -> dict[str, tuple[Any, Any]]:
         env = self.env
         self._last = {name: env.get_steps(name) for name in env.behavior_specs}
         return self._last
 
-    def _info(self, reset: bool = False) -> Dict[str, Any]:
+    def _info(self, reset: bool = False) -> dict[str, Any]:
         """The stats the player sent; the behaviour specs with a reset and when a behaviour
         appeared (a BehaviorSpec never changes under its name: they need not travel every step)."""
         stats = self.stats_channel.get_and_reset_stats()
-        info: Dict[str, Any] = {"environment_stats": {key: list(values) for key, values in stats.items()}}
+        info: dict[str, Any] = {"environment_stats": {key: list(values) for key, values in stats.items()}}
         specs = dict(self.env.behavior_specs) if self.env is not None else {}
         if reset or tuple(specs) != self._specs_sent:
             info["behavior_specs"] = specs
@@ -284,7 +285,7 @@ def _take_timers() -> Any:
 def _port_in_use_error(exc: BaseException, worker_id: int) -> UnityPortInUseError:
     """Find the port from the frames mlagents raised in (``RpcCommunicator(worker_id, base_port)``)."""
     tb = exc.__traceback__
-    found: Optional[Tuple[int, int]] = None
+    found: tuple[int, int] | None = None
     while tb is not None:
         local = tb.tb_frame.f_locals
         if isinstance(local.get("base_port"), int) and isinstance(local.get("worker_id"), int):

@@ -133,8 +133,8 @@ def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_
                 assert set(s.brain_name_to_action_info) == {PICKER}
                 assert s.brain_name_to_action_info[PICKER].agent_ids == [2, 3]
                 decision, terminal = s.current_all_step_result[PICKER]
-                ended = dict(zip(terminal.agent_id, terminal.reward))  # a finished agent's reward
-                rewards = {a: ended.get(a, r) for a, r in zip(decision.agent_id, decision.reward)}
+                ended = dict(zip(terminal.agent_id, terminal.reward, strict=True))  # a finished agent's reward
+                rewards = {a: ended.get(a, r) for a, r in zip(decision.agent_id, decision.reward, strict=True)}
                 assert rewards == {2: 1.0, 3: 1.0}
         assert {w for w, _ in picker.calls} == {0, 1, 2}
 
@@ -371,7 +371,7 @@ def test_a_worker_dying_during_a_settings_change_is_restarted_with_it(fake_playe
         def change():
             try:
                 manager.set_env_parameters({"gravity": 2.0})
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 raised.append(exc)
 
         thread = threading.Thread(target=change)

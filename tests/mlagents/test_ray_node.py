@@ -12,19 +12,19 @@ import pytest
 
 pytest.importorskip("mlagents_envs")
 
-import numpy as np  # noqa: E402
-from mlagents_envs.base_env import ActionTuple  # noqa: E402
+import numpy as np
+from mlagents_envs.base_env import ActionTuple
 
-from envmanager import RestartLimitError  # noqa: E402
-from envmanager.mlagents import UnityEnvironmentFactory  # noqa: E402
-from envmanager.mlagents.ray_node import PlayerNode  # noqa: E402
-from envmanager.mlagents.worker_env import WorkerEnvFactory  # noqa: E402
-from envmanager.testing.fake_unity import free_base_port  # noqa: E402
-from process_helpers import alive  # noqa: E402
+from envmanager import RestartLimitError
+from envmanager.mlagents import UnityEnvironmentFactory
+from envmanager.mlagents.ray_node import PlayerNode
+from envmanager.mlagents.worker_env import WorkerEnvFactory
+from envmanager.testing.fake_unity import free_base_port
+from process_helpers import alive
 
 B = "FakeBehavior?team=0"
-OPTIONS = dict(timeout=30, restart_workers=True, max_lifetime_restarts=10, restarts_rate_limit_n=10,
-               restarts_rate_limit_period_s=60)
+OPTIONS = {"timeout": 30, "restart_workers": True, "max_lifetime_restarts": 10, "restarts_rate_limit_n": 10,
+           "restarts_rate_limit_period_s": 60}
 
 
 def act(value):

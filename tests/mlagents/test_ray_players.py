@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import time
-from typing import Dict, Tuple
 
 import psutil
 import pytest
@@ -23,8 +22,12 @@ import numpy as np  # noqa: E402
 from mlagents_envs.base_env import ActionTuple  # noqa: E402
 
 from envmanager import RestartLimitError  # noqa: E402
-from envmanager.mlagents import ActionInfo, UnityEnvironmentFactory, UnityPortInUseError  # noqa: E402
-from envmanager.mlagents import ray_env_manager  # noqa: E402
+from envmanager.mlagents import (  # noqa: E402
+    ActionInfo,
+    UnityEnvironmentFactory,
+    UnityPortInUseError,
+    ray_env_manager,
+)
 from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager, RayPlayerError  # noqa: E402
 from envmanager.testing.fake_unity import free_base_port  # noqa: E402
 from ray_helpers import alive, ray_session  # noqa: E402,F401 (the module's session)
@@ -56,7 +59,7 @@ class PerWorker:
     makes building any player fail (a node that cannot start again)."""
 
     base: UnityEnvironmentFactory
-    extra: Dict[int, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    extra: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     fail_if: str = ""
 
     def __call__(self, worker_id, side_channels):
@@ -92,8 +95,8 @@ class Run:
         base = UnityEnvironmentFactory(path, base_port=self.base_port, timeout_wait=10)
         options = {"timeout": 30, "n_nodes": 2, "restarts_rate_limit_n": 10, **kwargs}
         self.manager = RayMLAgentsEnvManager(PerWorker(base, extra or {}, fail_if), N_ENV, **options)
-        self.checked = {w: 0 for w in range(N_ENV)}
-        self.interrupted = {w: 0 for w in range(N_ENV)}
+        self.checked = dict.fromkeys(range(N_ENV), 0)
+        self.interrupted = dict.fromkeys(range(N_ENV), 0)
         self.pids = set()  # every node actor, worker and player seen
 
     def start(self):
@@ -117,8 +120,8 @@ class Run:
             if info is None:  # a reset handed over by reset()
                 continue
             decision, _ = step.current_all_step_result[B]
-            sent = dict(zip(info.agent_ids, info.env_action.continuous[:, 0].tolist()))
-            got = dict(zip(decision.agent_id.tolist(), decision.obs[1][:, 0].tolist()))
+            sent = dict(zip(info.agent_ids, info.env_action.continuous[:, 0].tolist(), strict=True))
+            got = dict(zip(decision.agent_id.tolist(), decision.obs[1][:, 0].tolist(), strict=True))
             assert got == sent, f"worker {w}: the env got {got}, the step's ActionInfo says {sent}"
             self.checked[w] += 1
 
@@ -144,8 +147,8 @@ class Run:
     def no_step_lost(self):
         """Each worker's players got the steps it handed over, plus at most one per player (the
         step in flight when it stopped or the run ended)."""
-        by_worker: Dict[int, list] = {}
-        for pid, (w, n) in self.players().items():
+        by_worker: dict[int, list] = {}
+        for w, n in self.players().values():
             by_worker.setdefault(w, []).append(n)
         for w in range(N_ENV):
             got = sum(by_worker.get(w, []))
@@ -157,7 +160,8 @@ class Run:
 
     def note_pids_after_close(self):
         left = alive(sorted(self.pids), timeout=20)
-        assert not left, f"left running: {[(p, ' '.join(psutil.Process(p).cmdline())[:100]) for p in left if psutil.pid_exists(p)]}"
+        running = [(p, " ".join(psutil.Process(p).cmdline())[:100]) for p in left if psutil.pid_exists(p)]
+        assert not left, f"left running: {running}"
 
 
 def node_of(manager, index):

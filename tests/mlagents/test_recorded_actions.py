@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("mlagents_envs")
 
-import numpy as np  # noqa: E402
-from mlagents_envs.base_env import ActionTuple  # noqa: E402
+import numpy as np
+from mlagents_envs.base_env import ActionTuple
 
-from envmanager.mlagents import ActionInfo, MLAgentsEnvManager, UnityEnvironmentFactory, UnityPortInUseError  # noqa: E402
-from envmanager.testing.fake_unity import free_base_port  # noqa: E402
+from envmanager.mlagents import ActionInfo, MLAgentsEnvManager, UnityEnvironmentFactory, UnityPortInUseError
+from envmanager.testing.fake_unity import free_base_port
 
 B = "FakeBehavior?team=0"
 AGENTS = 2
@@ -79,8 +79,8 @@ class Checker:
                 continue
             assert info is not None, f"worker {w}: a step without the ActionInfo that led to it"
             decision, _ = step.current_all_step_result[B]
-            sent = dict(zip(info.agent_ids, info.env_action.continuous[:, 0].tolist()))
-            got = dict(zip(decision.agent_id.tolist(), decision.obs[1][:, 0].tolist()))
+            sent = dict(zip(info.agent_ids, info.env_action.continuous[:, 0].tolist(), strict=True))
+            got = dict(zip(decision.agent_id.tolist(), decision.obs[1][:, 0].tolist(), strict=True))
             assert got == sent, f"worker {w}: the env got {got}, the step's ActionInfo says {sent}"
             self.checked[w] = self.checked.get(w, 0) + 1
 

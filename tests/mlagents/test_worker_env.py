@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("mlagents_envs")
 
-import numpy as np  # noqa: E402
-from mlagents_envs.base_env import (  # noqa: E402
+import numpy as np
+from mlagents_envs.base_env import (
     ActionSpec,
     BehaviorSpec,
     DecisionSteps,
@@ -18,7 +18,7 @@ from mlagents_envs.base_env import (  # noqa: E402
     TerminalSteps,
 )
 
-from envmanager.mlagents import MLAgentsWorkerEnv  # noqa: E402
+from envmanager.mlagents import MLAgentsWorkerEnv
 
 
 class GrowingEnv:
@@ -32,7 +32,7 @@ class GrowingEnv:
     @property
     def behavior_specs(self):
         names = ["first", "late"] if self.t >= 3 else ["first"]
-        return {name: self.spec for name in names}
+        return dict.fromkeys(names, self.spec)
 
     def get_steps(self, name):
         obs = np.full((1, 2), self.t, np.float32)

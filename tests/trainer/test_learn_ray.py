@@ -19,9 +19,8 @@ else:
     pytest.importorskip("mlagents.trainers.learn", reason="ML-Agents' trainer (mlagents) is not installed")
     ray = pytest.importorskip("ray", reason="the Ray variant needs the extra: pip install 'envmanager[ray]'")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from trainer_run import AGENTS, TrainerRun, check_accounting, trainer_config  # noqa: E402
+from ray.cluster_utils import Cluster
+from trainer_run import AGENTS, TrainerRun, check_accounting, trainer_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -80,7 +79,8 @@ def test_players_on_ray_nodes_a_lost_node_is_replaced(cluster, tmp_path):
     finally:
         run.kill()
     log = run.log_text()
-    assert re.search(r"Ray node 1 \(worker ids \[2, 3\]\) lost: restarting its players on Ray node " + cluster.head_node.node_id, log), log[-4000:]
+    lost = r"Ray node 1 \(worker ids \[2, 3\]\) lost: restarting its players on Ray node "
+    assert re.search(lost + cluster.head_node.node_id, log), log[-4000:]
     players = run.players_by_worker()
     assert [len(players[w]) for w in range(4)] == [1, 1, 2, 2], players  # only the lost node's were started again
     for w in (2, 3):

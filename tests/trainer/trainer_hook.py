@@ -22,14 +22,14 @@ import json
 import os
 import sys
 from collections import Counter
-from typing import Any, Dict
+from typing import Any
 
 
 def install(path: str) -> None:
     from mlagents.trainers import agent_processor as ap
 
-    record: Dict[str, Any] = {"results": Counter(), "experiences": Counter(), "checked": 0, "mismatches": []}
-    current: Dict[str, Any] = {}
+    record: dict[str, Any] = {"results": Counter(), "experiences": Counter(), "checked": 0, "mismatches": []}
+    current: dict[str, Any] = {}
     make_experience = ap.AgentExperience
     process_step = ap.AgentProcessor._process_step
     add_experiences = ap.AgentProcessor.add_experiences
@@ -44,7 +44,7 @@ def install(path: str) -> None:
         return make_experience(**fields)
 
     def recording_process_step(self: Any, step: Any, worker_id: int, index: int) -> None:
-        current.update(gid=f"{worker_id}-{int(step.agent_id)}", received=int(round(float(step.obs[1][0]))))
+        current.update(gid=f"{worker_id}-{int(step.agent_id)}", received=round(float(step.obs[1][0])))
         try:
             process_step(self, step, worker_id, index)
         finally:
