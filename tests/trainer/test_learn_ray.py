@@ -79,8 +79,8 @@ def test_players_on_ray_nodes_a_lost_node_is_replaced(cluster, tmp_path):
     finally:
         run.kill()
     log = run.log_text()
-    lost = r"Ray node 1 \(worker ids \[2, 3\]\) lost: restarting its players on Ray node "
-    assert re.search(lost + cluster.head_node.node_id, log), log[-4000:]
+    replaced = r"Ray node 1 \(worker ids \[2, 3\]\) lost: restarting its players on Ray node "
+    assert re.search(replaced + cluster.head_node.node_id, log), log[-4000:]
     players = run.players_by_worker()
     assert [len(players[w]) for w in range(4)] == [1, 1, 2, 2], players  # only the lost node's were started again
     for w in (2, 3):
