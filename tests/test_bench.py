@@ -337,3 +337,23 @@ def test_unity_trainer_scenario_without_mlagents_says_why(tmp_path):
     assert "mlagents.trainers.learn cannot be imported" in result["unavailable"]
     assert result["measurements"] == {}
     assert "not available" in stdout
+
+
+@pytest.mark.timeout(60)
+def test_unity_trainer_run_deadline_stops_a_silent_trainer(tmp_path, monkeypatch):
+    """A trainer run that hangs without printing is stopped at the run's deadline: its process
+    group is killed (the trainer and what it started) and the measurement fails with why."""
+    import psutil
+
+    from envmanager.bench import unity_trainer
+    from process_helpers import alive
+
+    tool = tmp_path / "silent-trainer"
+    tool.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pids\nsleep 600 &\necho $! >> {tmp_path}/pids\nwait\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(unity_trainer, "RUN_DEADLINE", 1.0)
+    with pytest.raises(TimeoutError, match="did not finish in 1 s"):
+        unity_trainer.measure(tool, tmp_path / "trainer.yaml", "player", 1, tmp_path, 0)
+    pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2 and not alive(pids, timeout=5)
+    assert not [p for p in psutil.Process().children(recursive=True) if p.pid in pids]

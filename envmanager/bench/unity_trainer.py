@@ -20,14 +20,16 @@ import logging
 import os
 import re
 import shlex
-import statistics
+import signal
 import stat
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from envmanager.bench.runner import Measurement, ScenarioResult, Target
 from envmanager.bench.scenarios import Scenario
@@ -41,7 +43,7 @@ OURS, THEIRS = "envmanager-learn", "mlagents-learn"
 #: (label suffix, number of envs, uneven)
 SETUPS = ((" 1 env", 1, False), (" 2 envs", 2, False), (" 4 envs", 4, False), (" 4 envs uneven", 4, True))
 CONTENDERS = [f"{tool}{label}" for label, _, _ in SETUPS for tool in (THEIRS, OURS)]
-RUN_DEADLINE = 600.0  # seconds one trainer run may take
+RUN_DEADLINE = 600.0  # seconds one trainer run may take (then its process group is killed)
 SUMMARY = re.compile(r"Step: (\d+)\. Time Elapsed")
 
 
@@ -50,10 +52,10 @@ class TrainerResult(ScenarioResult):
 
     def __init__(self, scenario: Scenario, steps: int, repeats: int) -> None:
         super().__init__(scenario, steps, repeats)
-        self.cpu: Dict[str, List[float]] = {}  # contender -> CPU s per 1,000 steps, per repeat
-        self.notes: List[str] = []
+        self.cpu: dict[str, list[float]] = {}  # contender -> CPU s per 1,000 steps, per repeat
+        self.notes: list[str] = []
 
-    def ratios(self) -> Dict[str, Dict[str, float]]:
+    def ratios(self) -> dict[str, dict[str, float]]:
         m = {k: v.median for k, v in self.measurements.items()}
         speed, cpu = {}, {}
         for label, _, _ in SETUPS:
@@ -64,11 +66,11 @@ class TrainerResult(ScenarioResult):
                 cpu[ours] = statistics.median(self.cpu[ours]) / statistics.median(self.cpu[theirs])
         return {k: v for k, v in (("vs mlagents-learn", speed), ("CPU vs mlagents-learn", cpu)) if v}
 
-    def targets(self) -> List[Target]:
+    def targets(self) -> list[Target]:
         r = self.ratios().get("vs mlagents-learn", {})
         return [Target(self.name, "steps/s x mlagents-learn", k, v, 1.0) for k, v in r.items()]
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "cpu_seconds_per_1000_steps": self.cpu, "notes": self.notes}
 
 
@@ -105,7 +107,7 @@ def run(scenario: Scenario, steps: int, repeats: int, progress: Any = None, seed
     return result
 
 
-def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path, seed: int) -> Tuple[int, float, float]:
+def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path, seed: int) -> tuple[int, float, float]:
     """One trainer run: ``(steps, seconds, CPU seconds)`` between its first and last summary."""
     from envmanager.testing.fake_unity import free_base_port
 
@@ -113,29 +115,59 @@ def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path
     base_port += base_port % 2  # even: a worker's parity is its port's (uneven players)
     command = [str(tool), str(config), f"--env={launcher}", f"--num-envs={n_env}", "--run-id=bench", "--force",
                f"--results-dir={directory / 'results'}", f"--base-port={base_port}", f"--seed={seed + 1}"]
-    marks: List[Tuple[int, float, float]] = []
+    marks: list[tuple[int, float, float]] = []
     proc = subprocess.Popen(command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    deadline = time.monotonic() + RUN_DEADLINE
-    tail: List[str] = []
+    # The deadline is a timer, not a check per line: a trainer that hangs silently is stopped
+    # too (killed with everything it started: its output ends, and so does the loop below).
+    expired = threading.Event()
+    timer = threading.Timer(RUN_DEADLINE, _kill_group, (proc, expired))
+    timer.daemon = True
+    timer.start()
+    tail: list[str] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # the trainer prints a summary line every summary_freq steps
-            tail = (tail + [line])[-20:]
+            tail = [*tail, line][-20:]
             found = SUMMARY.search(line)
             if found:
                 marks.append((int(found.group(1)), time.perf_counter(), tree_cpu(proc.pid)))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{tool.name} did not finish in {RUN_DEADLINE:.0f} s")
         code = proc.wait(60)
     finally:
+        timer.cancel()
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+            _kill_group(proc)
             proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if expired.is_set():
+        raise TimeoutError(f"{tool.name} did not finish in {RUN_DEADLINE:.0f} s: its process group was killed")
     if code != 0 or len(marks) < 2:
         raise RuntimeError(f"{tool.name} exited {code} with {len(marks)} summaries: {''.join(tail)[-1500:]}")
     (n0, t0, c0), (n1, t1, c1) = marks[0], marks[-1]
     return n1 - n0, t1 - t0, c1 - c0
+
+
+def _kill_group(proc: subprocess.Popen, expired: threading.Event | None = None) -> None:
+    """SIGKILL the run: its process group (it was started in a session of its own) and every
+    process below it (workers have groups of their own, and hold its output open)."""
+    import psutil
+
+    if expired is not None:
+        expired.set()
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in below:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def tree_cpu(pid: int) -> float:
@@ -188,9 +220,9 @@ def _write_launcher(directory: Path, uneven: bool) -> str:
     command = " ".join(shlex.quote(c) for c in (sys.executable, os.path.abspath(fake_unity.__file__),
                                                 "--config", plain + ".json"))
     script.write_text(
-        "#!/bin/sh\nlatency=%g\nprev=\nfor a in \"$@\"; do\n"
-        "  if [ \"$prev\" = --mlagents-port ] && [ $((a %% 2)) -eq 1 ]; then latency=%g; fi\n  prev=$a\ndone\n"
-        "exec %s --step-latency $latency \"$@\"\n" % (LATENCY, LATENCY * SLOW, command))
+        f"#!/bin/sh\nlatency={LATENCY:g}\nprev=\nfor a in \"$@\"; do\n"
+        f"  if [ \"$prev\" = --mlagents-port ] && [ $((a % 2)) -eq 1 ]; then latency={LATENCY * SLOW:g}; fi\n  prev=$a\ndone\n"
+        f"exec {command} --step-latency $latency \"$@\"\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return str(script)
 

@@ -23,14 +23,14 @@ from typing import Any
 
 _EXPORTS = {
     "MLAgentsEnvManager": "envmanager.mlagents.env_manager",
-    "EnvironmentStep": "envmanager.mlagents.env_manager",
-    "ActionInfo": "envmanager.mlagents.env_manager",
+    "EnvironmentStep": "envmanager.mlagents.steps",
+    "ActionInfo": "envmanager.mlagents.steps",
     "MLAgentsWorkerEnv": "envmanager.mlagents.worker_env",
     "WorkerEnvFactory": "envmanager.mlagents.worker_env",
     "UnityEnvironmentFactory": "envmanager.mlagents.worker_env",
     "UnityPortInUseError": "envmanager.mlagents.worker_env",
-    "normalize_env_parameters": "envmanager.mlagents.worker_env",
-    "normalize_engine_config": "envmanager.mlagents.worker_env",
+    "normalize_env_parameters": "envmanager.mlagents.settings",
+    "normalize_engine_config": "envmanager.mlagents.settings",
     "RayMLAgentsEnvManager": "envmanager.mlagents.ray_env_manager",  # extra ``ray``
 }
 

@@ -1,18 +1,20 @@
 """Checks and small helpers of :class:`~envmanager.mlagents.MLAgentsEnvManager` (parent side).
 
-An action batch checked against a behaviour's ``ActionSpec`` before anything is sent, and a
-taken gRPC port found however deep the core wrapped it.
+An action batch checked against a behaviour's ``ActionSpec`` before anything is sent; a taken
+gRPC port found however deep the core wrapped it; errors that end a run as ML-Agents' trainer
+knows them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any
 
-from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.mlagents.worker_env import UnityPortInUseError
 
-__all__ = ["call_if_present", "is_empty", "check_action", "port_errors", "find_port_error"]
+__all__ = ["call_if_present", "is_empty", "check_action", "port_errors", "find_port_error", "as_unity_error"]
 
 
 def call_if_present(obj: Any, name: str, *args: Any) -> None:
@@ -53,20 +55,49 @@ def check_action(name: str, worker_id: int, env_action: Any, n_agents: int, spec
 
 
 @contextmanager
-def port_errors() -> Iterator[None]:
-    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it."""
+def port_errors(for_trainer: bool = False) -> Iterator[None]:
+    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it.
+
+    ``for_trainer`` (a manager ML-Agents' trainer uses): an error that ends the run is also a
+    ``UnityEnvironmentException`` (:func:`as_unity_error`)."""
     try:
         yield
     except EnvManagerError as exc:
         found = find_port_error(exc)
-        if found is not None and found is not exc:
-            raise found from exc
+        error = found if found is not None else exc
+        if for_trainer and not isinstance(error, (InvalidInputError, ManagerClosedError)):
+            error = as_unity_error(error)
+        if error is not exc:
+            raise error from exc
         raise
 
 
-def find_port_error(exc: BaseException) -> Optional[UnityPortInUseError]:
-    seen: List[BaseException] = []
-    todo: List[Any] = [exc]
+_UNITY_TYPES: dict[type, type] = {}
+
+
+def as_unity_error(error: EnvManagerError) -> EnvManagerError:
+    """``error``, made a ``UnityEnvironmentException`` too (the same object, of a subclass of
+    both), so ML-Agents' ``TrainerController`` ends the run as on a player's failure: it joins
+    its threads, logs "Learning was interrupted", saves the models and re-raises (exit 1)."""
+    from mlagents_envs.exception import UnityEnvironmentException
+
+    kind = type(error)
+    if isinstance(error, UnityEnvironmentException):
+        return error
+    both = _UNITY_TYPES.get(kind)
+    if both is None:
+        both = _UNITY_TYPES[kind] = type(kind.__name__, (kind, UnityEnvironmentException),
+                                         {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
+    try:
+        error.__class__ = both
+    except TypeError:  # pragma: no cover - a layout the subclass cannot share
+        pass
+    return error
+
+
+def find_port_error(exc: BaseException) -> UnityPortInUseError | None:
+    seen: list[BaseException] = []
+    todo: list[Any] = [exc]
     while todo:
         e = todo.pop()
         if not isinstance(e, BaseException) or any(e is s for s in seen) or len(seen) > 20:

@@ -15,81 +15,29 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any
 
-from envmanager.errors import ManagerClosedError
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
+from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
+from envmanager.mlagents.player_process import PlayerProcesses
+from envmanager.mlagents.replay import call_replayed, reset_restarted
+from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
+from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
 from envmanager.mlagents.trainer import (
+    cut_stats,
     end_worker_episodes,
     environment_initialized,
     manager_options,
+    merge_worker_timers,
     training_started,
 )
-from envmanager.mlagents.worker_env import (
-    EnvFactory,
-    WorkerEnvFactory,
-    kill_stale_player,
-    normalize_engine_config,
-    normalize_env_parameters,
-)
+from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MLAgentsEnvManager", "EnvironmentStep", "ActionInfo"]
-
-#: ``behavior_name -> (DecisionSteps, TerminalSteps)``
-AllStepResult = Dict[str, Tuple[Any, Any]]
-#: ``stat key -> [(value, StatsAggregationMethod), ...]``, as ``StatsSideChannel.get_and_reset_stats()``
-EnvironmentStats = Dict[str, List[Tuple[float, Any]]]
-
-
-class ActionInfo(NamedTuple):
-    """ML-Agents' ``ActionInfo``: what a policy's ``get_action(decision_steps, worker_id)`` returns.
-
-    ``env_action`` is the ``ActionTuple`` sent to the environment (one row per agent in
-    ``decision_steps``), ``action`` the policy's own form of it, ``outputs`` anything the
-    trainer wants back (log-probs...), ``agent_ids`` the agents the rows belong to.
-    """
-
-    action: Any
-    env_action: Any
-    outputs: Dict[str, Any]
-    agent_ids: List[int]
-
-    @staticmethod
-    def empty() -> "ActionInfo":
-        return ActionInfo([], [], {}, [])
-
-    @staticmethod
-    def for_steps(decision_steps: Any, env_action: Any, outputs: Optional[Dict[str, Any]] = None) -> "ActionInfo":
-        """An ActionInfo for ``env_action`` (an ``ActionTuple``) chosen for ``decision_steps``."""
-        return ActionInfo(env_action, env_action, dict(outputs or {}), [int(a) for a in decision_steps.agent_id])
-
-
-class EnvironmentStep(NamedTuple):
-    """ML-Agents' ``EnvironmentStep``: one worker's result.
-
-    ``brain_name_to_action_info`` holds the ActionInfos that led to this result (empty after a
-    reset). ``interrupted`` (an addition) marks the fresh reset of a restarted worker: its
-    episodes were cut short and no action led here.
-    """
-
-    current_all_step_result: AllStepResult
-    worker_id: int
-    brain_name_to_action_info: Dict[str, ActionInfo]
-    environment_stats: EnvironmentStats
-    interrupted: bool = False
-
-    @property
-    def name_behavior_ids(self) -> Iterable[str]:
-        return self.current_all_step_result.keys()
-
-    @staticmethod
-    def empty(worker_id: int) -> "EnvironmentStep":
-        return EnvironmentStep({}, worker_id, {}, {})
-
+__all__ = ["MLAgentsEnvManager"]
 
 def default_context() -> str:
     """``forkserver`` where available, else ``spawn``: never fork a parent that may hold gRPC state."""
@@ -127,34 +75,34 @@ class MLAgentsEnvManager:
         max_lifetime_restarts: int = 10,
         restarts_rate_limit_n: int = 1,
         restarts_rate_limit_period_s: float = 60.0,
-        context: Optional[str] = None,
+        context: str | None = None,
         training_analytics: bool = False,
     ) -> None:
         self._closed = True
         self.run_options: Any = None
         self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
         self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
-        self._analytics: List[bytes] = []
+        self._analytics: list[bytes] = []
         self._manager: Any = None  # the core's SubprocessEnvManager (or the Ray variant's pool)
-        self.policies: Dict[str, Any] = {}
-        self.agent_managers: Dict[str, Any] = {}
-        self.first_step_infos: List[EnvironmentStep] = []
-        self.env_parameters: Dict[str, Any] = {}
-        self.engine_config: Dict[str, Any] = normalize_engine_config(engine_config)
-        self.training_started: Dict[str, Any] = {}  # behavior_name -> trainer_settings
-        self._engine_overrides: Dict[str, Any] = {}
-        self._specs: Dict[int, Dict[str, Any]] = {}
-        self._action_infos: Dict[int, Dict[str, ActionInfo]] = {}
-        self._players: Dict[int, Any] = {}
-        self._stale_players: List[Any] = []
-        core_options: Dict[str, Any] = dict(
-            context=context or default_context(),
-            timeout=timeout,
-            restart_workers=restart_workers,
-            max_lifetime_restarts=max_lifetime_restarts,
-            restarts_rate_limit_n=restarts_rate_limit_n,
-            restarts_rate_limit_period_s=restarts_rate_limit_period_s,
-        )
+        self.policies: dict[str, Any] = {}
+        self.agent_managers: dict[str, Any] = {}
+        self.first_step_infos: list[EnvironmentStep] = []
+        self.env_parameters: dict[str, Any] = {}
+        self.engine_config: dict[str, Any] = normalize_engine_config(engine_config)
+        self.training_started: dict[str, Any] = {}  # behavior_name -> trainer_settings
+        self._engine_overrides: dict[str, Any] = {}
+        self._specs: dict[int, dict[str, Any]] = {}
+        self._last: dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
+        self._held: list[StepInfo] = []  # results taken from the workers, not handed out yet
+        self._players = PlayerProcesses()
+        core_options: dict[str, Any] = {
+            "context": context or default_context(),
+            "timeout": timeout,
+            "restart_workers": restart_workers,
+            "max_lifetime_restarts": max_lifetime_restarts,
+            "restarts_rate_limit_n": restarts_rate_limit_n,
+            "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
+        }
         with port_errors():
             self._manager = self._start_core(
                 WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
@@ -163,15 +111,15 @@ class MLAgentsEnvManager:
         self._closed = False
         try:
             self._specs = dict(enumerate(self._manager.call("behavior_specs")))
-            self._players = dict(enumerate(self._manager.get_attr("player")))
+            self._players = PlayerProcesses(dict(enumerate(self._manager.get_attr("player"))))
         except BaseException:
             self.close()
             raise
 
     @classmethod
     def from_run_options(
-        cls, env_factory: EnvFactory, run_options: Any, n_env: Optional[int] = None, **overrides: Any
-    ) -> "MLAgentsEnvManager":
+        cls, env_factory: EnvFactory, run_options: Any, n_env: int | None = None, **overrides: Any
+    ) -> MLAgentsEnvManager:
         """A manager set up as ML-Agents' trainer sets up its own: the same call as
         ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager(env_factory, run_options, n_env)``.
 
@@ -180,7 +128,7 @@ class MLAgentsEnvManager:
         ``n_env`` defaults to its ``env_settings.num_envs``. Worker 0's player gets ML-Agents'
         training analytics. ``overrides`` replace any constructor argument (``timeout=...``).
         """
-        options: Dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
+        options: dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
         manager = cls(env_factory, run_options.env_settings.num_envs if n_env is None else n_env, **options)
         try:
             manager.run_options = run_options
@@ -193,10 +141,10 @@ class MLAgentsEnvManager:
             raise
         return manager
 
-    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
+    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
         """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
-        # DecisionSteps/TerminalSteps are pickled (no shared memory); the policy hook acts per worker
-        return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, policy=self._actions_for, **options)
+        # DecisionSteps/TerminalSteps are pickled (no shared memory)
+        return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, **options)
 
     # ------------------------------------------------------------------------------------------
     # ML-Agents' EnvManager interface
@@ -233,14 +181,14 @@ class MLAgentsEnvManager:
             self._send_analytics(training_started(self.run_options, behavior_name, trainer_settings))
 
     @property
-    def training_behaviors(self) -> Dict[str, Any]:
+    def training_behaviors(self) -> dict[str, Any]:
         """The ``BehaviorSpec`` of every behaviour seen by any worker."""
-        merged: Dict[str, Any] = {}
+        merged: dict[str, Any] = {}
         for worker_id in sorted(self._specs):
             merged.update(self._specs[worker_id])
         return merged
 
-    def reset(self, config: Optional[Mapping[str, Any]] = None) -> int:
+    def reset(self, config: Mapping[str, Any] | None = None) -> int:
         """Apply ``config`` (environment parameters), reset every env; returns their number.
 
         The reset results wait in ``first_step_infos`` (handed to the agent managers by the next
@@ -251,17 +199,17 @@ class MLAgentsEnvManager:
             call_if_present(agent_manager, "end_episode")
         if config is not None:
             self.set_env_parameters(config)
-        with port_errors():
+        self._held = []  # dropped with the steps in flight
+        with port_errors(self._for_trainer):
             infos = self.manager.reset()
-        self._action_infos.clear()
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
 
-    def set_env_parameters(self, config: Optional[Mapping[str, Any]] = None) -> None:
+    def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
         """Send environment parameters to every worker; they reach the players with the next
         message. A restarted worker gets all parameters set so far before its reset.
 
-        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.worker_env.normalize_env_parameters`)
+        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.settings.normalize_env_parameters`)
         or ML-Agents ``ParameterRandomizationSettings``. Bad values are rejected before sending.
         """
         self._check_open()
@@ -269,9 +217,7 @@ class MLAgentsEnvManager:
         if not params:
             return
         self.env_parameters.update(params)
-        self._update_replay_calls()
-        with port_errors():
-            self.manager.call_on(self._healthy_worker_ids(), "set_env_parameters", (params,))
+        self._set_everywhere("set_env_parameters", params)
 
     def set_engine_config(self, config: Any = None, **fields: Any) -> None:
         """Change engine settings (``EngineConfig``, dict or fields such as ``time_scale=20``) on
@@ -281,26 +227,39 @@ class MLAgentsEnvManager:
         if not values:
             return
         self._engine_overrides.update(values)
-        self._update_replay_calls()
-        with port_errors():
-            self.manager.call_on(self._healthy_worker_ids(), "set_engine_config", (values,))
+        self._set_everywhere("set_engine_config", values)
 
-    def get_steps(self) -> List[EnvironmentStep]:
+    def get_steps(self) -> list[EnvironmentStep]:
         """Step every idle worker with the policies' actions; return the finished workers' steps.
 
         Blocks (with the deadline) until at least one worker finished. A restarted worker comes
         back as an ``EnvironmentStep`` with ``interrupted=True`` holding its fresh reset.
+
+        As in ML-Agents, the policies act only on results the trainer was handed: results that
+        came in meanwhile (during a settings change, or a restart's fresh reset) are returned
+        first, and their workers are stepped by the next call.
         """
         self._check_open()
         if self.first_step_infos:
             self._process_step_infos(self.first_step_infos)
             self.first_step_infos = []
         self._pull_policies()
-        with port_errors():
-            infos = self.manager.step()
-        return [self._environment_step(info) for info in infos]
+        m = self.manager
+        with port_errors(self._for_trainer):
+            self._held += m.receive_steps(min_count=0)  # no wait: what came in already
+            waiting = {info.worker_id for info in self._held}
+            actions = {w: self._actions_for(w) for w in m.idle_worker_ids
+                       if w not in waiting and m.failure_of(w) is None}  # all checked before any is sent
+            if actions:
+                m.send_step(actions)
+            infos, self._held = self._held, []
+            if not infos:
+                infos = m.receive_steps()
+        steps = [self._environment_step(info) for info in infos]
+        merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
+        return steps
 
-    def process_steps(self, new_step_infos: List[EnvironmentStep]) -> int:
+    def process_steps(self, new_step_infos: list[EnvironmentStep]) -> int:
         """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""
         return self._process_step_infos(new_step_infos)
 
@@ -316,10 +275,7 @@ class MLAgentsEnvManager:
             if manager is not None:
                 manager.close()
         finally:
-            for identity in [*self._players.values(), *self._stale_players]:
-                if kill_stale_player(identity):
-                    logger.warning("killed player process %d left behind by its worker", identity[0])
-            self._players, self._stale_players = {}, []
+            self._players.kill_all()
 
     # ------------------------------------------------------------------------------------------
     # Extras
@@ -329,17 +285,17 @@ class MLAgentsEnvManager:
         return self._closed
 
     @property
-    def player_pids(self) -> Dict[int, Optional[int]]:
+    def player_pids(self) -> dict[int, int | None]:
         """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
-        return {w: (identity[0] if identity else None) for w, identity in sorted(self._players.items())}
+        return self._players.pids
 
     @property
-    def restart_counts(self) -> List[int]:
+    def restart_counts(self) -> list[int]:
         """How often each worker was restarted."""
         m = self.manager
         return [m.restart_count(w) for w in m.worker_ids]
 
-    def __enter__(self) -> "MLAgentsEnvManager":
+    def __enter__(self) -> MLAgentsEnvManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -348,16 +304,22 @@ class MLAgentsEnvManager:
     # ------------------------------------------------------------------------------------------
     # Internals
 
+    @property
+    def _for_trainer(self) -> bool:
+        """Made for ML-Agents' trainer (:meth:`from_run_options`): its errors end the run as a
+        player's failure does there (``checks.as_unity_error``)."""
+        return self.run_options is not None
+
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
 
-    def _healthy_worker_ids(self) -> List[int]:
+    def _healthy_worker_ids(self) -> list[int]:
         m = self.manager
         return [w for w in m.worker_ids if m.failure_of(w) is None]
 
     def _update_replay_calls(self) -> None:
-        calls: List[Tuple[str, tuple, dict]] = []
+        calls: list[tuple[str, tuple, dict]] = []
         if self._engine_overrides:
             calls.append(("set_engine_config", (dict(self._engine_overrides),), {}))
         if self.env_parameters:
@@ -366,10 +328,22 @@ class MLAgentsEnvManager:
             calls.append(("send_analytics", (list(self._analytics),), {}))
         self.manager.set_replay_calls(calls)
 
-    def _send_analytics(self, payloads: List[bytes]) -> None:
+    def _set_everywhere(self, method: str, values: dict[str, Any]) -> None:
+        """``method(values)`` on every worker's env (queued for its player's next message), and
+        on every restarted worker from now on (:mod:`envmanager.mlagents.replay`): a worker
+        restarted during the call has it from its replay; one restarted before it whose fresh
+        reset the trainer has not seen yet is reset again, so the first episode the trainer sees
+        of it runs with the new values."""
+        self._update_replay_calls()
+        m = self.manager
+        with port_errors(self._for_trainer):
+            call_replayed(m, self._healthy_worker_ids(), method, (values,))
+            self._held = reset_restarted(m, self._held)
+
+    def _send_analytics(self, payloads: list[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
-            with port_errors():
-                self.manager.call_on([0], "send_analytics", (payloads,))
+            with port_errors(self._for_trainer):  # replayed too: worker 0 announces itself again
+                call_replayed(self.manager, [0], "send_analytics", (payloads,))
 
     def _pull_policies(self) -> None:
         """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
@@ -383,16 +357,19 @@ class MLAgentsEnvManager:
             if latest is not None:
                 self.set_policy(name, latest)
 
-    def _actions_for(self, info: StepInfo) -> Dict[str, Any]:
-        """The core's policy hook: ``behavior_name -> ActionTuple`` for one idle worker.
+    def _actions_for(self, worker_id: int) -> SentActions:
+        """``behavior_name -> ActionTuple`` for one idle worker, from its latest result the
+        trainer was handed, with the ActionInfos they came from (they go with the request).
 
         Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
-        stepped. The ActionInfos are kept to go with that worker's next result.
+        stepped.
         """
-        worker_id = info.worker_id
+        info = self._last.get(worker_id)
+        if info is None:
+            raise InvalidInputError(f"worker {worker_id} must be reset before it is stepped")
         specs = self._specs.get(worker_id) or self.training_behaviors
-        action_infos: Dict[str, ActionInfo] = {}
-        env_actions: Dict[str, Any] = {}
+        action_infos: dict[str, ActionInfo] = {}
+        env_actions: dict[str, Any] = {}
         for name, (decision_steps, _) in info.current_result.observation.items():
             policy = self.policies.get(name)
             if policy is None:
@@ -405,8 +382,7 @@ class MLAgentsEnvManager:
                 continue
             check_action(name, worker_id, env_action, n, specs.get(name))
             env_actions[name] = env_action
-        self._action_infos[worker_id] = action_infos
-        return env_actions
+        return SentActions(env_actions, action_infos)
 
     def _environment_step(self, info: StepInfo) -> EnvironmentStep:
         worker_id = info.worker_id
@@ -414,13 +390,12 @@ class MLAgentsEnvManager:
         if "behavior_specs" in result_info:
             self._specs[worker_id] = result_info["behavior_specs"]
         if "player_process" in result_info:
-            old, new = self._players.get(worker_id), result_info["player_process"]
-            if old and old != new:
-                self._stale_players.append(old)
-            self._players[worker_id] = new
-        if info.interrupted:
-            self._kill_stale_players()
-        sent = self._action_infos.pop(worker_id, {})
+            # A reset; a new player means the old one's worker was restarted (maybe unseen, in a
+            # reset's drain): nobody will talk to the old one again.
+            self._players.note(worker_id, result_info["player_process"])
+            self._players.kill_stale()
+        self._last[worker_id] = info
+        sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
         action_infos = {} if info.interrupted or info.previous_result is None else sent
         return EnvironmentStep(
             info.current_result.observation,
@@ -432,27 +407,22 @@ class MLAgentsEnvManager:
 
     def _cut_episodes(self, worker_id: int) -> None:
         """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
-        as ML-Agents drops every worker's when it resets them all); the other workers' go on."""
+        as ML-Agents drops every worker's when it resets them all); the other workers' go on.
+        Counted here, in the log and in each behaviour's trainer statistics."""
         agents = dropped = 0
         for agent_manager in self.agent_managers.values():
             cut, lost = end_worker_episodes(agent_manager, worker_id)
             if cut < 0:
                 logger.warning("worker %d restarted: every unfinished episode dropped (end_episode)", worker_id)
                 continue
+            call_if_present(agent_manager, "record_environment_stats", cut_stats(cut, lost), worker_id)
             agents, dropped = agents + cut, dropped + lost
         self.cut_agent_episodes += agents
         self.dropped_experiences += dropped
         logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
                        worker_id, agents, dropped)
 
-    def _kill_stale_players(self) -> None:
-        """The worker of these players was killed (restart): nobody will ever talk to them."""
-        for identity in self._stale_players:
-            if kill_stale_player(identity):
-                logger.warning("killed player process %d left behind by a restarted worker", identity[0])
-        self._stale_players = []
-
-    def _process_step_infos(self, step_infos: List[EnvironmentStep]) -> int:
+    def _process_step_infos(self, step_infos: list[EnvironmentStep]) -> int:
         for step in step_infos:
             if step.interrupted and self.agent_managers:
                 self._cut_episodes(step.worker_id)

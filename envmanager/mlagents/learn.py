@@ -27,7 +27,7 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 __all__ = ["main", "env_manager_factory", "using_env_manager"]
 
@@ -51,16 +51,16 @@ def _own_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def split_arguments(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
-    """envmanager-learn's own options, and the rest for ML-Agents (``--env-args`` and what
-    follows it go to the player untouched)."""
+def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], bool]:
+    """envmanager-learn's own options, the rest for ML-Agents (``--env-args`` and what follows it
+    go to the player untouched), and whether help was asked for (before ``--env-args``)."""
     argv = list(argv)
     cut = argv.index("--env-args") if "--env-args" in argv else len(argv)
     ours, rest = _own_parser().parse_known_args(argv[:cut])
-    return ours, rest + argv[cut:]
+    return ours, rest + argv[cut:], "-h" in rest or "--help" in rest
 
 
-def env_manager_factory(ray_address: Optional[str] = None) -> Callable[..., Any]:
+def env_manager_factory(ray_address: str | None = None) -> Callable[..., Any]:
     """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
     if ray_address is None:
         from envmanager.mlagents.env_manager import MLAgentsEnvManager
@@ -90,16 +90,16 @@ def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterato
         setattr(learn_module, name, original)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS]``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    ours, rest = split_arguments(args)
+    ours, rest, help_asked = split_arguments(args)
     try:
         from mlagents.trainers import learn
     except ImportError as exc:
         print(f"envmanager-learn: {INSTALL_HINT} ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    if "-h" in rest or "--help" in rest:
+    if help_asked:
         learn.parser.prog = "envmanager-learn"
         learn.parser.print_help()
         print()

@@ -3,17 +3,22 @@
 ``envmanager-learn ... --ray-address=auto`` uses it; so can a framework, as
 ``RayMLAgentsEnvManager.from_run_options(env_factory, run_options, n_env, address="auto")``.
 
-One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`, pinned to it) hosts that
-node's share of the worker ids through the core's manager, so on a node a killed player is
-restarted alone, as on one machine. The driver keeps at most one step request in flight per node
-and takes whichever node answers first (``ray.wait``): first-ready across nodes, and within a
-node. The policy stays in the trainer: a request carries the actions of the node's idle players,
-an answer the steps that finished (observations and stats, no previous results). Every
-``ray.get``/``ray.wait`` has a deadline (the core's per-answer deadline plus
-:data:`RAY_MARGIN`). A node whose actor dies (node lost, actor killed) or misses its deadline is
-replaced on another node with the same worker ids, the environment parameters, engine settings
-and analytics set so far, within the restart limits (per node, ML-Agents' rule); its players come
-back as interrupted resets. Past the limits :class:`RayPlayerError` names the node and its ids.
+One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`, pinned to it; ``n_nodes``
+actors in turn on the live nodes if given) hosts a block of consecutive worker ids through the
+core's manager, so on a node a killed player is restarted alone, as on one machine. The driver
+keeps at most one step request in flight per node and takes whichever node answers first
+(``ray.wait``): first-ready across nodes, and within a node. The policy stays in the trainer: a
+request carries the actions of the node's idle players, an answer the steps that finished
+(observations and stats, no previous results).
+
+Deadlines are per node: each request has its own, from when it was sent (the core's per-answer
+deadline plus :data:`RAY_MARGIN`); the driver waits until the nearest one at most. A node whose
+actor dies (node lost, actor killed) or that misses its own deadline is replaced, while the
+others keep answering, on another Ray node if there is one, with the same worker ids, the
+environment parameters, engine settings and analytics set so far, within the restart limits (per
+node, ML-Agents' rule); its players come back as interrupted resets. Past the limits, or if the
+replacement cannot start, :class:`RayPlayerError` names the node and its worker ids. Errors of
+the players themselves name the trainer's worker ids.
 
 The env factory runs on the nodes: a build path must exist on every node.
 """
@@ -22,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -31,7 +37,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepInfo
-from envmanager.errors import EnvManagerError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
@@ -40,146 +46,246 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RayMLAgentsEnvManager", "RayPlayerPool", "RayPlayerError", "RAY_MARGIN"]
 
-#: Seconds a Ray call may take beyond the core's per-answer deadline (transport, actor start).
+#: Seconds a Ray call may take beyond the core's per-answer deadline (transport, scheduling).
 RAY_MARGIN = 30.0
+#: Seconds a node's actor may take to come up (its process imports envmanager and ML-Agents)
+#: beyond the core's deadline, which bounds its players' start.
+RAY_START_MARGIN = 60.0
 _Actor = ray.remote(PlayerNode)
 
 
 class RayPlayerError(EnvManagerError):
-    """A node's players could not go on: its actor was lost past the restart limits, or it raised."""
+    """A node's players could not go on: its actor was lost past the restart limits, or could not
+    start (``cause``: what its players raised then, naming the trainer's worker ids), or raised.
+    ``node``: the node's index; ``worker_ids``: the trainer's worker ids it hosts."""
+
+    def __init__(self, node: int, worker_ids: Sequence[int], message: str, cause: BaseException | None = None) -> None:
+        self.node, self.worker_ids, self.cause = node, list(worker_ids), cause
+        super().__init__(message)
 
 
 @dataclass
 class _Node:
     index: int
-    ids: List[int]
+    ids: list[int]
     ray_node_id: str
     actor: Any = None
     pending: Any = None  # the step request in flight
-    idle: Set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
-    info: Dict[str, Any] = field(default_factory=dict)
+    deadline: Deadline | None = None  # the pending request's: from when it was sent
+    idle: set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
+    sent: dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def name(self) -> str:
+        return f"Ray node {self.index} (worker ids {self.ids}, Ray node {self.ray_node_id})"
 
 
 class RayPlayerPool:
-    """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes."""
+    """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes.
 
-    def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *, policy: Callable[[StepInfo], Any],
-                 address: Optional[str] = None, ray_init: Optional[Dict[str, Any]] = None, timeout: float = 120.0,
+    ``n_nodes``: how many node actors share the worker ids (consecutive blocks); default one per
+    live Ray node (at most ``n_env``). Actors are placed on the live nodes in turn."""
+
+    def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *,
+                 address: str | None = None, ray_init: dict[str, Any] | None = None, timeout: float = 120.0,
                  restart_workers: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 1,
-                 restarts_rate_limit_period_s: float = 60.0, context: Optional[str] = None) -> None:
-        self.n_env, self.policy, self.worker_factory = int(n_env), policy, worker_factory
+                 restarts_rate_limit_period_s: float = 60.0, context: str | None = None,
+                 n_nodes: int | None = None) -> None:
+        self.n_env, self.worker_factory = int(n_env), worker_factory
         self.worker_ids = list(range(self.n_env))
         self.deadline_s = float(timeout) + RAY_MARGIN
-        self.options = dict(timeout=timeout, restart_workers=restart_workers, max_lifetime_restarts=max_lifetime_restarts,
-                            restarts_rate_limit_n=restarts_rate_limit_n,
-                            restarts_rate_limit_period_s=restarts_rate_limit_period_s)
+        self.start_s = float(timeout) + RAY_MARGIN + RAY_START_MARGIN
+        self.options = {"timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
+                        "restarts_rate_limit_n": restarts_rate_limit_n,
+                        "restarts_rate_limit_period_s": restarts_rate_limit_period_s}
         self.restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
-        self.replay_calls: List[Tuple[str, tuple, dict]] = []
-        self.nodes: List[_Node] = []
-        self._last: Dict[int, StepInfo] = {}
-        self._ready: List[StepInfo] = []
+        self.replay_calls: list[tuple[str, tuple, dict]] = []
+        self.nodes: list[_Node] = []
+        self._last: dict[int, StepInfo] = {}
+        self._ready: list[StepInfo] = []
+        self._resets: list[int] = []
+        self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
+        self.restarts_seen: dict[int, int] = {}  # worker id -> its fresh resets after a restart
         self._started_ray = False
         self._closed = False
+        if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
+            raise InvalidInputError(f"n_nodes must be between 1 and n_env ({self.n_env}), got {n_nodes!r}")
         if not ray.is_initialized():
             local = {"include_dashboard": False} if address is None else {}  # a session of our own: no dashboard
             ray.init(address=address, **{**local, **(ray_init or {})})
             self._started_ray = True
         try:
             alive = _alive_nodes()
-            per = -(-self.n_env // len(alive))
-            blocks = [self.worker_ids[i:i + per] for i in range(0, self.n_env, per)]
-            self.nodes = [_Node(k, ids, alive[k]) for k, ids in enumerate(blocks)]
-            for node in self.nodes:
+            count = min(self.n_env, len(alive)) if n_nodes is None else int(n_nodes)
+            per, extra = divmod(self.n_env, count)
+            sizes = [per + (k < extra) for k in range(count)]
+            firsts = [sum(sizes[:k]) for k in range(count)]
+            self.nodes = [_Node(k, self.worker_ids[firsts[k]:firsts[k] + sizes[k]], alive[k % len(alive)])
+                          for k in range(count)]
+            for node in self.nodes:  # every actor starts at once; then each is awaited
                 self._start(node, node.ray_node_id)
             for node in self.nodes:
-                node.info = self._get(node, node.actor.info.remote())
-            logger.info("players on %d Ray nodes: %s", len(self.nodes),
-                        "; ".join(f"node {n.index}: ids {n.ids}" for n in self.nodes))
+                self._await_start(node)
+            logger.info("players on %d Ray node actors: %s", len(self.nodes), "; ".join(n.name() for n in self.nodes))
         except BaseException:
             self.close()
             raise
 
     # -- the core's interface, as MLAgentsEnvManager uses it -----------------------------------
-    def call(self, name: str) -> List[Any]:
-        found: Dict[int, Any] = {}
+    def call(self, name: str) -> list[Any]:
+        found: dict[int, Any] = {}
         for node in self.nodes:
-            found.update(dict(zip(node.ids, self._get(node, node.actor.call_on.remote(None, name)))))
+            answer = self._call(node, "call_on", None, name)
+            if answer is None:  # the node was lost and replaced: ask its replacement
+                answer = self._call(node, "call_on", None, name)
+            if answer is None:
+                raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost twice answering {name!r}")
+            found.update(zip(node.ids, answer, strict=True))
         return [found[w] for w in self.worker_ids]
 
-    def get_attr(self, name: str) -> List[Any]:
+    def get_attr(self, name: str) -> list[Any]:
         """Players live on the nodes, where their processes are looked after: nothing here."""
         return [None] * self.n_env
 
-    def call_on(self, worker_ids: Sequence[int], name: str, args: tuple = ()) -> List[Any]:
+    def call_on(self, worker_ids: Sequence[int], name: str, args: tuple = ()) -> list[Any]:
         """``name(*args)`` on the given players' envs; a node lost meanwhile is replaced (its new
         players get the replay calls, which hold what is being set) and answers ``None``."""
-        found: Dict[int, Any] = {}
+        found: dict[int, Any] = {}
+        replayed = name in {n for n, _, _ in self.replay_calls}  # a setting every restart replays
         for node in self.nodes:
             ids = [w for w in worker_ids if w in node.ids]
             if ids:
-                found.update(dict(zip(ids, self._call(node, "call_on", ids, name, args) or [None] * len(ids))))
+                answer = self._call(node, "call_on", ids, name, args, replayed)
+                found.update(zip(ids, answer or [None] * len(ids), strict=True))
         return [found[w] for w in worker_ids]
 
-    def set_replay_calls(self, calls: Sequence[Tuple[str, tuple, dict]]) -> None:
+    def set_replay_calls(self, calls: Sequence[tuple[str, tuple, dict]]) -> None:
         self.replay_calls = list(calls)
         for node in self.nodes:
             self._call(node, "set_replay_calls", self.replay_calls)
 
-    def failure_of(self, worker_id: int) -> Optional[EnvManagerError]:
-        return None  # a node that cannot go on raises instead
+    def failure_of(self, worker_id: int) -> EnvManagerError | None:
+        """What its node's players raised for ``worker_id`` (past its limits on the node), if any."""
+        return self._failures.get(worker_id)
 
     def restart_count(self, worker_id: int) -> int:
-        node = self._node_of(worker_id)
-        local = (self._call(node, "restart_counts") or {}).get(worker_id, 0)
-        return int(local) + self.restarts.counts[node.index]
+        """How often the player was restarted: on its node, or with its node."""
+        return self.restarts_seen.get(worker_id, 0)
 
-    def reset(self) -> List[StepInfo]:
-        """Reset every player (steps in flight are waited out and dropped)."""
+    def reset(self) -> list[StepInfo]:
+        """Reset every player (steps in flight are waited out, each to its node's deadline, and
+        dropped); a node lost meanwhile is replaced, its players' fresh resets are its resets."""
+        self._check_open()
+        out: list[StepInfo] = []
+        lost: list[tuple[_Node, str]] = []
         for node in self.nodes:
             if node.pending is not None:
                 try:
-                    self._get(node, node.pending)
+                    self._answer(node, node.pending, self._left(node))
+                except _NodeLost as exc:
+                    lost.append((node, str(exc)))
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
-                node.pending = None
+                node.pending = node.deadline = None
+            node.sent.clear()
         self._ready = []
-        out: List[StepInfo] = []
-        for node in self.nodes:
+        for node, why in lost:
+            out += self._replace(node, why)
+        resetting = [(node, node.actor.reset.remote()) for node in self.nodes if all(node is not n for n, _ in lost)]
+        for node, ref in resetting:
             try:
-                out += self._arrived(node, self._get(node, node.actor.reset.remote()))
-            except _NodeLost as lost:
-                out += self._replace(node, str(lost))
+                out += self._arrived(node, self._answer(node, ref))
+            except _NodeLost as exc:
+                out += self._replace(node, str(exc))
         return sorted(out, key=lambda info: info.worker_id)
 
-    def step(self) -> List[StepInfo]:
-        """Send every idle player its actions (one request per node without one in flight), then
-        return the steps of whichever nodes answer first (at least one step)."""
-        self._check_open()
+    def send_reset(self, seeds_and_options: dict[int, tuple[Any, Any]]) -> None:
+        """Reset these players (seeds and options are the players' own): done by ``receive_resets``."""
+        self._resets = sorted(seeds_and_options)
+
+    def receive_resets(self, worker_ids: Sequence[int]) -> list[StepInfo]:
+        """The fresh resets of the players ``send_reset`` named (idle ones), from every node at once."""
+        resetting = []
         for node in self.nodes:
-            if node.pending is None:  # its idle players' actions; it answers when one of its players has
-                actions = {w: self.policy(self._last[w]) for w in sorted(node.idle)}
-                node.idle.clear()
-                node.pending = node.actor.step.remote(actions)
+            ids = [w for w in self._resets if w in node.ids]
+            if ids:
+                resetting.append((node, node.actor.reset.remote(ids)))
+        self._resets = []
+        out: list[StepInfo] = []
+        for node, ref in resetting:
+            try:
+                out += self._arrived(node, self._answer(node, ref))
+            except _NodeLost as lost:  # its players come back as the replacement's resets
+                self._ready += self._replace(node, str(lost))
+        return sorted(out, key=lambda info: info.worker_id)
+
+    @property
+    def idle_worker_ids(self) -> list[int]:
+        """Players whose last step arrived, on nodes with no request in flight: they can be sent
+        actions now."""
+        return sorted(w for node in self.nodes if node.pending is None for w in node.idle)
+
+    @property
+    def waiting_worker_ids(self) -> list[int]:
+        """Players with a step in flight."""
+        return sorted(w for node in self.nodes if node.pending is not None for w in node.sent)
+
+    def send_step(self, actions: dict[int, Any]) -> None:
+        """Send ``actions`` (worker id -> the env's actions; idle players only), one request per
+        node; each request's deadline runs from now."""
+        self._check_open()
+        by_node: dict[int, dict[int, Any]] = {}
+        for w, action in actions.items():
+            node = self._node_of(w)
+            if node.pending is not None or w not in node.idle:
+                raise InvalidInputError(f"worker {w} is not idle: it cannot be sent actions now")
+            by_node.setdefault(node.index, {})[w] = action
+        for node in self.nodes:
+            if node.index in by_node:
+                sent = by_node[node.index]
+                node.pending = node.actor.step.remote(sent)
+                node.deadline = Deadline(self.deadline_s)
+                node.idle -= set(sent)
+                node.sent.update(sent)
+
+    def receive_steps(self, min_count: int = 1) -> list[StepInfo]:
+        """The steps that finished: at least ``min_count`` (0: only what is in already), from
+        whichever nodes answer first, waiting at most until the nearest node's deadline at a
+        time. Every node past its own deadline is replaced, whether or not others answered."""
+        self._check_open()
         out, self._ready = self._ready, []
-        deadline = Deadline(self.deadline_s)
-        while not out:
-            pending = {node.pending: node for node in self.nodes if node.pending is not None}
-            if not pending:
-                raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline.left()))
-            if not done:  # every node missed the deadline: the oldest counts as hung
-                node = next(iter(pending.values()))
-                out += self._replace(node, f"no answer within {self.deadline_s:.0f} s")
-                continue
-            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-            for ref in done:
-                node = pending[ref]
-                node.pending = None
-                try:
-                    out += self._arrived(node, self._get(node, ref))
-                except _NodeLost as lost:
-                    out += self._replace(node, str(lost))
-        return out
+        try:
+            while True:
+                pending = {node.pending: node for node in self.nodes if node.pending is not None}
+                if not pending:
+                    if len(out) >= min_count:
+                        return out
+                    raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
+                timeout = 0.0 if len(out) >= min_count else min(self._left(node) for node in pending.values())
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+                if done:  # take whatever else is in too, without waiting
+                    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                hung = [node for ref, node in pending.items() if ref not in done and node.deadline is not None
+                        and node.deadline.passed()]  # judged now, before any replacement takes time
+                error: EnvManagerError | None = None
+                for ref in done:
+                    node = pending[ref]
+                    node.pending = node.deadline = None
+                    try:
+                        out += self._arrived(node, self._answer(node, ref))  # in already
+                    except _NodeLost as lost:
+                        out += self._replace(node, str(lost))
+                    except EnvManagerError as exc:  # the other nodes' answers are kept
+                        error = error or exc
+                for node in hung:
+                    out += self._replace(node, f"no answer within its {self.deadline_s:g} s deadline (hung)")
+                if error is not None:
+                    raise error
+                if len(out) >= min_count:
+                    return out
+        except BaseException:
+            self._ready = out + self._ready  # handed over by the next call
+            raise
 
     def close(self) -> None:
         self._closed = True
@@ -191,16 +297,15 @@ class RayPlayerPool:
                 try:
                     ray.get(ref, timeout=max(0.0, deadline.left()))
                 except (RayError, GetTimeoutError) as exc:
-                    logger.warning("Ray node %d did not close cleanly: %r", node.index, exc)
+                    logger.warning("%s did not close cleanly: %r", node.name(), exc)
             for node in nodes:
-                if node.actor is not None:
-                    ray.kill(node.actor, no_restart=True)
+                self._kill(node)
         finally:
             if self._started_ray:
                 self._started_ray = False
                 ray.shutdown()
 
-    def node_info(self) -> List[Dict[str, Any]]:
+    def node_info(self) -> list[dict[str, Any]]:
         return [dict(n.info, index=n.index) for n in self.nodes]
 
     # -- internals ---------------------------------------------------------------------------
@@ -211,81 +316,124 @@ class RayPlayerPool:
     def _node_of(self, worker_id: int) -> _Node:
         return next(n for n in self.nodes if worker_id in n.ids)
 
-    def _start(self, node: _Node, ray_node_id: str) -> None:
+    def _left(self, node: _Node) -> float:
+        return node.deadline.left() if node.deadline is not None else self.deadline_s
+
+    def _start(self, node: _Node, ray_node_id: str, left_behind: Any = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node.ray_node_id = ray_node_id
         node.actor = _Actor.options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-        ).remote(self.worker_factory, node.ids, self.options, self.replay_calls)
-        node.idle = set(node.ids)
+        ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
+        node.idle, node.sent, node.info = set(node.ids), {}, {}
+        node.pending = node.deadline = None
+
+    def _await_start(self, node: _Node) -> None:
+        """The node's ``info`` once it started; else ``RayPlayerError`` naming it (``cause``: what
+        its players raised, a port taken say)."""
+        try:
+            info, error = self._get(node, node.actor.info.remote(), self.start_s)
+        except _NodeLost as lost:
+            raise RayPlayerError(node.index, node.ids, f"{node.name()} could not start: {lost}") from None
+        if error is not None:
+            raise RayPlayerError(node.index, node.ids, f"{node.name()} could not start its players: "
+                                 f"{type(error).__name__}: {error}", error) from None
+        node.info = info
+
+    def _kill(self, node: _Node) -> None:
+        if node.actor is not None:
+            try:
+                ray.kill(node.actor, no_restart=True)
+            except Exception as exc:  # gone already
+                logger.debug("killing %s: %r", node.name(), exc)
+        node.actor, node.pending, node.deadline = None, None, None
 
     def _call(self, node: _Node, method: str, *args: Any) -> Any:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
         the next ``step``) and the answer is ``None``."""
         try:
-            return self._get(node, getattr(node.actor, method).remote(*args))
+            return self._answer(node, getattr(node.actor, method).remote(*args))
         except _NodeLost as lost:
             self._ready += self._replace(node, str(lost))
             return None
 
-    def _get(self, node: _Node, ref: Any) -> Any:
-        """``ray.get`` with the deadline; a dead or silent actor is ``_NodeLost``, a node's own error
-        is raised as it is (an ``EnvManagerError``) or as ``RayPlayerError``."""
+    def _answer(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
+        """The value of a node call that answers ``(value, error)``: ``error`` (what its players
+        raised, naming the trainer's worker ids) is noted for ``failure_of`` and raised."""
+        value, error = self._get(node, ref, timeout)
+        if error is not None:
+            if isinstance(error, EnvManagerError):
+                for w in getattr(error, "worker_ids", None) or []:
+                    self._failures[w] = error
+            raise error
+        return value
+
+    def _get(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
+        """``ray.get`` within ``timeout`` (default: a deadline from now); a dead or silent actor is
+        ``_NodeLost``, a node's own error is ``RayPlayerError``."""
         try:
-            return ray.get(ref, timeout=self.deadline_s)
+            return ray.get(ref, timeout=self.deadline_s if timeout is None else timeout)
         except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, EnvManagerError):
-                raise cause from None
-            raise RayPlayerError(f"Ray node {node.index} (worker ids {node.ids}) raised: {exc}") from None
+            raise RayPlayerError(node.index, node.ids, f"{node.name()} raised: {exc}") from None
         except (RayActorError, GetTimeoutError) as exc:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
         except RayError as exc:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
 
-    def _arrived(self, node: _Node, infos: List[StepInfo], interrupted: bool = False) -> List[StepInfo]:
+    def _arrived(self, node: _Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
+        """A node's answer as the trainer's steps: global ids (the node's), the previous result
+        and the actions sent (the driver's: the very objects the policy made)."""
         out = []
         for info in infos:
             w = info.worker_id
             previous = self._last.get(w)
-            info = info._replace(previous_result=None if info.interrupted or interrupted or previous is None
-                                 else previous.current_result, interrupted=info.interrupted or interrupted)
+            cut = info.interrupted or interrupted
+            action = node.sent.pop(w, None)
+            if cut:
+                self.restarts_seen[w] = self.restarts_seen.get(w, 0) + 1
+            info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
+                                 action=None if cut else action, interrupted=cut)
             self._last[w] = info
             node.idle.add(w)
             out.append(info)
         return out
 
-    def _replace(self, node: _Node, why: str) -> List[StepInfo]:
-        """Start ``node``'s worker ids on another Ray node (within the limits); their fresh resets."""
-        while True:
-            refusal = self.restarts.refusal(node.index)
-            if refusal:
-                raise RayPlayerError(f"Ray node {node.index} (worker ids {node.ids}, Ray node {node.ray_node_id}) "
-                                     f"was lost ({why}) and not replaced: {refusal}")
-            self.restarts.record(node.index)
-            old = node.ray_node_id
-            if node.actor is not None:
-                ray.kill(node.actor, no_restart=True)
-            node.pending, node.actor = None, None
-            alive = _alive_nodes(exclude=old) or _alive_nodes()
-            busy = {n.ray_node_id: len(n.ids) for n in self.nodes if n is not node}
-            target = min(alive, key=lambda nid: busy.get(nid, 0))
-            logger.warning("Ray node %d (worker ids %s) lost: restarting its players on Ray node %s (%s)",
-                           node.index, node.ids, target, why)
-            try:
-                self._start(node, target)
-                node.info = self._get(node, node.actor.info.remote())
-                return self._arrived(node, self._get(node, node.actor.reset.remote()), interrupted=True)
-            except _NodeLost as lost:
-                why = str(lost)
+    def _replace(self, node: _Node, why: str) -> list[StepInfo]:
+        """Start ``node``'s worker ids anew (on another Ray node if there is one), within the
+        restart limits; their fresh resets (interrupted). Else, or if the new one cannot start,
+        ``RayPlayerError`` names the node and its worker ids."""
+        refusal = self.restarts.refusal(node.index)
+        if refusal:
+            self._kill(node)
+            raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why}) and not replaced: {refusal}")
+        self.restarts.record(node.index)
+        old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
+        self._kill(node)
+        alive = _alive_nodes(exclude=old) or _alive_nodes()
+        busy: dict[str, int] = {}
+        for n in self.nodes:
+            if n is not node:
+                busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
+        target = min(alive, key=lambda nid: busy.get(nid, 0))
+        logger.warning("Ray node %d (worker ids %s) lost: restarting its players on Ray node %s (%s)",
+                       node.index, node.ids, target, why)
+        self._start(node, target, left_behind)
+        self._await_start(node)
+        try:
+            infos = self._answer(node, node.actor.reset.remote())
+        except _NodeLost as lost:
+            self._kill(node)
+            raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why}); its replacement "
+                                 f"was lost too ({lost})") from None
+        return self._arrived(node, infos, interrupted=True)
 
 
 class _NodeLost(Exception):
-    pass
+    """A node's actor died or missed its deadline (never leaves :class:`RayPlayerPool`)."""
 
 
-def _alive_nodes(exclude: Optional[str] = None, wait_s: float = 10.0) -> List[str]:
+def _alive_nodes(exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
     """Ids of the cluster's live nodes (the head's first), waiting up to ``wait_s`` for one."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -301,19 +449,23 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
     """:class:`MLAgentsEnvManager` with the players on a Ray cluster's nodes (see the module).
 
     Args beyond ``MLAgentsEnvManager``'s: ``address`` (``ray.init``'s; ``"auto"``: the cluster
-    this machine belongs to; ignored if Ray is initialized already) and ``ray_init`` (more
-    ``ray.init`` arguments). A session it started is shut down by :meth:`close`.
+    this machine belongs to; ignored if Ray is initialized already), ``ray_init`` (more
+    ``ray.init`` arguments) and ``n_nodes`` (how many node actors share the players; default one
+    per live Ray node). A session it started is shut down by :meth:`close`.
     """
 
-    def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: Optional[str] = None,
-                 ray_init: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
-        self._address, self._ray_init = address, dict(ray_init or {})
+    def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: str | None = None,
+                 ray_init: dict[str, Any] | None = None, n_nodes: int | None = None, **kwargs: Any) -> None:
+        self._address, self._ray_init, self._n_nodes = address, dict(ray_init or {}), n_nodes
         super().__init__(env_factory, n_env, **kwargs)
 
-    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: Dict[str, Any]) -> Any:
-        return RayPlayerPool(worker_factory, n_env, policy=self._actions_for, address=self._address,
-                             ray_init=self._ray_init, **options)
+    def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
+        return RayPlayerPool(worker_factory, n_env, address=self._address,
+                             ray_init=self._ray_init, n_nodes=self._n_nodes, **options)
 
-    def node_info(self) -> List[Dict[str, Any]]:
+    def node_info(self) -> list[dict[str, Any]]:
         """Per node: its Ray node id, actor pid, worker ids, worker and player pids."""
-        return self.manager.node_info()
+        pool = self.manager
+        if not isinstance(pool, RayPlayerPool):  # pragma: no cover - _start_core made it
+            raise TypeError(f"not a RayPlayerPool: {pool!r}")
+        return pool.node_info()

@@ -2,26 +2,50 @@
 its share of the players, through the core's ``SubprocessEnvManager`` (a worker process per
 player, first-ready, deadlines, a killed player restarted alone on the node).
 
-:class:`PlayerNode` is a plain class; the driver runs it as a Ray actor pinned to a node. It
-speaks global worker ids (the trainer's ``worker_id``: port ``base_port + worker_id``, seed
-``seed + worker_id``); its core counts its own slots from 0. It does not import ``ray``.
+:class:`PlayerNode` is a plain class; the driver runs it as a Ray actor. It speaks global worker
+ids (the trainer's ``worker_id``: port ``base_port + worker_id``, seed ``seed + worker_id``; a
+node hosts consecutive ids); its core counts its own slots from 0. It does not import ``ray``.
+
+Every call answers ``(value, error)``: ``error`` is what the node's players raised that no
+restart on the node absorbed (a player past its restart limits, or any failure with restarts
+off), naming the global worker ids; the driver raises it. Players that could not start (a port
+taken, a build missing) are such an error too, answered by :meth:`PlayerNode.info`. An exception
+(or a dead or silent actor) is the node's own failure, which the driver handles (a new node).
+
+A node started in place of a lost one on the same host first kills what the lost one left
+running there (``left_behind``: its env workers, which hold the players' gRPC ports, and its
+players), so the new players can take those ports.
+
+A player the node restarted while the driver thought it idle (its worker died during a call on
+other players) is never sent the actions the trainer chose for its old env: its fresh reset is
+returned first, and the trainer acts on that.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from envmanager.core.deadline import Deadline
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo, StepResult
-from envmanager.mlagents.worker_env import WorkerEnvFactory, kill_stale_player
+from envmanager.errors import EnvManagerError, with_slot_offset
+from envmanager.mlagents.player_process import PlayerIdentity, PlayerProcesses, kill_stale_player, process_start_time
+from envmanager.mlagents.replay import call_replayed, reset_restarted
+from envmanager.mlagents.worker_env import WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlobalIds", "PlayerNode"]
+__all__ = ["GlobalIds", "PlayerNode", "Answer"]
 
-ReplayCall = Tuple[str, tuple, dict]
+ReplayCall = tuple[str, tuple, dict]
+T = TypeVar("T")
+#: What every call of a node answers: its value, or what its players raised (global ids).
+Answer = tuple[T | None, BaseException | None]
 
 
 class GlobalIds:
@@ -35,87 +59,166 @@ class GlobalIds:
 
 
 class PlayerNode:
-    """The players of worker ids ``ids`` on this node, with their env parameters, engine settings
-    and analytics (``replay_calls``, applied before the first reset and on every restart)."""
+    """The players of worker ids ``ids`` (consecutive) on this node, with their env parameters,
+    engine settings and analytics (``replay_calls``, applied before the first reset and on every
+    restart)."""
 
-    def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: Dict[str, Any],
-                 replay_calls: Sequence[ReplayCall] = ()) -> None:
+    def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: dict[str, Any],
+                 replay_calls: Sequence[ReplayCall] = (),
+                 left_behind: tuple[str, list[PlayerIdentity]] | None = None) -> None:
         self.ids = list(ids)
+        if self.ids != list(range(self.ids[0], self.ids[0] + len(self.ids))):
+            raise ValueError(f"a node hosts consecutive worker ids, not {self.ids}")
+        self.offset = self.ids[0]
         self.local = {g: i for i, g in enumerate(self.ids)}
-        # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
-        self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
-                                         **{"context": "forkserver", **options})
-        self.players: Dict[int, Any] = dict(zip(self.ids, self.core.get_attr("player")))
-        self.stale: List[Any] = []
-        self.set_replay_calls(replay_calls)
-        for name, args, kwargs in replay_calls:
-            self.core.call_on(None, name, args, kwargs)
+        self.held: list[StepInfo] = []  # results taken from the core, not handed to the driver yet
+        self.core: Any = None
+        self.players = PlayerProcesses()
+        self.start_error: BaseException | None = None  # what the players raised when starting
+        if left_behind is not None and left_behind[0] == socket.gethostname():
+            _kill_left_behind(left_behind[1])
+        try:
+            # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
+            self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
+                                             **{"context": "forkserver", **options})
+            self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"), strict=True)))
+            self.core.set_replay_calls(list(replay_calls))
+            for name, args, kwargs in replay_calls:
+                self.core.call_on(None, name, args, kwargs)
+        except Exception as exc:
+            if self.core is not None:
+                self.core.close()
+                self.core = None
+            self.players.kill_all()
+            if not isinstance(exc, EnvManagerError):
+                raise with_slot_offset(exc, self.offset) from None
+            self.start_error = with_slot_offset(exc, self.offset)  # the players': answered by info()
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> Answer[dict[str, Any]]:
+        """Where the node runs and its processes (``processes``: each one's identity, for a
+        replacement on this host to kill), or what its players raised when starting."""
+        if self.start_error is not None:
+            return None, self.start_error
         try:
             import ray
 
-            node_id: Optional[str] = ray.get_runtime_context().get_node_id()
+            node_id: str | None = ray.get_runtime_context().get_node_id()
         except Exception:  # pragma: no cover - outside Ray
             node_id = None
         workers = [w.pid for w in self.core.workers]
-        return {"ray_node_id": node_id, "pid": os.getpid(), "ids": self.ids, "worker_pids": workers,
-                "player_pids": {g: (p[0] if p else None) for g, p in self.players.items()}}
+        processes = [(pid, process_start_time(pid)) for pid in workers]
+        processes += [p for p in self.players.current.values() if p]
+        return {"ray_node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), "ids": self.ids,
+                "worker_pids": workers, "player_pids": self.players.pids, "processes": processes}, None
 
-    def behavior_specs(self) -> Dict[int, Dict[str, Any]]:
-        return dict(zip(self.ids, self.core.call("behavior_specs")))
+    # -- the calls (each answers ``(value, error)``) --------------------------------------------
 
-    def reset(self) -> List[StepInfo]:
-        return self._out(self.core.reset())
+    def reset(self, ids: Sequence[int] | None = None) -> Answer[list[StepInfo]]:
+        """Reset every player (steps in flight dropped), or the players ``ids`` (idle ones)."""
+        def run() -> list[StepInfo]:
+            if ids is None:
+                self.held = []
+                return self._out(self.core.reset())
+            local = [self.local[g] for g in ids]
+            self.core.send_reset(dict.fromkeys(local, (None, None)))
+            return self._out(self.core.receive_resets(local))
 
-    def step(self, actions: Dict[int, Any], timeout: Optional[float] = None) -> List[StepInfo]:
-        """Send ``actions`` (global id -> env actions, this node's idle players), then return the
-        steps that finished: at least one, within ``timeout`` (the core's deadline by default)."""
-        if actions:
-            self.core.send_step({self.local[g]: a for g, a in actions.items()})
-        return self._out(self.core.receive_steps(timeout))
+        return self._answer(run)
 
-    def call_on(self, ids: Optional[Sequence[int]], name: str, args: tuple = ()) -> List[Any]:
-        return self.core.call_on(None if ids is None else [self.local[g] for g in ids], name, args)
+    def step(self, actions: dict[int, Any], timeout: float | None = None) -> Answer[list[StepInfo]]:
+        """Send ``actions`` (global id -> env actions, players the driver saw idle), then return
+        the steps that finished: at least one, within ``timeout`` (the core's deadline by default).
 
-    def set_replay_calls(self, calls: Sequence[ReplayCall]) -> None:
-        self.core.set_replay_calls(list(calls))
+        Results the node took meanwhile come first (a call waited for them, or a restarted
+        player's fresh reset); a player with such a result, or still coming back from a restart,
+        is not sent the actions (they were chosen for what the driver saw before)."""
+        def run() -> list[StepInfo]:
+            self._take()
+            waiting = {info.worker_id for info in self.held}
+            idle = set(self.core.idle_worker_ids)
+            send = {}
+            for g, action in actions.items():
+                i = self.local[g]
+                if i in idle and i not in waiting and self.core.failure_of(i) is None:
+                    send[i] = action
+            if send:
+                self.core.send_step(send)
+            out, self.held = self.held, []
+            return self._out(out or self.core.receive_steps(timeout))
 
-    def restart_counts(self) -> Dict[int, int]:
-        return {g: self.core.restart_count(i) for i, g in enumerate(self.ids)}
+        return self._answer(run)
 
-    def failures(self) -> Dict[int, Optional[str]]:
-        return {g: (None if self.core.failure_of(i) is None else str(self.core.failure_of(i)))
-                for i, g in enumerate(self.ids)}
+    def call_on(self, ids: Sequence[int] | None, name: str, args: tuple = (), replayed: bool = False) -> Answer[list[Any]]:
+        """``name(*args)`` on the players ``ids`` (all: ``None``). ``replayed``: a setting every
+        restart replays (:mod:`envmanager.mlagents.replay`): a player restarted during the call
+        has it from its replay, one restarted before it is reset again with it."""
+        def run() -> list[Any] | None:
+            local = None if ids is None else [self.local[g] for g in ids]
+            if not replayed:
+                return self.core.call_on(local, name, args)
+            call_replayed(self.core, local, name, args)
+            self.held = reset_restarted(self.core, self.held)
+            return None
+
+        return self._answer(run)
+
+    def set_replay_calls(self, calls: Sequence[ReplayCall]) -> Answer[None]:
+        return self._answer(lambda: self.core.set_replay_calls(list(calls)))
 
     def close(self) -> None:
         try:
-            self.core.close()
+            if self.core is not None:
+                self.core.close()
         finally:
-            for identity in [*self.players.values(), *self.stale]:
-                if kill_stale_player(identity):
-                    logger.warning("killed player process %d left behind by its worker", identity[0])
-            self.players, self.stale = {}, []
+            self.players.kill_all()
 
-    def _out(self, infos: List[StepInfo]) -> List[StepInfo]:
-        """Global ids; the previous result left out (the driver has it); players noted here (a
-        restarted worker's old player is killed on this node, where its pid means something)."""
+    # -- internals -----------------------------------------------------------------------------
+
+    def _answer(self, run: Callable[[], T]) -> Answer[T]:
+        try:
+            return run(), None
+        except EnvManagerError as exc:  # the players' failure, as the cluster names them
+            return None, with_slot_offset(exc, self.offset)
+
+    def _take(self) -> None:
+        """Results that came in meanwhile (during a call, a restart's fresh reset), without waiting."""
+        self.held += self.core.receive_steps(min_count=0)
+
+    def _out(self, infos: list[StepInfo]) -> list[StepInfo]:
+        """Global ids; the previous result and the actions left out (the driver has them); players
+        noted here."""
         out = []
         for info in infos:
             gid = self.ids[info.worker_id]
             result_info = dict(info.current_result.info or {})
             player = result_info.pop("player_process", None)
             if player is not None:
-                old = self.players.get(gid)
-                if old and old != player:
-                    self.stale.append(old)
-                self.players[gid] = player
-            if info.interrupted:
-                for identity in self.stale:
-                    if kill_stale_player(identity):
-                        logger.warning("killed player process %d left behind by a restarted worker", identity[0])
-                self.stale = []
+                # A new player: the old one's worker was restarted (maybe unseen, in a reset's
+                # drain); it is killed here, where its pid means something.
+                self.players.note(gid, player)
+                self.players.kill_stale()
             current = StepResult(info.current_result.observation, info.current_result.reward,
                                  info.current_result.terminated, info.current_result.truncated, result_info)
-            out.append(info._replace(worker_id=gid, previous_result=None, current_result=current))
+            out.append(info._replace(worker_id=gid, previous_result=None, action=None, current_result=current))
         return out
+
+
+def _kill_left_behind(identities: Sequence[PlayerIdentity], wait_s: float = 5.0) -> None:
+    """SIGKILL these processes (same pid and start time) and wait, up to ``wait_s``, until they
+    are gone or zombies (whose ports are free)."""
+    import psutil
+
+    killed = []
+    for identity in identities:
+        if kill_stale_player(identity):
+            logger.warning("killed process %d, left behind by the node this one replaces", identity[0])
+            killed.append(identity[0])
+    deadline = Deadline(wait_s)
+    for pid in killed:
+        while not deadline.passed():
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)

@@ -4,7 +4,10 @@
   ML-Agents' ``SubprocessEnvManager`` reads from a ``RunOptions`` (engine settings, restart
   limits; ``timeout_wait`` becomes the deadline's floor).
 * :func:`end_worker_episodes`: drop the unfinished trajectories of one worker's agents in an
-  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs).
+  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs);
+  :func:`cut_stats`: what that cut, as trainer statistics.
+* :func:`merge_worker_timers`: the workers' ``mlagents_envs`` timers into the trainer's
+  (``timers.json``), as ML-Agents' ``SubprocessEnvManager`` merges them.
 * :func:`environment_initialized` / :func:`training_started`: the training-analytics messages
   ML-Agents' worker 0 sends its player, made here in the trainer's process (so the workers never
   import ``mlagents.trainers`` and torch) and sent as bytes.
@@ -15,9 +18,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
-from envmanager.mlagents.worker_env import ENGINE_FIELDS
+from envmanager.mlagents.settings import ENGINE_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,10 @@ __all__ = [
     "DEADLINE_MARGIN",
     "manager_options",
     "end_worker_episodes",
+    "cut_stats",
+    "merge_worker_timers",
+    "CUT_AGENT_EPISODES",
+    "DROPPED_EXPERIENCES",
     "environment_initialized",
     "training_started",
 ]
@@ -33,9 +40,12 @@ __all__ = [
 #: that stops answering is reported by ``mlagents_envs`` (and its env shut down by the worker)
 #: before the deadline would cut the worker off.
 DEADLINE_MARGIN = 60.0
+#: Trainer statistics of the episodes restarts cut (per behaviour, summed per summary period).
+CUT_AGENT_EPISODES = "Env Manager/Cut Agent Episodes"
+DROPPED_EXPERIENCES = "Env Manager/Dropped Experiences"
 
 
-def manager_options(run_options: Any) -> Dict[str, Any]:
+def manager_options(run_options: Any) -> dict[str, Any]:
     """``MLAgentsEnvManager`` keyword arguments from an ML-Agents ``RunOptions``.
 
     What ML-Agents' ``SubprocessEnvManager`` reads there: ``engine_settings`` (width, height,
@@ -56,7 +66,7 @@ def manager_options(run_options: Any) -> Dict[str, Any]:
     }
 
 
-def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
+def end_worker_episodes(agent_manager: Any, worker_id: int) -> tuple[int, int]:
     """Drop what ``agent_manager`` holds of ``worker_id``'s unfinished episodes.
 
     ML-Agents' ``AgentManager.end_episode()`` drops every agent's, on every worker: right for
@@ -69,9 +79,10 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
     steps (not yet in a trajectory) were dropped; ``(-1, -1)`` when ``end_episode()`` was used.
     """
     clean = getattr(agent_manager, "_clean_agent_data", None)
-    tables = [getattr(agent_manager, name, None)
-              for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
-    if not callable(clean) or any(not isinstance(table, dict) for table in tables):
+    found = [getattr(agent_manager, name, None)
+             for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
+    tables = [table for table in found if isinstance(table, dict)]
+    if not callable(clean) or len(tables) != len(found):
         end_episode = getattr(agent_manager, "end_episode", None)
         if callable(end_episode):
             end_episode()
@@ -87,6 +98,28 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> Tuple[int, int]:
     return len(ids), dropped
 
 
+def cut_stats(agents: int, experiences: int) -> dict[str, list[tuple[float, Any]]]:
+    """A cut as environment statistics (``AgentManager.record_environment_stats``): its agents'
+    episodes and their dropped steps, summed per summary period (TensorBoard, the console)."""
+    from mlagents_envs.side_channel.stats_side_channel import StatsAggregationMethod
+
+    return {CUT_AGENT_EPISODES: [(float(agents), StatsAggregationMethod.SUM)],
+            DROPPED_EXPERIENCES: [(float(experiences), StatsAggregationMethod.SUM)]}
+
+
+def merge_worker_timers(roots: list[Any]) -> None:
+    """Merge the timers the workers sent with their steps into this thread's, under ``workers``
+    (their time overlaps: ``is_parallel``), as ML-Agents' ``SubprocessEnvManager`` does."""
+    roots = [root for root in roots if root is not None]
+    if not roots:
+        return
+    from mlagents_envs.timers import hierarchical_timer
+
+    with hierarchical_timer("workers") as node:
+        for root in roots:
+            node.merge(root, root_name="worker_root", is_parallel=True)
+
+
 def _global_agent_id(worker_id: int, agent_id: Any) -> str:
     try:
         from mlagents.trainers.behavior_id_utils import get_global_agent_id
@@ -95,7 +128,7 @@ def _global_agent_id(worker_id: int, agent_id: Any) -> str:
     return get_global_agent_id(worker_id, agent_id)
 
 
-def environment_initialized(run_options: Any) -> List[bytes]:
+def environment_initialized(run_options: Any) -> list[bytes]:
     """The messages ML-Agents' worker 0 sends its player once its env exists (``[]`` if
     ``mlagents.trainers`` is not importable)."""
     channel = _analytics_channel()
@@ -105,7 +138,7 @@ def environment_initialized(run_options: Any) -> List[bytes]:
     return _take(channel)
 
 
-def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> List[bytes]:
+def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> list[bytes]:
     """The message ML-Agents' worker 0 sends when training of ``behavior_name`` starts."""
     channel = _analytics_channel()
     if channel is None:
@@ -123,7 +156,7 @@ def _analytics_channel() -> Any:
     return TrainingAnalyticsSideChannel()
 
 
-def _take(channel: Any) -> List[bytes]:
+def _take(channel: Any) -> list[bytes]:
     """The payloads a side channel queued (``queue_message_to_send``), taken off it."""
     queued = list(getattr(channel, "message_queue", []))
     channel.message_queue = []

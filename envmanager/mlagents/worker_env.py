@@ -4,30 +4,27 @@
 channels ML-Agents' trainer uses (environment parameters, engine configuration, stats), builds
 the user's environment with ``env_factory(worker_id, side_channels)``, and answers the core's
 ``reset``/``step`` with ``behavior_name -> (DecisionSteps, TerminalSteps)`` as the observation
-and ``{"environment_stats", "behavior_specs"}`` as the info. It never reports ``terminated``:
-Unity resets its agents by itself.
+and ``{"environment_stats"}`` as the info, with ``"behavior_specs"`` on a reset and when a
+behaviour appeared, and the ``mlagents_envs`` timers (``"timer_root"``) with a step. It never
+reports ``terminated``: Unity resets its agents by itself.
 
 If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
-(player killed and reaped) before the error travels to the parent, which restarts the worker.
-
-The parameter and engine-config checks used by both sides (:func:`normalize_env_parameters`,
-:func:`normalize_engine_config`) live here, so the parent can reject bad input before it sends.
+(player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
+the parent, which restarts the worker. Environment parameters and engine settings are checked
+and applied by :mod:`envmanager.mlagents.settings`.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import numbers
-import os
-import signal
-import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
-from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.errors import EnvManagerError
+from envmanager.mlagents.player_process import PlayerIdentity, player_identity, shutdown_env
+from envmanager.mlagents.settings import apply_env_parameter, normalize_engine_config, normalize_env_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -36,36 +33,17 @@ __all__ = [
     "WorkerEnvFactory",
     "UnityEnvironmentFactory",
     "UnityPortInUseError",
-    "normalize_env_parameters",
-    "normalize_engine_config",
 ]
 
 #: ``env_factory(worker_id, side_channels) -> BaseEnv``, as in ML-Agents' trainer.
-EnvFactory = Callable[[int, List[Any]], Any]
-#: ``(pid, start time)`` of a launched player, to recognise it later without mistaking a reused pid.
-PlayerIdentity = Tuple[int, Optional[float]]
-
-ENGINE_FIELDS = {
-    "width": int,
-    "height": int,
-    "quality_level": int,
-    "time_scale": float,
-    "target_frame_rate": int,
-    "capture_frame_rate": int,
-}
-SAMPLERS = {
-    "uniform": ("min_value", "max_value"),
-    "gaussian": ("mean", "st_dev"),
-    "multirangeuniform": ("intervals",),
-    "constant": ("value",),
-}
+EnvFactory = Callable[[int, list[Any]], Any]
 
 
 class UnityPortInUseError(EnvManagerError):
     """The gRPC port a ``UnityEnvironment`` needs (``base_port + worker_id``) is taken."""
 
     def __init__(
-        self, port: Optional[int], base_port: Optional[int] = None, worker_id: Optional[int] = None, detail: str = ""
+        self, port: int | None, base_port: int | None = None, worker_id: int | None = None, detail: str = ""
     ) -> None:
         self.port, self.base_port, self.worker_id, self.detail = port, base_port, worker_id, detail
         if port is None:
@@ -92,136 +70,33 @@ class UnityEnvironmentFactory:
     ``base_port=None`` is UnityEnvironment's default (5005 with a build, 5004 for the Editor).
     """
 
-    file_name: Optional[str]
-    base_port: Optional[int] = None
+    file_name: str | None
+    base_port: int | None = None
     worker_id_offset: int = 0
     seed: int = 0
     no_graphics: bool = True
     timeout_wait: int = 60
-    additional_args: Tuple[str, ...] = ()
-    log_folder: Optional[str] = None
+    additional_args: tuple[str, ...] = ()
+    log_folder: str | None = None
     num_areas: int = 1
 
-    def __call__(self, worker_id: int, side_channels: List[Any]) -> Any:
+    def __call__(self, worker_id: int, side_channels: list[Any]) -> Any:
         from mlagents_envs.environment import UnityEnvironment
 
-        kwargs: Dict[str, Any] = dict(
-            file_name=self.file_name,
-            worker_id=worker_id + self.worker_id_offset,
-            base_port=self.base_port,
-            seed=self.seed + worker_id,
-            no_graphics=self.no_graphics,
-            timeout_wait=self.timeout_wait,
-            additional_args=list(self.additional_args),
-            side_channels=list(side_channels),
-            log_folder=self.log_folder,
-        )
+        kwargs: dict[str, Any] = {
+            "file_name": self.file_name,
+            "worker_id": worker_id + self.worker_id_offset,
+            "base_port": self.base_port,
+            "seed": self.seed + worker_id,
+            "no_graphics": self.no_graphics,
+            "timeout_wait": self.timeout_wait,
+            "additional_args": list(self.additional_args),
+            "side_channels": list(side_channels),
+            "log_folder": self.log_folder,
+        }
         if self.num_areas != 1:
             kwargs["num_areas"] = self.num_areas
         return UnityEnvironment(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks shared by parent and worker
-
-
-def normalize_env_parameters(config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Check environment parameters; return them as floats, sampler dicts or ML-Agents settings.
-
-    A value is a number (``set_float_parameter``), an object with ``apply(key, channel)`` (ML-Agents'
-    ``ParameterRandomizationSettings``), or a sampler dict in ML-Agents' YAML shape:
-    ``{"sampler_type": "uniform", "sampler_parameters": {"min_value": 1, "max_value": 2, "seed": 0}}``
-    (``gaussian``: ``mean``, ``st_dev``; ``multirangeuniform``: ``intervals``; ``constant``:
-    ``value``; the parameters may also sit next to ``sampler_type``).
-    """
-    if config is None:
-        return {}
-    if not isinstance(config, Mapping):
-        raise InvalidInputError(f"environment parameters must be a mapping, got {type(config).__name__}")
-    out: Dict[str, Any] = {}
-    for key, value in config.items():
-        if not isinstance(key, str) or not key:
-            raise InvalidInputError(f"environment parameter names must be non-empty strings, got {key!r}")
-        out[key] = _normalize_value(key, value)
-    return out
-
-
-def _normalize_value(key: str, value: Any) -> Any:
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if callable(getattr(value, "apply", None)):
-        return value
-    if not isinstance(value, Mapping):
-        raise InvalidInputError(
-            f"environment parameter {key!r}: expected a number, a sampler dict or a settings object "
-            f"with apply(key, channel), got {value!r}"
-        )
-    kind = str(value.get("sampler_type", "")).lower().replace("_", "").replace("-", "")
-    if kind not in SAMPLERS:
-        raise InvalidInputError(f"environment parameter {key!r}: unknown sampler_type {value.get('sampler_type')!r}; "
-                                f"known: {sorted(SAMPLERS)}")
-    params = dict(value.get("sampler_parameters") or {})
-    params.update({k: v for k, v in value.items() if k not in ("sampler_type", "sampler_parameters")})
-    missing = [name for name in SAMPLERS[kind] if name not in params]
-    if missing:
-        raise InvalidInputError(f"environment parameter {key!r}: the {kind} sampler needs {missing}")
-    try:
-        if kind == "constant":
-            return float(params["value"])
-        seed = int(params.get("seed", 0))
-        if kind == "multirangeuniform":
-            intervals = [(float(lo), float(hi)) for lo, hi in params["intervals"]]
-            return {"sampler_type": kind, "intervals": intervals, "seed": seed}
-        a, b = SAMPLERS[kind]
-        return {"sampler_type": kind, a: float(params[a]), b: float(params[b]), "seed": seed}
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"environment parameter {key!r}: bad sampler parameters ({exc})") from None
-
-
-def apply_env_parameter(channel: Any, key: str, value: Any) -> None:
-    """Queue one normalized parameter on an ``EnvironmentParametersChannel``."""
-    if isinstance(value, float):
-        channel.set_float_parameter(key, value)
-    elif isinstance(value, dict):
-        kind, seed = value["sampler_type"], value["seed"]
-        if kind == "uniform":
-            channel.set_uniform_sampler_parameters(key, value["min_value"], value["max_value"], seed)
-        elif kind == "gaussian":
-            channel.set_gaussian_sampler_parameters(key, value["mean"], value["st_dev"], seed)
-        else:
-            channel.set_multirangeuniform_sampler_parameters(key, value["intervals"], seed)
-    else:
-        value.apply(key, channel)
-
-
-def normalize_engine_config(config: Any = None, **fields: Any) -> Dict[str, Any]:
-    """Check an engine configuration (an ``EngineConfig``, a dict and/or keyword fields).
-
-    Returns the fields that are set, with their types fixed; ``width`` and ``height`` go together.
-    """
-    values: Dict[str, Any] = {}
-    if config is not None:
-        if hasattr(config, "_asdict"):
-            values.update(config._asdict())
-        elif isinstance(config, Mapping):
-            values.update(config)
-        else:
-            raise InvalidInputError(f"engine config must be an EngineConfig or a dict, got {config!r}")
-    values.update(fields)
-    unknown = sorted(set(values) - set(ENGINE_FIELDS))
-    if unknown:
-        raise InvalidInputError(f"unknown engine config fields {unknown}; known: {list(ENGINE_FIELDS)}")
-    out: Dict[str, Any] = {}
-    for name, value in values.items():
-        if value is None:
-            continue
-        try:
-            out[name] = ENGINE_FIELDS[name](value)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"engine config {name}={value!r} is not a {ENGINE_FIELDS[name].__name__}") from None
-    if ("width" in out) != ("height" in out):
-        raise InvalidInputError("engine config: width and height must be set together")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,11 +108,11 @@ class WorkerEnvFactory:
     """The picklable ``factory(worker_id)`` handed to the core: builds a :class:`MLAgentsWorkerEnv`."""
 
     env_factory: EnvFactory
-    engine_config: Optional[Dict[str, Any]] = None
+    engine_config: dict[str, Any] | None = None
     close_timeout: float = 5.0
     training_analytics: bool = False
 
-    def __call__(self, worker_id: int) -> "MLAgentsWorkerEnv":
+    def __call__(self, worker_id: int) -> MLAgentsWorkerEnv:
         return MLAgentsWorkerEnv(self.env_factory, worker_id, self.engine_config, self.close_timeout,
                                  self.training_analytics)
 
@@ -251,7 +126,7 @@ class MLAgentsWorkerEnv:
 
     observation_space = None  # observations and actions are pickled, not put in shared memory
     action_space = None
-    metadata: Dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
     render_mode = None
     spec = None
 
@@ -259,15 +134,15 @@ class MLAgentsWorkerEnv:
         self,
         env_factory: EnvFactory,
         worker_id: int,
-        engine_config: Optional[Mapping[str, Any]] = None,
+        engine_config: Mapping[str, Any] | None = None,
         close_timeout: float = 5.0,
         training_analytics: bool = False,
     ) -> None:
         from mlagents_envs.exception import UnityWorkerInUseException
         from mlagents_envs.side_channel import DefaultTrainingAnalyticsSideChannel
-        from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel
         from mlagents_envs.side_channel.engine_configuration_channel import EngineConfigurationChannel
         from mlagents_envs.side_channel.environment_parameters_channel import EnvironmentParametersChannel
+        from mlagents_envs.side_channel.raw_bytes_channel import RawBytesChannel
         from mlagents_envs.side_channel.stats_side_channel import StatsSideChannel
 
         self.worker_id = worker_id
@@ -282,7 +157,7 @@ class MLAgentsWorkerEnv:
         side_channels = [self.env_parameters_channel, self.engine_configuration_channel, self.stats_channel]
         # ML-Agents' trainer talks training analytics to worker 0's player (send_analytics); the
         # others keep the default channel UnityEnvironment adds.
-        self.analytics_channel: Optional[Any] = None
+        self.analytics_channel: Any | None = None
         if training_analytics and worker_id == 0:
             self.analytics_channel = RawBytesChannel(DefaultTrainingAnalyticsSideChannel.CHANNEL_ID)
             side_channels.append(self.analytics_channel)
@@ -290,20 +165,21 @@ class MLAgentsWorkerEnv:
             self.env = env_factory(worker_id, side_channels)
         except UnityWorkerInUseException as exc:
             raise _port_in_use_error(exc, worker_id) from None
-        self.player: Optional[PlayerIdentity] = player_identity(self.env)
-        self._last: Dict[str, Tuple[Any, Any]] = {}
+        self.player: PlayerIdentity | None = player_identity(self.env)
+        self._last: dict[str, tuple[Any, Any]] = {}
+        self._specs_sent: tuple[str, ...] = ()  # the behaviours the parent was last told about
 
     # -- the core's interface ----------------------------------------------------------------
-    def reset(self, seed: Any = None, options: Any = None) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, Any]]:
+    def reset(self, seed: Any = None, options: Any = None) -> tuple[dict[str, tuple[Any, Any]], dict[str, Any]]:
         self._check_open()
         with self._closing_on_failure():
             self.env.reset()
             results = self._results()
-        info = self._info()
+        info = self._info(reset=True)
         info["player_process"] = self.player
         return results, info
 
-    def step(self, actions: Optional[Mapping[str, Any]]) -> Tuple[Any, float, bool, bool, Dict[str, Any]]:
+    def step(self, actions: Mapping[str, Any] | None) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self._check_open()
         actions = dict(actions or {})
         with self._closing_on_failure():
@@ -318,7 +194,9 @@ class MLAgentsWorkerEnv:
             self.env.step()
             results = self._results()
         reward = float(sum(float(d.reward.sum()) + float(t.reward.sum()) for d, t in results.values()))
-        return results, reward, False, False, self._info()
+        info = self._info()
+        info["timer_root"] = _take_timers()
+        return results, reward, False, False, info
 
     def close(self) -> None:
         if self.closed:
@@ -329,11 +207,11 @@ class MLAgentsWorkerEnv:
             shutdown_env(env, self.close_timeout)
 
     # -- reached through the core's call() ---------------------------------------------------
-    def behavior_specs(self) -> Dict[str, Any]:
+    def behavior_specs(self) -> dict[str, Any]:
         self._check_open()
         return dict(self.env.behavior_specs)
 
-    def set_env_parameters(self, config: Optional[Mapping[str, Any]] = None) -> None:
+    def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
         """Queue environment parameters; they reach the player with the next reset or step."""
         for key, value in normalize_env_parameters(config).items():
             apply_env_parameter(self.env_parameters_channel, key, value)
@@ -344,11 +222,7 @@ class MLAgentsWorkerEnv:
         if values:
             self.engine_configuration_channel.set_configuration_parameters(**values)
 
-    def set_configuration(self, config: Any) -> None:
-        """ML-Agents' ``EngineConfigurationChannel.set_configuration`` spelling."""
-        self.set_engine_config(config)
-
-    def send_analytics(self, payloads: List[bytes]) -> bool:
+    def send_analytics(self, payloads: list[bytes]) -> bool:
         """Queue training-analytics messages (made by ML-Agents' ``TrainingAnalyticsSideChannel``
         in the trainer) for the player, as ML-Agents' worker 0 does: only on the env built with
         ``training_analytics`` and only if the player reports the capability. Returns whether
@@ -366,17 +240,21 @@ class MLAgentsWorkerEnv:
         if self.closed or self.env is None:
             raise RuntimeError(f"the environment of worker {self.worker_id} was closed after a failure")
 
-    def _results(self) -> Dict[str, Tuple[Any, Any]]:
+    def _results(self) -> dict[str, tuple[Any, Any]]:
         env = self.env
         self._last = {name: env.get_steps(name) for name in env.behavior_specs}
         return self._last
 
-    def _info(self) -> Dict[str, Any]:
+    def _info(self, reset: bool = False) -> dict[str, Any]:
+        """The stats the player sent; the behaviour specs with a reset and when a behaviour
+        appeared (a BehaviorSpec never changes under its name: they need not travel every step)."""
         stats = self.stats_channel.get_and_reset_stats()
-        return {
-            "environment_stats": {key: list(values) for key, values in stats.items()},
-            "behavior_specs": dict(self.env.behavior_specs) if self.env is not None else {},
-        }
+        info: dict[str, Any] = {"environment_stats": {key: list(values) for key, values in stats.items()}}
+        specs = dict(self.env.behavior_specs) if self.env is not None else {}
+        if reset or tuple(specs) != self._specs_sent:
+            info["behavior_specs"] = specs
+            self._specs_sent = tuple(specs)
+        return info
 
     @contextmanager
     def _closing_on_failure(self) -> Iterator[None]:
@@ -393,104 +271,21 @@ class MLAgentsWorkerEnv:
             raise
 
 
-# ---------------------------------------------------------------------------------------------
-# Player processes
+def _take_timers() -> Any:
+    """This process's ``mlagents_envs`` timers since the last call (``UnityEnvironment.step``,
+    ``communicator.exchange``...), as ML-Agents' workers send them with each step: the trainer
+    merges them into its own (``timers.json``)."""
+    from mlagents_envs.timers import get_timer_root, reset_timers
 
-
-def shutdown_env(env: Any, timeout: float = 5.0) -> None:
-    """Close ``env``; for a ``UnityEnvironment`` also reap its player and release gRPC and pipes.
-
-    ``UnityEnvironment.close()`` kills a player that does not quit within ``timeout_wait`` but
-    never reaps it, leaves one end of its communicator's pipe open and does not wait for the gRPC
-    server to stop; this does all three, with ``timeout`` in place of ``timeout_wait``.
-    """
-    try:
-        from mlagents_envs.environment import UnityEnvironment
-    except ImportError:  # pragma: no cover - the subpackage needs mlagents_envs anyway
-        UnityEnvironment = None
-    if UnityEnvironment is None or not isinstance(env, UnityEnvironment):
-        env.close()
-        return
-    proc: Optional[subprocess.Popen] = getattr(env, "_process", None)
-    comm = getattr(env, "_communicator", None)
-    try:
-        env._close(timeout=timeout)  # status 400 to the player, wait, kill
-    except Exception:
-        logger.warning("closing the UnityEnvironment failed", exc_info=True)
-    finally:
-        try:
-            atexit.unregister(env._close)
-        except Exception:
-            pass
-        if proc is not None:
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                logger.warning("player process %d did not exit after SIGKILL", proc.pid)
-        _release_communicator(comm)
-
-
-def _release_communicator(comm: Any) -> None:
-    server = getattr(comm, "server", None)
-    if server is not None:
-        try:
-            server.stop(None).wait(5.0)
-        except Exception:
-            pass
-    servicer = getattr(comm, "unity_to_external", None)
-    for name in ("parent_conn", "child_conn"):
-        conn = getattr(servicer, name, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
-
-
-def process_start_time(pid: int) -> Optional[float]:
-    """When process ``pid`` started (an opaque number), or ``None`` if it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return float(fields[19])  # field 22, starttime in clock ticks
-    except (OSError, IndexError, ValueError):
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process(pid).create_time())
-    except Exception:
-        return None
-
-
-def player_identity(env: Any) -> Optional[PlayerIdentity]:
-    proc = getattr(env, "_process", None)
-    pid = getattr(proc, "pid", None)
-    if not isinstance(pid, int):
-        return None
-    return (pid, process_start_time(pid))
-
-
-def kill_stale_player(identity: Optional[PlayerIdentity]) -> bool:
-    """SIGKILL a player left behind by a killed worker, if it still runs (same pid *and* start)."""
-    if not identity or identity[1] is None:
-        return False
-    pid, started = identity
-    if process_start_time(pid) != started:
-        return False
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    root = get_timer_root()
+    reset_timers()
+    return root
 
 
 def _port_in_use_error(exc: BaseException, worker_id: int) -> UnityPortInUseError:
     """Find the port from the frames mlagents raised in (``RpcCommunicator(worker_id, base_port)``)."""
     tb = exc.__traceback__
-    found: Optional[Tuple[int, int]] = None
+    found: tuple[int, int] | None = None
     while tb is not None:
         local = tb.tb_frame.f_locals
         if isinstance(local.get("base_port"), int) and isinstance(local.get("worker_id"), int):

@@ -49,18 +49,19 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 if __package__:
     from envmanager.testing import fake_unity_task as _task
 else:  # run as a file (what write_launcher does): skip importing the envmanager package
-    import fake_unity_task as _task  # type: ignore[no-redef]
+    import fake_unity_task as _task  # type: ignore[no-redef,import-not-found]  # the file next to this one
 
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # our directory must not shadow anything imported later
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core chatter on the player's stderr
-import grpc  # noqa: E402
+import grpc
 from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
 from mlagents_envs.communicator_objects.brain_parameters_pb2 import BrainParametersProto
 from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto
@@ -69,7 +70,6 @@ from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
 from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
 from mlagents_envs.communicator_objects.unity_output_pb2 import UnityOutputProto
 from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import UnityToExternalProtoStub
-
 
 CONFIG_ENV_VAR = "ENVMANAGER_FAKE_UNITY_CONFIG"
 COMMANDS = {STEP: "STEP", RESET: "RESET", QUIT: "QUIT"}
@@ -81,7 +81,7 @@ class PlayerExit(Exception):
         self.reason, self.code = reason, code
 
 
-def _int_list(text: str) -> List[int]:
+def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="episodes end interrupted (max_step_reached) instead of terminated")
     b.add_argument("--decision-period", type=int)
     b.add_argument("--wrong-reward", type=float)
+    b.add_argument("--echo-actions", action="store_true", default=None,
+                   help="observations after the first hold the agent's last action received")
     return p
 
 
@@ -126,10 +128,10 @@ TOP_FLAGS = ("record", "seed", "step_latency", "latency_jitter", "reset_latency"
              "crash_mode", "crash_exit_code", "crash_on_start", "stats", "connect_timeout",
              "exchange_timeout", "echo_channels")
 BEHAVIOR_FLAGS = ("name", "agents", "observation_shapes", "continuous", "discrete", "action_masks",
-                  "episode_length", "episode_end", "decision_period", "wrong_reward")
+                  "episode_length", "episode_end", "decision_period", "wrong_reward", "echo_actions")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[_task.FakeConfig, Dict[str, Any]]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[_task.FakeConfig, dict[str, Any]]:
     """Returns the config and the launch facts (port, log file, Unity flags, ignored args)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     log_file, unity_flags, rest = None, [], []
@@ -146,7 +148,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[_task.FakeConfig, 
         i += 1
     ns, ignored = build_parser().parse_known_args(rest)
     path = ns.config or os.environ.get(CONFIG_ENV_VAR)
-    data: Dict[str, Any] = _task.load_config(path) if path else {}
+    data: dict[str, Any] = _task.load_config(path) if path else {}
     for key in TOP_FLAGS:
         if getattr(ns, key) is not None:
             data[key] = getattr(ns, key)
@@ -162,26 +164,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[_task.FakeConfig, 
 
 
 class FakePlayer:
-    def __init__(self, cfg: _task.FakeConfig, facts: Dict[str, Any]) -> None:
+    def __init__(self, cfg: _task.FakeConfig, facts: dict[str, Any]) -> None:
         self.cfg, self.facts = cfg, facts
         self.port: int = facts["port"]
         self.rng = random.Random(cfg.seed or 0)
         self.jitter_rng = random.Random((cfg.seed or 0) + 1)
-        self.sims: List[_task.BehaviorSim] = []
+        self.sims: list[_task.BehaviorSim] = []
         first = 0
         for b in cfg.behaviors:
             self.sims.append(_task.BehaviorSim(b, first, self.rng))
             first += b.agents
         self.steps = 0
         self.inputs = 0
-        self.env_params: Dict[str, float] = {}
-        self.engine: Dict[str, float] = {}
+        self.env_params: dict[str, float] = {}
+        self.engine: dict[str, float] = {}
         self.echo = {uuid.UUID(c) for c in cfg.echo_channels}
-        self.pending_stats: List[Tuple[str, float, int]] = []
-        self.pending_echo: List[Tuple[uuid.UUID, bytes]] = []
-        self.log_stream: Optional[TextIO] = None
-        self.record_stream: Optional[TextIO] = None
-        self.channel: Optional[grpc.Channel] = None
+        self.pending_stats: list[tuple[str, float, int]] = []
+        self.pending_echo: list[tuple[uuid.UUID, bytes]] = []
+        self.log_stream: TextIO | None = None
+        self.record_stream: TextIO | None = None
+        self.channel: grpc.Channel | None = None
         self.seed = cfg.seed or 0
         self.num_areas = 1
 
@@ -205,9 +207,9 @@ class FakePlayer:
             self.log_stream = sys.stdout
         elif log_file:
             os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
-            self.log_stream = open(log_file, "a", encoding="utf-8")
+            self.log_stream = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 (open for the player's life, closed at exit)
         if self.cfg.record:
-            self.record_stream = open(self.cfg.record, "a", encoding="utf-8")
+            self.record_stream = open(self.cfg.record, "a", encoding="utf-8")  # noqa: SIM115 (as the log)
 
     def _start_watchdog(self) -> None:
         parent = os.getppid()
@@ -235,7 +237,7 @@ class FakePlayer:
     def _info_proto(self, sim: _task.BehaviorSim, info: _task.Info) -> AgentInfoProto:
         proto = AgentInfoProto(reward=info.reward, done=info.done, max_step_reached=info.max_step_reached,
                                id=info.agent_id, group_id=info.group_id, group_reward=info.group_reward)
-        for i, (shape, data) in enumerate(zip(sim.cfg.observation_shapes, info.observations)):
+        for i, (shape, data) in enumerate(zip(sim.cfg.observation_shapes or [], info.observations, strict=True)):
             obs = ObservationProto(shape=shape, name=f"FakeObservation{i}")
             obs.float_data.data.extend(data)
             proto.observations.append(obs)
@@ -243,7 +245,7 @@ class FakePlayer:
             proto.action_mask.extend(info.action_mask)
         return proto
 
-    def _output(self, infos: Dict[str, List[_task.Info]], init: bool = False) -> UnityMessageProto:
+    def _output(self, infos: dict[str, list[_task.Info]], init: bool = False) -> UnityMessageProto:
         msg = UnityMessageProto()
         msg.header.status = 200
         out: UnityOutputProto = msg.unity_output
@@ -277,8 +279,8 @@ class FakePlayer:
         self.pending_stats.append((key, float(value), aggregation))
 
     # ------------------------------------------------------------- input handling
-    def _side_channels(self, data: bytes) -> Dict[str, Any]:
-        seen: Dict[str, Any] = {"env_params": {}, "engine": {}, "other": []}
+    def _side_channels(self, data: bytes) -> dict[str, Any]:
+        seen: dict[str, Any] = {"env_params": {}, "engine": {}, "other": []}
         for cid, payload in _task.split_side_channel(data):
             try:
                 if cid == _task.ENV_PARAMS_CHANNEL:
@@ -302,7 +304,7 @@ class FakePlayer:
             sim.episode_length_override = None if override is None else int(override)
         return seen
 
-    def _actions(self, rl_in: Any) -> Dict[str, List[Tuple[List[float], List[int]]]]:
+    def _actions(self, rl_in: Any) -> dict[str, list[tuple[list[float], list[int]]]]:
         out = {}
         for name, lst in rl_in.agent_actions.items():
             out[name] = [(list(a.continuous_actions), list(a.discrete_actions)) for a in lst.value]
@@ -342,7 +344,7 @@ class FakePlayer:
             self.stat("Fake/Pid", os.getpid())
             self.stat("Fake/Seed", self.seed)
             self.stat("Fake/NumAreas", self.num_areas)
-        infos: Dict[str, List[_task.Info]] = {}
+        infos: dict[str, list[_task.Info]] = {}
         if rl_in.command == RESET:
             self._sleep(self.cfg.reset_latency)
             for sim in self.sims:
@@ -419,9 +421,9 @@ class FakePlayer:
 _STRIPPED = (".app", ".exe", ".x86_64", ".x86")  # UnityEnvironment strips these anywhere in file_name
 
 
-def write_launcher(directory: "os.PathLike[str] | str", config: Optional[Dict[str, Any]] = None,
+def write_launcher(directory: os.PathLike[str] | str, config: dict[str, Any] | None = None,
                    name: str = "fakeplayer", extra_args: Sequence[str] = (),
-                   python: Optional[str] = None) -> str:
+                   python: str | None = None) -> str:
     """Write an executable ``directory/name`` that UnityEnvironment(file_name=...) can launch.
 
     It ``exec``s ``python <this file> [--config name.json] extra_args "$@"`` (running the file
@@ -432,7 +434,7 @@ def write_launcher(directory: "os.PathLike[str] | str", config: Optional[Dict[st
     if any(s in script for s in _STRIPPED):
         raise ValueError(f"{script}: UnityEnvironment would strip {_STRIPPED} from this path")
     os.makedirs(os.path.dirname(script), exist_ok=True)
-    args: List[str] = []
+    args: list[str] = []
     if config is not None:
         with open(script + ".json", "w", encoding="utf-8") as f:
             json.dump(config, f, indent=1)
@@ -475,7 +477,7 @@ def free_base_port(n: int = 1, low: int = 20000, high: int = 30000) -> int:
     raise RuntimeError(f"no {n} free consecutive ports in [{low}, {high})")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, facts = parse_args(argv)
     except (ValueError, OSError) as e:

@@ -6,7 +6,8 @@ Pure Python (no numpy, no protobuf) so the player starts fast; the wire protocol
 The task, per agent: observation 0 starts with a one-hot *discrete target* (size of the first
 discrete branch) followed by a *continuous target* in [-1, 1] (when the behaviour has continuous
 actions); the rest of observation 0 is zero. Every other observation is filled with the agent's
-step count in the current episode. Reward per step:
+step count in the current episode (with ``echo_actions``: its last action received, the first
+discrete one, else the first continuous one; 0 at an episode's start). Reward per step:
 
 * discrete part: ``1.0`` if ``discrete_action[0] == target`` else ``wrong_reward``;
 * continuous part: ``1 - |clip(continuous_action[0], -1, 1) - target|`` (in [-1, 1]);
@@ -22,8 +23,9 @@ import math
 import random
 import struct
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 # Side channel ids, as in mlagents_envs.side_channel.*
 ENV_PARAMS_CHANNEL = uuid.UUID("534c891e-810f-11ea-a9d0-822485860400")
@@ -43,15 +45,16 @@ class BehaviorConfig:
 
     name: str = "FakeBehavior?team=0"
     agents: int = 1
-    observation_shapes: Optional[List[List[int]]] = None  # float32 observations; default [[task size]]
+    observation_shapes: list[list[int]] | None = None  # float32 observations; default [[task size]]
     continuous: int = 0  # number of continuous actions
-    discrete: List[int] = field(default_factory=lambda: [3])  # discrete branch sizes ([] for none)
-    action_masks: Optional[List[List[int]]] = None  # masked indices, one list per branch
+    discrete: list[int] = field(default_factory=lambda: [3])  # discrete branch sizes ([] for none)
+    action_masks: list[list[int]] | None = None  # masked indices, one list per branch
     episode_length: Any = 50  # int, or one int per agent; 0 = episodes never end
     episode_end: str = "terminate"  # or "interrupt" (max_step_reached=True)
     decision_period: int = 1  # agent i requests a decision when (step + i) % period == 0
     wrong_reward: float = 0.0  # discrete reward for a wrong action
     group_id: int = 0  # non-zero: agents share this group id; group_reward = mean step reward
+    echo_actions: bool = False  # observations after the first hold the last action received
 
     def __post_init__(self) -> None:
         self.discrete = [int(b) for b in (self.discrete or [])]
@@ -78,12 +81,12 @@ class BehaviorConfig:
     def task_size(self) -> int:
         return (self.discrete[0] if self.discrete else 0) + (1 if self.continuous else 0)
 
-    def mask_flat(self) -> Optional[List[bool]]:
+    def mask_flat(self) -> list[bool] | None:
         """Flat mask over all branches, True = action not allowed (as DecisionSteps.action_mask)."""
         if self.action_masks is None:
             return None
-        out: List[bool] = []
-        for size, masked in zip(self.discrete, self.action_masks):
+        out: list[bool] = []
+        for size, masked in zip(self.discrete, self.action_masks, strict=True):
             out.extend(i in set(masked) for i in range(size))
         return out
 
@@ -92,21 +95,21 @@ class BehaviorConfig:
 class FakeConfig:
     """The JSON config (``--config``): these keys, ``behaviors`` being a list of BehaviorConfig dicts."""
 
-    behaviors: List[BehaviorConfig] = field(default_factory=lambda: [BehaviorConfig()])
+    behaviors: list[BehaviorConfig] = field(default_factory=lambda: [BehaviorConfig()])
     step_latency: float = 0.0  # seconds slept per STEP (env parameter "step_latency" overrides)
     latency_jitter: float = 0.0  # plus uniform [0, jitter] seconds per STEP
     reset_latency: float = 0.0  # seconds slept per RESET
-    crash_after_steps: Optional[int] = None  # answer N STEP commands, crash on the next one
+    crash_after_steps: int | None = None  # answer N STEP commands, crash on the next one
     crash_mode: str = "exit"  # exit | raise | kill | hang
     crash_exit_code: int = 1  # for "exit" and crash_on_start
     crash_on_start: bool = False  # exit before connecting
     stats: bool = True  # send Fake/* stats on the StatsSideChannel
-    record: Optional[str] = None  # JSON-lines file of what the player receives
-    seed: Optional[int] = None  # task seed; default: the seed UnityEnvironment sends
+    record: str | None = None  # JSON-lines file of what the player receives
+    seed: int | None = None  # task seed; default: the seed UnityEnvironment sends
     connect_timeout: float = 30.0  # give up (exit 1) if the server is not there by then
-    exchange_timeout: Optional[float] = None  # deadline per Exchange RPC; None = wait for Python
+    exchange_timeout: float | None = None  # deadline per Exchange RPC; None = wait for Python
     parent_watchdog: bool = True  # exit (code 3) when the parent process goes away
-    echo_channels: List[str] = field(default_factory=list)  # side-channel uuids echoed back
+    echo_channels: list[str] = field(default_factory=list)  # side-channel uuids echoed back
     name: str = "FakeUnity"
     communication_version: str = "1.5.0"
     package_version: str = "2.2.1-exp.1"  # com.unity.ml-agents version paired with mlagents-envs 0.28
@@ -120,7 +123,7 @@ class FakeConfig:
             raise ValueError(f"crash_mode must be one of {CRASH_MODES}")
 
 
-def make_behavior(d: Dict[str, Any]) -> BehaviorConfig:
+def make_behavior(d: dict[str, Any]) -> BehaviorConfig:
     known = {f.name for f in fields(BehaviorConfig)}
     unknown = set(d) - known
     if unknown:
@@ -128,7 +131,7 @@ def make_behavior(d: Dict[str, Any]) -> BehaviorConfig:
     return BehaviorConfig(**d)
 
 
-def make_config(d: Dict[str, Any]) -> FakeConfig:
+def make_config(d: dict[str, Any]) -> FakeConfig:
     known = {f.name for f in fields(FakeConfig)}
     unknown = set(d) - known
     if unknown:
@@ -136,7 +139,7 @@ def make_config(d: Dict[str, Any]) -> FakeConfig:
     return FakeConfig(**d)
 
 
-def load_config(path: str) -> Dict[str, Any]:
+def load_config(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict):
@@ -147,7 +150,7 @@ def load_config(path: str) -> Dict[str, Any]:
 # ---------------------------------------------------------------- side-channel codec
 
 
-def split_side_channel(data: bytes) -> List[Tuple[uuid.UUID, bytes]]:
+def split_side_channel(data: bytes) -> list[tuple[uuid.UUID, bytes]]:
     """``[uuid bytes_le (16)][int32 LE length][payload]``, repeated."""
     out, offset = [], 0
     while offset + 20 <= len(data):
@@ -159,7 +162,7 @@ def split_side_channel(data: bytes) -> List[Tuple[uuid.UUID, bytes]]:
     return out
 
 
-def pack_side_channel(messages: Sequence[Tuple[uuid.UUID, bytes]]) -> bytes:
+def pack_side_channel(messages: Sequence[tuple[uuid.UUID, bytes]]) -> bytes:
     return b"".join(cid.bytes_le + struct.pack("<i", len(p)) + p for cid, p in messages)
 
 
@@ -185,12 +188,12 @@ class Reader:
         return s
 
 
-def stat_message(key: str, value: float, aggregation: int = MOST_RECENT) -> Tuple[uuid.UUID, bytes]:
+def stat_message(key: str, value: float, aggregation: int = MOST_RECENT) -> tuple[uuid.UUID, bytes]:
     k = key.encode("ascii")
     return STATS_CHANNEL, struct.pack("<i", len(k)) + k + struct.pack("<fi", value, aggregation)
 
 
-def decode_env_param(payload: bytes, rng: random.Random) -> Tuple[str, float, Dict[str, Any]]:
+def decode_env_param(payload: bytes, rng: random.Random) -> tuple[str, float, dict[str, Any]]:
     """Returns (key, value, description). Samplers are sampled once with their own seed."""
     r = Reader(payload)
     key, kind = r.string(), r.i32()
@@ -207,12 +210,12 @@ def decode_env_param(payload: bytes, rng: random.Random) -> Tuple[str, float, Di
         return key, srng.gauss(mean, std), {"type": "gaussian", "mean": mean, "std": std, "seed": seed}
     n = r.i32()
     flat = [r.f32() for _ in range(n)]
-    intervals = list(zip(flat[0::2], flat[1::2]))
+    intervals = list(zip(flat[0::2], flat[1::2], strict=False))  # pairs; an odd last value has none
     lo, hi = srng.choice(intervals) if intervals else (0.0, 0.0)
     return key, srng.uniform(lo, hi), {"type": "multirange_uniform", "intervals": intervals, "seed": seed}
 
 
-def decode_engine(payload: bytes) -> Dict[str, float]:
+def decode_engine(payload: bytes) -> dict[str, float]:
     r = Reader(payload)
     kind = r.i32()
     if kind == 0:
@@ -235,8 +238,8 @@ class Info:
     reward: float
     done: bool
     max_step_reached: bool
-    observations: List[List[float]]  # flat float data per observation
-    action_mask: Optional[List[bool]]
+    observations: list[list[float]]  # flat float data per observation
+    action_mask: list[bool] | None
     group_id: int
     group_reward: float
 
@@ -249,8 +252,8 @@ class _Agent:
         self.ret = 0.0
         self.target_d = 0
         self.target_c = 0.0
-        self.last_d: List[int] = []
-        self.last_c: List[float] = []
+        self.last_d: list[int] = []
+        self.last_c: list[float] = []
 
 
 class BehaviorSim:
@@ -266,8 +269,8 @@ class BehaviorSim:
         self.allowed = list(range(cfg.discrete[0])) if cfg.discrete else []
         if cfg.action_masks is not None and cfg.discrete:
             self.allowed = [i for i in self.allowed if i not in set(cfg.action_masks[0])] or [0]
-        self.decision_ids: List[int] = []
-        self.episode_length_override: Optional[int] = None
+        self.decision_ids: list[int] = []
+        self.episode_length_override: int | None = None
 
     def _new_episode(self, a: _Agent) -> None:
         a.step, a.pending, a.ret = 0, 0.0, 0.0
@@ -281,9 +284,9 @@ class BehaviorSim:
         if self.cfg.continuous:
             a.target_c = round(self.rng.uniform(-1.0, 1.0), 3)
 
-    def _obs(self, a: _Agent) -> List[List[float]]:
+    def _obs(self, a: _Agent) -> list[list[float]]:
         out = []
-        for i, shape in enumerate(self.cfg.observation_shapes):
+        for i, shape in enumerate(self.cfg.observation_shapes or []):  # set by __post_init__
             size = math.prod(shape)
             if i == 0:
                 task = [0.0] * (self.cfg.discrete[0] if self.cfg.discrete else 0)
@@ -293,8 +296,14 @@ class BehaviorSim:
                     task.append(a.target_c)
                 out.append((task + [0.0] * size)[:size])
             else:
-                out.append([float(a.step)] * size)
+                out.append([self._echo(a) if self.cfg.echo_actions else float(a.step)] * size)
         return out
+
+    def _echo(self, a: _Agent) -> float:
+        """The agent's last action received: its first discrete one, else its first continuous one."""
+        if a.last_d:
+            return float(a.last_d[0])
+        return float(a.last_c[0]) if a.last_c else 0.0
 
     def _info(self, a: _Agent, done: bool, group_reward: float) -> Info:
         interrupted = done and self.cfg.episode_end == "interrupt"
@@ -306,7 +315,7 @@ class BehaviorSim:
     def _length(self, a: _Agent) -> int:
         return a.episode_length if self.episode_length_override is None else self.episode_length_override
 
-    def reset(self) -> List[Info]:
+    def reset(self) -> list[Info]:
         for a in self.agents:
             self._new_episode(a)
         self.decision_ids = [a.id for a in self.agents]
@@ -321,10 +330,10 @@ class BehaviorSim:
             parts.append(1.0 - abs(x - a.target_c))
         return sum(parts) / len(parts) if parts else 0.0
 
-    def step(self, actions: List[Tuple[List[float], List[int]]], global_step: int,
-             reward_scale: float) -> Tuple[List[Info], Dict[str, Any]]:
+    def step(self, actions: list[tuple[list[float], list[int]]], global_step: int,
+             reward_scale: float) -> tuple[list[Info], dict[str, Any]]:
         """Apply the actions (in ``decision_ids`` order), advance one step, return the output."""
-        by_id = dict(zip(self.decision_ids, actions))
+        by_id = dict(zip(self.decision_ids, actions, strict=False))  # none sent: agents keep their last
         rewards, returns, violations = [], [], 0
         for a in self.agents:
             decided = a.id in by_id
@@ -346,7 +355,7 @@ class BehaviorSim:
             if decided:
                 self._new_target(a)
         group_reward = sum(rewards) / len(rewards)
-        infos: List[Info] = []
+        infos: list[Info] = []
         self.decision_ids = []
         for a in self.agents:
             length = self._length(a)

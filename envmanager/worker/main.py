@@ -114,8 +114,14 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         # Closing now: a SIGTERM (the parent interrupting a step it saw as busy, which may have
         # asked CLOSE at the same time) must not cut the envs' close short, as a SystemExit in the
         # middle of it would (a Unity player killed instead of told to quit, a gRPC server left
-        # half stopped). The parent still kills us if the close outlasts its grace.
-        _ignore_sigterm()
+        # half stopped). The parent still kills us if the close outlasts its grace. A SIGTERM that
+        # lands before SIGTERM is ignored raises its SystemExit here: caught, and ignore again.
+        while True:
+            try:
+                _ignore_sigterm()
+                break
+            except SystemExit:
+                pass
         envs.close()
         try:
             header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)

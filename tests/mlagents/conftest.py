@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -54,7 +55,7 @@ def _close_mlagents_pipes(monkeypatch):
     finish stopping; close the pipes and wait for the servers after each test."""
     from mlagents_envs.environment import UnityEnvironment
 
-    made: List[Any] = []
+    made: list[Any] = []
     original = UnityEnvironment._get_communicator
 
     def tracking(worker_id: int, base_port: int, timeout_wait: int) -> Any:
@@ -78,7 +79,7 @@ def _close_mlagents_pipes(monkeypatch):
 def fake_player(tmp_path):
     counter = itertools.count()
 
-    def make(config: Optional[Dict[str, Any]] = None, name: Optional[str] = None,
+    def make(config: dict[str, Any] | None = None, name: str | None = None,
              extra_args: Sequence[str] = ()) -> str:
         return write_launcher(tmp_path, config, name or f"fakeplayer{next(counter)}", extra_args)
 
@@ -90,10 +91,10 @@ def make_fake_env(fake_player):
     from mlagents_envs.environment import UnityEnvironment
     from mlagents_envs.exception import UnityWorkerInUseException
 
-    made: List[Any] = []
+    made: list[Any] = []
 
-    def make(config: Optional[Dict[str, Any]] = None, *, worker_id: int = 0, timeout_wait: int = 30,
-             file_name: Optional[str] = None, **kwargs: Any) -> Any:
+    def make(config: dict[str, Any] | None = None, *, worker_id: int = 0, timeout_wait: int = 30,
+             file_name: str | None = None, **kwargs: Any) -> Any:
         path = file_name or fake_player(config)
         for attempt in range(5):
             try:

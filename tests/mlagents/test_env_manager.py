@@ -133,8 +133,8 @@ def test_workers_two_behaviours_masks_terminal_and_interrupted(fake_player, tmp_
                 assert set(s.brain_name_to_action_info) == {PICKER}
                 assert s.brain_name_to_action_info[PICKER].agent_ids == [2, 3]
                 decision, terminal = s.current_all_step_result[PICKER]
-                ended = dict(zip(terminal.agent_id, terminal.reward))  # a finished agent's reward
-                rewards = {a: ended.get(a, r) for a, r in zip(decision.agent_id, decision.reward)}
+                ended = dict(zip(terminal.agent_id, terminal.reward, strict=True))  # a finished agent's reward
+                rewards = {a: ended.get(a, r) for a, r in zip(decision.agent_id, decision.reward, strict=True)}
                 assert rewards == {2: 1.0, 3: 1.0}
         assert {w for w, _ in picker.calls} == {0, 1, 2}
 
@@ -325,6 +325,72 @@ def test_hung_player_is_restarted_and_the_orphan_killed(fake_player, process_gon
         manager.close()
 
 
+@pytest.mark.timeout(120)
+def test_player_left_by_a_worker_killed_before_a_reset_is_killed_by_the_reset(fake_player, process_gone):
+    """Worker 1's player hangs in its 3rd step; its worker is SIGKILLed meanwhile (the player,
+    with no watchdog, lives on as an orphan no process tree leads to); the trainer then resets
+    every env: the restart happens in the reset's drain (its interrupted answer dropped), and the
+    reset kills the orphan."""
+    import os
+    import signal
+
+    hang = ["--crash-after-steps", "2", "--crash-mode", "hang"]
+    config = {"parent_watchdog": False, "behaviors": [{"agents": 1, "episode_length": 0}]}
+    manager = start(fake_player, config, 2, extra_args={1: hang}, timeout_wait=60)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset()
+        orphan = manager.player_pids[1]
+        steps_until(manager, lambda got: len(by_worker(got, 1)) >= 2 and 1 in manager.manager.waiting_worker_ids)
+        os.kill(manager.manager.workers[1].pid, signal.SIGKILL)
+        assert manager.reset() == 2
+        assert manager.restart_counts == [0, 1] and manager.player_pids[1] != orphan
+        assert process_gone(orphan, timeout=5)  # by the reset, not at close
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_dying_during_a_settings_change_is_restarted_with_it(fake_player):
+    """Worker 1's process dies while a settings change waits for its answer (stopped, then killed
+    once the call is in flight): no error reaches the trainer — the restart replays the change —
+    and its fresh reset reports the new value."""
+    import os
+    import signal
+    import threading
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset(config={"gravity": 1.0})
+        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
+        worker = manager.manager.workers[1]
+        os.kill(worker.pid, signal.SIGSTOP)
+        raised = []
+
+        def change():
+            try:
+                manager.set_env_parameters({"gravity": 2.0})
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=change)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while worker.request is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.request is not None  # the call is in flight on it
+        os.kill(worker.pid, signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive() and raised == []
+        steps = steps_until(manager, lambda got: any(s.interrupted for s in got))
+        (restarted,) = [s for s in steps if s.interrupted]
+        assert restarted.worker_id == 1 and stat(restarted, "Fake/EnvParam/gravity")[-1] == 2.0
+        assert manager.restart_counts == [0, 1]
+    finally:
+        manager.close()
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
@@ -369,3 +435,23 @@ def test_parameter_and_engine_config_checks():
     assert ActionInfo.empty() == ([], [], {}, []) and EnvironmentStep.empty(3) == ({}, 3, {}, {}, False)
     err = UnityPortInUseError(5005, 5004, 1)
     assert str(err).startswith("port 5005 (base_port 5004 + worker_id 1) is in use")
+
+
+@pytest.mark.timeout(60)
+def test_worker_timers_merge_into_the_trainers(fake_player):
+    """The workers' mlagents_envs timers come with their steps and are merged into this thread's
+    under workers/worker_root, as ML-Agents' manager merges them (its timers.json)."""
+    from mlagents_envs.timers import get_timer_tree, reset_timers
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset()
+        reset_timers()
+        steps = steps_until(manager, lambda got: len(got) >= 10)
+        workers = get_timer_tree()["children"]["workers"]
+        step_timer = workers["children"]["worker_root"]["children"]["UnityEnvironment.step"]
+        assert step_timer["count"] == len(steps) and workers["count"] >= 1
+    finally:
+        reset_timers()
+        manager.close()

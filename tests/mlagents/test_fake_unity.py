@@ -198,7 +198,7 @@ def test_env_parameters_and_engine_settings_arrive(make_fake_env):
     params.set_float_parameter("episode_length", 2)
     params.set_float_parameter("reward_scale", 3.0)
     env.reset()
-    for step in (1, 2):
+    for _ in (1, 2):
         dec, _ = env.get_steps(B)
         env.set_actions(B, ActionTuple(discrete=targets(dec, 3).reshape(1, 1).astype(np.int32)))
         env.step()
@@ -296,7 +296,7 @@ def test_small_task_is_learnable(make_fake_env):
         states = targets(dec, 3)
         eps = max(0.0, 1.0 - t / 100)
         acts = [rng.randrange(3) if rng.random() < eps else int(np.argmax(q[s])) for s in states]
-        last = {aid: (s, a) for aid, s, a in zip(dec.agent_id, states, acts)}
+        last = {aid: (s, a) for aid, s, a in zip(dec.agent_id, states, acts, strict=True)}
         env.set_actions(B, ActionTuple(discrete=np.array(acts, np.int32).reshape(-1, 1)))
         env.step()
     rewards = stats_dict(stats)["Fake/Reward"]

@@ -10,7 +10,7 @@ import pytest
 if os.environ.get("ENVMANAGER_REQUIRE_TRAINER") != "1":
     pytest.importorskip("mlagents.trainers.learn", reason="ML-Agents' trainer (mlagents) is not installed")
 
-from envmanager.bench import unity_trainer  # noqa: E402
+from envmanager.bench import unity_trainer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,145 @@
+"""The Unity player processes of the ML-Agents backend: shutting a ``UnityEnvironment`` down for
+good (player reaped, gRPC and pipes released), and recognising and killing a player a killed worker
+left behind (:class:`PlayerProcesses`, kept by the trainer's side and by each Ray node)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlayerIdentity", "PlayerProcesses", "shutdown_env", "player_identity", "kill_stale_player",
+           "process_start_time"]
+
+#: ``(pid, start time)`` of a launched player, to recognise it later without mistaking a reused pid.
+PlayerIdentity = tuple[int, float | None]
+
+
+class PlayerProcesses:
+    """Each worker's current player, and the players of restarted workers (their workers were
+    killed: nobody will ever talk to them again, so they are killed)."""
+
+    def __init__(self, players: dict[int, PlayerIdentity | None] | None = None) -> None:
+        self.current: dict[int, PlayerIdentity | None] = dict(players or {})
+        self.stale: list[PlayerIdentity] = []
+
+    def note(self, worker_id: int, player: PlayerIdentity | None) -> None:
+        """Worker ``worker_id`` reported ``player`` (with a reset): a new one replaces the old."""
+        old = self.current.get(worker_id)
+        if old and old != player:
+            self.stale.append(old)
+        self.current[worker_id] = player
+
+    def kill_stale(self) -> None:
+        """Kill the players of restarted workers (a reset reported a new player)."""
+        for identity in self.stale:
+            if kill_stale_player(identity):
+                logger.warning("killed player process %d left behind by a restarted worker", identity[0])
+        self.stale = []
+
+    def kill_all(self) -> None:
+        """After the workers were closed: kill any player still running (its worker was killed)."""
+        for identity in [*self.current.values(), *self.stale]:
+            if identity and kill_stale_player(identity):
+                logger.warning("killed player process %d left behind by its worker", identity[0])
+        self.current, self.stale = {}, []
+
+    @property
+    def pids(self) -> dict[int, int | None]:
+        """``worker_id -> pid`` of each worker's current player (``None``: not launched by it)."""
+        return {w: (identity[0] if identity else None) for w, identity in sorted(self.current.items())}
+
+
+def shutdown_env(env: Any, timeout: float = 5.0) -> None:
+    """Close ``env``; for a ``UnityEnvironment`` also reap its player and release gRPC and pipes.
+
+    ``UnityEnvironment.close()`` kills a player that does not quit within ``timeout_wait`` but
+    never reaps it, leaves one end of its communicator's pipe open and does not wait for the gRPC
+    server to stop; this does all three, with ``timeout`` in place of ``timeout_wait``.
+    """
+    try:
+        from mlagents_envs.environment import UnityEnvironment
+    except ImportError:  # pragma: no cover - the subpackage needs mlagents_envs anyway
+        UnityEnvironment = None
+    if UnityEnvironment is None or not isinstance(env, UnityEnvironment):
+        env.close()
+        return
+    proc: subprocess.Popen | None = getattr(env, "_process", None)
+    comm = getattr(env, "_communicator", None)
+    try:
+        env._close(timeout=timeout)  # status 400 to the player, wait, kill
+    except Exception:
+        logger.warning("closing the UnityEnvironment failed", exc_info=True)
+    finally:
+        try:
+            atexit.unregister(env._close)
+        except Exception:
+            pass
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                logger.warning("player process %d did not exit after SIGKILL", proc.pid)
+        _release_communicator(comm)
+
+
+def _release_communicator(comm: Any) -> None:
+    server = getattr(comm, "server", None)
+    if server is not None:
+        try:
+            server.stop(None).wait(5.0)
+        except Exception:
+            pass
+    servicer = getattr(comm, "unity_to_external", None)
+    for name in ("parent_conn", "child_conn"):
+        conn = getattr(servicer, name, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (an opaque number), or ``None`` if it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return float(fields[19])  # field 22, starttime in clock ticks
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:
+        return None
+
+
+def player_identity(env: Any) -> PlayerIdentity | None:
+    proc = getattr(env, "_process", None)
+    pid = getattr(proc, "pid", None)
+    if not isinstance(pid, int):
+        return None
+    return (pid, process_start_time(pid))
+
+
+def kill_stale_player(identity: PlayerIdentity | None) -> bool:
+    """SIGKILL a player left behind by a killed worker, if it still runs (same pid *and* start)."""
+    if not identity or identity[1] is None:
+        return False
+    pid, started = identity
+    if process_start_time(pid) != started:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -1,0 +1,57 @@
+"""A worker closes its envs whatever SIGTERM does while it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+
+import envmanager.worker.main as worker_main
+from envmanager import SubprocessEnvManager
+from process_helpers import alive
+
+
+class MarkerEnv(gym.Env):
+    """Writes ``marker`` when closed."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1), {}
+
+    def step(self, action):
+        return np.zeros(1), 0.0, False, False, {}
+
+    def close(self) -> None:
+        with open(self.marker, "w") as f:
+            f.write("closed")
+
+
+def test_sigterm_as_the_worker_starts_closing_does_not_skip_the_close(tmp_path, monkeypatch):
+    """A SIGTERM that lands as the worker leaves its loop, before it ignores SIGTERM, still lets
+    it close its envs (forked workers run the patched module: the signal is sent at that very
+    moment, once)."""
+    original, sent = worker_main._ignore_sigterm, []
+
+    def signalled_first() -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # handled here, before SIGTERM is ignored
+        original()
+
+    monkeypatch.setattr(worker_main, "_ignore_sigterm", signalled_first)
+    marker = tmp_path / "closed"
+    m = SubprocessEnvManager(lambda i: MarkerEnv(str(marker)), 1, context="fork", timeout=30)
+    m.reset()
+    pid = m.workers[0].pid
+    m.close(timeout=10.0)
+    assert marker.exists() and marker.read_text() == "closed"
+    assert not alive([pid], timeout=0)
