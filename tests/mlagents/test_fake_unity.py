@@ -320,7 +320,8 @@ def test_crash_after_n_steps_surfaces_as_unity_error(make_fake_env, mode, code):
 @pytest.mark.timeout(60)
 def test_step_latency_and_its_env_parameter(make_fake_env):
     params = EnvironmentParametersChannel()
-    env = make_fake_env({"step_latency": 0.01, "latency_jitter": 0.01}, side_channels=[params], timeout_wait=1)
+    # timeout_wait is also the player's start-up deadline: 1 s failed on a loaded machine
+    env = make_fake_env({"step_latency": 0.01, "latency_jitter": 0.01}, side_channels=[params], timeout_wait=5)
     env.reset()
     env.step()
     params.set_float_parameter("step_latency", 30.0)  # far beyond timeout_wait
