@@ -44,6 +44,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Reset, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class BatchEnvManager:
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if hasattr(self._pool.queue, "spin_s") and not self.double_buffer:
+            if isinstance(self._pool.queue, StepQueue) and not self.double_buffer:
                 # The parent spins for answers where the workers spin for requests; double
                 # buffered it has half a process's work to wait out: spinning would only burn CPU.
                 self._pool.queue.spin_s = spin_s
@@ -140,7 +141,8 @@ class BatchEnvManager:
                 shm.check_one_layout(self.observation_spaces, self.action_spaces)
                 self.results = self._pool.share_buffers(n_env, self.observation_space, self.action_space)
             else:  # the parent's copy of results that travel pickled; one layout for all, or a list
-                one_layout = all(shm.array_layout(s) == shm.array_layout(self.observation_space) for s in self.observation_spaces)
+                layout = shm.array_layout(self.observation_space)
+                one_layout = all(shm.array_layout(s) == layout for s in self.observation_spaces)
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
@@ -167,7 +169,7 @@ class BatchEnvManager:
     @property
     def buffers(self) -> shm.SharedBuffers | None:
         """The shared-memory arrays (``None`` with ``shared_memory=False``)."""
-        self.pool  # raises if closed
+        _ = self.pool  # raises if closed
         return self.results if self.results.shared else None
 
     @property
@@ -196,10 +198,7 @@ class BatchEnvManager:
 
     def in_flight(self) -> bool:
         """Whether any process has a request in flight (a restart on its way back, say)."""
-        for w in self.pool.workers:
-            if w.requests:
-                return True
-        return False
+        return any(w.requests for w in self.pool.workers)
 
     def unreceived(self) -> bool:
         """Whether results arrived that nobody received yet (a restart of an idle worker)."""
@@ -284,7 +283,8 @@ class BatchEnvManager:
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
-                raise InvalidInputError(f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
+                raise InvalidInputError(
+                    f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
         checker = self.actions
         if as_given:
             batch = list(actions) if per_slot else actions
@@ -312,7 +312,7 @@ class BatchEnvManager:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
         now = time.monotonic()
-        for entry, request in zip(plan, requests):
+        for entry, request in zip(plan, requests, strict=True):
             workers[entry[0]].send(request, now)
         return batch
 
@@ -382,8 +382,9 @@ class BatchEnvManager:
         wanted = set(self._state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
         if not wanted <= self._state.owed_resets:
             raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._state.owed_resets)}")
-        self.wait_for(lambda: wanted.isdisjoint(self._state.owed_resets - self._state.arrived_resets) or bool(self._state.reset_errors),
-                      timeout, "a reset result", lambda: sorted(wanted & (self._state.owed_resets - self._state.arrived_resets)))
+        state = self._state
+        self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
+                      timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
         if self._state.reset_errors:
             raise self._state.reset_errors.pop(0)
         done = sorted(wanted)
@@ -450,7 +451,8 @@ class BatchEnvManager:
         """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
         return self._calls.call_on(None, name, args, kwargs)
 
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
+                kwargs: dict | None = None) -> list[Any]:
         """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
         be a function, run in the worker as ``name(env, *args, **kwargs)``."""
         return self._calls.call_on(worker_ids, name, args, kwargs)
@@ -463,7 +465,8 @@ class BatchEnvManager:
         """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
         self._calls.set_attr(name, values, worker_ids)
 
-    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None, worker_ids: Sequence[int] | None = None) -> CallRequest:
+    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
+                  worker_ids: Sequence[int] | None = None) -> CallRequest:
         """Send ``call`` without waiting; ``receive_call`` collects the answers."""
         return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
 
