@@ -21,7 +21,6 @@ process is taken from the envs (``envmanager.core.auto.choose_double_buffer``).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,20 +33,18 @@ from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
-from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
+from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.slots import IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, Ready, Reset, Step
+from envmanager.wire.messages import Call, Ready, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.envs import DISABLED, NEXT_STEP
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
 
@@ -348,25 +345,9 @@ class BatchEnvManager:
             return
         if slots.min() < 0 or slots.max() >= self.n_env:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
-        by_process: dict[int, list[int]] = {}
-        lanes: dict[int, int] = {}  # the lanes each process's reset occupies
-        for slot in slots.tolist():
-            w = self.worker_of(slot)
-            if w.failure is not None:
-                raise w.failure
-            if w.busy_on(self.slot_lanes[slot]) or self.status[slot] == ARRIVED:
-                raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
-            by_process.setdefault(w.index, []).append(slot)
-            lanes[w.index] = lanes.get(w.index, 0) | self.slot_lanes[slot]
-        outgoing = []
+        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_lanes, self.slot_local, self.status)
         try:  # encode everything before the first send
-            for index, own in by_process.items():
-                message = Reset(
-                    tuple(self.slot_local[own].tolist()),
-                    tuple(seeds_and_options[s][0] for s in own),
-                    tuple(seeds_and_options[s][1] for s in own),
-                )
-                outgoing.append((index, pool.prepare(Cmd.RESET, message, tuple(own), lanes[index])))
+            outgoing = [(index, pool.prepare(Cmd.RESET, message, own, lanes)) for index, message, own, lanes in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
