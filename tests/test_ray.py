@@ -20,6 +20,7 @@ from ray_helpers import (  # noqa: E402
     node_pids,
     pid_file_factory,
     raising_factory,
+    ray_session,  # noqa: F401  # a fixture: pytest finds it by name (``_ray`` below)
     seed_env,
     slow_restart_factory,
 )
@@ -27,7 +28,7 @@ from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray(ray_session):
+def _ray(ray_session):  # noqa: F811  # the imported fixture, requested by name
     """One local Ray session for the module (``ray_helpers.ray_session``)."""
     yield
 
