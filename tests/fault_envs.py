@@ -148,7 +148,8 @@ def check_rows(batch, cut_episodes, n_slots: int, whole: bool = True) -> None:
         assert (batch.observations[rows[1:]] == batch.next_observations[rows[:-1]]).all(), f"episode {episode} broken"
         assert episode % n_slots == batch.worker_ids[rows[0]], f"episode id {episode} is not its slot's"
     for value in np.unique(nonce).tolist():
-        assert len(set(ids[nonce == value].tolist())) == 1, f"one env episode ({value:.0f}) under ids {set(ids[nonce == value].tolist())}"
+        under = set(ids[nonce == value].tolist())
+        assert len(under) == 1, f"one env episode ({value:.0f}) under ids {under}"
     assert (batch.actions == batch.next_observations[:, 1]).all(), "a recorded action is not what the env received"
     flagged = set(ids[batch.interrupted].tolist())
     assert flagged <= set(cut_episodes), "rows flagged interrupted of an episode not listed as cut"

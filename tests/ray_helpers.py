@@ -37,7 +37,7 @@ class SeedEnv(KindEnv):
     """``KindEnv`` whose observation's last field is the seed its episode's reset got (-1: none)."""
 
     def reset(self, *, seed=None, options=None):
-        obs, info = super().reset(seed=seed, options=options)
+        _, info = super().reset(seed=seed, options=options)
         self.bonus = -1.0 if seed is None else float(seed)
         return self._obs(), info
 

@@ -141,7 +141,7 @@ def test_worker_killed_from_outside_mid_step(tmp_path):
         m.reset()
         m.step({0: 1, 1: 1})
         os.kill(m.worker_of(0).pid, signal.SIGKILL)
-        with pytest.raises(WorkerDiedError, match="worker 0 died .killed by SIGKILL"):
+        with pytest.raises(WorkerDiedError, match=r"worker 0 died .killed by SIGKILL"):
             step_until_error(m)
 
 

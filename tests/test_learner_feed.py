@@ -199,5 +199,5 @@ def test_worker_killed_during_stream_is_restarted_and_the_stream_goes_on(tmp_pat
     rows = both.episode_ids == cut[0]
     assert rows.any() and set(both.worker_ids[rows].tolist()) == {1} and not both.dones[rows].any()
     assert set(both.episode_ids[both.interrupted].tolist()) <= {cut[0]}
-    keys = list(zip(both.worker_ids.tolist(), both.episode_ids.tolist(), both.next_observations[:, 0].tolist()))
+    keys = list(zip(both.worker_ids.tolist(), both.episode_ids.tolist(), both.next_observations[:, 0].tolist(), strict=True))
     assert len(keys) == len(set(keys))  # nothing duplicated

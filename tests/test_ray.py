@@ -20,6 +20,7 @@ from ray_helpers import (  # noqa: E402
     node_pids,
     pid_file_factory,
     raising_factory,
+    ray_session,  # noqa: F401  # a fixture: pytest finds it by name (``_ray`` below)
     seed_env,
     slow_restart_factory,
 )
@@ -27,7 +28,7 @@ from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray(ray_session):
+def _ray(ray_session):  # noqa: F811  # the imported fixture, requested by name
     """One local Ray session for the module (``ray_helpers.ray_session``)."""
     yield
 
@@ -65,7 +66,8 @@ def test_fragments_first_ready_versions_lag_and_the_users_session_stays():
     assert set(everything.worker_ids.tolist()) == {0, 1, 2, 3}
     assert (everything.agent_infos["ids"] == everything.worker_ids).all()  # the policy saw global slot ids
     no_contiguity_gaps(everything)  # episodes continue across calls and fragments: nothing lost or repeated
-    assert len(np.unique(everything.episode_ids)) == len({(w, e) for w, e in zip(everything.worker_ids, everything.episode_ids)})
+    pairs = set(zip(everything.worker_ids.tolist(), everything.episode_ids.tolist(), strict=True))
+    assert len(np.unique(everything.episode_ids)) == len(pairs)
     # Each step is stamped with the version that chose it on its node: params match the version.
     assert ((everything.policy_versions == 1) == (everything.agent_infos["params"] == 7)).all()
     assert (everything.policy_versions[:120] == 0).all() and everything.policy_versions[-1] == 1
@@ -194,7 +196,8 @@ def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
     try:
         with pytest.raises(InvalidInputError):
             node.update(None, None, ["not callable"])
-        with pytest.raises(EnvManagerError, match=r"node 0: an update sent before this request raised InvalidInputError") as caught:
+        with pytest.raises(EnvManagerError,
+                           match=r"node 0: an update sent before this request raised InvalidInputError") as caught:
             node.steps(4, updates=1)
         assert isinstance(caught.value.error.__cause__, InvalidInputError)
         assert caught.value.serves is False  # the error stays: the node cannot go on

@@ -254,7 +254,7 @@ def test_node_fault(fault, mode, tmp_path):
         node_restarts = run.sampler.restart_count(NODE)
         stats, cut = run.sampler.stats.stats(), list(run.sampler.cut_episodes)
     finally:
-        everything = run.close()
+        run.close()
     assert not alive([old["pid"], *old["worker_pids"]], timeout=5.0), "the lost node's processes outlived it"
     assert node_restarts == (1 if mode == "on" else 0)
     if mode == "on":  # the new node serves with the newest weights; what the old one ran is cut

@@ -231,7 +231,8 @@ def test_core_does_not_import_the_sampler():
     import subprocess
     import sys
 
-    code = "import sys, envmanager, envmanager.core.batch, envmanager.core.manager; print(any(m.startswith('envmanager.sampler') for m in sys.modules))"
+    code = ("import sys, envmanager, envmanager.core.batch, envmanager.core.manager; "
+            "print(any(m.startswith('envmanager.sampler') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
     assert out.stdout.strip() == "False"

@@ -160,7 +160,8 @@ def test_policy_fault(variant, fault, restarts, tmp_path):
                 collect(sampler)
             error = caught.value
             if worker_side:  # named, with the worker's traceback
-                assert process_of(variant) in named_process(error) and error.worker_id // VARIANTS[variant][1] == process_of(variant)
+                process = process_of(variant)
+                assert process in named_process(error) and error.worker_id // VARIANTS[variant][1] == process
                 why = {"policy_raise": "policy blew up", "policy_count": "rows", "policy_dtype": "integer actions only",
                        "policy_range": "Discrete(3)"}[fault]
                 assert why in error.remote_traceback or why in str(error), error

@@ -295,7 +295,7 @@ def test_a_fragment_longer_than_the_deadline_is_not_hung_while_it_writes_rows():
 
 def test_a_fragment_that_stops_writing_rows_is_hung():
     # slot 1 hangs on its 5th step: no row for a whole deadline, so it is called hung (and named)
-    with WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=2.0, context="fork") as sampler:
-        with pytest.raises(WorkerTimeoutError) as caught:
-            sampler.obtain_steps(20)
+    with (WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=2.0, context="fork") as sampler,
+          pytest.raises(WorkerTimeoutError) as caught):
+        sampler.obtain_steps(20)
     assert 1 in caught.value.worker_ids and 0 not in caught.value.worker_ids

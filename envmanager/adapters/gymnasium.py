@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from enum import Enum
 from typing import Any
@@ -34,6 +33,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
+from envmanager.adapters.gymnasium_errors import gymnasium_failures, reraise
 from envmanager.adapters.gymnasium_utils import (
     batched_infos,
     check_reset_mask,
@@ -49,7 +49,7 @@ from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import NEEDS_RESET
-from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
+from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire.shm import tree_map
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class AsyncVectorEnv(VectorEnv):
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
                                    AsyncState.WAITING_RESET.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with self._waiting("reset_wait", timeout):
+        with gymnasium_failures("reset_wait", timeout, self._abandon):
             while self._reset_waves:
                 batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
                 self._reset_infos.update(batch.infos)
@@ -325,7 +325,7 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with self._waiting("step_wait", timeout):
+        with gymnasium_failures("step_wait", timeout, self._abandon):
             while self._stepping.any() or self._queued:
                 wanted = 1 if self._queued else int(self._stepping.sum())
                 batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
@@ -342,34 +342,8 @@ class AsyncVectorEnv(VectorEnv):
         self._step_infos, self._step_columns, self._actions = {}, [], None
         return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
-    @contextmanager
-    def _waiting(self, what: str, timeout: float | None) -> Iterator[None]:
-        """Translate failures while waiting into gymnasium's terms.
-
-        Past the caller's ``timeout``: ``multiprocessing.TimeoutError``, and the call stays
-        pending (waiting again picks up its results). Any other failure drops what is in
-        flight, so nothing stale surfaces later, and re-raises the env's own exception.
-        """
-        try:
-            yield
-        except WorkerTimeoutError as exc:
-            if exc.hung or timeout is None:  # a worker missed its own deadline: nothing more comes
-                self._abandon()
-                raise
-            raise multiprocessing.TimeoutError(f"The call to `{what}` has timed out after {timeout} second(s).") from exc
-        except EnvManagerError as exc:
-            errors = [exc, *self._abandon()]
-            failed = [e for e in errors if isinstance(e, WorkerError)]
-            if not failed:
-                raise
-            for error in failed:  # gymnasium's report of every env that raised, then the last raised
-                gym_logger.error(f"Received the following error from Worker-{error.worker_id} - Shutting it down")
-                gym_logger.error(f"{error.remote_traceback}")
-            gym_logger.error("Raising the last exception back to the main process.")
-            _reraise(failed[-1])
-
     def _abandon(self) -> list[EnvManagerError]:
-        """After a failure: drop what is in flight so nothing stale surfaces later; return the
+        """After a failure (``gymnasium_failures``): drop what is in flight so nothing stale surfaces later; return the
         errors of the other envs that failed meanwhile."""
         assert self._manager is not None
         dropped: list[EnvManagerError] = []
@@ -401,7 +375,7 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        with self._waiting("call_wait", timeout):
+        with gymnasium_failures("call_wait", timeout, self._abandon):
             results = manager.receive_call(self._call, timeout)
         self._state = AsyncState.DEFAULT
         return tuple(results)
@@ -422,7 +396,7 @@ class AsyncVectorEnv(VectorEnv):
         try:
             manager.set_attr(name, list(values))
         except EnvManagerError as exc:
-            _reraise(exc)
+            reraise(exc)
 
     def render(self) -> tuple[Any, ...] | None:
         return self.call("render")
@@ -454,7 +428,7 @@ class AsyncVectorEnv(VectorEnv):
                 f"`recv` needs {self.batch_size} envs in flight, only {int(self._outstanding.sum())} were sent", "recv"
             )
         deadline = None if timeout is None else Deadline(timeout)
-        with self._waiting("recv", timeout):
+        with gymnasium_failures("recv", timeout, self._abandon):
             while len(self._received) < self.batch_size:
                 got: StepBatch = manager.receive_batch(1, None if deadline is None else deadline.left())
                 self._received += got.slots.tolist()
@@ -510,9 +484,3 @@ class AsyncVectorEnv(VectorEnv):
             except Exception:
                 pass
 
-
-def _reraise(exc: EnvManagerError) -> None:
-    """Raise an env's own exception (as gymnasium does), chained to the worker's account of it."""
-    if isinstance(exc, WorkerError) and exc.cause is not None:
-        raise exc.cause from exc
-    raise exc

@@ -21,7 +21,6 @@ process is taken from the envs (``envmanager.core.auto.choose_double_buffer``).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,19 +33,18 @@ from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
-from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
+from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.slots import IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, Ready, Reset, Step
+from envmanager.wire.messages import Call, Ready, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.envs import DISABLED, NEXT_STEP
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
 
@@ -117,7 +115,7 @@ class BatchEnvManager:
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if hasattr(self._pool.queue, "spin_s") and not self.double_buffer:
+            if isinstance(self._pool.queue, StepQueue) and not self.double_buffer:
                 # The parent spins for answers where the workers spin for requests; double
                 # buffered it has half a process's work to wait out: spinning would only burn CPU.
                 self._pool.queue.spin_s = spin_s
@@ -140,7 +138,8 @@ class BatchEnvManager:
                 shm.check_one_layout(self.observation_spaces, self.action_spaces)
                 self.results = self._pool.share_buffers(n_env, self.observation_space, self.action_space)
             else:  # the parent's copy of results that travel pickled; one layout for all, or a list
-                one_layout = all(shm.array_layout(s) == shm.array_layout(self.observation_space) for s in self.observation_spaces)
+                layout = shm.array_layout(self.observation_space)
+                one_layout = all(shm.array_layout(s) == layout for s in self.observation_spaces)
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
@@ -167,7 +166,7 @@ class BatchEnvManager:
     @property
     def buffers(self) -> shm.SharedBuffers | None:
         """The shared-memory arrays (``None`` with ``shared_memory=False``)."""
-        self.pool  # raises if closed
+        _ = self.pool  # raises if closed
         return self.results if self.results.shared else None
 
     @property
@@ -196,10 +195,7 @@ class BatchEnvManager:
 
     def in_flight(self) -> bool:
         """Whether any process has a request in flight (a restart on its way back, say)."""
-        for w in self.pool.workers:
-            if w.requests:
-                return True
-        return False
+        return any(w.requests for w in self.pool.workers)
 
     def unreceived(self) -> bool:
         """Whether results arrived that nobody received yet (a restart of an idle worker)."""
@@ -284,7 +280,8 @@ class BatchEnvManager:
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
-                raise InvalidInputError(f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
+                raise InvalidInputError(
+                    f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
         checker = self.actions
         if as_given:
             batch = list(actions) if per_slot else actions
@@ -312,7 +309,7 @@ class BatchEnvManager:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
         now = time.monotonic()
-        for entry, request in zip(plan, requests):
+        for entry, request in zip(plan, requests, strict=True):
             workers[entry[0]].send(request, now)
         return batch
 
@@ -348,25 +345,9 @@ class BatchEnvManager:
             return
         if slots.min() < 0 or slots.max() >= self.n_env:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
-        by_process: dict[int, list[int]] = {}
-        lanes: dict[int, int] = {}  # the lanes each process's reset occupies
-        for slot in slots.tolist():
-            w = self.worker_of(slot)
-            if w.failure is not None:
-                raise w.failure
-            if w.busy_on(self.slot_lanes[slot]) or self.status[slot] == ARRIVED:
-                raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
-            by_process.setdefault(w.index, []).append(slot)
-            lanes[w.index] = lanes.get(w.index, 0) | self.slot_lanes[slot]
-        outgoing = []
+        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_lanes, self.slot_local, self.status)
         try:  # encode everything before the first send
-            for index, own in by_process.items():
-                message = Reset(
-                    tuple(self.slot_local[own].tolist()),
-                    tuple(seeds_and_options[s][0] for s in own),
-                    tuple(seeds_and_options[s][1] for s in own),
-                )
-                outgoing.append((index, pool.prepare(Cmd.RESET, message, tuple(own), lanes[index])))
+            outgoing = [(index, pool.prepare(Cmd.RESET, message, own, lanes)) for index, message, own, lanes in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
@@ -382,8 +363,9 @@ class BatchEnvManager:
         wanted = set(self._state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
         if not wanted <= self._state.owed_resets:
             raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._state.owed_resets)}")
-        self.wait_for(lambda: wanted.isdisjoint(self._state.owed_resets - self._state.arrived_resets) or bool(self._state.reset_errors),
-                      timeout, "a reset result", lambda: sorted(wanted & (self._state.owed_resets - self._state.arrived_resets)))
+        state = self._state
+        self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
+                      timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
         if self._state.reset_errors:
             raise self._state.reset_errors.pop(0)
         done = sorted(wanted)
@@ -450,7 +432,8 @@ class BatchEnvManager:
         """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
         return self._calls.call_on(None, name, args, kwargs)
 
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
+                kwargs: dict | None = None) -> list[Any]:
         """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
         be a function, run in the worker as ``name(env, *args, **kwargs)``."""
         return self._calls.call_on(worker_ids, name, args, kwargs)
@@ -463,7 +446,8 @@ class BatchEnvManager:
         """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
         self._calls.set_attr(name, values, worker_ids)
 
-    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None, worker_ids: Sequence[int] | None = None) -> CallRequest:
+    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
+                  worker_ids: Sequence[int] | None = None) -> CallRequest:
         """Send ``call`` without waiting; ``receive_call`` collects the answers."""
         return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
 

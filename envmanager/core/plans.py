@@ -1,19 +1,19 @@
 """How a batch of slots splits into one request per process, or per lane of a double-buffered
 process (``send_batch``'s plan), cached for the full batches and the partial batches a user
-repeats; and what ``send_batch`` says when it refuses a batch."""
+repeats; and what ``send_batch`` says when it refuses a batch. ``send_reset``'s split too."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
-from envmanager.wire.messages import raw_locals
+from envmanager.wire.messages import Reset, raw_locals
 
-__all__ = ["BatchPlans", "Plan", "lanes_of", "refuse_process", "refuse_slots", "row_of"]
+__all__ = ["BatchPlans", "Plan", "lanes_of", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
 
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
@@ -78,6 +78,29 @@ def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int
             raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
         if s == _ARRIVED:
             raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
+
+
+def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int], worker_of: Callable[[int], Any],
+               slot_lanes: list[int], slot_local: np.ndarray,
+               status: np.ndarray) -> list[tuple[int, Reset, tuple[int, ...], int]]:
+    """``send_reset``'s split: per process, its ``Reset``, its slots and the lanes they occupy.
+    Raises a failed process's error, or ``InvalidInputError`` for a slot that is busy."""
+    by_process: dict[int, list[int]] = {}
+    lanes: dict[int, int] = {}
+    for slot in slots:
+        w = worker_of(slot)
+        if w.failure is not None:
+            raise w.failure
+        if w.busy_on(slot_lanes[slot]) or status[slot] == _ARRIVED:
+            raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
+        by_process.setdefault(w.index, []).append(slot)
+        lanes[w.index] = lanes.get(w.index, 0) | slot_lanes[slot]
+    try:
+        return [(index, Reset(tuple(slot_local[own].tolist()), tuple(seeds_and_options[s][0] for s in own),
+                              tuple(seeds_and_options[s][1] for s in own)), tuple(own), lanes[index])
+                for index, own in by_process.items()]
+    except Exception as exc:
+        raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
 
 
 def refuse_process(w: Any, slots: np.ndarray) -> None:

@@ -96,13 +96,14 @@ class RaySessionError(EnvManagerError):
     """The Ray session the sampler runs in is gone (``ray.shutdown()``, or its head lost)."""
 
 
-@ray.remote(concurrency_groups={"control": 1})
+@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # Ray's stubs omit concurrency_groups
 class _NodeActor(SamplerNode):
     """``SamplerNode`` as an actor: collection runs one call at a time; ``update`` runs in its
     own thread so new weights reach a fragment already under way (the Sampler is thread-safe there)."""
 
     @ray.method(concurrency_group="control")
-    def update(self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
+    def update(  # type: ignore[override]  # ray.method turns it into a remote method (called as .remote)
+            self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
         return super().update(version, agent_update, env_updates)
 
 
@@ -191,7 +192,8 @@ class NodePool:
         env_factory, policy, sampler_options = self._args
         seeds, started = self.resume(node)
         n_slots = sum(n.n_envs for n in self.nodes)
-        node.actor = _NodeActor.options(**self._actor_options).remote(
+        # @ray.remote made the class an actor class with .options; the stubs keep the plain class
+        node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
             node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options)
         node.info = {}
         node.queue = []
@@ -204,7 +206,7 @@ class NodePool:
         refs = [node.actor.info.remote() for node in nodes]
         deadline = Deadline(self.start_timeout)
         first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
-        for node, ref in zip(nodes, refs):
+        for node, ref in zip(nodes, refs, strict=True):
             error = None
             try:
                 node.info = ray.get(ref, timeout=deadline.left())

@@ -334,7 +334,8 @@ class RaySampler:
         asking its replacement for the same quotas keeps the sample unbiased)."""
         quotas = ([n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer))
                   else list(n_eps_per_worker))
-        if len(quotas) != self.n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
+        valid = all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas)
+        if len(quotas) != self.n_workers or not valid or not sum(quotas):
             raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
         self.update(agent_update, env_update)
         self._pool.raise_given_up()

@@ -9,4 +9,5 @@ from envmanager.sampler.sampler import Sampler
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.worker_policy import WorkerPolicySampler
 
-__all__ = ["EpisodeBatch", "LearnerError", "LearnerFeed", "LearnerStarvedError", "Sampler", "Stats", "TransitionBatch", "WorkerPolicySampler"]
+__all__ = ["EpisodeBatch", "LearnerError", "LearnerFeed", "LearnerStarvedError", "Sampler", "Stats", "TransitionBatch",
+           "WorkerPolicySampler"]

@@ -8,6 +8,7 @@ clash with the core's ``StepBatch`` (the slots one ``receive_batch`` handed out)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,7 +107,7 @@ class TransitionBatch:
     def split(self, n: int) -> list[TransitionBatch]:
         """``n`` consecutive pieces of (nearly) equal size: minibatches."""
         bounds = np.linspace(0, len(self), n + 1).astype(int)
-        return [self.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [self.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
 
     @classmethod
     def concatenate(cls, batches: Sequence[TransitionBatch]) -> TransitionBatch:
@@ -200,8 +201,8 @@ class EpisodeBatch(TransitionBatch):
         """``field`` as an array ``(n_episodes, max_length, ...)``, padded with ``fill``."""
         values = getattr(self, field)
         length = int(self.lengths.max()) if max_length is None and self.n_episodes else (max_length or 0)
-        out = np.full((self.n_episodes, length) + values.shape[1:], fill, dtype=values.dtype)
-        for i, (start, n) in enumerate(zip(self.starts.tolist(), self.lengths.tolist())):
+        out = np.full((self.n_episodes, length, *values.shape[1:]), fill, dtype=values.dtype)
+        for i, (start, n) in enumerate(zip(self.starts.tolist(), self.lengths.tolist(), strict=True)):
             n = min(n, length)
             out[i, :n] = values[start : start + n]
         return out
@@ -219,7 +220,8 @@ class EpisodeBatch(TransitionBatch):
 
     @classmethod
     def concatenate(cls, batches: Sequence[TransitionBatch]) -> TransitionBatch:
-        if batches and all(isinstance(b, EpisodeBatch) for b in batches):
-            return cls.from_transitions([e for b in batches for e in b.split_episodes()],  # type: ignore[union-attr]
-                                        [x for b in batches for x in b.episode_interrupted.tolist()])  # type: ignore[union-attr]
+        episode_batches = [b for b in batches if isinstance(b, EpisodeBatch)]
+        if batches and len(episode_batches) == len(batches):
+            return cls.from_transitions([e for b in episode_batches for e in b.split_episodes()],
+                                        [x for b in episode_batches for x in b.episode_interrupted.tolist()])
         return TransitionBatch.concatenate(batches)

@@ -69,7 +69,7 @@ class EpisodeQuotas(Plan):
         return True
 
     def done(self) -> bool:
-        return all(len(e) == q for e, q in zip(self.episodes, self.quotas))
+        return all(len(e) == q for e, q in zip(self.episodes, self.quotas, strict=True))
 
     def progress(self) -> tuple[int, int, str]:
         return sum(len(e) for e in self.episodes), sum(self.quotas), "episodes"

@@ -21,6 +21,7 @@ single-process reference, with the same policy and the same recording.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -104,7 +105,8 @@ class Arena:
     def view(self, first: int, k: int) -> Arena:
         """The rows of slots ``first .. first + k - 1`` (views, not copies)."""
         out = object.__new__(Arena)
-        for name in ("rows", "started", "observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes"):
+        for name in ("rows", "started", "observations", "next_observations", "actions", "rewards", "terminated", "truncated",
+                     "episodes"):
             setattr(out, name, shm.tree_map(lambda a: a[first:first + k], getattr(self, name)))
         out.nbytes = self.nbytes
         return out
@@ -205,7 +207,7 @@ def _act(agent: Any, observations: Any, ids: np.ndarray, checker: ActionChecker)
         if get_actions is not None:
             out = get_actions(observations, ids)
         else:
-            rows = [agent.get_action(shm.tree_map(lambda a: a[j], observations)) for j in range(len(ids))]
+            rows = [agent.get_action(shm.tree_map(operator.itemgetter(j), observations)) for j in range(len(ids))]
             pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
             out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
         actions, infos = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
@@ -226,7 +228,7 @@ def _rows(actions: Any) -> Any:
         first = actions
         while isinstance(first, (dict, tuple)):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        return [shm.tree_map(lambda a: a[j], actions) for j in range(len(first))]
+        return [shm.tree_map(operator.itemgetter(j), actions) for j in range(len(first))]
     return actions
 
 
@@ -329,7 +331,8 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         shm.write(arena.actions, (sel, t), actions)
         done: list[int] = []
         nexts: list[Any] = []
-        rewards, terms, truncs, episodes = arena.rewards[:, t], arena.terminated[:, t], arena.truncated[:, t], arena.episodes[:, t]
+        rewards, terms, truncs = arena.rewards[:, t], arena.terminated[:, t], arena.truncated[:, t]
+        episodes = arena.episodes[:, t]
         per_env = _rows(actions)
         for j, i in enumerate(active):
             try:
@@ -344,10 +347,11 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             else:
                 nexts.append(obs)
             rewards[i], terms[i], truncs[i], episodes[i] = reward, term, trunc, states[i].episode  # in place
-            if info and infos[i] is None:
-                infos[i] = [{}] * rows[i]
-            if infos[i] is not None:
-                infos[i].append(info)
+            slot_infos = infos[i]
+            if info and slot_infos is None:
+                slot_infos = infos[i] = [{}] * rows[i]
+            if slot_infos is not None:
+                slot_infos.append(info)
             states[i].obs = obs
             if term or trunc:
                 states[i].running = False
@@ -357,8 +361,10 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             if not flat:
                 shm.write(arena.next_observations, (sel, t), stack_values(nexts))
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
-            ticks.append((t, done, {key: np.asarray(value)[[active.index(i) for i in done]] for key, value in agent_info.items()}
-                                    if len(done) != len(active) else agent_info))
+            if len(done) != len(active):
+                kept = [active.index(i) for i in done]
+                agent_info = {key: np.asarray(value)[kept] for key, value in agent_info.items()}
+            ticks.append((t, done, agent_info))
         t += 1
         steps = request.steps
         active = []
@@ -377,7 +383,8 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     if not request.shared:
         n = max(rows, default=0)
         out["arrays"] = {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name))
-                         for name in ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")}
+                         for name in ("observations", "next_observations", "actions", "rewards", "terminated", "truncated",
+                                      "episodes")}
     return out
 
 

@@ -79,7 +79,8 @@ class Sampler:
             if manager_options or n_workers not in (None, envs.n_env):
                 raise InvalidInputError("with a manager, give neither n_workers nor manager options")
             if envs.autoreset_mode != DISABLED:
-                raise InvalidInputError("the sampler decides when episodes start: build the manager with autoreset_mode='disabled'")
+                raise InvalidInputError(
+                    "the sampler decides when episodes start: build the manager with autoreset_mode='disabled'")
             n = envs.n_env
         else:
             if not isinstance(n_workers, int) or n_workers < 1:
@@ -157,11 +158,14 @@ class Sampler:
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
         return self._episodes(self._collect(SampleCount(self.n_workers, num_samples)))
 
-    def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
+    def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
+                              env_update: Any = None) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` episodes from each slot (an int, or one per slot), each
         started during this call, in (worker, admission) order. Unbiased: see ``episodes``."""
-        quotas = [n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer)) else list(n_eps_per_worker)
-        if len(quotas) != self.n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
+        quotas = ([n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer))
+                  else list(n_eps_per_worker))
+        valid = all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas)
+        if len(quotas) != self.n_workers or not valid or not sum(quotas):
             raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
         self.update(agent_update, env_update)
         return self._episodes(self._collect(EpisodeQuotas([int(q) for q in quotas])))

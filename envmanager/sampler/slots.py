@@ -94,7 +94,7 @@ class EpisodeSlots:
         started = list(ids.started) if ids.started is not None else [0] * self.n
         if len(started) != self.n:
             raise InvalidInputError(f"expected {self.n} episode counts, got {len(started)}")
-        self.slots = [EpisodeSlot(i, seed, started=int(k)) for i, (seed, k) in enumerate(zip(seeds, started))]
+        self.slots = [EpisodeSlot(i, seed, started=int(k)) for i, (seed, k) in enumerate(zip(seeds, started, strict=True))]
         self.id_offset = ids.offset
         self.id_stride = self.n if ids.stride is None else ids.stride
         #: Ids of the episodes a process restart cut, in the order seen.
@@ -205,8 +205,8 @@ class EpisodeSlots:
         updates in order (``(version, cloudpickled fn)``); ``applied`` records it once done."""
         have = self.slots[slot].env_version
         with self._lock:
-            due = [(v, per_slot[slot]) for v, per_slot in self._updates if v > have and per_slot[slot] is not None]
-            return max(have, self.env_version), due  # type: ignore[misc]
+            due = [(v, update) for v, per_slot in self._updates if v > have and (update := per_slot[slot]) is not None]
+            return max(have, self.env_version), due
 
     def applied(self, slot: int, version: int) -> None:
         """The slot's env has every update up to ``version``."""

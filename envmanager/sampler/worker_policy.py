@@ -17,24 +17,25 @@ episode is one record (``envmanager.sampler.slots``); episode ids are the parent
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
-from envmanager.core.calls import CallRequest
 from envmanager.core.pool import get_context, worker_error
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
-from envmanager.sampler.batches import EpisodeBatch, TransitionBatch, _stack_or_objects
+from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.episodes import spread
+from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, failed_slots
@@ -51,18 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["WorkerPolicySampler"]
 
 _ROLLOUT = EnvFunction(cloudpickle.dumps(rollout))
-_FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
 RUNNING = EpisodeState.RUNNING
-
-
-class _Sent(NamedTuple):
-    """A fragment request in flight on one process, and what the answer is read against."""
-
-    call: CallRequest
-    generation: int  # of the process it went to
-    policy_version: int
-    env_before: list[int]  # each slot's env version when sent: that of an episode going on
-    env_reached: list[int]  # ... and what episodes started in the fragment have
 
 
 class WorkerPolicySampler:
@@ -119,7 +109,8 @@ class WorkerPolicySampler:
         m = self.manager
         layouts = shm.array_layout(m.observation_space), shm.array_layout(m.action_space)
         if None in layouts:
-            raise InvalidInputError("the worker-side sampler needs Box/Discrete/MultiDiscrete/MultiBinary (or Dict/Tuple of them) spaces")
+            raise InvalidInputError(
+                "the worker-side sampler needs Box/Discrete/MultiDiscrete/MultiBinary (or Dict/Tuple of them) spaces")
         one_row = Arena.nbytes_for(ArenaSpec(self._token, n, 1, *layouts))
         if one_row > n * fragment_bytes:
             per_slot = -(-one_row // n)
@@ -184,7 +175,7 @@ class WorkerPolicySampler:
                 continue
             rows = TransitionBatch.concatenate(per_slot)
             bounds = np.flatnonzero(np.diff(rows.episode_ids)) + 1
-            for start, end in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
+            for start, end in itertools.pairwise([0, *bounds.tolist(), len(rows)]):
                 episodes.append(rows.select(slice(start, end)))
                 cut.append(bool(rows.interrupted[start]))
         if not episodes:
@@ -252,7 +243,7 @@ class WorkerPolicySampler:
         starts = list(quotas) if quotas is not None else [-1] * self.n_workers
         out: list[list[TransitionBatch]] = [[] for _ in range(self.n_workers)]
         cut_before = len(episodes.cut_episodes)
-        pending: dict[int, _Sent] = {}
+        pending: dict[int, SentFragment] = {}
         error: EnvManagerError | None = None
         self._recovered = []
 
@@ -292,12 +283,11 @@ class WorkerPolicySampler:
                 for chunk in per_slot:
                     chunk.interrupted |= np.isin(chunk.episode_ids, cut)
         for chunk in self._recovered:  # filled in now: the template may come from a later fragment
-            chunk.agent_infos = {k: np.full((len(chunk), *v.shape[1:]), np.nan if v.dtype.kind == "f" else 0, dtype=v.dtype)
-                                 for k, v in self._info_template.items()}
+            fill_agent_infos(chunk, self._info_template)
         self._recovered = []
         return out
 
-    def _send(self, p: int, want: list[int] | None, starts: list[int]) -> _Sent:
+    def _send(self, p: int, want: list[int] | None, starts: list[int]) -> SentFragment:
         """The next fragment request for process ``p``: what each slot's record says."""
         m, episodes = self.manager, self.episodes
         self._sync(p)
@@ -315,9 +305,9 @@ class WorkerPolicySampler:
             self._arena.rows[slots] = 0
             self._arena.started[slots] = 0
         call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
-        return _Sent(call, m.generation(slots[0]), version, [episodes[s].env_version for s in slots], [r for r, _ in due])
+        return SentFragment(call, m.generation(slots[0]), version, [episodes[s].env_version for s in slots], [r for r, _ in due])
 
-    def _wait_any(self, pending: dict[int, _Sent]) -> None:
+    def _wait_any(self, pending: dict[int, SentFragment]) -> None:
         """Until one of the ``pending`` fragments is in. One clock: the pool's deadline, which
         counts from a fragment's last row written (``_progress``), so a long fragment that keeps
         working is not hung, and one that writes nothing for ``timeout`` is."""
@@ -334,7 +324,7 @@ class WorkerPolicySampler:
     # ------------------------------------------------------------------------------------------
     # Answers: what each fragment did to each slot's record
 
-    def _file(self, p: int, sent: _Sent, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
+    def _file(self, p: int, sent: SentFragment, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
               starts: list[int]) -> EnvManagerError | None:
         """Take one fragment of process ``p``: its rows out of the arena (or the answer)."""
         slots, arrays, failures = self._procs[p], answer["arrays"], answer["failures"]
@@ -342,7 +332,7 @@ class WorkerPolicySampler:
         for i, s in enumerate(slots):
             n = answer["rows"][i]
             if n:
-                fields = {f: shm.tree_map(lambda a: a[i, :n], arrays[f]) for f in _FIELDS} if arrays is not None else self._read_arena(s, n)
+                fields = answer_rows(arrays, i, n) if arrays is not None else self._read_arena(s, n)
                 infos = {k: v[i, :n] for k, v in answer["agent_infos"].items()}
                 batch = self._batch(s, fields, infos, answer["env_infos"][i], answer["env_versions"][i], sent, i)
                 out[s].append(batch)
@@ -357,7 +347,7 @@ class WorkerPolicySampler:
         self._count_empty(empty, absorbed=error is None)
         return error
 
-    def _lost(self, p: int, sent: _Sent, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
+    def _lost(self, p: int, sent: SentFragment, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
               starts: list[int]) -> EnvManagerError | None:
         """Process ``p``'s fragment failed as a whole (it died, hung, or the rollout raised):
         keep what it wrote (shared arena), then the pool's outcome: restarted or the error."""
@@ -400,7 +390,7 @@ class WorkerPolicySampler:
         self.episodes.advanced(s, started, running)
         return max(0, started - len(with_rows - {before}))
 
-    def _fault(self, p: int, sent: _Sent, error: EnvManagerError, failing: list[int]) -> EnvManagerError | None:
+    def _fault(self, p: int, sent: SentFragment, error: EnvManagerError, failing: list[int]) -> EnvManagerError | None:
         """A fault of process ``p`` through the pool's one failure path: restarted within the
         restart policy (every episode of the process cut, ``None``), else the error to raise
         (the failing slots' episodes failed; every slot's if the process was given up)."""
@@ -428,7 +418,7 @@ class WorkerPolicySampler:
 
     def _raise_given_up(self) -> None:
         """A process the pool gave up on: its error at once, on every call."""
-        for p, slots in self._procs.items():
+        for slots in self._procs.values():
             failure = self.manager.failure_of(slots[0])
             if failure is not None:
                 for s in failed_slots(failure) or slots:
@@ -448,30 +438,17 @@ class WorkerPolicySampler:
 
     def _read_arena(self, s: int, n: int) -> dict[str, Any]:
         assert self._arena is not None
-        return {f: shm.tree_map(lambda a: a[s, :n].copy(), getattr(self._arena, f)) for f in _FIELDS}
+        return arena_rows(self._arena, s, n)
 
     def _batch(self, s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None, env_infos: list[dict] | None,
-               env_versions: dict[int, int], sent: _Sent, i: int) -> TransitionBatch:
-        """Rows of slot ``s`` as a batch; episode ids are in the rows (the parent gave them).
-        An episode going on has the env version it started with; new ones what they applied
-        (for rows read back from a killed worker: what the request brought)."""
-        n = len(fields["rewards"])
-        ids = fields["episodes"]
-        before = self.episodes[s].episode_id if self.episodes[s].state is RUNNING else -1
-        versions = np.full(n, sent.env_before[i], dtype=np.int64)
-        for episode in np.unique(ids).tolist():
-            if episode != before:
-                versions[ids == episode] = env_versions.get(episode, sent.env_reached[i])
+               env_versions: dict[int, int], sent: SentFragment, i: int) -> TransitionBatch:
+        """Rows of slot ``s`` as a batch (``fragment_batch``); keeps what rows recovered from a
+        dead worker need: a template of the policy's infos, and those rows to fill in."""
+        record = self.episodes[s]
+        running = record.episode_id if record.state is RUNNING else -1
+        batch = fragment_batch(s, fields, infos, env_infos, env_versions, sent, i, running)
         if infos and not self._info_template:
             self._info_template = {k: v[:1] for k, v in infos.items()}
-        batch = TransitionBatch(
-            observations=fields["observations"], actions=fields["actions"], rewards=fields["rewards"],
-            terminated=fields["terminated"], truncated=fields["truncated"], next_observations=fields["next_observations"],
-            worker_ids=np.full(n, s, dtype=np.int64), episode_ids=ids.astype(np.int64, copy=False),
-            policy_versions=np.full(n, sent.policy_version, dtype=np.int64), env_versions=versions,
-            interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
-            env_infos=_env_infos(env_infos) if env_infos else {},
-        )
         if infos is None:  # rows recovered from a dead worker: its policy's infos died with it
             self._recovered.append(batch)
         return batch
@@ -518,7 +495,3 @@ def _release_arena(token: str, mapping: mmap.mmap) -> None:
     except BufferError:  # a view still alive somewhere: the mapping goes with it
         pass
 
-
-def _env_infos(infos: list[dict]) -> dict[str, Any]:
-    keys = set.intersection(*(set(i) for i in infos)) if infos else set()
-    return {k: _stack_or_objects([i[k] for i in infos]) for k in sorted(keys)}

@@ -90,7 +90,7 @@ class WorkerEnvs:
     def step(self, request: Step) -> Stepped:
         b = self.buffers
         if request.actions is None and b is not None and type(b.action) is np.ndarray and type(b.observation) is np.ndarray:
-            return self._step_shared(request.locals, b)
+            return self._step_shared(request.locals, b, b.action, b.observation)
         actions, envs, mode = request.actions, self.envs, self.autoreset_mode
         out = _Answer(len(request.locals), b)
         for n, i in enumerate(request.locals):
@@ -114,22 +114,25 @@ class WorkerEnvs:
                 out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
         return out.answer()
 
-    def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers) -> Stepped:
+    def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
+                     observation: np.ndarray) -> Stepped:
         """The hot path: actions read from shared memory and results written back as whole
-        batches (one numpy operation per array), not env by env."""
+        batches (one numpy operation per array), not env by env; ``action`` and ``observation``
+        are ``b``'s, each one array."""
         rows = self._rows.get(locals_)
         if rows is None:  # one env: a plain int index, the cheaper numpy call
             rows = self._rows[locals_] = (np.array([self.env_ids[i] for i in locals_], dtype=np.int64)
                                           if len(locals_) > 1 else self.env_ids[locals_[0]])
         n = len(locals_)
         # A copy (fancy indexing copies; one row is copied by hand): the envs may keep their action.
-        actions = b.action[rows] if n > 1 else b.action[rows : rows + 1].copy()
+        actions = action[rows] if n > 1 else action[rows : rows + 1].copy()
         observations: list[Any] = [None] * n
         rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
         times = [0.0] * n
         infos: dict[int, dict] = {}
         failures: dict[int, RemoteException] = {}
-        envs, autoreset, next_step, same_step = self.envs, self.autoreset, self.autoreset_mode == NEXT_STEP, self.autoreset_mode == SAME_STEP
+        envs, autoreset = self.envs, self.autoreset
+        next_step, same_step = self.autoreset_mode == NEXT_STEP, self.autoreset_mode == SAME_STEP
         for k, i in enumerate(locals_):
             start = time.perf_counter()
             try:
@@ -150,14 +153,14 @@ class WorkerEnvs:
             except Exception as exc:
                 self.current = self.env_ids[i]
                 failures[k] = remote_exception(self.current, exc)
-                observations[k] = b.observation[self.env_ids[i]]  # unchanged
+                observations[k] = observation[self.env_ids[i]]  # unchanged
             times[k] = time.perf_counter() - start
         try:
-            b.observation[rows] = observations if n > 1 else observations[0]
+            observation[rows] = observations if n > 1 else observations[0]
         except Exception:  # an observation that does not fit: find it, env by env
             for k, obs in enumerate(observations):
                 try:
-                    b.observation[self.env_ids[locals_[k]]] = obs
+                    observation[self.env_ids[locals_[k]]] = obs
                 except Exception as exc:
                     failures[k] = remote_exception(self.env_ids[locals_[k]], exc)
         if n > 1:
@@ -172,7 +175,7 @@ class WorkerEnvs:
 
     def reset(self, request: Reset) -> Stepped:
         out = _Answer(len(request.locals), self.buffers)
-        for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options)):
+        for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
             try:
@@ -199,7 +202,7 @@ class WorkerEnvs:
         return Values([_get_attr(self._env(i), request.name) for i in request.locals])
 
     def set_attr(self, request: SetAttr) -> Values:
-        for i, value in zip(request.locals, request.values):
+        for i, value in zip(request.locals, request.values, strict=True):
             env = self._env(i)
             if hasattr(env, "set_wrapper_attr"):
                 env.set_wrapper_attr(request.name, value)
@@ -218,7 +221,7 @@ class WorkerEnvs:
         return self.envs[i]
 
     def close(self) -> None:
-        for slot, env in zip(self.env_ids, self.envs):
+        for slot, env in zip(self.env_ids, self.envs, strict=True):
             try:
                 env.close()
             except Exception:  # closing must go on for the others

@@ -82,7 +82,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         try:
             header, payload = encode_answer(cmd, spec.index, seq, time.monotonic(), answer)
         except Exception as exc:  # an answer that does not pickle fails its request only
-            header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), remote_exception(envs.current, exc))
+            failure = remote_exception(envs.current, exc)
+            header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), failure)
         link.post(header, payload)
 
     envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns)
