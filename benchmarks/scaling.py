@@ -45,8 +45,8 @@ def figures(data: dict, backend: str, parent_s: float | None = None) -> list[dic
         r = statistics.median(s["limit"]["single_env_steps_per_second"]) / 1.0
         cores = s["limit"]["cores"]
         eta = m["median"] / s["limit"]["steps_per_second"]
-        per_answer = [c / a for c, a in zip(m["parent_cpu_s"], m["answers"])]
-        per_step = [a / n for a, n in zip(m["answers"], m["env_steps"])]
+        per_answer = [c / a for c, a in zip(m["parent_cpu_s"], m["answers"], strict=True)]
+        per_step = [a / n for a, n in zip(m["answers"], m["env_steps"], strict=True)]
         out.append({"scenario": name, "cost": s.get("step_cost"), "r": r, "eta": eta, "cores": cores,
                     "P": statistics.median(per_answer), "e": 1 / statistics.median(per_step)})
     saturated = parent_s or min((f["P"] for f in out), default=0.0)
@@ -74,7 +74,8 @@ def table(rows: Sequence[dict]) -> str:
             cells.append(f"{rate:,.0f}" + (f" (parent; {need:.0f} envs/answer lift it)" if capped else ""))
         limit = f["e"] / f["P"] / (f["eta"] * f["r"]) + 1  # cores at which the workers outrun the parent
         saturates = f"{limit:.0f} cores"
-        label = f["scenario"] if f["cost"] is None else (f"{f['cost'] * 1e6:g} µs" if f["cost"] < 1e-3 else f"{f['cost'] * 1e3:g} ms")
+        cost = f["cost"]
+        label = f["scenario"] if cost is None else (f"{cost * 1e6:g} µs" if cost < 1e-3 else f"{cost * 1e3:g} ms")
         lines.append(f"| {label} | {f['r']:,.0f}/s | {f['eta']:.2f} | {f['P measured'] * 1e6:.0f} µs | {f['e']:.1f} | "
                      + " | ".join(cells) + f" | {saturates} |")
     return "\n".join(lines)

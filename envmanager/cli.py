@@ -98,7 +98,8 @@ def bench(args: argparse.Namespace) -> int:
         + (f"; load average {load[0]:.2f}" if load else "")
     )
     results = run_benchmark(
-        [pinned(SCENARIOS[n]) if args.pin else SCENARIOS[n] for n in names], backends, steps=args.steps or None, repeats=args.repeats,
+        [pinned(SCENARIOS[n]) if args.pin else SCENARIOS[n] for n in names], backends,
+        steps=args.steps or None, repeats=args.repeats,
         progress=_progress(not args.no_progress), seed=args.seed, warmup=not args.no_warmup,
     )
     meta = metadata(args.argv, load)
@@ -128,7 +129,8 @@ def bench(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """``envmanager check TARGET``: 0 when nothing is wrong, 1 when a problem was found, 2 when
     the target or an option is not usable."""
-    from envmanager.check import TargetError, check as run_check
+    from envmanager.check import TargetError
+    from envmanager.check import check as run_check
 
     if os.getcwd() not in sys.path:  # MODULE:FACTORY from the current folder, as ``python -m`` finds it
         sys.path.insert(0, os.getcwd())
@@ -143,7 +145,7 @@ def check(args: argparse.Namespace) -> int:
         if tqdm is None or args.no_progress:
             return
         if bar is None:
-            class Bar(tqdm):  # type: ignore[misc, valid-type]
+            class Bar(tqdm):
                 monitor_interval = 0  # no monitor thread: the check forks workers, which threads make unsafe
 
             bar = Bar(total=total, file=sys.stderr, leave=False, disable=None, unit="stage",
@@ -176,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--scenario", nargs="+", choices=[*SCENARIOS, *GROUPS, "all"], default=["cartpole"], metavar="SCENARIO",
-        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*), or all (default: cartpole)",
+        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*), "
+             "or all (default: cartpole)",
     )
     b.add_argument(
         "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",

@@ -115,7 +115,10 @@ class SubprocVecEnv(VecEnv):
             self._all = np.arange(self.num_envs)
             self._cut: dict[int, dict] = {}  # episodes cut by a restart while idle, by env
             self._last_obs: Any = None
-            super().__init__(len(env_fns), self._manager.observation_space, self._manager.action_space)
+            observation_space, action_space = self._manager.observation_space, self._manager.action_space
+            if observation_space is None or action_space is None:
+                raise InvalidInputError("SubprocVecEnv needs envs with an observation_space and an action_space")
+            super().__init__(len(env_fns), observation_space, action_space)
         except BaseException:
             self.close()
             raise
@@ -261,7 +264,8 @@ class SubprocVecEnv(VecEnv):
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":
             warnings.warn(
-                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images."
+                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images.",
+                stacklevel=2,
             )
             return [None for _ in range(self.num_envs)]
         return self.manager.call("render")
@@ -326,14 +330,13 @@ class _attribute_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, WorkerError) and not isinstance(exc, RemoteAttributeError) and (
             isinstance(exc.cause, AttributeError) or exc.exc_type == "builtins.AttributeError"
         ):
             raise RemoteAttributeError(
                 exc.worker_id, exc.exc_type, exc.message, exc.remote_traceback, exc.cause
             ) from None
-        return False
 
 
 class _ByValue:

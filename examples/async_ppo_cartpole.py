@@ -122,7 +122,7 @@ def main() -> None:
 
         with LearnerFeed(ppo.learn, queue_size=1, on_update=publish, starve_timeout=120) as feed:
             for fragment in sampler.stream(args.fragment, feed=feed, max_batches_waiting=1):
-                for w, r, done in zip(fragment.worker_ids, fragment.rewards, fragment.dones):
+                for w, r, done in zip(fragment.worker_ids, fragment.rewards, fragment.dones, strict=True):
                     running[w] += r
                     if done:
                         returns.append(running[w])

@@ -41,7 +41,7 @@ class SoftmaxPolicy:
     def get_action(self, decision_steps, worker_id: int) -> ActionInfo:
         states = np.argmax(decision_steps.obs[0], axis=1)
         actions = np.array([self.rng.choice(N, p=self.probs(s)) for s in states], np.int32)
-        for agent, s, a in zip(decision_steps.agent_id, states, actions):
+        for agent, s, a in zip(decision_steps.agent_id, states, actions, strict=True):
             self.pending[(worker_id, int(agent))] = (int(s), int(a))
         return ActionInfo.for_steps(decision_steps, ActionTuple(discrete=actions.reshape(-1, 1)))
 
@@ -52,7 +52,7 @@ class SoftmaxPolicy:
         decision, terminal = step.current_all_step_result[BEHAVIOR]
         paid = []
         for steps in (terminal, decision):  # an agent that just finished is in both; terminal first
-            for agent, reward in zip(steps.agent_id, steps.reward):
+            for agent, reward in zip(steps.agent_id, steps.reward, strict=True):
                 if (step.worker_id, int(agent)) not in self.pending:
                     continue
                 s, a = self.pending.pop((step.worker_id, int(agent)))

@@ -47,7 +47,7 @@ class LinearSoftmax:
 
 def returns_to_go(batch: EpisodeBatch, gamma: float) -> np.ndarray:
     out = np.zeros(len(batch))
-    for start, n in zip(batch.starts.tolist(), batch.lengths.tolist()):
+    for start, n in zip(batch.starts.tolist(), batch.lengths.tolist(), strict=True):
         g = 0.0
         for t in range(start + n - 1, start - 1, -1):
             g = batch.rewards[t] + gamma * g

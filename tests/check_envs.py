@@ -138,7 +138,7 @@ class LockInInfoEnv(GoodEnv):
     """Puts a lock in every step's info."""
 
     def step(self, action):
-        obs, reward, terminated, truncated, info = super().step(action)
+        obs, reward, terminated, truncated, _info = super().step(action)
         return obs, reward, terminated, truncated, {"guard": threading.Lock()}
 
 

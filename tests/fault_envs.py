@@ -3,8 +3,9 @@ remembers it across processes and restarts), and the env's observation shows wha
 so a test can check the data, not only the error.
 
 Observation ``[t, last action received, nonce, length]``: ``t`` counts the episode's steps, the
-nonce is unique to one env episode (its process, slot and reset count), so an episode id that
-spans two env episodes shows two nonces, and a duplicated step shows the same ``t`` twice.
+nonce is unique to one env episode (its process id, slot and reset count; ``pid_of`` reads the
+process back), so an episode id that spans two env episodes shows two nonces, and a duplicated
+step shows the same ``t`` twice.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class FaultEnv(gym.Env):
         self.resets += 1
         self._maybe("reset", self.resets, 3)
         self.length = 3 + int(self.np_random.integers(0, 6))
-        self.nonce = float(os.getpid() * 100_000 + self.slot * 1000 + self.resets)
+        self.nonce = float((os.getpid() * 100 + self.slot) * 100_000 + self.resets)  # exact in a float64
         self.t, self.last = 0, -1.0
         return self._obs(), {}
 
@@ -79,36 +80,45 @@ class FaultEnv(gym.Env):
 
 
 class FaultFactory:
-    """``factory(worker_id)``: slot ``slot`` gets the fault."""
+    """``factory(worker_id)``: slot ``slot`` gets the fault; the slots ``slow`` (default: all)
+    take ``step_s`` seconds a step."""
 
-    def __init__(self, fault: str | None, marker: str, step_s: float = 0.0, slot: int = FAULT_SLOT) -> None:
-        self.fault, self.marker, self.step_s, self.slot = fault, marker, step_s, slot
+    def __init__(self, fault: str | None, marker: str, step_s: float = 0.0, slot: int = FAULT_SLOT,
+                 slow: tuple[int, ...] | None = None) -> None:
+        self.fault, self.marker, self.step_s, self.slot, self.slow = fault, marker, step_s, slot, slow
 
     def __call__(self, worker_id: int) -> FaultEnv:
         fault = self.fault if self.fault in ENV_FAULTS and worker_id == self.slot else None
-        return FaultEnv(worker_id, fault, self.marker, self.step_s)
+        step_s = self.step_s if self.slow is None or worker_id in self.slow else 0.0
+        return FaultEnv(worker_id, fault, self.marker, step_s)
 
 
 class FaultPolicy:
     """Actions ``t % 3``; once, when it acts for slot ``slot`` at its episode step 2, does its
-    fault. Picklable (a worker-side agent too)."""
+    fault. Picklable (a worker-side agent too); weights (``set_param_values``) show in the
+    agent info ``params``."""
 
     def __init__(self, fault: str | None, marker: str, slot: int = FAULT_SLOT) -> None:
         self.fault, self.marker, self.slot = fault, marker, slot
+        self.params = 0
+
+    def set_param_values(self, params) -> None:
+        self.params = params
 
     def get_actions(self, observations, worker_ids):
         observations, worker_ids = np.asarray(observations), np.asarray(worker_ids)
         actions = observations[:, 0].astype(np.int64) % 3
+        infos = {"t": observations[:, 0], "params": np.full(len(actions), self.params)}
         hit = (worker_ids == self.slot) & (observations[:, 0] == 2)
         if self.fault in POLICY_FAULTS and hit.any() and strike(self.marker):
             if self.fault == "policy_raise":
                 raise RuntimeError("policy blew up")
             if self.fault == "policy_count":
-                return actions[:-1], {"t": observations[:-1, 0]}
+                return actions[:-1], {k: v[:-1] for k, v in infos.items()}
             if self.fault == "policy_dtype":
-                return np.where(hit, 0.5, actions.astype(np.float64)), {"t": observations[:, 0]}
-            return np.where(hit, 7, actions), {"t": observations[:, 0]}  # out of Discrete(3)
-        return actions, {"t": observations[:, 0]}
+                return np.where(hit, 0.5, actions.astype(np.float64)), infos
+            return np.where(hit, 7, actions), infos  # out of Discrete(3)
+        return actions, infos
 
 
 def update_raising_once(marker: str, slot: int = FAULT_SLOT):
@@ -118,6 +128,11 @@ def update_raising_once(marker: str, slot: int = FAULT_SLOT):
             raise RuntimeError("env update blew up")
         env.unwrapped.updated = True
     return update
+
+
+def pid_of(nonce: float) -> int:
+    """The env process whose episode the observation's nonce names."""
+    return int(nonce) // 10_000_000
 
 
 def check_rows(batch, cut_episodes, n_slots: int, whole: bool = True) -> None:
@@ -133,7 +148,7 @@ def check_rows(batch, cut_episodes, n_slots: int, whole: bool = True) -> None:
         assert (batch.observations[rows[1:]] == batch.next_observations[rows[:-1]]).all(), f"episode {episode} broken"
         assert episode % n_slots == batch.worker_ids[rows[0]], f"episode id {episode} is not its slot's"
     for value in np.unique(nonce).tolist():
-        assert len(set(ids[nonce == value].tolist())) == 1, "one env episode under two ids"
+        assert len(set(ids[nonce == value].tolist())) == 1, f"one env episode ({value:.0f}) under ids {set(ids[nonce == value].tolist())}"
     assert (batch.actions == batch.next_observations[:, 1]).all(), "a recorded action is not what the env received"
     flagged = set(ids[batch.interrupted].tolist())
     assert flagged <= set(cut_episodes), "rows flagged interrupted of an episode not listed as cut"

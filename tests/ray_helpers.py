@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
 import psutil
+import pytest
 
-from process_helpers import alive  # noqa: F401 (the Ray test modules import it from here)
+from process_helpers import alive
 from sampler_envs import KindEnv
 
 
@@ -28,20 +31,6 @@ class IdPolicy:
 
     def set_param_values(self, params) -> None:
         self.params = params
-
-
-class HangEnv(KindEnv):
-    """Hangs for a minute at its ``hang_at``-th step, once (a marker file remembers it)."""
-
-    def __init__(self, marker: str, hang_at: int) -> None:
-        super().__init__()
-        self.marker, self.hang_at = marker, hang_at
-
-    def step(self, action):
-        if self.total + 1 == self.hang_at and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            time.sleep(60)
-        return super().step(action)
 
 
 class SeedEnv(KindEnv):
@@ -68,22 +57,61 @@ def pickle_by_value() -> None:
         ray_cloudpickle.register_pickle_by_value(module)
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray session for a module (the user's session: samplers must leave it running);
+    after its shutdown no process of it is left. A module takes it with ``autouse``."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local test session: no token written to ~/.ray
+    pickle_by_value()
+    temp_dir = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths live under it
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        yield
+    finally:  # a session that failed to start too: what it started must not outlive the module
+        ray.shutdown()
+        left = alive([p.pid for p in children()], timeout=15)
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"processes left after ray.shutdown(): {left}"
+
+
+def node_trees(sampler) -> list[int]:
+    """Every node actor's pid and every process under it now (env workers, restarted ones too,
+    and the actor's forkserver)."""
+    pids = []
+    for info in sampler.node_info():
+        try:
+            below = psutil.Process(info["pid"]).children(recursive=True)
+        except psutil.Error:
+            below = []
+        pids += [info["pid"], *(p.pid for p in below)]
+    return pids
+
+
 def node_pids(sampler) -> list[int]:
     """Every node actor's pid and its env worker pids."""
     return [pid for info in sampler.node_info() for pid in [info["pid"], *info["worker_pids"]]]
 
 
+def _helper(p: psutil.Process) -> bool:
+    """multiprocessing's own helpers (resource tracker, forkserver), or a process already gone."""
+    try:
+        cmdline = " ".join(p.cmdline())
+    except psutil.Error:
+        return True
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
 def children() -> list[psutil.Process]:
     """Processes under this one, less multiprocessing's own helpers (as the suite's leak check)."""
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            cmdline = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "resource_tracker" not in cmdline and "forkserver" not in cmdline:
-            out.append(p)
-    return out
+    return [p for p in psutil.Process().children(recursive=True) if not _helper(p)]
 
 
 def no_contiguity_gaps(batch) -> None:
@@ -141,7 +169,6 @@ def pid_file_factory(directory: str, fail_slot: int):
             raise ValueError(f"slot {worker_id} cannot be built")
         return ClosedFileEnv(directory, worker_id)
     return factory
-
 
 
 def raising_factory(marker: str, slot: int, at: int):

@@ -22,21 +22,21 @@ from process_helpers import alive
 
 def test_cheap_envs_are_packed_one_process_per_core(caplog):
     cores = auto.usable_cores()
-    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
-        with SubprocessEnvManager(EnvFactory(), 4 * cores, envs_per_worker="auto", context="fork", timeout=30) as m:
-            assert m.envs_per_worker == 4
-            assert len(m.workers) == cores
-            infos = m.reset(seed=3)
-            assert [i.current_result.observation[1] for i in infos] == list(range(4 * cores))
-            done = 0
-            todo = {s: 1 for s in range(m.n_env)}
-            while done < 3 * m.n_env:
-                infos = m.step(todo)
-                todo = {i.worker_id: 2 for i in infos}
-                for i in infos:  # obs = [t, env_id, last action, episode]: right env, right action
-                    assert i.current_result.observation[1] == i.worker_id
-                    assert i.current_result.observation[2] == i.action
-                done += len(infos)
+    with (caplog.at_level(logging.INFO, logger="envmanager.core.auto"),
+          SubprocessEnvManager(EnvFactory(), 4 * cores, envs_per_worker="auto", context="fork", timeout=30) as m):
+        assert m.envs_per_worker == 4
+        assert len(m.workers) == cores
+        infos = m.reset(seed=3)
+        assert [i.current_result.observation[1] for i in infos] == list(range(4 * cores))
+        done = 0
+        todo = dict.fromkeys(range(m.n_env), 1)
+        while done < 3 * m.n_env:
+            infos = m.step(todo)
+            todo = {i.worker_id: 2 for i in infos}
+            for i in infos:  # obs = [t, env_id, last action, episode]: right env, right action
+                assert i.current_result.observation[1] == i.worker_id
+                assert i.current_result.observation[2] == i.action
+            done += len(infos)
     assert any("chose 4" in r.getMessage() and "CPU-bound" in r.getMessage() for r in caplog.records)
 
 
@@ -44,16 +44,16 @@ def test_expensive_even_cpu_bound_envs_are_packed_too(caplog):
     # the sweep shows packing ahead at 1 ms and 5 ms per step as well: fewer processes than
     # cores compete, and a message still carries several steps
     cores = auto.usable_cores()
-    with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
-        with SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 2 * cores, envs_per_worker="auto", context="fork", timeout=30) as m:
-            assert m.envs_per_worker == 2
-            assert len(m.workers) == cores
-            m.reset(seed=0)
-            actions = [1, 2] * cores
-            infos = m.step(actions)
-            while len(infos) < m.n_env:
-                infos += m.receive_steps()
-            assert all(i.current_result.reward == i.action == actions[i.worker_id] for i in infos)
+    with (caplog.at_level(logging.INFO, logger="envmanager.core.auto"),
+          SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 2 * cores, envs_per_worker="auto", context="fork", timeout=30) as m):
+        assert m.envs_per_worker == 2
+        assert len(m.workers) == cores
+        m.reset(seed=0)
+        actions = [1, 2] * cores
+        infos = m.step(actions)
+        while len(infos) < m.n_env:
+            infos += m.receive_steps()
+        assert all(i.current_result.reward == i.action == actions[i.worker_id] for i in infos)
     assert any("chose 2" in r.getMessage() and "CPU-bound" in r.getMessage() for r in caplog.records)
 
 

@@ -8,15 +8,14 @@ import pytest
 from gymnasium import spaces
 
 from envmanager import InvalidInputError, SubprocessEnvManager, WorkerError
-from envmanager.core.batch import BatchEnvManager
 from envmanager.core.actions import ActionChecker
+from envmanager.core.batch import BatchEnvManager
 from envmanager.testing.envs import ControlledEnv, EnvFactory
 from envmanager.wire.messages import (
     NOTICE_HEADER,
     PICKLED,
     RAW,
     REQUEST_HEADER,
-    EnvironmentCommand as Cmd,
     Step,
     Stepped,
     Values,
@@ -25,6 +24,9 @@ from envmanager.wire.messages import (
     decode_request_header,
     encode_answer,
     encode_request,
+)
+from envmanager.wire.messages import (
+    EnvironmentCommand as Cmd,
 )
 
 
@@ -99,7 +101,7 @@ def test_a_slot_whose_result_was_not_received_cannot_be_sent_again():
 
 def test_partial_batches_of_one_process_step_only_the_slots_asked_for():
     with BatchEnvManager(EnvFactory(), 4, envs_per_worker=4, context="fork") as m:
-        m.send_reset({i: (None, None) for i in range(4)})
+        m.send_reset(dict.fromkeys(range(4), (None, None)))
         m.receive_reset_batch()
         m.send_batch([3, 1], np.array([2, 1]))  # any order: rows follow the slots given
         assert sorted(m.receive_batch(2).slots.tolist()) == [1, 3]

@@ -15,11 +15,9 @@ import sys
 import pytest
 
 from envmanager import cli
-from envmanager.bench import BACKENDS, SCENARIOS, Measurement, ScenarioResult, run_scenario, targets
-from envmanager.bench import peers
+from envmanager.bench import BACKENDS, SCENARIOS, Measurement, ScenarioResult, peers, run_scenario, targets
 from envmanager.bench.report import format_sweep, format_table, sweep_fractions
 from envmanager.bench.scenarios import GROUPS, SWEEP_COSTS, actions_for, scenario_unavailable
-
 from test_bench import PNG_MAGIC, check_measured, child_env, run_cli
 
 OURS_FIXED = ["envmanager", "envmanager-k", "envmanager-auto"]
@@ -71,7 +69,7 @@ def test_targets_only_with_the_flag(tmp_path):
 @pytest.mark.skipif(not has("ale_py"), reason="needs the atari extra (ale-py)")
 def test_atari(tmp_path):
     backends = ["envmanager-auto", "envmanager-batch", "gym.SyncVectorEnv", "envpool"]
-    stdout, data, _ = run_cli(tmp_path, "--scenario", "atari", "--steps", "32", "--no-warmup",
+    _stdout, data, _ = run_cli(tmp_path, "--scenario", "atari", "--steps", "32", "--no-warmup",
                               "--backends", *backends, timeout=120)
     result = data["scenarios"]["atari"]
     measured = [b for b in backends if b not in result["skipped"]]
@@ -85,7 +83,7 @@ def test_atari(tmp_path):
 @pytest.mark.skipif(not has("mujoco"), reason="needs the mujoco extra (gymnasium[mujoco])")
 def test_mujoco_continuous_actions_in_every_style(tmp_path):
     backends = ["envmanager", "envmanager-k", "envmanager-batch", "envmanager-vector", "gym.SyncVectorEnv"]
-    stdout, data, _ = run_cli(tmp_path, "--scenario", "mujoco", "--steps", "64", "--no-warmup",
+    _stdout, data, _ = run_cli(tmp_path, "--scenario", "mujoco", "--steps", "64", "--no-warmup",
                               "--backends", *backends, timeout=120)
     result = check_measured(data, "mujoco", backends)
     assert result["limit"]["steps_per_second"] > 0
@@ -105,7 +103,7 @@ def test_continuous_actions_are_the_same_for_every_backend():
 def test_python_peers(tmp_path, backend, module):
     if not has(module):
         pytest.skip(f"needs {module} (extra peers)")
-    stdout, data, _ = run_cli(tmp_path, "--scenario", "cartpole", "cpu", "--steps", "64", "--no-warmup",
+    _stdout, data, _ = run_cli(tmp_path, "--scenario", "cartpole", "cpu", "--steps", "64", "--no-warmup",
                               "--backends", backend, "gym.SyncVectorEnv", timeout=180)
     for scenario in ("cartpole", "cpu"):
         result = check_measured(data, scenario, [backend, "gym.SyncVectorEnv"])

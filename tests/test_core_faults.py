@@ -32,7 +32,7 @@ def step_until_error(m, limit=50, seconds=30.0):
     deadline = time.monotonic() + seconds
     n = 0
     while n < limit or time.monotonic() < deadline:
-        m.step({w: 1 for w in m.idle_worker_ids})
+        m.step(dict.fromkeys(m.idle_worker_ids, 1))
         n += 1
     raise AssertionError("no error was raised")
 
@@ -41,7 +41,7 @@ def interrupted_infos(m, seconds=30.0):
     """Step everything idle until some results come back interrupted (a restart)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        found = [i for i in m.step({w: 1 for w in m.idle_worker_ids}) if i.interrupted]
+        found = [i for i in m.step(dict.fromkeys(m.idle_worker_ids, 1)) if i.interrupted]
         if found:
             return found
     raise AssertionError("no interrupted result came back")
@@ -68,7 +68,7 @@ def test_env_exception_in_step_names_worker_and_carries_traceback():
         m.reset()
         got = set()
         while len(got) < 3:
-            got |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids})}
+            got |= {i.worker_id for i in m.step(dict.fromkeys(m.idle_worker_ids, 1))}
 
 
 def test_results_of_other_workers_are_kept_when_one_raises():
@@ -318,7 +318,7 @@ def test_failing_call_does_not_restart_a_healthy_worker():
         assert dict(m.restart_policy.counts) == {}
         seen = set()
         while len(seen) < 2:
-            seen |= {i.worker_id for i in m.step({w: 1 for w in m.idle_worker_ids})}
+            seen |= {i.worker_id for i in m.step(dict.fromkeys(m.idle_worker_ids, 1))}
 
 
 def test_wait_idle_after_an_idle_worker_was_restarted():
@@ -532,7 +532,7 @@ def test_close_from_another_thread_ends_a_waiting_call(tmp_path):
     def wait() -> None:
         try:
             m.receive_steps()
-        except BaseException as exc:  # noqa: BLE001 - what the waiting call raised is the point
+        except BaseException as exc:
             raised.append(exc)
 
     waiter = threading.Thread(target=wait)

@@ -8,8 +8,8 @@ import pytest
 
 from envmanager import (
     InvalidInputError,
-    SpaceMismatchError,
     ManagerClosedError,
+    SpaceMismatchError,
     StepInfo,
     SubprocessEnvManager,
 )
@@ -58,7 +58,7 @@ def test_slow_worker_does_not_hold_back_fast_ones(tmp_path):
         m.reset()
         seen: list[int] = []
         while min(seen.count(1), seen.count(2)) < 10:
-            infos = m.step({w: 1 for w in m.idle_worker_ids})
+            infos = m.step(dict.fromkeys(m.idle_worker_ids, 1))
             assert infos, "step() must return at least one result"
             seen.extend(info.worker_id for info in infos)
         # Worker 0 is stuck behind its gate: only the fast ones came back, many times each.
@@ -67,7 +67,7 @@ def test_slow_worker_does_not_hold_back_fast_ones(tmp_path):
         open(gate, "w").close()
         slow = []
         while not slow:
-            slow = [i for i in m.step({w: 1 for w in m.idle_worker_ids}) if i.worker_id == 0]
+            slow = [i for i in m.step(dict.fromkeys(m.idle_worker_ids, 1)) if i.worker_id == 0]
         # Worker 0 was queued once only: no step was sent to it while it was waiting.
         assert slow[0].current_result.observation[0] == 1
         assert m.get_attr("total_steps")[0] == 1
@@ -83,7 +83,7 @@ def test_only_idle_workers_are_queued(tmp_path):
             idle = m.idle_worker_ids
             for w in idle:
                 actions_sent[w] += 1
-            m.step({w: 1 for w in idle})
+            m.step(dict.fromkeys(idle, 1))
         with pytest.raises(InvalidInputError, match="still stepping"):
             m.step({1: 1})
         open(gate, "w").close()
@@ -102,7 +102,7 @@ def test_reset_drops_in_flight_results(tmp_path):
         assert [i.current_result.observation[0] for i in infos] == [0, 0]
         first: dict[int, StepInfo] = {}
         while len(first) < 2:
-            for info in m.step({w: 1 for w in m.idle_worker_ids}):
+            for info in m.step(dict.fromkeys(m.idle_worker_ids, 1)):
                 first.setdefault(info.worker_id, info)
         # The dropped step never shows up: each first result is step 1 of the new episode.
         assert [first[w].current_result.observation[0] for w in (0, 1)] == [1, 1]
@@ -138,7 +138,7 @@ def test_start_methods(context):
         m.reset(seed=0)
         per_worker: dict[int, list[float]] = {0: [], 1: []}
         while min(len(ts) for ts in per_worker.values()) < 4:
-            for info in m.step({w: 1 for w in m.idle_worker_ids}):
+            for info in m.step(dict.fromkeys(m.idle_worker_ids, 1)):
                 per_worker[info.worker_id].append(info.current_result.observation[0])
         # NEXT_STEP autoreset: after the third step the next one is a reset (obs t = 0).
         for ts in per_worker.values():

@@ -61,7 +61,7 @@ def test_first_ready_results_are_every_slots_own_and_none_is_lost():
             np.testing.assert_array_equal(obs[:, 1], slots)  # its own env
             np.testing.assert_array_equal(obs[:, 2], last[slots])  # the action it was sent
             np.testing.assert_array_equal(m.results.reward[slots], last[slots])
-            assert batch.infos == {s: {"t": int(c)} for s, c in zip(slots.tolist(), counts[slots].tolist())}
+            assert batch.infos == {s: {"t": int(c)} for s, c in zip(slots.tolist(), counts[slots].tolist(), strict=True)}
             last[slots] = rng.integers(0, 3, len(slots))
             m.send_batch(slots, last[slots])
         m.drain()
@@ -241,9 +241,9 @@ def test_close_with_both_halves_in_flight_ends_everything(tmp_path):
 def test_step_info_level_steps_each_half_as_it_comes_back():
     with SubprocessEnvManager(EnvFactory(cpu_time=1e-4), 4, envs_per_worker=4, double_buffer=True) as m:
         m.reset(seed=0)
-        seen = {s: 0 for s in range(4)}
+        seen = dict.fromkeys(range(4), 0)
         while min(seen.values()) < 20:
-            for info in m.step({s: 1 for s in m.idle_worker_ids}):
+            for info in m.step(dict.fromkeys(m.idle_worker_ids, 1)):
                 seen[info.worker_id] += 1
                 assert info.current_result.observation[0] == seen[info.worker_id]
                 assert info.previous_result is not None
@@ -276,7 +276,7 @@ def test_gymnasium_drop_in_double_buffered_equals_sync():
         for _ in range(300):
             a = rng.integers(0, 2, 4)
             r1, r2 = ours.step(a), sync.step(a)
-            for x, y in zip(r1[:4], r2[:4]):
+            for x, y in zip(r1[:4], r2[:4], strict=True):
                 np.testing.assert_array_equal(x, y)
     finally:
         ours.close()
@@ -311,7 +311,7 @@ def test_gymnasium_partial_batches_double_buffered():
         vec.send(np.ones(4, dtype=np.int64))
         steps = np.zeros(4, dtype=np.int64)
         for _ in range(40):
-            obs, reward, *_, infos = vec.recv()
+            obs, _reward, *_, infos = vec.recv()
             ids = infos["env_id"]
             assert sorted(ids.tolist()) in ([0, 1], [2, 3])
             steps[ids] += 1
@@ -335,7 +335,7 @@ def test_sb3_drop_in_double_buffered():
         obs = vec.reset()
         assert obs[:, 0].tolist() == [0, 0, 0, 0]
         for t in range(1, 12):
-            obs, rewards, dones, infos = vec.step(np.full(4, 2))
+            obs, rewards, dones, _infos = vec.step(np.full(4, 2))
             assert rewards.tolist() == [2.0] * 4
             assert dones.tolist() == [t % 5 == 0] * 4
             assert obs[:, 1].tolist() == [0, 1, 2, 3]

@@ -65,7 +65,8 @@ def test_batch_level_hands_out_the_envs_own_dicts_or_columns():
             for block in batch.info_columns:
                 assert set(block.keys) == {"t", "x", "ok", "f32"}
                 for i, slot in enumerate(block.slots.tolist()):
-                    infos[slot] = {k: (c[i].item() if py else c[i]) for k, c, py in zip(block.keys, block.columns, block.python)}
+                    infos[slot] = {k: (c[i].item() if py else c[i])
+                                   for k, c, py in zip(block.keys, block.columns, block.python, strict=True)}
             for slot in range(4):
                 steps = m.results.observation[slot, 0]
                 if steps == 0:  # next_step autoreset: the reset's info
@@ -87,7 +88,7 @@ def compare_with_sync(fns, steps, actions):
         for t in range(steps):
             a = actions(t)
             mine, theirs = ours.step(a), sync.step(a)
-            for x, y in zip(mine[:4], theirs[:4]):
+            for x, y in zip(mine[:4], theirs[:4], strict=True):
                 np.testing.assert_array_equal(x, y)
             assert list(mine[4]) == list(theirs[4])  # same keys, same order
             for key, value in theirs[4].items():

@@ -82,7 +82,7 @@ def step_until_error(m: SubprocessEnvManager, limit: int = 50, seconds: float = 
     deadline = time.monotonic() + seconds
     n = 0
     while n < limit or time.monotonic() < deadline:
-        m.step({w: 1 for w in m.idle_worker_ids})
+        m.step(dict.fromkeys(m.idle_worker_ids, 1))
         n += 1
     raise AssertionError(f"no error was raised in {n} steps and {seconds} s")
 
@@ -154,10 +154,8 @@ def test_send_batch_rejects_bad_discrete_action_before_sending(bad):
 def test_valid_integer_actions_of_every_kind_are_accepted():
     with discrete_manager(2) as m:
         m.reset()
-        n = 0
-        for a0, a1 in ((np.int64(0), 2), (np.int32(1), np.uint8(2)), (2, np.int16(0))):
+        for n, (a0, a1) in enumerate(((np.int64(0), 2), (np.int32(1), np.uint8(2)), (2, np.int16(0))), 1):
             got = step_all(m, {0: a0, 1: a1})
-            n += 1
             assert [got[0].current_result.observation[2], got[1].current_result.observation[2]] == [int(a0), int(a1)]
             assert m.get_attr("total_steps") == [n, n]
         m.send_batch([0, 1], [1, 2])  # Python ints, a list batch

@@ -39,7 +39,8 @@ def test_transport_names(monkeypatch):
 @pytest.mark.parametrize("platform, expected", [("linux", "fork"), ("darwin", "spawn"), ("win32", "spawn")])
 def test_default_start_method(monkeypatch, platform, expected):
     monkeypatch.setattr(platforms.sys, "platform", platform)
-    monkeypatch.setattr(platforms.mp, "get_all_start_methods", lambda: ["spawn"] if platform == "win32" else ["fork", "spawn", "forkserver"])
+    methods = ["spawn"] if platform == "win32" else ["fork", "spawn", "forkserver"]
+    monkeypatch.setattr(platforms.mp, "get_all_start_methods", lambda: methods)
     assert platforms.default_start_method() == expected
 
 
@@ -70,7 +71,8 @@ def test_portable_transport_keeps_first_ready_stepping(monkeypatch):
         manager.reset(seed=0)
         first = 0
         while not first:  # until env 0's instant first step is back
-            first = sum(i.worker_id == 0 for i in manager.step({w: manager.action_space.sample() for w in manager.idle_worker_ids}))
+            actions = {w: manager.action_space.sample() for w in manager.idle_worker_ids}
+            first = sum(i.worker_id == 0 for i in manager.step(actions))
         fast = 0
         for _ in range(10):  # the first of these sends env 0 its slow step
             infos = manager.step({w: manager.action_space.sample() for w in manager.idle_worker_ids})
@@ -95,7 +97,8 @@ def _big_payload(env: gym.Env, size: int) -> bytes:
 
 def test_descendants_finds_a_grandchild():
     """Process trees come from psutil: a child's own child is found."""
-    code = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(p.pid, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())

@@ -1,41 +1,35 @@
 """RaySampler on a real local Ray session (``ray.init(num_cpus=2)``, one per module): fragments
-first-ready across nodes, versions and lag, unbiased exact episodes, env updates, faults."""
+first-ready across nodes, versions and lag, unbiased exact episodes, env updates, restarts (the
+fault matrix is ``test_ray_faults.py``)."""
 
 from __future__ import annotations
-
-import os
-import shutil
-import tempfile
-import time
 
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
-from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError  # noqa: E402
+from envmanager.errors import EnvManagerError, InvalidInputError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
-from fault_envs import FaultFactory, FaultPolicy, check_rows, update_raising_once  # noqa: E402
-from ray_helpers import (HangEnv, IdPolicy, alive, children, no_contiguity_gaps, node_pids,  # noqa: E402
-                         pickle_by_value, pid_file_factory, raising_factory, seed_env, slow_restart_factory)
+from ray_helpers import (  # noqa: E402
+    IdPolicy,
+    alive,
+    no_contiguity_gaps,
+    node_pids,
+    pid_file_factory,
+    raising_factory,
+    seed_env,
+    slow_restart_factory,
+)
 from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    """One local Ray session for the module (the user's session: samplers must leave it running)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local test session: no token written to ~/.ray
-    pickle_by_value()
-    temp_dir = tempfile.mkdtemp(prefix="rayt")  # short: Ray's socket paths live under it
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+def _ray(ray_session):
+    """One local Ray session for the module (``ray_helpers.ray_session``)."""
     yield
-    ray.shutdown()
-    left = alive([p.pid for p in children()], timeout=15)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-    assert not left, f"processes left after ray.shutdown(): {left}"
 
 
 @pytest.fixture(autouse=True)
@@ -118,62 +112,6 @@ def test_exact_episodes_unbiased_across_nodes_env_updates_and_samples():
     assert samples.worker_ids[samples.starts].tolist() == sorted(samples.worker_ids[samples.starts].tolist())
 
 
-def test_killed_node_restarts_with_the_newest_weights_and_cut_episodes_are_counted():
-    sampler = _sampler(in_flight=2)
-    try:
-        sampler.update(agent_update=9)
-        before = [sampler.obtain_steps(40) for _ in range(3)]
-        old = sampler.node_info()[0]
-        sampler.kill_node(0)
-        after = [sampler.obtain_steps(40) for _ in range(8)]
-        new = sampler.node_info()[0]
-        pids = node_pids(sampler)
-        assert sampler.restart_count(0) == 1 and sampler.restart_count(1) == 0
-        stats = sampler.stats.stats()
-        cut = list(sampler.cut_episodes)
-    finally:
-        sampler.close()
-    assert not alive([old["pid"], *old["worker_pids"]]), "the killed node's env processes outlived it"
-    assert not alive(pids)
-    assert new["pid"] != old["pid"]
-    everything = TransitionBatch.concatenate([*before, *after])
-    no_contiguity_gaps(everything)  # nothing duplicated, no episode resumed after its node died
-    steps_after = TransitionBatch.concatenate(after)
-    assert (steps_after.agent_infos["params"][steps_after.worker_ids < 2] == 9).all()  # weights replayed
-    assert (steps_after.policy_versions == 1).all()
-    assert 1 <= len(cut) <= 2 and stats["interrupted_episodes"] == len(cut) and stats["lost_requests"] >= 1
-    for episode in cut:  # a cut episode never ends and never continues on the new node
-        rows = everything.episode_ids == episode
-        assert rows.any() and not everything.dones[rows].any()
-        assert set(everything.worker_ids[rows].tolist()) <= {0, 1}
-
-
-def test_hung_node_is_killed_and_restarted_within_limits(tmp_path):
-    marker = str(tmp_path / "hung")
-    factory = _hang_factory(marker)
-    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, seed=0, timeout=3.0)
-    try:
-        old = sampler.node_info()[1]
-        batches, give_up = [], time.monotonic() + 60  # a bound on the loop, not a timing assertion
-        while sampler.restart_count(1) == 0 and time.monotonic() < give_up:
-            batches.append(sampler.obtain_steps(16))  # node 0 goes on while node 1 hangs
-        assert os.path.exists(marker) and sampler.restart_count(1) == 1
-        batches += [sampler.obtain_steps(16) for _ in range(8)]
-        assert 1 in TransitionBatch.concatenate(batches[-8:]).worker_ids  # the new node 1 delivers
-        pids = node_pids(sampler)
-    finally:
-        sampler.close()
-    assert not alive([old["pid"], *old["worker_pids"]]), "the hung node's processes outlived it"
-    assert not alive(pids)
-    no_contiguity_gaps(TransitionBatch.concatenate(batches))
-
-
-def _hang_factory(marker: str):
-    def factory(worker_id: int):
-        return HangEnv(marker, 20) if worker_id == 1 else kind_env(worker_id)
-    return factory
-
-
 def test_a_slow_restart_does_not_make_a_healthy_node_hung(tmp_path):
     """Node 0 dies and its restart takes longer than ``timeout``; node 1, whose fragment was
     under way and finished meanwhile, is not judged hung by the time the restart took."""
@@ -203,21 +141,50 @@ def test_a_node_that_fails_to_start_leaves_no_node_behind(tmp_path):
     assert ray.is_initialized()
 
 
-def test_answers_taken_before_a_node_error_are_handed_out_by_the_next_wait(tmp_path):
-    """Both nodes' requests are done when the driver looks: node 1's raised, node 0's answer was
-    taken first; the error names node 1 and node 0's answer comes with the next wait."""
+def test_answers_come_before_a_node_error_and_the_error_next(tmp_path):
+    """Both nodes' requests are done when the driver looks, node 1's with an error (restarts
+    off): node 0's answer is handed out first, and the next wait raises the error naming node 1."""
     factory = raising_factory(str(tmp_path / "raised"), slot=1, at=3)
-    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=8, seed=0, restart_workers=False)
+    sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=8, seed=0, restart_workers=False,
+                         restart_nodes=False)
     pool = sampler._pool
     try:
         requests = [pool.submit(node, "steps", 8) for node in pool.nodes]
         ray.wait([r.ref for r in requests], num_returns=2, timeout=60)
+        taken = pool.wait()
+        assert [(request.node, len(answer[0])) for request, answer in taken] == [(0, 8)]
         with pytest.raises(RayNodeError, match=r"(?s)node 1 .*env blew up"):
             pool.wait()
-        held = pool.wait()
-        assert [(request.node, len(answer[0])) for request, answer in held] == [(0, 8)]
     finally:
         sampler.close()
+
+
+def test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them():
+    """Node 1 answered one request and died in the next; the driver sees both at once. The
+    answer is booked before the node restarts, so the new node numbers its episodes on from
+    the ones in it (an id must never name two env episodes)."""
+    sampler = _sampler(in_flight=1)
+    pool = sampler._pool
+    try:
+        first = pool.submit(pool.nodes[1], "steps", 32)
+        ray.wait([first.ref], timeout=60)
+        sampler.kill_node(1)
+        second = pool.submit(pool.nodes[1], "steps", 32)
+        ray.wait([second.ref], timeout=60)
+        sampler._wait()
+        assert sampler.buffered_steps == 32 and sampler.restart_count(1) == 0  # the answer first
+        sampler._wait()
+        assert sampler.restart_count(1) == 1
+        before = sampler._take(32)
+        after = TransitionBatch.concatenate([sampler.obtain_steps(64) for _ in range(4)])
+        pids = node_pids(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    for slot in (2, 3):
+        old = set(before.episode_ids[before.worker_ids == slot].tolist())
+        new = set(after.episode_ids[after.worker_ids == slot].tolist())
+        assert old and new and min(new) > max(old), f"slot {slot}: ids {sorted(old)} reused by the new node: {sorted(new)}"
 
 
 def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
@@ -229,25 +196,10 @@ def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
             node.update(None, None, ["not callable"])
         with pytest.raises(EnvManagerError, match=r"node 0: an update sent before this request raised InvalidInputError") as caught:
             node.steps(4, updates=1)
-        assert isinstance(caught.value.__cause__, InvalidInputError)
+        assert isinstance(caught.value.error.__cause__, InvalidInputError)
+        assert caught.value.serves is False  # the error stays: the node cannot go on
     finally:
         node.close()
-
-
-def test_past_the_restart_limits_the_error_names_the_node():
-    sampler = _sampler(restart_nodes=False)
-    pids = node_pids(sampler)
-    try:
-        sampler.obtain_steps(10)
-        sampler.kill_node(1)
-        with pytest.raises(RayNodeError, match=r"node 1 \(slots 2–3, host .*\) died .*not restarted: restarts are disabled"):
-            for _ in range(10):
-                sampler.obtain_steps(32)
-        with pytest.raises(RayNodeError, match="node 1"):  # and on every later use
-            sampler.obtain_steps(32)
-    finally:
-        sampler.close()
-    assert not alive(pids)
 
 
 def test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first():
@@ -279,82 +231,6 @@ def test_ray_is_imported_only_by_the_ray_backend():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-# ---------------------------------------------------------------------------------------------
-# The fault matrix across nodes: faults inside a node go through its sampler's one failure path
-# (restarts of its env processes); a node that dies or hangs through the driver's; errors name
-# the global slot; the data is checked, not only the error.
-
-
-def _fault_sampler(fault, marker, slot=3, restart_workers=True, restart_nodes=True, **kwargs) -> RaySampler:
-    # Rounds over every node (first_ready=False): the faulty node's fragments are in each round,
-    # however long its restart takes, so what it did is seen.
-    options = {"nodes": 2, "envs_per_node": 2, "fragment_steps": 16, "seed": 0, "timeout": 30.0, "start_timeout": 60.0,
-               "restart_workers": restart_workers, "restart_nodes": restart_nodes, "env_timeout": 5.0, "first_ready": False}
-    return RaySampler(FaultFactory(fault, marker, slot=slot), FaultPolicy(fault, marker, slot=slot), **{**options, **kwargs})
-
-
-@pytest.mark.parametrize("fault", ["step_raise", "step_kill", "update_raise"])
-def test_env_faults_inside_a_node_with_its_restarts_are_absorbed(fault, tmp_path):
-    marker = str(tmp_path / "struck")
-    sampler = _fault_sampler(fault, marker)
-    pids = node_pids(sampler)
-    try:
-        if fault == "update_raise":
-            sampler.update(env_update=update_raising_once(marker, slot=3))
-        batches = [sampler.obtain_steps(40) for _ in range(6)]
-        stats, cut = sampler.stats.stats(), list(sampler.cut_episodes)
-        assert sampler.restart_count(1) == 0  # absorbed inside the node, by its own sampler
-    finally:
-        sampler.close()
-    assert not alive(pids)
-    assert os.path.exists(marker) and stats["worker_restarts"] == 1
-    everything = TransitionBatch.concatenate(batches)
-    check_rows(everything, cut, 4, whole=False)  # fragments of several calls
-    if fault.startswith("step"):  # the cut episode (one step done) is listed by the driver
-        assert stats["interrupted_episodes"] >= 1 and set(cut) & set(everything.episode_ids.tolist())
-        # its rows not handed out before the cut are flagged (one fragment may have handed them all out)
-        assert set(everything.worker_ids[everything.interrupted].tolist()) <= {2, 3}  # node 1's slots
-    if fault == "update_raise":
-        assert (everything.env_versions == 1).all()
-
-
-def test_an_env_fault_on_a_node_names_the_global_slot(tmp_path):
-    marker = str(tmp_path / "struck")
-    sampler = _fault_sampler("step_raise", marker, restart_workers=False)
-    pids = node_pids(sampler)
-    try:
-        with pytest.raises(RayNodeError) as caught:
-            for _ in range(6):
-                sampler.obtain_steps(40)
-        error = caught.value
-        assert error.node == 1 and isinstance(error.cause, WorkerError) and error.cause.worker_id == 3
-        assert "worker 3" in str(error) and "env step blew up" in str(error)
-        later = TransitionBatch.concatenate([sampler.obtain_steps(40) for _ in range(3)])  # the node serves on
-        cut = list(sampler.cut_episodes)
-    finally:
-        sampler.close()
-    assert not alive(pids)
-    check_rows(later, cut, 4, whole=False)
-
-
-def test_a_policy_that_raises_on_a_node_is_a_node_error_and_collection_goes_on(tmp_path):
-    marker = str(tmp_path / "struck")
-    sampler = _fault_sampler("policy_raise", marker)
-    pids = node_pids(sampler)
-    try:
-        with pytest.raises(RayNodeError) as caught:
-            for _ in range(6):
-                sampler.obtain_steps(40)
-        assert caught.value.node == 1 and isinstance(caught.value.cause, RuntimeError)
-        assert "policy blew up" in str(caught.value)
-        later = TransitionBatch.concatenate([sampler.obtain_steps(40) for _ in range(3)])
-        cut = list(sampler.cut_episodes)
-    finally:
-        sampler.close()
-    assert not alive(pids)
-    check_rows(later, cut, 4, whole=False)
-
-
 def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
     sampler = RaySampler(seed_env, IdPolicy(), nodes=2, envs_per_node=2, fragment_steps=32, seed=100, timeout=30.0,
                          start_timeout=60.0)
@@ -382,26 +258,3 @@ def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
         new = TransitionBatch.concatenate(after)
         new_ids = set(new.episode_ids[new.worker_ids == slot].tolist()) - set(old.tolist())
         assert new_ids and min(new_ids) > old.max() and all(e % 4 == slot for e in new_ids)
-
-
-def test_close_from_another_thread_ends_a_ray_call():
-    import threading
-
-    sampler = _fault_sampler(None, "unused", fragment_steps=64)
-    pids = node_pids(sampler)
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            for _ in range(1000):
-                sampler.obtain_steps(64)
-        except BaseException as exc:  # noqa: BLE001 - what the call raised is the point
-            raised.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(2.0)
-    sampler.close()
-    thread.join(60)
-    assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], EnvManagerError), raised
-    assert not alive(pids)

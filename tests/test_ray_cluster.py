@@ -3,7 +3,6 @@ over both, and a raylet removed mid-collection (its node actor and env processes
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time

@@ -12,7 +12,6 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
 from sampler_envs import KindEnv, RandomPolicy, kind_env, set_bonus, true_lengths
 
-
 # ----------------------------------------------------------------------------------------------
 # Batches
 
@@ -239,9 +238,8 @@ def test_core_does_not_import_the_sampler():
 
 
 def test_sampler_over_a_given_manager_needs_autoreset_disabled():
-    with BatchEnvManager(kind_env, 1) as manager:
-        with pytest.raises(InvalidInputError, match="autoreset_mode"):
-            Sampler(manager, policy=RandomPolicy())
+    with BatchEnvManager(kind_env, 1) as manager, pytest.raises(InvalidInputError, match="autoreset_mode"):
+        Sampler(manager, policy=RandomPolicy())
     with BatchEnvManager(kind_env, 2, autoreset_mode="disabled") as manager:
         sampler = Sampler(manager, policy=RandomPolicy(), seed=0)
         assert len(sampler.obtain_steps(5)) == 5

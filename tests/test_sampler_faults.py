@@ -21,24 +21,25 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.sampler import Sampler, WorkerPolicySampler
+from envmanager.sampler import Sampler, TransitionBatch, WorkerPolicySampler
 from fault_envs import ENV_FAULTS, FAULT_SLOT, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, update_raising_once
 from process_helpers import alive
 
 N = 4  # env slots
-TIMEOUT = 3.0  # the managers' deadline per answer (a hung env is judged after it)
+TIMEOUT = 3.0  # the managers' deadline per answer (a hung env is judged after it) ...
+SPAWN_TIMEOUT = 15.0  # ... and its start-up too: a spawned worker imports numpy and gymnasium first
 MARGIN = 30.0  # what a call may take beyond its deadline here: restarts, spawn, a loaded machine
 VARIANTS = {
     "sampler": ("sampler", 1, "fork"),
     "sampler-k2": ("sampler", 2, "fork"),
-    "worker-fork-k2": ("worker", 2, "fork"),
-    "worker-spawn-k1": ("worker", 1, "spawn"),
+    "worker-fork-k1": ("worker", 1, "fork"),
+    "worker-spawn-k2": ("worker", 2, "spawn"),  # two processes to start, not four: spawn imports in each
 }
 
 
 def make(variant: str, fault: str | None, marker: str, restarts: bool, step_s: float = 0.0):
     kind, k, context = VARIANTS[variant]
-    options = {"seed": 0, "envs_per_worker": k, "context": context, "timeout": TIMEOUT, "restart_workers": restarts}
+    options = {"seed": 0, "envs_per_worker": k, "context": context, "timeout": timeout_of(variant), "restart_workers": restarts}
     cls = Sampler if kind == "sampler" else WorkerPolicySampler
     return cls(FaultFactory(fault, marker, step_s), N, FaultPolicy(fault, marker), **options)
 
@@ -46,6 +47,10 @@ def make(variant: str, fault: str | None, marker: str, restarts: bool, step_s: f
 def collect(sampler):
     """About 30 steps from every slot (episodes of 3-8 steps: several resets each)."""
     return sampler.obtain_steps(30 * N) if isinstance(sampler, Sampler) else sampler.obtain_steps(30)
+
+
+def timeout_of(variant: str) -> float:
+    return SPAWN_TIMEOUT if VARIANTS[variant][2] == "spawn" else TIMEOUT
 
 
 def process_of(variant: str) -> int:
@@ -70,7 +75,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         pid = sampler.manager.worker_of(FAULT_SLOT).pid
         started = time.monotonic()
         first = collect(sampler)
-        assert time.monotonic() - started < TIMEOUT + MARGIN
+        assert time.monotonic() - started < timeout_of(variant) + MARGIN
         second = sampler.obtain_exact_episodes(2)
         counters, cut = dict(sampler.stats.counters), list(sampler.cut_episodes)
         assert sampler.manager.restart_count(FAULT_SLOT) == 1 and sampler.manager.generation(FAULT_SLOT) == 1
@@ -82,6 +87,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         assert np.bincount(first.worker_ids).tolist() == [30] * N
     check_rows(first, cut, N)
     check_rows(second, cut, N)
+    check_rows(TransitionBatch.concatenate([first, second]), cut, N, whole=False)  # across calls too
     assert second.n_episodes + counters.get("empty_cut_episodes", 0) - sum(
         1 for e in cut if e not in first.episode_ids and e not in second.episode_ids and e % N == FAULT_SLOT) <= 2 * N
     no_arena = VARIANTS[variant][0] == "worker" and VARIANTS[variant][2] != "fork"
@@ -107,7 +113,7 @@ def test_env_fault_without_restarts_names_the_slot(variant, fault, tmp_path):
         with pytest.raises(EnvManagerError) as caught:
             for _ in range(3):
                 collect(sampler)
-        assert time.monotonic() - started < TIMEOUT + MARGIN
+        assert time.monotonic() - started < timeout_of(variant) + MARGIN
         error = caught.value
         # A process that died or hung is named with every slot it hosted (which env did it is
         # unknown); an env that raised, by its own slot.
@@ -161,12 +167,13 @@ def test_policy_fault(variant, fault, restarts, tmp_path):
             else:  # the parent's own exception: nothing was sent
                 assert sampler.manager.restart_count(FAULT_SLOT) == 0
             batches = [collect(sampler), collect(sampler)]  # the sampler carries on
-        assert time.monotonic() - started < TIMEOUT + MARGIN
+        assert time.monotonic() - started < timeout_of(variant) + MARGIN
         cut = list(sampler.cut_episodes)
     assert marker and all(len(b) == 30 * N for b in batches)
     for batch in batches:
         check_rows(batch, cut, N)
         assert set(batch.next_observations[:, 1].tolist()) <= {0.0, 1.0, 2.0}, "an env got an action that does not fit"
+    check_rows(TransitionBatch.concatenate(batches), cut, N, whole=False)  # across calls: nothing lost or repeated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,14 +190,14 @@ def test_close_mid_call_ends_the_call(variant, tmp_path):
         try:
             for _ in range(20):
                 collect(sampler)
-        except BaseException as exc:  # noqa: BLE001 - what the call raised is the point
+        except BaseException as exc:
             raised.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
     time.sleep(1.0)
     sampler.close()
-    thread.join(TIMEOUT + MARGIN)
+    thread.join(timeout_of(variant) + MARGIN)
     assert not thread.is_alive(), "a call went on after close()"
     assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
     assert not alive(pids, timeout=5.0)

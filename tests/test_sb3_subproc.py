@@ -17,14 +17,14 @@ import pytest
 from gymnasium import spaces
 
 pytest.importorskip("stable_baselines3")
-from stable_baselines3 import PPO  # noqa: E402
-from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
-from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
-from stable_baselines3.common.monitor import Monitor  # noqa: E402
-from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv, VecNormalize  # noqa: E402
+from stable_baselines3 import PPO
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv, VecNormalize
 
-from envmanager import InvalidInputError, ManagerClosedError, WorkerError  # noqa: E402
-from envmanager.sb3 import RemoteAttributeError, SubprocVecEnv  # noqa: E402
+from envmanager import InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.sb3 import RemoteAttributeError, SubprocVecEnv
 
 N = 4
 
@@ -125,7 +125,7 @@ def assert_same(a, b, where=""):
             assert_same(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(b, (list, tuple)):
         assert len(a) == len(b), where
-        for n, (x, y) in enumerate(zip(a, b)):
+        for n, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{n}]")
     elif isinstance(b, np.ndarray):
         assert isinstance(a, np.ndarray) and a.dtype == b.dtype, f"{where}: {a!r} != {b!r}"
@@ -157,10 +157,10 @@ def run_against_dummy(vec, ref, steps=40, seed=3):
 @pytest.mark.parametrize(
     "kwargs,options",
     [
-        (dict(obs_kind="box", act_kind="discrete"), {}),
-        (dict(obs_kind="discrete", act_kind="box"), dict(envs_per_worker=2)),
-        (dict(obs_kind="dict", act_kind="discrete"), dict(shared_memory=False)),
-        (dict(obs_kind="dict", act_kind="box"), dict(envs_per_worker=3)),
+        ({"obs_kind": "box", "act_kind": "discrete"}, {}),
+        ({"obs_kind": "discrete", "act_kind": "box"}, {"envs_per_worker": 2}),
+        ({"obs_kind": "dict", "act_kind": "discrete"}, {"shared_memory": False}),
+        ({"obs_kind": "dict", "act_kind": "box"}, {"envs_per_worker": 3}),
     ],
 )
 def test_trajectories_equal_dummy_vec_env(subproc, dummy, kwargs, options):
@@ -173,7 +173,7 @@ def test_terminal_observation_and_time_limit_truncated(subproc, dummy):
     run_against_dummy(vec, ref, steps=12)
     for _ in range(3):
         _, _, done, infos = vec.step(np.zeros(3, dtype=np.int64))
-        for d, info in zip(done, infos):
+        for d, info in zip(done, infos, strict=True):
             assert ("terminal_observation" in info) == bool(d)
             assert isinstance(info["TimeLimit.truncated"], bool)
 

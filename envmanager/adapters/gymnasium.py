@@ -35,13 +35,20 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
 from envmanager.adapters.gymnasium_utils import (
-    batched_infos, check_reset_mask, env_ids_checked as _env_ids, gymnasium_can_share, observation_spaces, space_check,
+    batched_infos,
+    check_reset_mask,
+    gymnasium_can_share,
+    observation_spaces,
+    space_check,
+)
+from envmanager.adapters.gymnasium_utils import (
+    env_ids_checked as _env_ids,
 )
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
-from envmanager.core.slots import NEEDS_RESET
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch
+from envmanager.core.slots import NEEDS_RESET
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
 from envmanager.wire.shm import tree_map
 
@@ -126,7 +133,8 @@ class AsyncVectorEnv(VectorEnv):
         self.render_mode = dummy_env.render_mode
         self.single_action_space = dummy_env.action_space
         self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self.single_observation_space, self.observation_space = observation_spaces(observation_mode, dummy_env, env_fns, self.num_envs)
+        self.single_observation_space, self.observation_space = observation_spaces(
+            observation_mode, dummy_env, env_fns, self.num_envs)
         dummy_env.close()
         del dummy_env
         if shared_memory and not gymnasium_can_share(self.single_observation_space):
@@ -157,7 +165,7 @@ class AsyncVectorEnv(VectorEnv):
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])
         self._actions_in = Actions(self.single_action_space, self._manager.actions)
         self._all = np.arange(self.num_envs)
-        self._observations = None  # the batch returned with copy=False and no array layout
+        self._observations: Any = None  # the batch returned with copy=False and no array layout
         self._state = AsyncState.DEFAULT
         self._reset_waves: list[list[int]] = []  # resets still to receive (max_concurrency)
         self._reset_sent: tuple[list[int | None], Any] = ([], None)
@@ -176,11 +184,11 @@ class AsyncVectorEnv(VectorEnv):
     # gymnasium API
 
     @property
-    def np_random_seed(self) -> tuple[int, ...]:
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]  # gymnasium's AsyncVectorEnv: one per env
         return self.get_attr("np_random_seed")
 
-    @property
-    def np_random(self) -> tuple[np.random.Generator, ...]:
+    @property  # type: ignore[misc]  # read-only, as gymnasium's AsyncVectorEnv's
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]  # one per env, as gymnasium's
         return self.get_attr("np_random")
 
     def reset(self, *, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None):
@@ -219,7 +227,8 @@ class AsyncVectorEnv(VectorEnv):
     def reset_wait(self, timeout: float | None = None):
         manager = self._running()
         if self._state != AsyncState.WAITING_RESET:
-            raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", AsyncState.WAITING_RESET.value)
+            raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
+                                   AsyncState.WAITING_RESET.value)
         deadline = None if timeout is None else Deadline(timeout)
         with self._waiting("reset_wait", timeout):
             while self._reset_waves:
@@ -246,7 +255,7 @@ class AsyncVectorEnv(VectorEnv):
             return tree_map(lambda a: a[ids], obs)
         values = m.observation_list if ids is None else [m.observation_list[i] for i in ids.tolist()]
         space = self.single_observation_space
-        out = create_empty_array(space, n=len(values), fn=np.zeros)
+        out: Any = create_empty_array(space, n=len(values), fn=np.zeros)
         if ids is None:
             self._observations = concatenate(space, values, out)
             return deepcopy(self._observations) if self.copy else self._observations

@@ -17,7 +17,9 @@ from gymnasium.vector.utils.shared_memory import create_shared_memory
 from envmanager.core.results import InfoBlock
 
 
-def observation_spaces(observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int) -> tuple[Space, Space]:
+def observation_spaces(
+    observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int
+) -> tuple[Space, Space]:
     """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
     (the first env's, batched), ``"different"`` (every env made once to read its space, batched
     with ``batch_differing_spaces``, which raises for spaces of different shapes or types), or
@@ -40,7 +42,9 @@ def observation_spaces(observation_mode: Any, dummy_env: gym.Env, env_fns: Seque
     )
 
 
-def space_check(observation_mode: Any, single_observation_space: Space, single_action_space: Space) -> Callable[[list[Space], list[Space]], None]:
+def space_check(
+    observation_mode: Any, single_observation_space: Space, single_action_space: Space
+) -> Callable[[list[Space], list[Space]], None]:
     """gymnasium's check of the spaces every env reports (its ``_check_spaces``): equal
     observation spaces in ``"same"`` mode, of one shape and dtype otherwise; equal action spaces."""
 
@@ -102,7 +106,7 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
     gymnasium's does."""
     infos: dict[str, Any] = {}
     for block in sorted(blocks, key=lambda b: int(b.slots.min())):
-        for key, column in zip(block.keys, block.columns):
+        for key, column in zip(block.keys, block.columns, strict=True):
             if key not in infos:
                 infos[key] = np.zeros(num_envs, dtype=column.dtype)
                 infos[f"_{key}"] = np.zeros(num_envs, dtype=np.bool_)
@@ -138,5 +142,5 @@ def env_ids_checked(env_ids: Any, n: int) -> np.ndarray:
 
 def block_dicts(block: InfoBlock) -> dict[int, dict]:
     """Each slot's info dict, from a block of columns (values as the envs returned them)."""
-    columns = [c.tolist() if py else list(c) for c, py in zip(block.columns, block.python)]
-    return {slot: {k: c[i] for k, c in zip(block.keys, columns)} for i, slot in enumerate(block.slots.tolist())}
+    columns = [c.tolist() if py else list(c) for c, py in zip(block.columns, block.python, strict=True)]
+    return {slot: {k: c[i] for k, c in zip(block.keys, columns, strict=True)} for i, slot in enumerate(block.slots.tolist())}

@@ -272,7 +272,7 @@ def run_envpool(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick)
 
 
 def _module_unavailable(module: str) -> Callable[[Scenario], str | None]:
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def check() -> str | None:
         try:
             importlib.import_module(module)
@@ -286,7 +286,7 @@ def _module_unavailable(module: str) -> Callable[[Scenario], str | None]:
 _sb3_unavailable = _module_unavailable("stable_baselines3")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _envpool_broken() -> str | None:
     try:
         import envpool
@@ -310,7 +310,7 @@ def _envpool_unavailable(scenario: Scenario) -> str | None:
     return _envpool_broken() or _envpool_env_broken(scenario.envpool_id, scenario.envpool_kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _envpool_env_broken(task: str, kwargs: tuple[tuple[str, Any], ...]) -> str | None:
     try:
         import envpool

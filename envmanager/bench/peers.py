@@ -20,7 +20,7 @@ from envmanager.bench.scenarios import Scenario
 __all__ = ["run_tianshou_subproc", "run_tianshou_shmem", "run_torchrl", "tianshou_unavailable", "torchrl_unavailable"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import_problem(module: str) -> str | None:
     try:
         importlib.import_module(module)

@@ -25,8 +25,8 @@ import numpy as np
 
 from envmanager.bench.runner import Measurement, ScenarioResult, Target
 from envmanager.bench.scenarios import UNEVEN, Scenario, cartpole
-from envmanager.testing.envs import ControlledEnv
 from envmanager.sampler import Sampler, TransitionBatch
+from envmanager.testing.envs import ControlledEnv
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class RayResult(ScenarioResult):
     def targets(self) -> list[Target]:
         r, name = self.ratios(), self.name
         out = []
-        for column, key, what, threshold in (("vs local", RAY, "x local Sampler", 0.8), ("vs 1-step", RAY, "x 1 step per call", 20.0),
+        for column, key, what, threshold in (("vs local", RAY, "x local Sampler", 0.8),
+                                             ("vs 1-step", RAY, "x 1 step per call", 20.0),
                                              ("vs wait-all", f"uneven {FIRST}", "first-ready x wait-all", 1.8)):
             if key in r.get(column, {}):
                 out.append(Target(name, what, key, r[column][key], threshold))
@@ -143,9 +144,11 @@ def run(scenario: Scenario, steps: int, repeats: int, progress: Any = None, seed
         result.faults = _faults(RaySampler, policy, 2 * steps)
         f = result.faults
         result.notes += [
-            f"uneven: envs sleep lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step, one per process, fragments of 64 steps;"
+            f"uneven: envs sleep lognormal(median {UNEVEN[0] * 1e3:g} ms, sigma {UNEVEN[1]:g}) per step, one per process,"
+            " fragments of 64 steps;"
             f" uneven-slow-node: node 1's envs {SLOW_NODE:g}x slower",
-            f"faults: {f['steps']:,} steps, a node killed every {f['kill_every']:,} ({f['kills']} kills, {f['restarts']} restarts,"
+            f"faults: {f['steps']:,} steps, a node killed every {f['kill_every']:,}"
+            f" ({f['kills']} kills, {f['restarts']} restarts,"
             f" {f['seconds']:.1f} s): lost {f['lost']}, duplicated {f['duplicated']}, cut episodes {f['cut']}"
             f" (reported {f['cut'] - f['cut_unreported']}, steps flagged {f['flagged_steps']})",
         ]

@@ -183,8 +183,8 @@ def to_json(results: Sequence[ScenarioResult], meta: dict[str, Any] | None = Non
         "meta": meta or metadata(),
         "backends": {name: {"description": b.description, "ours": b.ours} for name, b in BACKENDS.items()},
         "scenarios": {r.name: {**r.to_dict(), "auto_envs_per_worker": AUTO_CHOICES.get(r.name)} for r in results},
-        "sweep": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results))),
-        "pinned": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results, "pinned"))),
+        "sweep": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results), strict=True)),
+        "pinned": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results, "pinned"), strict=True)),
         "targets": [t.to_dict() for t in targets(results)],
     }
 
@@ -231,7 +231,7 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
             panels[0].set_axis_off()
         for group, costs, curves in sweeps:
             _plot_sweep(panels.pop(0), costs, curves, group)
-        for ax, r in zip(panels, shown):
+        for ax, r in zip(panels, shown, strict=True):
             _plot_bars(ax, r)
         fig.tight_layout()
         fig.savefig(path, format="png", dpi=100)
@@ -242,9 +242,9 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
 def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None]], group: str = "sweep") -> None:
     micro = [c * 1e6 for c in costs]
     for name, values in curves.items():
-        points = [(x, v) for x, v in zip(micro, values) if v is not None]
+        points = [(x, v) for x, v in zip(micro, values, strict=True) if v is not None]
         ours = BACKENDS[name].ours if name in BACKENDS else False
-        ax.plot(*zip(*points), marker="o", label=name, linestyle="-" if ours else "--", linewidth=2 if ours else 1)
+        ax.plot(*zip(*points, strict=True), marker="o", label=name, linestyle="-" if ours else "--", linewidth=2 if ours else 1)
     ax.axhline(1.0, color="tab:red", linewidth=0.8)  # the machine's limit
     ax.set_xscale("log")
     ax.set_xticks(micro, [f"{x / 1e3:g} ms" if x >= 1e3 else f"{x:g} µs" for x in micro])
@@ -264,17 +264,17 @@ def _plot_bars(ax: Any, r: ScenarioResult) -> None:
 
     names = list(r.measurements)
     medians = [r.measurements[n].median for n in names]
-    low = [m - r.measurements[n].worst for n, m in zip(names, medians)]
-    high = [r.measurements[n].best - m for n, m in zip(names, medians)]
+    low = [m - r.measurements[n].worst for n, m in zip(names, medians, strict=True)]
+    high = [r.measurements[n].best - m for n, m in zip(names, medians, strict=True)]
     colors = ["tab:blue" if n not in BACKENDS or BACKENDS[n].ours else "tab:gray" for n in names]
     y = range(len(names))
     ax.barh(list(y), medians, xerr=[low, high], color=colors, capsize=3)
     ax.set_yticks(list(y), names)
     ax.invert_yaxis()
-    for i, (m, h) in enumerate(zip(medians, high)):
+    for i, (m, h) in enumerate(zip(medians, high, strict=True)):
         ax.text(m + h, i, f"  {m:,.0f}", va="center", fontsize=8)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:,.0f}"))
-    ax.set_xlim(0, max(max(m + h for m, h in zip(medians, high)), r.limit or 0) * 1.18 or 1)
+    ax.set_xlim(0, max(max(m + h for m, h in zip(medians, high, strict=True)), r.limit or 0) * 1.18 or 1)
     if r.limit is not None:
         ax.axvline(r.limit, color="tab:red", linestyle="--", label=f"limit {r.limit:,.0f}/s")
         ax.legend(loc="lower right", fontsize=8)

@@ -6,6 +6,7 @@ a burst of load from elsewhere on the machine hits all backends alike rather tha
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import statistics
@@ -88,14 +89,14 @@ class Measurement:
         """The parent's CPU seconds per env-step (median over repeats)."""
         if not self.parent_cpu_s:
             return None
-        return float(statistics.median(c / n for c, n in zip(self.parent_cpu_s, self.env_steps)))
+        return float(statistics.median(c / n for c, n in zip(self.parent_cpu_s, self.env_steps, strict=True)))
 
     @property
     def cpu_per_answer(self) -> float | None:
         """The parent's CPU seconds per answer it took (ours; median over repeats)."""
         if not self.answers or len(self.answers) != len(self.parent_cpu_s):
             return None
-        return float(statistics.median(c / a for c, a in zip(self.parent_cpu_s, self.answers)))
+        return float(statistics.median(c / a for c, a in zip(self.parent_cpu_s, self.answers, strict=True)))
 
     @property
     def median(self) -> float:
@@ -261,8 +262,8 @@ def run_scenario(
     try:
         for backend in chosen if warmup else ():  # warm-up: imports, caches, first-time costs; not timed
             bar.set_description(f"{scenario.name}: warm-up {backend.name}")
-            _try(result, backend, lambda b=backend: _measure(b, scenario, max(scenario.n_env * 20, steps // 20),
-                                                            actions, _ignore))
+            _try(result, backend, functools.partial(_measure, backend, scenario, max(scenario.n_env * 20, steps // 20),
+                                                    actions, _ignore))
         for r in range(repeats):
             if scenario.measure_limit:  # pinned: on the workers' cores
                 with pinning.on_worker_cores(pinning.plan() if scenario.pin else None):
@@ -271,7 +272,7 @@ def run_scenario(
                 if backend.name in result.failed:
                     continue
                 bar.set_description(f"{scenario.name}: {backend.name} ({r + 1}/{repeats})")
-                got = _try(result, backend, lambda b=backend: _measure(b, scenario, steps, actions, bar.update))
+                got = _try(result, backend, functools.partial(_measure, backend, scenario, steps, actions, bar.update))
                 if got is not None:
                     result.measurements.setdefault(
                         backend.name, Measurement(backend.name, scenario.name, scenario.n_env)
@@ -279,8 +280,7 @@ def run_scenario(
             for backend in to_reference:
                 assert reference is not None
                 bar.set_description(f"{reference.name}: {backend.name} ({r + 1}/{repeats})")
-                got = _try(result, backend,
-                           lambda b=backend: _measure(b, reference, steps, reference_actions, bar.update))
+                got = _try(result, backend, functools.partial(_measure, backend, reference, steps, reference_actions, bar.update))
                 if got is not None:
                     result.references.setdefault(
                         backend.name, Measurement(backend.name, reference.name, reference.n_env)
@@ -362,7 +362,7 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     out: list[Target] = []
     for result in results:
         if result.scenario.kind in OWN_MODULES:  # their own peers, their own targets
-            out += result.targets() if hasattr(result, "targets") else []  # type: ignore[attr-defined]
+            out += result.targets() if hasattr(result, "targets") else []
             continue
         ratios = result.ratios()
         name = result.name
@@ -385,9 +385,9 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
                 if backend in ratios.get(f"vs {ref} envs", {}):
                     out.append(Target(name, f"{n} envs x {ref} envs", backend, ratios[f"vs {ref} envs"][backend], 0.8))
         if name == "cartpole":
-            for column, ref, threshold in (("vs Sync", "SyncVectorEnv", 1.0), ("vs Async", "AsyncVectorEnv", 5.0)):
+            for column, peer, threshold in (("vs Sync", "SyncVectorEnv", 1.0), ("vs Async", "AsyncVectorEnv", 5.0)):
                 if VECTOR in ratios.get(column, {}):
-                    out.append(Target(name, f"drop-in x gym {ref}", VECTOR, ratios[column][VECTOR], threshold))
+                    out.append(Target(name, f"drop-in x gym {peer}", VECTOR, ratios[column][VECTOR], threshold))
         out += _real_targets(result, ratios, contenders)
         out += _pinned_targets(result, ratios, best)
         if name == "uneven" and FIRST_READY in ratios.get("vs lockstep", {}):

@@ -137,7 +137,7 @@ def run_async_parent_policy(steps: int, n: int) -> tuple[int, float]:
             next_obs, rewards, terminated, truncated, _ = vec.step(actions)
             record.append((obs, actions, rewards, terminated, truncated, next_obs))
             obs = next_obs
-        batch = [np.concatenate(column) for column in zip(*record)]
+        batch = [np.concatenate(column) for column in zip(*record, strict=True)]
         elapsed = time.perf_counter() - start
         return len(batch[2]), elapsed
     finally:
@@ -179,10 +179,10 @@ def run_lockstep_uneven(steps: int, n: int) -> tuple[int, float]:
             obs = next_obs
             if ended.any():
                 done = np.flatnonzero(ended).tolist()
-                m.send_reset({s: (None, None) for s in done})
+                m.send_reset(dict.fromkeys(done, (None, None)))
                 m.receive_reset_batch(done)
                 obs[done] = r.observation[done]
-        batch = [np.concatenate(column) for column in zip(*record)]
+        batch = [np.concatenate(column) for column in zip(*record, strict=True)]
         return len(batch[2]), time.perf_counter() - start
 
 

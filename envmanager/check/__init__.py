@@ -70,7 +70,8 @@ def check(
 
     Raises ``TargetError`` when ``target`` names nothing that makes an env.
     """
-    from envmanager.check import advice as advice_module, runner
+    from envmanager.check import advice as advice_module
+    from envmanager.check import runner
 
     started = time.monotonic()
     factory = resolve(target)

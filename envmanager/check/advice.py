@@ -76,12 +76,14 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
     kind = _kind(cost)
     k = max(1, num_envs // cores)
     layouts = _layouts(num_envs, cores)
-    step_s = None if isinstance(cost, str) else cost.median_s
+    # What one step costs when the machine is yours: its CPU time if it is CPU-bound (a loaded
+    # machine stretches the wall time of every step), else its wall time (it waits).
+    step_s = None if isinstance(cost, str) else (cost.cpu_median_s if kind.startswith("cpu-bound") else cost.median_s)
     for layout in layouts:
         if not layout.processes:
             continue
-        per_round = step_s * (num_envs if layout.id == "in-process" else layout.envs_per_process) if step_s else None
-        if per_round is not None and per_round > measure_s / 4:  # too slow to measure briefly: estimate
+        per_round = num_envs if layout.id == "in-process" else layout.envs_per_process
+        if step_s and step_s * per_round > measure_s / 4:  # too slow to measure briefly: estimate
             busy = 1 if layout.id == "in-process" else (layout.processes if kind == "waiting" else min(cores, layout.processes))
             layout.steps_per_s, layout.estimated = busy / step_s, True
             continue

@@ -20,7 +20,7 @@ from envmanager.check.probes import Trajectory, Unpicklable
 
 __all__ = ["Finding", "space_findings", "first_difference", "show"]
 
-TOLERANCE = dict(rtol=1e-6, atol=1e-9)  # float outputs of the same computation may differ in the last bits
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}  # float outputs of the same computation may differ in the last bits
 
 
 @dataclass
@@ -218,7 +218,7 @@ def _same(x: Any, y: Any) -> bool:
     if isinstance(x, dict) and isinstance(y, dict):
         return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
-        return len(x) == len(y) and all(_same(i, j) for i, j in zip(x, y))
+        return len(x) == len(y) and all(_same(i, j) for i, j in zip(x, y, strict=True))
     try:
         ax, ay = np.asarray(x), np.asarray(y)
         if ax.dtype.kind in "biuf" and ay.dtype.kind in "biuf":

@@ -78,7 +78,7 @@ class _Window:
 def action_batches(space: Any, n: int, seed: int, count: int = 16) -> list[Any]:
     """``count`` batches of ``n`` sampled actions: arrays where the space allows, else lists."""
     space.seed(seed)
-    batches = []
+    batches: list[Any] = []
     for _ in range(count):
         actions = [space.sample() for _ in range(n)]
         try:

@@ -354,11 +354,11 @@ def close_leaks(_env: Any, factory: bytes, seed: int, actions: list[Any]) -> Lea
             break
         gc.collect()
         in_use |= _shm_in_use()
-        found = _settle(lambda: {p: c for p, c in _children().items() if p not in before_children})
+        found = _settle(lambda before=before_children: {p: c for p, c in _children().items() if p not in before})
         processes.update(found)
         segments |= {n for n in in_use if n not in before_shm and n in dev_shm()}
         if cycle == 2:
-            threads = _settle(lambda: {t: n for t, n in _threads().items() if t not in before_threads})
+            threads = _settle(lambda before=before_threads: {t: n for t, n in _threads().items() if t not in before})
             leaks.threads = [f"thread {tid}: {name}" for tid, name in threads.items()]
             fds = {fd: target for fd, target in _fds().items() if before_fds.get(fd) != target}
             leaks.fds = [f"fd {fd}: {target}" for fd, target in sorted(fds.items())]

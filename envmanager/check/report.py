@@ -121,7 +121,7 @@ class Report:
         """Plain data for ``--json``: problems with their titles, notes, advice."""
         out = asdict(self)
         out["ok"] = self.ok
-        for problem, data in zip(self.problems, out["problems"]):
+        for problem, data in zip(self.problems, out["problems"], strict=True):
             data["title"] = problem.title
         return out
 

@@ -137,6 +137,7 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
         run.observation_space = manager.observation_space
         if settings.actions is None:
             space = manager.action_space
+            assert space is not None  # a gymnasium env's (an env without one failed to build)
             space.seed(settings.seed)
             settings.actions = [space.sample() for _ in range(settings.steps)]
         if not _through_envmanager(manager, run, settings, report):
@@ -180,7 +181,7 @@ def _through_envmanager(manager: SubprocessEnvManager, run: WorkerRun, settings:
     index = 0
     try:
         manager.reset(seed=[settings.seed, settings.seed], timeout=deadline)
-        for index, action in enumerate(settings.actions or [], 1):
+        for index, action in enumerate(settings.actions or [], 1):  # noqa: B007 - read after the loop: how far it got
             manager.send_step({0: action, 1: action})
             manager.receive_steps(timeout=deadline, min_count=2)
     except WorkerTimeoutError:

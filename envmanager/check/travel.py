@@ -78,7 +78,7 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     if isinstance(obj, types.FunctionType):
         code = obj.__code__
-        for var, cell in zip(code.co_freevars, obj.__closure__ or ()):
+        for var, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
             try:
                 out.append((f"closure variable {var!r}", cell.cell_contents))
             except ValueError:  # an empty cell

@@ -7,4 +7,6 @@ from envmanager.core.batch import BatchEnvManager, SlotStatus
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 
-__all__ = ["SubprocessEnvManager", "BatchEnvManager", "SlotStatus", "StepBatch", "StepInfo", "StepResult", "StepTimings", "seeds_for"]
+__all__ = [
+    "SubprocessEnvManager", "BatchEnvManager", "SlotStatus", "StepBatch", "StepInfo", "StepResult", "StepTimings", "seeds_for",
+]

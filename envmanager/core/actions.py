@@ -26,11 +26,12 @@ _NUMBER_KINDS = "iubf"
 def _asarray_numpy1(values: Any) -> np.ndarray:
     """``np.asarray`` that refuses ragged nested sequences as numpy 2 does (numpy 1.x warns
     and makes an object array of them, which would pass the shape check)."""
+    ragged = getattr(np, "VisibleDeprecationWarning", Warning)  # numpy 1.x's (gone from numpy's top level in 2.0)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", np.VisibleDeprecationWarning)
+        warnings.simplefilter("error", ragged)
         try:
             return np.asarray(values)
-        except np.VisibleDeprecationWarning:
+        except ragged:
             raise ValueError("the requested array has an inhomogeneous shape (ragged nested sequences)") from None
 
 
@@ -107,7 +108,7 @@ def _exact(space: Any, batch: Any, n: int) -> Any:
     if isinstance(space, spaces.Tuple):
         if not isinstance(batch, (tuple, list)) or len(batch) != len(space.spaces):
             return None
-        items = tuple(_exact(sub, b, n) for sub, b in zip(space.spaces, batch))
+        items = tuple(_exact(sub, b, n) for sub, b in zip(space.spaces, batch, strict=True))
         return None if any(item is None for item in items) else items
     if type(batch) is not np.ndarray or batch.dtype != space.dtype or batch.shape != (n, *space.shape):
         return None
@@ -139,7 +140,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
     if isinstance(space, spaces.Tuple):
         if not isinstance(batch, (tuple, list)) or len(batch) != len(space.spaces):
             raise InvalidInputError(f"actions{where} must be a tuple of {len(space.spaces)} items")
-        return tuple(_check(sub, b, slots, f"{where}[{k}]") for k, (sub, b) in enumerate(zip(space.spaces, batch)))
+        return tuple(_check(sub, b, slots, f"{where}[{k}]") for k, (sub, b) in enumerate(zip(space.spaces, batch, strict=True)))
     try:
         arr = _asarray(batch)
     except Exception as exc:  # ragged nested sequences
@@ -157,8 +158,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
             low, high = int(space.start), int(space.start) + int(space.n) - 1
             out = (arr < low) | (arr > high)
         elif isinstance(space, spaces.MultiDiscrete):
-            low = space.start
-            out = (arr < low) | (arr >= low + space.nvec)
+            out = (arr < space.start) | (arr >= space.start + space.nvec)
         else:
             out = (arr != 0) & (arr != 1)
         bad = _first_bad(arr, out)

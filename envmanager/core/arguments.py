@@ -17,7 +17,7 @@ __all__ = ["check_arguments", "seeds_for"]
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 1)
 
 
 def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_worker: Any, timeout: Any,

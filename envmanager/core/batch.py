@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
@@ -36,13 +37,13 @@ from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
-from envmanager.core import waiting
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus  # noqa: F401
+from envmanager.core.slots import ARRIVED, IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, EnvironmentCommand as Cmd, Ready, Reset, Step
+from envmanager.wire.messages import Call, Ready, Reset, Step
+from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ class BatchEnvManager:
         workers = pool.workers
         for index, lanes, _, _, _ in plan:
             w = workers[index]
-            if w.requests and w.busy_on(lanes) or w.failure is not None:
+            if (w.requests and w.busy_on(lanes)) or w.failure is not None:
                 refuse_process(w, slots)
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]

@@ -11,7 +11,8 @@ import numpy as np
 
 from envmanager.core.pool import Completion, WorkerPool
 from envmanager.errors import InvalidInputError
-from envmanager.wire.messages import Call, EnvFunction, EnvironmentCommand as Cmd, GetAttr, SetAttr
+from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
+from envmanager.wire.messages import EnvironmentCommand as Cmd
 
 __all__ = ["EnvCalls", "CallRequest"]
 
@@ -55,7 +56,8 @@ class EnvCalls:
     def clear(self) -> None:
         self._answers.clear()
 
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
+                kwargs: dict | None = None) -> list[Any]:
         target = name if isinstance(name, str) else EnvFunction(cloudpickle.dumps(name))
         return self.receive(self.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {})))
 
@@ -68,10 +70,11 @@ class EnvCalls:
             values = [values] * len(slots)
         if len(values) != len(slots):
             raise InvalidInputError(f"expected {len(slots)} values (one per worker), got {len(values)}")
-        by_slot = dict(zip(slots, values))
+        by_slot = dict(zip(slots, values, strict=True))
         self.receive(self.send(Cmd.SET_ATTR, slots, lambda local, own: SetAttr(local, name, tuple(by_slot[s] for s in own))))
 
-    def send(self, cmd: Cmd, worker_ids: Sequence[int] | None, message: Callable[[tuple[int, ...], list[int]], Any]) -> CallRequest:
+    def send(self, cmd: Cmd, worker_ids: Sequence[int] | None,
+             message: Callable[[tuple[int, ...], list[int]], Any]) -> CallRequest:
         """Send ``cmd`` to the processes hosting ``worker_ids``; ``message(locals, slots)``
         builds each process's request. Steps in flight on those processes are waited out
         first and kept for ``receive_batch``."""
@@ -115,5 +118,6 @@ class EnvCalls:
         for c in completions:
             if c.error is not None:
                 raise c.error
-        answers = {s: value for c in completions for s, value in zip(request.by_process[c.worker.index], c.answer.values)}
+        answers = {s: value for c in completions
+                   for s, value in zip(request.by_process[c.worker.index], c.answer.values, strict=True)}
         return [answers.get(s) for s in request.slots]

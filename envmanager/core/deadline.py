@@ -8,7 +8,7 @@ import time
 class Deadline:
     """A point in time ``seconds`` from now (``time.monotonic``)."""
 
-    __slots__ = ("seconds", "at")
+    __slots__ = ("at", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

@@ -147,7 +147,7 @@ class SubprocessEnvManager(BatchEnvManager):
     def send_step(self, actions: Mapping[int, Any]) -> None:
         """Check ``actions`` (``worker_id -> action``, idle slots only), then send the steps."""
         if not actions:
-            self.pool  # raises if closed
+            _ = self.pool  # raises if closed
             return
         self._absorb()
         for slot in actions:

@@ -68,7 +68,7 @@ def lanes_of(envs_per_process: list[int], double_buffer: bool) -> list[int]:
 
 def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int], Any]) -> None:
     """Raise why ``slots`` (with ``status``) cannot be stepped: the first one that cannot."""
-    for slot, s in zip(slots.tolist(), status.tolist()):
+    for slot, s in zip(slots.tolist(), status.tolist(), strict=True):
         failure = worker_of(slot).failure
         if failure is not None:
             raise failure

@@ -2,8 +2,9 @@
 
 The transport half of the manager (tianshou's split: workers apart from vectorizing). It
 knows nothing about actions or episodes: it sends requests — one in flight per process, or one
-per lane of a double-buffered process (``envmanager.core.process``) — and turns what comes back through the answer transport (the shared step queue, or each worker's
-own pipe: ``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
+per lane of a double-buffered process (``envmanager.core.process``) — and turns what comes
+back through the answer transport (the shared step queue, or each worker's own pipe:
+``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
 :class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
 following the life cycle drawn in ``envmanager.core.process``.
 """
@@ -18,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
@@ -36,19 +37,21 @@ from envmanager.errors import (
     WorkerTimeoutError,
 )
 from envmanager.wire.messages import (
+    ALL_LANES,
     ON_PIPE,
     RAW,
     REQUEST_HEADER,
-    ALL_LANES,
     Attach,
     Call,
-    EnvironmentCommand as Cmd,
     EnvironmentRequest,
     RemoteException,
     Reset,
     Stepped,
     decode_answer,
     encode_request,
+)
+from envmanager.wire.messages import (
+    EnvironmentCommand as Cmd,
 )
 from envmanager.wire.shm import SharedBuffers, SharedFile
 from envmanager.wire.transport import PortableAnswers, StepQueue, make_transport
@@ -77,7 +80,7 @@ class Completion:
     received_at: float = 0.0
     sent_at: float = 0.0
     interrupted: bool = False
-    slots: tuple[int, ...] = ()  # the slots the answer is for (a restart's reset: all it reset)
+    slots: list[int] = field(default_factory=list)  # the slots the answer is for (a restart's reset: all it reset)
     lost: tuple[EnvironmentRequest, ...] = ()  # an interrupted answer: every request it answers
 
     @property
@@ -125,7 +128,7 @@ class WorkerPool:
         #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
         self.transport = transport_name(transport)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
-        self._atexit = _close_at_exit(self)
+        self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
                 self.workers.append(self._start(spec))
@@ -183,9 +186,9 @@ class WorkerPool:
             raise ManagerClosedError("the SubprocessEnvManager was closed")
         now = time.monotonic()
         if now >= self._next_deadline_check:
-            completions = self._check_deadlines(now)
-            if completions:
-                return completions
+            overdue = self._check_deadlines(now)
+            if overdue:
+                return overdue
         # Wake up in time to notice the first process to miss its deadline.
         timeout = min(timeout, self._next_deadline_check - now)
         if self._poll_version != self._version:
@@ -345,10 +348,12 @@ class WorkerPool:
             return
         if gone:
             w.fail(error)  # the process is gone or stuck for good
-        for lost_request in lost or [None]:  # the same error for each (the slots file it once)
+        requests: list[EnvironmentRequest | None] = [*lost] or [None]
+        for lost_request in requests:  # the same error for each (the slots file it once)
             completions.append(Completion(w, lost_request, None, error))
 
-    def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError, completions: list[Completion]) -> None:
+    def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
+                 completions: list[Completion]) -> None:
         """Replace ``w`` by a new process and plan how it comes back (see ``Boot``)."""
         logger.warning("restarting %s after: %s", w.name, error)
         self.restart_policy.record(w.index)
@@ -366,7 +371,7 @@ class WorkerPool:
             asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
             for r in lost:
                 if r.cmd is Cmd.RESET:
-                    asked.update({i: (seed, options) for i, seed, options in zip(*r.message)})
+                    asked.update({i: (seed, options) for i, seed, options in zip(*r.message, strict=True)})
             reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
                           tuple(asked.get(i, (None, None))[1] for i in everyone))
             # Steps and resets are answered by the fresh reset (``interrupted``); a call is not.

@@ -32,15 +32,16 @@ import logging
 import os
 import signal
 import time
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
 import psutil
 
 from envmanager.errors import EnvManagerError, WorkerDiedError, who
-from envmanager.wire.messages import EnvironmentCommand as Cmd, EnvironmentRequest, encode_request
+from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.messages import EnvironmentRequest, encode_request
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
 from envmanager.worker.main import WorkerSpec, worker_main
@@ -138,10 +139,7 @@ class WorkerProcess:
 
     def busy_on(self, lanes: int) -> bool:
         """Whether a request in flight occupies any of ``lanes`` (a bit mask)."""
-        for request, _ in self.requests:
-            if request.lanes & lanes:
-                return True
-        return False
+        return any(request.lanes & lanes for request, _ in self.requests)
 
     def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
         """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not

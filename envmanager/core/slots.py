@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envmanager.core.pool import worker_error
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire import shm
-from envmanager.wire.messages import EnvironmentCommand as Cmd, Stepped
-
-from envmanager.core.pool import worker_error
+from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.messages import Stepped
 
 if TYPE_CHECKING:
     from envmanager.core.pool import Completion
@@ -202,7 +202,7 @@ class SlotState:
                                      tuple(d.startswith("py:") for d in info.dtypes)))
             else:
                 dicts.update(zip(rows.tolist() if whole else mine.tolist(),
-                                 info.dicts(None if positions is None else positions.tolist())))
+                                 info.dicts(None if positions is None else positions.tolist()), strict=True))
         return tuple(out)
 
     def timings(self, slot: int, process: int) -> tuple[float, float, float]:

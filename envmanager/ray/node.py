@@ -22,7 +22,7 @@ from envmanager.sampler.slots import EpisodeIds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SamplerNode"]
+__all__ = ["SamplerNode", "NodeFailure"]
 
 #: Stats counters of the node's sampler that the driver adds up across the cluster.
 COUNTERS = ("env_steps", "discarded_steps", "interrupted_episodes", "episodes", "policy_updates", "failed_episodes",
@@ -39,6 +39,19 @@ def _global_env(env_factory: Any, offset: int, local_id: int) -> Any:
 
 def _worker_pid(env: Any) -> int:
     return os.getpid()
+
+
+class NodeFailure(EnvManagerError):
+    """What a node's collection raised (``error``, naming global slots), and whether the node
+    ``serves`` on after it (no env process given up, no update failed): the driver's failure
+    path decides the rest."""
+
+    def __init__(self, error: BaseException, serves: bool) -> None:
+        self.error, self.serves = error, serves
+        super().__init__(str(error))
+
+    def __reduce__(self):
+        return (type(self), (self.error, self.serves))
 
 
 class GlobalIds:
@@ -134,11 +147,17 @@ class SamplerNode:
         return self._collect(updates, self.sampler.obtain_exact_episodes, quotas)
 
     def _collect(self, updates: int, obtain: Any, *args: Any) -> tuple[Any, dict[str, int]]:
-        self._await_updates(updates)
         try:
+            self._await_updates(updates)
             return self._answer(obtain(*args))
-        except EnvManagerError as exc:  # named as the cluster knows the slots
-            raise with_slot_offset(exc, self.offset) from None
+        except Exception as exc:
+            error = with_slot_offset(exc, self.offset)  # named as the cluster knows the slots
+            raise NodeFailure(error, self._serves()) from error
+
+    def _serves(self) -> bool:
+        """Whether the node can go on after an error: no env process given up, no update failed."""
+        m = self.sampler.manager
+        return self._update_error is None and all(m.failure_of(s) is None for s in range(m.n_env))
 
     def _answer(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """The batch with global slot ids, what the node's counters grew by since the last

@@ -2,9 +2,10 @@
 deadlines, and restarts of hung or dead nodes within limits.
 
 Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request misses its
-deadline counts as hung; a node whose actor died (killed, node lost) counts as dead. Either is
-killed and started again (``RestartPolicy``: lifetime count and rate, per node) with the
-newest weights and every env update replayed; past the limits, ``RayNodeError`` names it.
+deadline counts as hung; a node whose actor died (killed, node lost) counts as dead; a node
+whose sampler raised (what no restart of its env processes absorbed) has failed too. Each goes
+through ``NodePool.failed``: killed and started again (``RestartPolicy``: lifetime count and
+rate, per node) with the newest weights and every env update replayed, or ``RayNodeError``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayE
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
-from envmanager.errors import EnvManagerError
-from envmanager.ray.node import SamplerNode
+from envmanager.errors import EnvManagerError, ManagerClosedError
+from envmanager.ray.node import NodeFailure, SamplerNode
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ class _Session:
 
 
 class RayNodeError(EnvManagerError):
-    """A node failed past its restart limits, could not be placed, or its sampler raised
-    (``cause``: the node's own error, naming global slots, when it crossed over)."""
+    """A node failed and was not restarted (restarts off, or past the limits), or could not be
+    placed; ``cause``: what its sampler raised (naming global slots), when it raised."""
 
     def __init__(self, node: int, message: str, remote_traceback: str | None = None, cause: BaseException | None = None) -> None:
         self.node = node
@@ -114,6 +115,20 @@ class Request:
     arg: Any
     incarnation: int
     ref: Any = None
+
+
+@dataclasses.dataclass(eq=False)
+class Fault:
+    """A node fault ``wait`` found: it died or ``hung``, or (``request``) its sampler raised ``error``."""
+
+    node: Node
+    incarnation: int
+    why: str
+    hung: bool = False
+    request: Request | None = None
+    error: BaseException | None = None
+    remote_traceback: str | None = None
+    serves: bool = False  # the node can go on (its sampler raised, nothing in it given up)
 
 
 @dataclasses.dataclass
@@ -157,7 +172,7 @@ class NodePool:
         self.nodes = [Node(i, offsets[i], n) for i, n in enumerate(envs_per_node)]
         self.replay: Callable[[Node], None] = lambda node: None  # set by the sampler: weights and env updates
         self._updates: list[tuple[Node, int, Any]] = []  # (node, incarnation, ref) of updates not yet confirmed
-        self._held: list[tuple[Request, Any]] = []  # answers taken by a wait that then raised
+        self._faults: list[Fault] = []  # node faults found, handled once the answers taken with them are booked
         self.closed = False
         try:
             self._session = _Session.join(address, init_options)
@@ -209,18 +224,26 @@ class NodePool:
         if first is not None:
             raise first
 
-    def lost(self, node: Node, why: str) -> list[Request]:
-        """``node`` is hung or dead: kill it and start a new one within the restart limits
-        (else raise ``RayNodeError`` naming it). Returns the requests that died with it."""
+    def failed(self, node: Node, why: str, error: BaseException | None = None, remote_traceback: str | None = None,
+               serves: bool = False) -> list[Request]:
+        """The node layer's one failure path: ``node`` died, hung, or its sampler raised
+        ``error`` (which no restart inside the node absorbed). Within the restart limits the
+        node is killed and started again; returns the requests that died with it. Else
+        ``RayNodeError`` names it, and the node is given up (killed, its error raised at once
+        from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
+        in it was given up), as a process whose env raised does."""
         if self.closed:  # closed by another thread meanwhile: nothing is restarted
-            raise EnvManagerError("the ray sampler was closed")
-        lost = node.queue
+            raise ManagerClosedError("the ray sampler was closed")
         refusal = self.restarts.refusal(node.index)
-        self._kill(node)
         if refusal is not None:
             refusal = refusal.replace("restart_workers", "restart_nodes")
-            node.failed = RayNodeError(node.index, f"{node.name()} {why}; not restarted: {refusal}")
-            raise node.failed
+            failure = RayNodeError(node.index, f"{node.name()} {why}; not restarted: {refusal}", remote_traceback, error)
+            if not serves or self.restarts.enabled:
+                self._kill(node)
+                node.failed, node.queue, node.head_deadline = failure, [], None
+            raise failure
+        lost = node.queue
+        self._kill(node)
         self.restarts.record(node.index)
         logger.warning("ray sampler: %s %s; restarting it (%d so far)", node.name(), why, self.restarts.counts[node.index])
         node.incarnation += 1
@@ -265,12 +288,20 @@ class NodePool:
     def check_usable(self, node: Node | None = None) -> None:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
         if self.closed:
-            raise EnvManagerError("the ray sampler is closed")
+            raise ManagerClosedError("the ray sampler is closed")
         if not self.session_alive():
             raise RaySessionError("the Ray session this sampler ran in is gone (ray.shutdown() was called, or its "
                                   "head node was lost): close the sampler and make a new one")
         if node is not None and node.failed is not None:
             raise node.failed
+
+    def raise_given_up(self) -> None:
+        """What makes a collection call futile, at once: closed, the session gone, or a node
+        given up (its error, on every later call, as a process the local samplers gave up)."""
+        self.check_usable()
+        for node in self.nodes:
+            if node.failed is not None:
+                raise node.failed
 
     def session_alive(self) -> bool:
         """Whether the Ray session the nodes run in is still this process's (never starts one:
@@ -282,41 +313,42 @@ class NodePool:
 
     def wait(self) -> list[tuple[Request, Any]]:
         """Block until at least one request is done (first-ready across nodes), then take every
-        other one already done. Returns ``(request, answer)`` pairs; a request whose node died or
-        hung is answered ``None`` after the node was restarted (or ``RayNodeError`` raised).
-        Answers taken before an error is raised are returned by the next call."""
-        if self._held:
-            out, self._held = self._held, []
-            return out
+        other one already done. Returns ``(request, answer)`` pairs. Answers come first: a node
+        fault found meanwhile (died, hung, its sampler raised) is handled by the next call, once
+        the caller has booked them (so a restarted node goes on from every episode they hold);
+        a request that died with its node is answered ``None`` after the node was restarted,
+        or ``RayNodeError`` is raised."""
         self.check_usable()
         self._check_updates()
-        pending = {r.ref: r for node in self.nodes for r in node.queue}
-        if not pending:
-            return []
-        soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=soonest)
-        if ready:  # drain whatever else is done too, without waiting
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-        # Hung is judged now, before any restart below (which may take up to start_timeout).
-        done = set(ready)
-        hung = [(node, node.incarnation) for node in self.nodes if node.queue and node.head_deadline is not None
-                and node.head_deadline.passed() and node.queue[0].ref not in done]
         out: list[tuple[Request, Any]] = []
-        try:
+        if not self._faults:
+            pending = {r.ref: r for node in self.nodes for r in node.queue}
+            if not pending:
+                return []
+            soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=soonest)
+            if ready:  # drain whatever else is done too, without waiting
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
+            self._faults += [Fault(node, node.incarnation, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
+                             for node in self.nodes if node.queue and node.head_deadline is not None
+                             and node.head_deadline.passed() and node.queue[0].ref not in done]
             self._take(ready, pending, out)
-            for node, incarnation in hung:
-                if node.incarnation != incarnation or not node.queue:  # restarted meanwhile
-                    continue
-                if ray.wait([node.queue[0].ref], timeout=0)[0]:  # done during a restart: the next wait takes it
-                    continue
-                out += [(r, None) for r in self.lost(node, f"missed its {self.timeout:g} s deadline (hung)")]
-        except BaseException:
-            self._held = out
-            raise
+        if out:
+            return out
+        while self._faults:
+            fault = self._faults.pop(0)
+            node = fault.node
+            if node.incarnation != fault.incarnation or node.failed is not None:
+                continue  # restarted or given up meanwhile
+            if fault.hung and (not node.queue or ray.wait([node.queue[0].ref], timeout=0)[0]):
+                continue  # done meanwhile: the next wait takes it
+            lost = self.failed(node, fault.why, fault.error, fault.remote_traceback, fault.serves)
+            out += [(r, None) for r in ([fault.request] if fault.request is not None else []) + lost]
         return out
 
     def _take(self, ready: list[Any], pending: dict[Any, Request], out: list[tuple[Request, Any]]) -> None:
-        """The answers of ``ready`` into ``out``; a node that died is restarted."""
+        """The answers of ``ready`` into ``out``; a node fault found in them, noted for ``wait``."""
         for ref in ready:
             request = pending[ref]
             node = self.nodes[request.node]
@@ -325,43 +357,28 @@ class NodePool:
             try:
                 answer = ray.get(ref, timeout=self.timeout)
             except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
-                out += [(r, None) for r in self.lost(node, f"died ({type(exc).__name__})")]
+                self._faults.append(Fault(node, node.incarnation, f"died ({type(exc).__name__})"))
                 continue
-            except RayTaskError as exc:  # answered, with the node's error: that request is done
-                node.queue.remove(request)
-                node.head_deadline = Deadline(self.timeout) if node.queue else None
-                raise RayNodeError(node.index, f"{node.name()} raised during {request.kind}: {exc.cause!r}", str(exc),
-                                   exc.cause) from None
+            except RayTaskError as exc:  # answered with the node's error: that request is done
+                failure = exc.cause if isinstance(exc.cause, NodeFailure) else NodeFailure(exc.cause, True)
+                self._faults.append(Fault(node, node.incarnation, f"raised during {request.kind}: {failure.error!r}",
+                                          request=request, error=failure.error, remote_traceback=str(exc),
+                                          serves=failure.serves))
+                answer = None
             except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
-                out += [(r, None) for r in self.lost(node, f"failed ({type(exc).__name__}: {exc})")]
+                self._faults.append(Fault(node, node.incarnation, f"failed ({type(exc).__name__}: {exc})"))
                 continue
             node.queue.remove(request)
             node.head_deadline = Deadline(self.timeout) if node.queue else None
-            out.append((request, answer))
+            if answer is not None:
+                out.append((request, answer))
 
     def _check_updates(self) -> None:
-        """Answers of updates sent earlier: an error is raised naming the node; a dead node's is dropped."""
-        if not self._updates:
-            return
-        refs = [ref for _, _, ref in self._updates]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = set(ready)
-        keep = []
-        for node, incarnation, ref in self._updates:
-            if ref not in done:
-                keep.append((node, incarnation, ref))
-                continue
-            try:
-                ray.get(ref, timeout=self.timeout)
-            except (RayActorError, ObjectLostError):
-                pass  # the node died: its collection calls report it, and a restart replays the updates
-            except RayTaskError as exc:
-                if incarnation == node.incarnation:
-                    raise RayNodeError(node.index, f"{node.name()} rejected an update: {exc.cause!r}", str(exc)) from None
-            except RayError as exc:
-                if incarnation == node.incarnation:
-                    raise RayNodeError(node.index, f"{node.name()}: its update failed: {type(exc).__name__}: {exc}") from None
-        self._updates = keep
+        """Forget the updates whose answers are in. One that failed on its node fails the node's
+        next request (the node keeps the error), so it takes the one failure path there."""
+        if self._updates:
+            done = set(ray.wait([ref for _, _, ref in self._updates], num_returns=len(self._updates), timeout=0)[0])
+            self._updates = [u for u in self._updates if u[2] not in done]
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
@@ -380,7 +397,7 @@ class NodePool:
         if self._job_id is not None and not self.session_alive():  # its actors went with it: nothing to end
             for node in self.nodes:
                 node.actor, node.queue = None, []
-            self._updates, self._held = [], []
+            self._updates, self._faults = [], []
             if self._session is not None:
                 _Session.leave(self._session)
                 self._session = None
@@ -400,7 +417,7 @@ class NodePool:
             _Session.leave(self._session)
             self._session = None
         self._updates = []
-        self._held = []
+        self._faults = []
         for node in self.nodes:
             node.queue = []
 

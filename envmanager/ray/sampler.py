@@ -21,7 +21,7 @@ import ray
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.ray.node import COUNTERS
-from envmanager.ray.nodes import Node, NodePool, Request
+from envmanager.ray.nodes import Node, NodePool, RayNodeError, Request
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.learner import feed_fragments
 
@@ -55,7 +55,9 @@ class RaySampler:
             ``env_timeout``: the deadline of each env step on the node (its manager's ``timeout``);
             keep it below ``timeout`` so a hung env is reported by its node, naming the env.
         restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s:
-            restarts of hung or dead nodes (per node, ML-Agents' rule).
+            restarts of a node that died, hung, or whose sampler raised (an env fault its own
+            ``restart_workers`` did not absorb, a policy error), per node (ML-Agents' rule).
+            Past the limits, or off: ``RayNodeError`` (see the README's fault model).
         actor_options: Ray actor options (``num_cpus``, ``resources``, ``scheduling_strategy``,
             ``runtime_env``...); default one CPU per node, spread over the cluster.
         ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (that
@@ -125,6 +127,8 @@ class RaySampler:
             self._weights = (self.policy_version, weights)
         if weights is not None or per_slot is not None:
             for node in self._pool.nodes:
+                if node.failed is not None:  # given up: its error is raised by every collection call
+                    continue
                 self._pool.send_update(node, self.policy_version if weights is not None else None, weights,
                                        None if per_slot is None else _slice(per_slot, node))
         return self.policy_version, self.env_version
@@ -154,10 +158,11 @@ class RaySampler:
         ``in_flight`` fragments under way between calls; episodes continue across calls."""
         _positive("n", n)
         self.update(agent_update, env_update)
+        self._pool.raise_given_up()
         while self.buffered_steps < n:
             if self.first_ready:
                 self._top_up()
-                self._handle(self._pool.wait())
+                self._wait()
             else:
                 self._round()
         batch = self._take(n)
@@ -192,15 +197,18 @@ class RaySampler:
         requests = [self._pool.submit(node, "steps", self.fragment_steps) for node in self._pool.nodes]
         answers: dict[int, tuple[Request, Any]] = {}
         while len(answers) < len(requests):
-            for request, answer in self._pool.wait():
-                answers[request.node] = (request, answer)
-        self._handle([answers[i] for i in sorted(answers)])
+            for request, answer in self._receive():
+                if request in requests:
+                    answers[request.node] = (request, answer)
+                else:  # an answer to an earlier call
+                    self._book([(request, answer)])
+        self._book([answers[i] for i in sorted(answers)])
 
     def _top_up(self) -> None:
         if not self.first_ready:
             return
         for node in self._pool.nodes:
-            if all(r.kind == "steps" for r in node.queue):
+            if node.failed is None and all(r.kind == "steps" for r in node.queue):
                 while len(node.queue) < self.in_flight:
                     self._pool.submit(node, "steps", self.fragment_steps)
 
@@ -215,9 +223,26 @@ class RaySampler:
             have += len(batch)
         return TransitionBatch.concatenate(parts)
 
-    def _handle(self, answers: list[tuple[Request, Any]]) -> list[tuple[Request, Any]]:
-        """Book every answer; returns the episode answers (and lost requests) for the caller."""
-        others = []
+    def _wait(self, asked: Sequence[Request] = ()) -> list[tuple[Request, Any]]:
+        return self._book(self._receive(), asked)
+
+    def _receive(self) -> list[tuple[Request, Any]]:
+        """The next answers. After a node error raised here the node's running episodes never
+        continue (as the local ``Sampler``'s after an error); a node given up takes its own
+        count of them along, so they are counted here as ``failed_episodes``."""
+        try:
+            return self._pool.wait()
+        except RayNodeError as exc:
+            node = self._pool.nodes[exc.node]
+            failed = self._forget_open(node)
+            if node.failed is not None and failed:
+                self.stats.count("failed_episodes", failed)
+            raise
+
+    def _book(self, answers: list[tuple[Request, Any]], asked: Sequence[Request] = ()) -> list[tuple[Request, Any]]:
+        """Book answers; returns those of ``asked`` (episode requests; ``None``: lost with its
+        node). An episode answer nobody asks for any more (its call raised) is dropped, counted."""
+        out = []
         for request, answer in answers:
             node = self._pool.nodes[request.node]
             if answer is None:
@@ -228,13 +253,17 @@ class RaySampler:
                     np.maximum.at(self._seen, batch.worker_ids, batch.episode_ids // self.n_workers)
                 for key in COUNTERS:
                     self.stats.count(key, counters.get(key, 0))
-                self.cut_episodes.extend(counters.get("cut_episodes", ()))  # cut inside the node: rows flagged there
                 if request.kind == "steps":
                     self._book_fragment(batch)
-            if request.kind != "steps":
-                self._forget_open(node)
-                others.append((request, None if answer is None else answer[0]))
-        return others
+                self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
+            if request.kind == "steps":
+                continue
+            self._forget_open(node)
+            if request in asked:
+                out.append((request, None if answer is None else answer[0]))
+            elif answer is not None:
+                self.stats.count("dropped_steps", len(answer[0]))
+        return out
 
     def _book_fragment(self, batch: TransitionBatch) -> None:
         self.stats.count("fragments")
@@ -251,17 +280,21 @@ class RaySampler:
 
     def _node_lost(self, node: Node, request: Request) -> None:
         """A request died with its node (already restarted). A fragment's episodes still running
-        are cut: flagged where their steps are not handed out yet, and counted; an episode
-        request's answer is lost whole (counted; the caller asks the new node again)."""
+        are cut; an episode request's answer is lost whole (counted; the caller asks the new
+        node again)."""
         self.stats.count("lost_requests")
-        if request.kind != "steps":
-            return
-        for slot in range(node.offset, node.offset + node.n_envs):
-            episode = self._open.pop(slot, None)
-            if episode is None:
-                continue
+        if request.kind == "steps":
+            slots = range(node.offset, node.offset + node.n_envs)
+            self._cut([self._open[s] for s in slots if s in self._open], counted=False)
+
+    def _cut(self, episodes: Sequence[int], counted: bool) -> None:
+        """``episodes`` were cut (by a restart inside a node, ``counted`` there, or of a node):
+        listed, no longer running, and their rows not handed out yet flagged ``interrupted``."""
+        for episode in episodes:
             self.cut_episodes.append(episode)
-            self.stats.count("interrupted_episodes")
+            if not counted:
+                self.stats.count("interrupted_episodes")
+            self._open = {s: e for s, e in self._open.items() if e != episode}
             for batch in self._buffer:
                 batch.interrupted[batch.episode_ids == episode] = True
 
@@ -273,6 +306,7 @@ class RaySampler:
         (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
         _positive("num_samples", num_samples)
         self.update(agent_update, env_update)
+        self._pool.raise_given_up()
         logger.debug("ray obtain_samples itr=%s num_samples=%d", itr, num_samples)
         chunk = max(1, min(self.fragment_steps, -(-num_samples // self.n_nodes)))
         got: list[tuple[int, EpisodeBatch]] = []
@@ -280,9 +314,7 @@ class RaySampler:
         for node in self._pool.nodes:
             outstanding.append(self._pool.submit(node, "samples", chunk))
         while outstanding:
-            for request, batch in self._handle(self._pool.wait()):
-                if request not in outstanding:
-                    continue
+            for request, batch in self._wait(outstanding):
                 outstanding.remove(request)
                 node = self._pool.nodes[request.node]
                 if batch is not None:
@@ -305,6 +337,7 @@ class RaySampler:
         if len(quotas) != self.n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
             raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
         self.update(agent_update, env_update)
+        self._pool.raise_given_up()
         got: dict[int, EpisodeBatch] = {}
         outstanding = []
         for node in self._pool.nodes:
@@ -312,9 +345,7 @@ class RaySampler:
             if sum(local):
                 outstanding.append(self._pool.submit(node, "episodes", local))
         while outstanding:
-            for request, batch in self._handle(self._pool.wait()):
-                if request not in outstanding:
-                    continue
+            for request, batch in self._wait(outstanding):
                 outstanding.remove(request)
                 if batch is None:
                     self.stats.count("lost_episodes", sum(request.arg))
@@ -335,11 +366,10 @@ class RaySampler:
         quotas = n if per_worker else [n // k + (1 if i < n % k else 0) for i in range(k)]  # round robin, fixed up front
         return self.obtain_exact_episodes(quotas, agent_update, env_update)
 
-    def _forget_open(self, node: Node) -> None:
-        """An episode request makes the node's running episodes run out unrecorded (as the
-        local ``Sampler`` does); they never continue in a fragment."""
-        for slot in range(node.offset, node.offset + node.n_envs):
-            self._open.pop(slot, None)
+    def _forget_open(self, node: Node) -> int:
+        """The node's running episodes never continue in a fragment (an episode request makes
+        them run out unrecorded, as the local ``Sampler`` does; or the node failed): how many."""
+        return sum(self._open.pop(slot, None) is not None for slot in range(node.offset, node.offset + node.n_envs))
 
     def _top_up_if_streaming(self) -> None:
         if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):

@@ -8,7 +8,7 @@ never silently replaced. Results come in (worker, admission) order.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from envmanager.sampler.batches import Step
 

@@ -184,7 +184,7 @@ class LearnerFeed:
                     self._finish()
             else:
                 self._run_buffered()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, never lost
+        except BaseException as exc:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()

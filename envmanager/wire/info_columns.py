@@ -45,14 +45,14 @@ class InfoColumns(NamedTuple):
     def arrays(self) -> list[np.ndarray]:
         """The columns (read-only views of ``data``)."""
         out, offset = [], 0
-        n = self.count()
+        n = self.n_envs()
         for dtype in self.dtypes:
             dt = np.dtype(dtype.removeprefix("py:"))
             out.append(np.frombuffer(self.data, dt, n, offset))
             offset += n * dt.itemsize
         return out
 
-    def count(self) -> int:
+    def n_envs(self) -> int:
         """How many envs' infos the columns hold."""
         width = sum(np.dtype(d.removeprefix("py:")).itemsize for d in self.dtypes)
         return len(self.data) // width if width else 0
@@ -60,10 +60,11 @@ class InfoColumns(NamedTuple):
     def dicts(self, positions: list[int] | None = None) -> list[dict[str, Any]]:
         """The envs' own info dicts (at ``positions``, default all), values as they were."""
         columns = []
-        for dtype, column in zip(self.dtypes, self.arrays()):
+        for dtype, column in zip(self.dtypes, self.arrays(), strict=True):
             columns.append(column.tolist() if dtype.startswith("py:") else list(column))
-        n = self.count()
-        return [{k: c[i] for k, c in zip(self.keys, columns)} for i in (range(n) if positions is None else positions)]
+        n = self.n_envs()
+        rows = range(n) if positions is None else positions
+        return [{k: c[i] for k, c in zip(self.keys, columns, strict=True)} for i in rows]
 
 
 #: Columns cost a few numpy operations per key where dicts cost some per env and key: below

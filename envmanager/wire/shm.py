@@ -186,7 +186,8 @@ class SharedBuffers:
 
     @classmethod
     def create(
-        cls, n_envs: int, observation_space: spaces.Space | None, action_space: spaces.Space | None, file: SharedFile | None = None
+        cls, n_envs: int, observation_space: spaces.Space | None, action_space: spaces.Space | None,
+        file: SharedFile | None = None,
     ) -> SharedBuffers:
         """Shared arrays in ``file`` (sized here), or, without one, in a new named segment."""
         if file is not None:

@@ -18,8 +18,9 @@ data path, sequence numbers and error answers are the same. The parent side has 
 
 from __future__ import annotations
 
-from multiprocessing.connection import Connection, wait as wait_for_ready
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_ready
+from typing import Any, cast
 
 from envmanager.wire.messages import EnvironmentResponse, decode_notice
 from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
@@ -55,7 +56,7 @@ class PortableAnswers:
         """Block up to ``timeout`` s until an answer or a process end; the ended sentinels."""
         ready = wait_for_ready([*self._open(), *self._sentinels], max(0.0, timeout))
         # Sentinels are ints (fds, or handles on Windows, where pipes are not ``Connection``s).
-        self._ready = [r for r in ready if not isinstance(r, int)]
+        self._ready = [cast(Connection, r) for r in ready if not isinstance(r, int)]  # not ints: our pipes
         return [r for r in ready if isinstance(r, int)]
 
     def take(self) -> list[EnvironmentResponse]:
@@ -63,7 +64,7 @@ class PortableAnswers:
         ready, self._ready = self._ready, None
         if ready is None:
             conns = self._open()
-            ready = wait_for_ready(conns, 0) if conns else []
+            ready = cast(list[Connection], wait_for_ready(conns, 0)) if conns else []  # it returns what it got
         out = []
         for conn in ready:
             try:

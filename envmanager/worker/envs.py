@@ -7,7 +7,8 @@ import logging
 import pickle
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 import numpy as np

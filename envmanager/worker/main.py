@@ -14,14 +14,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
+)
+from envmanager.wire.messages import (
     decode_request,
     decode_request_header,
     encode_answer,

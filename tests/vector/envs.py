@@ -277,7 +277,8 @@ class SampledEnv(gym.Env):
     name), reseeded from ``np_random`` at every reset, so runs with the same seeds are equal.
     Episodes last ``episode_len`` steps; the action is not looked at."""
 
-    def __init__(self, observation_space: spaces.Space | str, action_space: spaces.Space | str | None = None, episode_len: int = 3):
+    def __init__(self, observation_space: spaces.Space | str, action_space: spaces.Space | str | None = None,
+                 episode_len: int = 3):
         def space(s):
             return make_dynamic_space(s) if isinstance(s, str) else s
 
@@ -413,7 +414,7 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "") -> None:
     elif isinstance(expected, (tuple, list)):
         assert isinstance(actual, (tuple, list)), f"{where}: expected sequence, got {type(actual).__name__}"
         assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_tree_equal(a, e, f"{path}[{i}]")
     elif isinstance(expected, np.ndarray):
         assert isinstance(actual, np.ndarray), f"{where}: expected ndarray, got {type(actual).__name__}"

@@ -13,12 +13,11 @@ import functools
 import threading
 import warnings
 
+import envs
 import numpy as np
 import pytest
-from gymnasium.vector.utils import batch_space, iterate
-
-import envs
 from envs import RecordingEnv, describe
+from gymnasium.vector.utils import batch_space, iterate
 
 N = 2
 

@@ -11,15 +11,14 @@ import gc
 import inspect
 import multiprocessing
 
+import envs
 import gymnasium
 import numpy as np
 import pytest
+from envs import assert_tree_equal, env_fn, env_fns, run_lockstep, worker_children
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
-
-import envs
-from envs import assert_tree_equal, env_fn, env_fns, run_lockstep, worker_children
 
 N = 3
 MODES = list(AutoresetMode)
@@ -437,7 +436,7 @@ class Pool:
             self.vec.send(actions)
         else:
             self.vec.send(actions, np.asarray(targets))
-        for i, a in zip(targets, actions):
+        for i, a in zip(targets, actions, strict=True):
             self.in_flight.add(i)
             self.sent[i] += 1
             self.last[i] = a
@@ -492,7 +491,7 @@ def test_partial_batches_return_ready_envs_first(make_async, gates):
     vec.reset(seed=0)
     pool = Pool(vec, n)
     pool.send()
-    with pytest.raises(Exception):  # env 2 is still stepping: rejected, nothing sent
+    with pytest.raises(ValueError, match="not received yet"):  # env 2 is still stepping: rejected, nothing sent
         vec.send(np.zeros((1, 3), dtype=np.float32), np.array([2]))
     for _ in range(3):  # envs 2 and 3 wait at their gate, so only 0 and 1 can come back
         ids, obs, *_ = pool.recv(batch)

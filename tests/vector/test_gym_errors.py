@@ -10,13 +10,12 @@ import functools
 import re
 import warnings
 
+import envs
 import gymnasium
 import numpy as np
 import pytest
-from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError, ResetNeeded
-
-import envs
 from envs import assert_tree_equal, env_fn, env_fns
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError, ResetNeeded
 
 N = 2
 
@@ -51,14 +50,14 @@ def test_envs_without_order_enforcing_are_stepped_before_reset(make_async):
     # gymnasium's test_async_vector_subenv_error steps envs never reset: only OrderEnforcing
     # (which gymnasium.make adds) refuses that, in the env. Envs already reset by their
     # factory are stepped too.
-    fns = env_fns(N, max_len=None) + [functools.partial(envs.order_enforced_env, reset=True, max_len=None)]
+    fns = [*env_fns(N, max_len=None), functools.partial(envs.order_enforced_env, reset=True, max_len=None)]
     vec = make_async(fns)
     vec.step(vec.action_space.sample())
     assert vec.get_attr("step_count") == (1, 1, 1)
 
 
 def test_order_enforcing_env_among_others_refuses_the_step(make_async):
-    fns = [functools.partial(envs.order_enforced_env, max_len=None)] + env_fns(N, max_len=None)
+    fns = [functools.partial(envs.order_enforced_env, max_len=None), *env_fns(N, max_len=None)]
     vec = make_async(fns)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gymnasium reports the env that raised

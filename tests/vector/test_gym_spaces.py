@@ -11,13 +11,12 @@ import functools
 import gc
 import re
 
+import envs
 import numpy as np
 import pytest
+from envs import DYNAMIC_KINDS, SampledEnv, has_dynamic_shape, run_lockstep, worker_children
 from gymnasium.spaces import Box, Dict, Discrete
 from gymnasium.vector.utils import batch_differing_spaces
-
-import envs
-from envs import DYNAMIC_KINDS, SampledEnv, has_dynamic_shape, run_lockstep, worker_children
 
 N = 2
 
@@ -47,7 +46,9 @@ def test_dynamic_spaces_step_as_sync_vector_env(impl, make_async, make_sync, kin
     fns = [functools.partial(SampledEnv, kind, kind)] * N
     if shared_memory and has_dynamic_shape(kind) and envs.REFERENCE:
         # gymnasium refuses; ours sends such observations pickled (a documented difference)
-        assert_refused(impl, fns, TypeError, "has a dynamic shape so its not possible to make a static shared memory. For `AsyncVectorEnv`, disable `shared_memory`.",
+        assert_refused(impl, fns, TypeError,
+                       "has a dynamic shape so its not possible to make a static shared memory. "
+                       "For `AsyncVectorEnv`, disable `shared_memory`.",
                        anywhere=True, shared_memory=True)
         return
     vec, ref = make_async(fns, shared_memory=shared_memory), make_sync(fns)

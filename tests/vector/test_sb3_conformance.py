@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("stable_baselines3")
-from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv  # noqa: E402
-
-import envs  # noqa: E402
-from envs import assert_tree_equal, env_fn, env_fns, worker_children  # noqa: E402
+import envs
+from envs import assert_tree_equal, env_fn, env_fns, worker_children
+from stable_baselines3.common.vec_env import DummyVecEnv, VecEnv
 
 N = 3
 

@@ -1,0 +1,339 @@
+"""RaySampler's fault matrix: the faults of ``test_sampler_faults.py`` on a Ray node, and the
+node's own (its actor killed, or hung), on a real local Ray session with real env processes.
+
+Two layers restart: a node's ``Sampler`` restarts its env processes (``restart_workers``), the
+driver restarts nodes (``restart_nodes``). A fault goes to the layer it happens in, and what a
+layer does not absorb goes to the one above (as RLlib's sub-env and env-runner restarts):
+
+* ``on``: both restart; an env fault is absorbed inside its node, a policy fault restarts the node;
+* ``nodes`` (the default): an env fault escapes its node's sampler, so the node is restarted;
+* ``off``: ``RayNodeError`` naming the node, its ``cause`` the global slot; a node whose sampler
+  can go on serves on, one that is dead, hung or gave up a process raises at once after that.
+
+Each case checks the data of every call (``check_rows``: no id spans two env episodes, the
+recorded action is what the env got, no step lost or repeated, cut episodes flagged and
+listed), that every call returns within its deadline, and that no process is left running.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
+
+from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
+from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
+from envmanager.sampler import TransitionBatch  # noqa: E402
+from fault_envs import ENV_FAULTS, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, pid_of, update_raising_once  # noqa: E402
+from ray_helpers import alive, node_trees, ray_session  # noqa: E402,F401
+
+N, NODE, SLOT = 4, 1, 3  # two nodes of two slots (one env process each); the fault strikes slot 3, on node 1
+TIMEOUT = 60.0  # the driver's deadline per node request
+ENV_TIMEOUT = 30.0  # each node manager's deadline per answer (its env processes' start-up too)
+HANG = 10.0  # the deadline a hang is judged by: the env's in its node, or the node's in the driver
+MARGIN = 30.0  # what a call may take beyond its deadline here: restarts of a node, a loaded machine
+MODES = {"on": (True, True), "nodes": (False, True), "off": (False, False)}  # (restart_workers, restart_nodes)
+
+pytestmark = pytest.mark.timeout(300)  # a case starts two or three nodes, and may wait out a hang
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_session):  # noqa: F811
+    yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Replaces the suite's per-test leak check (Ray's processes live for the module): each case
+    checks that every process its nodes ran is gone after close."""
+    yield
+
+
+def make(fault: str | None, marker: str, mode: str, slow_node_0: float = 0.0, **options) -> RaySampler:
+    workers, nodes = MODES[mode]
+    defaults = {"nodes": 2, "envs_per_node": 2, "envs_per_worker": 2, "fragment_steps": 16, "seed": 0, "timeout": TIMEOUT,
+                "start_timeout": 60.0, "env_timeout": ENV_TIMEOUT, "restart_workers": workers, "restart_nodes": nodes}
+    factory = FaultFactory(fault, marker, slow_node_0, slot=SLOT, slow=(0, 1))
+    return RaySampler(factory, FaultPolicy(fault, marker, slot=SLOT), **{**defaults, **options})
+
+
+class Run:
+    """Calls on one sampler: each timed, its data checked against the episodes listed as cut
+    when it returned, and the processes its nodes run noted (to check they end with it)."""
+
+    def __init__(self, sampler: RaySampler, timeout: float = TIMEOUT) -> None:
+        self.sampler, self.timeout = sampler, timeout
+        self.batches: list[TransitionBatch] = []
+        self.pids = set(node_trees(sampler))
+
+    def __call__(self, episodes: bool = False) -> TransitionBatch:
+        started = time.monotonic()
+        try:
+            batch = self.sampler.obtain_exact_episodes(1) if episodes else self.sampler.obtain_steps(40)
+        finally:
+            assert time.monotonic() - started < self.timeout + MARGIN, "a call took longer than its deadline"
+            self.pids |= set(node_trees(self.sampler))
+        check_rows(batch, self.sampler.cut_episodes, N)
+        self.batches.append(batch)
+        return batch
+
+    def until(self, handled, after: int = 3) -> None:
+        """Collect until ``handled()`` (the fault was absorbed) and slot ``SLOT`` delivered after
+        that (first-ready: the other node goes on meanwhile), then ``after`` calls more, the
+        last of whole episodes."""
+        give_up = time.monotonic() + 120  # a bound on the loop, not a timing assertion
+        delivered = False
+        while not delivered and time.monotonic() < give_up:
+            done = handled()
+            delivered = SLOT in self().worker_ids and done
+        assert delivered, "the fault was never absorbed, or its slot never delivered again"
+        for i in range(after):
+            self(episodes=i == after - 1)
+
+    def raises(self) -> RayNodeError:
+        """Collect until a call raises ``RayNodeError``; it names the faulty node."""
+        give_up = time.monotonic() + 120  # a bound on the loop, not a timing assertion
+        with pytest.raises(RayNodeError) as caught:
+            while time.monotonic() < give_up:
+                self()
+        assert caught.value.node == NODE, caught.value
+        return caught.value
+
+    def node_restarted(self) -> bool:
+        return self.sampler.restart_count(NODE) >= 1
+
+    def worker_restarted(self) -> bool:
+        return self.sampler.stats.counters.get("worker_restarts", 0) >= 1
+
+    def raises_at_once(self, like: RayNodeError) -> None:
+        """A node given up: every later call raises its error at once."""
+        started, held = time.monotonic(), self.sampler.buffered_steps
+        with pytest.raises(RayNodeError) as later:
+            self.sampler.obtain_steps(40)
+        assert time.monotonic() - started < HANG, "an error already known waited for a deadline"
+        assert self.sampler.buffered_steps == held, "the call took steps it did not hand out"
+        assert later.value.node == NODE and type(later.value.cause) is type(like.cause)
+
+    def slot_pids(self) -> set[int]:
+        """The env processes that ran slot ``SLOT`` (its observations carry their pid)."""
+        rows = [b.next_observations[b.worker_ids == SLOT, 2] for b in self.batches]
+        return {pid_of(n) for r in rows for n in r.tolist()}
+
+    def close(self) -> TransitionBatch:
+        try:
+            self.pids |= set(node_trees(self.sampler))
+            cut = list(self.sampler.cut_episodes)
+        finally:
+            self.sampler.close()
+        assert not alive(sorted(self.pids)), "processes of the nodes outlived the sampler"
+        everything = TransitionBatch.concatenate(self.batches)
+        check_rows(everything, cut, N, whole=False)  # across calls: nothing lost or repeated
+        return everything
+
+
+def good_actions(batch: TransitionBatch) -> bool:
+    """No env got an action that does not fit ``Discrete(3)``."""
+    return set(batch.next_observations[:, 1].tolist()) <= {0.0, 1.0, 2.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Env faults on a node: in a step, a reset, an env update; raise, SIGKILL, hang
+
+
+#: Every env fault with restarts on and off; with node restarts only, one of each way out of a
+#: node's sampler (it raised and serves on, it gave a process up, a hang) and the replayed update.
+ENV_CASES = [(f, m) for f in (*ENV_FAULTS, "update_raise") for m in ("on", "off")] + [
+    (f, "nodes") for f in ("step_raise", "step_kill", "reset_hang", "update_raise")]
+
+
+@pytest.mark.parametrize("fault, mode", ENV_CASES)
+def test_env_fault(fault, mode, tmp_path):
+    marker = str(tmp_path / "struck")
+    how = fault.split("_")[1]
+    run = Run(make(fault, marker, mode, env_timeout=HANG if how == "hang" else ENV_TIMEOUT))
+    try:
+        if fault == "update_raise":
+            run.sampler.update(env_update=update_raising_once(marker, slot=SLOT))
+        if mode == "off":
+            error = run.raises()
+            cause = error.cause
+            assert SLOT in cause.worker_ids and f"{SLOT}" in str(cause) and "slots 2–3" in str(error), error
+            if how == "raise":  # the env's own error and traceback; the node serves on
+                assert isinstance(cause, WorkerError) and cause.worker_id == SLOT and "blew up" in cause.remote_traceback
+                run.until(lambda: True)
+            else:  # the env's process is given up: named, killed, and raised at once from now on
+                assert isinstance(cause, WorkerDiedError if how == "kill" else WorkerTimeoutError), cause
+                assert how == "kill" or cause.hung is True
+                assert not alive(sorted(run.slot_pids()), timeout=5.0), "the failed env process was left running"
+                run.raises_at_once(error)
+        else:
+            run.until(run.worker_restarted if mode == "on" else run.node_restarted)
+        stats, cut = run.sampler.stats.stats(), list(run.sampler.cut_episodes)
+        node_restarts = run.sampler.restart_count(NODE)
+        assert run.sampler.restart_count(0) == 0
+    finally:
+        everything = run.close()
+    assert node_restarts == (1 if mode == "nodes" else 0)
+    assert stats.get("worker_restarts", 0) == (1 if mode == "on" else 0)  # inside the node
+    assert good_actions(everything)
+    if mode != "off" or how == "raise":  # every slot delivered (else node 1 was given up, maybe before it did)
+        assert set(everything.worker_ids.tolist()) == set(range(N))
+    if mode == "on" and fault.startswith("step"):  # its running episode (one step done) cut and listed, its
+        # rows kept (flagged unless handed out before the cut was known: check_rows, call by call)
+        assert [e for e in cut if e % N == SLOT] and set(cut) & set(everything.episode_ids.tolist())
+    if mode == "nodes":  # the lost requests are counted; what the node ran and the driver saw is cut
+        assert stats["lost_requests"] >= 1 and all(e % N in (2, 3) for e in cut)
+    if fault == "update_raise":  # replayed on a restarted process or node, or tried again before the next episode
+        assert (everything.env_versions == 1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy faults on a node: it raises, or gives too few actions, a fraction, a value out of range
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("fault", POLICY_FAULTS)
+def test_policy_fault(fault, mode, tmp_path):
+    marker = str(tmp_path / "struck")
+    run = Run(make(fault, marker, mode))
+    try:
+        if mode == "on":  # the node's fault: restarted, its episodes cut, collection goes on
+            run.until(run.node_restarted)
+        else:  # the node's error, naming it; nothing was sent to an env; the node serves on
+            error = run.raises()
+            expected = RuntimeError if fault == "policy_raise" else InvalidInputError
+            assert isinstance(error.cause, expected), error
+            why = {"policy_raise": "policy blew up", "policy_count": "rows", "policy_dtype": "integer",
+                   "policy_range": "Discrete(3)"}[fault]
+            assert why in str(error), error
+            run.until(lambda: True)
+        node_restarts = run.sampler.restart_count(NODE)
+        stats, cut = run.sampler.stats.stats(), list(run.sampler.cut_episodes)
+    finally:
+        everything = run.close()
+    assert node_restarts == (1 if mode == "on" else 0) and stats.get("worker_restarts", 0) == 0
+    assert good_actions(everything) and set(everything.worker_ids.tolist()) == set(range(N))
+    if mode == "on":  # its requests lost with it, what it ran and the driver saw cut
+        assert stats["lost_requests"] >= 1 and all(e % N in (2, 3) for e in cut)
+
+
+# ---------------------------------------------------------------------------------------------
+# The node's own faults: its actor killed (a lost raylet: test_ray_cluster.py), or hung
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("fault", ["node_kill", "node_hang"])
+def test_node_fault(fault, mode, tmp_path):
+    marker = str(tmp_path / "struck")
+    if fault == "node_kill":
+        run = Run(make(None, marker, mode))
+    else:  # an env hangs past the driver's deadline, long before its node's own (60 s): the node is hung
+        run = Run(make("step_hang", marker, mode, timeout=HANG, env_timeout=None), timeout=HANG)
+    try:
+        run.sampler.update(agent_update=5)
+        run()
+        old = run.sampler.node_info()[NODE]
+        if fault == "node_kill":  # once the driver holds an episode of the node still running
+            give_up = time.monotonic() + 60  # a bound on the loop, not a timing assertion
+            while not {e % N for e in run.sampler.open_episodes} & {2, 3} and time.monotonic() < give_up:
+                run()
+            running = len({e % N for e in run.sampler.open_episodes} & {2, 3})
+            assert running
+            run.sampler.kill_node(NODE)
+        if mode == "on":
+            run.until(run.node_restarted, after=4)
+            assert run.sampler.node_info()[NODE]["pid"] != old["pid"]
+        else:
+            error = run.raises()
+            assert ("died" if fault == "node_kill" else "hung") in str(error) and "restarts are disabled" in str(error)
+            assert fault != "node_kill" or run.sampler.stats.counters["failed_episodes"] == running  # none continues
+            run.raises_at_once(error)
+        node_restarts = run.sampler.restart_count(NODE)
+        stats, cut = run.sampler.stats.stats(), list(run.sampler.cut_episodes)
+    finally:
+        everything = run.close()
+    assert not alive([old["pid"], *old["worker_pids"]], timeout=5.0), "the lost node's processes outlived it"
+    assert node_restarts == (1 if mode == "on" else 0)
+    if mode == "on":  # the new node serves with the newest weights; what the old one ran is cut
+        last = TransitionBatch.concatenate(run.batches[-3:])
+        assert {2, 3} <= set(last.worker_ids.tolist()) and (last.policy_versions == 1).all()
+        assert (last.agent_infos["params"] == 5).all()
+        assert stats["lost_requests"] >= 1 and stats["interrupted_episodes"] >= len(cut) >= 1
+        assert all(e % N in (2, 3) for e in cut)
+
+
+# ---------------------------------------------------------------------------------------------
+# Close from another thread in the middle of a call
+
+
+def test_close_mid_call_ends_the_call(tmp_path):
+    sampler = make(None, str(tmp_path / "unused"), "on", fragment_steps=64)
+    pids = node_trees(sampler)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(1000):
+                sampler.obtain_steps(64)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2.0)
+    sampler.close()
+    thread.join(TIMEOUT + MARGIN)
+    assert not thread.is_alive(), "a call went on after close()"
+    assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
+    assert not alive(pids)
+    sampler.close()  # idempotent
+    assert ray.is_initialized()  # the user's session is left running
+
+
+# ---------------------------------------------------------------------------------------------
+# What the driver holds when a fault is found
+
+
+def test_a_cut_inside_a_node_flags_the_rows_the_driver_holds(tmp_path):
+    """A restart inside node 1 cuts an episode whose first step came in an earlier fragment (one
+    step per slot a fragment) that the driver still holds: those rows are flagged when handed
+    out, and the episode no longer counts as running."""
+    sampler = make("step_raise", str(tmp_path / "struck"), "on", fragment_steps=2)
+    pids = node_trees(sampler)
+    try:
+        give_up = time.monotonic() + 60  # a bound on the loop, not a timing assertion
+        while not sampler.stats.counters.get("worker_restarts") and time.monotonic() < give_up:
+            sampler._top_up()
+            sampler._wait()  # booked, nothing handed out
+        cut = list(sampler.cut_episodes)
+        assert [e for e in cut if e % N == SLOT] and not set(cut) & sampler.open_episodes
+        batch = sampler.obtain_steps(sampler.buffered_steps)
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    check_rows(batch, cut, N)  # every row of a cut episode in it is flagged
+    assert batch.interrupted.any()
+
+
+def test_episodes_of_a_call_that_raised_are_dropped_and_counted(tmp_path):
+    """``obtain_exact_episodes`` raises node 1's policy error while node 0 (slow) still collects
+    its episodes: they arrive during a later call, which drops them, counted as ``dropped_steps``."""
+    sampler = make("policy_raise", str(tmp_path / "struck"), "off", slow_node_0=0.1)
+    pids = node_trees(sampler)
+    try:
+        with pytest.raises(RayNodeError, match="policy blew up"):
+            sampler.obtain_exact_episodes(3)
+        batches, give_up = [], time.monotonic() + 60  # a bound on the loop, not a timing assertion
+        while not any(0 in b.worker_ids for b in batches) and time.monotonic() < give_up:
+            batches.append(sampler.obtain_steps(8))
+        dropped = sampler.stats.counters["dropped_steps"]
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert dropped >= 2 * 3 * 3  # three episodes of at least three steps from each of node 0's slots
+    check_rows(TransitionBatch.concatenate(batches), [], N, whole=False)
