@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from envmanager import InvalidInputError, SubprocessEnvManager
+from envmanager import InvalidInputError, SubprocessEnvManager, WorkerError
 from envmanager.core.actions import ActionChecker
 from envmanager.core.batch import BatchEnvManager
 from envmanager.testing.envs import ControlledEnv, EnvFactory
@@ -18,6 +18,7 @@ from envmanager.wire.messages import (
     REQUEST_HEADER,
     Step,
     Stepped,
+    Values,
     decode_answer,
     decode_request,
     decode_request_header,
@@ -51,8 +52,12 @@ def test_a_step_in_shared_memory_and_its_empty_answer_are_raw():
     assert NOTICE_HEADER.unpack(header)[-1] == RAW and len(payload) == 3 * 8
     assert tuple(decode_answer(RAW, payload).env_times) == (1e-5, 2e-5, 3e-5)
     # A non-empty info, or actions that travel with the request, need a pickle.
-    header, _ = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5], infos={0: {"a": 1}}))
+    header, payload = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5], infos={0: {"a": 1}}))
     assert NOTICE_HEADER.unpack(header)[-1] == PICKLED
+    # It travels as a bare tuple (cheaper than the NamedTuple's pickle) and comes back a Stepped.
+    assert type(decode_answer(PICKLED, payload)) is Stepped and decode_answer(PICKLED, payload) == Stepped([1e-5], {0: {"a": 1}})
+    _, payload = encode_answer(Cmd.CALL, 1, 7, 0.5, Values([(1, 2)]))
+    assert type(decode_answer(PICKLED, payload)) is Values
     assert decode_request_header(encode_request(Cmd.STEP, 8, Step((0,), [1])))[2] == PICKLED
 
 
@@ -102,6 +107,23 @@ def test_partial_batches_of_one_process_step_only_the_slots_asked_for():
         assert sorted(m.receive_batch(2).slots.tolist()) == [1, 3]
         assert m.get_attr("total_steps") == [0, 1, 0, 1]
         np.testing.assert_array_equal(m.results.observation[[1, 3], 2], [1, 2])
+
+
+def test_an_env_raising_mid_lane_names_its_slot_and_the_others_deliver():
+    factory = EnvFactory(per_env={2: {"fault": "raise", "fault_at": 2}})
+    with BatchEnvManager(factory, 4, envs_per_worker=4, context="fork") as m:
+        m.send_reset(dict.fromkeys(range(4), (None, None)))
+        m.receive_reset_batch()
+        for step, actions in ((1, [1, 2, 0, 1]), (2, [2, 1, 1, 0])):
+            m.send_batch(np.arange(4), np.array(actions))
+            if step == 2:
+                with pytest.raises(WorkerError) as caught:
+                    m.receive_batch(4)
+                assert caught.value.worker_id == 2 and "failed on purpose" in str(caught.value)
+            got = m.receive_batch(3 if step == 2 else 4).slots.tolist()
+            assert sorted(got) == ([0, 1, 3] if step == 2 else [0, 1, 2, 3])
+            np.testing.assert_array_equal(m.results.observation[got, 0], [step] * len(got))
+            np.testing.assert_array_equal(m.results.reward[got], np.array(actions, dtype=float)[got])
 
 
 def test_step_infos_are_built_from_the_batch_with_previous_results_and_actions():

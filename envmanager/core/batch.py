@@ -50,6 +50,8 @@ __all__ = ["BatchEnvManager", "SlotStatus"]
 
 
 _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
+#: How long a double-buffered parent polls before it blocks (with a core of its own): a lane's work.
+DOUBLE_BUFFER_SPIN_S = 500e-6
 
 
 class BatchEnvManager:
@@ -115,10 +117,10 @@ class BatchEnvManager:
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if isinstance(self._pool.queue, StepQueue) and not self.double_buffer:
-                # The parent spins for answers where the workers spin for requests; double
-                # buffered it has half a process's work to wait out: spinning would only burn CPU.
-                self._pool.queue.spin_s = spin_s
+            if isinstance(self._pool.queue, StepQueue) and spin_s > 0:
+                # Where every process has a core; double buffered, long enough to cover a lane: a worker
+                # waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
+                self._pool.queue.spin_s = max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer else spin_s
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]

@@ -228,18 +228,31 @@ def decode_request_header(data: bytes) -> tuple[Cmd, int, int]:
     return _COMMANDS[cmd], seq, form
 
 
+#: Raw STEP requests by body: a worker sees the same few (its lanes) over and over.
+_RAW_STEPS: dict[bytes, Step] = {}
+
+
 def decode_request(cmd: Cmd, form: int, data: bytes) -> Any:
-    body = memoryview(data)[REQUEST_HEADER.size :]
     if form == RAW:
-        return Step(tuple(np.frombuffer(body, _LOCALS).tolist()))
-    return pickle.loads(body) if len(body) else None
+        body = data[REQUEST_HEADER.size :]
+        step = _RAW_STEPS.get(body)
+        if step is None:
+            if len(_RAW_STEPS) >= 64:
+                _RAW_STEPS.clear()
+            step = _RAW_STEPS[body] = Step(tuple(np.frombuffer(body, _LOCALS).tolist()))
+        return step
+    view = memoryview(data)[REQUEST_HEADER.size :]
+    return pickle.loads(view) if len(view) else None
 
 
 def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any) -> tuple[bytes, bytes]:
-    """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw."""
-    if type(message) is Stepped and message.raw:
-        times = message.env_times
-        return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), struct.pack(f"<{len(times)}d", *times)
+    """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw,
+    any other pickled as a plain tuple (a NamedTuple pickles ~1.5 µs slower, by its class)."""
+    if type(message) is Stepped:
+        if message.raw:
+            times = message.env_times
+            return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), struct.pack(f"<{len(times)}d", *times)
+        message = tuple(message)
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, PICKLED), dumps(message)
 
 
@@ -264,7 +277,8 @@ def decode_answer(form: int, payload: memoryview | bytes) -> Any:
     """The answer object; raises whatever unpickling raises."""
     if form == RAW:
         return Stepped(struct.unpack(f"<{len(payload) // 8}d", payload))
-    return pickle.loads(payload)
+    answer = pickle.loads(payload)
+    return tuple.__new__(Stepped, answer) if type(answer) is tuple else answer  # only a Stepped is a bare tuple
 
 
 def on_pipe_notice(header: bytes) -> bytes:

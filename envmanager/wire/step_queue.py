@@ -45,6 +45,7 @@ class StepQueue:
         #: Seconds ``wait`` polls without blocking before it blocks: set only where the parent
         #: has a core of its own (a blocked parent wakes tens of microseconds after the notice).
         self.spin_s = 0.0
+        self._typical_wait = 0.0  # a moving average of the waits: no spin while they outlast it
 
     # -- waiting (parent side) --------------------------------------------------------------
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
@@ -58,15 +59,23 @@ class StepQueue:
 
     def wait(self, timeout: float) -> list[int]:
         """Block up to ``timeout`` s until the queue has notices or a process ended; the ended
-        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks)."""
+        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks),
+        unless the recent waits outlasted it (the spin would only burn the CPU)."""
         poll = self._poller.poll
-        if self.spin_s > 0 and timeout > 0:
-            until = time.perf_counter() + min(self.spin_s, timeout)
-            while time.perf_counter() < until:
+        if self.spin_s <= 0:
+            events = poll(max(0, math.ceil(timeout * 1000)))
+            return [fd for fd, _ in events if fd != self._fd]
+        events = poll(0)
+        if events or timeout <= 0:  # nothing to wait for: not a wait the average counts
+            return [fd for fd, _ in events if fd != self._fd]
+        start = time.perf_counter()
+        if self._typical_wait < self.spin_s:
+            until = start + min(self.spin_s, timeout)
+            while not events and time.perf_counter() < until:
                 events = poll(0)
-                if events:
-                    return [fd for fd, _ in events if fd != self._fd]
-        events = poll(max(0, math.ceil(timeout * 1000)))
+        if not events:
+            events = poll(max(0, math.ceil(timeout * 1000)))
+        self._typical_wait += (time.perf_counter() - start - self._typical_wait) / 8
         return [fd for fd, _ in events if fd != self._fd]
 
     # -- worker side ------------------------------------------------------------------------

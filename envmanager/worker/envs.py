@@ -117,15 +117,14 @@ class WorkerEnvs:
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
                      observation: np.ndarray) -> Stepped:
         """The hot path: actions read from shared memory and results written back as whole
-        batches (one numpy operation per array), not env by env; ``action`` and ``observation``
-        are ``b``'s, each one array."""
+        batches (one numpy operation per array; a slice for a lane's contiguous slots), not env by
+        env; ``action`` and ``observation`` are ``b``'s, each one array."""
         rows = self._rows.get(locals_)
-        if rows is None:  # one env: a plain int index, the cheaper numpy call
-            rows = self._rows[locals_] = (np.array([self.env_ids[i] for i in locals_], dtype=np.int64)
-                                          if len(locals_) > 1 else self.env_ids[locals_[0]])
+        if rows is None:
+            rows = self._rows[locals_] = _rows_of([self.env_ids[i] for i in locals_])
         n = len(locals_)
-        # A copy (fancy indexing copies; one row is copied by hand): the envs may keep their action.
-        actions = action[rows] if n > 1 else action[rows : rows + 1].copy()
+        # A copy (fancy indexing copies, a slice does not): the envs may keep their action.
+        actions = action[rows].copy() if type(rows) is slice else action[rows]
         observations: list[Any] = [None] * n
         rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
         times = [0.0] * n
@@ -133,8 +132,9 @@ class WorkerEnvs:
         failures: dict[int, RemoteException] = {}
         envs, autoreset = self.envs, self.autoreset
         next_step, same_step = self.autoreset_mode == NEXT_STEP, self.autoreset_mode == SAME_STEP
+        clock = time.perf_counter
         for k, i in enumerate(locals_):
-            start = time.perf_counter()
+            start = clock()
             try:
                 env = envs[i]
                 if autoreset[i] and next_step:
@@ -146,27 +146,27 @@ class WorkerEnvs:
                         final = {"final_obs": obs, "final_info": info}
                         obs, info = env.reset()
                         info = {**final, **info}
-                autoreset[i] = bool(term or trunc)
-                observations[k], rewards[k], terminated[k], truncated[k] = obs, reward, term, trunc
+                if term or trunc:
+                    autoreset[i], terminated[k], truncated[k] = True, term, trunc
+                elif autoreset[i]:
+                    autoreset[i] = False
+                observations[k], rewards[k] = obs, reward
                 if info:
                     infos[k] = info
             except Exception as exc:
                 self.current = self.env_ids[i]
                 failures[k] = remote_exception(self.current, exc)
                 observations[k] = observation[self.env_ids[i]]  # unchanged
-            times[k] = time.perf_counter() - start
+            times[k] = clock() - start
         try:
-            observation[rows] = observations if n > 1 else observations[0]
+            observation[rows] = observations
         except Exception:  # an observation that does not fit: find it, env by env
             for k, obs in enumerate(observations):
                 try:
                     observation[self.env_ids[locals_[k]]] = obs
                 except Exception as exc:
                     failures[k] = remote_exception(self.env_ids[locals_[k]], exc)
-        if n > 1:
-            b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
-        else:
-            b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards[0], terminated[0], truncated[0]
+        b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
             columns = to_columns([infos[k] for k in range(n)])
             if columns is not None:
@@ -263,6 +263,15 @@ class _Answer:
 
     def answer(self) -> Stepped:
         return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars)
+
+
+def _rows_of(slots: list[int]) -> slice | np.ndarray:
+    """Where a request's slots sit in the shared arrays: a slice when they are contiguous (a
+    lane: numpy's cheapest index), else an index array."""
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        return slice(first, first + len(slots))
+    return np.array(slots, dtype=np.int64)
 
 
 def order_enforced(env: Any) -> bool:
