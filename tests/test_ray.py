@@ -189,6 +189,57 @@ def test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them():
         assert old and new and min(new) > max(old), f"slot {slot}: ids {sorted(old)} reused by the new node: {sorted(new)}"
 
 
+class LateHeads:
+    """``ray.wait`` as the driver may see it: a node's answer reported ready only after the
+    one it submitted next (Ray promises no order across refs; a big answer still being fetched
+    from a remote node is one way). The first time a wait that covers both sees a node's
+    oldest request done while the next one runs, it waits for that one too and reports it
+    alone (a bound, not a timing assertion: the next answer takes milliseconds)."""
+
+    def __init__(self, pool, wait) -> None:
+        self.pool, self.wait, self.held = pool, wait, set()
+
+    def __call__(self, refs, num_returns=1, timeout=None, **options):
+        ready, _ = self.wait(refs, num_returns=num_returns, timeout=timeout, **options)
+        ready = set(ready)
+        for node in self.pool.nodes:
+            queue = [r.ref for r in node.queue]
+            late = len(queue) >= 2 and queue[0] in ready and queue[1] in refs and queue[0] not in self.held
+            if late and self.wait([queue[1]], timeout=60, **options)[0]:
+                self.held.add(queue[0])
+                ready = (ready - {queue[0]}) | {queue[1]}
+        return [r for r in refs if r in ready], [r for r in refs if r not in ready]
+
+
+def test_a_nodes_answers_are_booked_in_the_order_it_was_asked(monkeypatch):
+    """A node's later fragment reported ready before its earlier one is booked after it: every
+    episode's steps come in order and contiguous, within and across calls, nothing lost or
+    repeated (an episode spans fragments: 16 steps over two slots, episodes of 5 or 50)."""
+    sampler = _sampler(fragment_steps=16, in_flight=2)
+    pids = node_pids(sampler)
+    late = LateHeads(sampler._pool, ray.wait)
+    monkeypatch.setattr(ray, "wait", late)
+    try:
+        calls = [sampler.obtain_steps(40) for _ in range(12)]
+        held = sampler.buffered_steps
+    finally:
+        monkeypatch.undo()
+        sampler.close()
+    assert not alive(pids)
+    assert len(late.held) >= 10, "the later answers were never seen first"
+    for batch in calls:
+        no_contiguity_gaps(batch)
+    everything = TransitionBatch.concatenate(calls)
+    assert len(everything) == 12 * 40 and held >= 0
+    no_contiguity_gaps(everything)  # across calls too: nothing lost, repeated or reordered
+    for episode in np.unique(everything.episode_ids).tolist():
+        rows = np.flatnonzero(everything.episode_ids == episode)
+        assert everything.next_observations[rows[0], 0] == 1, f"episode {episode} lost its first steps"
+        assert len(set(everything.worker_ids[rows].tolist())) == 1
+        assert (everything.observations[rows[1:]] == everything.next_observations[rows[:-1]]).all()
+    assert set(everything.worker_ids.tolist()) == {0, 1, 2, 3}
+
+
 def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
     """The node's sampler rejects an update: the next request raises that error at once (not
     after waiting for an update that was counted as never arrived)."""

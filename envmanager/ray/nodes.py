@@ -314,28 +314,30 @@ class NodePool:
         return sum(len(node.queue) for node in self.nodes)
 
     def wait(self) -> list[tuple[Request, Any]]:
-        """Block until at least one request is done (first-ready across nodes), then take every
-        other one already done. Returns ``(request, answer)`` pairs. Answers come first: a node
-        fault found meanwhile (died, hung, its sampler raised) is handled by the next call, once
-        the caller has booked them (so a restarted node goes on from every episode they hold);
-        a request that died with its node is answered ``None`` after the node was restarted,
-        or ``RayNodeError`` is raised."""
+        """Block until some node's oldest request is done (first-ready across nodes), then take
+        every other answer already done, each node's in the order it was asked (``_take``).
+        Returns ``(request, answer)`` pairs. Answers come first: a node fault found meanwhile
+        (died, hung, its sampler raised) is handled by the next call, once the caller has
+        booked them (so a restarted node goes on from every episode they hold); a request that
+        died with its node is answered ``None`` after the node was restarted, or
+        ``RayNodeError`` is raised."""
         self.check_usable()
         self._check_updates()
         out: list[tuple[Request, Any]] = []
         if not self._faults:
-            pending = {r.ref: r for node in self.nodes for r in node.queue}
+            pending = [r.ref for node in self.nodes for r in node.queue]
             if not pending:
                 return []
+            heads = [node.queue[0].ref for node in self.nodes if node.queue]  # only they can be booked first
             soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=soonest)
+            ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
             if ready:  # drain whatever else is done too, without waiting
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
             done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
             self._faults += [Fault(node, node.incarnation, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
                              for node in self.nodes if node.queue and node.head_deadline is not None
                              and node.head_deadline.passed() and node.queue[0].ref not in done]
-            self._take(ready, pending, out)
+            self._take(ready, out)
         if out:
             return out
         while self._faults:
@@ -349,31 +351,33 @@ class NodePool:
             out += [(r, None) for r in ([fault.request] if fault.request is not None else []) + lost]
         return out
 
-    def _take(self, ready: list[Any], pending: dict[Any, Request], out: list[tuple[Request, Any]]) -> None:
-        """The answers of ``ready`` into ``out``; a node fault found in them, noted for ``wait``."""
-        for ref in ready:
-            request = pending[ref]
-            node = self.nodes[request.node]
-            if request.incarnation != node.incarnation or request not in node.queue:
-                continue  # answered already as lost with an earlier node
-            try:
-                answer = ray.get(ref, timeout=self.timeout)
-            except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
-                self._faults.append(Fault(node, node.incarnation, f"died ({type(exc).__name__})"))
-                continue
-            except RayTaskError as exc:  # answered with the node's error: that request is done
-                failure = exc.cause if isinstance(exc.cause, NodeFailure) else NodeFailure(exc.cause, True)
-                self._faults.append(Fault(node, node.incarnation, f"raised during {request.kind}: {failure.error!r}",
-                                          request=request, error=failure.error, remote_traceback=str(exc),
-                                          serves=failure.serves))
-                answer = None
-            except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
-                self._faults.append(Fault(node, node.incarnation, f"failed ({type(exc).__name__}: {exc})"))
-                continue
-            node.queue.remove(request)
-            node.head_deadline = Deadline(self.timeout) if node.queue else None
-            if answer is not None:
-                out.append((request, answer))
+    def _take(self, ready: list[Any], out: list[tuple[Request, Any]]) -> None:
+        """The answers of ``ready`` into ``out``, each node's in the order it was asked, up to
+        its first request not ready yet (Ray may report a later answer ready first: booked
+        before an earlier one, an episode's steps would come out of order); a node fault found
+        in them, noted for ``wait`` (that node's later answers stay queued: they go with it)."""
+        done = set(ready)
+        for node in self.nodes:
+            while node.queue and node.queue[0].ref in done:
+                request = node.queue[0]
+                try:
+                    answer = ray.get(request.ref, timeout=self.timeout)
+                except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
+                    self._faults.append(Fault(node, node.incarnation, f"died ({type(exc).__name__})"))
+                    break
+                except RayTaskError as exc:  # answered with the node's error: that request is done
+                    failure = exc.cause if isinstance(exc.cause, NodeFailure) else NodeFailure(exc.cause, True)
+                    self._faults.append(Fault(node, node.incarnation, f"raised during {request.kind}: {failure.error!r}",
+                                              request=request, error=failure.error, remote_traceback=str(exc),
+                                              serves=failure.serves))
+                    answer = None
+                except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
+                    self._faults.append(Fault(node, node.incarnation, f"failed ({type(exc).__name__}: {exc})"))
+                    break
+                node.queue.pop(0)
+                node.head_deadline = Deadline(self.timeout) if node.queue else None
+                if answer is not None:
+                    out.append((request, answer))
 
     def _check_updates(self) -> None:
         """Forget the updates whose answers are in. One that failed on its node fails the node's
