@@ -67,6 +67,21 @@ def test_first_ready_results_are_every_slots_own_and_none_is_lost():
         m.drain()
 
 
+def test_each_slot_keeps_its_own_lanes_timings_when_both_lanes_come_back_together():
+    """Both lanes of a process answered before one receive: every slot's env time is its own
+    env's step (each sleeps a different time), not 0 or the other lane's."""
+    sleeps = {0: 0.01, 1: 0.02, 2: 0.03, 3: 0.04}
+    factory = EnvFactory(per_env={i: {"step_time": t} for i, t in sleeps.items()})
+    with manager(factory, n=4, k=4) as m:
+        reset_all(m)
+        m.send_batch(np.arange(4), np.zeros(4, dtype=np.int64))
+        wait_arrived(m, {0, 1, 2, 3})
+        assert sorted(m.receive_batch(1).slots.tolist()) == [0, 1, 2, 3]
+        envs = {slot: m.timings(slot)[0] for slot in range(4)}
+        assert all(envs[s] >= sleeps[s] for s in range(4)), envs  # each slept at least its own time
+        assert envs[0] < sleeps[2] and envs[1] < sleeps[3], envs  # lane 0's own, not lane 1's (30, 40 ms)
+
+
 def test_a_busy_lane_is_refused_before_anything_is_sent_and_the_other_lane_goes(tmp_path):
     gate = str(tmp_path / "open")
     with manager(EnvFactory(gate=gate), n=4) as m:

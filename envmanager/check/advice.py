@@ -54,7 +54,8 @@ def _layouts(num_envs: int, cores: int) -> list[Layout]:
     if k > 1:
         layouts.append(Layout("k-per-process", f"envmanager, {k} envs per process", k, -(-num_envs // k)))
     layouts.append(Layout("one-per-process", "envmanager, 1 env per process", 1, num_envs))
-    per_core = max(2, num_envs // (cores - 1)) if cores >= 3 else 0  # two lanes need two envs
+    # one process per core but the parent's (rounded up: never as many processes as cores); two lanes need two envs
+    per_core = max(2, -(-num_envs // (cores - 1))) if cores >= 3 else 0
     if cores >= 3 and num_envs >= 2:
         layouts.append(Layout("double-buffered", f"envmanager, {per_core} envs per process, double-buffered", per_core,
                               -(-num_envs // per_core)))

@@ -178,7 +178,11 @@ def in_processes(factory: Callable[[int], Any], n: int, k: int, seed: int, measu
     requests = max(seen["requests"], 1)
     per_step_workers, per_step_parent = seen["cpu"] / count, max(seen["parent"] / count, 1e-9)
     env = max(seen["env"] - seen["delay"], 0.0) / requests  # the envs' time per request, less waiting for a CPU
-    cycle = env + max(seen["turnaround"], 0.0) + per_step_parent * k
+    turnaround = max(seen["turnaround"], 0.0)
+    if double_buffer:  # a request is a lane of k/2 envs; the worker steps its two lanes in turn
+        cycle = max(2 * env, env + turnaround + per_step_parent * k / 2)
+    else:
+        cycle = env + turnaround + per_step_parent * k
     bounds = {
         f"the CPU of {cores} cores": cores / max(per_step_workers + per_step_parent, 1e-9),
         "the parent's CPU": 1 / per_step_parent,

@@ -57,8 +57,9 @@ class SlotState:
         self.interrupted: set[int] = set()
         self.step_errors: list[EnvManagerError] = []
         self.reset_errors: list[EnvManagerError] = []
-        # Each process's latest answer: (slots, env times, queued, round trip), for ``timings``.
-        self._timings: dict[int, tuple] = {}
+        # Each process's latest two answers (its two lanes when double buffered), newest first:
+        # (slots, env times, queued, round trip), for ``timings``.
+        self._timings: dict[int, tuple[tuple, tuple | None]] = {}
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
         self.observation_space: Any = None
@@ -80,7 +81,9 @@ class SlotState:
             return
         answer: Stepped = c.answer
         slots = c.slots
-        self._timings[c.worker.index] = (slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at)
+        latest = self._timings.get(c.worker.index)
+        self._timings[c.worker.index] = ((slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at),
+                                         latest[0] if latest is not None else None)
         if answer.info_columns is not None:
             self._file_columns(answer.info_columns, slots)
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
@@ -207,9 +210,11 @@ class SlotState:
 
     def timings(self, slot: int, process: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
-        slots, env_times, queued, round_trip = self._timings.get(process, ((), (), 0.0, 0.0))
-        env = env_times[slots.index(slot)] if slot in slots else 0.0
-        return float(env), max(0.0, queued), max(0.0, round_trip)
+        for answer in self._timings.get(process, ()):
+            if answer is not None and slot in answer[0]:
+                slots, env_times, queued, round_trip = answer
+                return float(env_times[slots.index(slot)]), max(0.0, queued), max(0.0, round_trip)
+        return 0.0, 0.0, 0.0
 
     def drop(self) -> list[EnvManagerError]:
         """Forget everything not handed out (``drain``): those slots count as handed out.

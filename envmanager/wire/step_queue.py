@@ -24,6 +24,8 @@ __all__ = ["StepQueue", "FrameReader", "read_message", "write_frame", "MAX_NOTIC
 
 # Largest notice that still goes out in one atomic write (4-byte length header included).
 MAX_NOTICE_BYTES = getattr(select, "PIPE_BUF", 512) - 4  # POSIX guarantees at least 512
+#: The most waits a parent blocks without spinning after spins in a row caught nothing.
+MAX_SPIN_SKIP = 64
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe so many workers can post without waiting
 
 
@@ -45,7 +47,12 @@ class StepQueue:
         #: Seconds ``wait`` polls without blocking before it blocks: set only where the parent
         #: has a core of its own (a blocked parent wakes tens of microseconds after the notice).
         self.spin_s = 0.0
-        self._typical_wait = 0.0  # a moving average of the waits: no spin while they outlast it
+        # Back-off after spins that caught nothing: block without spinning for the next
+        # ``_skip`` waits; each spin in a row that catches nothing doubles it (up to
+        # MAX_SPIN_SKIP), one that catches an answer ends it. Where answers come later than
+        # ``spin_s`` the spin then costs at most spin_s / MAX_SPIN_SKIP per wait.
+        self._skip = 0
+        self._backoff = 1
 
     # -- waiting (parent side) --------------------------------------------------------------
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
@@ -59,23 +66,30 @@ class StepQueue:
 
     def wait(self, timeout: float) -> list[int]:
         """Block up to ``timeout`` s until the queue has notices or a process ended; the ended
-        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks),
-        unless the recent waits outlasted it (the spin would only burn the CPU)."""
+        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks for
+        the rest of ``timeout``), unless recent spins caught nothing (backing off: the spin
+        would only burn the CPU)."""
         poll = self._poller.poll
         if self.spin_s <= 0:
             events = poll(max(0, math.ceil(timeout * 1000)))
             return [fd for fd, _ in events if fd != self._fd]
         events = poll(0)
-        if events or timeout <= 0:  # nothing to wait for: not a wait the average counts
+        if events or timeout <= 0:
+            return [fd for fd, _ in events if fd != self._fd]
+        if self._skip > 0:
+            self._skip -= 1
+            events = poll(max(0, math.ceil(timeout * 1000)))
             return [fd for fd, _ in events if fd != self._fd]
         start = time.perf_counter()
-        if self._typical_wait < self.spin_s:
-            until = start + min(self.spin_s, timeout)
-            while not events and time.perf_counter() < until:
-                events = poll(0)
-        if not events:
-            events = poll(max(0, math.ceil(timeout * 1000)))
-        self._typical_wait += (time.perf_counter() - start - self._typical_wait) / 8
+        until = start + min(self.spin_s, timeout)
+        while not events and time.perf_counter() < until:
+            events = poll(0)
+        if events:
+            self._backoff = 1
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SPIN_SKIP)
+            left = timeout - (time.perf_counter() - start)
+            events = poll(max(0, math.ceil(left * 1000)))
         return [fd for fd, _ in events if fd != self._fd]
 
     # -- worker side ------------------------------------------------------------------------

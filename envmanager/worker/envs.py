@@ -121,6 +121,8 @@ class WorkerEnvs:
         env; ``action`` and ``observation`` are ``b``'s, each one array."""
         rows = self._rows.get(locals_)
         if rows is None:
+            if len(self._rows) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
+                self._rows.clear()
             rows = self._rows[locals_] = _rows_of([self.env_ids[i] for i in locals_])
         n = len(locals_)
         # A copy (fancy indexing copies, a slice does not): the envs may keep their action.
@@ -221,7 +223,8 @@ class WorkerEnvs:
         return self.envs[i]
 
     def close(self) -> None:
-        for slot, env in zip(self.env_ids, self.envs, strict=True):
+        # not strict: after a factory failed part-way, fewer envs than ids were built
+        for slot, env in zip(self.env_ids, self.envs, strict=False):
             try:
                 env.close()
             except Exception:  # closing must go on for the others
