@@ -55,8 +55,15 @@ class ActionChecker:
     def batch(self, actions: Any, slots: list[int] | np.ndarray) -> Any:
         """``actions`` (a batch: arrays whose first axis runs over ``slots``, or dicts / tuples
         of them) checked and as arrays of the space's dtypes."""
-        if self._ints is not None:
-            arr = _discrete_batch(actions, len(slots), *self._ints)
+        ints = self._ints
+        if ints is not None:
+            n = len(slots)
+            # An array of the space's dtype for a few slots (a policy's argmax): checked inline.
+            if type(actions) is np.ndarray and n <= _FEW and actions.dtype == ints[2] and actions.shape == (n,):
+                values = actions.tolist()
+                if not values or (min(values) >= ints[0] and max(values) <= ints[1]):
+                    return actions
+            arr = _discrete_batch(actions, n, *ints)
             if arr is not None:
                 return arr
         return _check(self.space, actions, np.asarray(slots), "")
