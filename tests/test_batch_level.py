@@ -159,6 +159,22 @@ def test_action_batches_are_checked_whole_and_kept_as_given(space, good, bad):
             checker.batch(np.asarray(actions), [0, 1])
 
 
+@pytest.mark.parametrize("n", [1, 4, 32, 33, 200])  # a few checked as ints, many by numpy
+def test_discrete_action_batches_are_range_checked_at_every_size(n):
+    space = spaces.Discrete(3, start=-1)
+    checker = ActionChecker(space)
+    slots = list(range(n))
+    good = np.resize(np.array([-1, 0, 1], dtype=np.int32), n)
+    checked = checker.batch(good, slots)
+    np.testing.assert_array_equal(checked, good)
+    assert checked.dtype == space.dtype
+    for value in (-2, 2):
+        bad = good.copy()
+        bad[n // 2] = value
+        with pytest.raises(InvalidInputError, match=f"worker {n // 2}: value"):
+            checker.batch(bad, slots)
+
+
 def test_dict_action_batches_are_checked_per_key():
     space = spaces.Dict({"move": spaces.Discrete(2), "aim": spaces.Box(-1, 1, (2,), np.float32)})
     checker = ActionChecker(space)

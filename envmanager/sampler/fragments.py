@@ -47,10 +47,7 @@ def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] 
     request brought)."""
     n = len(fields["rewards"])
     ids = fields["episodes"]
-    versions = np.full(n, sent.env_before[i], dtype=np.int64)
-    for episode in np.unique(ids).tolist():
-        if episode != running:
-            versions[ids == episode] = env_versions.get(episode, sent.env_reached[i])
+    versions = _row_env_versions(ids, running, env_versions, sent.env_before[i], sent.env_reached[i])
     return TransitionBatch(
         observations=fields["observations"], actions=fields["actions"], rewards=fields["rewards"],
         terminated=fields["terminated"], truncated=fields["truncated"], next_observations=fields["next_observations"],
@@ -59,6 +56,17 @@ def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] 
         interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
         env_infos=_env_infos(env_infos) if env_infos else {},
     )
+
+
+def _row_env_versions(ids: np.ndarray, running: int, env_versions: dict[int, int], before: int, reached: int) -> np.ndarray:
+    """Each row's env version: ``before`` for the episode ``running`` when sent, else what the
+    episode applied (``reached`` if unknown); looked up once per run of equal ids (an episode's
+    rows follow each other), not with a mask of every row per episode."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64)
+    firsts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1))
+    per_run = [before if e == running else env_versions.get(e, reached) for e in ids[firsts].tolist()]
+    return np.repeat(np.array(per_run, dtype=np.int64), np.diff(np.append(firsts, len(ids))))
 
 
 def fill_agent_infos(chunk: TransitionBatch, template: dict[str, np.ndarray]) -> None:

@@ -263,6 +263,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     pool's restart policy); the rows written before stay."""
     k = len(envs)
     ids = np.array(request.slots, dtype=np.int64)
+    ids.flags.writeable = False  # the agent gets this one array tick after tick (all slots acting)
     arena.rows[:] = 0
     arena.started[:] = 0
     rows = [0] * k
@@ -322,7 +323,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             observations = stack_values([states[i].obs for i in active])
             shm.write(arena.observations, (sel, t), observations)
         try:
-            actions, agent_info = _act(agent, observations, ids[active], checker)
+            actions, agent_info = _act(agent, observations, ids if len(active) == k else ids[active], checker)
         except _AgentFailure as failure:
             for i in active:  # the agent could not act: these episodes end here
                 failures[i] = remote_exception(request.slots[i], failure.__cause__ or failure)
