@@ -157,9 +157,8 @@ def check_rows(batch, cut_episodes, n_slots: int, whole: bool = True) -> None:
         assert batch.interrupted[ids == episode].all(), f"cut episode {episode} has rows not flagged"
 
 
-class SignalledOnCloseEnv(gym.Env):
-    """An env whose ``close()`` gets a SIGTERM halfway (as when the parent interrupts a worker it
-    saw as busy while that worker was already closing), then finishes and writes ``marker``."""
+class MarkerEnv(gym.Env):
+    """Writes ``marker`` when closed."""
 
     observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
     action_space = gym.spaces.Discrete(2)
@@ -174,7 +173,16 @@ class SignalledOnCloseEnv(gym.Env):
         return np.zeros(1), 0.0, False, False, {}
 
     def close(self) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.2)  # the signal is handled here, if it is handled at all
         with open(self.marker, "w") as f:
             f.write("closed")
+
+
+class SignalledOnCloseEnv(MarkerEnv):
+    """A :class:`MarkerEnv` whose ``close()`` gets a SIGTERM halfway (as when the parent interrupts
+    a worker it saw as busy while that worker was already closing), then finishes and writes
+    ``marker``."""
+
+    def close(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the signal is handled here, if it is handled at all
+        super().close()

@@ -6,32 +6,10 @@ import os
 import signal
 import time
 
-import gymnasium as gym
-import numpy as np
-
 import envmanager.worker.main as worker_main
 from envmanager import SubprocessEnvManager
+from fault_envs import MarkerEnv
 from process_helpers import alive
-
-
-class MarkerEnv(gym.Env):
-    """Writes ``marker`` when closed."""
-
-    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float64)
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def reset(self, *, seed=None, options=None):
-        return np.zeros(1), {}
-
-    def step(self, action):
-        return np.zeros(1), 0.0, False, False, {}
-
-    def close(self) -> None:
-        with open(self.marker, "w") as f:
-            f.write("closed")
 
 
 def test_sigterm_as_the_worker_starts_closing_does_not_skip_the_close(tmp_path, monkeypatch):

@@ -18,18 +18,15 @@ import pytest
 pytest.importorskip("mlagents_envs")
 ray = pytest.importorskip("ray", reason="the Ray variant needs the extra: pip install 'envmanager[ray]'")
 
-import numpy as np  # noqa: E402
-from mlagents_envs.base_env import ActionTuple  # noqa: E402
-
 from envmanager import RestartLimitError  # noqa: E402
 from envmanager.mlagents import (  # noqa: E402
-    ActionInfo,
     UnityEnvironmentFactory,
     UnityPortInUseError,
     ray_env_manager,
 )
 from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager, RayPlayerError  # noqa: E402
 from envmanager.testing.fake_unity import free_base_port  # noqa: E402
+from player_policies import UniquePolicy  # noqa: E402
 from ray_helpers import alive, ray_session  # noqa: E402,F401 (the module's session)
 
 B = "FakeBehavior?team=0"
@@ -67,19 +64,6 @@ class PerWorker:
             raise RuntimeError(f"player {worker_id} cannot be built here")
         args = self.base.additional_args + tuple(self.extra.get(worker_id, ()))
         return dataclasses.replace(self.base, additional_args=args)(worker_id, side_channels)
-
-
-class UniquePolicy:
-    """Every agent of every call gets an action no other gets."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def get_action(self, decision_steps, worker_id):
-        self.calls += 1
-        n = len(decision_steps)
-        values = (100_000 * worker_id + 10 * self.calls + np.arange(n)).reshape(n, 1).astype(np.float32)
-        return ActionInfo.for_steps(decision_steps, ActionTuple(continuous=values))
 
 
 class Run:

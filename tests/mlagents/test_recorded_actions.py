@@ -16,28 +16,13 @@ import pytest
 
 pytest.importorskip("mlagents_envs")
 
-import numpy as np
-from mlagents_envs.base_env import ActionTuple
-
-from envmanager.mlagents import ActionInfo, MLAgentsEnvManager, UnityEnvironmentFactory, UnityPortInUseError
+from envmanager.mlagents import MLAgentsEnvManager, UnityEnvironmentFactory, UnityPortInUseError
 from envmanager.testing.fake_unity import free_base_port
+from player_policies import UniquePolicy
 
 B = "FakeBehavior?team=0"
 AGENTS = 2
 SLOW = ["--step-latency", "0.05"]
-
-
-class UniquePolicy:
-    """Every agent of every call gets an action no other agent or call gets."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def get_action(self, decision_steps, worker_id):
-        self.calls += 1
-        n = len(decision_steps)
-        values = 100_000 * worker_id + 10 * self.calls + np.arange(n, dtype=np.float32).reshape(n, 1)
-        return ActionInfo.for_steps(decision_steps, ActionTuple(continuous=values.astype(np.float32)), {"call": self.calls})
 
 
 def start(fake_player, tmp_path, n_env, extra_args, **kwargs):
