@@ -34,11 +34,12 @@ from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
+from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step
@@ -116,11 +117,12 @@ class BatchEnvManager:
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
-            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if isinstance(self._pool.queue, StepQueue) and spin_s > 0:
+            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
+                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0))
+            if isinstance(self._pool.queue, StepQueue) and (spin_s > 0 or self._pool.mailboxes is not None):
                 # Where every process has a core; double buffered, long enough to cover a lane: a worker
                 # waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
-                self._pool.queue.spin_s = max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer else spin_s
+                self._pool.queue.set_spin(max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer and spin_s > 0 else spin_s)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
@@ -272,7 +274,8 @@ class BatchEnvManager:
             return
         plan = self._plans.get(slots)
         status = self.status[slots]
-        if not (status == IDLE).all():
+        n = len(slots)
+        if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
             refuse_slots(slots, status, self.worker_of)
         workers = pool.workers
         for index, lanes, _, _, _ in plan:
@@ -325,8 +328,10 @@ class BatchEnvManager:
         it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
         too (see ``wait_for``)."""
         state = self._state
-        self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
-                      self._busy_slots, enough=lambda: bool(state.arrived))
+        self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
+        if len(state.arrived) < min_count and not state.step_errors:
+            self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
+                          self._busy_slots, enough=lambda: bool(state.arrived))
         if state.step_errors:
             raise state.step_errors.pop(0)
         arrived, state.arrived = state.arrived, []
