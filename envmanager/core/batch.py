@@ -33,9 +33,10 @@ from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
+from envmanager.core.completion import Completion
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.platforms import mailbox_enabled
-from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
+from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
@@ -44,7 +45,6 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
@@ -117,12 +117,11 @@ class BatchEnvManager:
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
+            # Where every process has a core; double buffered, the parent spins long enough to cover a lane:
+            # a worker waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
-                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0))
-            if isinstance(self._pool.queue, StepQueue) and (spin_s > 0 or self._pool.mailboxes is not None):
-                # Where every process has a core; double buffered, long enough to cover a lane: a worker
-                # waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
-                self._pool.queue.set_spin(max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer and spin_s > 0 else spin_s)
+                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0),
+                                    parent_spin_s=max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer and spin_s else spin_s)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]

@@ -18,13 +18,14 @@ import os
 import threading
 import time
 import weakref
-from threading import get_ident
-from time import monotonic
 from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
+from threading import get_ident
+from time import monotonic
 from typing import Any
 
+from envmanager.core.completion import Completion, error_slot, worker_error
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
@@ -46,7 +47,6 @@ from envmanager.wire.messages import (
     Attach,
     Call,
     EnvironmentRequest,
-    RemoteException,
     Reset,
     Stepped,
     decode_answer,
@@ -63,40 +63,7 @@ logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 
-__all__ = ["WorkerPool", "Completion", "make_specs", "get_context"]
-
-
-class Completion:
-    """A finished request of one worker process.
-
-    ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
-    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
-    first of the requests the failure cut short) and ``lost``, all of them. ``slots``: the slots
-    the answer is for (the request's; a restart's reset: all it reset). A plain class with
-    slots, made once per answer on the hot path.
-    """
-
-    __slots__ = ("worker", "request", "answer", "error", "posted_at", "received_at", "sent_at", "interrupted", "slots",
-                 "lost")
-
-    def __init__(self, worker: WorkerProcess, request: EnvironmentRequest | None, answer: Any = None,
-                 error: EnvManagerError | None = None, posted_at: float = 0.0, received_at: float = 0.0,
-                 sent_at: float = 0.0, interrupted: bool = False, slots: tuple[int, ...] = (),
-                 lost: tuple[EnvironmentRequest, ...] = ()) -> None:
-        self.worker = worker
-        self.request = request
-        self.answer = answer
-        self.error = error
-        self.posted_at = posted_at
-        self.received_at = received_at
-        self.sent_at = sent_at
-        self.interrupted = interrupted
-        self.slots = slots
-        self.lost = lost
-
-    @property
-    def cmd(self) -> Cmd | None:
-        return None if self.request is None else self.request.cmd
+__all__ = ["WorkerPool", "make_specs", "get_context"]
 
 
 class WorkerPool:
@@ -104,7 +71,7 @@ class WorkerPool:
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
-        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False
+        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0
     ) -> None:
         self.ctx = ctx
         self.timeout = timeout
@@ -141,8 +108,9 @@ class WorkerPool:
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
         #: The mailboxes (``envmanager.wire.mailbox``), where asked for and the step queue is used.
         self.mailboxes = Mailboxes.create(len(specs)) if mailbox and isinstance(self.queue, StepQueue) else None
-        if self.mailboxes is not None:
-            self.queue.mailboxes = self.mailboxes  # type: ignore[union-attr]
+        if isinstance(self.queue, StepQueue):
+            self.queue.mailboxes = self.mailboxes
+            self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
@@ -219,6 +187,10 @@ class WorkerPool:
             return completions
         finally:
             self._waiter = None
+
+    def spun_s(self) -> float:
+        """Seconds this parent spent spinning in its waits (its CPU taken by waiting)."""
+        return getattr(self.queue, "spun_ns", 0) * 1e-9
 
     def _rebuild_poller(self) -> None:
         """Tell the transport what to wait on: every watched process's pipe and sentinel; kept
@@ -498,15 +470,6 @@ def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode:
                    info_columns)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
-
-
-def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:
-    return WorkerError(remote.env_index, remote.exc_type, remote.message, remote.traceback, remote.exception, process)
-
-
-def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
-    slot = getattr(error, "worker_id", None)
-    return slot if isinstance(slot, int) and slot in w.env_ids else w.env_ids[0]
 
 
 def get_context(context: str | None) -> Any:

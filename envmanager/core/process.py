@@ -142,7 +142,7 @@ class WorkerProcess:
 
     def busy_on(self, lanes: int) -> bool:
         """Whether a request in flight occupies any of ``lanes`` (a bit mask)."""
-        for request, _ in self.requests:  # (a loop, not any(): asked per request on the hot path)
+        for request, _ in self.requests:  # noqa: SIM110 (a loop, not any(): asked per request on the hot path)
             if request.lanes & lanes:
                 return True
         return False

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.pool import worker_error
+from envmanager.core.completion import worker_error
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire import shm
@@ -25,7 +25,7 @@ from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import Stepped
 
 if TYPE_CHECKING:
-    from envmanager.core.pool import Completion
+    from envmanager.core.completion import Completion
 
 __all__ = ["SlotStatus", "SlotState", "NEEDS_RESET", "IDLE", "IN_FLIGHT", "ARRIVED", "IDLE_BYTES"]
 
@@ -42,6 +42,7 @@ NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
 #: ``status`` bytes of that many IDLE slots: a batch's statuses are checked with one compare.
 IDLE_BYTES = bytes([IDLE]) * 4096
 _NONE: frozenset[int] = frozenset()
+_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per batch)
 
 
 class SlotState:
@@ -79,14 +80,14 @@ class SlotState:
         request = c.request
         is_reset = request is not None and request.cmd is Cmd.RESET
         if c.error is not None:
-            slots = list(request.slots if request is not None and request.slots else c.worker.env_ids)
-            self._fail(slots, [c.error], is_reset)
+            self._fail(list(request.slots if request is not None and request.slots else c.worker.env_ids), [c.error],
+                       is_reset)
             return
         answer: Stepped = c.answer
         index = c.worker.index
         latest = self._timings.get(index)
         self._timings[index] = (c, latest[0] if latest is not None else None)
-        slots: Any = c.slots  # a tuple, ascending (a request's slots)
+        slots = c.slots  # a tuple, ascending (a request's slots)
         if answer.info_columns is not None:
             self._file_columns(answer.info_columns, slots)
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
@@ -192,7 +193,7 @@ class SlotState:
         cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else _NONE
         if cut:
             interrupted -= cut
-        return StepBatch(slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks)
+        return _new(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks))
 
     def _hand_out_columns(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
         """The column infos of ``slots``: as blocks (``columns``), or into ``dicts``."""

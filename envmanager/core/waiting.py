@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from envmanager.core.completion import Completion
 from envmanager.core.deadline import Deadline
-from envmanager.core.pool import Completion, WorkerPool
+from envmanager.core.pool import WorkerPool
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerTimeoutError
 
 __all__ = ["wait_for"]

@@ -35,7 +35,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from envmanager.wire.messages import EnvironmentResponse, decode_notice
+from envmanager.wire.messages import NOTICE_HEADER, EnvironmentCommand, EnvironmentResponse
 from envmanager.wire.shm import SharedFile
 
 __all__ = ["Mailboxes", "WorkerMailbox", "MailboxLayout", "mailbox_supported", "BUSY", "SLEEPING", "ON_PIPE",
@@ -55,6 +55,9 @@ _LINE = 64
 _REQUEST_ENTRY = 16 + REQUEST_BYTES
 _ANSWER_ENTRY = 16 + ANSWER_BYTES
 _REGION = _LINE + ENTRIES * (_REQUEST_ENTRY + _ANSWER_ENTRY)
+_NOTICE, _NOTICE_SIZE = NOTICE_HEADER.unpack_from, NOTICE_HEADER.size
+_COMMANDS = {int(cmd): cmd for cmd in EnvironmentCommand}
+_new = tuple.__new__
 
 
 def mailbox_supported() -> bool:
@@ -170,7 +173,10 @@ class Mailboxes:
             while n < posted:
                 n += 1
                 at = entries[n % ENTRIES]
-                out.append(decode_notice(m[at + 16 : at + 16 + words[at // 8 + 1]]))
+                body = at + 16 + _NOTICE_SIZE
+                cmd, process, seq, posted_at, form = _NOTICE(m, at + 16)  # decode_notice, inline
+                out.append(_new(EnvironmentResponse, (_COMMANDS[cmd], process, seq, posted_at, form,
+                                                      m[body : at + 16 + words[at // 8 + 1]])))
             seen[p] = n
         self._seen_bytes = posted_bytes
 

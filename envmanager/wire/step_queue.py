@@ -52,6 +52,9 @@ class StepQueue:
         self._next_poll = 0  # with answers in the mailbox, the pipe is polled only from then on (ns)
         #: The clock of spins and polls (``time.monotonic_ns``; tests give a fake one).
         self.clock = time.monotonic_ns
+        #: Nanoseconds ``wait`` spent spinning, caught or not: CPU the parent burnt waiting, which
+        #: a parent with answers always ready would not (the bench takes it out of its CPU per answer).
+        self.spun_ns = 0
         #: How ``wait`` spins before it blocks (``None``: it does not): set only where the
         #: parent has a core of its own (a blocked parent wakes tens of microseconds after the notice).
         self.spin: SpinPolicy | None = None
@@ -113,7 +116,9 @@ class StepQueue:
                 break
         if full:
             spin.caught(found)
-        left = timeout - (clock() - start) * 1e-9
+        spun = clock() - start
+        self.spun_ns += spun
+        left = timeout - spun * 1e-9
         if not found and left > 0:  # (a spin cut by the timeout ends the wait: it never says SLEEPING)
             if box is not None:
                 box.parent_sleeping()

@@ -150,7 +150,7 @@ class MailboxLink(QueueLink):
     def __init__(self, conn: Connection, queue_writer: Connection, spin_s: float, box: WorkerMailbox) -> None:
         super().__init__(conn, queue_writer)
         self.box = box
-        self.spin = SpinPolicy(spin_s, MARGIN_NS * 1e-9)
+        self.ring_spin = SpinPolicy(spin_s, MARGIN_NS * 1e-9)
         self._stash: bytes | None = None  # a request read off the pipe before the ring named it
 
     def read(self) -> bytes:
@@ -170,7 +170,7 @@ class MailboxLink(QueueLink):
     def _wait(self) -> bytes | None:
         """Spin on the ring, then sleep on the pipe; ``None`` once there may be a request in
         the ring (look again), or a CLOSE read off the pipe."""
-        box, spin = self.box, self.spin
+        box, spin = self.box, self.ring_spin
         budget, full = spin.budget()
         clock = time.monotonic_ns
         until = clock() + max(int(budget * 1e9), MARGIN_NS)
