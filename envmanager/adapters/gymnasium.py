@@ -33,7 +33,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
-from envmanager.adapters.gymnasium_errors import gymnasium_failures, reraise
+from envmanager.adapters.gymnasium_errors import raise_as_gymnasium, reraise
 from envmanager.adapters.gymnasium_utils import (
     batched_infos,
     check_reset_mask,
@@ -230,13 +230,15 @@ class AsyncVectorEnv(VectorEnv):
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
                                    AsyncState.WAITING_RESET.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("reset_wait", timeout, self._abandon):
+        try:
             while self._reset_waves:
                 batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
                 self._reset_infos.update(batch.infos)
                 self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
                 if self._reset_waves:
                     self._send_reset_wave(manager)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("reset_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         infos: dict[str, Any] = {}
         for i in sorted(self._reset_infos):
@@ -325,7 +327,7 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("step_wait", timeout, self._abandon):
+        try:
             while self._stepping.any() or self._queued:
                 wanted = 1 if self._queued else int(self._stepping.sum())
                 batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
@@ -336,6 +338,8 @@ class AsyncVectorEnv(VectorEnv):
                     self._step_columns += batch.info_columns
                 if self._queued:  # max_concurrency: start queued envs as others finish
                     self._send_queued(manager)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         r = manager.results
         infos = batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
@@ -375,8 +379,10 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        with gymnasium_failures("call_wait", timeout, self._abandon):
+        try:
             results = manager.receive_call(self._call, timeout)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("call_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         return tuple(results)
 
@@ -428,11 +434,13 @@ class AsyncVectorEnv(VectorEnv):
                 f"`recv` needs {self.batch_size} envs in flight, only {int(self._outstanding.sum())} were sent", "recv"
             )
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("recv", timeout, self._abandon):
+        try:
             while len(self._received) < self.batch_size:
                 got: StepBatch = manager.receive_batch(1, None if deadline is None else deadline.left())
                 self._received += got.slots.tolist()
                 self._received_infos.update(got.infos)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("recv", timeout, exc, self._abandon)
         ids, self._received = np.asarray(self._received[: self.batch_size]), self._received[self.batch_size :]
         self._outstanding[ids] = False
         r = manager.results
