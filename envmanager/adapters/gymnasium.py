@@ -171,6 +171,7 @@ class AsyncVectorEnv(VectorEnv):
         self._reset_sent: tuple[list[int | None], Any] = ([], None)
         self._reset_infos: dict[int, dict] = {}
         self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # sent this step, not yet answered
+        self._left = 0  # how many (``_stepping.sum()``, kept as a Python int: step_wait's loop tests it)
         self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
         self._actions: HandedActions | None = None  # max_concurrency: the actions of the step in progress
         self._step_infos: dict[int, dict] = {}
@@ -252,9 +253,12 @@ class AsyncVectorEnv(VectorEnv):
         assert m is not None
         if m.observation_list is None:  # arrays: shared memory, or the parent's copy
             obs = m.results.observation
+            # One array (a Box, Discrete, ... space): one call, not a tree_map (np.copy's order).
             if ids is None:
-                return tree_map(np.copy, obs) if self.copy or not m.shared_memory else obs
-            return tree_map(lambda a: a[ids], obs)
+                if not self.copy and m.shared_memory:
+                    return obs
+                return obs.copy(order="K") if type(obs) is np.ndarray else tree_map(np.copy, obs)
+            return obs[ids] if type(obs) is np.ndarray else tree_map(lambda a: a[ids], obs)
         values = m.observation_list if ids is None else [m.observation_list[i] for i in ids.tolist()]
         space = self.single_observation_space
         out: Any = create_empty_array(space, n=len(values), fn=np.zeros)
@@ -275,6 +279,7 @@ class AsyncVectorEnv(VectorEnv):
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
             self._send(manager, self._all, handed)
             self._stepping[:] = True
+            self._left = self.num_envs
         else:  # checked whole, then sent as room frees up
             self._actions, self._queued = handed.kept(), list(range(self.num_envs))
             self._send_queued(manager)
@@ -285,9 +290,10 @@ class AsyncVectorEnv(VectorEnv):
         refused is refused here, before anything is sent."""
         if self.autoreset_mode == AutoresetMode.DISABLED:
             self._check_not_ended(manager, ids)
-        handed = self._actions_in.hand_over(actions, len(ids))  # iterate()'s errors, as gymnasium's
-        # gymnasium's env says so when stepped; we say it before sending
-        if ((manager.status if ids is self._all else manager.status[ids]) == NEEDS_RESET).any():
+        handed = self._actions_in.hand_over(actions, ids.size)  # iterate()'s errors, as gymnasium's
+        # gymnasium's env says so when stepped; we say it before sending (``in``: one numpy
+        # operation, no Python-level call)
+        if NEEDS_RESET in (manager.status if ids is self._all else manager.status[ids]):
             raise ResetNeeded("Cannot call env.step() before calling env.reset()")
         return handed
 
@@ -311,7 +317,7 @@ class AsyncVectorEnv(VectorEnv):
 
     def _send_queued(self, manager: BatchEnvManager) -> None:
         """Send queued steps, keeping at most ``max_concurrency`` envs stepping at once."""
-        room = (self.max_concurrency or self.num_envs) - int(self._stepping.sum())
+        room = (self.max_concurrency or self.num_envs) - self._left
         idle = set(manager.idle_worker_ids)
         chosen = [i for i in self._queued if i in idle][: max(0, room)]
         if not chosen:
@@ -320,6 +326,7 @@ class AsyncVectorEnv(VectorEnv):
         assert self._actions is not None
         self._send(manager, rows, self._actions.rows(rows))
         self._stepping[rows] = True
+        self._left += len(chosen)
         self._queued = [i for i in self._queued if i not in set(chosen)]
 
     def step_wait(self, timeout: float | None = None):
@@ -327,11 +334,20 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
+        # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
+        # counts: the performance guide's "Function calls per env-step").
         try:
-            while self._stepping.any() or self._queued:
-                wanted = 1 if self._queued else int(self._stepping.sum())
+            while self._left or self._queued:
+                wanted = 1 if self._queued else self._left
                 batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
-                self._stepping[batch.slots] = False
+                slots = batch.slots
+                if self._actions is None:
+                    # Every env was sent at once, so each was idle with nothing unreceived
+                    # (send_batch refuses any other): a batch holds envs of this step only, each once.
+                    self._left -= slots.size
+                else:  # max_concurrency: an env sent by ``send()`` may come back meanwhile
+                    self._left -= int(np.count_nonzero(self._stepping[slots]))
+                self._stepping[slots] = False
                 if batch.infos:
                     self._step_infos.update(batch.infos)
                 if batch.info_columns:
@@ -342,7 +358,8 @@ class AsyncVectorEnv(VectorEnv):
             raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         r = manager.results
-        infos = batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
+        infos = (batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
+                 if self._step_infos or self._step_columns else {})
         self._step_infos, self._step_columns, self._actions = {}, [], None
         return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
@@ -356,6 +373,7 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._stepping[:] = False
+        self._left = 0
         self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
         self._reset_waves, self._reset_infos = [], {}
         self._outstanding[:] = False
