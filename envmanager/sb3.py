@@ -33,18 +33,21 @@ import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium import spaces
-from stable_baselines3.common.vec_env.base_vec_env import (
-    VecEnv,
-    VecEnvIndices,
-    VecEnvObs,
-    VecEnvStepReturn,
-)
 
 from envmanager.adapters import env_functions
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.results import StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.extras import requires_extra
 from envmanager.wire.shm import tree_map
+
+with requires_extra("sb3", __name__):
+    from stable_baselines3.common.vec_env.base_vec_env import (
+        VecEnv,
+        VecEnvIndices,
+        VecEnvObs,
+        VecEnvStepReturn,
+    )
 
 __all__ = ["SubprocVecEnv", "RemoteAttributeError"]
 

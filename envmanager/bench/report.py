@@ -16,6 +16,7 @@ from typing import Any
 from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
 from envmanager.bench.common import cores, worker_cores
 from envmanager.bench.runner import ScenarioResult, Target, targets
+from envmanager.extras import install_command, requires_extra
 
 __all__ = [
     "PLOT_EXTRA",
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 #: What to install for ``write_plot`` (matplotlib is an optional dependency).
-PLOT_EXTRA = 'pip install "envmanager[bench]"'
+PLOT_EXTRA = install_command("bench")
 
 
 def _rate(x: float) -> str:
@@ -213,10 +214,11 @@ def plot_unavailable() -> str | None:
 def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
     """A PNG: the sweep as curves (fraction of the limit against CPU time per step, one line per
     backend), then one bar panel per other scenario (median steps/s, whiskers min to best)."""
-    import matplotlib
+    with requires_extra("bench", "envmanager.bench.report.write_plot"):
+        import matplotlib
 
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
 
     shown = [r for r in results if r.measurements and not (r.scenario.group in ("sweep", "pinned") and r.scenario.step_cost)]
     sweeps = [(group, *sweep_fractions(results, group)) for group in ("sweep", "pinned")]
