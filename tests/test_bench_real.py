@@ -132,7 +132,7 @@ def test_pufferlib(tmp_path):
         if data["meta"]["cores"] == 2:  # one worker core: one process, one batch
             check_measured(data, "pinned-200us", backends[1:])
             assert pinned["skipped"]["pufferlib.Multiprocessing"].startswith("not applicable on 1 worker core")
-            assert "pufferlib.Multiprocessing-sync: 1 processes x 8 envs, batches of 8" in stdout
+            assert "pufferlib.Multiprocessing-sync: 1 process x 8 envs, batches of 8" in stdout
         else:
             check_measured(data, "pinned-200us", backends)
 

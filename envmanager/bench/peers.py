@@ -132,6 +132,7 @@ def run_torchrl(scenario: Scenario, steps: int, actions: np.ndarray, tick: Calla
 # ---------------------------------------------------------------------------------------------
 # PufferLib
 
+
 def pufferlib_unavailable(scenario: Scenario) -> str | None:
     """Why ``pufferlib.Multiprocessing-sync`` cannot run ``scenario``, or ``None``."""
     return _gym_only(scenario) or _import_problem("pufferlib.vector")

@@ -85,7 +85,7 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({worker_cores(s)} worker cores)")
     puffer = [(b, pufferlib_layout(s, batched=not BACKENDS[b].lockstep)) for b in PUFFERLIB if b in result.measurements]
     if puffer:
-        lines.append("   " + "; ".join(f"{b}: {w} processes x {s.n_env // w} envs, batches of {size}"
+        lines.append("   " + "; ".join(f"{b}: {w} process{'es' * (w > 1)} x {s.n_env // w} envs, batches of {size}"
                                        for b, (w, size) in puffer))
     if "envmanager-auto" in result.measurements and s.name in AUTO_CHOICES:
         lines.append(f"   envmanager-auto: chose {AUTO_CHOICES[s.name]} envs per worker ({cores()} cores)")
