@@ -15,6 +15,7 @@ from typing import Any
 
 from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
 from envmanager.bench.common import cores, worker_cores
+from envmanager.bench.peers import pufferlib_layout
 from envmanager.bench.runner import ScenarioResult, Target, targets
 from envmanager.extras import install_command, requires_extra
 
@@ -34,6 +35,7 @@ __all__ = [
 
 #: What to install for ``write_plot`` (matplotlib is an optional dependency).
 PLOT_EXTRA = install_command("bench")
+PUFFERLIB = ("pufferlib.Multiprocessing", "pufferlib.Multiprocessing-sync")
 
 
 def _rate(x: float) -> str:
@@ -82,6 +84,10 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
               if b in result.measurements]
     if packed:
         lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({worker_cores(s)} worker cores)")
+    puffer = [(b, pufferlib_layout(s, batched=not BACKENDS[b].lockstep)) for b in PUFFERLIB if b in result.measurements]
+    if puffer:
+        lines.append("   " + "; ".join(f"{b}: {w} process{'es' * (w > 1)} x {s.n_env // w} envs, batches of {size}"
+                                       for b, (w, size) in puffer))
     if "envmanager-auto" in result.measurements and s.name in AUTO_CHOICES:
         lines.append(f"   envmanager-auto: chose {AUTO_CHOICES[s.name]} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
