@@ -22,7 +22,7 @@ from envmanager.errors import (
 )
 from envmanager.wire.messages import EnvironmentCommand, EnvironmentRequest, EnvironmentResponse
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "SubprocessEnvManager",

@@ -29,7 +29,8 @@ NOTES = (
     "with fork (sb3.SubprocVecEnv too, whose default is forkserver); sb3 autoresets within the step;\n"
     "envpool steps its own C++ envs in threads of this process. Other load on the machine\n"
     "(see the load average) widens the min-best spread: compare medians, rerun when in doubt.\n"
-    "tianshou's vector envs do not autoreset: finished envs are reset in the timed loop."
+    "tianshou's vector envs do not autoreset: finished envs are reset in the timed loop.\n"
+    "PufferLib's parent and workers busy-wait: on cores they share, the spinning takes CPU from the envs."
 )
 
 
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",
-        help="env-steps per second against gymnasium's vector envs (and SB3, tianshou, TorchRL, EnvPool)",
+        help="env-steps per second against gymnasium's vector envs (and SB3, tianshou, TorchRL, PufferLib, EnvPool)",
         description="Measure env-steps per second of envmanager and its peers on the same envs with the "
         "same actions, in the same run; report medians, min/best and ratios.",
     )

@@ -26,24 +26,28 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import cloudpickle
 import gymnasium
 import numpy as np
 from gymnasium import spaces
-from stable_baselines3.common.vec_env.base_vec_env import (
-    VecEnv,
-    VecEnvIndices,
-    VecEnvObs,
-    VecEnvStepReturn,
-)
 
 from envmanager.adapters import env_functions
 from envmanager.core.batch import BatchEnvManager
-from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.core.results import StepBatch
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.extras import requires_extra
 from envmanager.wire.shm import tree_map
+
+with requires_extra("sb3", __name__):
+    from stable_baselines3.common.vec_env.base_vec_env import (
+        VecEnv,
+        VecEnvIndices,
+        VecEnvObs,
+        VecEnvStepReturn,
+    )
 
 __all__ = ["SubprocVecEnv", "RemoteAttributeError"]
 
@@ -119,6 +123,7 @@ class SubprocVecEnv(VecEnv):
             if observation_space is None or action_space is None:
                 raise InvalidInputError("SubprocVecEnv needs envs with an observation_space and an action_space")
             super().__init__(len(env_fns), observation_space, action_space)
+            self._per_env_types = _one_per_env_types(action_space)
         except BaseException:
             self.close()
             raise
@@ -147,63 +152,98 @@ class SubprocVecEnv(VecEnv):
         # Seeds and options are only used once
         self._reset_seeds()
         self._reset_options()
-        self._last_obs = self._observations()
+        self._last_obs = self._observations(manager)
         return self._last_obs
+
+    # step_async and step_wait run once per step: per-env Python only for envs that ended or
+    # returned an info, numpy on whole arrays otherwise (a call counts: performance guide).
 
     def step_async(self, actions: np.ndarray) -> None:
         if len(actions) != self.num_envs:
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
-        manager = self.manager
-        if manager.in_flight():  # a worker restarted while idle is still booting
-            manager.wait_idle()
+        manager = self._running()
         if manager.unreceived():  # results nobody asked for: a restart of an idle worker
-            early = manager.receive_batch(0)
-            for i in early.interrupted:  # its episode ended where we last saw it
-                self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
-        if manager.actions.space is None or _one_per_env(actions, self.action_space):
-            manager.send_batch(self._all, list(actions), per_slot=True)
+            self._take_cut(manager)
+        kinds = self._per_env_types
+        per_slot = manager.actions.space is None or bool(kinds and isinstance(actions, kinds))
+        batch = list(actions) if per_slot else actions
+        try:
+            manager.send_batch(self._all, batch, per_slot=per_slot)
+        except EnvManagerError:
+            if not manager.in_flight():
+                raise
         else:
-            manager.send_batch(self._all, actions)
+            self.waiting = True
+            return
+        # Refused, as send_batch refuses a process with a request in flight before it sends
+        # anything: only then is in_flight() (a walk over every process) worth asking.
+        manager.wait_idle()  # a worker restarted while idle is still booting
+        if manager.unreceived():
+            self._take_cut(manager)
+        manager.send_batch(self._all, batch, per_slot=per_slot)
         self.waiting = True
+
+    def _take_cut(self, manager: BatchEnvManager) -> None:
+        """Receive what a restart of an idle worker delivered: its episodes ended where we last
+        saw them (``step_wait`` reports them)."""
+        early = manager.receive_batch(0)
+        for i in early.interrupted:
+            self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
 
     def step_wait(self) -> VecEnvStepReturn:
         if not self.waiting:
             raise InvalidInputError("step_wait() without a step_async() before it")
-        manager = self.manager
-        pending = np.ones(self.num_envs, dtype=np.bool_)
-        infos: dict[int, dict] = {}
-        interrupted: set[int] = set()
+        manager = self._running()
+        n = self.num_envs
         try:
-            while pending.any():
-                batch = manager.receive_batch(int(pending.sum()))
-                pending[batch.slots] = False
-                infos.update(batch.infos)
-                interrupted |= batch.interrupted
+            batch = manager.receive_batch(n)  # every env, as a rule in one batch
+            infos, interrupted = batch.infos, batch.interrupted
+            if len(batch.slots) != n:
+                infos, interrupted = self._receive_rest(manager, batch)
         finally:
             # After a failure the envs must be reset (reset() drops the other results).
             self.waiting = False
         r = manager.results
-        obs = self._observations()
+        obs = self._observations(manager)
         rewards = r.reward.astype(np.float32)
         dones = r.terminated | r.truncated
         time_limit = (r.truncated & ~r.terminated).tolist()
         step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
-        for i in np.flatnonzero(dones).tolist():
-            info = dict(infos.pop(i, {}))
-            terminal = info.pop("final_obs")
-            step_info = info.pop("final_info")
-            self.reset_infos[i] = info  # what is left is the reset's info
-            step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
-        for i, info in infos.items():
-            step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
-        for i in interrupted:  # the worker was restarted during the step: the episode ends here
-            step_infos[i] = self._interrupted_info(i, infos.get(i, {}))
+        for i, info in infos.items():  # an env that ended has an info (final_obs, final_info)
+            if dones[i]:
+                info = dict(info)
+                terminal = info.pop("final_obs")
+                step_info = info.pop("final_info")
+                self.reset_infos[i] = info  # what is left is the reset's info
+                step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
+            else:
+                step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
+        if interrupted or self._cut:
+            self._report_cut(infos, interrupted, rewards, dones, step_infos)
+        self._last_obs = obs
+        return obs, rewards, dones, step_infos
+
+    def _receive_rest(self, manager: BatchEnvManager, first: StepBatch) -> tuple[dict[int, dict], frozenset[int]]:
+        """The envs missing from ``first``, batch by batch (a fault's path)."""
+        pending = np.ones(self.num_envs, dtype=np.bool_)
+        pending[first.slots] = False
+        infos, interrupted = dict(first.infos), set(first.interrupted)
+        while pending.any():
+            batch = manager.receive_batch(int(pending.sum()))
+            pending[batch.slots] = False
+            infos.update(batch.infos)
+            interrupted |= batch.interrupted
+        return infos, frozenset(interrupted)
+
+    def _report_cut(self, infos: dict[int, dict], interrupted: Collection[int], rewards: np.ndarray,
+                    dones: np.ndarray, step_infos: list[dict]) -> None:
+        """Episodes a restart cut short: each ends here, truncated where we last saw it."""
+        for i in interrupted:  # the worker was restarted during the step
+            step_infos[i] = self._interrupted_info(i, infos.get(i, {}))  # a fresh reset: not done
             rewards[i], dones[i] = 0.0, True
         for i, info in self._cut.items():  # restarted while idle, then stepped (see step_async)
             rewards[i], dones[i], step_infos[i] = 0.0, True, info
         self._cut = {}
-        self._last_obs = obs
-        return obs, rewards, dones, step_infos
 
     def _interrupted_info(self, i: int, reset_info: dict) -> dict:
         """An episode cut short by a restart: truncated where we last saw it."""
@@ -211,12 +251,21 @@ class SubprocVecEnv(VecEnv):
         terminal = _row(self._last_obs, i)
         return {"TimeLimit.truncated": True, "terminal_observation": terminal, "interrupted": True}
 
-    def _observations(self) -> VecEnvObs:
+    def _observations(self, m: BatchEnvManager) -> VecEnvObs:
         """Every env's observation as SB3 stacks them, copied once from the results."""
-        m = self.manager
+        obs = m.results.observation
+        if type(obs) is np.ndarray:  # the usual case: one array (C-contiguous, as np.copy makes it)
+            return obs.copy()
         if m.observation_list is None:
-            return tree_map(np.copy, m.results.observation)
+            return tree_map(np.copy, obs)
         return _stack_obs(list(m.observation_list), self.observation_space)
+
+    def _running(self) -> BatchEnvManager:
+        """``manager`` without the property's call (the step's hot path)."""
+        manager = self._manager
+        if manager is None:
+            raise ManagerClosedError("the SubprocVecEnv is closed")
+        return manager
 
     # ------------------------------------------------------------------------------------------
     # Reaching the envs
@@ -287,12 +336,12 @@ class SubprocVecEnv(VecEnv):
 # Helpers
 
 
-def _one_per_env(actions: Any, space: spaces.Space) -> bool:
-    """A list of one action per env for a Dict / Tuple space (as SB3's own tests send them),
-    rather than a batch of dicts / tuples of arrays."""
+def _one_per_env_types(space: spaces.Space) -> tuple[type, ...]:
+    """The types of a list of one action per env for a Dict / Tuple space (as SB3's own tests
+    send them), rather than a batch of dicts / tuples of arrays; none for other spaces."""
     if isinstance(space, spaces.Dict):
-        return isinstance(actions, (list, tuple))
-    return isinstance(space, spaces.Tuple) and isinstance(actions, list)
+        return (list, tuple)
+    return (list,) if isinstance(space, spaces.Tuple) else ()
 
 
 def _stack_obs(obs_list: list[Any], space: spaces.Space) -> VecEnvObs:

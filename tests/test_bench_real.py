@@ -1,5 +1,5 @@
 """``envmanager bench`` on real environments and against every peer: the sweep, atari, mujoco,
-tianshou, TorchRL, EnvPool and ``envmanager-auto``; tiny step counts, never timing asserts.
+tianshou, TorchRL, PufferLib, EnvPool and ``envmanager-auto``; tiny step counts, never timing asserts.
 
 Each scenario or peer needs an optional extra; its test skips when the extra is missing, and
 a test checks that the bench itself then skips it with the reason.
@@ -7,6 +7,7 @@ a test checks that the bench itself then skips it with the reason.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -17,10 +18,12 @@ import pytest
 from envmanager import cli
 from envmanager.bench import BACKENDS, SCENARIOS, Measurement, ScenarioResult, peers, run_scenario, targets
 from envmanager.bench.report import format_sweep, format_table, sweep_fractions
-from envmanager.bench.scenarios import GROUPS, SWEEP_COSTS, actions_for, scenario_unavailable
+from envmanager.bench.scenarios import GROUPS, SWEEP_COSTS, Scenario, actions_for, scenario_unavailable
+from envmanager.testing.envs import ControlledEnv
 from test_bench import PNG_MAGIC, check_measured, child_env, run_cli
 
 OURS_FIXED = ["envmanager", "envmanager-k", "envmanager-auto"]
+PUFFER = ["pufferlib.Multiprocessing", "pufferlib.Multiprocessing-sync"]
 
 
 def has(module: str) -> bool:
@@ -111,6 +114,89 @@ def test_python_peers(tmp_path, backend, module):
         assert result["ratios"][column][backend] == pytest.approx(1.0)
 
 
+@pytest.mark.skipif(not has("pufferlib"), reason="needs PufferLib's vector module (extra peers: pufferlib-core)")
+def test_pufferlib(tmp_path):
+    """PufferLib's Multiprocessing in batches of half the envs and in full batches; pinned to one
+    worker core, only in full batches (its batches are whole processes, one per core)."""
+    backends = [*PUFFER, "gym.SyncVectorEnv"]
+    stdout, data, _ = run_cli(tmp_path, "--scenario", "cartpole", "pinned-200us", "--steps", "64", "--no-warmup",
+                              "--backends", *backends, timeout=180)
+    one_core = data["meta"]["cores"] < 2
+    cartpole = check_measured(data, "cartpole", backends[one_core:])
+    assert cartpole["ratios"]["vs puffer-sync"]["pufferlib.Multiprocessing-sync"] == pytest.approx(1.0)
+    if not one_core:
+        assert "vs puffer" in cartpole["ratios"]
+        assert "pufferlib.Multiprocessing: 2 processes x 4 envs, batches of 4" in stdout
+    pinned = data["scenarios"]["pinned-200us"]
+    if pinned["unavailable"] is None:
+        if data["meta"]["cores"] == 2:  # one worker core: one process, one batch
+            check_measured(data, "pinned-200us", backends[1:])
+            assert pinned["skipped"]["pufferlib.Multiprocessing"].startswith("not applicable on 1 worker core")
+            assert "pufferlib.Multiprocessing-sync: 1 process x 8 envs, batches of 8" in stdout
+        else:
+            check_measured(data, "pinned-200us", backends)
+
+
+class ActionLogEnv(ControlledEnv):
+    """Appends every action it is given to the file ``<folder>/<env_id>``."""
+
+    def __init__(self, folder: str, env_id: int) -> None:
+        super().__init__(env_id)
+        self.path = os.path.join(folder, str(env_id))
+
+    def step(self, action):
+        with open(self.path, "a") as log:
+            log.write(f"{int(action)}\n")
+        return super().step(action)
+
+
+def action_scenario(folder: str) -> Scenario:
+    return Scenario("actions", "4 envs logging their actions", functools.partial(ActionLogEnv, folder), 4, 64, n_actions=3)
+
+
+def log_actions(backend: str, folder: str) -> int:
+    """Run ``backend`` on :func:`action_scenario` (in a child process of the test: PufferLib's
+    shared arrays keep an fd of multiprocessing's heap open for the life of the process)."""
+    scenario = action_scenario(folder)
+    done, _ = BACKENDS[backend].run(scenario, 64, actions_for(scenario, 64), lambda n: None)
+    return done
+
+
+@pytest.mark.parametrize("backend", PUFFER)
+def test_pufferlib_gives_each_env_its_own_actions(tmp_path, backend):
+    """Env ``i``'s ``k``-th step gets ``actions[k, i]``, as in every other backend."""
+    why = BACKENDS[backend].why_not(action_scenario(str(tmp_path)))
+    if why:
+        pytest.skip(why)
+    code = "import sys; from test_bench_real import log_actions; print(log_actions(*sys.argv[1:]))"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code, backend, str(tmp_path)], env=child_env(tests), check=True,
+                         timeout=120, capture_output=True, text=True).stdout
+    done = int(out.split()[-1])
+    actions = actions_for(action_scenario(str(tmp_path)), 64)
+    stepped = 0
+    for i in range(4):
+        got = [int(a) for a in (tmp_path / str(i)).read_text().split()]
+        assert got == actions[: len(got), i].tolist()
+        stepped += len(got)
+    assert stepped >= done >= 64  # the batch still in flight at the end may have stepped too
+
+
+def test_pufferlib_layout(monkeypatch):
+    """One process per worker core, ``n_env`` divisible by it, batches of whole processes."""
+    cases = {  # worker cores: (batched, full batch) (num_workers, batch_size) for 8 and 64 envs
+        1: ((1, 8), (1, 64)), 2: ((2, 4), (2, 8), (2, 32), (2, 64)), 3: ((2, 4), (2, 8), (2, 32), (2, 64)),
+        4: ((4, 4), (4, 8), (4, 32), (4, 64)), 16: ((8, 4), (8, 8), (16, 32), (16, 64)),
+    }
+    for cores_, expected in cases.items():
+        monkeypatch.setattr(peers, "worker_cores", lambda scenario, n=cores_: n)
+        layouts = [peers.pufferlib_layout(SCENARIOS[name], batched) for name in ("cartpole", "many")
+                   for batched in (True, False) if cores_ > 1 or not batched]
+        assert tuple(layouts) == expected, cores_
+        if cores_ == 1:
+            assert peers.pufferlib_batched_unavailable(SCENARIOS["cartpole"]).startswith("not applicable on 1 worker")
+
+
 def peers_column(backend: str) -> str:
     from envmanager.bench.runner import PEER_COLUMNS
 
@@ -119,17 +205,19 @@ def peers_column(backend: str) -> str:
 
 def test_missing_extras_are_skipped_with_the_reason(monkeypatch):
     """With the extras gone, atari and mujoco are not available and the peers are skipped, saying why."""
-    for module in ("ale_py", "mujoco", "tianshou", "tianshou.env", "torchrl", "torchrl.envs"):
+    for module in ("ale_py", "mujoco", "tianshou", "tianshou.env", "torchrl", "torchrl.envs", "pufferlib",
+                   "pufferlib.vector"):
         monkeypatch.setitem(sys.modules, module, None)  # ``import module`` now fails
     peers._import_problem.cache_clear()
     try:
         assert "ale_py cannot be imported" in scenario_unavailable(SCENARIOS["atari"])
         assert "mujoco cannot be imported" in scenario_unavailable(SCENARIOS["mujoco"])
         result = run_scenario(SCENARIOS["sweep-50us"], ["gym.SyncVectorEnv", "tianshou.ShmemVectorEnv",
-                                                        "torchrl.ParallelEnv", "envpool"], steps=16, repeats=1,
-                              warmup=False)
+                                                        "torchrl.ParallelEnv", "pufferlib.Multiprocessing-sync",
+                                                        "envpool"], steps=16, repeats=1, warmup=False)
         assert "tianshou cannot be imported" in result.skipped["tianshou.ShmemVectorEnv"]
         assert "torchrl cannot be imported" in result.skipped["torchrl.ParallelEnv"]
+        assert "pufferlib cannot be imported" in result.skipped["pufferlib.Multiprocessing-sync"]
         assert result.skipped["envpool"].startswith("not applicable")
         assert "skipped tianshou.ShmemVectorEnv: tianshou cannot be imported" in format_table(result)
     finally:

@@ -74,7 +74,7 @@ def test_profile_step_prints_calls_per_env_step(profile_step, tmp_path, capsys):
             assert ratio == "reference"
         else:
             assert re.match(r"\d+\.\d\dx gymnasium\.AsyncVectorEnv", ratio), ratio
-    assert "envs_per_worker=4:" in out and "(target <= 0.5x)" in out
+    assert "envs_per_worker=4:" in out and "(target <= 0.45x)" in out  # the gymnasium drop-in's
 
     data = json.loads(out_json.read_text())
     assert len(data["rows"]) == 5 and data["failed"] == {} and data["left_behind"] == []
@@ -83,6 +83,20 @@ def test_profile_step_prints_calls_per_env_step(profile_step, tmp_path, capsys):
         ("envmanager.AsyncVectorEnv", 1), ("envmanager.AsyncVectorEnv", 4)}  # the core has no peer API
     assert all(r["calls_per_env_step"] > 0 for r in data["rows"])
 
+
+def test_targets_per_config(profile_step):
+    """At 4 envs per worker the SB3 drop-in's target is 0.5x its peer's calls, the gymnasium
+    drop-in's 0.45x; at 1, both 1x. The core's rows have no peer with the same API."""
+    p = profile_step
+
+    def row(config, k, ratio):
+        return p.Row(config, k, 100, 100, reference=p.CONFIGS[config].reference, ratio=ratio)
+
+    found = {(t.config, t.envs_per_worker): (t.threshold, t.met) for t in p.targets([
+        row(p.OURS_SB3, 4, 0.48), row(p.OURS_VECTOR, 4, 0.48), row(p.OURS_SB3, 1, 0.99),
+        row(p.OURS_VECTOR, 1, 1.01), row(p.OURS_CORE, 4, 0.3)])}
+    assert found == {(p.OURS_SB3, 4): (0.5, True), (p.OURS_VECTOR, 4): (0.45, False),
+                     (p.OURS_SB3, 1): (1.0, True), (p.OURS_VECTOR, 1): (1.0, False)}
 
 
 def test_sb3_rows_are_skipped_with_the_reason_without_sb3(profile_step, monkeypatch, capsys):

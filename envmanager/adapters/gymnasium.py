@@ -33,7 +33,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
-from envmanager.adapters.gymnasium_errors import gymnasium_failures, reraise
+from envmanager.adapters.gymnasium_errors import raise_as_gymnasium, reraise
 from envmanager.adapters.gymnasium_utils import (
     batched_infos,
     check_reset_mask,
@@ -171,6 +171,7 @@ class AsyncVectorEnv(VectorEnv):
         self._reset_sent: tuple[list[int | None], Any] = ([], None)
         self._reset_infos: dict[int, dict] = {}
         self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # sent this step, not yet answered
+        self._left = 0  # how many (``_stepping.sum()``, kept as a Python int: step_wait's loop tests it)
         self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
         self._actions: HandedActions | None = None  # max_concurrency: the actions of the step in progress
         self._step_infos: dict[int, dict] = {}
@@ -230,13 +231,15 @@ class AsyncVectorEnv(VectorEnv):
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
                                    AsyncState.WAITING_RESET.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("reset_wait", timeout, self._abandon):
+        try:
             while self._reset_waves:
                 batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
                 self._reset_infos.update(batch.infos)
                 self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
                 if self._reset_waves:
                     self._send_reset_wave(manager)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("reset_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         infos: dict[str, Any] = {}
         for i in sorted(self._reset_infos):
@@ -250,9 +253,12 @@ class AsyncVectorEnv(VectorEnv):
         assert m is not None
         if m.observation_list is None:  # arrays: shared memory, or the parent's copy
             obs = m.results.observation
+            # One array (a Box, Discrete, ... space): one call, not a tree_map (np.copy's order).
             if ids is None:
-                return tree_map(np.copy, obs) if self.copy or not m.shared_memory else obs
-            return tree_map(lambda a: a[ids], obs)
+                if not self.copy and m.shared_memory:
+                    return obs
+                return obs.copy(order="K") if type(obs) is np.ndarray else tree_map(np.copy, obs)
+            return obs[ids] if type(obs) is np.ndarray else tree_map(lambda a: a[ids], obs)
         values = m.observation_list if ids is None else [m.observation_list[i] for i in ids.tolist()]
         space = self.single_observation_space
         out: Any = create_empty_array(space, n=len(values), fn=np.zeros)
@@ -273,6 +279,7 @@ class AsyncVectorEnv(VectorEnv):
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
             self._send(manager, self._all, handed)
             self._stepping[:] = True
+            self._left = self.num_envs
         else:  # checked whole, then sent as room frees up
             self._actions, self._queued = handed.kept(), list(range(self.num_envs))
             self._send_queued(manager)
@@ -283,9 +290,10 @@ class AsyncVectorEnv(VectorEnv):
         refused is refused here, before anything is sent."""
         if self.autoreset_mode == AutoresetMode.DISABLED:
             self._check_not_ended(manager, ids)
-        handed = self._actions_in.hand_over(actions, len(ids))  # iterate()'s errors, as gymnasium's
-        # gymnasium's env says so when stepped; we say it before sending
-        if ((manager.status if ids is self._all else manager.status[ids]) == NEEDS_RESET).any():
+        handed = self._actions_in.hand_over(actions, ids.size)  # iterate()'s errors, as gymnasium's
+        # gymnasium's env says so when stepped; we say it before sending (``in``: one numpy
+        # operation, no Python-level call)
+        if NEEDS_RESET in (manager.status if ids is self._all else manager.status[ids]):
             raise ResetNeeded("Cannot call env.step() before calling env.reset()")
         return handed
 
@@ -309,7 +317,7 @@ class AsyncVectorEnv(VectorEnv):
 
     def _send_queued(self, manager: BatchEnvManager) -> None:
         """Send queued steps, keeping at most ``max_concurrency`` envs stepping at once."""
-        room = (self.max_concurrency or self.num_envs) - int(self._stepping.sum())
+        room = (self.max_concurrency or self.num_envs) - self._left
         idle = set(manager.idle_worker_ids)
         chosen = [i for i in self._queued if i in idle][: max(0, room)]
         if not chosen:
@@ -318,6 +326,7 @@ class AsyncVectorEnv(VectorEnv):
         assert self._actions is not None
         self._send(manager, rows, self._actions.rows(rows))
         self._stepping[rows] = True
+        self._left += len(chosen)
         self._queued = [i for i in self._queued if i not in set(chosen)]
 
     def step_wait(self, timeout: float | None = None):
@@ -325,20 +334,32 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("step_wait", timeout, self._abandon):
-            while self._stepping.any() or self._queued:
-                wanted = 1 if self._queued else int(self._stepping.sum())
+        # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
+        # counts: the performance guide's "Function calls per env-step").
+        try:
+            while self._left or self._queued:
+                wanted = 1 if self._queued else self._left
                 batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
-                self._stepping[batch.slots] = False
+                slots = batch.slots
+                if self._actions is None:
+                    # Every env was sent at once, so each was idle with nothing unreceived
+                    # (send_batch refuses any other): a batch holds envs of this step only, each once.
+                    self._left -= slots.size
+                else:  # max_concurrency: an env sent by ``send()`` may come back meanwhile
+                    self._left -= int(np.count_nonzero(self._stepping[slots]))
+                self._stepping[slots] = False
                 if batch.infos:
                     self._step_infos.update(batch.infos)
                 if batch.info_columns:
                     self._step_columns += batch.info_columns
                 if self._queued:  # max_concurrency: start queued envs as others finish
                     self._send_queued(manager)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         r = manager.results
-        infos = batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
+        infos = (batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
+                 if self._step_infos or self._step_columns else {})
         self._step_infos, self._step_columns, self._actions = {}, [], None
         return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
@@ -352,6 +373,7 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError:
             logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._stepping[:] = False
+        self._left = 0
         self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
         self._reset_waves, self._reset_infos = [], {}
         self._outstanding[:] = False
@@ -375,8 +397,10 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        with gymnasium_failures("call_wait", timeout, self._abandon):
+        try:
             results = manager.receive_call(self._call, timeout)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("call_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         return tuple(results)
 
@@ -428,11 +452,13 @@ class AsyncVectorEnv(VectorEnv):
                 f"`recv` needs {self.batch_size} envs in flight, only {int(self._outstanding.sum())} were sent", "recv"
             )
         deadline = None if timeout is None else Deadline(timeout)
-        with gymnasium_failures("recv", timeout, self._abandon):
+        try:
             while len(self._received) < self.batch_size:
                 got: StepBatch = manager.receive_batch(1, None if deadline is None else deadline.left())
                 self._received += got.slots.tolist()
                 self._received_infos.update(got.infos)
+        except EnvManagerError as exc:
+            raise_as_gymnasium("recv", timeout, exc, self._abandon)
         ids, self._received = np.asarray(self._received[: self.batch_size]), self._received[self.batch_size :]
         self._outstanding[ids] = False
         r = manager.results

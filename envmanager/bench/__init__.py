@@ -7,7 +7,7 @@ are reported as ratios against gymnasium's vector envs measured in the same run.
   ``uneven``, the ``sweep`` of CPU costs, ``atari``, ``mujoco``, ``unity``);
 * :mod:`~envmanager.bench.backends`: the contenders (ours in several stepping styles and
   ``envs_per_worker="auto"``, gymnasium, Stable-Baselines3, EnvPool), each skipped with a
-  reason when unavailable; :mod:`~envmanager.bench.peers`: tianshou and TorchRL;
+  reason when unavailable; :mod:`~envmanager.bench.peers`: tianshou, TorchRL and PufferLib;
 * :mod:`~envmanager.bench.runner`: warm-up, interleaved repeats, references, targets;
 * :mod:`~envmanager.bench.sampler_bench`: the ``sampler`` scenario, measured by a module of its own
   (its own contenders, ratios and targets: ``runner.OWN_MODULES``);

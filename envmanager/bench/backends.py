@@ -410,6 +410,11 @@ BACKENDS: dict[str, Backend] = {
                 lockstep=True, unavailable=peers.tianshou_unavailable),
         Backend("torchrl.ParallelEnv", peers.run_torchrl, "TorchRL ParallelEnv of GymWrapper envs",
                 lockstep=True, unavailable=peers.torchrl_unavailable),
+        Backend("pufferlib.Multiprocessing", peers.run_pufferlib, "PufferLib 3.0 Multiprocessing, batches of "
+                "n_env // 2, one process per worker core (busy-waiting on shared memory)",
+                unavailable=peers.pufferlib_batched_unavailable),
+        Backend("pufferlib.Multiprocessing-sync", peers.run_pufferlib_sync, "PufferLib 3.0 Multiprocessing, "
+                "batch_size = n_env (lockstep)", lockstep=True, unavailable=peers.pufferlib_unavailable),
         Backend("envpool", run_envpool, "EnvPool (its own C++ envs, sync mode)",
                 lockstep=True, unavailable=lambda s: _not_pinned(s) or _envpool_unavailable(s)),
         Backend("mlagents.sequential", _unity("run_sequential"),

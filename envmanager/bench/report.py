@@ -15,7 +15,9 @@ from typing import Any
 
 from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
 from envmanager.bench.common import cores, worker_cores
+from envmanager.bench.peers import pufferlib_layout
 from envmanager.bench.runner import ScenarioResult, Target, targets
+from envmanager.extras import install_command, requires_extra
 
 __all__ = [
     "PLOT_EXTRA",
@@ -32,7 +34,8 @@ __all__ = [
 ]
 
 #: What to install for ``write_plot`` (matplotlib is an optional dependency).
-PLOT_EXTRA = 'pip install "envmanager[bench]"'
+PLOT_EXTRA = install_command("bench")
+PUFFERLIB = ("pufferlib.Multiprocessing", "pufferlib.Multiprocessing-sync")
 
 
 def _rate(x: float) -> str:
@@ -81,6 +84,10 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
               if b in result.measurements]
     if packed:
         lines.append(f"   {', '.join(packed)}: {envs_per_worker_for(s)} envs per worker ({worker_cores(s)} worker cores)")
+    puffer = [(b, pufferlib_layout(s, batched=not BACKENDS[b].lockstep)) for b in PUFFERLIB if b in result.measurements]
+    if puffer:
+        lines.append("   " + "; ".join(f"{b}: {w} process{'es' * (w > 1)} x {s.n_env // w} envs, batches of {size}"
+                                       for b, (w, size) in puffer))
     if "envmanager-auto" in result.measurements and s.name in AUTO_CHOICES:
         lines.append(f"   envmanager-auto: chose {AUTO_CHOICES[s.name]} envs per worker ({cores()} cores)")
     by_reason: dict[str, list[str]] = {}
@@ -213,10 +220,11 @@ def plot_unavailable() -> str | None:
 def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
     """A PNG: the sweep as curves (fraction of the limit against CPU time per step, one line per
     backend), then one bar panel per other scenario (median steps/s, whiskers min to best)."""
-    import matplotlib
+    with requires_extra("bench", "envmanager.bench.report.write_plot"):
+        import matplotlib
 
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
 
     shown = [r for r in results if r.measurements and not (r.scenario.group in ("sweep", "pinned") and r.scenario.step_cost)]
     sweeps = [(group, *sweep_fractions(results, group)) for group in ("sweep", "pinned")]

@@ -37,7 +37,8 @@ ENVPOOL = "envpool"
 PEER_COLUMNS = {
     ASYNC: "vs Async", SYNC: "vs Sync", SEQUENTIAL: "vs sequential", "sb3.SubprocVecEnv": "vs sb3",
     "tianshou.SubprocVectorEnv": "vs ts.Subproc", "tianshou.ShmemVectorEnv": "vs ts.Shmem",
-    "torchrl.ParallelEnv": "vs torchrl", ENVPOOL: "vs envpool",
+    "torchrl.ParallelEnv": "vs torchrl", "pufferlib.Multiprocessing": "vs puffer",
+    "pufferlib.Multiprocessing-sync": "vs puffer-sync", ENVPOOL: "vs envpool",
 }
 #: Scenarios measured by a module of their own (kind -> module with ``run(scenario, steps, repeats,
 #: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.

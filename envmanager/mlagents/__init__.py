@@ -14,12 +14,15 @@
                 ...
 
 Names are imported lazily, so ``import envmanager.mlagents`` stays light (and the fake player,
-``envmanager.testing.fake_unity``, does not pull in the core).
+``envmanager.testing.fake_unity``, does not pull in the core). Taking one without
+``mlagents_envs`` installed raises an ``ImportError`` naming the extra to install.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from envmanager.extras import check_extra
 
 _EXPORTS = {
     "MLAgentsEnvManager": "envmanager.mlagents.env_manager",
@@ -41,6 +44,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    check_extra("mlagents_envs", "mlagents", f"{__name__}.{name}")  # else it fails later, in a worker
     import importlib
 
     value = getattr(importlib.import_module(module), name)

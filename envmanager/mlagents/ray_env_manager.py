@@ -31,16 +31,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepInfo
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.extras import requires_extra
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
+
+with requires_extra("ray", __name__):
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayError, RayTaskError
-
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, ManagerClosedError
+from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
+
+with requires_extra("ray", "envmanager.ray"):
+    import ray
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
 
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.extras import requires_extra
 from envmanager.ray.node import COUNTERS
 from envmanager.ray.nodes import Node, NodePool, RayNodeError, Request
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.learner import feed_fragments
+
+with requires_extra("ray", "envmanager.ray"):
+    import ray
 
 if TYPE_CHECKING:
     from envmanager.sampler import LearnerFeed

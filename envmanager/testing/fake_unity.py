@@ -61,18 +61,25 @@ else:  # run as a file (what write_launcher does): skip importing the envmanager
         del sys.path[0]  # our directory must not shadow anything imported later
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core chatter on the player's stderr
-import grpc
-from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
-from mlagents_envs.communicator_objects.brain_parameters_pb2 import BrainParametersProto
-from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto
-from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP
-from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
-from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
-from mlagents_envs.communicator_objects.unity_output_pb2 import UnityOutputProto
-from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import UnityToExternalProtoStub
+# The protocol comes with the mlagents extra. Without it this module still imports (--help,
+# write_launcher, free_base_port work); a player refuses to start, naming the extra.
+_PROTOCOL_MISSING: ImportError | None = None
+try:
+    import grpc
+    from mlagents_envs.communicator_objects.agent_info_pb2 import AgentInfoProto
+    from mlagents_envs.communicator_objects.brain_parameters_pb2 import BrainParametersProto
+    from mlagents_envs.communicator_objects.capabilities_pb2 import UnityRLCapabilitiesProto
+    from mlagents_envs.communicator_objects.command_pb2 import QUIT, RESET, STEP
+    from mlagents_envs.communicator_objects.observation_pb2 import ObservationProto
+    from mlagents_envs.communicator_objects.unity_message_pb2 import UnityMessageProto
+    from mlagents_envs.communicator_objects.unity_output_pb2 import UnityOutputProto
+    from mlagents_envs.communicator_objects.unity_to_external_pb2_grpc import UnityToExternalProtoStub
+
+    COMMANDS = {STEP: "STEP", RESET: "RESET", QUIT: "QUIT"}
+except ImportError as e:
+    _PROTOCOL_MISSING = e
 
 CONFIG_ENV_VAR = "ENVMANAGER_FAKE_UNITY_CONFIG"
-COMMANDS = {STEP: "STEP", RESET: "RESET", QUIT: "QUIT"}
 
 
 class PlayerExit(Exception):
@@ -87,7 +94,8 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="envmanager-fake-unity", allow_abbrev=False,
-                                description="Fake Unity ML-Agents player (gRPC client, API 1.5.0).")
+                                description="Fake Unity ML-Agents player (gRPC client, API 1.5.0; needs the extra "
+                                            "mlagents).")
     a = p.add_argument
     a("--mlagents-port", type=int, default=5005, help="port of the Python gRPC server")
     a("--config", help="JSON config file (see envmanager.testing.fake_unity_task.FakeConfig)")
@@ -163,8 +171,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[_task.FakeConfig, dic
     return _task.make_config(data), facts
 
 
+def _require_protocol() -> None:
+    """Raises why no player can run here (gRPC or mlagents_envs missing), naming the extra."""
+    if _PROTOCOL_MISSING is None:
+        return
+    if __package__:
+        from envmanager.extras import missing_extra
+
+        raise missing_extra(_PROTOCOL_MISSING, "mlagents", "the fake Unity player") from _PROTOCOL_MISSING
+    raise _PROTOCOL_MISSING
+
+
 class FakePlayer:
     def __init__(self, cfg: _task.FakeConfig, facts: dict[str, Any]) -> None:
+        _require_protocol()
         self.cfg, self.facts = cfg, facts
         self.port: int = facts["port"]
         self.rng = random.Random(cfg.seed or 0)
@@ -483,7 +503,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"envmanager-fake-unity: bad configuration: {e}", file=sys.stderr)
         return 2
-    player = FakePlayer(cfg, facts)
+    try:
+        player = FakePlayer(cfg, facts)
+    except ImportError as e:
+        print(f"envmanager-fake-unity: {e}", file=sys.stderr)
+        return 2
     try:
         return player.run()
     finally:
