@@ -47,6 +47,7 @@ from envmanager.adapters.gymnasium_utils import (
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
+from envmanager.core.layout import VECTOR, VECTOR_PARTIAL
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import NEEDS_RESET
 from envmanager.errors import EnvManagerError, InvalidInputError
@@ -160,6 +161,7 @@ class AsyncVectorEnv(VectorEnv):
             check_spaces=space_check(observation_mode, self.single_observation_space, self.single_action_space),
             double_buffer=double_buffer,
             info_columns=True,  # gymnasium batches infos: a few numpy operations per key, not _add_info per env
+            caller=VECTOR if self.batch_size == self.num_envs else VECTOR_PARTIAL,
         )
         # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])

@@ -31,9 +31,10 @@ from gymnasium import spaces
 from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
-from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
+from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.completion import Completion
+from envmanager.core.layout import BATCH, Caller
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
@@ -63,7 +64,8 @@ class BatchEnvManager:
     shared memory is laid out; whatever it raises ends the construction (an adapter's rules
     and messages about spaces come before the core's); and ``info_columns``: the caller batches
     infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
-    making a dict per env from columns costs more than unpickling the dicts, so only then).
+    making a dict per env from columns costs more than unpickling the dicts, so only then); and
+    ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``).
     """
 
     def __init__(
@@ -85,14 +87,17 @@ class BatchEnvManager:
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
         double_buffer: bool | str = False,
         info_columns: bool = False,
+        caller: Caller = BATCH,
     ) -> None:
         self._pool: WorkerPool | None = None
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
         ctx = get_context(context)
 
         self.n_env = n_env = int(n_env)
-        if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines
-            envs_per_worker = choose_envs_per_worker(factory, n_env, context=ctx, daemon=daemon, start_timeout=timeout)
+        if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines; the model's best
+            envs_per_worker, chosen = choose_layout(factory, n_env, context=ctx, daemon=daemon, start_timeout=timeout,
+                                                    caller=caller, double_buffer=double_buffer)
+            double_buffer = chosen if double_buffer == AUTO else double_buffer
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
         self.timeout = float(timeout)
