@@ -3,10 +3,12 @@ should deliver, and the choice among them. Properties over random machines and e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envmanager.core.layout import REFERENCE, Costs, Layout, best_layout, candidates, predict
+from envmanager.core.layout import REFERENCE, Layout, best_layout, candidates, predict
 
 n_envs = st.integers(1, 128)
 cores = st.integers(2, 64)
@@ -50,8 +52,7 @@ def test_the_choice_is_the_fastest_within_two_percent_with_the_fewest_processes(
 def test_a_slower_parent_never_makes_answers_smaller(c, step, slower):
     """Bigger answers lift the parent's cap: a costlier parent never picks smaller answers."""
     fast = best_layout(64, step, c, REFERENCE)[0].layout
-    slow_costs = Costs(REFERENCE.worker_s, REFERENCE.worker_env_s, REFERENCE.parent_s * slower, REFERENCE.parent_env_s,
-                       REFERENCE.wake_s)
+    slow_costs = replace(REFERENCE, parent_s=REFERENCE.parent_s * slower)
     slow = best_layout(64, step, c, slow_costs)[0].layout
     assert slow.envs_per_worker / slow.lanes >= fast.envs_per_worker / fast.lanes or slow.processes <= fast.processes
 

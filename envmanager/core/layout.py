@@ -80,6 +80,9 @@ VECTOR_PARTIAL = Caller("a vector env in partial batches", 2.0e-6)
 SB3 = Caller("SB3's VecEnv", 3.0e-6, lockstep=True)
 #: The CPU a round trip between sleeping processes takes, as a share of its latency.
 WAKE_CPU = 1 / 3
+#: Where processes share cores, how much more their own work costs (context switches evict
+#: caches): fitted on the reference machine's runs with 2-64 envs, 5 us-1 ms per step.
+SHARED_OVERHEAD = 1.4
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,11 @@ def predict(layout: Layout, n_env: int, step_s: float, cores: int, costs: Costs 
     """What ``layout`` of ``n_env`` envs of ``step_s`` seconds per step delivers on ``cores`` cores."""
     processes, lanes = layout.processes, layout.lanes
     e = layout.envs_per_worker / lanes  # env-steps per answer
-    worker = e * step_s + costs.worker_s + costs.worker_env_s * e
-    parent = costs.parent_s + costs.parent_env_s * e
-    parent_rate = e / parent  # the one serial part
     own = processes + 1 <= cores
+    busier = 1.0 if own else SHARED_OVERHEAD  # processes taking turns on a core evict each other's caches
+    worker = e * step_s + busier * (costs.worker_s + costs.worker_env_s * e)
+    parent = busier * (costs.parent_s + costs.parent_env_s * e)
+    parent_rate = e / parent  # the one serial part
     trip = 0.0 if own else costs.round_trip_s
     if lockstep:  # every env each step: the slowest process, then the parent's answers, in turn
         step_time = lanes * worker + trip + processes * lanes * parent
