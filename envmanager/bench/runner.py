@@ -456,7 +456,7 @@ def _pinned_targets(result: ScenarioResult, ratios: dict[str, dict[str, float]],
             out.append(Target(name, f"x the {n}-worker-core limit", backend, limit[backend], threshold))
     if cost is not None and cost <= 63e-6 and best.backend in ratios.get("vs Async", {}):
         out.append(Target(name, "x gym AsyncVectorEnv pinned", best.backend, ratios["vs Async"][best.backend], 2.0))
-    if cost is not None and cost <= 5e-6:
+    if name == "pinned-parent" or (cost is not None and cost <= 5e-6):
         for backend in ("envmanager-db", "envmanager-batch-db"):
             m = result.measurements.get(backend)
             if m is None or m.work_per_answer is None or not m.answers:

@@ -28,8 +28,7 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight
     and what arrived meanwhile is kept."""
     deadline = None if timeout is None else Deadline(timeout)
-    take(pool.wait(0.0))
-    while not done():
+    while not done():  # (what has already come is taken by the first wait, which returns at once then)
         waiting = late()
         workers = pool.workers
         if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):

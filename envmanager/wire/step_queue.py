@@ -88,6 +88,8 @@ class StepQueue:
                 return []
             self._next_poll = now + POLL_INTERVAL_NS
             return self._ended(self._poller.poll(0))
+        if box is not None and timeout > 0:  # the spin looks at the pipe first thing
+            return self._spin_then_block(timeout)
         events = self._poller.poll(0)
         if events or timeout <= 0:
             return self._ended(events)
@@ -106,14 +108,21 @@ class StepQueue:
             box.parent_spinning(until)
         events: list = []
         found = False
-        while clock() < until:
+        next_poll = start  # with a mailbox the pipe is looked at only now and then (big answers, ended processes)
+        every = POLL_INTERVAL_NS // 5 if box is not None else 0
+        while True:
+            now = clock()
+            if now >= until:
+                break
             if box is not None and box.waiting():
                 found = True
                 break
-            events = poll(0)
-            if events:
-                found = True
-                break
+            if now >= next_poll:
+                next_poll = now + every
+                events = poll(0)
+                if events:
+                    found = True
+                    break
         if full:
             spin.caught(found)
         spun = clock() - start

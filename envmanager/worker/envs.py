@@ -58,7 +58,7 @@ class WorkerEnvs:
         self.file = file  # the shared memory this process was started with (ATTACH maps it)
         # A request's envs by their locals: where they sit in the shared arrays (a slice when
         # contiguous) and their slots.
-        self._lanes: dict[tuple[int, ...], tuple[slice | np.ndarray, tuple[int, ...]]] = {}
+        self._lanes: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._next_step, self._same_step = autoreset_mode == NEXT_STEP, autoreset_mode == SAME_STEP
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
 
@@ -129,13 +129,14 @@ class WorkerEnvs:
             if len(self._lanes) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
                 self._lanes.clear()
             slots_ = tuple(self.env_ids[i] for i in locals_)
-            lane = self._lanes[locals_] = (_rows_of(list(slots_)), slots_)
-        rows, slots = lane
+            k = len(slots_)
+            lane = self._lanes[locals_] = (_rows_of(list(slots_)), slots_, [None] * k, [0.0] * k, [False] * k, [False] * k)
+        # The lane's lists are filled anew each time: what they hold is written to the shared
+        # arrays below, before this returns.
+        rows, slots, observations, rewards, terminated, truncated = lane
         n = len(locals_)
         # A copy (fancy indexing copies, a slice does not): the envs may keep their action.
         actions = action[rows].copy() if type(rows) is slice else action[rows]
-        observations: list[Any] = [None] * n
-        rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
         times = [0.0] * n
         infos: dict[int, dict] = {}
         failures: dict[int, RemoteException] = {}
@@ -156,8 +157,8 @@ class WorkerEnvs:
                         info = {**final, **info}
                 if term or trunc:
                     autoreset[i], terminated[k], truncated[k] = True, term, trunc
-                elif autoreset[i]:
-                    autoreset[i] = False
+                else:
+                    autoreset[i] = terminated[k] = truncated[k] = False
                 observations[k], rewards[k] = obs, reward
                 if info:
                     infos[slots[k]] = info
@@ -165,6 +166,7 @@ class WorkerEnvs:
                 self.current = slots[k]
                 failures[k] = remote_exception(self.current, exc)
                 observations[k] = observation[slots[k]]  # unchanged
+                rewards[k], terminated[k], truncated[k] = 0.0, False, False
             end = clock()
             times[k], start = end - start, end
         try:
