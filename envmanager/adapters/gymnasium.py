@@ -74,8 +74,9 @@ class AsyncVectorEnv(VectorEnv):
         envs_per_worker: sub-environments hosted by one process, stepped as one message, or
             ``"auto"`` (the default): chosen from one env's step cost measured at start-up in
             a throwaway process (``env_fns[0]()`` built there, its unwrapped env stepped) --
-            even CPU-bound envs are packed one process per core, uneven or waiting ones get a
-            process each (``envmanager.core.auto``); ``1`` is gymnasium's layout. With
+            even CPU-bound envs laid out as the model of this machine predicts fastest
+            (``envmanager.core.layout``), uneven or waiting ones get a process each
+            (``envmanager.core.auto``); ``1`` is gymnasium's layout. With
             partial batches (``batch_size`` below the number of envs) ``"auto"`` is 1: a
             process is sent a step only when all its envs are back.
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.

@@ -1,4 +1,4 @@
-"""``envs_per_worker="auto"``: how many envs one worker process should host, on this machine.
+"""``envs_per_worker="auto"``: how many envs one worker process should host (and in how many lanes), on this machine.
 
 One env is built and stepped in a **throwaway process** before any worker starts (same start
 method, killed with everything it started once it has answered): a few steps with sampled
@@ -8,21 +8,25 @@ steps; starting the process and building the env have the workers' start-up dead
 env 0 or this process: the measured env is ``env.unwrapped``, reset and stepped directly, so
 wrappers that record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see
 no step; an env with ``render_mode="human"`` is not stepped at all (it would open a window;
-such steps wait on the display, and get a process each). The rule:
+such steps wait on the display, and get a process each). The measuring process also answers a
+few pings, whose round trip (both sides asleep until the other writes) is what a request costs
+where processes share cores, and times a reference loop (``layout.speed``). The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
   x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
   cost does not hold first-ready back, and cheap steps resumed after preemption on a cold
   cache vary by more than 3x --, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
-  cheap or expensive: pack the envs into one process per core, ``max(1, n_env // cores)``
-  envs each -- one message then carries several steps, the per-message cost (a pipe round
-  trip, ~60 µs) is shared, and no more processes compete for the cores than there are cores
-  (``envmanager bench --scenario sweep``: packing is ahead from 5 µs to 5 ms per step);
+  cheap or expensive: the layout the model of ``envmanager.core.layout`` predicts fastest --
+  processes x envs per process, and one lane or two -- for this step, round trip, Python
+  speed, number of cores and caller (``choose_layout``). On 2 cores cheap envs get one process
+  and the parent the other core (they spin, the mailbox carries requests and answers; double
+  buffered), costly ones a process per core or more;
 * anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), an
   env that did not finish the measurement within the deadline, or one that failed: one env
   per process, so first-ready stepping never waits for a slow neighbour and waits overlap.
 
-When there is nothing to pack (``n_env // cores`` is 1 or 0) nothing is measured.
+When every env can have a core and the parent one too (fewer envs than cores) nothing is
+measured: one env per process.
 
 Both tests hold on a busy machine: evenness is judged on CPU time, which preemption does not
 stretch, and the CPU share against the wall time less the time spent runnable but waiting for

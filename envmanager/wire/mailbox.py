@@ -90,11 +90,6 @@ class MailboxLayout:
         return self.region(self.n_procs)
 
 
-def _asleep(word: int) -> bool:
-    """Whether a reader whose word is ``word`` may block before it sees what was just published."""
-    return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
-
-
 class Mailboxes:
     """The parent's side: every process's rings, in a :class:`SharedFile` made before any worker
     starts (each gets it as it starts, as it gets its pipe)."""

@@ -202,9 +202,6 @@ class MailboxLink(QueueLink):
             if frame:
                 return frame
 
-    def has_input(self) -> bool:
-        return self._stash is not None or self.box.ready() or super().has_input()
-
     def post(self, header: bytes, payload: bytes) -> None:
         notice = header + payload
         wake = self.box.post(notice)
