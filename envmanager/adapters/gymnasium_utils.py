@@ -249,15 +249,22 @@ def _run_mask(num_envs: int, start: int, n: int) -> np.ndarray:
     return made
 
 
-def env_ids_checked(env_ids: Any, n: int) -> np.ndarray:
-    """``send``'s ``env_ids``: distinct integer ids in ``[0, n)``, as an int64 array."""
-    ids = np.asarray(env_ids).reshape(-1)
-    if ids.size and ids.dtype.kind not in "iu":
-        raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
-    ids = ids.astype(np.int64)
-    if len(np.unique(ids)) != len(ids) or ((ids < 0) | (ids >= n)).any():
-        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {ids.tolist()}")
-    return ids
+def env_ids_checked(env_ids: Any, n: int) -> tuple[np.ndarray, list[int]]:
+    """``send``'s ``env_ids``: distinct integer ids in ``[0, n)``, as an int64 array and a list.
+
+    An int64 array of one axis (what ``recv`` hands out in ``infos["env_id"]``) is used as it
+    is; the checks run on its Python list (a set and ``min``/``max``: no ``np.unique`` sort)."""
+    if type(env_ids) is np.ndarray and env_ids.dtype == np.int64 and env_ids.ndim == 1:
+        ids = env_ids
+    else:
+        ids = np.asarray(env_ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
+        ids = ids.astype(np.int64)
+    listed = ids.tolist()
+    if listed and (len(set(listed)) != len(listed) or min(listed) < 0 or max(listed) >= n):
+        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {listed}")
+    return ids, listed
 
 
 def block_dicts(block: InfoBlock) -> dict[int, dict]:
