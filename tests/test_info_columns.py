@@ -231,3 +231,70 @@ def test_partial_batch_infos_equal_add_info():
         fast += 1
         assert_same_infos(mine, expected, f"trial {trial}")
     assert fast > 700  # most went the per-key way
+
+
+class MixedInfoEnv(ControlledEnv):
+    """Step infos that differ per env: some travel as columns (a lane of envs 0-1 or 4-5 with the
+    same flat keys), the others as dicts: empty ones, arrays, strings, another type for ``t``."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, _ = super().step(action)
+        return obs, reward, terminated, truncated, mixed_info(self.env_id, self.t)
+
+
+def mixed_info(env_id: int, t: int) -> dict:
+    if env_id in (0, 1) and not (env_id == 1 and t % 5 == 0):
+        return {"t": t, "x": t / 2, "ok": t % 2 == 0, "f32": np.float32(env_id)}
+    if env_id in (4, 5):
+        return {"x": t / 4, "t": np.int32(t), "ok": t % 3 == 0, "f32": np.float32(t)}
+    if env_id == 1:
+        return {"other": t}
+    if env_id == 2:
+        return {} if t % 3 == 0 else {"t": t, "arr": np.arange(2) * t}
+    if env_id == 3:
+        return {"t": float(t), "name": f"n{t}"}
+    return {"t": t} if env_id == 6 else {}
+
+
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_gymnasium_partial_batches_batch_infos_as_gymnasium_does(batch_size):
+    """recv's infos are gymnasium's _add_info of the batch's envs' own infos, row k = env
+    ``env_id[k]`` (batches of 3 out of answers of 2 split an answer's columns across batches)."""
+    n = 8
+    fns = [lambda i=i: MixedInfoEnv(i, episode_length=6) for i in range(n)]
+    vec = envmanager.AsyncVectorEnv(fns, batch_size=batch_size, envs_per_worker=4, double_buffer=True)
+    try:
+        vec.reset(seed=0)
+        vec.send(np.ones(n, dtype=np.int64))
+        columns = 0
+        original = vec._manager.receive_batch
+
+        def counting(*args, **kwargs):
+            nonlocal columns
+            batch = original(*args, **kwargs)
+            columns += len(batch.info_columns)
+            return batch
+
+        vec._manager.receive_batch = counting
+        lanes = [(0, 1), (2, 3), (4, 5), (6, 7)]  # 4 envs per process, two lanes each
+        back: set[int] = set()
+        for _ in range(60):
+            obs, *_, infos = vec.recv()
+            ids = infos["env_id"]
+            assert ids.dtype == np.int64 and len(ids) == batch_size
+            by_row = {}
+            for k, (i, t) in enumerate(zip(ids.tolist(), obs[:, 0].astype(int).tolist(), strict=True)):
+                info = {"env_id": i, "seed": None} if t == 0 else mixed_info(i, t)  # t == 0: next-step autoreset
+                if info:
+                    by_row[k] = info
+            expected = add_info_reference(by_row, n)
+            expected["env_id"] = ids
+            assert_same_infos(infos, expected)
+            back.update(ids.tolist())
+            ready = [i for lane in lanes if back.issuperset(lane) for i in lane]  # a lane goes out whole
+            if ready:
+                vec.send(np.ones(len(ready), dtype=np.int64), np.array(ready))
+                back.difference_update(ready)
+        assert columns > 0
+    finally:
+        vec.close()
