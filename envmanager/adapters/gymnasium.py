@@ -504,12 +504,10 @@ class AsyncVectorEnv(VectorEnv):
         """gymnasium's batched infos of the envs ``listed`` (row ``k``: env ``listed[k]``) from
         what arrived for them; what arrived for envs of a later batch (``_received``) stays."""
         later = bool(self._received)
-        dicts = self._received_infos
-        found: list[tuple[int, dict]] = []
-        if dicts and later:
-            found = [(k, dicts.pop(i)) for k, i in enumerate(listed) if i in dicts]
-        elif dicts:  # every one is this batch's
-            found = [(k, dicts[i]) for k, i in enumerate(listed) if i in dicts]
+        dicts = self._received_infos  # this batch's are taken out first: none is left behind if batching raises
+        if later and dicts:
+            dicts = {i: self._received_infos.pop(i) for i in listed if i in self._received_infos}
+        else:  # every one is this batch's
             self._received_infos = {}
         blocks: list[tuple[list[int], InfoBlock]] = []
         if self._received_columns:
@@ -530,14 +528,14 @@ class AsyncVectorEnv(VectorEnv):
                                    block._replace(slots=block.slots[mine], columns=[c[mine] for c in block.columns])))
                     block = block._replace(slots=block.slots[rest], columns=[c[rest] for c in block.columns])
                 self._received_columns.append(block)
-        if not found and not blocks:
+        if not dicts and not blocks:
             return {}
         try:
-            infos = partial_batch_infos(found, blocks, self.num_envs)
+            infos = partial_batch_infos(listed, dicts, blocks, self.num_envs)
         except Exception:  # a value _add_info refuses (an int beyond int64, say): its own error, below
             infos = None
         if infos is None:  # gymnasium's own, env by env
-            by_row = dict(found)
+            by_row = {k: dicts[i] for k, i in enumerate(listed) if i in dicts}
             for rows, block in blocks:
                 by_row.update(zip(rows, block_dicts(block).values(), strict=True))
             infos = {}

@@ -4,7 +4,8 @@ as gymnasium batches infos."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import gymnasium as gym
@@ -135,12 +136,13 @@ _SCALARS = (int, float, bool)
 _PYTHON_KIND = {"i": int, "f": float, "b": bool}
 
 
-def partial_batch_infos(found: Sequence[tuple[int, dict]], blocks: Sequence[tuple[list[int], InfoBlock]],
+def partial_batch_infos(listed: Sequence[int], dicts: Mapping[int, dict], blocks: Sequence[tuple[list[int], InfoBlock]],
                         num_envs: int) -> dict[str, Any] | None:
     """gymnasium's batched infos of a partial batch (``{key: array, "_key": mask}``, exactly as
-    ``VectorEnv._add_info`` builds them env by env, the batch's ``k``-th env as env ``k``), from
-    the envs' info dicts (``found``: ``(k, info)``, ``k`` ascending) and infos that came as
-    columns (``blocks``: each with the batch positions of its slots).
+    ``VectorEnv._add_info`` builds them env by env, the batch's ``k``-th env as env ``k``): the
+    envs ``listed`` (slots), whose info dicts are in ``dicts`` by slot (an env without one returned
+    none, or its infos came as columns), and infos that came as columns (``blocks``: each with the
+    batch positions of its slots).
 
     Per env only a walk over its dict; per key a few numpy operations for each run of values
     of one type. Keys come in gymnasium's order (the first env that has a key, then that env's
@@ -152,9 +154,24 @@ def partial_batch_infos(found: Sequence[tuple[int, dict]], blocks: Sequence[tupl
     worded: the caller goes env by env for gymnasium's own error.
     """
     infos: dict[str, Any] = {}
-    for key, key_runs in _runs(found, blocks).items():
+    for key, key_runs in _runs(listed, dicts, blocks).items():
         if type(key) is not str or key[:1] == "_" or key == "final_obs":
             return None
+        if len(key_runs) == 1:  # the usual key: one run, of one scalar type, of neighbouring rows
+            rows, values, kind, ascending = key_runs[0]
+            if kind is None:
+                types = set(map(type, values))
+                kind = types.pop() if len(types) == 1 else None
+            n = len(rows)
+            start = rows[0]
+            if (kind in _SCALARS or (kind is not None and issubclass(kind, np.number))) and ascending \
+                    and rows[-1] - start == n - 1:
+                array = np.zeros(num_envs, dtype=kind)
+                array[start : start + n] = values
+                made = _MASKS.get((num_envs, start, n))
+                infos[key] = array
+                infos[f"_{key}"] = (made if made is not None else _run_mask(num_envs, start, n)).copy()
+                continue
         first = key_runs[0]
         value = first[1][0]
         kind = first[2] or type(value)
@@ -177,10 +194,6 @@ def partial_batch_infos(found: Sequence[tuple[int, dict]], blocks: Sequence[tupl
                 start = rows[0]
                 if ascending and rows[-1] - start == n - 1:  # neighbours: slices
                     array[start : start + n] = values
-                    if mask is None and len(key_runs) == 1:  # the usual case: a copy of a made mask
-                        made = _MASKS.get((num_envs, start, n))
-                        mask = (made if made is not None else _run_mask(num_envs, start, n)).copy()
-                        continue
                     if mask is None:
                         mask = np.zeros(num_envs, dtype=np.bool_)
                     mask[start : start + n] = True
@@ -207,21 +220,25 @@ def partial_batch_infos(found: Sequence[tuple[int, dict]], blocks: Sequence[tupl
 _Runs = dict[Any, list[list[Any]]]
 
 
-def _runs(found: Sequence[tuple[int, dict]], blocks: Sequence[tuple[list[int], InfoBlock]]) -> _Runs:
+def _runs(listed: Sequence[int], dicts: Mapping[int, dict], blocks: Sequence[tuple[list[int], InfoBlock]]) -> _Runs:
     """Every key's runs, in gymnasium's key order (see ``_Runs``)."""
     runs: _Runs = {}
-    entries: Sequence[tuple[int, Any]] = found
-    if blocks:  # every source at its first position: keys in gymnasium's order of first use
-        entries = [(min(rows), (rows, block)) for rows, block in blocks]
-        if found or len(blocks) > 1:
-            entries = sorted([*found, *entries], key=lambda e: e[0])
-    for k, info in entries:
-        if type(info) is tuple:  # (positions, InfoBlock)
-            rows, block = info
+    entries: Iterable[tuple[int, Any]] = enumerate(listed)  # (position, slot), or (position, (positions, block))
+    if blocks:  # every block at its first position: keys in gymnasium's order of first use
+        with_dicts = [(k, i) for k, i in enumerate(listed) if i in dicts] if dicts else []
+        entries = with_dicts + [(min(rows), (rows, block)) for rows, block in blocks]
+        if len(entries) > 1:
+            entries.sort(key=itemgetter(0))
+    for k, item in entries:
+        if type(item) is tuple:
+            rows, block = item
             ascending = rows == sorted(rows)
             for key, column, py in zip(block.keys, block.columns, block.python, strict=True):
                 kind = _PYTHON_KIND[column.dtype.kind] if py else column.dtype.type
                 runs.setdefault(key, []).append([rows, column, kind, ascending])
+            continue
+        info = dicts.get(item)
+        if not info:
             continue
         for key, value in info.items():  # the envs' dicts, walked in row order
             key_runs = runs.get(key)
