@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 from collections.abc import Callable, Sequence
 from copy import deepcopy
-from enum import Enum
 from typing import Any
 
 import gymnasium as gym
@@ -34,23 +33,19 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from envmanager.adapters.gymnasium_actions import Actions, HandedActions
 from envmanager.adapters.gymnasium_errors import raise_as_gymnasium, reraise
+from envmanager.adapters.gymnasium_partial import PartialBatches
 from envmanager.adapters.gymnasium_utils import (
+    AsyncState,
     batched_infos,
-    block_dicts,
     check_reset_mask,
     gymnasium_can_share,
     observation_spaces,
-    partial_batch_infos,
     space_check,
-)
-from envmanager.adapters.gymnasium_utils import (
-    env_ids_checked as _env_ids,
 )
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.layout import VECTOR, VECTOR_PARTIAL
-from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.core.slots import NEEDS_RESET
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire.shm import tree_map
@@ -58,13 +53,6 @@ from envmanager.wire.shm import tree_map
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncVectorEnv"]
-
-
-class AsyncState(Enum):
-    DEFAULT = "default"
-    WAITING_RESET = "reset"
-    WAITING_STEP = "step"
-    WAITING_CALL = "call"
 
 
 class AsyncVectorEnv(VectorEnv):
@@ -183,13 +171,7 @@ class AsyncVectorEnv(VectorEnv):
         self._step_infos: dict[int, dict] = {}
         self._step_columns: list = []  # infos that came as columns (``InfoBlock``s)
         self._call: Any = None
-        # Partial batches: the envs sent a step whose result ``recv`` has not returned yet (a set:
-        # ``send``'s check is one ``isdisjoint``, ``recv``'s count a ``len``), and what arrived
-        # beyond the batches returned so far: slots in arrival order, their infos (dicts, columns).
-        self._outstanding: set[int] = set()
-        self._received: list[int] = []
-        self._received_infos: dict[int, dict] = {}
-        self._received_columns: list[InfoBlock] = []
+        self._partial = PartialBatches()  # send / recv's state
 
     # ------------------------------------------------------------------------------------------
     # gymnasium API
@@ -218,10 +200,9 @@ class AsyncVectorEnv(VectorEnv):
         ids = self._all
         if options is not None and "reset_mask" in options:
             ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
-        if self._outstanding or self._received:  # partial batches: envs still stepping are dropped
+        if self._partial.pending():  # partial batches: envs still stepping are dropped
             manager.drain()
-            self._outstanding.clear()
-            self._received, self._received_infos, self._received_columns = [], {}, []
+            self._partial.clear()
         ids = ids.tolist()
         limit = self.max_concurrency or self.num_envs
         # With max_concurrency, envs reset in waves of that many.
@@ -386,8 +367,7 @@ class AsyncVectorEnv(VectorEnv):
         self._left = 0
         self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
         self._reset_waves, self._reset_infos = [], {}
-        self._outstanding.clear()
-        self._received, self._received_infos, self._received_columns = [], {}, []
+        self._partial.clear()
         self._state = AsyncState.DEFAULT
         return dropped
 
@@ -444,105 +424,12 @@ class AsyncVectorEnv(VectorEnv):
         An env whose previous result has not been received by ``recv()`` yet is rejected,
         before anything is sent.
         """
-        manager = self._manager
-        if manager is None or self.closed:
-            manager = self._running()
-        if self._state is not AsyncState.DEFAULT:
-            self._assert_default("send")
-        if env_ids is None:
-            ids, listed = self._all, self._all_list
-        else:
-            ids, listed = _env_ids(env_ids, self.num_envs)
-        outstanding = self._outstanding
-        if not outstanding.isdisjoint(listed):
-            raise ValueError(f"env(s) {sorted(outstanding.intersection(listed))} were sent a step whose result was "
-                             "not received yet")
-        self._send(manager, ids, self._hand_over(manager, actions, ids))
-        outstanding.update(listed)
+        self._partial.send(self, actions, env_ids)
 
     def recv(self, timeout: float | None = None):
         """The first ``batch_size`` envs to finish: ``(obs, rewards, terminations, truncations,
         infos)`` with ``infos["env_id"]`` giving each row's env."""
-        manager = self._manager
-        if manager is None or self.closed:
-            manager = self._running()
-        size = self.batch_size
-        if len(self._outstanding) < size:
-            raise NoAsyncCallError(f"`recv` needs {size} envs in flight, only {len(self._outstanding)} were sent", "recv")
-        received = self._received
-        got: StepBatch | None = None
-        if len(received) < size:
-            deadline = None if timeout is None else Deadline(timeout)
-            try:
-                while len(received) < size:  # one wait for what is missing, not one per answer
-                    got = manager.receive_batch(size - len(received), None if deadline is None else deadline.left(),
-                                                info_columns=True)
-                    received += got.slots.tolist()
-                    if got.infos:
-                        self._received_infos.update(got.infos)
-                    if got.info_columns:
-                        self._received_columns += got.info_columns
-            except EnvManagerError as exc:
-                raise_as_gymnasium("recv", timeout, exc, self._abandon)
-        if len(received) == size:  # the usual case: what arrived is one batch
-            listed, self._received = received, []
-            # the slots of the one answer that made it (int64, the core's own copy), else a new array
-            ids = got.slots if got is not None and len(got.slots) == size else np.array(listed, dtype=np.int64)
-        else:
-            listed, self._received = received[:size], received[size:]
-            ids = np.array(listed, dtype=np.int64)
-        self._outstanding.difference_update(listed)
-        infos = self._partial_infos(listed) if self._received_infos or self._received_columns else {}
-        infos["env_id"] = ids
-        r = manager.results
-        if manager.observation_list is None and type(r.observation) is np.ndarray:  # one array (Box, Discrete, ...)
-            obs = r.observation.take(ids, axis=0)  # obs[ids]'s rows, in a quarter of its time for 2+ axes
-        else:
-            obs = self._observations_of(ids)
-        return obs, r.reward[ids], r.terminated[ids], r.truncated[ids], infos
-
-    def _partial_infos(self, listed: list[int]) -> dict[str, Any]:
-        """gymnasium's batched infos of the envs ``listed`` (row ``k``: env ``listed[k]``) from
-        what arrived for them; what arrived for envs of a later batch (``_received``) stays."""
-        later = bool(self._received)
-        dicts = self._received_infos  # this batch's are taken out first: none is left behind if batching raises
-        if later and dicts:
-            dicts = {i: self._received_infos.pop(i) for i in listed if i in self._received_infos}
-        else:  # every one is this batch's
-            self._received_infos = {}
-        blocks: list[tuple[list[int], InfoBlock]] = []
-        if self._received_columns:
-            columns, self._received_columns = self._received_columns, []
-            row = {slot: k for k, slot in enumerate(listed)}
-            for block in columns:
-                slots = block.slots.tolist()
-                if not later:  # every one is this batch's
-                    blocks.append(([row[s] for s in slots], block))
-                    continue
-                mine = [n for n, s in enumerate(slots) if s in row]
-                if len(mine) == len(slots):
-                    blocks.append(([row[s] for s in slots], block))
-                    continue
-                if mine:  # an answer across batches: this batch's rows here, the others stay
-                    rest = [n for n, s in enumerate(slots) if s not in row]
-                    blocks.append(([row[slots[n]] for n in mine],
-                                   block._replace(slots=block.slots[mine], columns=[c[mine] for c in block.columns])))
-                    block = block._replace(slots=block.slots[rest], columns=[c[rest] for c in block.columns])
-                self._received_columns.append(block)
-        if not dicts and not blocks:
-            return {}
-        try:
-            infos = partial_batch_infos(listed, dicts, blocks, self.num_envs)
-        except Exception:  # a value _add_info refuses (an int beyond int64, say): its own error, below
-            infos = None
-        if infos is None:  # gymnasium's own, env by env
-            by_row = {k: dicts[i] for k, i in enumerate(listed) if i in dicts}
-            for rows, block in blocks:
-                by_row.update(zip(rows, block_dicts(block).values(), strict=True))
-            infos = {}
-            for k in sorted(by_row):
-                infos = self._add_info(infos, by_row[k], k)
-        return infos
+        return self._partial.recv(self, timeout)
 
     # ------------------------------------------------------------------------------------------
     # Lifetime

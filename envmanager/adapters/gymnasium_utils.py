@@ -5,6 +5,7 @@ as gymnasium batches infos."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import Enum
 from operator import itemgetter
 from typing import Any
 
@@ -16,6 +17,15 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
 
 from envmanager.core.results import InfoBlock
+
+
+class AsyncState(Enum):
+    """The drop-in's state machine, as gymnasium's AsyncVectorEnv has it: which ``*_wait`` is due."""
+
+    DEFAULT = "default"
+    WAITING_RESET = "reset"
+    WAITING_STEP = "step"
+    WAITING_CALL = "call"
 
 
 def observation_spaces(
@@ -288,3 +298,44 @@ def block_dicts(block: InfoBlock) -> dict[int, dict]:
     """Each slot's info dict, from a block of columns (values as the envs returned them)."""
     columns = [c.tolist() if py else list(c) for c, py in zip(block.columns, block.python, strict=True)]
     return {slot: {k: c[i] for k, c in zip(block.keys, columns, strict=True)} for i, slot in enumerate(block.slots.tolist())}
+
+
+def partial_infos(listed: list[int], later: bool, dicts: dict[int, dict], columns: list[InfoBlock], num_envs: int,
+                  add_info: Callable[[dict, dict, int], dict]) -> tuple[dict[str, Any], dict[int, dict], list[InfoBlock]]:
+    """A partial batch's infos as gymnasium batches them (row ``k``: env ``listed[k]``), from the
+    info dicts and column blocks that arrived; with the dicts and columns left for a later batch
+    (``later``: some arrived envs are not in this one). Per key where it can
+    (``partial_batch_infos``), else ``add_info`` (gymnasium's ``_add_info``) env by env."""
+    left: dict[int, dict] = {}
+    if later and dicts:  # this batch's are taken out first: none is left behind if batching raises
+        left = dicts
+        dicts = {i: left.pop(i) for i in listed if i in left}
+    blocks: list[tuple[list[int], InfoBlock]] = []
+    rest_columns: list[InfoBlock] = []
+    row = {slot: k for k, slot in enumerate(listed)}
+    for block in columns:
+        slots = block.slots.tolist()
+        mine = [n for n, s in enumerate(slots) if s in row] if later else list(range(len(slots)))
+        if len(mine) == len(slots):
+            blocks.append(([row[s] for s in slots], block))
+            continue
+        if mine:  # an answer across batches: this batch's rows here, the others stay
+            blocks.append(([row[slots[n]] for n in mine],
+                           block._replace(slots=block.slots[mine], columns=[c[mine] for c in block.columns])))
+            rest = [n for n, s in enumerate(slots) if s not in row]
+            block = block._replace(slots=block.slots[rest], columns=[c[rest] for c in block.columns])
+        rest_columns.append(block)
+    if not dicts and not blocks:
+        return {}, left, rest_columns
+    try:
+        infos = partial_batch_infos(listed, dicts, blocks, num_envs)
+    except Exception:  # a value _add_info refuses (an int beyond int64, say): its own error, below
+        infos = None
+    if infos is None:  # gymnasium's own, env by env
+        by_row = {k: dicts[i] for k, i in enumerate(listed) if i in dicts}
+        for rows, block in blocks:
+            by_row.update(zip(rows, block_dicts(block).values(), strict=True))
+        infos = {}
+        for k in sorted(by_row):
+            infos = add_info(infos, by_row[k], k)
+    return infos, left, rest_columns
