@@ -1,22 +1,18 @@
 """The batch level of the core: send a batch of actions for a set of env slots; receive the
 slots that finished, whose results are rows of shared arrays.
 
-Every adapter is built on this level (gymnasium, SB3, ML-Agents through the StepInfo level).
-A batch of actions is checked once against the action space and written into shared memory
-with one numpy operation per array; when everything lives in shared memory a step request and
-its answer are fixed binary headers with no pickle. Per-env Python runs only for what an env
-put in a non-empty info dict, or where the user asked for per-env objects (``StepInfo``).
+Every adapter is built on this level. A batch of actions is checked once and written into
+shared memory with one numpy operation per array; a step request and its answer are then fixed
+binary headers (in the mailbox's rings where every process has a core). Per-env Python runs
+only for non-empty infos, or where the user asked for per-env objects (``StepInfo``).
 
 State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
 A slot may be sent a step only when IDLE and its lane has nothing in flight (a process
 hosting several slots steps them as one request). Its results are valid until it is sent
 again. The process-level half (requests in flight, restarts) is the pool's.
 
-Double buffering (``double_buffer``): each process's slots form two lanes (the first half of
-its envs, the second half), and each lane may have its own request in flight, so the worker
-steps one half while the parent turns the other half around (Sample Factory's design). It
-pays when the parent has a core of its own; on shared cores the parent's extra answer per
-process is taken from the envs (``envmanager.core.auto.choose_double_buffer``).
+Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
+with its own request in flight: the worker steps one while the parent turns the other around.
 """
 
 from __future__ import annotations
