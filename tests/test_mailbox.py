@@ -376,6 +376,8 @@ def test_workers_spinning_on_their_ring_exit_when_the_parent_is_killed():
 
 
 def test_the_mailbox_is_used_only_where_the_processes_spin(monkeypatch):
+    monkeypatch.delenv("ENVMANAGER_MAILBOX", raising=False)
+    monkeypatch.delenv("ENVMANAGER_TRANSPORT", raising=False)
     with BatchEnvManager(EnvFactory(), 2, spin_s=0.0, context="fork") as m:
         assert m.pool.mailboxes is None
     monkeypatch.setenv("ENVMANAGER_MAILBOX", "off")
