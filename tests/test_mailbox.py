@@ -49,6 +49,12 @@ pytestmark = pytest.mark.skipif(not mailbox_supported(), reason="the mailbox is 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _step_queue(monkeypatch):
+    """The mailbox lives in the step-queue transport: the suite's portable run keeps it here."""
+    monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")
+
+
 @pytest.fixture
 def boxes():
     made = Mailboxes.create(3)
@@ -377,7 +383,6 @@ def test_workers_spinning_on_their_ring_exit_when_the_parent_is_killed():
 
 def test_the_mailbox_is_used_only_where_the_processes_spin(monkeypatch):
     monkeypatch.delenv("ENVMANAGER_MAILBOX", raising=False)
-    monkeypatch.delenv("ENVMANAGER_TRANSPORT", raising=False)
     with BatchEnvManager(EnvFactory(), 2, spin_s=0.0, context="fork") as m:
         assert m.pool.mailboxes is None
     monkeypatch.setenv("ENVMANAGER_MAILBOX", "off")
