@@ -36,6 +36,7 @@ from gymnasium import spaces
 
 from envmanager.adapters import env_functions
 from envmanager.core.batch import BatchEnvManager
+from envmanager.core.layout import SB3
 from envmanager.core.results import StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerError
 from envmanager.extras import requires_extra
@@ -112,6 +113,7 @@ class SubprocVecEnv(VecEnv):
             autoreset_mode="same_step",
             timeout=timeout,
             double_buffer=double_buffer,
+            caller=SB3,
             **manager_kwargs,
         )
         try:

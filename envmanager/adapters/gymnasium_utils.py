@@ -4,7 +4,9 @@ as gymnasium batches infos."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import Enum
+from operator import itemgetter
 from typing import Any
 
 import gymnasium as gym
@@ -15,6 +17,15 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
 
 from envmanager.core.results import InfoBlock
+
+
+class AsyncState(Enum):
+    """The drop-in's state machine, as gymnasium's AsyncVectorEnv has it: which ``*_wait`` is due."""
+
+    DEFAULT = "default"
+    WAITING_RESET = "reset"
+    WAITING_STEP = "step"
+    WAITING_CALL = "call"
 
 
 def observation_spaces(
@@ -129,18 +140,202 @@ def batched_infos(dicts: dict[int, dict], columns: Sequence[InfoBlock], num_envs
     return infos
 
 
-def env_ids_checked(env_ids: Any, n: int) -> np.ndarray:
-    """``send``'s ``env_ids``: distinct integer ids in ``[0, n)``, as an int64 array."""
-    ids = np.asarray(env_ids).reshape(-1)
-    if ids.size and ids.dtype.kind not in "iu":
-        raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
-    ids = ids.astype(np.int64)
-    if len(np.unique(ids)) != len(ids) or ((ids < 0) | (ids >= n)).any():
-        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {ids.tolist()}")
-    return ids
+#: The types gymnasium's ``_add_info`` batches into an array of their own (with ``numpy.number``).
+_SCALARS = (int, float, bool)
+#: A column of Python scalars (``InfoBlock.python``): the envs' type, by the column's dtype kind.
+_PYTHON_KIND = {"i": int, "f": float, "b": bool}
+
+
+def partial_batch_infos(listed: Sequence[int], dicts: Mapping[int, dict], blocks: Sequence[tuple[list[int], InfoBlock]],
+                        num_envs: int) -> dict[str, Any] | None:
+    """gymnasium's batched infos of a partial batch (``{key: array, "_key": mask}``, exactly as
+    ``VectorEnv._add_info`` builds them env by env, the batch's ``k``-th env as env ``k``): the
+    envs ``listed`` (slots), whose info dicts are in ``dicts`` by slot (an env without one returned
+    none, or its infos came as columns), and infos that came as columns (``blocks``: each with the
+    batch positions of its slots).
+
+    Per env only a walk over its dict; per key a few numpy operations for each run of values
+    of one type. Keys come in gymnasium's order (the first env that has a key, then that env's
+    order); each array takes the type of the first env's value, and a value of another type is
+    assigned on its own, as ``_add_info`` assigns it. ``None`` where gymnasium's rules go beyond
+    flat values: a nested dict, ``"final_obs"``, a key that is not a string or starts with
+    ``_`` (its mask could collide with another key's): the caller goes env by env then. What
+    ``_add_info`` would raise on (an int beyond int64, say) raises here too, maybe otherwise
+    worded: the caller goes env by env for gymnasium's own error.
+    """
+    infos: dict[str, Any] = {}
+    for key, key_runs in _runs(listed, dicts, blocks).items():
+        if type(key) is not str or key[:1] == "_" or key == "final_obs":
+            return None
+        if len(key_runs) == 1:  # the usual key: one run, of one scalar type, of neighbouring rows
+            rows, values, kind, ascending = key_runs[0]
+            if kind is None:
+                types = set(map(type, values))
+                kind = types.pop() if len(types) == 1 else None
+            n = len(rows)
+            start = rows[0]
+            if (kind in _SCALARS or (kind is not None and issubclass(kind, np.number))) and ascending \
+                    and rows[-1] - start == n - 1:
+                array = np.zeros(num_envs, dtype=kind)
+                array[start : start + n] = values
+                made = _MASKS.get((num_envs, start, n))
+                infos[key] = array
+                infos[f"_{key}"] = (made if made is not None else _run_mask(num_envs, start, n)).copy()
+                continue
+        first = key_runs[0]
+        value = first[1][0]
+        kind = first[2] or type(value)
+        whole: type | None = kind  # values of this type go in with one assignment per run
+        if kind in _SCALARS or issubclass(kind, np.number):
+            array = np.zeros(num_envs, dtype=kind)
+        elif issubclass(kind, dict):
+            return None
+        elif issubclass(kind, np.ndarray):
+            array, whole = np.zeros((num_envs, *value.shape), dtype=value.dtype), None
+        else:
+            array, whole = np.full(num_envs, fill_value=None, dtype=object), None
+        mask = None
+        for rows, values, t, ascending in key_runs:
+            if t is None:  # the envs' own values: of one type?
+                types = set(map(type, values))
+                t = types.pop() if len(types) == 1 else object
+            if t is whole:
+                n = len(rows)
+                start = rows[0]
+                if ascending and rows[-1] - start == n - 1:  # neighbours: slices
+                    array[start : start + n] = values
+                    if mask is None:
+                        mask = np.zeros(num_envs, dtype=np.bool_)
+                    mask[start : start + n] = True
+                    continue
+                array[rows] = values
+            else:  # one by one, as _add_info assigns them
+                if type(values) is np.ndarray:  # a column: the values as the envs returned them
+                    values = values.tolist() if t in _SCALARS else list(values)
+                for r, v in zip(rows, values, strict=True):
+                    if isinstance(v, dict):
+                        return None
+                    array[r] = v
+            if mask is None:
+                mask = np.zeros(num_envs, dtype=np.bool_)
+            mask[rows] = True
+        infos[key] = array
+        infos[f"_{key}"] = mask
+    return infos
+
+
+#: Per key, its runs of values, first position first: [the batch positions, the values (a list,
+#: or a column), their type (None: the envs' own values, of one type or not, found out later),
+#: whether the positions ascend].
+_Runs = dict[Any, list[list[Any]]]
+
+
+def _runs(listed: Sequence[int], dicts: Mapping[int, dict], blocks: Sequence[tuple[list[int], InfoBlock]]) -> _Runs:
+    """Every key's runs, in gymnasium's key order (see ``_Runs``)."""
+    runs: _Runs = {}
+    entries: Iterable[tuple[int, Any]] = enumerate(listed)  # (position, slot), or (position, (positions, block))
+    if blocks:  # every block at its first position: keys in gymnasium's order of first use
+        with_dicts = [(k, i) for k, i in enumerate(listed) if i in dicts] if dicts else []
+        entries = with_dicts + [(min(rows), (rows, block)) for rows, block in blocks]
+        if len(entries) > 1:
+            entries.sort(key=itemgetter(0))
+    for k, item in entries:
+        if type(item) is tuple:
+            rows, block = item
+            ascending = rows == sorted(rows)
+            for key, column, py in zip(block.keys, block.columns, block.python, strict=True):
+                kind = _PYTHON_KIND[column.dtype.kind] if py else column.dtype.type
+                runs.setdefault(key, []).append([rows, column, kind, ascending])
+            continue
+        info = dicts.get(item)
+        if not info:
+            continue
+        for key, value in info.items():  # the envs' dicts, walked in row order
+            key_runs = runs.get(key)
+            if key_runs is None:
+                runs[key] = [[[k], [value], None, True]]
+            elif key_runs[-1][2] is None:
+                last = key_runs[-1]
+                last[0].append(k)
+                last[1].append(value)
+            else:
+                key_runs.append([[k], [value], None, True])
+    return runs
+
+
+#: Masks of a run of neighbours, by (num_envs, start, n): copied, not made, for each batch.
+_MASKS: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _run_mask(num_envs: int, start: int, n: int) -> np.ndarray:
+    """The mask of ``num_envs`` with rows ``start`` to ``start + n`` set (made once: copy it)."""
+    made = np.zeros(num_envs, dtype=np.bool_)
+    made[start : start + n] = True
+    if len(_MASKS) < 1024:
+        _MASKS[num_envs, start, n] = made
+    return made
+
+
+def env_ids_checked(env_ids: Any, n: int) -> tuple[np.ndarray, list[int]]:
+    """``send``'s ``env_ids``: distinct integer ids in ``[0, n)``, as an int64 array and a list.
+
+    An int64 array of one axis (what ``recv`` hands out in ``infos["env_id"]``) is used as it
+    is; the checks run on its Python list (a set and ``min``/``max``: no ``np.unique`` sort)."""
+    if type(env_ids) is np.ndarray and env_ids.dtype == np.int64 and env_ids.ndim == 1:
+        ids = env_ids
+    else:
+        ids = np.asarray(env_ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"env_ids must be integers, got {np.asarray(env_ids).tolist()}")
+        ids = ids.astype(np.int64)
+    listed = ids.tolist()
+    if listed and (len(set(listed)) != len(listed) or min(listed) < 0 or max(listed) >= n):
+        raise ValueError(f"env_ids must be distinct ids in [0, {n}), got {listed}")
+    return ids, listed
 
 
 def block_dicts(block: InfoBlock) -> dict[int, dict]:
     """Each slot's info dict, from a block of columns (values as the envs returned them)."""
     columns = [c.tolist() if py else list(c) for c, py in zip(block.columns, block.python, strict=True)]
     return {slot: {k: c[i] for k, c in zip(block.keys, columns, strict=True)} for i, slot in enumerate(block.slots.tolist())}
+
+
+def partial_infos(listed: list[int], later: bool, dicts: dict[int, dict], columns: list[InfoBlock], num_envs: int,
+                  add_info: Callable[[dict, dict, int], dict]) -> tuple[dict[str, Any], dict[int, dict], list[InfoBlock]]:
+    """A partial batch's infos as gymnasium batches them (row ``k``: env ``listed[k]``), from the
+    info dicts and column blocks that arrived; with the dicts and columns left for a later batch
+    (``later``: some arrived envs are not in this one). Per key where it can
+    (``partial_batch_infos``), else ``add_info`` (gymnasium's ``_add_info``) env by env."""
+    left: dict[int, dict] = {}
+    if later and dicts:  # this batch's are taken out first: none is left behind if batching raises
+        left = dicts
+        dicts = {i: left.pop(i) for i in listed if i in left}
+    blocks: list[tuple[list[int], InfoBlock]] = []
+    rest_columns: list[InfoBlock] = []
+    row = {slot: k for k, slot in enumerate(listed)}
+    for block in columns:
+        slots = block.slots.tolist()
+        mine = [n for n, s in enumerate(slots) if s in row] if later else list(range(len(slots)))
+        if len(mine) == len(slots):
+            blocks.append(([row[s] for s in slots], block))
+            continue
+        if mine:  # an answer across batches: this batch's rows here, the others stay
+            blocks.append(([row[slots[n]] for n in mine],
+                           block._replace(slots=block.slots[mine], columns=[c[mine] for c in block.columns])))
+            rest = [n for n, s in enumerate(slots) if s not in row]
+            block = block._replace(slots=block.slots[rest], columns=[c[rest] for c in block.columns])
+        rest_columns.append(block)
+    if not dicts and not blocks:
+        return {}, left, rest_columns
+    try:
+        infos = partial_batch_infos(listed, dicts, blocks, num_envs)
+    except Exception:  # a value _add_info refuses (an int beyond int64, say): its own error, below
+        infos = None
+    if infos is None:  # gymnasium's own, env by env
+        by_row = {k: dicts[i] for k, i in enumerate(listed) if i in dicts}
+        for rows, block in blocks:
+            by_row.update(zip(rows, block_dicts(block).values(), strict=True))
+        infos = {}
+        for k in sorted(by_row):
+            infos = add_info(infos, by_row[k], k)
+    return infos, left, rest_columns

@@ -38,7 +38,8 @@ Run = Callable[[Scenario, int, np.ndarray, Tick], "tuple[int, float]"]
 
 
 def run_first_ready(
-    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, envs_per_worker: int | str = 1
+    scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick, envs_per_worker: int | str = 1,
+    double_buffer: bool | str = False,
 ) -> tuple[int, float]:
     """SubprocessEnvManager as designed: step every idle env, take whatever has finished."""
     from envmanager import SubprocessEnvManager
@@ -47,10 +48,11 @@ def run_first_ready(
     columns = env_columns(actions)
     rows = len(columns[0])
     progress = Progress(tick, scenario, steps)
-    manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD)
+    manager = SubprocessEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker, context=START_METHOD,
+                                   double_buffer=double_buffer)
     if envs_per_worker == "auto":
         AUTO_CHOICES[scenario.name] = manager.envs_per_worker
-    progress.answers = lambda: manager.pool.answers
+    progress.pool = lambda: manager.pool
     with manager:
         manager.reset(seed=0)
         step = manager.step
@@ -77,8 +79,16 @@ def run_k_per_worker(scenario: Scenario, steps: int, actions: np.ndarray, tick: 
 
 
 def run_auto(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
-    """First-ready, ``envs_per_worker="auto"``: the manager measures one env and chooses."""
-    return run_first_ready(scenario, steps, actions, tick, envs_per_worker="auto")
+    """First-ready, ``envs_per_worker="auto"`` (and its lanes): the manager measures one env and chooses."""
+    return run_first_ready(scenario, steps, actions, tick, envs_per_worker="auto", double_buffer="auto")
+
+
+def run_parent_core(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """First-ready, the envs in one process per core but the parent's, double buffered: every
+    process and the parent have a core (they spin; the mailbox carries requests and answers)."""
+    processes = max(1, worker_cores(scenario) - (0 if scenario.pin else 1))
+    return run_first_ready(scenario, steps, actions, tick, envs_per_worker=-(-scenario.n_env // processes),
+                           double_buffer=True)
 
 
 def envs_per_worker_for(scenario: Scenario) -> int:
@@ -97,7 +107,7 @@ def run_batch_level(scenario: Scenario, steps: int, actions: np.ndarray, tick: T
     progress = Progress(tick, scenario, steps)
     manager = BatchEnvManager(scenario.factory, n, envs_per_worker=envs_per_worker_for(scenario), context=START_METHOD,
                               double_buffer=double_buffer, info_columns=True)
-    progress.answers = lambda: manager.pool.answers
+    progress.pool = lambda: manager.pool
     with manager:
         manager.send_reset({i: (i, None) for i in range(n)})
         manager.receive_reset_batch()
@@ -138,7 +148,7 @@ def run_lockstep(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick
     table = [dict(enumerate(row)) for row in actions.tolist()]
     progress = Progress(tick, scenario, steps)
     with SubprocessEnvManager(scenario.factory, n, context=START_METHOD) as manager:
-        progress.answers = lambda: manager.pool.answers
+        progress.pool = lambda: manager.pool
         manager.reset(seed=0)
         progress.start()
         lockstep(manager.step, table, n, -(-steps // n), progress)
@@ -156,7 +166,7 @@ def run_partial_batch(scenario: Scenario, steps: int, actions: np.ndarray, tick:
     rows = len(actions)
     progress = Progress(tick, scenario, steps)
     vec = envmanager.AsyncVectorEnv(env_fns(scenario), batch_size=batch, context=START_METHOD, **options)
-    progress.answers = lambda: vec._manager.pool.answers if vec._manager is not None else 0
+    progress.pool = lambda: vec._manager.pool if vec._manager is not None else None
     try:
         vec.reset(seed=0)
         position = np.ones(n, dtype=np.int64)
@@ -206,7 +216,7 @@ def _run_vector(
     progress = Progress(tick, scenario, steps)
     env = make()
     if getattr(env, "_manager", None) is not None:  # ours: count the answers
-        progress.answers = lambda: env._manager.pool.answers if env._manager is not None else 0
+        progress.pool = lambda: env._manager.pool if env._manager is not None else None
     try:
         reset(env)
         step = env.step
@@ -386,6 +396,8 @@ BACKENDS: dict[str, Backend] = {
                 ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-k", run_k_per_worker, "SubprocessEnvManager, n_env // cores envs/worker",
                 ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-parentcore", run_parent_core, "SubprocessEnvManager, the envs in one process per core but "
+                "the parent's, double buffered", ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-lockstep", run_lockstep, "SubprocessEnvManager, waiting for all envs each step",
                 ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
         Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",

@@ -38,12 +38,15 @@ def worker_cores(scenario: Scenario) -> int:
 
 class RunStats:
     """The last timed loop's clocks: wall seconds, the parent's CPU seconds (every thread of
-    this process, none of its children), and the answers our backends took (``None``: a peer)."""
+    this process, none of its children), and for our backends (``None``: a peer) the answers
+    the parent took and the seconds it spun waiting for them (CPU a saturated parent, whose
+    answers are always ready, would not spend)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.cpu_s = 0.0
         self.answers: int | None = None
+        self.spun_s: float | None = None
 
 
 #: What the last ``Progress.stop`` measured (the runner reads it after each backend's run).
@@ -58,15 +61,16 @@ class Progress:
         self.tick, self.chunk = tick, max(scenario.n_env, steps // 50)
         self.done = self._reported = 0
         self._start = self._cpu = 0.0
-        #: Our backends set it: the count of answers the parent took so far.
-        self.answers: Callable[[], int] | None = None
-        self._answers = 0
+        #: Our backends set it: their manager's worker pool (it counts answers and spins).
+        self.pool: Callable[[], Any] | None = None
+        self._answers, self._spun = 0, 0.0
 
     def start(self) -> float:
         """The timed loop starts: pin (the pinned scenarios), start the clocks; the wall clock."""
         pinning.pin_for_timing()
         LAST_RUN.__init__()  # type: ignore[misc]
-        self._answers = self.answers() if self.answers else 0
+        pool = self.pool() if self.pool else None
+        self._answers, self._spun = (pool.answers, pool.spun_s()) if pool is not None else (0, 0.0)
         self._cpu = time.process_time()
         self._start = time.perf_counter()
         return self._start
@@ -76,7 +80,9 @@ class Progress:
         elapsed = time.perf_counter() - self._start
         LAST_RUN.cpu_s = time.process_time() - self._cpu
         LAST_RUN.seconds = elapsed
-        LAST_RUN.answers = self.answers() - self._answers if self.answers else None
+        pool = self.pool() if self.pool else None
+        if pool is not None:
+            LAST_RUN.answers, LAST_RUN.spun_s = pool.answers - self._answers, pool.spun_s() - self._spun
         return elapsed
 
     def add(self, n: int) -> None:

@@ -58,13 +58,14 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
     width = max([22, *(len(n) + 2 for n in names)])
     widths = {c: max(11, len(c) + 2) for c in columns}
     lines = [head]
-    header = f"{'backend':<{width}}{'median/s':>12}{'min/s':>12}{'best/s':>12}{'cpu/step':>10}{'cpu/ans':>9}" + "".join(
+    header = (f"{'backend':<{width}}{'median/s':>12}{'min/s':>12}{'best/s':>12}{'cpu/step':>10}{'cpu/ans':>9}"
+              f"{'work/ans':>10}") + "".join(
         f"{c:>{widths[c]}}" for c in columns
     )
     lines.append(header)
     for name, m in result.measurements.items():
         row = f"{name:<{width}}{_rate(m.median):>12}{_rate(m.worst):>12}{_rate(m.best):>12}"
-        row += f"{_micro(m.cpu_per_env_step):>10}{_micro(m.cpu_per_answer):>9}"
+        row += f"{_micro(m.cpu_per_env_step):>10}{_micro(m.cpu_per_answer):>9}{_micro(m.work_per_answer):>10}"
         for c in columns:
             value = ratios[c].get(name)
             row += f"{'-' if value is None else f'{value:.2f}x':>{widths[c]}}"
@@ -100,7 +101,8 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
         lines.append(f"   FAILED {name}: {why}")
     lines += [f"   {note}" for note in getattr(result, "notes", ())]  # scenarios with a module of their own
     if any(m.parent_cpu_s for m in result.measurements.values()):
-        lines.append("   cpu/step, cpu/ans: the parent's CPU time (us) per env-step and per answer it took (ours)")
+        lines.append("   cpu/step, cpu/ans: the parent's CPU time (us) per env-step and per answer it took (ours); work/ans:")
+        lines.append("   per answer without the time it spun waiting (a saturated parent's: the many-core machine's cap)")
     return "\n".join(lines)
 
 

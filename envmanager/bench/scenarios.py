@@ -191,6 +191,11 @@ SCENARIOS: dict[str, Scenario] = {
             "mujoco", f"8 {MUJOCO_ID} envs (gymnasium[mujoco])", mujoco_env, 8, 16_000,
             action_dim=6, measure_limit=True, requires=("mujoco",), envpool_id=MUJOCO_ID,
         ),
+        Scenario(
+            "pinned-parent", "2 envs that burn nothing per step, one per lane of one process; parent pinned to a core of "
+            "its own: the parent is the bound (its CPU per answer of one env-step)", functools.partial(burn_env, 0.0), 2,
+            40_000, n_actions=3, group="pinned", pin=True,
+        ),
         *(_pinned(cost) for cost in PINNED_COSTS),
         Scenario(
             "pinned-mujoco", f"8 {MUJOCO_ID} envs; parent pinned to a core of its own, workers to the rest", mujoco_env,

@@ -1,29 +1,40 @@
 """Advice from measurement: which layout of ``num_envs`` envs is fastest on this machine.
 
 One env's step cost comes from ``envmanager.core.auto``'s throwaway-process measurement (wall
-and CPU time, their spread, the CPU share). Then each candidate layout runs briefly
-(``envmanager.check.measure``: env-steps/s now, and expected when the machine is yours): the
-envs in this process (gymnasium's ``SyncVectorEnv``), envmanager with ``num_envs // cores``
-envs per process, one env per process, and -- where the parent has a core of its own (3 cores
-or more) -- one process per remaining core, double buffered (``double_buffer=True``: two lanes
-per process, one steps while the parent turns the other around). A layout whose one round would take too long is
-estimated from the step cost instead, and marked so.
+and CPU time, their spread, the CPU share, and a ping's round trip). Then each candidate layout
+runs briefly (``envmanager.check.measure``: env-steps/s now, and expected when the machine is
+yours): the envs in this process (gymnasium's ``SyncVectorEnv``), envmanager with
+``num_envs // cores`` envs per process, one env per process, one process per core but the
+parent's, double buffered (``double_buffer=True``: two lanes per process, one steps while the
+parent turns the other around; every process and the parent have a core, so requests and
+answers go through the mailbox), and ``envs_per_worker="auto"``'s own choice (the layout model
+of ``envmanager.core.layout``) where it is none of those. A layout whose one round would take too
+long is estimated from the step cost instead, and marked so.
 
-The choice, on the expected figures: envmanager's own rule picks among the process layouts
-(even, CPU-bound steps: k per process; uneven or waiting steps: one per process; the other is
-taken only when it is 25% faster), then the in-process layout wins if it is at least as fast:
-below ~50 µs per step the cost of crossing the process boundary is larger than what the other
-cores give.
+The choice, on the expected figures: among the process layouts, the model's choice (for even,
+CPU-bound steps; one env per process for uneven or waiting ones) unless another measured 25%
+faster (double buffering: 10%); then the in-process layout wins if it is at least as fast: below
+~50 µs per step the cost of crossing the process boundary can be larger than what the other cores give.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from envmanager.check import measure
 from envmanager.check.report import Advice, Layout
-from envmanager.core.auto import CPU_BOUND, UNEVEN_MIN_S, UNEVEN_RATIO, StepCost, measure_step_cost, usable_cores
+from envmanager.core.auto import (
+    CPU_BOUND,
+    LOADED_ROUND_TRIP,
+    UNEVEN_MIN_S,
+    UNEVEN_RATIO,
+    StepCost,
+    measure_step_cost,
+    usable_cores,
+)
+from envmanager.core.layout import REFERENCE, best_layout
 
 __all__ = ["advise"]
 
@@ -55,17 +66,16 @@ def _layouts(num_envs: int, cores: int) -> list[Layout]:
         layouts.append(Layout("k-per-process", f"envmanager, {k} envs per process", k, -(-num_envs // k)))
     layouts.append(Layout("one-per-process", "envmanager, 1 env per process", 1, num_envs))
     # one process per core but the parent's (rounded up: never as many processes as cores); two lanes need two envs
-    per_core = max(2, -(-num_envs // (cores - 1))) if cores >= 3 else 0
-    if cores >= 3 and num_envs >= 2:
+    per_core = max(2, -(-num_envs // (cores - 1))) if cores >= 2 else 0
+    if cores >= 2 and num_envs >= 2:
         layouts.append(Layout("double-buffered", f"envmanager, {per_core} envs per process, double-buffered", per_core,
-                              -(-num_envs // per_core)))
-    elif cores >= 3:
+                              -(-num_envs // per_core), double_buffer=True))
+    elif cores >= 2:
         layouts.append(Layout("double-buffered", "envmanager, double-buffered", note=(
             "not measured: one env has nothing to split into two lanes")))
     else:
         layouts.append(Layout("double-buffered", "envmanager, double-buffered", note=(
-            f"not measured: on {cores} cores the parent has no core of its own, and without one the parent's "
-            "work per request comes out of the envs' share (it measured 0.67-1.03x plain on 2 cores)")))
+            "not measured: on one core the parent has no core of its own")))
     return layouts
 
 
@@ -80,6 +90,9 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
     kind = _kind(cost)
     k = max(1, num_envs // cores)
     layouts = _layouts(num_envs, cores)
+    model = _model_layout(num_envs, cores, cost, kind, layouts)
+    if model is not None:
+        layouts.append(model)
     # What one step costs when the machine is yours: its CPU time if it is CPU-bound (a loaded
     # machine stretches the wall time of every step), else its wall time (it waits).
     step_s = None if isinstance(cost, str) else (cost.cpu_median_s if kind.startswith("cpu-bound") else cost.median_s)
@@ -101,7 +114,7 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
             else:
                 found = measure.in_processes(factory, num_envs, layout.envs_per_process, seed, measure_s,
                                              deadline_s, startup_s, cores,
-                                             double_buffer=layout.id == "double-buffered")
+                                             double_buffer=layout.double_buffer)
         except Exception as exc:
             layout.note = f"failed: {type(exc).__name__}: {exc}"
             continue
@@ -111,10 +124,32 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
     return advice
 
 
+def _model_layout(num_envs: int, cores: int, cost: StepCost | str, kind: str, layouts: list[Layout]) -> Layout | None:
+    """``envs_per_worker="auto"``'s choice (``envmanager.core.auto.choose_layout``: the layout model
+    on the measured step and round trip) as a layout to measure, unless a candidate already is it
+    (then that candidate is marked as the model's)."""
+    if kind != "cpu-bound, even" or isinstance(cost, str) or num_envs < cores:
+        return None
+    costs = replace(REFERENCE.scaled(cost.speed),
+                    round_trip_s=LOADED_ROUND_TRIP * (cost.round_trip_s or REFERENCE.round_trip_s))
+    best, _ = best_layout(num_envs, cost.cpu_median_s, cores, costs)
+    k, db = best.layout.envs_per_worker, best.layout.double_buffer
+    for layout in layouts:
+        same = layout.envs_per_process == k and layout.double_buffer == db
+        if same and layout.id != "in-process":
+            layout.note = (layout.note + " " if layout.note else "") + f"the model's choice ({best})"
+            return None
+    lanes = ", double-buffered" if db else ""
+    return Layout("model", f"envmanager, {k} envs per process{lanes} (envs_per_worker=\"auto\")", k, -(-num_envs // k),
+                  note=f"the model's choice: {best}", double_buffer=db)
+
+
 def _choose(num_envs: int, cores: int, cost: StepCost | str, kind: str, k: int, layouts: list[Layout]) -> Advice:
     by_id = {layout.id: layout for layout in layouts}
     rate = {i: (lay.steps_per_s or 0.0) for i, lay in by_id.items()}
     rule = "k-per-process" if kind == "cpu-bound, even" and k > 1 else "one-per-process"
+    if "model" in by_id or any("the model's choice" in lay.note for lay in layouts):  # auto's own choice
+        rule = next(lay.id for lay in layouts if lay.id == "model" or "the model's choice" in lay.note)
     other = "one-per-process" if rule == "k-per-process" else ("k-per-process" if k > 1 else rule)
     best = rule
     if rate[other] > OTHER_WINS * rate[rule]:
@@ -152,10 +187,14 @@ def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int
         "one-per-process": "uneven or waiting steps: first-ready stepping never waits for a slow neighbour, and "
                            "waits overlap" if kind != "cpu-bound, even" else "it measured fastest",
         "double-buffered": "the parent has a core of its own: one half of the envs steps while it turns the other around",
+        "model": "what envs_per_worker=\"auto\" chooses here: the layout model's best for this step and this machine",
     }[chosen]
     why = f"{lay.description} ({_rate(lay)}{versus}): {reason}."
     if chosen == "double-buffered":  # the lockstep drop-ins wait for both lanes each step: no gain there
         how = f"SubprocessEnvManager(make_env, {n}, envs_per_worker={lay.envs_per_process}, double_buffer=True)"
+        return why, how
+    if chosen == "model":
+        how = f'SubprocessEnvManager(make_env, {n}, envs_per_worker="auto", double_buffer="auto")'
         return why, how
     how = f"SubprocessEnvManager(make_env, {n}, envs_per_worker={lay.envs_per_process})"
     if chosen != "one-per-process":

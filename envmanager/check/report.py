@@ -57,7 +57,7 @@ class Layout:
     """One way to run ``num_envs`` envs and its env-steps per second on this machine
     (``None``: not measured, ``note`` says why; ``estimated``: from the step cost, not run)."""
 
-    id: str  # "in-process", "k-per-process", "one-per-process", "double-buffered"
+    id: str  # "in-process", "k-per-process", "one-per-process", "double-buffered", "model" (auto's choice)
     description: str
     envs_per_process: int = 0
     processes: int = 0
@@ -66,6 +66,7 @@ class Layout:
     bound: str = ""  # what bounds ``steps_per_s``
     estimated: bool = False
     note: str = ""
+    double_buffer: bool = False  # two lanes per process
 
 
 @dataclass

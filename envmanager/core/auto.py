@@ -1,4 +1,4 @@
-"""``envs_per_worker="auto"``: how many envs one worker process should host, on this machine.
+"""``envs_per_worker="auto"``: how many envs one worker process should host (and in how many lanes), on this machine.
 
 One env is built and stepped in a **throwaway process** before any worker starts (same start
 method, killed with everything it started once it has answered): a few steps with sampled
@@ -8,21 +8,25 @@ steps; starting the process and building the env have the workers' start-up dead
 env 0 or this process: the measured env is ``env.unwrapped``, reset and stepped directly, so
 wrappers that record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see
 no step; an env with ``render_mode="human"`` is not stepped at all (it would open a window;
-such steps wait on the display, and get a process each). The rule:
+such steps wait on the display, and get a process each). The measuring process also answers a
+few pings, whose round trip (both sides asleep until the other writes) is what a request costs
+where processes share cores, and times a reference loop (``layout.speed``). The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
   x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
   cost does not hold first-ready back, and cheap steps resumed after preemption on a cold
   cache vary by more than 3x --, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
-  cheap or expensive: pack the envs into one process per core, ``max(1, n_env // cores)``
-  envs each -- one message then carries several steps, the per-message cost (a pipe round
-  trip, ~60 µs) is shared, and no more processes compete for the cores than there are cores
-  (``envmanager bench --scenario sweep``: packing is ahead from 5 µs to 5 ms per step);
+  cheap or expensive: the layout the model of ``envmanager.core.layout`` predicts fastest --
+  processes x envs per process, and one lane or two -- for this step, round trip, Python
+  speed, number of cores and caller (``choose_layout``). On 2 cores cheap envs get one process
+  and the parent the other core (they spin, the mailbox carries requests and answers; double
+  buffered), costly ones a process per core or more;
 * anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), an
   env that did not finish the measurement within the deadline, or one that failed: one env
   per process, so first-ready stepping never waits for a slow neighbour and waits overlap.
 
-When there is nothing to pack (``n_env // cores`` is 1 or 0) nothing is measured.
+When every env can have a core and the parent one too (fewer envs than cores) nothing is
+measured: one env per process.
 
 Both tests hold on a busy machine: evenness is judged on CPU time, which preemption does not
 stretch, and the CPU share against the wall time less the time spent runnable but waiting for
@@ -38,17 +42,19 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cloudpickle
 
+from envmanager.core.layout import BATCH, REFERENCE, Caller, best_layout, speed
 from envmanager.core.process import descendants, kill_all, start
 from envmanager.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO", "StepCost", "choose_double_buffer", "choose_envs_per_worker", "measure_step_cost", "usable_cores"]
+__all__ = ["AUTO", "StepCost", "choose_double_buffer", "choose_envs_per_worker", "choose_layout", "measure_step_cost",
+           "usable_cores"]
 
 AUTO = "auto"
 UNEVEN_RATIO = 3.0  # 90th percentile / median of the CPU times above this: uneven...
@@ -60,6 +66,10 @@ DEADLINE_S = 1.0  # the reset and steps, once the env is built
 START_TIMEOUT_S = 60.0  # the process starting and the env built (spawn imports the env's modules)
 CLOSE_GRACE_S = 1.0  # the env's close() after answering, before the process is killed
 _BUILT = "built"
+#: A request's round trip where processes share cores, as a multiple of an idle ping's (measured
+#: on the reference machine: 150-250 us against 55-85 us pings; the other processes wait for a core).
+LOADED_ROUND_TRIP = 3.0
+_PING = b"p"
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,8 @@ class StepCost:
     cpu_p90_s: float
     cpu_share: float
     steps: int
+    round_trip_s: float | None = None  # a ping to the measuring process and back (``_round_trip``)
+    speed: float = 1.0  # how many times slower than the reference machine Python ran there (``layout.speed``)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -121,7 +133,8 @@ def step_cost(env: Any) -> StepCost | str:
         share = min(1.0, sum(cpus) / running) if running > 0 else 1.0
     else:
         share = min(1.0, cpu_median / min(times)) if min(times) > 0 else 1.0
-    return StepCost(statistics.median(times), _percentile(times, 0.9), cpu_median, _percentile(cpus, 0.9), share, len(times))
+    return StepCost(statistics.median(times), _percentile(times, 0.9), cpu_median, _percentile(cpus, 0.9), share, len(times),
+                    speed=speed())
 
 
 def _runnable_wait() -> Callable[[], float] | None:
@@ -163,7 +176,11 @@ def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
         answer = f"measuring failed: {exc!r}"
     try:
         conn.send(answer)
-        conn.poll(START_TIMEOUT_S)  # the parent's go (or its end of the pipe closing)
+        while conn.poll(START_TIMEOUT_S):  # pings to echo (the parent times round trips), then its go
+            message = conn.recv_bytes()
+            if message != _PING:  # the go (or anything else): close the env and exit
+                break
+            conn.send_bytes(_PING)
         if env is not None:
             env.close()
     except BaseException:
@@ -200,11 +217,31 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
             return f"no answer within {deadline_s:g} s"
         answer = reader.recv()
         answered = True
+        if isinstance(answer, StepCost):
+            answer = replace(answer, round_trip_s=_round_trip(reader, deadline_s))
         return answer
     except (EOFError, OSError):
         return f"the measuring process died (exit code {process.exitcode})"
     finally:
         _reap(process, reader, answered)
+
+
+def _round_trip(conn: Any, deadline_s: float, pings: int = 12) -> float | None:
+    """The median seconds of a ping to the measuring process and back, each side asleep until the
+    other writes: what a request round trip costs where processes share cores (``None`` if the
+    process stops answering)."""
+    times = []
+    try:
+        for _ in range(pings):
+            start = time.perf_counter()
+            conn.send_bytes(_PING)
+            if not conn.poll(deadline_s):
+                return None
+            conn.recv_bytes()
+            times.append(time.perf_counter() - start)
+    except (EOFError, OSError):
+        return None
+    return statistics.median(times)
 
 
 def _reap(process: Any, conn: Any, answered: bool) -> None:
@@ -235,25 +272,56 @@ def _reap(process: Any, conn: Any, answered: bool) -> None:
 
 
 def choose_envs_per_worker(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: int | None = None,
-                           context: Any = None, *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S) -> int:
-    """The ``envs_per_worker`` for ``n_env`` envs of ``env_factory`` on ``cores`` cores (see the module doc)."""
+                           context: Any = None, *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S,
+                           caller: Caller = BATCH, double_buffer: bool | str = AUTO) -> int:
+    """The ``envs_per_worker`` for ``n_env`` envs of ``env_factory`` on ``cores`` cores (see
+    ``choose_layout``)."""
+    return choose_layout(env_factory, n_env, cores, context, daemon=daemon, start_timeout=start_timeout, caller=caller,
+                         double_buffer=double_buffer)[0]
+
+
+def choose_layout(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: int | None = None, context: Any = None,
+                  *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S, caller: Caller = BATCH,
+                  double_buffer: bool | str = AUTO) -> tuple[int, bool]:
+    """``(envs_per_worker, double_buffer)`` for ``n_env`` envs on ``cores`` cores: one env per
+    process where each can have a core (nothing measured), or where the steps are uneven or wait
+    (first-ready then never waits for a slow neighbour, and waits overlap); otherwise the layout
+    the model of ``envmanager.core.layout`` predicts fastest for the measured step and round
+    trip, this ``caller`` (what it costs the parent per env-step, whether it steps in lockstep)
+    and ``double_buffer`` (``True``/``False`` fix the lanes). The choice and its prediction are
+    logged."""
     cores = cores or usable_cores()
-    packed = max(1, n_env // cores)
-    if packed == 1:
-        choice, why = 1, f"{n_env} envs on {cores} cores: nothing to pack"
-    else:
-        cost = measure_step_cost(env_factory, context, daemon=daemon, start_timeout=start_timeout)
-        if isinstance(cost, str):
-            choice, why = 1, cost
-        elif cost.cpu_share < CPU_BOUND:
-            choice, why = 1, f"steps mostly wait ({cost.cpu_share:.0%} on the CPU)"
-        elif cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
-            choice, why = 1, (f"uneven steps (CPU time p90 {cost.cpu_p90_s * 1e6:.0f} us > {UNEVEN_RATIO:g} x "
-                              f"median {cost.cpu_median_s * 1e6:.0f} us)")
-        else:
-            choice, why = packed, f"even CPU-bound steps (median {cost.median_s * 1e6:.0f} us): {n_env} envs // {cores} cores"
-    logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores: %s", choice, n_env, cores, why)
-    return choice
+    if n_env < cores:  # every env a core, and the parent one too
+        logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: nothing to pack", n_env, cores)
+        return 1, False
+    cost = measure_step_cost(env_factory, context, daemon=daemon, start_timeout=start_timeout)
+    why = _one_each(cost)
+    if why is not None:
+        logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: %s", n_env, cores, why)
+        return 1, False
+    assert isinstance(cost, StepCost)
+    costs = REFERENCE.scaled(cost.speed)  # Python's speed measured beside the step (this machine's speed varies)
+    if cost.round_trip_s:  # a ping between two idle processes: a loaded round trip takes about twice that
+        costs = replace(costs, round_trip_s=LOADED_ROUND_TRIP * cost.round_trip_s)
+    costs = replace(costs, parent_env_s=costs.parent_env_s * caller.parent_env_s / BATCH.parent_env_s)
+    lanes = None if double_buffer == AUTO else (2 if double_buffer else 1)
+    best, _ = best_layout(n_env, cost.cpu_median_s, cores, costs, lockstep=caller.lockstep, lanes=lanes)
+    logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores (%s): %s; even CPU-bound steps of %.0f us, "
+                "round trip %s", best.layout.envs_per_worker, n_env, cores, caller.name, best, cost.cpu_median_s * 1e6,
+                "unmeasured" if cost.round_trip_s is None else f"{cost.round_trip_s * 1e6:.0f} us")
+    return best.layout.envs_per_worker, best.layout.double_buffer
+
+
+def _one_each(cost: StepCost | str) -> str | None:
+    """Why these steps get a process each (they could not be measured, wait, or are uneven), or ``None``."""
+    if isinstance(cost, str):
+        return cost
+    if cost.cpu_share < CPU_BOUND:
+        return f"steps mostly wait ({cost.cpu_share:.0%} on the CPU)"
+    if cost.cpu_p90_s > UNEVEN_RATIO * cost.cpu_median_s and cost.cpu_p90_s - cost.cpu_median_s > UNEVEN_MIN_S:
+        return (f"uneven steps (CPU time p90 {cost.cpu_p90_s * 1e6:.0f} us > {UNEVEN_RATIO:g} x median "
+                f"{cost.cpu_median_s * 1e6:.0f} us)")
+    return None
 
 
 def choose_double_buffer(n_procs: int, envs_per_worker: int, cores: int | None = None, asked: bool | str = AUTO) -> bool:

@@ -1,22 +1,18 @@
 """The batch level of the core: send a batch of actions for a set of env slots; receive the
 slots that finished, whose results are rows of shared arrays.
 
-Every adapter is built on this level (gymnasium, SB3, ML-Agents through the StepInfo level).
-A batch of actions is checked once against the action space and written into shared memory
-with one numpy operation per array; when everything lives in shared memory a step request and
-its answer are fixed binary headers with no pickle. Per-env Python runs only for what an env
-put in a non-empty info dict, or where the user asked for per-env objects (``StepInfo``).
+Every adapter is built on this level. A batch of actions is checked once and written into
+shared memory with one numpy operation per array; a step request and its answer are then fixed
+binary headers (in the mailbox's rings where every process has a core). Per-env Python runs
+only for non-empty infos, or where the user asked for per-env objects (``StepInfo``).
 
 State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
 A slot may be sent a step only when IDLE and its lane has nothing in flight (a process
 hosting several slots steps them as one request). Its results are valid until it is sent
 again. The process-level half (requests in flight, restarts) is the pool's.
 
-Double buffering (``double_buffer``): each process's slots form two lanes (the first half of
-its envs, the second half), and each lane may have its own request in flight, so the worker
-steps one half while the parent turns the other half around (Sample Factory's design). It
-pays when the parent has a core of its own; on shared cores the parent's extra answer per
-process is taken from the envs (``envmanager.core.auto.choose_double_buffer``).
+Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
+with its own request in flight: the worker steps one while the parent turns the other around.
 """
 
 from __future__ import annotations
@@ -31,19 +27,21 @@ from gymnasium import spaces
 from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
-from envmanager.core.auto import AUTO, choose_double_buffer, choose_envs_per_worker, usable_cores
+from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout, usable_cores
 from envmanager.core.calls import CallRequest, EnvCalls
+from envmanager.core.completion import Completion
+from envmanager.core.layout import BATCH, Caller
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
-from envmanager.core.pool import Completion, WorkerPool, get_context, make_specs
+from envmanager.core.platforms import mailbox_enabled
+from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import IDLE, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.step_queue import StepQueue
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
@@ -62,7 +60,8 @@ class BatchEnvManager:
     shared memory is laid out; whatever it raises ends the construction (an adapter's rules
     and messages about spaces come before the core's); and ``info_columns``: the caller batches
     infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
-    making a dict per env from columns costs more than unpickling the dicts, so only then).
+    making a dict per env from columns costs more than unpickling the dicts, so only then); and
+    ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``).
     """
 
     def __init__(
@@ -84,14 +83,17 @@ class BatchEnvManager:
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,
         double_buffer: bool | str = False,
         info_columns: bool = False,
+        caller: Caller = BATCH,
     ) -> None:
         self._pool: WorkerPool | None = None
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
         ctx = get_context(context)
 
         self.n_env = n_env = int(n_env)
-        if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines
-            envs_per_worker = choose_envs_per_worker(factory, n_env, context=ctx, daemon=daemon, start_timeout=timeout)
+        if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines; the model's best
+            envs_per_worker, chosen = choose_layout(factory, n_env, context=ctx, daemon=daemon, start_timeout=timeout,
+                                                    caller=caller, double_buffer=double_buffer)
+            double_buffer = chosen if double_buffer == AUTO else double_buffer
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
         self.timeout = float(timeout)
@@ -116,11 +118,11 @@ class BatchEnvManager:
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
-            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory))
-            if isinstance(self._pool.queue, StepQueue) and spin_s > 0:
-                # Where every process has a core; double buffered, long enough to cover a lane: a worker
-                # waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
-                self._pool.queue.spin_s = max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer else spin_s
+            # Where every process has a core; double buffered, the parent spins long enough to cover a lane:
+            # a worker waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
+            self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
+                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0),
+                                    parent_spin_s=max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer and spin_s else spin_s)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
@@ -272,7 +274,8 @@ class BatchEnvManager:
             return
         plan = self._plans.get(slots)
         status = self.status[slots]
-        if not (status == IDLE).all():
+        n = len(slots)
+        if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
             refuse_slots(slots, status, self.worker_of)
         workers = pool.workers
         for index, lanes, _, _, _ in plan:
@@ -325,8 +328,10 @@ class BatchEnvManager:
         it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
         too (see ``wait_for``)."""
         state = self._state
-        self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
-                      self._busy_slots, enough=lambda: bool(state.arrived))
+        self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
+        if len(state.arrived) < min_count and not state.step_errors:
+            self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
+                          self._busy_slots, enough=lambda: bool(state.arrived))
         if state.step_errors:
             raise state.step_errors.pop(0)
         arrived, state.arrived = state.arrived, []

@@ -9,7 +9,8 @@ from typing import Any, Protocol
 import cloudpickle
 import numpy as np
 
-from envmanager.core.pool import Completion, WorkerPool
+from envmanager.core.completion import Completion
+from envmanager.core.pool import WorkerPool
 from envmanager.errors import InvalidInputError
 from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd

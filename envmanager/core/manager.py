@@ -21,6 +21,7 @@ import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
+from envmanager.core.layout import STEP_INFO
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
@@ -93,7 +94,7 @@ class SubprocessEnvManager(BatchEnvManager):
             autoreset_mode=autoreset_mode, timeout=timeout, restart_workers=restart_workers,
             max_lifetime_restarts=max_lifetime_restarts, restarts_rate_limit_n=restarts_rate_limit_n,
             restarts_rate_limit_period_s=restarts_rate_limit_period_s, daemon=daemon, spin_s=spin_s,
-            double_buffer=double_buffer,
+            double_buffer=double_buffer, caller=STEP_INFO,
         )
 
     def set_policy(self, policy: Policy | None) -> None:

@@ -14,11 +14,14 @@ import os
 import select
 import sys
 
-__all__ = ["default_start_method", "transport_name", "step_queue_available", "TRANSPORT_ENV", "TRANSPORTS"]
+__all__ = ["default_start_method", "transport_name", "step_queue_available", "mailbox_enabled", "TRANSPORT_ENV",
+           "TRANSPORTS", "MAILBOX_ENV"]
 
 #: Environment variable that picks the transport: ``auto`` (default), ``step_queue``, ``portable``.
 TRANSPORT_ENV = "ENVMANAGER_TRANSPORT"
 TRANSPORTS = ("step_queue", "portable")
+#: Environment variable for the mailbox: ``auto`` (default: where it helps), ``on``, ``off``.
+MAILBOX_ENV = "ENVMANAGER_MAILBOX"
 
 
 def default_start_method() -> str:
@@ -51,3 +54,14 @@ def transport_name(choice: str | None = None) -> str:
     if name == "portable" or not step_queue_available():
         return "portable"
     return "step_queue"
+
+
+def mailbox_enabled(spinning: bool) -> bool:
+    """Whether to use the mailbox (``envmanager.wire.mailbox``, x86 only): by default where the
+    processes spin (``spinning``: every process and the parent have a core of its own);
+    ``ENVMANAGER_MAILBOX=on`` everywhere (with its short spin: tests run the suite so),
+    ``off`` nowhere (comparisons)."""
+    choice = os.environ.get(MAILBOX_ENV, "auto").strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"unknown {MAILBOX_ENV} value {choice!r}: expected 'auto', 'on' or 'off'")
+    return choice == "on" or (choice == "auto" and spinning)

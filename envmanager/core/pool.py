@@ -19,11 +19,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
+from threading import get_ident
+from time import monotonic
 from typing import Any
 
+from envmanager.core.completion import Completion, error_slot, worker_error
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
@@ -36,6 +38,7 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
+from envmanager.wire.mailbox import Mailboxes
 from envmanager.wire.messages import (
     ALL_LANES,
     ON_PIPE,
@@ -44,7 +47,6 @@ from envmanager.wire.messages import (
     Attach,
     Call,
     EnvironmentRequest,
-    RemoteException,
     Reset,
     Stepped,
     decode_answer,
@@ -59,33 +61,9 @@ from envmanager.worker.main import WorkerSpec
 
 logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
+_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 
-__all__ = ["WorkerPool", "Completion", "make_specs", "get_context"]
-
-
-@dataclass
-class Completion:
-    """A finished request of one worker process.
-
-    ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
-    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
-    first of the requests the failure cut short) and ``lost``, all of them.
-    """
-
-    worker: WorkerProcess
-    request: EnvironmentRequest | None
-    answer: Any = None
-    error: EnvManagerError | None = None
-    posted_at: float = 0.0
-    received_at: float = 0.0
-    sent_at: float = 0.0
-    interrupted: bool = False
-    slots: list[int] = field(default_factory=list)  # the slots the answer is for (a restart's reset: all it reset)
-    lost: tuple[EnvironmentRequest, ...] = ()  # an interrupted answer: every request it answers
-
-    @property
-    def cmd(self) -> Cmd | None:
-        return None if self.request is None else self.request.cmd
+__all__ = ["WorkerPool", "make_specs", "get_context"]
 
 
 class WorkerPool:
@@ -93,7 +71,7 @@ class WorkerPool:
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
-        shared_memory: bool = False, transport: str | None = None
+        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0
     ) -> None:
         self.ctx = ctx
         self.timeout = timeout
@@ -128,6 +106,11 @@ class WorkerPool:
         #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
         self.transport = transport_name(transport)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
+        #: The mailboxes (``envmanager.wire.mailbox``), where asked for and the step queue is used.
+        self.mailboxes = Mailboxes.create(len(specs)) if mailbox and isinstance(self.queue, StepQueue) else None
+        if isinstance(self.queue, StepQueue):
+            self.queue.mailboxes = self.mailboxes
+            self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
@@ -138,9 +121,11 @@ class WorkerPool:
 
     def _start(self, spec: WorkerSpec, boot: Boot | None = None, generation: int = 0) -> WorkerProcess:
         assert self.queue is not None
+        if self.mailboxes is not None:
+            self.mailboxes.reset(spec.index)  # empty rings for the new process
         # writer None: the portable transport
         return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file,
-                             generation=generation)
+                             generation=generation, mailboxes=self.mailboxes)
 
     # ------------------------------------------------------------------------------------------
     # Sending
@@ -157,7 +142,7 @@ class WorkerPool:
     def prepare_raw_step(self, body: bytes, slots: tuple[int, ...], lanes: int = ALL_LANES) -> EnvironmentRequest:
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
-        return EnvironmentRequest(Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None, lanes)
+        return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None, lanes))
 
     def share_buffers(self, n_envs: int, observation_space: Any, action_space: Any) -> SharedBuffers:
         """Shared arrays for ``n_envs`` slots (in ``file``, or a named segment), mapped by
@@ -175,35 +160,37 @@ class WorkerPool:
         """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
         or failed. Restarts, stale answers and large payloads are handled here. Raises
         ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
-        self._waiter = threading.get_ident()  # one thread waits at a time (the pool is not shared for waiting)
+        queue = self.queue
+        if queue is None or self._closing:
+            raise ManagerClosedError("the SubprocessEnvManager was closed")
+        self._waiter = get_ident()  # one thread waits at a time (the pool is not shared for waiting)
         try:
-            return self._wait(timeout)
+            now = monotonic()
+            if now >= self._next_deadline_check:
+                overdue = self._check_deadlines(now)
+                if overdue:
+                    return overdue
+            # Wake up in time to notice the first process to miss its deadline.
+            timeout = min(timeout, self._next_deadline_check - now)
+            if self._poll_version != self._version:
+                self._rebuild_poller()
+            ended = queue.wait(timeout)
+            if self._closing:  # closed by another thread meanwhile: its workers' ends woke us
+                raise ManagerClosedError("the SubprocessEnvManager was closed while waiting for its workers")
+            completions: list[Completion] = []
+            self._drain(completions)
+            for fd in ended:
+                w = self._by_sentinel.get(fd)
+                if w is not None and self.workers[w.index] is w and w.watched:
+                    self._drain(completions, everything=True)  # a worker's last words come before its death
+                    self._on_failure(w, w.died(), completions)
+            return completions
         finally:
             self._waiter = None
 
-    def _wait(self, timeout: float) -> list[Completion]:
-        if self.queue is None or self._closing:
-            raise ManagerClosedError("the SubprocessEnvManager was closed")
-        now = time.monotonic()
-        if now >= self._next_deadline_check:
-            overdue = self._check_deadlines(now)
-            if overdue:
-                return overdue
-        # Wake up in time to notice the first process to miss its deadline.
-        timeout = min(timeout, self._next_deadline_check - now)
-        if self._poll_version != self._version:
-            self._rebuild_poller()
-        ended = self.queue.wait(timeout)
-        if self._closing:  # closed by another thread meanwhile: its workers' ends woke us
-            raise ManagerClosedError("the SubprocessEnvManager was closed while waiting for its workers")
-        completions: list[Completion] = []
-        self._drain(completions)
-        for fd in ended:
-            w = self._by_sentinel.get(fd)
-            if w is not None and self.workers[w.index] is w and w.watched:
-                self._drain(completions)  # a worker's last words come before its death
-                self._on_failure(w, w.died(), completions)
-        return completions
+    def spun_s(self) -> float:
+        """Seconds this parent spent spinning in its waits (its CPU taken by waiting)."""
+        return getattr(self.queue, "spun_ns", 0) * 1e-9
 
     def _rebuild_poller(self) -> None:
         """Tell the transport what to wait on: every watched process's pipe and sentinel; kept
@@ -214,45 +201,42 @@ class WorkerPool:
         self.queue.watch([w.conn for w in watched], list(self._by_sentinel))
         self._poll_version = self._version
 
-    def _drain(self, completions: list[Completion]) -> None:
+    def _drain(self, completions: list[Completion], everything: bool = False) -> None:
         """Take every answer that has arrived: the transport's half of every answer."""
         assert self.queue is not None
-        notices = self.queue.take()
-        received = time.monotonic()
-        for notice in notices:
-            w = self.workers[notice.process]
+        notices = self.queue.take(everything)
+        if not notices:
+            return
+        received = monotonic()
+        workers = self.workers
+        for cmd, process, seq, posted_at, form, data in notices:
+            w = workers[process]
             requests = w.requests
-            if requests and requests[0][0].seq == notice.seq and notice.cmd is not Cmd.CLOSED:
+            if requests and requests[0][0].seq == seq and cmd is not Cmd.CLOSED:
                 request, sent_at = requests[0]  # the usual case: answers come in the order sent
-                head = True
-            else:
-                head = False
-                found = None if notice.cmd is Cmd.CLOSED else next((e for e in requests if e[0].seq == notice.seq), None)
-                if found is None:
-                    continue  # a farewell, or the last words of a process already replaced
-                request, sent_at = found
-            data = notice.payload
-            if notice.form == ON_PIPE:
-                try:
-                    data = w.read_large_answer(self.timeout)
-                except (EOFError, OSError, TimeoutError) as exc:
-                    self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
-                    continue
-            if head:  # ``w.answered`` inline: this runs once per answer
-                del requests[0]
+                del requests[0]  # (``w.answered`` inline: this runs once per answer)
                 if requests:  # the next request's clock starts now
                     w.alive_at, w.progress_seen = received, 0
             else:
-                w.answered(request.seq, received)
+                found = None if cmd is Cmd.CLOSED else w.answered(seq, received)
+                if found is None:
+                    continue  # a farewell, or the last words of a process already replaced
+                request, sent_at = found
+            if form == ON_PIPE:
+                try:
+                    data = w.read_large_answer(self.timeout)
+                except (EOFError, OSError, TimeoutError) as exc:
+                    self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions, request)
+                    continue
             self.answers += 1
             try:
-                answer = decode_answer(notice.form, data)
+                answer = decode_answer(form, data)
             except Exception as exc:  # e.g. a class the parent cannot import
                 what = f"its answer to {request.cmd.name} could not be unpickled here: {exc!r}"
                 error = WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, w.index)
                 completions.append(Completion(w, request, None, error))
                 continue
-            if notice.cmd is Cmd.ENV_FAILED:
+            if cmd is Cmd.ENV_FAILED:
                 error = worker_error(answer, w.index)
                 if request.cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):  # the envs are fine
                     completions.append(Completion(w, request, None, error))
@@ -264,7 +248,7 @@ class WorkerPool:
                 first = min(answer.failures)
                 self._on_failure(w, worker_error(answer.failures[first], w.index), completions, request)
                 continue
-            completion = Completion(w, request, answer, None, notice.posted_at, received, sent_at, False, list(request.slots))
+            completion = Completion(w, request, answer, None, posted_at, received, sent_at, False, request.slots)
             if w.state is ProcessState.BOOTING:
                 self._advance_boot(w, completion, completions)
             else:
@@ -425,7 +409,7 @@ class WorkerPool:
                 self.queue.watch([w.conn for w in workers], [])
             while any(w.alive() for w in workers) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it
-                    while self.queue.take():
+                    while self.queue.take(everything=True):
                         pass
                 wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
             late = [w.name for w in workers if w.alive()]
@@ -443,6 +427,9 @@ class WorkerPool:
             if self.queue is not None:
                 self.queue.close()
                 self.queue = None
+            if self.mailboxes is not None:
+                self.mailboxes.close()
+                self.mailboxes = None
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
@@ -483,15 +470,6 @@ def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode:
                    info_columns)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
-
-
-def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:
-    return WorkerError(remote.env_index, remote.exc_type, remote.message, remote.traceback, remote.exception, process)
-
-
-def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
-    slot = getattr(error, "worker_id", None)
-    return slot if isinstance(slot, int) and slot in w.env_ids else w.env_ids[0]
 
 
 def get_context(context: str | None) -> Any:

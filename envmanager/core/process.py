@@ -40,6 +40,7 @@ from typing import Any
 import psutil
 
 from envmanager.errors import EnvManagerError, WorkerDiedError, who
+from envmanager.wire.mailbox import Mailboxes
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import EnvironmentRequest, encode_request
 from envmanager.wire.shm import SharedFile
@@ -81,20 +82,22 @@ class WorkerProcess:
 
     def __init__(
         self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
-        file: SharedFile | None = None, generation: int = 0,
+        file: SharedFile | None = None, generation: int = 0, mailboxes: Mailboxes | None = None,
     ) -> None:
         """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
         portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
         ``file`` is the pool's shared memory, handed to the process as it starts;
-        ``generation``: how many processes held this index before it (0, then one more per restart)."""
+        ``generation``: how many processes held this index before it (0, then one more per restart);
+        ``mailboxes``: the pool's, if it has them (requests then go through its ring)."""
         self.spec = spec
         self.index = spec.index
         self.generation = generation
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(
-            target=worker_main, args=(spec, child_conn, queue_writer, file), name=f"envmanager-worker-{spec.index}", daemon=daemon
-        )
+        self.mailboxes = mailboxes
+        mailbox = None if mailboxes is None else (mailboxes.file, mailboxes.layout)
+        self.process = ctx.Process(target=worker_main, args=(spec, child_conn, queue_writer, file, mailbox),
+                                   name=f"envmanager-worker-{spec.index}", daemon=daemon)
         start(self.process)
         child_conn.close()
         self.pid = self.process.pid
@@ -139,7 +142,10 @@ class WorkerProcess:
 
     def busy_on(self, lanes: int) -> bool:
         """Whether a request in flight occupies any of ``lanes`` (a bit mask)."""
-        return any(request.lanes & lanes for request, _ in self.requests)
+        for request, _ in self.requests:  # noqa: SIM110 (a loop, not any(): asked per request on the hot path)
+            if request.lanes & lanes:
+                return True
+        return False
 
     def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
         """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not
@@ -177,13 +183,19 @@ class WorkerProcess:
         """
         now = time.monotonic() if now is None else now
         if self.requests:
-            assert not self.busy_on(request.lanes), f"{self.name} already has a request in flight on lanes {request.lanes}"
+            if self.busy_on(request.lanes):  # the batch level refuses such a batch before it gets here
+                raise AssertionError(f"{self.name} already has a request in flight on lanes {request.lanes}")
         else:
             self.alive_at = now
             self.progress_seen = 0
         self.requests.append((request, now))
         try:
-            self._write(request.data)
+            if self.mailboxes is None:
+                self._write(request.data)
+            else:  # the pipe only for a wake-up or what does not fit the ring
+                frame = self.mailboxes.send(self.index, request.data)
+                if frame is not None:
+                    write_frame(self.fd, frame)
         except OSError:  # BrokenPipeError, ConnectionResetError, ...
             pass
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.pool import worker_error
+from envmanager.core.completion import worker_error
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.wire import shm
@@ -25,9 +25,9 @@ from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import Stepped
 
 if TYPE_CHECKING:
-    from envmanager.core.pool import Completion
+    from envmanager.core.completion import Completion
 
-__all__ = ["SlotStatus", "SlotState", "NEEDS_RESET", "IDLE", "IN_FLIGHT", "ARRIVED"]
+__all__ = ["SlotStatus", "SlotState", "NEEDS_RESET", "IDLE", "IN_FLIGHT", "ARRIVED", "IDLE_BYTES"]
 
 
 class SlotStatus(enum.IntEnum):
@@ -39,6 +39,10 @@ class SlotStatus(enum.IntEnum):
 
 # Plain ints for numpy (an IntEnum member costs attribute look-ups in every array operation).
 NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
+#: ``status`` bytes of that many IDLE slots: a batch's statuses are checked with one compare.
+IDLE_BYTES = bytes([IDLE]) * 4096
+_NONE: frozenset[int] = frozenset()
+_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per batch)
 
 
 class SlotState:
@@ -57,9 +61,9 @@ class SlotState:
         self.interrupted: set[int] = set()
         self.step_errors: list[EnvManagerError] = []
         self.reset_errors: list[EnvManagerError] = []
-        # Each process's latest two answers (its two lanes when double buffered), newest first:
-        # (slots, env times, queued, round trip), for ``timings``.
-        self._timings: dict[int, tuple[tuple, tuple | None]] = {}
+        # Each process's latest two answers (its two lanes when double buffered), newest first,
+        # for ``timings`` (read from them only when asked).
+        self._timings: dict[int, tuple[Completion, Completion | None]] = {}
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
         self.observation_space: Any = None
@@ -76,30 +80,33 @@ class SlotState:
         request = c.request
         is_reset = request is not None and request.cmd is Cmd.RESET
         if c.error is not None:
-            slots = list(request.slots if request is not None and request.slots else c.worker.env_ids)
-            self._fail(slots, [c.error], is_reset)
+            self._fail(list(request.slots if request is not None and request.slots else c.worker.env_ids), [c.error],
+                       is_reset)
             return
         answer: Stepped = c.answer
-        slots = c.slots
-        latest = self._timings.get(c.worker.index)
-        self._timings[c.worker.index] = ((slots, answer.env_times, c.received_at - c.posted_at, c.received_at - c.sent_at),
-                                         latest[0] if latest is not None else None)
+        index = c.worker.index
+        latest = self._timings.get(index)
+        self._timings[index] = (c, latest[0] if latest is not None else None)
+        slots = c.slots  # a tuple, ascending (a request's slots)
         if answer.info_columns is not None:
             self._file_columns(answer.info_columns, slots)
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
             failed = self._file_extras(answer, slots)
             if answer.failures:
-                failed.update({slots[n]: worker_error(f, c.worker.index) for n, f in answer.failures.items()})
+                failed.update({slots[n]: worker_error(f, index) for n, f in answer.failures.items()})
             if failed:
                 self._fail(list(failed), list(failed.values()), is_reset)
-                slots = [s for s in slots if s not in failed]
+                slots = tuple(s for s in slots if s not in failed)
         if c.interrupted:  # a restart reset every env: those owed a reset come back as resets, the rest as steps
-            self._file_interrupted(slots)
+            self._file_interrupted(list(slots))
             return
-        if len(slots) == 1:  # a scalar index is the cheaper numpy call
-            self.status[slots[0]] = ARRIVED
+        if not slots:
+            return
+        first, last = slots[0], slots[-1]
+        if last - first + 1 == len(slots):  # contiguous (a lane): a slice is numpy's cheapest index
+            self.status[first : last + 1] = ARRIVED
         else:
-            self.status[slots] = ARRIVED
+            self.status[list(slots)] = ARRIVED
         if is_reset:
             self.arrived_resets.update(slots)
         else:
@@ -125,7 +132,7 @@ class SlotState:
             if not any(error is e for e in target):
                 target.append(error)
 
-    def _file_columns(self, columns: Any, slots: list[int]) -> None:
+    def _file_columns(self, columns: Any, slots: tuple[int, ...]) -> None:
         """Infos as columns: kept as one block for the answer's slots, no per-env Python."""
         self._blocks = block = self._blocks + 1
         rows = np.array(slots, dtype=np.int64)
@@ -135,17 +142,21 @@ class SlotState:
             for slot in slots:
                 self.infos.pop(slot, None)
 
-    def _file_extras(self, answer: Stepped, slots: list[int]) -> dict[int, EnvManagerError]:
+    def _file_extras(self, answer: Stepped, slots: tuple[int, ...]) -> dict[int, EnvManagerError]:
         """Infos, and results that travelled pickled: the slow path, per env. Returns the
         slots whose observation did not fit, with their errors."""
-        infos = answer.infos or {}
+        infos = answer.infos  # by slot
         if self.info_blocks:  # columns not handed out yet are replaced
-            self.block_of[slots] = -1
-        for n, slot in enumerate(slots):  # an empty info replaces an older one not handed out
-            if n in infos:
-                self.infos[slot] = infos[n]
-            else:
-                self.infos.pop(slot, None)
+            self.block_of[list(slots)] = -1
+        mine = self.infos
+        if infos and len(infos) == len(slots):  # every env said something (the common case when any does)
+            mine.update(infos)
+        elif infos or mine:  # an empty info replaces an older one not handed out
+            for slot in slots:
+                if infos and slot in infos:
+                    mine[slot] = infos[slot]
+                else:
+                    mine.pop(slot, None)
         failures = answer.failures or {}
         r = self.results
         assert r is not None
@@ -179,9 +190,10 @@ class SlotState:
         infos, interrupted = self.infos, self.interrupted
         mine = {s: infos.pop(s) for s in slots_list if s in infos} if infos else {}
         blocks = self._hand_out_columns(slots, mine, columns) if self.info_blocks else ()
-        cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else frozenset()
-        interrupted -= cut
-        return StepBatch(slots, mine, cut, frozenset(slots_list) if reset else frozenset(), blocks)
+        cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else _NONE
+        if cut:
+            interrupted -= cut
+        return _new(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks))
 
     def _hand_out_columns(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
         """The column infos of ``slots``: as blocks (``columns``), or into ``dicts``."""
@@ -210,10 +222,10 @@ class SlotState:
 
     def timings(self, slot: int, process: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
-        for answer in self._timings.get(process, ()):
-            if answer is not None and slot in answer[0]:
-                slots, env_times, queued, round_trip = answer
-                return float(env_times[slots.index(slot)]), max(0.0, queued), max(0.0, round_trip)
+        for c in self._timings.get(process, ()):
+            if c is not None and slot in c.slots:
+                env = c.answer.env_times[c.slots.index(slot)]
+                return float(env), max(0.0, c.received_at - c.posted_at), max(0.0, c.received_at - c.sent_at)
         return 0.0, 0.0, 0.0
 
     def drop(self) -> list[EnvManagerError]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from envmanager.core.completion import Completion
 from envmanager.core.deadline import Deadline
-from envmanager.core.pool import Completion, WorkerPool
+from envmanager.core.pool import WorkerPool
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerTimeoutError
 
 __all__ = ["wait_for"]
@@ -27,8 +28,7 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight
     and what arrived meanwhile is kept."""
     deadline = None if timeout is None else Deadline(timeout)
-    take(pool.wait(0.0))
-    while not done():
+    while not done():  # (what has already come is taken by the first wait, which returns at once then)
         waiting = late()
         workers = pool.workers
         if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):

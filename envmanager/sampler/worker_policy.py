@@ -31,7 +31,8 @@ import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
-from envmanager.core.pool import get_context, worker_error
+from envmanager.core.completion import worker_error
+from envmanager.core.pool import get_context
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.episodes import spread

@@ -152,7 +152,8 @@ class Ready(NamedTuple):
 class Stepped(NamedTuple):
     """The answer to STEP or RESET: one entry per local env of the request, in its order.
 
-    ``env_times``: seconds inside each env. ``infos``: the non-empty info dicts, by position.
+    ``env_times``: seconds inside each env. ``infos``: the non-empty info dicts, by slot (so the
+    parent files them with one ``dict.update``).
     ``failures``: the envs that raised, by position (the others stepped fine and deliver).
     ``observations``: each env's observation, when observations are not in shared memory;
     ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either;
@@ -249,7 +250,7 @@ def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any
     """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw,
     any other pickled as a plain tuple (a NamedTuple pickles ~1.5 µs slower, by its class)."""
     if type(message) is Stepped:
-        if message.raw:
+        if not message[1] and not message[2] and message[3] is None and message[4] is None and message[5] is None:  # raw
             times = message.env_times
             return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), struct.pack(f"<{len(times)}d", *times)
         message = tuple(message)
@@ -267,18 +268,33 @@ class EnvironmentResponse(NamedTuple):
     payload: memoryview | bytes
 
 
+_NOTICE_UNPACK = NOTICE_HEADER.unpack_from
+_NOTICE_SIZE = NOTICE_HEADER.size
+_new = tuple.__new__
+_TIMES_STRUCTS: dict[int, Any] = {}
+
+
+def _unpack_times(payload: memoryview | bytes) -> tuple[float, ...]:
+    """A raw answer's env times (one float64 per env)."""
+    n = len(payload)
+    unpack = _TIMES_STRUCTS.get(n)
+    if unpack is None:
+        unpack = _TIMES_STRUCTS[n] = struct.Struct(f"<{n // 8}d").unpack
+    return unpack(payload)
+
+
 def decode_notice(data: bytes, offset: int = 0, end: int | None = None) -> EnvironmentResponse:
     """The notice in ``data[offset:end]``."""
-    cmd, index, seq, posted_at, form = NOTICE_HEADER.unpack_from(data, offset)
-    return EnvironmentResponse(_COMMANDS[cmd], index, seq, posted_at, form, data[offset + NOTICE_HEADER.size : end])
+    cmd, index, seq, posted_at, form = _NOTICE_UNPACK(data, offset)
+    return _new(EnvironmentResponse, (_COMMANDS[cmd], index, seq, posted_at, form, data[offset + _NOTICE_SIZE : end]))
 
 
 def decode_answer(form: int, payload: memoryview | bytes) -> Any:
     """The answer object; raises whatever unpickling raises."""
-    if form == RAW:
-        return Stepped(struct.unpack(f"<{len(payload) // 8}d", payload))
+    if form == RAW:  # (a NamedTuple made with tuple.__new__: half the cost of its constructor)
+        return _new(Stepped, (_unpack_times(payload), None, None, None, None, None))
     answer = pickle.loads(payload)
-    return tuple.__new__(Stepped, answer) if type(answer) is tuple else answer  # only a Stepped is a bare tuple
+    return _new(Stepped, answer) if type(answer) is tuple else answer  # only a Stepped is a bare tuple
 
 
 def on_pipe_notice(header: bytes) -> bytes:

@@ -18,19 +18,23 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envmanager.wire.mailbox import MARGIN_NS, Mailboxes
 from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe_notice
+from envmanager.wire.spin import SpinPolicy
 
 __all__ = ["StepQueue", "FrameReader", "read_message", "write_frame", "MAX_NOTICE_BYTES"]
 
 # Largest notice that still goes out in one atomic write (4-byte length header included).
 MAX_NOTICE_BYTES = getattr(select, "PIPE_BUF", 512) - 4  # POSIX guarantees at least 512
-#: The most waits a parent blocks without spinning after spins in a row caught nothing.
-MAX_SPIN_SKIP = 64
+#: With answers in the mailbox, how often the parent still polls its pipe (ended processes, big answers).
+POLL_INTERVAL_NS = 100_000
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe so many workers can post without waiting
 
 
 class StepQueue:
-    """The shared step queue: many writers (workers), one reader (the parent)."""
+    """The shared step queue: many writers (workers), one reader (the parent); with a mailbox
+    (``mailboxes``), answers that fit come through shared memory instead and the pipe carries
+    the rest, the wake-ups of a sleeping parent and the ends of processes."""
 
     def __init__(self, ctx: Any) -> None:
         import fcntl
@@ -44,15 +48,23 @@ class StepQueue:
         os.set_blocking(self._fd, False)  # the parent reads what is there, never waits in read
         self._rest = b""  # the start of a notice cut by the end of a read
         self._poller: Any = None
-        #: Seconds ``wait`` polls without blocking before it blocks: set only where the parent
-        #: has a core of its own (a blocked parent wakes tens of microseconds after the notice).
-        self.spin_s = 0.0
-        # Back-off after spins that caught nothing: block without spinning for the next
-        # ``_skip`` waits; each spin in a row that catches nothing doubles it (up to
-        # MAX_SPIN_SKIP), one that catches an answer ends it. Where answers come later than
-        # ``spin_s`` the spin then costs at most spin_s / MAX_SPIN_SKIP per wait.
-        self._skip = 0
-        self._backoff = 1
+        self._readable = False  # the last poll saw the queue readable: ``take`` reads it
+        self._next_poll = 0  # with answers in the mailbox, the pipe is polled only from then on (ns)
+        #: The clock of spins and polls (``time.monotonic_ns``; tests give a fake one).
+        self.clock = time.monotonic_ns
+        #: Nanoseconds ``wait`` spent spinning, caught or not: CPU the parent burnt waiting, which
+        #: a parent with answers always ready would not (the bench takes it out of its CPU per answer).
+        self.spun_ns = 0
+        #: How ``wait`` spins before it blocks (``None``: it does not): set only where the
+        #: parent has a core of its own (a blocked parent wakes tens of microseconds after the notice).
+        self.spin: SpinPolicy | None = None
+        #: The parent's side of the mailbox, if the workers have one.
+        self.mailboxes: Mailboxes | None = None
+
+    def set_spin(self, spin_s: float) -> None:
+        """Spin up to ``spin_s`` seconds per wait before blocking (0: never)."""
+        floor = MARGIN_NS * 1e-9 if self.mailboxes is not None else 0.0
+        self.spin = SpinPolicy(spin_s, floor) if spin_s > 0 or floor > 0 else None
 
     # -- waiting (parent side) --------------------------------------------------------------
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
@@ -65,32 +77,72 @@ class StepQueue:
         self._poller = poller
 
     def wait(self, timeout: float) -> list[int]:
-        """Block up to ``timeout`` s until the queue has notices or a process ended; the ended
-        sentinels. With ``spin_s``, polls without blocking for that long first (then blocks for
-        the rest of ``timeout``), unless recent spins caught nothing (backing off: the spin
-        would only burn the CPU)."""
-        poll = self._poller.poll
-        if self.spin_s <= 0:
-            events = poll(max(0, math.ceil(timeout * 1000)))
-            return [fd for fd, _ in events if fd != self._fd]
-        events = poll(0)
+        """Block up to ``timeout`` s until answers have come or a process ended; the ended
+        sentinels. Spins first (``spin``) unless answers are already there; with answers in the
+        mailbox it polls the pipe only every :data:`POLL_INTERVAL_S` (for ended processes and
+        the answers too big for the mailbox)."""
+        box = self.mailboxes
+        if box is not None and box.waiting():
+            now = self.clock()
+            if now < self._next_poll:
+                return []
+            self._next_poll = now + POLL_INTERVAL_NS
+            return self._ended(self._poller.poll(0))
+        if box is not None and timeout > 0:  # the spin looks at the pipe first thing
+            return self._spin_then_block(timeout)
+        events = self._poller.poll(0)
         if events or timeout <= 0:
-            return [fd for fd, _ in events if fd != self._fd]
-        if self._skip > 0:
-            self._skip -= 1
-            events = poll(max(0, math.ceil(timeout * 1000)))
-            return [fd for fd, _ in events if fd != self._fd]
-        start = time.perf_counter()
-        until = start + min(self.spin_s, timeout)
-        while not events and time.perf_counter() < until:
-            events = poll(0)
-        if events:
-            self._backoff = 1
-        else:
-            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SPIN_SKIP)
-            left = timeout - (time.perf_counter() - start)
-            events = poll(max(0, math.ceil(left * 1000)))
-        return [fd for fd, _ in events if fd != self._fd]
+            return self._ended(events)
+        if self.spin is None:
+            return self._ended(self._poller.poll(_ms(timeout)))
+        return self._spin_then_block(timeout)
+
+    def _spin_then_block(self, timeout: float) -> list[int]:
+        spin, box, poll = self.spin, self.mailboxes, self._poller.poll
+        assert spin is not None
+        budget, full = spin.budget()
+        clock = self.clock
+        start = clock()
+        until = start + int(min(budget, timeout) * 1e9)
+        if box is not None:
+            box.parent_spinning(until)
+        events: list = []
+        found = False
+        next_poll = start  # with a mailbox the pipe is looked at only now and then (big answers, ended processes)
+        every = POLL_INTERVAL_NS // 5 if box is not None else 0
+        while True:
+            now = clock()
+            if now >= until:
+                break
+            if box is not None and box.waiting():
+                found = True
+                break
+            if now >= next_poll:
+                next_poll = now + every
+                events = poll(0)
+                if events:
+                    found = True
+                    break
+        if full:
+            spin.caught(found)
+        spun = clock() - start
+        self.spun_ns += spun
+        left = timeout - spun * 1e-9
+        if not found and left > 0:  # (a spin cut by the timeout ends the wait: it never says SLEEPING)
+            if box is not None:
+                box.parent_sleeping()
+            if box is None or not box.waiting():  # the last look after saying SLEEPING: then block
+                events = poll(_ms(left))
+        if box is not None:
+            box.parent_busy()
+        return self._ended(events)
+
+    def _ended(self, events: list) -> list[int]:
+        """The ended sentinels among ``events``; notes whether the queue itself is readable."""
+        fd = self._fd
+        ended = [f for f, _ in events if f != fd]
+        self._readable = len(ended) < len(events)
+        return ended
 
     # -- worker side ------------------------------------------------------------------------
     @staticmethod
@@ -106,26 +158,42 @@ class StepQueue:
         own_pipe.send_bytes(payload)
 
     # -- parent side ------------------------------------------------------------------------
-    def take(self) -> list[EnvironmentResponse]:
-        """Every whole notice waiting now (payloads still encoded), with one read; never blocks."""
+    def take(self, everything: bool = False) -> list[EnvironmentResponse]:
+        """The answers that have come (payloads still encoded), never waiting: every whole notice
+        on the pipe when the last ``wait`` saw it readable (or ``everything``), with one read;
+        then the mailbox's."""
+        out: list[EnvironmentResponse] = []
+        if self._readable or everything:
+            self._readable = False
+            self._read(out)
+        if self.mailboxes is not None:
+            self.mailboxes.take(out)
+        return out
+
+    def _read(self, out: list[EnvironmentResponse]) -> None:
         try:
             chunk = os.read(self._fd, 1 << 16)
         except BlockingIOError:
-            return []
+            return
         data = self._rest + chunk if self._rest else chunk
-        out, off, end = [], 0, len(data)
+        off, end = 0, len(data)
         while end - off >= 4:
             (size,) = _FRAME.unpack_from(data, off)
             if off + 4 + size > end:
                 break  # the rest of an atomic write is in the pipe: the next read gets it
-            out.append(decode_notice(data, off + 4, off + 4 + size))
+            if size:  # an empty frame only woke the parent
+                out.append(decode_notice(data, off + 4, off + 4 + size))
             off += 4 + size
         self._rest = data[off:]
-        return out
 
     def close(self) -> None:
         self.reader.close()
         self.writer.close()
+
+
+def _ms(seconds: float) -> int:
+    """``poll``'s timeout: whole milliseconds, rounded up."""
+    return max(0, math.ceil(seconds * 1000))
 
 
 _FRAME = struct.Struct("!i")  # multiprocessing.Connection's length prefix

@@ -18,14 +18,19 @@ data path, sequence numbers and error answers are the same. The parent side has 
 
 from __future__ import annotations
 
+import math
+import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any, cast
 
-from envmanager.wire.messages import EnvironmentResponse, decode_notice
+from envmanager.wire.mailbox import MARGIN_NS, WAKE, WorkerMailbox
+from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.messages import EnvironmentResponse, decode_notice, decode_request_header
+from envmanager.wire.spin import SpinPolicy
 from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
 
-__all__ = ["make_transport", "PortableAnswers", "WorkerLink", "link_for", "StepQueue"]
+__all__ = ["make_transport", "PortableAnswers", "WorkerLink", "QueueLink", "MailboxLink", "link_for", "StepQueue"]
 
 
 def make_transport(name: str, ctx: Any) -> StepQueue | PortableAnswers:
@@ -59,7 +64,7 @@ class PortableAnswers:
         self._ready = [cast(Connection, r) for r in ready if not isinstance(r, int)]  # not ints: our pipes
         return [r for r in ready if isinstance(r, int)]
 
-    def take(self) -> list[EnvironmentResponse]:
+    def take(self, everything: bool = False) -> list[EnvironmentResponse]:
         """Every whole answer waiting now; never waits for one that has not begun."""
         ready, self._ready = self._ready, None
         if ready is None:
@@ -85,12 +90,20 @@ class PortableAnswers:
 
 
 class WorkerLink:
-    """Worker side of the portable transport: requests in and answers out on one pipe."""
+    """Worker side of the portable transport: requests in and answers out on one pipe. With
+    ``spin_s``, ``read`` polls its pipe that long before it blocks (backing off: ``SpinPolicy``)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, spin_s: float = 0.0) -> None:
         self.conn = conn
+        self.spin = SpinPolicy(spin_s) if spin_s > 0 else None
 
     def read(self) -> bytes:
+        """The next request; blocks until it comes. ``EOFError`` once the parent is gone."""
+        if self.spin is not None:
+            self.spin.spin(self.has_input, math.inf)
+        return self._read()
+
+    def _read(self) -> bytes:
         return self.conn.recv_bytes()
 
     def has_input(self) -> bool:
@@ -106,16 +119,16 @@ class WorkerLink:
 class QueueLink(WorkerLink):
     """Worker side of the step queue: plain reads and writes on the pipes' descriptors."""
 
-    def __init__(self, conn: Connection, queue_writer: Connection) -> None:
+    def __init__(self, conn: Connection, queue_writer: Connection, spin_s: float = 0.0) -> None:
         import select
 
-        super().__init__(conn)
+        super().__init__(conn, spin_s)
         self.queue_fd = queue_writer.fileno()
         self.requests = FrameReader(conn.fileno())
         self._incoming = select.poll()
         self._incoming.register(conn.fileno(), select.POLLIN)
 
-    def read(self) -> bytes:
+    def _read(self) -> bytes:
         return self.requests.read()
 
     def has_input(self) -> bool:
@@ -128,6 +141,82 @@ class QueueLink(WorkerLink):
         write_frame(self.queue_fd, notice)
 
 
-def link_for(conn: Connection, queue_writer: Connection | None) -> WorkerLink:
-    """The worker's link: the step queue if it was given one, else the portable pipe."""
-    return WorkerLink(conn) if queue_writer is None else QueueLink(conn, queue_writer)
+class MailboxLink(QueueLink):
+    """Worker side of the step queue with a mailbox (``envmanager.wire.mailbox``): requests
+    taken from the ring in the order sent (those on the pipe where the ring says so), answers
+    posted to the ring, the pipes written only to wake a sleeping parent or for what does not
+    fit. ``read`` spins on the ring (at least the mailbox's margin), then blocks on the pipe."""
+
+    def __init__(self, conn: Connection, queue_writer: Connection, spin_s: float, box: WorkerMailbox) -> None:
+        super().__init__(conn, queue_writer)
+        self.box = box
+        self.ring_spin = SpinPolicy(spin_s, MARGIN_NS * 1e-9)
+        self._stash: bytes | None = None  # a request read off the pipe before the ring named it
+
+    def read(self) -> bytes:
+        box = self.box
+        while True:
+            got = box.take()
+            if got is None:
+                closing = self._wait()
+                if closing is not None:
+                    return closing
+                continue
+            if type(got) is int:  # ON_PIPE: the request itself is the next frame on the pipe
+                frame, self._stash = self._stash, None
+                return frame if frame is not None else self._next_frame()
+            return got  # type: ignore[return-value]
+
+    def _wait(self) -> bytes | None:
+        """Spin on the ring, then sleep on the pipe; ``None`` once there may be a request in
+        the ring (look again), or a CLOSE read off the pipe."""
+        box, spin = self.box, self.ring_spin
+        budget, full = spin.budget()
+        clock = time.monotonic_ns
+        until = clock() + max(int(budget * 1e9), MARGIN_NS)
+        box.spinning(until)
+        found = False
+        while clock() < until:
+            if box.ready():
+                found = True
+                break
+        if full:
+            spin.caught(found)
+        if not found:
+            box.sleeping()
+            if not box.ready():  # the last look after saying SLEEPING: then block
+                frame = self.requests.read()
+                box.busy()
+                if frame and decode_request_header(frame)[0] is Cmd.CLOSE:
+                    return frame
+                if frame:  # a request on the pipe: the ring names it next (or after what precedes it)
+                    self._stash = frame
+                return None
+        box.busy()
+        return None
+
+    def _next_frame(self) -> bytes:
+        """The next request frame on the pipe, past wake-ups."""
+        while True:
+            frame = self.requests.read()
+            if frame:
+                return frame
+
+    def post(self, header: bytes, payload: bytes) -> None:
+        notice = header + payload
+        wake = self.box.post(notice)
+        if wake is None:  # too big for the ring
+            StepQueue.post(self.queue_fd, self.conn, header, payload)
+        elif wake:
+            write_frame(self.queue_fd, WAKE)
+
+
+def link_for(conn: Connection, queue_writer: Connection | None, spin_s: float = 0.0,
+             box: WorkerMailbox | None = None) -> WorkerLink:
+    """The worker's link: the step queue if it was given one (with its mailbox if it has one),
+    else the portable pipe."""
+    if queue_writer is None:
+        return WorkerLink(conn, spin_s)
+    if box is not None:
+        return MailboxLink(conn, queue_writer, spin_s, box)
+    return QueueLink(conn, queue_writer, spin_s)

@@ -34,6 +34,7 @@ from envmanager.wire.messages import (
 logger = logging.getLogger(__name__)
 
 NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
+_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per request)
 
 __all__ = ["WorkerEnvs", "remote_exception", "NEXT_STEP", "SAME_STEP", "DISABLED"]
 
@@ -55,7 +56,10 @@ class WorkerEnvs:
         self.autoreset = [False] * len(env_ids)
         self.buffers: shm.SharedBuffers | None = None
         self.file = file  # the shared memory this process was started with (ATTACH maps it)
-        self._rows: dict[tuple[int, ...], Any] = {}  # slots of a request's envs (an int for one), by locals
+        # A request's envs by their locals: where they sit in the shared arrays (a slice when
+        # contiguous) and their slots.
+        self._lanes: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        self._next_step, self._same_step = autoreset_mode == NEXT_STEP, autoreset_mode == SAME_STEP
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
 
     def build(self) -> Ready:
@@ -118,25 +122,28 @@ class WorkerEnvs:
                      observation: np.ndarray) -> Stepped:
         """The hot path: actions read from shared memory and results written back as whole
         batches (one numpy operation per array; a slice for a lane's contiguous slots), not env by
-        env; ``action`` and ``observation`` are ``b``'s, each one array."""
-        rows = self._rows.get(locals_)
-        if rows is None:
-            if len(self._rows) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
-                self._rows.clear()
-            rows = self._rows[locals_] = _rows_of([self.env_ids[i] for i in locals_])
+        env; ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env:
+        each env's time runs from the end of the one before."""
+        lane = self._lanes.get(locals_)
+        if lane is None:
+            if len(self._lanes) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
+                self._lanes.clear()
+            slots_ = tuple(self.env_ids[i] for i in locals_)
+            k = len(slots_)
+            lane = self._lanes[locals_] = (_rows_of(list(slots_)), slots_, [None] * k, [0.0] * k, [False] * k, [False] * k)
+        # The lane's lists are filled anew each time: what they hold is written to the shared
+        # arrays below, before this returns.
+        rows, slots, observations, rewards, terminated, truncated = lane
         n = len(locals_)
         # A copy (fancy indexing copies, a slice does not): the envs may keep their action.
         actions = action[rows].copy() if type(rows) is slice else action[rows]
-        observations: list[Any] = [None] * n
-        rewards, terminated, truncated = [0.0] * n, [False] * n, [False] * n
         times = [0.0] * n
         infos: dict[int, dict] = {}
         failures: dict[int, RemoteException] = {}
-        envs, autoreset = self.envs, self.autoreset
-        next_step, same_step = self.autoreset_mode == NEXT_STEP, self.autoreset_mode == SAME_STEP
+        envs, autoreset, next_step, same_step = self.envs, self.autoreset, self._next_step, self._same_step
         clock = time.perf_counter
+        start = clock()
         for k, i in enumerate(locals_):
-            start = clock()
             try:
                 env = envs[i]
                 if autoreset[i] and next_step:
@@ -150,30 +157,32 @@ class WorkerEnvs:
                         info = {**final, **info}
                 if term or trunc:
                     autoreset[i], terminated[k], truncated[k] = True, term, trunc
-                elif autoreset[i]:
-                    autoreset[i] = False
+                else:
+                    autoreset[i] = terminated[k] = truncated[k] = False
                 observations[k], rewards[k] = obs, reward
                 if info:
-                    infos[k] = info
+                    infos[slots[k]] = info
             except Exception as exc:
-                self.current = self.env_ids[i]
+                self.current = slots[k]
                 failures[k] = remote_exception(self.current, exc)
-                observations[k] = observation[self.env_ids[i]]  # unchanged
-            times[k] = clock() - start
+                observations[k] = observation[slots[k]]  # unchanged
+                rewards[k], terminated[k], truncated[k] = 0.0, False, False
+            end = clock()
+            times[k], start = end - start, end
         try:
             observation[rows] = observations
         except Exception:  # an observation that does not fit: find it, env by env
             for k, obs in enumerate(observations):
                 try:
-                    observation[self.env_ids[locals_[k]]] = obs
+                    observation[slots[k]] = obs
                 except Exception as exc:
-                    failures[k] = remote_exception(self.env_ids[locals_[k]], exc)
+                    failures[k] = remote_exception(slots[k], exc)
         b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
-            columns = to_columns([infos[k] for k in range(n)])
+            columns = to_columns([infos[s] for s in slots])
             if columns is not None:
-                return Stepped(times, None, None, None, None, columns)
-        return Stepped(times, infos or None, failures or None)
+                return _new(Stepped, (times, None, None, None, None, columns))
+        return _new(Stepped, (times, infos or None, failures or None, None, None, None))
 
     def reset(self, request: Reset) -> Stepped:
         out = _Answer(len(request.locals), self.buffers)
@@ -258,7 +267,7 @@ class _Answer:
         else:
             self.observations[n] = obs
         if info:
-            self.infos[n] = info
+            self.infos[slot] = info
 
     def failed(self, n: int, failure: RemoteException, t: float) -> None:
         self.times[n] = t

@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from envmanager.wire.mailbox import MailboxLayout, WorkerMailbox
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
 )
@@ -66,9 +67,11 @@ HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
 }
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | None, file: SharedFile | None = None) -> None:
+def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | None, file: SharedFile | None = None,
+                mailbox: tuple[SharedFile, MailboxLayout] | None = None) -> None:
     """Entry point of a worker process; ``queue_writer`` is ``None`` on the portable transport,
-    ``file`` the pool's shared memory, if it has one."""
+    ``file`` the pool's shared memory, if it has one, ``mailbox`` the pool's mailboxes (their
+    file and layout), if it has them."""
     try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
         os.setpgid(0, 0)
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
@@ -76,7 +79,10 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
 
-    link = link_for(conn, queue_writer)
+    box = WorkerMailbox(mailbox[0], mailbox[1], spec.index) if mailbox is not None else None
+    if mailbox is not None:
+        mailbox[0].close()  # the mapping keeps it
+    link = link_for(conn, queue_writer, spec.spin_s, box)
 
     def post(cmd: Cmd, seq: int, answer: Any) -> None:
         try:
@@ -94,13 +100,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             post(Cmd.ENV_FAILED, 0, remote_exception(envs.current, exc))
             return
         post(Cmd.READY, 0, ready)
-        spin = spec.spin_s
         while True:
-            if spin > 0:  # a short spin: the next command often comes within microseconds
-                until = time.perf_counter() + spin
-                while not link.has_input() and time.perf_counter() < until:
-                    pass
-            data = link.read()
+            data = link.read()  # spins first where the worker has a core of its own (spec.spin_s)
             cmd, seq, form = decode_request_header(data)
             if cmd is Cmd.CLOSE:
                 break

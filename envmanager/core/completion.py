@@ -1,0 +1,67 @@
+"""``Completion``: a finished request of one worker process, as the pool hands it to the batch
+level; and the pool's errors made from what a worker sent back (``worker_error``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from envmanager.errors import EnvManagerError, WorkerError
+from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.messages import EnvironmentRequest, RemoteException
+
+if TYPE_CHECKING:
+    from envmanager.core.process import WorkerProcess
+
+__all__ = ["Completion", "worker_error", "error_slot"]
+
+
+class Completion:
+    """A finished request of one worker process.
+
+    ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
+    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
+    first of the requests the failure cut short) and ``lost``, all of them. ``slots``: the slots
+    the answer is for (the request's; a restart's reset: all it reset). A plain class with
+    slots, made once per answer on the hot path.
+    """
+
+    __slots__ = (
+        "answer",
+        "error",
+        "interrupted",
+        "lost",
+        "posted_at",
+        "received_at",
+        "request",
+        "sent_at",
+        "slots",
+        "worker",
+    )
+
+    def __init__(self, worker: WorkerProcess, request: EnvironmentRequest | None, answer: Any = None,
+                 error: EnvManagerError | None = None, posted_at: float = 0.0, received_at: float = 0.0,
+                 sent_at: float = 0.0, interrupted: bool = False, slots: tuple[int, ...] = (),
+                 lost: tuple[EnvironmentRequest, ...] = ()) -> None:
+        self.worker = worker
+        self.request = request
+        self.answer = answer
+        self.error = error
+        self.posted_at = posted_at
+        self.received_at = received_at
+        self.sent_at = sent_at
+        self.interrupted = interrupted
+        self.slots = slots
+        self.lost = lost
+
+    @property
+    def cmd(self) -> Cmd | None:
+        return None if self.request is None else self.request.cmd
+
+
+def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:
+    return WorkerError(remote.env_index, remote.exc_type, remote.message, remote.traceback, remote.exception, process)
+
+
+def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
+    slot = getattr(error, "worker_id", None)
+    return slot if isinstance(slot, int) and slot in w.env_ids else w.env_ids[0]

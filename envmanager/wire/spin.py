@@ -1,0 +1,70 @@
+"""How long a waiter spins before it blocks: bounded, and backing off when spins catch nothing.
+
+A spin pays only where the spinner has a core of its own and the thing it waits for usually
+comes within the spin: a blocked process wakes tens of microseconds after it is signalled (and
+the one signalling it pays for the wake-up in its ``write``). A spin that never catches
+anything only burns the core, so after a spin that caught nothing the next ``1, 2, 4, ...``
+waits (up to :data:`MAX_SPIN_SKIP`) skip it; one that catches ends the back-off.
+
+The clock is injected, so the policy is tested against a fake clock rather than the machine's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["SpinPolicy", "MAX_SPIN_SKIP"]
+
+#: The most waits that skip their spin after spins in a row caught nothing.
+MAX_SPIN_SKIP = 64
+
+
+class SpinPolicy:
+    """Up to ``spin_s`` seconds of spinning per wait, with back-off (see the module doc).
+
+    ``spin(ready, limit)`` runs one wait's spin: calls ``ready()`` until it is true, the spin's
+    budget is spent or ``limit`` seconds have passed; returns what ``ready()`` last said.
+    ``floor_s``: the spin a wait never goes below, even backing off (the mailbox's margin).
+    """
+
+    def __init__(self, spin_s: float, floor_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.spin_s = spin_s
+        self.floor_s = floor_s
+        self.clock = clock
+        self._skip = 0  # waits left that skip their spin
+        self._backoff = 1  # how many the next spin that catches nothing makes skip
+
+    def budget(self) -> tuple[float, bool]:
+        """This wait's spin and whether it is a full one: ``spin_s``, or ``floor_s`` while
+        backing off (which counts the wait)."""
+        if self._skip > 0:
+            self._skip -= 1
+            return self.floor_s, False
+        return max(self.spin_s, self.floor_s), True
+
+    def caught(self, caught: bool) -> None:
+        """Record what a full spin found."""
+        if caught:
+            self._backoff = 1
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SPIN_SKIP)
+
+    def spin(self, ready: Callable[[], bool], limit: float) -> bool:
+        """One wait's spin (see the class doc). What is ready at once costs no spin and leaves
+        the back-off as it was."""
+        if ready():
+            return True
+        if limit <= 0:
+            return False
+        budget, full = self.budget()
+        clock = self.clock
+        until = clock() + min(budget, limit)
+        found = False
+        while clock() < until:
+            if ready():
+                found = True
+                break
+        if full:
+            self.caught(found)
+        return found
