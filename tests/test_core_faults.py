@@ -225,7 +225,8 @@ def test_restart_hung_worker():
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import faulthandler, sys, time
+    faulthandler.dump_traceback_later(25)  # a parent still running then shows where it is (stderr)
     sys.path.insert(0, {repo!r})
     from envmanager import SubprocessEnvManager
     from envmanager.testing.envs import EnvFactory

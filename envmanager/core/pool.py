@@ -409,7 +409,7 @@ class WorkerPool:
                 self.queue.watch([w.conn for w in workers], [])
             while any(w.alive() for w in workers) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it
-                    while self.queue.take(everything=True):
+                    while self.queue.take(everything=True) and not deadline.passed():
                         pass
                 wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
             late = [w.name for w in workers if w.alive()]
