@@ -3,7 +3,9 @@
 The rule that keeps exact-episode sampling unbiased: whether an episode counts is decided when
 it **starts** (by a quota per env slot), never by when it ends. Every admitted episode runs to
 its end; an episode cut by a worker restart fills its admission (kept, flagged, counted),
-never silently replaced. Results come in (worker, admission) order.
+never silently replaced — unless it was cut before its first step: nothing of it was seen and
+the cut does not depend on its length, so its admission is given back (counted). Results come
+in (worker, admission) order.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Plan:
     def __init__(self, n_workers: int) -> None:
         self.episodes: list[list[tuple[list[Step], bool]]] = [[] for _ in range(n_workers)]
         self.running = [0] * n_workers  # steps of the admitted episode running on each slot
+        self.empty_cut = 0  # admitted episodes cut before their first step
 
     def admit(self, slot: int) -> bool:
         """Start (and record) an episode on ``slot`` now? Decided once, at its start."""
@@ -67,6 +70,14 @@ class EpisodeQuotas(Plan):
             return False
         self.admitted[slot] += 1
         return True
+
+    def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
+        if interrupted and not steps:  # cut before its first step: admitted again
+            self.admitted[slot] -= 1
+            self.running[slot] = 0
+            self.empty_cut += 1
+            return
+        super().finished(slot, steps, interrupted)
 
     def done(self) -> bool:
         return all(len(e) == q for e, q in zip(self.episodes, self.quotas, strict=True))

@@ -261,12 +261,15 @@ class Sampler:
         while not plan.done():
             if plan.record_partial:
                 self._apply_agent_update()
+            readmitted = plan.empty_cut
             self._start(plan)
             self._take_resets(plan)
             self._act(plan)
             if not self.episodes.in_state(STARTING, STEPPING) and not m.in_flight() and not m.unreceived():
                 if plan.done():
                     break
+                if plan.empty_cut > readmitted:  # cut before their first step: admitted again (a restart each)
+                    continue
                 raise EnvManagerError("sampler: nothing is running and the collection is not done")
             self._receive(plan)
             self.stats.maybe_log()
@@ -439,7 +442,7 @@ class Sampler:
 
     def _episodes(self, plan: Plan) -> EpisodeBatch:
         episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in plan.episodes for steps, cut in per_slot if steps]
-        empty_cut = sum(1 for per_slot in plan.episodes for steps, cut in per_slot if not steps)
+        empty_cut = plan.empty_cut + sum(1 for per_slot in plan.episodes for steps, cut in per_slot if not steps)
         if empty_cut:  # cut before their first step: nothing to hand out, but counted
             self.stats.count("empty_cut_episodes", empty_cut)
             logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step", empty_cut)
