@@ -2,6 +2,9 @@
 
 Every error about a worker names it (``worker_id``) and, when the failure happened inside the
 worker, carries the worker's formatted traceback, so nothing is lost crossing the process line.
+A hang or a death names the env and the call its process was in, when it was in one (``slot``,
+``call``: read from the process's record, ``envmanager.wire.marks``), as in
+``worker 3 (process 1, slots 2–3) hung in step()``.
 """
 
 from __future__ import annotations
@@ -70,28 +73,40 @@ class WorkerError(EnvManagerError):
         )
 
 
+def _in(call: str | None) -> str:
+    return "" if call is None else f" in {call}()"
+
+
 class WorkerDiedError(EnvManagerError):
-    """A worker process ended without being asked to (killed, crashed, ``os._exit``)."""
+    """A worker process ended without being asked to (killed, crashed, ``os._exit``).
+
+    ``call`` is the call (``"step"``, ``"reset"``, ``"render"``, ...) the env ``slot`` (then
+    also ``worker_id``) was in when its process died; both ``None`` when the process was
+    between its envs' calls, or where no record is kept (then ``worker_id`` is its first slot).
+    """
 
     def __init__(
         self, worker_id: int, exitcode: int | None, detail: str = "",
-        slots: tuple[int, ...] | list[int] | None = None, process: int | None = None,
+        slots: tuple[int, ...] | list[int] | None = None, process: int | None = None, call: str | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.worker_ids = list(slots) if slots else [worker_id]
         self.process = process
         self.exitcode = exitcode
         self.detail = detail
-        super().__init__(f"{who(worker_id, slots, process)} died ({describe_exitcode(exitcode)}){detail}")
+        self.call: str | None = call
+        self.slot: int | None = None if call is None else worker_id
+        super().__init__(f"{who(worker_id, slots, process)} died ({describe_exitcode(exitcode)}){_in(call)}{detail}")
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.exitcode, self.detail, self.worker_ids, self.process))
+        return (type(self), (self.worker_id, self.exitcode, self.detail, self.worker_ids, self.process, self.call))
 
 
 class RestartLimitError(WorkerDiedError):
     """A worker failed and restarting it would exceed the configured restart limits.
 
-    ``reason`` says which limit; ``failure`` is the error that made the restart necessary.
+    ``reason`` says which limit; ``failure`` is the error that made the restart necessary;
+    ``slot`` and ``call`` are the failure's (a hang's or a death's), else ``None``.
     """
 
     def __init__(
@@ -104,6 +119,8 @@ class RestartLimitError(WorkerDiedError):
         self.reason = reason
         self.failure = failure
         self.exitcode = getattr(failure, "exitcode", None)
+        self.call = getattr(failure, "call", None)
+        self.slot = getattr(failure, "slot", None)
         EnvManagerError.__init__(
             self, f"{who(worker_id, slots, process)} failed and was not restarted: {reason}. The failure: {failure}"
         )
@@ -118,24 +135,35 @@ class WorkerTimeoutError(EnvManagerError, TimeoutError):
     ``hung`` tells which deadline: the manager's per-answer ``timeout`` (the worker is
     considered hung, and was killed or restarted), or, when ``False``, the caller's own wait,
     after which the request is still in flight and a later wait may still get its answer.
+    ``call`` is the call (``"step"``, ...) the env ``slot`` (then also ``worker_id``) of a hung
+    process was in; both ``None`` when it was between its envs' calls, when several processes
+    are late, or where no record is kept.
     """
 
     def __init__(
         self, worker_ids: list[int], timeout: float, what: str = "a result", hung: bool = True,
-        processes: list[int] | None = None,
+        processes: list[int] | None = None, slot: int | None = None, call: str | None = None,
     ) -> None:
         self.worker_ids = list(worker_ids)
-        self.worker_id = self.worker_ids[0] if self.worker_ids else -1
         self.processes = sorted(set(processes)) if processes else []
         self.timeout = timeout
         self.what = what
         self.hung = hung
+        known = slot is not None and call is not None
+        self.slot: int | None = slot if known else None
+        self.call: str | None = call if known else None
+        self.worker_id = self.slot if self.slot is not None else self.worker_ids[0] if self.worker_ids else -1
+        if self.slot is not None:  # one process, and the env it hung in
+            process = self.processes[0] if len(self.processes) == 1 else None
+            super().__init__(f"{who(self.slot, self.worker_ids, process)} hung in {call}(): "
+                             f"did not deliver {what} within {timeout:g} s")
+            return
         where = f" (process{'es' if len(self.processes) > 1 else ''} {', '.join(map(str, self.processes))})" if (
             self.processes and self.processes != self.worker_ids) else ""
         super().__init__(f"worker(s) {self.worker_ids}{where} did not deliver {what} within {timeout:g} s")
 
     def __reduce__(self):
-        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung, self.processes))
+        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung, self.processes, self.slot, self.call))
 
 
 class InvalidInputError(EnvManagerError, ValueError):
@@ -175,12 +203,13 @@ def with_slot_offset(error: BaseException, offset: int) -> BaseException:
                                                with_slot_offset(error.failure, offset) if error.failure else None,
                                                shift, error.process)
     elif isinstance(error, WorkerDiedError):
-        out = WorkerDiedError(error.worker_id + offset, error.exitcode, error.detail, shift, error.process)
+        out = WorkerDiedError(error.worker_id + offset, error.exitcode, error.detail, shift, error.process, error.call)
     elif isinstance(error, WorkerError):
         out = WorkerError(error.worker_id + offset, error.exc_type, error.message, error.remote_traceback, error.cause,
                           error.process)
     elif isinstance(error, WorkerTimeoutError):
-        out = WorkerTimeoutError(shift, error.timeout, error.what, error.hung, error.processes)
+        slot = None if error.slot is None else error.slot + offset
+        out = WorkerTimeoutError(shift, error.timeout, error.what, error.hung, error.processes, slot, error.call)
     else:
         return error
     out.__traceback__ = error.__traceback__

@@ -39,6 +39,7 @@ from envmanager.errors import (
     WorkerTimeoutError,
 )
 from envmanager.wire.mailbox import Mailboxes
+from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import (
     ALL_LANES,
     ON_PIPE,
@@ -111,6 +112,9 @@ class WorkerPool:
         if isinstance(self.queue, StepQueue):
             self.queue.mailboxes = self.mailboxes
             self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
+        #: Per process, which env is in which call (``envmanager.wire.marks``): read when one
+        #: hangs or dies, so its error names the env (``None`` where there is no such file).
+        self.marks = CallMarks.create(len(specs))
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
@@ -125,7 +129,7 @@ class WorkerPool:
             self.mailboxes.reset(spec.index)  # empty rings for the new process
         # writer None: the portable transport
         return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file,
-                             generation=generation, mailboxes=self.mailboxes)
+                             generation=generation, mailboxes=self.mailboxes, marks=self.marks)
 
     # ------------------------------------------------------------------------------------------
     # Sending
@@ -268,7 +272,7 @@ class WorkerPool:
                         w.progress_seen, w.alive_at = done, now
                         continue
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
-                self._on_failure(w, WorkerTimeoutError(list(w.env_ids), self.timeout, what, processes=[w.index]), completions)
+                self._on_failure(w, w.hung(self.timeout, what), completions)
         oldest = min((w.alive_at for w in self.workers if w.busy and w.watched), default=now)
         self._next_deadline_check = oldest + self.timeout
         return completions
@@ -412,7 +416,7 @@ class WorkerPool:
                     while self.queue.take(everything=True) and not deadline.passed():
                         pass
                 wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
-            late = [w.name for w in workers if w.alive()]
+            late = [w.name + _in(w.inside()) for w in workers if w.alive()]
             if late and timeout > 0:
                 logger.warning("%s did not close within %.1f s; terminating", ", ".join(late), timeout)
         finally:
@@ -430,6 +434,9 @@ class WorkerPool:
             if self.mailboxes is not None:
                 self.mailboxes.close()
                 self.mailboxes = None
+            if self.marks is not None:
+                self.marks.close()
+                self.marks = None
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
@@ -447,6 +454,11 @@ class WorkerPool:
         deadline = Deadline(10.0)
         while self._waiter == waiter and not deadline.passed():
             time.sleep(0.005)
+
+
+def _in(inside: tuple[int, str] | None) -> str:
+    """`` (worker 3 in close())``: where a process is, for a log line."""
+    return "" if inside is None else f" (worker {inside[0]} in {inside[1]}())"
 
 
 def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:

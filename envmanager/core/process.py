@@ -39,8 +39,9 @@ from typing import Any
 
 import psutil
 
-from envmanager.errors import EnvManagerError, WorkerDiedError, who
+from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
+from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import EnvironmentRequest, encode_request
 from envmanager.wire.shm import SharedFile
@@ -83,12 +84,15 @@ class WorkerProcess:
     def __init__(
         self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
         file: SharedFile | None = None, generation: int = 0, mailboxes: Mailboxes | None = None,
+        marks: CallMarks | None = None,
     ) -> None:
         """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
         portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
         ``file`` is the pool's shared memory, handed to the process as it starts;
         ``generation``: how many processes held this index before it (0, then one more per restart);
-        ``mailboxes``: the pool's, if it has them (requests then go through its ring)."""
+        ``mailboxes``: the pool's, if it has them (requests then go through its ring);
+        ``marks``: the pool's records of which env is in which call, if it has them (cleared for
+        this process before it starts)."""
         self.spec = spec
         self.index = spec.index
         self.generation = generation
@@ -96,7 +100,11 @@ class WorkerProcess:
         self.conn, child_conn = ctx.Pipe()
         self.mailboxes = mailboxes
         mailbox = None if mailboxes is None else (mailboxes.file, mailboxes.layout)
-        self.process = ctx.Process(target=worker_main, args=(spec, child_conn, queue_writer, file, mailbox),
+        self.marks = marks
+        if marks is not None:
+            marks.reset(spec.index)
+        self.process = ctx.Process(target=worker_main,
+                                   args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
         start(self.process)
         child_conn.close()
@@ -204,8 +212,21 @@ class WorkerProcess:
         within ``timeout``; ``EOFError`` if the process dies meanwhile."""
         return read_message(self.conn, time.monotonic() + timeout, self.process.sentinel)
 
+    def inside(self) -> tuple[int, str] | None:
+        """The env slot and the call this process is in (its record, read without asking it: it
+        may be hung or dead), or ``None`` between calls or where there is no record."""
+        return None if self.marks is None else self.marks.read(self.index)
+
     def died(self, detail: str = "") -> WorkerDiedError:
-        return WorkerDiedError(self.env_ids[0], self.wait_exitcode(), detail, slots=self.env_ids, process=self.index)
+        exitcode = self.wait_exitcode()  # ended: its record is final
+        slot, call = self.inside() or (None, None)
+        return WorkerDiedError(self.env_ids[0] if slot is None else slot, exitcode, detail, slots=self.env_ids,
+                               process=self.index, call=call)
+
+    def hung(self, timeout: float, what: str) -> WorkerTimeoutError:
+        """The error of a process that missed its deadline, naming the env and call it is in."""
+        slot, call = self.inside() or (None, None)
+        return WorkerTimeoutError(list(self.env_ids), timeout, what, processes=[self.index], slot=slot, call=call)
 
     def wait_exitcode(self, timeout: float = 2.0) -> int | None:
         """The exit code of a process that is ending (a core dump can delay it a little)."""

@@ -33,7 +33,8 @@ from envmanager.core.actions import ActionChecker
 from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import stack_values
 from envmanager.wire import shm
-from envmanager.worker.envs import remote_exception
+from envmanager.wire.marks import CALL, RESET, STEP, mark
+from envmanager.worker.envs import marks_here, remote_exception
 
 __all__ = ["ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
 
@@ -274,6 +275,12 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     cut: dict[int, int] = {}  # slot -> the episode a failure ended
     versions: list[dict[int, int]] = [{} for _ in range(k)]
     infos: list[list[Any] | None] = [None] * k
+    # Which env is in which call, for the parent should this process hang or die: one store
+    # before each env call, none while the agent acts (``envmanager.wire.marks``).
+    record = marks_here()
+    words, at = record.words, record.at
+    words[at] = 0
+    step_marks = [mark(s, STEP) for s in request.slots]
     ticks: list[tuple[int, list[int], dict[str, Any]]] = []
     for i, st in enumerate(states):
         if request.seeds[i] is not None:
@@ -294,10 +301,13 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         try:
             for version, update in updates:
                 if version > st.env_version:
+                    words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
                     cloudpickle.loads(update)(envs[i])
                     st.env_version = version
             st.env_version = max(st.env_version, reached)
+            words[at] = mark(request.slots[i], RESET)
             st.obs, _ = envs[i].reset(seed=st.seed)
+            words[at] = 0
         except Exception as exc:
             failures[i] = remote_exception(request.slots[i], exc)
             return False
@@ -337,6 +347,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         per_env = _rows(actions)
         for j, i in enumerate(active):
             try:
+                words[at] = step_marks[i]
                 obs, reward, term, trunc, info = envs[i].step(per_env[j])
             except Exception as exc:
                 failures[i] = remote_exception(request.slots[i], exc)
@@ -356,6 +367,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             states[i].obs = obs
             if term or trunc:
                 states[i].running = False
+        words[at] = 0  # the agent acts next: in no env's call
         if done:
             if len(done) != len(active):
                 sel = np.array(done)

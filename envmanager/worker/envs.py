@@ -17,6 +17,7 @@ from gymnasium.wrappers import OrderEnforcing
 
 from envmanager.wire import shm
 from envmanager.wire.info_columns import to_columns
+from envmanager.wire.marks import CALL, CLOSE, FACTORY, GET_ATTR, RESET, SET_ATTR, STEP, WorkerMarks, mark
 from envmanager.wire.messages import (
     Attach,
     Call,
@@ -36,7 +37,15 @@ logger = logging.getLogger(__name__)
 NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per request)
 
-__all__ = ["WorkerEnvs", "remote_exception", "NEXT_STEP", "SAME_STEP", "DISABLED"]
+__all__ = ["WorkerEnvs", "remote_exception", "marks_here", "NEXT_STEP", "SAME_STEP", "DISABLED"]
+
+_here = WorkerMarks(None, 0)  # this process's record (a worker's, once its envs exist; else nowhere)
+
+
+def marks_here() -> WorkerMarks:
+    """This worker process's record of which env is in which call, for code that runs env
+    calls itself inside a request (a worker-side rollout); outside a worker, a record nobody reads."""
+    return _here
 
 
 class WorkerEnvs:
@@ -47,7 +56,7 @@ class WorkerEnvs:
     """
 
     def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
-                 info_columns: bool = False) -> None:
+                 info_columns: bool = False, marks: WorkerMarks | None = None) -> None:
         self.env_ids = env_ids
         self.info_columns = info_columns  # the parent batches infos: columns where they fit
         self.factory = factory
@@ -61,12 +70,24 @@ class WorkerEnvs:
         self._lanes: dict[tuple[int, ...], tuple[Any, ...]] = {}
         self._next_step, self._same_step = autoreset_mode == NEXT_STEP, autoreset_mode == SAME_STEP
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
+        # Which env is in which call, for the parent to read should this process hang or die
+        # (``envmanager.wire.marks``): one store of a precomputed word before each env's call.
+        global _here
+        self.marks = _here = marks if marks is not None else WorkerMarks(None, 0)
+        self._words, self._at = self.marks.words, self.marks.at
+        self._steps = [mark(s, STEP) for s in env_ids]  # by local index
+        self._resets = [mark(s, RESET) for s in env_ids]
+
+    def unmark(self) -> None:
+        """The request is done: no env is in a call (the main loop inlines this)."""
+        self._words[self._at] = 0
 
     def build(self) -> Ready:
         """Make the envs with the user's factory (``close`` closes those already made)."""
         make: Callable[[int], Any] = cloudpickle.loads(self.factory)
         for slot in self.env_ids:
             self.current = slot
+            self._words[self._at] = mark(slot, FACTORY)
             env = make(slot)
             if not (hasattr(env, "step") and hasattr(env, "reset")):
                 raise TypeError(
@@ -96,6 +117,7 @@ class WorkerEnvs:
         if request.actions is None and b is not None and type(b.action) is np.ndarray and type(b.observation) is np.ndarray:
             return self._step_shared(request.locals, b, b.action, b.observation)
         actions, envs, mode = request.actions, self.envs, self.autoreset_mode
+        words, at = self._words, self._at
         out = _Answer(len(request.locals), b)
         for n, i in enumerate(request.locals):
             slot = self.current = self.env_ids[i]
@@ -104,12 +126,15 @@ class WorkerEnvs:
                 action = actions[n] if actions is not None else shm.read(b.action, slot)  # type: ignore[union-attr]
                 env = envs[i]
                 if self.autoreset[i] and mode == NEXT_STEP:
+                    words[at] = self._resets[i]
                     obs, info = env.reset()
                     reward, terminated, truncated = 0.0, False, False
                 else:
+                    words[at] = self._steps[i]
                     obs, reward, terminated, truncated, info = env.step(action)
                     if (terminated or truncated) and mode == SAME_STEP:
                         final = {"final_obs": obs, "final_info": info}
+                        words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
                 self.autoreset[i] = bool(terminated or truncated)
@@ -141,18 +166,22 @@ class WorkerEnvs:
         infos: dict[int, dict] = {}
         failures: dict[int, RemoteException] = {}
         envs, autoreset, next_step, same_step = self.envs, self.autoreset, self._next_step, self._same_step
+        words, at, steps = self._words, self._at, self._steps
         clock = time.perf_counter
         start = clock()
         for k, i in enumerate(locals_):
             try:
                 env = envs[i]
                 if autoreset[i] and next_step:
+                    words[at] = self._resets[i]
                     obs, info = env.reset()
                     reward, term, trunc = 0.0, False, False
                 else:
+                    words[at] = steps[i]  # the one store per env: "slot i is in step()"
                     obs, reward, term, trunc, info = env.step(actions[k])
                     if (term or trunc) and same_step:
                         final = {"final_obs": obs, "final_info": info}
+                        words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
                 if term or trunc:
@@ -190,6 +219,7 @@ class WorkerEnvs:
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
             try:
+                self._words[self._at] = self._resets[i]
                 obs, info = self.envs[i].reset(seed=seed, options=options)
                 self.autoreset[i] = False
                 out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
@@ -202,19 +232,21 @@ class WorkerEnvs:
         args, kwargs = request.args, request.kwargs or {}
         if isinstance(request.target, EnvFunction):
             fn = cloudpickle.loads(request.target)
-            return Values([fn(self._env(i), *args, **kwargs) for i in request.locals])
+            self.marks.name(getattr(fn, "__name__", "call"))
+            return Values([fn(self._env(i, CALL), *args, **kwargs) for i in request.locals])
         values = []
+        self.marks.name(request.target)
         for i in request.locals:
-            attr = _get_attr(self._env(i), request.target)
+            attr = _get_attr(self._env(i, CALL), request.target)
             values.append(attr(*args, **kwargs) if callable(attr) else attr)
         return Values(values)
 
     def get_attr(self, request: GetAttr) -> Values:
-        return Values([_get_attr(self._env(i), request.name) for i in request.locals])
+        return Values([_get_attr(self._env(i, GET_ATTR), request.name) for i in request.locals])
 
     def set_attr(self, request: SetAttr) -> Values:
         for i, value in zip(request.locals, request.values, strict=True):
-            env = self._env(i)
+            env = self._env(i, SET_ATTR)
             if hasattr(env, "set_wrapper_attr"):
                 env.set_wrapper_attr(request.name, value)
             else:
@@ -227,17 +259,21 @@ class WorkerEnvs:
         self.buffers = shm.SharedBuffers.attach(request.layout, self.file)
         return Values([])
 
-    def _env(self, i: int) -> Any:
+    def _env(self, i: int, code: int) -> Any:
+        """Env ``i``, about to be in call ``code`` (marked so)."""
         self.current = self.env_ids[i]
+        self._words[self._at] = mark(self.current, code)
         return self.envs[i]
 
     def close(self) -> None:
         # not strict: after a factory failed part-way, fewer envs than ids were built
         for slot, env in zip(self.env_ids, self.envs, strict=False):
             try:
+                self._words[self._at] = mark(slot, CLOSE)
                 env.close()
             except Exception:  # closing must go on for the others
                 logger.exception("closing env %d failed", slot)
+        self.unmark()
         if self.buffers is not None:
             self.buffers.close()
         if self.file is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from envmanager.wire.mailbox import MailboxLayout, WorkerMailbox
+from envmanager.wire.marks import WorkerMarks
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
 )
@@ -68,10 +69,11 @@ HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
 
 
 def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | None, file: SharedFile | None = None,
-                mailbox: tuple[SharedFile, MailboxLayout] | None = None) -> None:
+                mailbox: tuple[SharedFile, MailboxLayout] | None = None, marks: SharedFile | None = None) -> None:
     """Entry point of a worker process; ``queue_writer`` is ``None`` on the portable transport,
     ``file`` the pool's shared memory, if it has one, ``mailbox`` the pool's mailboxes (their
-    file and layout), if it has them."""
+    file and layout), if it has them, ``marks`` the file of the records saying which env is in
+    which call (``envmanager.wire.marks``), if it has one."""
     try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
         os.setpgid(0, 0)
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
@@ -83,6 +85,10 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     if mailbox is not None:
         mailbox[0].close()  # the mapping keeps it
     link = link_for(conn, queue_writer, spec.spin_s, box)
+    record = WorkerMarks(marks, spec.index)
+    if marks is not None:
+        marks.close()  # the mapping keeps it
+    words, at = record.words, record.at
 
     def post(cmd: Cmd, seq: int, answer: Any) -> None:
         try:
@@ -92,13 +98,15 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), failure)
         link.post(header, payload)
 
-    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns)
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record)
     try:
         try:
             ready = envs.build()
         except Exception as exc:
             post(Cmd.ENV_FAILED, 0, remote_exception(envs.current, exc))
             return
+        finally:
+            envs.unmark()
         post(Cmd.READY, 0, ready)
         while True:
             data = link.read()  # spins first where the worker has a core of its own (spec.spin_s)
@@ -109,6 +117,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
                 answer = HANDLERS[cmd](envs, decode_request(cmd, form, data))
             except Exception as exc:
                 cmd, answer = Cmd.ENV_FAILED, remote_exception(envs.current, exc)
+            words[at] = 0  # in no env's call (``envs.unmark``, inline: once per request)
             post(cmd, seq, answer)
     except (KeyboardInterrupt, SystemExit, EOFError, BrokenPipeError):
         pass  # parent gone or asked us to stop: fall through to cleanup
