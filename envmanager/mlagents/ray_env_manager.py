@@ -20,7 +20,8 @@ node, ML-Agents' rule); its players come back as interrupted resets. Past the li
 replacement cannot start, :class:`RayPlayerError` names the node and its worker ids. Errors of
 the players themselves name the trainer's worker ids.
 
-The env factory runs on the nodes: a build path must exist on every node.
+The env factory runs on the nodes: a build path must exist on every node. The Ray session is
+:class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from envmanager.extras import requires_extra
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
+from envmanager.ray.session import RaySession
 
 with requires_extra("ray", __name__):
     import ray
@@ -108,16 +110,12 @@ class RayPlayerPool:
         self._resets: list[int] = []
         self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
         self.restarts_seen: dict[int, int] = {}  # worker id -> its fresh resets after a restart
-        self._started_ray = False
         self._closed = False
         if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
             raise InvalidInputError(f"n_nodes must be between 1 and n_env ({self.n_env}), got {n_nodes!r}")
-        if not ray.is_initialized():
-            local = {"include_dashboard": False} if address is None else {}  # a session of our own: no dashboard
-            ray.init(address=address, **{**local, **(ray_init or {})})
-            self._started_ray = True
+        self._session = RaySession.join(address, ray_init)
         try:
-            alive = _alive_nodes()
+            alive = self._alive_nodes()
             count = min(self.n_env, len(alive)) if n_nodes is None else int(n_nodes)
             per, extra = divmod(self.n_env, count)
             sizes = [per + (k < extra) for k in range(count)]
@@ -193,7 +191,7 @@ class RayPlayerPool:
         self._ready = []
         for node, why in lost:
             out += self._replace(node, why)
-        resetting = [(node, node.actor.reset.remote()) for node in self.nodes if all(node is not n for n, _ in lost)]
+        resetting = [(node, self._submit(node, "reset")) for node in self.nodes if all(node is not n for n, _ in lost)]
         for node, ref in resetting:
             try:
                 out += self._arrived(node, self._answer(node, ref))
@@ -207,11 +205,12 @@ class RayPlayerPool:
 
     def receive_resets(self, worker_ids: Sequence[int]) -> list[StepInfo]:
         """The fresh resets of the players ``send_reset`` named (idle ones), from every node at once."""
+        self._check_open()
         resetting = []
         for node in self.nodes:
             ids = [w for w in self._resets if w in node.ids]
             if ids:
-                resetting.append((node, node.actor.reset.remote(ids)))
+                resetting.append((node, self._submit(node, "reset", ids)))
         self._resets = []
         out: list[StepInfo] = []
         for node, ref in resetting:
@@ -245,7 +244,7 @@ class RayPlayerPool:
         for node in self.nodes:
             if node.index in by_node:
                 sent = by_node[node.index]
-                node.pending = node.actor.step.remote(sent)
+                node.pending = self._submit(node, "step", sent)
                 node.deadline = Deadline(self.deadline_s)
                 node.idle -= set(sent)
                 node.sent.update(sent)
@@ -264,9 +263,12 @@ class RayPlayerPool:
                         return out
                     raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
                 timeout = 0.0 if len(out) >= min_count else min(self._left(node) for node in pending.values())
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-                if done:  # take whatever else is in too, without waiting
-                    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                try:
+                    done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+                    if done:  # take whatever else is in too, without waiting
+                        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                except Exception as exc:
+                    self._session.reraise(exc, "waiting for the nodes' steps")
                 hung = [node for ref, node in pending.items() if ref not in done and node.deadline is not None
                         and node.deadline.passed()]  # judged now, before any replacement takes time
                 error: EnvManagerError | None = None
@@ -290,30 +292,64 @@ class RayPlayerPool:
             raise
 
     def close(self) -> None:
+        """End every node's players, kill the actors, leave the Ray session (shut down if
+        envmanager started it and this was its last holder). Idempotent."""
         self._closed = True
         nodes, self.nodes = self.nodes, []
         try:
-            closing = [(n, n.actor.close.remote()) for n in nodes if n.actor is not None]
-            deadline = Deadline(RAY_MARGIN)
-            for node, ref in closing:
-                try:
-                    ray.get(ref, timeout=max(0.0, deadline.left()))
-                except (RayError, GetTimeoutError) as exc:
-                    logger.warning("%s did not close cleanly: %r", node.name(), exc)
-            for node in nodes:
-                self._kill(node)
+            if nodes and self._session.alive():  # else the actors went with the session: nothing to end
+                self._end(nodes)
         finally:
-            if self._started_ray:
-                self._started_ray = False
-                ray.shutdown()
+            self._session.leave()
+
+    def _end(self, nodes: list[_Node]) -> None:
+        try:
+            closing = [(n, n.actor.close.remote()) for n in nodes if n.actor is not None]
+        except Exception as exc:  # the actors are killed all the same
+            logger.warning("closing the Ray nodes: %r", exc)
+            closing = []
+        deadline = Deadline(RAY_MARGIN)
+        for node, ref in closing:
+            try:
+                ray.get(ref, timeout=max(0.0, deadline.left()))
+            except Exception as exc:  # RayError, GetTimeoutError, the session gone meanwhile
+                logger.warning("%s did not close cleanly: %r", node.name(), exc)
+        for node in nodes:
+            self._kill(node)
 
     def node_info(self) -> list[dict[str, Any]]:
         return [dict(n.info, index=n.index) for n in self.nodes]
 
     # -- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
+        """Closed, or the session gone (any Ray call then would start a new one)."""
         if self._closed:
             raise ManagerClosedError("the Ray player pool is closed")
+        self._session.check()
+
+    def _submit(self, node: _Node, method: str, *args: Any) -> Any:
+        """``node.<method>.remote(*args)``: its ref, or the package's error for Ray's failure."""
+        try:
+            return getattr(node.actor, method).remote(*args)
+        except Exception as exc:
+            self._session.reraise(exc, f"sending {method!r} to {node.name()}")
+
+    def _alive_nodes(self, exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
+        """Ids of the cluster's live nodes but ``exclude`` (the head's first), waiting up to
+        ``wait_s`` for one; if none, every live node."""
+        deadline = Deadline(wait_s)
+        try:
+            while True:
+                every = [n for n in ray.nodes() if n.get("Alive")]
+                nodes = [n for n in every if n["NodeID"] != exclude]
+                if nodes or deadline.passed():
+                    break
+                time.sleep(0.2)
+        except Exception as exc:
+            self._session.reraise(exc, "listing the cluster's nodes")
+        nodes = nodes or every
+        nodes.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
+        return [n["NodeID"] for n in nodes]
 
     def _node_of(self, worker_id: int) -> _Node:
         return next(n for n in self.nodes if worker_id in n.ids)
@@ -325,9 +361,13 @@ class RayPlayerPool:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node.ray_node_id = ray_node_id
-        node.actor = _Actor.options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-        ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
+        self._session.check()  # a replacement after the session went would start a new one
+        try:
+            node.actor = _Actor.options(
+                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+            ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
+        except Exception as exc:
+            self._session.reraise(exc, f"starting {node.name()}")
         node.idle, node.sent, node.info = set(node.ids), {}, {}
         node.pending = node.deadline = None
 
@@ -335,7 +375,7 @@ class RayPlayerPool:
         """The node's ``info`` once it started; else ``RayPlayerError`` naming it (``cause``: what
         its players raised, a port taken say)."""
         try:
-            info, error = self._get(node, node.actor.info.remote(), self.start_s)
+            info, error = self._get(node, self._submit(node, "info"), self.start_s)
         except _NodeLost as lost:
             raise RayPlayerError(node.index, node.ids, f"{node.name()} could not start: {lost}") from None
         if error is not None:
@@ -355,7 +395,7 @@ class RayPlayerPool:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
         the next ``step``) and the answer is ``None``."""
         try:
-            return self._answer(node, getattr(node.actor, method).remote(*args))
+            return self._answer(node, self._submit(node, method, *args))
         except _NodeLost as lost:
             self._ready += self._replace(node, str(lost))
             return None
@@ -382,6 +422,8 @@ class RayPlayerPool:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
         except RayError as exc:
             raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # the session went meanwhile
+            self._session.reraise(exc, f"waiting for {node.name()}")
 
     def _arrived(self, node: _Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
         """A node's answer as the trainer's steps: global ids (the node's), the previous result
@@ -412,7 +454,7 @@ class RayPlayerPool:
         self.restarts.record(node.index)
         old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
         self._kill(node)
-        alive = _alive_nodes(exclude=old) or _alive_nodes()
+        alive = self._alive_nodes(exclude=old)
         busy: dict[str, int] = {}
         for n in self.nodes:
             if n is not node:
@@ -423,7 +465,7 @@ class RayPlayerPool:
         self._start(node, target, left_behind)
         self._await_start(node)
         try:
-            infos = self._answer(node, node.actor.reset.remote())
+            infos = self._answer(node, self._submit(node, "reset"))
         except _NodeLost as lost:
             self._kill(node)
             raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why}); its replacement "
@@ -435,25 +477,15 @@ class _NodeLost(Exception):
     """A node's actor died or missed its deadline (never leaves :class:`RayPlayerPool`)."""
 
 
-def _alive_nodes(exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
-    """Ids of the cluster's live nodes (the head's first), waiting up to ``wait_s`` for one."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] != exclude]
-        if nodes or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    nodes.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
-    return [n["NodeID"] for n in nodes]
-
-
 class RayMLAgentsEnvManager(MLAgentsEnvManager):
     """:class:`MLAgentsEnvManager` with the players on a Ray cluster's nodes (see the module).
 
     Args beyond ``MLAgentsEnvManager``'s: ``address`` (``ray.init``'s; ``"auto"``: the cluster
     this machine belongs to; ignored if Ray is initialized already), ``ray_init`` (more
     ``ray.init`` arguments) and ``n_nodes`` (how many node actors share the players; default one
-    per live Ray node). A session it started is shut down by :meth:`close`.
+    per live Ray node). A session it started is shared with envmanager's other Ray managers
+    (``RaySampler``) and shut down when the last of them closes; a session you started is left
+    running. A failed ``ray.init`` or the session gone is ``RaySessionError``.
     """
 
     def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: str | None = None,

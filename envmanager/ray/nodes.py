@@ -1,28 +1,27 @@
-"""The driver's side of the nodes: Ray session, one actor per node, requests in flight with
-deadlines, and restarts of hung or dead nodes within limits.
+"""The driver's side of the nodes: its share of the Ray session (``RaySession``), one actor per
+node, requests in flight with deadlines, and restarts of hung or dead nodes within limits.
 
 Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request misses its
 deadline counts as hung; a node whose actor died (killed, node lost) counts as dead; a node
 whose sampler raised (what no restart of its env processes absorbed) has failed too. Each goes
 through ``NodePool.failed``: killed and started again (``RestartPolicy``: lifetime count and
 rate, per node) with the newest weights and every env update replayed, or ``RayNodeError``.
+Every other Ray call's failure is ``RaySessionError`` (``RaySession.reraise``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
-import tempfile
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import EnvManagerError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
+from envmanager.ray.session import RaySession, RaySessionError
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
@@ -36,53 +35,6 @@ __all__ = ["NodePool", "RayNodeError", "RaySessionError", "Request"]
 CLOSE_TIMEOUT = 10.0
 
 
-class _Session:
-    """The Ray session samplers started (never one the user started): shared by every pool that
-    finds it running, and shut down when the last of them closes."""
-
-    lock = threading.Lock()
-    job_id: str | None = None  # the driver's job in the session we started (a new ray.init is another)
-    users = 0
-    temp_dir: str | None = None
-
-    @classmethod
-    def join(cls, address: str | None, init_options: dict[str, Any]) -> str | None:
-        """Start a session, or join ours: returns its job id to ``leave`` with; ``None``: the
-        user's session, left alone."""
-        with cls.lock:
-            if ray.is_initialized():
-                if cls.users == 0 or ray.get_runtime_context().get_job_id() != cls.job_id:
-                    return None
-                cls.users += 1
-                return cls.job_id
-            options = {"include_dashboard": False, **init_options}
-            temp_dir = None
-            if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
-                temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
-            try:
-                ray.init(address=address, **options)
-            except BaseException:
-                if temp_dir is not None:
-                    shutil.rmtree(temp_dir, ignore_errors=True)
-                raise
-            cls.job_id, cls.users, cls.temp_dir = ray.get_runtime_context().get_job_id(), 1, temp_dir
-            return cls.job_id
-
-    @classmethod
-    def leave(cls, job_id: str) -> None:
-        with cls.lock:
-            if job_id != cls.job_id:  # that session is gone already (the user shut it down)
-                return
-            cls.users -= 1
-            if cls.users > 0:
-                return
-            if ray.is_initialized() and ray.get_runtime_context().get_job_id() == cls.job_id:
-                ray.shutdown()
-            if cls.temp_dir is not None:
-                shutil.rmtree(cls.temp_dir, ignore_errors=True)
-            cls.job_id, cls.users, cls.temp_dir = None, 0, None
-
-
 class RayNodeError(EnvManagerError):
     """A node failed and was not restarted (restarts off, or past the limits), or could not be
     placed; ``cause``: what its sampler raised (naming global slots), when it raised."""
@@ -92,10 +44,6 @@ class RayNodeError(EnvManagerError):
         self.remote_traceback = remote_traceback
         self.cause = cause
         super().__init__(message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
-
-
-class RaySessionError(EnvManagerError):
-    """The Ray session the sampler runs in is gone (``ray.shutdown()``, or its head lost)."""
 
 
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # Ray's stubs omit concurrency_groups
@@ -164,8 +112,7 @@ class NodePool:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.restarts = restarts
-        self._session: str | None = None  # job id in the session samplers started (see ``_Session``)
-        self._job_id: str | None = None  # the driver's job in the session the nodes run in
+        self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
         #: Per node: each slot's seed if no episode used it yet, and the episodes each started so far.
         self.resume = resume
@@ -178,8 +125,7 @@ class NodePool:
         self._faults: list[Fault] = []  # node faults found, handled once the answers taken with them are booked
         self.closed = False
         try:
-            self._session = _Session.join(address, init_options)
-            self._job_id = ray.get_runtime_context().get_job_id()
+            self.session = RaySession.join(address, init_options)
             for node in self.nodes:
                 self._start(node)
             self._await_started(self.nodes)
@@ -194,9 +140,13 @@ class NodePool:
         env_factory, policy, sampler_options = self._args
         seeds, started = self.resume(node)
         n_slots = sum(n.n_envs for n in self.nodes)
-        # @ray.remote made the class an actor class with .options; the stubs keep the plain class
-        node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
-            node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options)
+        self.check_usable()  # a restart after the session went would start a new one
+        try:
+            # @ray.remote made the class an actor class with .options; the stubs keep the plain class
+            node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
+                node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options)
+        except Exception as exc:
+            self.ray_failed(exc, f"starting {node.name()}")
         node.info = {}
         node.queue = []
         node.head_deadline = None
@@ -205,7 +155,10 @@ class NodePool:
     def _await_started(self, nodes: list[Node]) -> None:
         """Each node answers ``info`` within ``start_timeout`` (an actor whose resources cannot be
         met would otherwise block forever)."""
-        refs = [node.actor.info.remote() for node in nodes]
+        try:
+            refs = [node.actor.info.remote() for node in nodes]
+        except Exception as exc:
+            self.ray_failed(exc, "asking the nodes for their info")
         deadline = Deadline(self.start_timeout)
         first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
         for node, ref in zip(nodes, refs, strict=True):
@@ -221,6 +174,8 @@ class NodePool:
                 error = RayNodeError(node.index, f"{node.name()} died while starting: {exc}")
             except RayError as exc:  # its runtime env could not be set up, its node died, ...
                 error = RayNodeError(node.index, f"{node.name()} could not start: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # the session went meanwhile
+                self.ray_failed(exc, f"waiting for {node.name()} to start")
             if error is None:
                 self.replay(node)
             elif first is None:
@@ -268,6 +223,12 @@ class NodePool:
                 logger.debug("ray sampler: killing %s: %r", node.name(), exc)
             node.actor = None
 
+    def ray_failed(self, error: Exception, doing: str) -> NoReturn:
+        """A driver-side Ray call raised ``error``: the package's error (``RaySession.reraise``)."""
+        if self.session is None:  # pragma: no cover - no Ray call comes before the session
+            raise error
+        self.session.reraise(error, doing)
+
     # ------------------------------------------------------------------------------------------
     # Requests
 
@@ -276,7 +237,10 @@ class NodePool:
         self.check_usable(node)
         request = Request(node.index, kind, arg, node.incarnation)
         method = {"steps": node.actor.steps, "samples": node.actor.samples, "episodes": node.actor.exact_episodes}[kind]
-        request.ref = method.remote(arg, node.updates_sent)
+        try:
+            request.ref = method.remote(arg, node.updates_sent)
+        except Exception as exc:
+            self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
         if not node.queue:
             node.head_deadline = Deadline(self.timeout)
         node.queue.append(request)
@@ -285,7 +249,10 @@ class NodePool:
     def send_update(self, node: Node, version: int | None, weights: Any, env_updates: list[Any] | None) -> None:
         """Send an update without waiting; its answer is checked later (``wait``)."""
         self.check_usable(node)
-        ref = node.actor.update.remote(version, weights, env_updates)
+        try:
+            ref = node.actor.update.remote(version, weights, env_updates)
+        except Exception as exc:
+            self.ray_failed(exc, f"sending an update to {node.name()}")
         node.updates_sent += 1
         self._updates.append((node, node.incarnation, ref))
 
@@ -293,9 +260,8 @@ class NodePool:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
         if self.closed:
             raise ManagerClosedError("the ray sampler is closed")
-        if not self.session_alive():
-            raise RaySessionError("the Ray session this sampler ran in is gone (ray.shutdown() was called, or its "
-                                  "head node was lost): close the sampler and make a new one")
+        if self.session is not None:
+            self.session.check()
         if node is not None and node.failed is not None:
             raise node.failed
 
@@ -306,11 +272,6 @@ class NodePool:
         for node in self.nodes:
             if node.failed is not None:
                 raise node.failed
-
-    def session_alive(self) -> bool:
-        """Whether the Ray session the nodes run in is still this process's (never starts one:
-        any Ray call without a session would start a new one behind the user's back)."""
-        return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._job_id
 
     def in_flight(self) -> int:
         return sum(len(node.queue) for node in self.nodes)
@@ -332,9 +293,12 @@ class NodePool:
                 return []
             heads = [node.queue[0].ref for node in self.nodes if node.queue]  # only they can be booked first
             soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
-            ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
-            if ready:  # drain whatever else is done too, without waiting
-                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            try:
+                ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
+                if ready:  # drain whatever else is done too, without waiting
+                    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            except Exception as exc:
+                self.ray_failed(exc, "waiting for the nodes' answers")
             done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
             self._faults += [Fault(node, node.incarnation, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
                              for node in self.nodes if node.queue and node.head_deadline is not None
@@ -347,7 +311,7 @@ class NodePool:
             node = fault.node
             if node.incarnation != fault.incarnation or node.failed is not None:
                 continue  # restarted or given up meanwhile
-            if fault.hung and (not node.queue or ray.wait([node.queue[0].ref], timeout=0)[0]):
+            if fault.hung and (not node.queue or self._done(node.queue[0].ref)):
                 continue  # done meanwhile: the next wait takes it
             lost = self.failed(node, fault.why, fault.error, fault.remote_traceback, fault.serves)
             out += [(r, None) for r in ([fault.request] if fault.request is not None else []) + lost]
@@ -385,8 +349,17 @@ class NodePool:
         """Forget the updates whose answers are in. One that failed on its node fails the node's
         next request (the node keeps the error), so it takes the one failure path there."""
         if self._updates:
-            done = set(ray.wait([ref for _, _, ref in self._updates], num_returns=len(self._updates), timeout=0)[0])
+            try:
+                done = set(ray.wait([ref for _, _, ref in self._updates], num_returns=len(self._updates), timeout=0)[0])
+            except Exception as exc:
+                self.ray_failed(exc, "checking the updates sent")
             self._updates = [u for u in self._updates if u[2] not in done]
+
+    def _done(self, ref: Any) -> bool:
+        try:
+            return bool(ray.wait([ref], timeout=0)[0])
+        except Exception as exc:
+            self.ray_failed(exc, "checking a request")
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
@@ -394,38 +367,39 @@ class NodePool:
     def kill_node(self, index: int) -> None:
         """Kill one node's actor, as a fault would (for tests and the benchmark)."""
         self.check_usable(self.nodes[index])
-        ray.kill(self.nodes[index].actor, no_restart=True)
+        try:
+            ray.kill(self.nodes[index].actor, no_restart=True)
+        except Exception as exc:
+            self.ray_failed(exc, f"killing {self.nodes[index].name()}")
 
     def close(self) -> None:
-        """End every node (its sampler reaps its env processes), then kill the actors; shut down
-        the Ray session only if this pool started it. Idempotent."""
+        """End every node (its sampler reaps its env processes), then kill the actors; leave the
+        Ray session (shut down if envmanager started it and this was its last holder). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        if self._job_id is not None and not self.session_alive():  # its actors went with it: nothing to end
+        try:
+            if self.session is not None and self.session.alive():  # else its actors went with it: nothing to end
+                self._end_nodes()
+        finally:
             for node in self.nodes:
                 node.actor, node.queue = None, []
             self._updates, self._faults = [], []
-            if self._session is not None:
-                _Session.leave(self._session)
-                self._session = None
-            return
+            if self.session is not None:
+                self.session.leave()
+
+    def _end_nodes(self) -> None:
         live = [node for node in self.nodes if node.actor is not None]
-        # Every live actor reaps its envs; one still starting runs close right after its start.
-        started = [node.actor.close.remote() for node in live if node.info]
-        starting = [node.actor.close.remote() for node in live if not node.info]
-        deadline = Deadline(CLOSE_TIMEOUT)
-        if started:
-            ray.wait(started, num_returns=len(started), timeout=deadline.left())
-        if starting:  # not started within start_timeout: maybe never placed, so no longer than that
-            ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), self.start_timeout))
+        try:
+            # Every live actor reaps its envs; one still starting runs close right after its start.
+            started = [node.actor.close.remote() for node in live if node.info]
+            starting = [node.actor.close.remote() for node in live if not node.info]
+            deadline = Deadline(CLOSE_TIMEOUT)
+            if started:
+                ray.wait(started, num_returns=len(started), timeout=deadline.left())
+            if starting:  # not started within start_timeout: maybe never placed, so no longer than that
+                ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), self.start_timeout))
+        except Exception as exc:  # the actors are killed all the same
+            logger.warning("ray sampler: closing the nodes: %r", exc)
         for node in live:
             self._kill(node)
-        if self._session is not None:
-            _Session.leave(self._session)
-            self._session = None
-        self._updates = []
-        self._faults = []
-        for node in self.nodes:
-            node.queue = []
-

@@ -126,7 +126,10 @@ class RaySampler:
         weights = None
         if agent_update is not None:
             self.policy_version = self.policy_version + 1 if version is None else int(version)
-            weights = ray.put(agent_update)
+            try:
+                weights = ray.put(agent_update)
+            except Exception as exc:
+                self._pool.ray_failed(exc, "putting the weights in Ray's object store")
             self._weights = (self.policy_version, weights)
         if weights is not None or per_slot is not None:
             for node in self._pool.nodes:

@@ -1,0 +1,179 @@
+"""The Ray session envmanager's Ray managers run in: one helper, reference-counted.
+
+``RaySession.join`` gives a holder (a ``RaySampler``'s node pool, a ``RayMLAgentsEnvManager``'s
+player pool) its share of the session this process runs: the one running if there is one, else
+one it starts (``ray.init``: a local session, or a connection to ``address``). A session
+envmanager started is shared by every holder that joins while it runs and shut down when the last
+of them leaves; a session the user started is never shut down by envmanager. A session is known
+by its name and the driver's job id, so one the user shut down and started again is another.
+
+Any driver-side Ray call without a session starts a new one behind the user's back, so a holder
+asks ``check`` before its calls; around each call (``ray.put``, ``.remote()``, ``ray.wait``) it
+catches ``Exception`` and hands it to ``reraise``, which raises :class:`RaySessionError` (the
+cause chained) for Ray's failures and lets the caller's own errors through. The hot path pays a
+``try``, nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import psutil
+
+from envmanager.errors import EnvManagerError
+from envmanager.extras import requires_extra
+
+with requires_extra("ray", "envmanager.ray"):
+    import ray
+    from ray.exceptions import RayError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RaySession", "RaySessionError"]
+
+#: Seconds the processes a failed local ``ray.init`` left behind get to end once killed.
+KILL_TIMEOUT = 10.0
+
+
+class RaySessionError(EnvManagerError):
+    """Ray's session could not be started or joined (``address``: where; ``None``: a local one),
+    the session a manager runs in is gone (``ray.shutdown()``, its head lost), or Ray failed under
+    a driver-side call; ``cause``: Ray's exception (also chained as ``__cause__``)."""
+
+    def __init__(self, message: str, address: str | None = None, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.address, self.cause = address, cause
+
+
+@dataclasses.dataclass
+class _Started:
+    """A session envmanager started: how many holders it has, and the temp dir made for it."""
+
+    holders: int
+    temp_dir: str | None
+
+
+_lock = threading.Lock()
+_started: dict[tuple[str, str], _Started] = {}  # by (session name, job id)
+
+
+def _current() -> tuple[str, str]:
+    """The running session's key (call only while ``ray.is_initialized()``: else Ray starts one)."""
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+class RaySession:
+    """One holder's share of the Ray session it runs in; ``leave`` gives it back (idempotent).
+    ``owned``: envmanager started that session (it is shut down when its last holder leaves)."""
+
+    def __init__(self, key: tuple[str, str], owned: bool) -> None:
+        self.key, self.owned = key, owned
+        self._left = False
+
+    @classmethod
+    def join(cls, address: str | None = None, init_options: Mapping[str, Any] | None = None) -> RaySession:
+        """A share of the running session (``address`` and ``init_options`` are then ignored),
+        or of one started now: ``ray.init(address, include_dashboard=False, **init_options)``;
+        a local one gets a temp dir of its own, removed with it. A failed start leaves nothing
+        behind and raises ``RaySessionError`` naming ``address``."""
+        with _lock:
+            if ray.is_initialized():
+                key = _current()
+                started = _started.get(key)
+                if started is None:
+                    return cls(key, owned=False)
+                started.holders += 1
+                return cls(key, owned=True)
+            key, temp_dir = _start(address, {"include_dashboard": False, **(init_options or {})})
+            _started[key] = _Started(1, temp_dir)
+            logger.info("started a Ray session (%s, job %s)%s", key[0], key[1], f" at {address}" if address else "")
+            return cls(key, owned=True)
+
+    def alive(self) -> bool:
+        """Whether the session is still this process's (never starts one)."""
+        return ray.is_initialized() and _current() == self.key
+
+    def check(self) -> None:
+        """``RaySessionError`` if the session is gone: no Ray call may follow (it would start a new one)."""
+        if not self.alive():
+            raise RaySessionError("the Ray session this manager ran in is gone (ray.shutdown() was called, or its "
+                                  "head node was lost): close the manager and make a new one")
+
+    def reraise(self, error: Exception, doing: str) -> NoReturn:
+        """Raise what ``error``, raised by a driver-side Ray call while ``doing``, means: the
+        session gone or Ray's own failure (``RayError``, ``ConnectionError``) as
+        ``RaySessionError`` with the cause chained; envmanager's errors and the caller's own
+        (a value that cannot be pickled, say) as they are."""
+        if isinstance(error, EnvManagerError):
+            raise error
+        if not self.alive():
+            raise RaySessionError(f"the Ray session this manager ran in is gone ({doing}: {type(error).__name__}: "
+                                  f"{error}): close the manager and make a new one", cause=error) from error
+        if isinstance(error, (RayError, ConnectionError)):
+            raise RaySessionError(f"Ray failed {doing}: {type(error).__name__}: {error}", cause=error) from error
+        raise error
+
+    def leave(self) -> None:
+        """Give the share back: the last holder of a session envmanager started shuts it down
+        (unless it is gone already) and removes its temp dir. Idempotent."""
+        with _lock:
+            if self._left:
+                return
+            self._left = True
+            started = _started.get(self.key) if self.owned else None
+            if started is None:
+                return
+            started.holders -= 1
+            if started.holders > 0:
+                return
+            del _started[self.key]
+            if self.alive():
+                ray.shutdown()
+                logger.info("shut down the Ray session %s", self.key[0])
+            if started.temp_dir is not None:
+                shutil.rmtree(started.temp_dir, ignore_errors=True)
+
+
+def _start(address: str | None, options: dict[str, Any]) -> tuple[tuple[str, str], str | None]:
+    """``ray.init``: the new session's key and the temp dir made for it; on failure nothing is
+    left (a failed local start can leave its head's processes running: they are killed)."""
+    temp_dir = None
+    if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
+        temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
+    try:
+        ray.init(address=address, **options)
+        return _current(), temp_dir
+    except BaseException as exc:
+        ray.shutdown()
+        if temp_dir is not None:  # only a dir of our own names nothing but that session's processes
+            _kill_left_behind(temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        where = "a local Ray session" if address is None else f"the Ray cluster at {address!r}"
+        raise RaySessionError(f"could not start {where}: {type(exc).__name__}: {exc}", address, exc) from exc
+
+
+def _kill_left_behind(temp_dir: str) -> None:
+    """Kill this process's descendants that a failed local ``ray.init`` started (their command
+    lines name its temp dir: Ray's ``shutdown`` does not know them), and reap them."""
+    left = []
+    for process in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if temp_dir in " ".join(process.cmdline()):
+                process.kill()
+                left.append(process)
+        except psutil.Error:  # gone meanwhile
+            continue
+    if left:
+        _, alive = psutil.wait_procs(left, timeout=KILL_TIMEOUT)
+        logger.warning("a failed ray.init left %d processes running; killed them%s", len(left),
+                       f" ({len(alive)} still there: {[p.pid for p in alive]})" if alive else "")
