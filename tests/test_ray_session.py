@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import tempfile
 
 import psutil
@@ -178,6 +179,17 @@ def test_a_failed_ray_init_is_ray_session_error_naming_it_and_leaves_nothing_beh
     assert not alive([p.pid for p in children()], timeout=0), "a failed ray.init left processes running"
     assert our_temp_dirs() == dirs
     with pytest.raises(RaySessionError, match=r"Ray cluster at '127\.0\.0\.1:1'") as info:
-        ml_agents_manager(tmp_path, address="127.0.0.1:1", ray_init={"num_cpus": 1})  # refused before connecting
-    assert info.value.address == "127.0.0.1:1" and isinstance(info.value.cause, ValueError)
+        ml_agents_manager(tmp_path, address="127.0.0.1:1", ray_init={"num_cpus": 1})
+    assert info.value.address == "127.0.0.1:1"
+    assert not ray.is_initialized()
+    # Nothing listens at the address: an error at once (Ray itself retries for minutes, past the
+    # test's timeout), for both managers.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(RaySessionError, match="nothing accepts a connection") as info:
+        RaySampler(kind_env, IdPolicy(), nodes=1, envs_per_node=1, ray_address=address)
+    assert info.value.address == address and isinstance(info.value.cause, ConnectionRefusedError)
+    with pytest.raises(RaySessionError, match="nothing accepts a connection"):
+        ml_agents_manager(tmp_path, address=address)
     assert not ray.is_initialized()

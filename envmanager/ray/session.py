@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -40,6 +41,9 @@ __all__ = ["RaySession", "RaySessionError"]
 
 #: Seconds the processes a failed local ``ray.init`` left behind get to end once killed.
 KILL_TIMEOUT = 10.0
+#: Seconds a cluster's address gets to accept a connection before ``ray.init`` is tried (Ray
+#: itself retries an address where nothing listens for minutes).
+CONNECT_TIMEOUT = 10.0
 
 
 class RaySessionError(EnvManagerError):
@@ -145,6 +149,7 @@ class RaySession:
 def _start(address: str | None, options: dict[str, Any]) -> tuple[tuple[str, str], str | None]:
     """``ray.init``: the new session's key and the temp dir made for it; on failure nothing is
     left (a failed local start can leave its head's processes running: they are killed)."""
+    _check_reachable(address)
     temp_dir = None
     if address is None and "_temp_dir" not in options:  # a local session: its files go when it does
         temp_dir = options["_temp_dir"] = tempfile.mkdtemp(prefix="envmgr-ray-")
@@ -160,6 +165,23 @@ def _start(address: str | None, options: dict[str, Any]) -> tuple[tuple[str, str
             raise
         where = "a local Ray session" if address is None else f"the Ray cluster at {address!r}"
         raise RaySessionError(f"could not start {where}: {type(exc).__name__}: {exc}", address, exc) from exc
+
+
+def _check_reachable(address: str | None) -> None:
+    """``RaySessionError`` at once if ``address`` is ``host:port`` (or ``ray://host:port``) and
+    nothing accepts a connection there within ``CONNECT_TIMEOUT``; other forms (``None``,
+    ``"auto"``, ``"local"``) are left to Ray."""
+    if address is None:
+        return
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise RaySessionError(f"could not start the Ray cluster at {address!r}: nothing accepts a connection there "
+                              f"({type(exc).__name__}: {exc})", address, exc) from exc
 
 
 def _kill_left_behind(temp_dir: str) -> None:
