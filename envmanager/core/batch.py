@@ -35,7 +35,7 @@ from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_s
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import WorkerProcess
-from envmanager.core.restart import RestartPolicy
+from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
@@ -75,9 +75,9 @@ class BatchEnvManager:
         autoreset_mode: str | Any = NEXT_STEP,
         timeout: float = 60.0,
         restart_workers: bool = False,
-        max_lifetime_restarts: int = 10,
-        restarts_rate_limit_n: int = 1,
-        restarts_rate_limit_period_s: float = 60.0,
+        max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+        restarts_rate_limit_n: int = RATE_LIMIT_N,
+        restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
         daemon: bool = True,
         spin_s: float | None = None,
         check_spaces: Callable[[list[Any], list[Any]], None] | None = None,

@@ -22,6 +22,7 @@ import numpy as np
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.layout import STEP_INFO
+from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
@@ -77,9 +78,9 @@ class SubprocessEnvManager(BatchEnvManager):
         autoreset_mode: str | Any = NEXT_STEP,
         timeout: float = 60.0,
         restart_workers: bool = False,
-        max_lifetime_restarts: int = 10,
-        restarts_rate_limit_n: int = 1,
-        restarts_rate_limit_period_s: float = 60.0,
+        max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+        restarts_rate_limit_n: int = RATE_LIMIT_N,
+        restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
         policy: Policy | None = None,
         daemon: bool = True,
         spin_s: float | None = None,

@@ -5,6 +5,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 
+#: The one restart policy's defaults (ML-Agents'), the same for every manager, sampler and node
+#: pool: at most 10 restarts of a process (or node) in its lifetime, and 1 within any 60 s.
+MAX_LIFETIME_RESTARTS = 10
+RATE_LIMIT_N = 1
+RATE_LIMIT_PERIOD_S = 60.0
+
 
 class RestartPolicy:
     """Allow at most ``max_lifetime_restarts`` restarts of a worker, and at most
@@ -15,9 +21,9 @@ class RestartPolicy:
     def __init__(
         self,
         enabled: bool = False,
-        max_lifetime_restarts: int = 10,
-        rate_limit_n: int = 1,
-        rate_limit_period_s: float = 60.0,
+        max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+        rate_limit_n: int = RATE_LIMIT_N,
+        rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
     ) -> None:
         self.enabled = enabled
         self.max_lifetime_restarts = max_lifetime_restarts

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from envmanager.core.manager import SubprocessEnvManager
+from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S
 from envmanager.core.results import StepInfo
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
@@ -72,9 +73,9 @@ class MLAgentsEnvManager:
         engine_config: Any = None,
         timeout: float = 120.0,
         restart_workers: bool = True,
-        max_lifetime_restarts: int = 10,
-        restarts_rate_limit_n: int = 1,
-        restarts_rate_limit_period_s: float = 60.0,
+        max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+        restarts_rate_limit_n: int = RATE_LIMIT_N,
+        restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
         context: str | None = None,
         training_analytics: bool = False,
     ) -> None:

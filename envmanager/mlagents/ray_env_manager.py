@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envmanager.core.deadline import Deadline
-from envmanager.core.restart import RestartPolicy
+from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepInfo
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
@@ -92,8 +92,9 @@ class RayPlayerPool:
 
     def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *,
                  address: str | None = None, ray_init: dict[str, Any] | None = None, timeout: float = 120.0,
-                 restart_workers: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 1,
-                 restarts_rate_limit_period_s: float = 60.0, context: str | None = None,
+                 restart_workers: bool = True, max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+                 restarts_rate_limit_n: int = RATE_LIMIT_N, restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
+                 context: str | None = None,
                  n_nodes: int | None = None) -> None:
         self.n_env, self.worker_factory = int(n_env), worker_factory
         self.worker_ids = list(range(self.n_env))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.restart import RestartPolicy
+from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import COUNTERS
@@ -73,8 +73,9 @@ class RaySampler:
     def __init__(self, env_factory: Callable[[int], Any], policy: Any, *, nodes: int = 2,
                  envs_per_node: int | Sequence[int] = 4, fragment_steps: int = 256, in_flight: int = 2, first_ready: bool = True,
                  seed: int | None = None, timeout: float = 60.0, start_timeout: float = 60.0, env_timeout: float | None = None,
-                 restart_nodes: bool = True, max_lifetime_restarts: int = 10, restarts_rate_limit_n: int = 10,
-                 restarts_rate_limit_period_s: float = 60.0, actor_options: dict[str, Any] | None = None,
+                 restart_nodes: bool = True, max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+                 restarts_rate_limit_n: int = RATE_LIMIT_N, restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
+                 actor_options: dict[str, Any] | None = None,
                  ray_address: str | None = None, ray_init_options: dict[str, Any] | None = None,
                  log_interval: float | None = None, **sampler_options: Any) -> None:
         _positive("nodes", nodes)
