@@ -281,7 +281,13 @@ def test_workers_exit_when_parent_is_killed(context):
 def test_ctrl_c_in_parent_closes_cleanly():
     proc, pids = _start_parent()
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        _wait_gone(pids)
+        pytest.fail(f"the parent had not closed 30 s after Ctrl-C; its output:\n{out}\nits stderr:\n{err}")
     assert "closed" in out and proc.returncode == 0, err
     assert not _wait_gone(pids)
 
