@@ -24,8 +24,10 @@ class RestartPolicy:
         max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
         rate_limit_n: int = RATE_LIMIT_N,
         rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
+        switch: str = "restart_workers",
     ) -> None:
         self.enabled = enabled
+        self.switch = switch  # the option that turns restarts on, as a refusal names it
         self.max_lifetime_restarts = max_lifetime_restarts
         self.rate_limit_n = rate_limit_n
         self.rate_limit_period_s = rate_limit_period_s
@@ -35,7 +37,7 @@ class RestartPolicy:
     def refusal(self, worker_index: int) -> str | None:
         """Why a restart of this worker is not allowed now, or ``None`` if it is."""
         if not self.enabled:
-            return "restarts are disabled (restart_workers=False)"
+            return f"restarts are disabled ({self.switch}=False)"
         if 0 <= self.max_lifetime_restarts <= self.counts[worker_index]:
             return f"it was already restarted {self.counts[worker_index]} times (max_lifetime_restarts)"
         recent = self._recent[worker_index]

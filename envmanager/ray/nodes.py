@@ -195,7 +195,6 @@ class NodePool:
             raise ManagerClosedError("the ray sampler was closed")
         refusal = self.restarts.refusal(node.index)
         if refusal is not None:
-            refusal = refusal.replace("restart_workers", "restart_nodes")
             failure = RayNodeError(node.index, f"{node.name()} {why}; not restarted: {refusal}", remote_traceback, error)
             if not serves or self.restarts.enabled:
                 self._kill(node)

@@ -102,7 +102,8 @@ class RaySampler:
         self._seeds = [None if seed is None else seed + s for s in range(self.n_workers)]
         #: Per global slot: the highest episode count ``k`` seen in an answer (ids are ``k * n + slot``).
         self._seen = np.full(self.n_workers, -1, dtype=np.int64)
-        restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
+        restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s,
+                                 switch="restart_nodes")
         if env_timeout is not None:
             sampler_options["timeout"] = env_timeout
         self._pool = NodePool(env_factory, sizes, policy, self._resume, dict(sampler_options), dict(actor_options or {}),
