@@ -259,9 +259,9 @@ def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
 
 
 def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_restart():
-    """An env update that does not pickle is refused before any node hears of it: no version
-    moves, and a node restarted afterwards replays only what every other node has, so both
-    nodes run the same env version with the same env."""
+    """An env update that does not pickle, or weights that cannot be put, are refused before
+    any node hears of them: no version moves, and a node restarted afterwards replays only what
+    every other node has, so both nodes run the same env version with the same env."""
     lock = threading.Lock()
 
     def unpicklable(env) -> None:  # closes over a lock: cannot travel
@@ -274,6 +274,9 @@ def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_r
         assert sampler.update(env_update=set_bonus(1.0)) == (0, 1)
         with pytest.raises(InvalidInputError, match="cannot be pickled"):
             sampler.update(agent_update=5, env_update=unpicklable)
+        assert (sampler.policy_version, sampler.env_version) == (0, 1)
+        with pytest.raises(TypeError):  # weights that cannot be put in the object store: raised as they are
+            sampler.update(agent_update=lock, env_update=set_bonus(3.0))
         assert (sampler.policy_version, sampler.env_version) == (0, 1)
         sampler.obtain_exact_episodes(1)  # (no episode left running on either node)
         sampler.kill_node(1)
