@@ -4,6 +4,8 @@ fault matrix is ``test_ray_faults.py``)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -254,6 +256,41 @@ def test_an_update_that_raises_on_the_node_is_raised_by_the_next_request():
         assert caught.value.serves is False  # the error stays: the node cannot go on
     finally:
         node.close()
+
+
+def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_restart():
+    """An env update that does not pickle, or weights that cannot be put, are refused before
+    any node hears of them: no version moves, and a node restarted afterwards replays only what
+    every other node has, so both nodes run the same env version with the same env."""
+    lock = threading.Lock()
+
+    def unpicklable(env) -> None:  # closes over a lock: cannot travel
+        with lock:
+            env.unwrapped.bonus = 99.0
+
+    sampler = _sampler(seed=0, policy=RandomPolicy())
+    pids = node_pids(sampler)
+    try:
+        assert sampler.update(env_update=set_bonus(1.0)) == (0, 1)
+        with pytest.raises(InvalidInputError, match="cannot be pickled"):
+            sampler.update(agent_update=5, env_update=unpicklable)
+        assert (sampler.policy_version, sampler.env_version) == (0, 1)
+        with pytest.raises(TypeError):  # weights that cannot be put in the object store: raised as they are
+            sampler.update(agent_update=lock, env_update=set_bonus(3.0))
+        assert (sampler.policy_version, sampler.env_version) == (0, 1)
+        sampler.obtain_exact_episodes(1)  # (no episode left running on either node)
+        sampler.kill_node(1)
+        restarted = sampler.obtain_exact_episodes(2)
+        assert sampler.restart_count(1) == 1
+        assert sampler.update(env_update=set_bonus(2.0)) == (0, 2)
+        after = sampler.obtain_exact_episodes(1)
+        pids += node_pids(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    for batch, version, bonus in ((restarted, 1, 1.0), (after, 2, 2.0)):
+        assert set(batch.worker_ids.tolist()) == {0, 1, 2, 3}  # both nodes, the restarted one too
+        assert (batch.env_versions == version).all() and (batch.observations[:, 2] == bonus).all()
 
 
 def test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first():

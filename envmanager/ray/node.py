@@ -15,6 +15,7 @@ import socket
 import threading
 from typing import Any
 
+from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
 from envmanager.sampler.sampler import apply_agent_update
@@ -97,8 +98,9 @@ class SamplerNode:
 
     # -- control (runs concurrently with collection: the Sampler's update is thread-safe) ------
 
-    def update(self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
-        """A policy version (weights from one ``ray.put``, resolved by Ray) and/or env updates.
+    def update(self, version: int | None, agent_update: Any, env_updates: Pickled | None) -> tuple[int, int]:
+        """A policy version (weights from one ``ray.put``, resolved by Ray) and/or an env update
+        (the driver's log entry, this node's slots of it, recorded by its sampler's log as it is).
         Counted even if it raises (requests waiting on it must not wait in vain); the error is
         kept and raised by every later request, naming this node."""
         try:

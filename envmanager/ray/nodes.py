@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
+from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
@@ -53,7 +54,7 @@ class _NodeActor(SamplerNode):
 
     @ray.method(concurrency_group="control")
     def update(  # type: ignore[override]  # ray.method turns it into a remote method (called as .remote)
-            self, version: int | None, agent_update: Any, env_updates: list[Any] | None) -> tuple[int, int]:
+            self, version: int | None, agent_update: Any, env_updates: Pickled | None) -> tuple[int, int]:
         return super().update(version, agent_update, env_updates)
 
 
@@ -245,7 +246,7 @@ class NodePool:
         node.queue.append(request)
         return request
 
-    def send_update(self, node: Node, version: int | None, weights: Any, env_updates: list[Any] | None) -> None:
+    def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None) -> None:
         """Send an update without waiting; its answer is checked later (``wait``)."""
         self.check_usable(node)
         try:

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
+from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import COUNTERS
 from envmanager.ray.nodes import Node, NodePool, RayNodeError, Request
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.versions import Versions
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
@@ -92,10 +94,9 @@ class RaySampler:
         self.in_flight = int(in_flight)
         self.first_ready = bool(first_ready)
         self.stats = Stats("ray-sampler", log_interval)
-        self.policy_version = 0
-        self.env_version = 0
-        self._weights: tuple[int, Any] | None = None  # (version, ObjectRef) of the newest weights
-        self._env_updates: list[list[Any]] = []  # every env update so far, per global slot (replayed on restart)
+        #: The env update log of every global slot and the newest weights (an ObjectRef): replayed
+        #: into a restarted node.
+        self.versions = Versions(self.n_workers, prepare=self._put, publish=self._publish)
         self._buffer: collections.deque[TransitionBatch] = collections.deque()  # fragments not handed out yet
         self._open: dict[int, int] = {}  # slot -> global id of its episode still running in handed-out/buffered steps
         self.cut_episodes: list[int] = []  # global ids of episodes cut by a node restart
@@ -113,33 +114,36 @@ class RaySampler:
     # ------------------------------------------------------------------------------------------
     # Versions and updates
 
+    @property
+    def policy_version(self) -> int:
+        return self.versions.agent_version
+
+    @property
+    def env_version(self) -> int:
+        return self.versions.env_version
+
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """A new policy (one ``ray.put``, sent to every node without waiting) and/or env update
         (a picklable ``fn(env)`` or one per global slot, applied at each slot's next episode
-        start). Returns ``(policy_version, env_version)``."""
-        per_slot = None
-        if env_update is not None:
-            per_slot = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n_workers
-            if len(per_slot) != self.n_workers or not all(u is None or callable(u) for u in per_slot):
-                raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_workers} of them")
-            self.env_version += 1
-            self._env_updates.append(per_slot)
+        start). Returns ``(policy_version, env_version)``. An update that does not pickle, or
+        cannot be put or sent, raises and is not recorded: no version moves, no restarted node
+        gets it."""
         self._pool.check_usable()  # never a ray.put without our session: it would start a new one
-        weights = None
-        if agent_update is not None:
-            self.policy_version = self.policy_version + 1 if version is None else int(version)
-            try:
-                weights = ray.put(agent_update)
-            except Exception as exc:
-                self._pool.ray_failed(exc, "putting the weights in Ray's object store")
-            self._weights = (self.policy_version, weights)
-        if weights is not None or per_slot is not None:
-            for node in self._pool.nodes:
-                if node.failed is not None:  # given up: its error is raised by every collection call
-                    continue
-                self._pool.send_update(node, self.policy_version if weights is not None else None, weights,
-                                       None if per_slot is None else _slice(per_slot, node))
-        return self.policy_version, self.env_version
+        return self.versions.update(agent_update, env_update, version)
+
+    def _put(self, agent_update: Any) -> Any:
+        """The weights in Ray's object store, once per version."""
+        try:
+            return ray.put(agent_update)
+        except Exception as exc:
+            self._pool.ray_failed(exc, "putting the weights in Ray's object store")
+
+    def _publish(self, version: int | None, weights: Any, env: Pickled | None) -> None:
+        """An update to every node not given up (whose error every collection call raises)."""
+        for node in self._pool.nodes:
+            if node.failed is None:
+                sliced = None if env is None else Pickled(tuple(_slice(env.payloads, node)))
+                self._pool.send_update(node, version, weights, sliced)
 
     def _resume(self, node: Node) -> tuple[list[int | None], list[int]]:
         """What a (re)started node is built with, per slot: its seed only if no episode of it
@@ -152,10 +156,11 @@ class RaySampler:
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
         ``_resume``, everything a restarted node needs again, in one place)."""
-        if self._weights is not None:
-            self._pool.send_update(node, self._weights[0], self._weights[1], None)
-        for per_slot in self._env_updates:
-            self._pool.send_update(node, None, None, _slice(per_slot, node))
+        version, weights = self.versions.agent()
+        if weights is not None:  # (None: no agent update yet, the node has the policy it was built with)
+            self._pool.send_update(node, version, weights, None)
+        for entry in self.versions.env_updates.since(0):
+            self._pool.send_update(node, None, None, entry.sliced(node.offset, node.offset + node.n_envs))
 
     # ------------------------------------------------------------------------------------------
     # Steps: fragments, first-ready across nodes

@@ -30,6 +30,8 @@ import cloudpickle
 import numpy as np
 
 from envmanager.core.actions import ActionChecker
+from envmanager.core.updates import Due
+from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import stack_values
 from envmanager.wire import shm
@@ -178,8 +180,8 @@ class RolloutRequest(NamedTuple):
     ``starts`` episodes that may start (-1: any), the id its next episode gets (``ids``, then
     ``+ id_stride`` for each one after), the episode the parent expects it to go on with
     (``continues``, -1: none; a running episode the parent did not expect is abandoned), a
-    seed for its next reset, and the env updates its env has not had: ``(version reached,
-    [(version, cloudpickled fn(env)), ...])``, applied in order when its next episode starts."""
+    seed for its next reset, and the env updates its env has not had (a ``Due`` of the sampler's
+    ``UpdateLog``), applied by ``envmanager.core.updates.apply`` when its next episode starts."""
 
     slots: tuple[int, ...]
     first: int  # row of slots[0] in a shared arena
@@ -193,7 +195,7 @@ class RolloutRequest(NamedTuple):
     id_stride: int
     continues: tuple[int, ...]
     seeds: tuple[Any, ...]
-    env_updates: tuple[Any, ...]
+    env_updates: tuple[Due, ...]
 
 
 class _AgentFailure(Exception):
@@ -297,14 +299,11 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             return True
         if starts[i] == 0:
             return False
-        reached, updates = request.env_updates[i]
         try:
-            for version, update in updates:
-                if version > st.env_version:
-                    words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
-                    cloudpickle.loads(update)(envs[i])
-                    st.env_version = version
-            st.env_version = max(st.env_version, reached)
+            due = request.env_updates[i]
+            if due.updates:
+                words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
+            st.env_version = apply_updates(envs[i], due, st.env_version)  # the call path's applier
             words[at] = mark(request.slots[i], RESET)
             st.obs, _ = envs[i].reset(seed=st.seed)
             words[at] = 0
@@ -425,5 +424,5 @@ def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: 
     states = states or [_Slot() for _ in envs]
     request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k,
                              tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)), k,
-                             tuple(st.episode for st in states), (None,) * k, ((0, []),) * k)
+                             tuple(st.episode for st in states), (None,) * k, (Due(0, ()),) * k)
     return run_fragment(agent, envs, states, arena, request, ActionChecker(envs[0].action_space)), arena, states

@@ -16,7 +16,6 @@ the manager's restart policy, or its error names the slot and process.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +23,14 @@ import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
+from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
-from envmanager.sampler.slots import EpisodeIds, EpisodeSlots, EpisodeState, Outcome, apply_env_updates, failed_slots
+from envmanager.sampler.slots import EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots
 from envmanager.sampler.stats import Stats
+from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
 from envmanager.worker.envs import DISABLED
 
@@ -97,10 +98,8 @@ class Sampler:
             self._owns_manager = True
         self.policy = policy
         self.progress = progress
-        self._lock = threading.Lock()  # guards the pending agent update (update() may come from a learner thread)
-        self._latest_policy_version = 0
+        self.versions = Versions(n)  # the env update log and the newest policy (update() may come from a learner thread)
         self._acting_version = 0
-        self._pending_agent: tuple[int, Any] | None = None
 
     # ------------------------------------------------------------------------------------------
     # Versions and updates
@@ -108,11 +107,11 @@ class Sampler:
     @property
     def policy_version(self) -> int:
         """The newest policy version (applied before the next action is chosen)."""
-        return self._latest_policy_version
+        return self.versions.agent_version
 
     @property
     def env_version(self) -> int:
-        return self.episodes.env_version
+        return self.versions.env_version
 
     @property
     def cut_episodes(self) -> list[int]:
@@ -128,19 +127,13 @@ class Sampler:
         (thread-safe: a learner thread may call this). ``version`` sets the policy version
         (default: one more). ``env_update``: a picklable ``fn(env)``, or a list with one per
         worker, run in the worker before each slot's next episode starts, never mid-episode
-        (and again, with every earlier one, in a restarted worker).
+        (and again, with every earlier one, in a restarted worker). An update that is not one
+        or does not pickle raises ``InvalidInputError`` and changes no version.
         """
-        if env_update is not None:
-            self.episodes.add_update(env_update)
-        with self._lock:
-            if agent_update is not None:
-                self._latest_policy_version = self._latest_policy_version + 1 if version is None else int(version)
-                self._pending_agent = (self._latest_policy_version, agent_update)
-            return self._latest_policy_version, self.episodes.env_version
+        return self.versions.update(agent_update, env_update, version)
 
     def _apply_agent_update(self) -> None:
-        with self._lock:
-            pending, self._pending_agent = self._pending_agent, None
+        pending = self.versions.take_agent()
         if pending is None:
             return
         version, update = pending
@@ -289,17 +282,18 @@ class Sampler:
             if episodes[slot].generation != m.generation(slot):
                 self._replaced(slot, plan)
                 continue
-            version, due = episodes.updates_due(slot)
-            if due:
+            have = episodes[slot].env_version
+            due = self.versions.env_updates.due(slot, have)
+            if due.updates:
                 try:
-                    m.call_on([slot], apply_env_updates, (due,))
+                    m.call_on([slot], apply_updates, (due, have))
                 except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
                     try:
                         self._fault([slot], exc, plan)
                     except EnvManagerError as final:
                         error = error or final
                     continue
-            episodes.applied(slot, version)
+            episodes.applied(slot, due.version)
             resets[slot] = (episodes.take_seed(slot), None)
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
             if episodes[slot].generation != m.generation(slot):

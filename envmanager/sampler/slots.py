@@ -18,19 +18,17 @@ Episode ids are the parent's, given before an episode starts: the ``k``-th episo
 slot ``s`` of ``n`` is ``k * n + s``, whichever process generation runs it, so no id spans two
 env episodes and ids do not depend on the order answers arrive in. What a restarted process
 needs again is replayed from here: its slots' first seeds only if no episode used them yet,
-and every env update in order (a fresh env starts at env version 0).
+and every env update in order (a fresh env starts at env version 0; the updates are the
+sampler's ``UpdateLog``, ``envmanager.core.updates``).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-import cloudpickle
 
 from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import Step
@@ -38,7 +36,7 @@ from envmanager.sampler.stats import Stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpisodeState", "Outcome", "EpisodeSlot", "EpisodeSlots", "EpisodeIds", "apply_env_updates", "failed_slots"]
+__all__ = ["EpisodeState", "Outcome", "EpisodeSlot", "EpisodeSlots", "EpisodeIds", "failed_slots"]
 
 
 class EpisodeState(enum.Enum):
@@ -86,7 +84,7 @@ class EpisodeIds(NamedTuple):
 
 
 class EpisodeSlots:
-    """The records of ``n`` slots, the episodes cut so far and the env updates to apply."""
+    """The records of ``n`` slots and the episodes cut so far."""
 
     def __init__(self, seeds: Sequence[int | None], stats: Stats, ids: EpisodeIds = EpisodeIds()) -> None:
         self.n = len(seeds)
@@ -99,9 +97,6 @@ class EpisodeSlots:
         self.id_stride = self.n if ids.stride is None else ids.stride
         #: Ids of the episodes a process restart cut, in the order seen.
         self.cut_episodes: list[int] = []
-        self.env_version = 0
-        self._updates: list[tuple[int, list[bytes | None]]] = []  # (version, one cloudpickled fn(env) per slot)
-        self._lock = threading.Lock()  # update() may come from a learner thread
 
     def __getitem__(self, slot: int) -> EpisodeSlot:
         return self.slots[slot]
@@ -183,41 +178,12 @@ class EpisodeSlots:
         return True
 
     # ------------------------------------------------------------------------------------------
-    # Env updates (applied in the worker when a slot's next episode starts)
-
-    def add_update(self, env_update: Any) -> int:
-        """Queue ``env_update`` (a picklable ``fn(env)``, or one per slot, ``None`` to skip one);
-        returns the new env version."""
-        updates = list(env_update) if isinstance(env_update, (list, tuple)) else [env_update] * self.n
-        if len(updates) != self.n or not all(u is None or callable(u) for u in updates):
-            raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n} of them")
-        try:
-            payloads = [None if u is None else cloudpickle.dumps(u) for u in updates]
-        except Exception as exc:
-            raise InvalidInputError(f"env_update cannot be pickled: {exc!r}") from exc
-        with self._lock:
-            self.env_version += 1
-            self._updates.append((self.env_version, payloads))
-            return self.env_version
-
-    def updates_due(self, slot: int) -> tuple[int, list[tuple[int, bytes]]]:
-        """The env version the slot's env reaches with the updates it has not had, and those
-        updates in order (``(version, cloudpickled fn)``); ``applied`` records it once done."""
-        have = self.slots[slot].env_version
-        with self._lock:
-            due = [(v, update) for v, per_slot in self._updates if v > have and (update := per_slot[slot]) is not None]
-            return max(have, self.env_version), due
+    # Env versions (the updates themselves are in the sampler's ``UpdateLog``)
 
     def applied(self, slot: int, version: int) -> None:
         """The slot's env has every update up to ``version``."""
         record = self.slots[slot]
         record.env_version = max(record.env_version, version)
-
-
-def apply_env_updates(env: Any, updates: list[tuple[int, bytes]]) -> None:
-    """Run in the worker: each ``fn(env)`` in order (cloudpickled: closures too)."""
-    for _, payload in updates:
-        cloudpickle.loads(payload)(env)
 
 
 def failed_slots(error: BaseException) -> list[int]:

@@ -21,7 +21,6 @@ import itertools
 import logging
 import mmap
 import secrets
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, failed_slots
 from envmanager.sampler.stats import Stats
+from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvFunction
 from envmanager.worker.envs import DISABLED
@@ -82,9 +82,8 @@ class WorkerPolicySampler:
         self.stats = Stats("worker-sampler")
         #: One record per slot: the episode it runs (see ``envmanager.sampler.slots``).
         self.episodes = EpisodeSlots(seeds_for(seed, n), self.stats)
-        self.policy_version = 0
-        self._payload = cloudpickle.dumps(agent)
-        self._lock = threading.Lock()  # update() may come from a learner thread
+        #: The env update log and the newest agent, pickled once (update() may come from a learner thread).
+        self.versions = Versions(n, prepare=cloudpickle.dumps, agent=cloudpickle.dumps(agent))
         self._token = secrets.token_hex(8)
         # Forked workers inherit the arena if it exists before they start; others get none.
         forked = get_context(manager_options.get("context")).get_start_method() == "fork"
@@ -132,26 +131,26 @@ class WorkerPolicySampler:
     # Versions
 
     @property
+    def policy_version(self) -> int:
+        """The newest agent's version (used from each process's next request on)."""
+        return self.versions.agent_version
+
+    @property
     def env_version(self) -> int:
-        return self.episodes.env_version
+        return self.versions.env_version
 
     @property
     def cut_episodes(self) -> list[int]:
         """Ids of the episodes a fault cut, in the order seen (their rows still held are flagged)."""
         return self.episodes.cut_episodes
 
-    def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> int:
+    def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """A new agent for the workers (picklable), used from the next request on; and/or an
         ``env_update`` (a picklable ``fn(env)``, or a list with one per slot) applied in the
-        worker before each slot's next episode starts (a restarted worker gets every one again)."""
-        payload = cloudpickle.dumps(agent_update) if agent_update is not None else None
-        if env_update is not None:
-            self.episodes.add_update(env_update)
-        with self._lock:  # version and payload change together: a request never pairs them wrongly
-            if payload is not None:
-                self.policy_version = self.policy_version + 1 if version is None else int(version)
-                self._payload = payload
-            return self.policy_version
+        worker before each slot's next episode starts (a restarted worker gets every one again).
+        Returns ``(policy_version, env_version)``; an update that is not one or does not pickle
+        raises and changes no version."""
+        return self.versions.update(agent_update, env_update, version)
 
     # ------------------------------------------------------------------------------------------
     # Collection
@@ -293,9 +292,8 @@ class WorkerPolicySampler:
         m, episodes = self.manager, self.episodes
         self._sync(p)
         slots = self._procs[p]
-        with self._lock:
-            version, payload = self.policy_version, self._payload
-        due = [episodes.updates_due(s) for s in slots]
+        version, payload = self.versions.agent()  # together: a request never pairs them wrongly
+        due = [self.versions.env_updates.due(s, episodes[s].env_version) for s in slots]
         budget = tuple(min(want[s], self._spec.capacity) if want is not None else self._spec.capacity for s in slots)
         request = RolloutRequest(
             tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,

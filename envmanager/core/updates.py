@@ -1,0 +1,132 @@
+"""One versioned log of env updates, and the one function that applies them in a worker.
+
+An **env update** is a picklable ``fn(env)`` for every slot, or a list with one per slot
+(``None``: that slot has nothing to do). The samplers apply updates to a slot's env when its
+next episode starts, never mid-episode, so every episode has one env version; a fresh env (a
+restarted process, a restarted Ray node) starts at version 0 and gets every update again, in
+order. :class:`UpdateLog` is where that history lives, once per layer:
+
+* ``record(update)`` checks the update and pickles it (cloudpickle: closures too) **before** it
+  is recorded: input that is not an update, or does not pickle, raises ``InvalidInputError``
+  and leaves the log and its version as they were, so no worker or node ever hears of it;
+* ``due(slot, have)``: what a slot's env at version ``have`` still needs (a :class:`Due`);
+* :func:`apply` runs a ``Due`` on an env, in its worker: through a call (``call_on``, the
+  parent-side sampler) and inside the worker's rollout (the worker-side sampler) alike.
+
+The Ray driver keeps one log for every global slot and hands each node its slice of an entry as
+:class:`Pickled` (recorded by the node's own log as it is, not pickled again), so a node's env
+version is the driver's.
+
+Not in this log: the core's **replayed calls** (``WorkerPool.replay_calls``, set through
+``set_replay_calls``; the ML-Agents managers keep their env parameters, engine settings and
+analytics there). They are a different thing: *state*, not history. They are replaced as a
+whole whenever a setting changes (the newest env parameters, not every change made to them),
+applied to live envs at once rather than at episode boundaries, carry no version (no episode is
+stamped with them), and are replayed into a restarted process *before* the reset that answers
+the requests it lost. A log of every change would replay the whole curriculum into each
+restart and grow without end; a snapshot of settings cannot express ``fn(env)`` updates, which
+do not commute.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import cloudpickle
+
+from envmanager.errors import InvalidInputError
+
+__all__ = ["Due", "Entry", "Pickled", "UpdateLog", "apply"]
+
+
+class Pickled(NamedTuple):
+    """An env update another log already checked and pickled, one payload per slot (``None``:
+    nothing for that slot): recorded as it is (a Ray node gets its slice of the driver's)."""
+
+    payloads: tuple[bytes | None, ...]
+
+
+class Entry(NamedTuple):
+    """One recorded env update: its version and one cloudpickled ``fn(env)`` per slot."""
+
+    version: int
+    payloads: tuple[bytes | None, ...]
+
+    def sliced(self, start: int, stop: int) -> Pickled:
+        """The payloads of slots ``start .. stop - 1``, to be recorded by another log."""
+        return Pickled(self.payloads[start:stop])
+
+
+class Due(NamedTuple):
+    """What an env at some version still needs: the version it reaches (the log's newest) and
+    the updates for its slot newer than what it has, in order (``(version, cloudpickled fn)``)."""
+
+    version: int
+    updates: tuple[tuple[int, bytes], ...]
+
+
+class UpdateLog:
+    """Every env update of ``n_slots`` slots so far, versioned 1, 2, ... (thread-safe: updates
+    may come from a learner thread while a collection reads what is due)."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = int(n_slots)
+        self._entries: list[Entry] = []
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        """The newest version (0: nothing recorded)."""
+        with self._lock:
+            return len(self._entries)
+
+    def prepare(self, update: Any) -> Pickled:
+        """``update`` checked and pickled, not recorded: a ``fn(env)`` for every slot, a list of
+        ``n_slots`` of them (``None`` to skip a slot), or a :class:`Pickled` of that length.
+        ``InvalidInputError`` if it is none of these or does not pickle."""
+        if isinstance(update, Pickled):
+            if len(update.payloads) != self.n_slots or not all(p is None or isinstance(p, bytes) for p in update.payloads):
+                raise InvalidInputError(f"a pickled env update needs {self.n_slots} payloads, got {len(update.payloads)}")
+            return update
+        per_slot = list(update) if isinstance(update, (list, tuple)) else [update] * self.n_slots
+        if len(per_slot) != self.n_slots or not all(u is None or callable(u) for u in per_slot):
+            raise InvalidInputError(f"env_update must be a callable fn(env) or a list of {self.n_slots} of them")
+        try:
+            return Pickled(tuple(None if u is None else cloudpickle.dumps(u) for u in per_slot))
+        except Exception as exc:
+            raise InvalidInputError(f"env_update cannot be pickled: {exc!r}") from exc
+
+    def record(self, update: Any) -> int:
+        """Check and pickle ``update`` (see ``prepare``), then record it; returns its version.
+        Raises before anything is recorded, so the version moves only with an update."""
+        return self.append(self.prepare(update))
+
+    def append(self, prepared: Pickled) -> int:
+        """Record an update ``prepare`` gave; returns its version."""
+        with self._lock:
+            self._entries.append(Entry(len(self._entries) + 1, prepared.payloads))
+            return len(self._entries)
+
+    def since(self, have: int) -> list[Entry]:
+        """Every entry newer than version ``have``, in order (a restarted node's replay: 0)."""
+        with self._lock:
+            return self._entries[max(0, have):]
+
+    def due(self, slot: int, have: int) -> Due:
+        """What slot ``slot``'s env at version ``have`` needs to reach the newest version."""
+        with self._lock:
+            updates = tuple((e.version, p) for e in self._entries[max(0, have):] if (p := e.payloads[slot]) is not None)
+            return Due(max(have, len(self._entries)), updates)
+
+
+def apply(env: Any, due: Due | Sequence[Any], have: int) -> int:
+    """Run in the worker: each update of ``due`` newer than ``have`` on ``env``, in order;
+    returns the version the env then has. An update that raises propagates (the caller's
+    failure path decides; the env's version is then what it was)."""
+    version, updates = due
+    for v, payload in updates:
+        if v > have:
+            cloudpickle.loads(payload)(env)
+    return max(have, version)
