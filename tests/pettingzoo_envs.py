@@ -134,3 +134,17 @@ def policy(vec: Any, batch: Any, rng: np.random.Generator, garbage: bool = True)
                     block[i * g.group.size + j] = acts[agent]
         arrays[name] = block
     return dicts, (next(iter(arrays.values())) if len(arrays) == 1 else arrays)
+
+
+class KeepsAgentsListed(BaseParallelWrapper):
+    """A real env that leaves done agents in ``agents`` (some third-party envs do)."""
+
+    @property
+    def agents(self) -> list:
+        return list(self.env.possible_agents)
+
+
+def spread_keeping_agents() -> Any:
+    from mpe2 import simple_spread_v3
+
+    return KeepsAgentsListed(simple_spread_v3.parallel_env(N=3, max_cycles=3))

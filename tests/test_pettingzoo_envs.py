@@ -183,3 +183,14 @@ def test_tictactoe_turn_by_turn_against_the_aec_loop():
                     assert not batch.active[rows].any()
             check_turn(vec, batch, refs, f"step {t}")
     assert games >= 2
+
+
+def test_an_env_that_keeps_done_agents_listed_still_ends_its_episode():
+    with ParallelVectorEnv([envs.spread_keeping_agents]) as vec:
+        batch = vec.reset(seed=0)
+        for _ in range(3):
+            assert not batch.episode_end[0] and batch.active.all()
+            batch = vec.step(np.zeros(3, np.int64))
+        assert batch.episode_end[0] and batch.truncated.all() and not batch.active.any()
+        batch = vec.step(np.full(3, -1))  # read by nobody: the env's reset
+        assert batch.episode_start[0] and batch.active.all() and not batch.episode_length.any()

@@ -77,6 +77,11 @@ def test_a_worker_killed_from_outside_mid_episode(tmp_path):
         got = vec.recv(2, sort=True)
         assert got.env_ids.tolist() == [0, 1]
         assert got.restarted.tolist() == [False, True] and got.episode_start.tolist() == [False, True]
+        # killed while idle: its env comes back reset from the next step, flagged
+        os.kill(vec.manager.worker_of(0).pid, signal.SIGKILL)
+        batch = vec.step(actions)
+        assert batch.restarted.tolist() == [True, False] and batch.episode_start.tolist() == [True, False]
+        assert batch.active.all() and not batch.episode_length[: vec.num_agents].any()
     with ParallelVectorEnv([envs.kaz] * 2, timeout=10.0) as vec:
         vec.reset(seed=0)
         vec.send(actions)

@@ -94,7 +94,15 @@ class AgentFacade(gymnasium.Env):
         self._lengths[acted] += 1
         out = self._blank()
         self._fill(out, observations, infos or {}, rewards, terminations, truncations)
-        done = not self.env.agents
+        # Over when no agent is left, or (an env that keeps done agents listed) every agent of the
+        # result is done and no other agent is listed.
+        present = out["present"] == 1
+        ended = (out["terminated"] | out["truncated"]) == 1
+        done = not self._active or bool(present.any() and ended[present].all()
+                                        and all(present[self._slot[a]] for a in self._active))
+        if done:
+            self._active = []
+            out["active"][:] = 0
         return out, float(out["reward"].sum()), done, False, self._infos(infos)
 
     def render(self) -> Any:
