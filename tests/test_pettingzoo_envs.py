@@ -115,10 +115,16 @@ def test_one_group_when_every_agent_shares_spaces_and_a_group_map_splits_them():
         assert vec.reset(seed=0).observation.shape == (6, 18)
 
 
-def test_first_ready_batches_hold_the_envs_that_finished():
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_first_ready_batches_hold_the_envs_that_finished(shared_memory):
     seen: set[int] = set()
-    with ParallelVectorEnv([envs.spread] * 3, envs_per_worker=2) as vec:
-        vec.reset(seed=0)
+    with ParallelVectorEnv([envs.spread] * 3, envs_per_worker=2, shared_memory=shared_memory) as vec:
+        first = vec.reset(seed=0)
+        ref = envs.spread()
+        obs, _ = ref.reset(seed=2)
+        np.testing.assert_array_equal(first.observation[6:9], np.stack([obs[a] for a in ref.possible_agents]))
+        np.testing.assert_array_equal(vec.call("state", env_ids=[2])[0], ref.state())
+        assert vec.call("possible_agents") == [ref.possible_agents] * 3
         vec.send(np.zeros(9, np.int64))
         while len(seen) < 3:
             batch = vec.recv(1)

@@ -30,7 +30,7 @@ with requires_extra("pettingzoo", __name__):
     from pettingzoo import AECEnv
     from pettingzoo.utils.conversions import aec_to_parallel, turn_based_aec_to_parallel
 
-__all__ = ["AgentFacade", "FacadeFactory", "as_parallel"]
+__all__ = ["AgentFacade", "FacadeFactory", "as_parallel", "call_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,3 +187,10 @@ class FacadeFactory:
 
     def __call__(self, slot: int) -> AgentFacade:
         return AgentFacade(self.env_fns[slot](), self.group_map, self.turn_based)
+
+
+def call_env(facade: AgentFacade, name: str, args: tuple, kwargs: dict) -> Any:
+    """Run in a worker: ``env.<name>(*args, **kwargs)`` on the PettingZoo env (``unwrapped``
+    reaches through PettingZoo's wrappers), or its value when not callable."""
+    value = getattr(facade.env, name)
+    return value(*args, **kwargs) if callable(value) else value

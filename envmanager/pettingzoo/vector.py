@@ -21,7 +21,7 @@ from envmanager.core.results import StepBatch
 from envmanager.errors import InvalidInputError, ManagerClosedError, SpaceMismatchError
 from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
-from envmanager.pettingzoo.facade import FacadeFactory
+from envmanager.pettingzoo.facade import FacadeFactory, call_env
 from envmanager.pettingzoo.layout import AgentGroup, AgentLayout
 
 __all__ = ["ParallelVectorEnv"]
@@ -239,6 +239,20 @@ class ParallelVectorEnv:
         self._active[ids] = batch.active.reshape(len(ids), -1)
         self._ended[ids] = ends
         return batch
+
+    # ------------------------------------------------------------------------------------------
+    # Reaching the envs
+
+    def call(self, name: str, *args: Any, env_ids: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+        """``env.<name>(*args, **kwargs)`` on each PettingZoo env (``None``: all; as converted
+        from AEC, where it was), or the attribute's value; results in ``env_ids`` order. Not
+        while those envs have a step in flight."""
+        ids = None if env_ids is None else self.manager.slots(list(env_ids))
+        return self.manager.call_on(ids, call_env, (name, args, kwargs))
+
+    def render(self) -> list[Any]:
+        """Every env's ``render()``."""
+        return self.call("render")
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
