@@ -200,3 +200,25 @@ def test_an_env_that_keeps_done_agents_listed_still_ends_its_episode():
         assert batch.episode_end[0] and batch.truncated.all() and not batch.active.any()
         batch = vec.step(np.full(3, -1))  # read by nobody: the env's reset
         assert batch.episode_start[0] and batch.active.all() and not batch.episode_length.any()
+
+
+def test_layout_groups_and_the_facade_action_space_samples_what_agents_take():
+    from gymnasium import spaces
+
+    from envmanager.pettingzoo import AgentLayout
+
+    obs = {"red_0": spaces.Box(0, 1, (2,)), "red_1": spaces.Box(0, 1, (2,)), "blue_0": spaces.Discrete(4)}
+    act = {"red_0": spaces.MultiDiscrete([3, 2], start=[1, 0]), "red_1": spaces.MultiDiscrete([3, 2], start=[1, 0]),
+           "blue_0": spaces.Box(-2.0, 2.0, (3,), np.float32)}
+    layout = AgentLayout.of(list(obs), obs.__getitem__, act.__getitem__)
+    assert [(g.name, g.agents, g.slots) for g in layout.groups] == [("red", ("red_0", "red_1"), (0, 1)),
+                                                                    ("blue", ("blue_0",), (2,))]
+    space = layout.action_space()
+    space.seed(0)
+    for _ in range(20):
+        sampled = space.sample()
+        assert all(act["red_0"].contains(row) for row in sampled["red"])
+        assert act["blue_0"].contains(sampled["blue"][0])
+    assert layout.observation_space()["groups"]["blue"]["observation"] == spaces.Box(0, 3, (1,), np.int64)
+    with pytest.raises(TypeError, match="not supported"):
+        AgentLayout.of(["a"], lambda a: spaces.Box(0, 1, (1,)), lambda a: spaces.Text(4))

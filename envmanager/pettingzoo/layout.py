@@ -116,8 +116,8 @@ class AgentLayout:
         return spaces.Dict(out)
 
     def action_space(self) -> spaces.Dict:
-        """The facade's action space: per group, one row per agent (any value: rows of agents
-        that do not act are not read; the parent checks the others against the agent's space)."""
+        """The facade's action space: per group, one row per agent (rows of agents that do not
+        act are not read; the parent checks the others against the agent's space)."""
         return spaces.Dict({g.name: stacked_action_space(g.action_space, g.size) for g in self.groups})
 
 
@@ -198,7 +198,9 @@ def stacked_space(space: spaces.Space, n: int) -> spaces.Space:
     if isinstance(space, spaces.Discrete):
         return spaces.Box(int(space.start), int(space.start + space.n - 1), (n,), np.int64)
     if isinstance(space, spaces.MultiDiscrete):
-        return spaces.Box(np.iinfo(np.int64).min, np.iinfo(np.int64).max, (n, *space.shape), np.int64)
+        low = np.broadcast_to(np.asarray(space.start, np.int64), (n, *space.shape))
+        return spaces.Box(_compact(low), _compact(low + np.broadcast_to(space.nvec - 1, low.shape)), (n, *space.shape),
+                          np.int64)
     if isinstance(space, spaces.MultiBinary):
         return spaces.Box(0, 1, (n, *space.shape), np.int8)
     if isinstance(space, spaces.Dict):
@@ -210,13 +212,14 @@ def stacked_space(space: spaces.Space, n: int) -> spaces.Space:
 
 
 def stacked_action_space(space: spaces.Space, n: int) -> spaces.Box:
-    """``n`` agents' actions as one array of the action space's dtype, any value."""
-    dtype = np.dtype(space.dtype if isinstance(space, spaces.Box) else np.int64)
-    shape = (n, *space.shape) if isinstance(space, (spaces.Box, spaces.MultiDiscrete, spaces.MultiBinary)) else (n,)
-    if dtype.kind == "f":
-        return spaces.Box(-np.inf, np.inf, shape, dtype)
-    info = np.iinfo(dtype)
-    return spaces.Box(info.min, info.max, shape, dtype)
+    """``n`` agents' actions as one array: the agent's bounds (so that ``sample()`` gives actions
+    the env takes: ``envs_per_worker="auto"`` steps the facade with samples), integer actions as
+    int64."""
+    if isinstance(space, spaces.MultiBinary):
+        return spaces.Box(0, 1, (n, *space.shape), np.int64)
+    stacked = stacked_space(space, n)
+    assert isinstance(stacked, spaces.Box)
+    return stacked
 
 
 def zeros_of(space: spaces.Space) -> Any:

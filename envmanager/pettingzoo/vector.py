@@ -41,7 +41,10 @@ class ParallelVectorEnv:
     :param turn_based: for AEC envs: step them turn by turn (PettingZoo's
         ``turn_based_aec_to_parallel``: one agent acts per step) or as a parallel env
         (``aec_to_parallel``); by default turn by turn unless the env says it is parallelizable.
-    :param envs_per_worker, context, shared_memory, timeout, restart_workers, manager_kwargs: the
+    :param envs_per_worker: envs per process, stepped as one message (default 1); ``"auto"``
+        measures one env in a throwaway process, stepped with sampled actions (a turn-based
+        game may print its illegal-move warnings there), and chooses.
+    :param context, shared_memory, timeout, restart_workers, manager_kwargs: the
         core's (``SubprocessEnvManager``). With restarts on, an env whose process was restarted
         comes back as a fresh reset flagged ``restarted``.
 
