@@ -22,6 +22,12 @@ def pistonball() -> Any:
     return pistonball_v6.parallel_env(n_pistons=3, max_cycles=12)
 
 
+def pistonball_aec() -> Any:
+    from pettingzoo.butterfly import pistonball_v6
+
+    return pistonball_v6.env(n_pistons=3, max_cycles=12)
+
+
 def kaz() -> Any:
     """Zombies every other cycle: agents die mid-episode."""
     from pettingzoo.butterfly import knights_archers_zombies_v11

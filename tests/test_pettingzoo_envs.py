@@ -77,6 +77,20 @@ def test_pistonball_two_envs_in_one_process_across_episode_ends():
     assert seen["ends"] >= 2 and seen["resets"] >= 2
 
 
+def test_a_parallelizable_aec_env_goes_through_aec_to_parallel():
+    with ParallelVectorEnv([envs.pistonball_aec]) as vec:
+        assert not vec.layout.turn_based
+        batch = vec.reset(seed=1)
+        ref = envs.pistonball()
+        obs, _ = ref.reset(seed=1)
+        assert_same(batch.as_dicts()[0].observations, obs, "reset")
+        actions = np.linspace(-1, 1, 3, dtype=np.float32).reshape(3, 1)
+        batch = vec.step(actions)
+        obs, rew, *_ = ref.step({a: actions[k] for k, a in enumerate(ref.possible_agents)})
+        assert_same(batch.as_dicts()[0].observations, obs, "step")
+        assert batch.as_dicts()[0].rewards == pytest.approx(rew)
+
+
 def test_knights_archers_zombies_agents_die_and_are_masked():
     seen = run_parallel(envs.kaz, 2, 150, seed=1, envs_per_worker=2, dicts=True)
     assert seen["deaths"] >= 1  # an agent died while others went on: masked from then, never asserted on
