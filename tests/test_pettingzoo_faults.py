@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 pytest.importorskip("pettingzoo")
@@ -187,3 +189,29 @@ def test_import_without_pettingzoo_names_the_extra():
             "try:\n    import envmanager.pettingzoo\nexcept ModuleNotFoundError as e:\n    print(e.name, '|', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.startswith("pettingzoo |") and 'pip install "envmanager[pettingzoo]"' in out, out
+
+
+def test_an_env_restarted_while_idle_comes_back_once_from_recv():
+    with ParallelVectorEnv([envs.spread] * 2, timeout=10.0, restart_workers=True) as vec:
+        vec.reset(seed=0)
+        vec.send(np.zeros(3, np.int64), env_ids=[0])
+        pid = vec.manager.worker_of(1).pid
+        os.kill(pid, signal.SIGKILL)  # env 1 has nothing in flight
+        dead_by = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < dead_by:
+            time.sleep(0.01)  # dead before the wait below, so that wait sees it and restarts it
+        got = vec.recv(1)
+        seen = {int(e): bool(r) for e, r in zip(got.env_ids, got.restarted, strict=True)}
+        if 1 not in seen:  # the restart came back after env 0's step (the usual order)
+            vec.manager.wait_idle(timeout=10.0)
+            # Its episode is gone: these actions are dropped (taken aside by send when the restart
+            # was noticed, else lost with the dead process); either way the env comes back once, reset.
+            vec.send(np.zeros(3, np.int64), env_ids=[1])
+            got = vec.recv(1)
+            assert not got.episode_length.any()
+            assert got.env_ids.tolist() == [1]
+            seen[1] = bool(got.restarted[0])
+        assert seen == {0: False, 1: True}
+        assert got.active.reshape(-1, 3)[list(got.env_ids).index(1)].all()
+        batch = vec.step(np.zeros(6, np.int64))  # both go on
+        assert not batch.restarted.any() and batch.episode_length.tolist() == [2, 2, 2, 1, 1, 1]

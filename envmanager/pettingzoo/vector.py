@@ -93,7 +93,8 @@ class ParallelVectorEnv:
             self._ended = np.zeros(n, np.bool_)  # its latest result ended the episode: its next result is a reset
             self._known = np.zeros(n, np.bool_)  # its latest result was handed out (a reset came first)
             self._outstanding: set[int] = set()
-            self._restarted: list[StepBatch] = []  # restarts of idle envs taken aside, for the next recv
+            # Results taken aside by a send (restarts of idle envs, and what a wait took meanwhile), for the next recv.
+            self._restarted: list[StepBatch] = []
         except BaseException:
             self.close()
             raise
@@ -212,12 +213,14 @@ class ParallelVectorEnv:
     def _send(self, ids: np.ndarray, batch: dict[str, np.ndarray]) -> None:
         manager = self.manager
         if manager.unreceived():  # a process restarted while its envs were idle: their old episodes are gone
-            early = manager.receive_batch(0)
+            early = manager.receive_batch(0)  # with any step results a wait took meanwhile: all for the next recv
             if len(early.slots):
                 self._restarted.append(early)
-                cut = set(early.slots.tolist())
-                logger.warning("env(s) %s came back reset after a restart: the actions sent for them are dropped",
-                               sorted(cut))
+                self._outstanding.difference_update(early.slots.tolist())
+                cut = set(early.slots.tolist()).intersection(ids.tolist())  # not stepping, so restarted
+                if cut:
+                    logger.warning("env(s) %s came back reset after a restart: the actions given for them are dropped",
+                                   sorted(cut))
                 keep = np.array([s not in cut for s in ids.tolist()], np.bool_)
                 ids = ids[keep]
                 batch = {name: rows[keep] for name, rows in batch.items()}
