@@ -147,6 +147,10 @@ def test_first_ready_batches_hold_the_envs_that_finished(shared_memory):
         # each env on its own: send env 2 alone, receive it
         vec.send(np.zeros(3, np.int64), env_ids=[2])
         assert vec.recv(1).env_ids.tolist() == [2]
+        # one seed per env
+        batch = vec.reset(seed=[5, None, 7])
+        obs, _ = ref.reset(seed=7)
+        np.testing.assert_array_equal(batch.observation[6:9], np.stack([obs[a] for a in ref.possible_agents]))
 
 
 def check_turn(vec, batch, refs, where: str) -> None:

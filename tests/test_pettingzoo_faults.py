@@ -173,8 +173,13 @@ def test_construction_rejects_bad_options_before_any_process_starts():
             ParallelVectorEnv([envs.spread], **kwargs)
     with pytest.raises(InvalidInputError, match="env_fns"):
         ParallelVectorEnv([])
-    with pytest.raises(InvalidInputError, match="never reset"), ParallelVectorEnv([envs.spread]) as vec:
-        vec.step(np.zeros(3, np.int64))
+    with ParallelVectorEnv([envs.spread]) as vec:
+        with pytest.raises(InvalidInputError, match="never reset"):
+            vec.step(np.zeros(3, np.int64))
+        for seed in ("x", [1, 2], [True]):
+            with pytest.raises(InvalidInputError, match="seed must be"):
+                vec.reset(seed=seed)
+        assert not vec.manager.in_flight()
 
 
 def test_envs_with_other_agents_or_spaces_are_refused():
