@@ -154,3 +154,26 @@ def spread_keeping_agents() -> Any:
     from mpe2 import simple_spread_v3
 
     return KeepsAgentsListed(simple_spread_v3.parallel_env(N=3, max_cycles=3))
+
+
+class MaskInInfo(BaseParallelWrapper):
+    """A real env that gives action masks in its infos (``info["action_mask"]``), and a note."""
+
+    MASK = np.array([1, 0, 1, 0, 1], np.int8)
+
+    def _with_masks(self, infos: dict) -> dict:
+        return {a: {**infos.get(a, {}), "action_mask": self.MASK, "note": a} for a in self.env.agents}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        obs, infos = self.env.reset(seed=seed, options=options)
+        return obs, self._with_masks(infos)
+
+    def step(self, actions: dict) -> Any:
+        obs, rew, term, trunc, infos = self.env.step(actions)
+        return obs, rew, term, trunc, self._with_masks(infos)
+
+
+def spread_mask_in_info() -> Any:
+    from mpe2 import simple_spread_v3
+
+    return MaskInInfo(simple_spread_v3.parallel_env(N=3, max_cycles=5))

@@ -240,3 +240,11 @@ def test_layout_groups_and_the_facade_action_space_samples_what_agents_take():
     assert layout.observation_space()["groups"]["blue"]["observation"] == spaces.Box(0, 3, (1,), np.int64)
     with pytest.raises(TypeError, match="not supported"):
         AgentLayout.of(["a"], lambda a: spaces.Box(0, 1, (1,)), lambda a: spaces.Text(4))
+
+
+def test_action_masks_given_in_infos():
+    with ParallelVectorEnv([envs.spread_mask_in_info]) as vec:
+        for batch in (vec.reset(seed=0), vec.step(np.array([0, 2, 4]))):
+            assert (batch.action_mask == envs.MaskInInfo.MASK.astype(bool)).all()
+            assert batch.infos == [{a: {"note": a} for a in vec.possible_agents}]  # the mask is in the array only
+            assert batch.as_dicts()[0].infos == {a: {"note": a} for a in vec.possible_agents}
