@@ -27,6 +27,7 @@ PUBLIC = (
     "envmanager.ray",
     "envmanager.sb3",
     "envmanager.mlagents",
+    "envmanager.pettingzoo",
     "envmanager.testing",
     "envmanager.check",
 )

@@ -1,0 +1,196 @@
+"""The worker's half: a PettingZoo env behind a fixed-shape single-agent facade the core can
+carry unchanged (shared memory, several envs per process, first-ready, deadlines, restarts).
+
+The facade's observation is a dict of arrays (``AgentLayout.observation_space``): per agent slot
+``active``, ``present``, ``terminated``, ``truncated``, ``reward``, ``episode_return``,
+``episode_length``; per group its agents' observations stacked, and their action masks. Its
+action is per group one row per agent; only the rows of active agents reach the env. Its
+episode ends when the env has no agents left (``env.agents`` empty), and the core's next-step
+autoreset then resets it, alone.
+
+AEC envs go through PettingZoo's own conversions: ``aec_to_parallel`` where the env says it is
+parallelizable (``metadata["is_parallelizable"]``: its agents act once per cycle, as in a
+parallel env), else ``turn_based_aec_to_parallel`` (turn-based games: one agent acts per step,
+the others observe; the active mask holds only the agent whose turn it is).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+from envmanager.extras import requires_extra
+from envmanager.pettingzoo.layout import AGENT_KEYS, MASK_KEY, AgentLayout, put_row, zeros_of
+
+with requires_extra("pettingzoo", __name__):
+    from pettingzoo import AECEnv
+    from pettingzoo.utils.conversions import aec_to_parallel, turn_based_aec_to_parallel
+
+__all__ = ["AgentFacade", "FacadeFactory", "as_parallel", "call_env"]
+
+logger = logging.getLogger(__name__)
+
+#: Info keys the facade moves into arrays (and so out of the infos that travel pickled).
+_MOVED = (MASK_KEY, "active_agent")
+
+
+def as_parallel(env: Any, turn_based: bool | None = None) -> tuple[Any, bool]:
+    """``env`` as a PettingZoo ``ParallelEnv`` and whether it is stepped turn by turn."""
+    if isinstance(env, AECEnv):
+        if turn_based is None:
+            turn_based = not env.metadata.get("is_parallelizable", False)
+        return (turn_based_aec_to_parallel(env) if turn_based else aec_to_parallel(env)), turn_based
+    if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "possible_agents")):
+        raise TypeError(f"expected a PettingZoo ParallelEnv or AECEnv, got {type(env).__name__} {env!r:.80}")
+    if turn_based:
+        raise ValueError("turn_based=True needs an AEC env (a ParallelEnv steps every agent at once)")
+    return env, False
+
+
+class AgentFacade(gymnasium.Env):
+    """One PettingZoo env as a fixed-shape single-agent env (see the module doc)."""
+
+    def __init__(self, env: Any, group_map: Mapping[str, Sequence[str]] | None = None,
+                 turn_based: bool | None = None) -> None:
+        self.env, self.turn_based = as_parallel(env, turn_based)
+        par = self.env
+        #: The agent slots and groups (the parent checks every env has the same).
+        self.layout = AgentLayout.of(par.possible_agents, par.observation_space, par.action_space, group_map,
+                                     self.turn_based)
+        self.observation_space = self.layout.observation_space()
+        self._groups_space = self.observation_space.spaces["groups"]
+        self.action_space = self.layout.action_space()
+        self.metadata = dict(getattr(par, "metadata", None) or {})
+        self.render_mode = getattr(par, "render_mode", None)
+        self._slot = {a: i for i, a in enumerate(self.layout.possible_agents)}
+        # Per agent: its group's index, its row there, the group's observation space and mask rule.
+        self._where = {a: (k, row) for k, g in enumerate(self.layout.groups) for row, a in enumerate(g.agents)}
+        self._returns = np.zeros(self.layout.num_agents, np.float64)
+        self._lengths = np.zeros(self.layout.num_agents, np.int64)
+        self._active: list[str] = []
+
+    # -- the env's calls ----------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict, dict]:
+        observations, infos = self.env.reset(seed=seed, options=options)
+        self._returns[:] = 0.0
+        self._lengths[:] = 0
+        out = self._blank()
+        self._fill(out, observations, infos or {}, None, None, None)
+        return out, self._infos(infos)
+
+    def step(self, action: Mapping[str, np.ndarray]) -> tuple[dict, float, bool, bool, dict]:
+        actions = {}
+        for agent in self._active:
+            k, row = self._where[agent]
+            g = self.layout.groups[k]
+            value = action[g.name][row]
+            actions[agent] = int(value) if g.mask_size is not None else np.array(value, dtype=g.action_space.dtype)
+        acted = [self._slot[a] for a in self._active]
+        observations, rewards, terminations, truncations, infos = self.env.step(actions)
+        self._lengths[acted] += 1
+        out = self._blank()
+        self._fill(out, observations, infos or {}, rewards, terminations, truncations)
+        # Over when no agent is left, or (an env that keeps done agents listed) every agent of the
+        # result is done and no other agent is listed.
+        present = out["present"] == 1
+        ended = (out["terminated"] | out["truncated"]) == 1
+        done = not self._active or bool(present.any() and ended[present].all()
+                                        and all(present[self._slot[a]] for a in self._active))
+        if done:
+            self._active = []
+            out["active"][:] = 0
+        return out, float(out["reward"].sum()), done, False, self._infos(infos)
+
+    def render(self) -> Any:
+        return self.env.render()
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- arrays ---------------------------------------------------------------------------------
+    def _blank(self) -> dict[str, Any]:
+        n = self.layout.num_agents
+        out: dict[str, Any] = {key: np.zeros(n, dtype) for key, dtype in AGENT_KEYS.items()}
+        out["groups"] = zeros_of(self._groups_space)
+        return out
+
+    def _fill(self, out: dict[str, Any], observations: Mapping[str, Any], infos: Mapping[str, Any],
+              rewards: Mapping[str, Any] | None, terminations: Mapping[str, Any] | None,
+              truncations: Mapping[str, Any] | None) -> None:
+        slot, groups, where = self._slot, self.layout.groups, self._where
+        present = set(observations) | set(rewards or ()) | set(terminations or ()) | set(truncations or ())
+        for agent in present:
+            if agent not in slot:
+                raise ValueError(f"the env returned agent {agent!r}, which is not one of possible_agents "
+                                 f"{list(self.layout.possible_agents)}")
+            out["present"][slot[agent]] = 1
+        for agent, value in (rewards or {}).items():
+            out["reward"][slot[agent]] = value
+        for agent, value in (terminations or {}).items():
+            out["terminated"][slot[agent]] = bool(value)
+        for agent, value in (truncations or {}).items():
+            out["truncated"][slot[agent]] = bool(value)
+        self._returns += out["reward"]
+        out["episode_return"][:] = self._returns
+        out["episode_length"][:] = self._lengths
+        blocks = out["groups"]
+        for agent, obs in observations.items():
+            k, row = where[agent]
+            g = groups[k]
+            block = blocks[g.name]
+            if g.mask_in_observation:
+                block[MASK_KEY][row] = obs[MASK_KEY]
+                obs = obs["observation"] if not isinstance(g.observation_space, gymnasium.spaces.Dict) else {
+                    key: v for key, v in obs.items() if key != MASK_KEY}
+            put_row(block["observation"], row, obs)
+        for g in groups:  # masks given in infos; everything allowed where the env gives none
+            if g.mask_size is None or g.mask_in_observation:
+                continue
+            mask = blocks[g.name][MASK_KEY]
+            for row, agent in enumerate(g.agents):
+                info = infos.get(agent)
+                given = info.get(MASK_KEY) if isinstance(info, Mapping) else None
+                mask[row] = 1 if given is None else given
+        agents = list(self.env.agents)
+        if self.turn_based:
+            selected = getattr(self.env.aec_env, "agent_selection", None)
+            agents = [selected] if agents and selected in agents else []
+        self._active = agents
+        for agent in agents:
+            out["active"][slot[agent]] = 1
+
+    def _infos(self, infos: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The agents' non-empty infos, less what went into arrays (the action mask, whose turn
+        it is): an empty dict, the usual case, travels as nothing."""
+        out = {}
+        for agent, info in (infos or {}).items():
+            if isinstance(info, Mapping):
+                info = {k: v for k, v in info.items() if k not in _MOVED}
+            if info:
+                out[agent] = info
+        return out
+
+
+class FacadeFactory:
+    """The core's ``env_factory``: ``env_fns[slot]()`` behind an :class:`AgentFacade` (made in
+    the worker; pickled by reference, so the worker imports this module, not the parent's)."""
+
+    def __init__(self, env_fns: Sequence[Callable[[], Any]], group_map: Mapping[str, Sequence[str]] | None,
+                 turn_based: bool | None) -> None:
+        self.env_fns = list(env_fns)
+        self.group_map = None if group_map is None else {k: list(v) for k, v in group_map.items()}
+        self.turn_based = turn_based
+
+    def __call__(self, slot: int) -> AgentFacade:
+        return AgentFacade(self.env_fns[slot](), self.group_map, self.turn_based)
+
+
+def call_env(facade: AgentFacade, name: str, args: tuple, kwargs: dict) -> Any:
+    """Run in a worker: ``env.<name>(*args, **kwargs)`` on the PettingZoo env (``unwrapped``
+    reaches through PettingZoo's wrappers), or its value when not callable."""
+    value = getattr(facade.env, name)
+    return value(*args, **kwargs) if callable(value) else value
