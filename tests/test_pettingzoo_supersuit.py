@@ -287,3 +287,30 @@ def test_bad_input_is_refused_clearly_and_loses_nothing():
     finally:
         venv.close()
         reference.close()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
+    """Without restarts, the error names the env; with them, its rows come back as a reset,
+    truncated, the other env's untouched."""
+    import pettingzoo_envs
+    from envmanager.errors import WorkerError
+
+    env = pettingzoo_envs.FailingOnce(pistonball(max_cycles=50), "raise", 1, str(tmp_path / "struck"))
+    venv = concat_vec_envs(pettingzoo_env_to_vec_env(env), 2, num_cpus=2, timeout=20, restart_workers=restart)
+    try:
+        venv.reset(seed=0)
+        actions = np.zeros((6, 1), np.float32)
+        if not restart:
+            with pytest.raises(WorkerError, match="the env blew up"):
+                venv.step(actions)
+            return
+        _, rewards, terms, truncs, infos = venv.step(actions)
+        failed = [i for i in range(2) if truncs[i * 3]]
+        assert len(failed) == 1 and truncs.sum() == 3 and not terms[failed[0] * 3 : failed[0] * 3 + 3].any()
+        rows = slice(failed[0] * 3, failed[0] * 3 + 3)
+        assert not rewards[rows].any() and all("terminal_observation" not in info for info in infos[rows])
+        assert venv.active.all()
+        venv.step(actions)  # and on it goes
+    finally:
+        venv.close()

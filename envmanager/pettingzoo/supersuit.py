@@ -67,6 +67,9 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
     not read; ``reset_infos`` keeps each row's latest reset infos. Made by
     :func:`concat_vec_envs` (or :func:`pettingzoo_env_to_vec_env`: one env, started at its
     first ``reset``).
+
+    With ``restart_workers=True`` an env whose process was restarted comes back as a reset, its
+    rows ``truncated`` (the episode was cut short; it has no terminal observation).
     """
 
     def __init__(self, env: Any, num_vec_envs: int, num_cpus: int = 0, **kwargs: Any) -> None:
@@ -145,9 +148,12 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         rewards = batch.reward.astype(np.float32)
         terminations, truncations = batch.terminated.copy(), batch.truncated.copy()
         self.active = batch.active.copy()
+        n = self.num_agents
+        cut = np.flatnonzero(batch.restarted)  # its process was restarted: the episode is gone, this is a reset
+        if cut.size:
+            truncations[(cut[:, None] * n + np.arange(n)).reshape(-1)] = True
         ended = np.flatnonzero(batch.episode_end)
         if ended.size:  # SuperSuit resets a finished env within the step
-            n = self.num_agents
             rows = (ended[:, None] * n + np.arange(n)).reshape(-1)
             for row in rows[batch.present[rows]]:
                 infos[row]["terminal_observation"] = _row(observations, row)
