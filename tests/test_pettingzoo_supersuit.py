@@ -287,6 +287,16 @@ def test_bad_input_is_refused_clearly_and_loses_nothing():
     finally:
         venv.close()
         reference.close()
+    discrete = concat_vec_envs(pettingzoo_env_to_vec_env(spread()), 1, base_class="stable_baselines3")
+    try:
+        discrete.reset()
+        discrete.step_async(np.array([0, 7, 0]))
+        with pytest.raises(InvalidInputError, match=r"agent 'agent_1' is invalid: value \[7\] is outside Discrete\(5\)"):
+            discrete.step_wait()
+        discrete.step_async(np.array([0, 4, 0]))
+        assert discrete.step_wait()[0].shape == (3, 18)
+    finally:
+        discrete.close()
 
 
 @pytest.mark.parametrize("restart", [False, True])
