@@ -69,6 +69,7 @@ README_QUICK_STARTS = {  # snippet section of README.md -> what it needs beyond 
     "gymnasium": (),
     "sb3": ("stable_baselines3", "torch"),
     "mlagents": ("mlagents_envs",),
+    "pettingzoo": ("stable_baselines3", "torch", "pettingzoo", "supersuit", "pygame", "pymunk"),
 }
 
 
@@ -96,7 +97,7 @@ def test_readme_quick_start_runs_as_written(name, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=540,
                           env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    if name == "sb3":
+    if name in ("sb3", "pettingzoo"):
         assert "mean episode reward:" in done.stdout
     if name == "mlagents":
         assert re.search(r"worker \d rewards \[", done.stdout), done.stdout

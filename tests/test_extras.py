@@ -35,6 +35,8 @@ IMPORTS = {  # what the user types -> the dependency missing, the extra that bri
     "from envmanager.mlagents import MLAgentsEnvManager": ("mlagents_envs", "mlagents"),
     "from envmanager.mlagents import UnityEnvironmentFactory": ("mlagents_envs", "mlagents"),
     "import envmanager.mlagents.ray_env_manager": ("ray", "ray"),
+    "from envmanager.pettingzoo import concat_vec_envs_v1": ("pettingzoo", "pettingzoo"),
+    "from envmanager.pettingzoo.supersuit_sb3 import SB3VecEnvWrapper": ("stable_baselines3", "sb3"),
     "from envmanager.bench.report import write_plot; write_plot('x.png', [])": ("matplotlib", "bench"),
 }
 

@@ -1,0 +1,282 @@
+"""A drop-in for SuperSuit's vector wrappers, on :class:`ParallelVectorEnv`.
+
+PettingZoo's SB3 tutorials and CleanRL's multi-agent PPO turn a PettingZoo ``ParallelEnv`` into
+a vector env with one row per agent::
+
+    # import supersuit as ss; ss.pettingzoo_env_to_vec_env_v1, ss.concat_vec_envs_v1
+    from envmanager.pettingzoo import concat_vec_envs_v1, pettingzoo_env_to_vec_env_v1
+
+    env = pettingzoo_env_to_vec_env_v1(pistonball_v6.parallel_env())
+    env = concat_vec_envs_v1(env, 8, num_cpus=2, base_class="stable_baselines3")
+
+Same signatures and results as SuperSuit 3.11 (``MarkovVectorEnv`` + ``ConcatVecEnv`` /
+``ProcConcatVec`` + ``SB3VecEnvWrapper``): rows env-major, each env's agents contiguous in
+``possible_agents`` order; an env whose agents are all done is reset within the step, its
+agents' last observations in ``info["terminal_observation"]`` and the reset's infos merged into
+the step's; ``reset(seed)`` seeds env ``i`` with ``seed + i``; ``observation_space`` /
+``action_space`` are one agent's. What differs (``docs/guide/pettingzoo.md``): the envs always
+run in worker processes (``num_cpus`` processes, at least one), agents that die need no
+``black_death`` (their rows are zeros, ``active`` says which rows are real), reset infos are
+kept (``reset_infos`` on the SB3 side), ``seed()`` works, and errors name the env.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import cloudpickle
+import gymnasium
+import numpy as np
+
+from envmanager.errors import InvalidInputError
+from envmanager.extras import requires_extra
+from envmanager.pettingzoo.batch import MultiAgentBatch
+from envmanager.pettingzoo.vector import ParallelVectorEnv
+
+with requires_extra("pettingzoo", __name__):
+    from pettingzoo.utils.env import ParallelEnv
+
+__all__ = ["PettingZooVecEnv", "concat_vec_envs", "concat_vec_envs_v1", "pettingzoo_env_to_vec_env",
+           "pettingzoo_env_to_vec_env_v1"]
+
+BASE_CLASSES = ("gymnasium", "stable_baselines3")
+
+
+class _EnvCopy:
+    """A fresh copy of a PettingZoo env, as SuperSuit makes one per vector env (cloudpickled)."""
+
+    def __init__(self, env: Any) -> None:
+        self.pickled = cloudpickle.dumps(env)
+
+    def __call__(self) -> Any:
+        return cloudpickle.loads(self.pickled)
+
+
+class PettingZooVecEnv(gymnasium.vector.VectorEnv):
+    """SuperSuit's ``ConcatVecEnv`` / ``ProcConcatVec`` (``base_class="gymnasium"``): copies of
+    one PettingZoo ``ParallelEnv`` in worker processes, one row per agent slot.
+
+    ``reset(seed, options)`` returns ``(observations, infos)``, ``infos`` a list with one dict
+    per row; ``step(actions)`` ``(observations, rewards, terminations, truncations, infos)``
+    (``float32`` rewards, ``bool`` flags). An env whose agents are all done is reset in the same
+    step: its present agents' last observations are in ``infos[row]["terminal_observation"]``,
+    the observations are the reset's, and the reset's infos are merged in. Rows of agents that
+    are not in the env (dead, not yet there) are zeros, reward 0, not done: ``active`` (one bool
+    per row) tells the rows whose agent is in the env and acts next; actions of the others are
+    not read; ``reset_infos`` keeps each row's latest reset infos. Made by
+    :func:`concat_vec_envs` (or :func:`pettingzoo_env_to_vec_env`: one env, started at its
+    first ``reset``).
+
+    With ``restart_workers=True`` an env whose process was restarted comes back as a reset, its
+    rows ``truncated`` (the episode was cut short; it has no terminal observation).
+    """
+
+    def __init__(self, env: Any, num_vec_envs: int, num_cpus: int = 0, **kwargs: Any) -> None:
+        self._vector: ParallelVectorEnv | None = None
+        self.par_env = env
+        if isinstance(num_vec_envs, bool) or not isinstance(num_vec_envs, (int, np.integer)) or num_vec_envs < 1:
+            raise InvalidInputError(f"num_vec_envs must be a positive int, got {num_vec_envs!r}")
+        if isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, np.integer)) or num_cpus < 0:
+            raise InvalidInputError(f"num_cpus must be an int >= 0, got {num_cpus!r}")
+        agents = list(env.possible_agents)
+        self.possible_agents = tuple(agents)
+        self.observation_space = env.observation_space(agents[0])
+        self.action_space = env.action_space(agents[0])
+        for agent in agents:
+            if env.observation_space(agent) != self.observation_space or env.action_space(agent) != self.action_space:
+                raise InvalidInputError(
+                    f"agent {agent!r} has other spaces than {agents[0]!r} ({env.observation_space(agent)}, "
+                    f"{env.action_space(agent)} against {self.observation_space}, {self.action_space}): one row per "
+                    "agent needs one space for all (pad them, as SuperSuit's pad_observations_v0 / "
+                    "pad_action_space_v0 do, or use ParallelVectorEnv, which groups agents by space)")
+        self.metadata = dict(getattr(env, "metadata", None) or {})
+        self.render_mode = getattr(env.unwrapped, "render_mode", None)
+        self.num_agents = len(agents)
+        self.num_vec_envs = int(num_vec_envs)
+        self.num_envs = self.num_vec_envs * self.num_agents
+        cpus = max(1, min(int(num_cpus), self.num_vec_envs))
+        #: Envs per process: SuperSuit's split (``ceil(num_vec_envs / num_cpus)``, the last process the rest).
+        self.envs_per_worker = math.ceil(self.num_vec_envs / cpus)
+        self._kwargs = kwargs
+        self._copy = _EnvCopy(env)
+        #: Per row: its agent is in the env and acts next (False: a padded row, its action not read).
+        self.active = np.zeros(self.num_envs, np.bool_)
+        #: Per row: the infos of its env's latest reset (by ``reset()`` or within a step).
+        self.reset_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
+        self._actions: Any = None
+
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def vector(self) -> ParallelVectorEnv:
+        """The :class:`ParallelVectorEnv` underneath (its processes started on first use)."""
+        if self._vector is None:
+            self._vector = ParallelVectorEnv([self._copy] * self.num_vec_envs, envs_per_worker=self.envs_per_worker,
+                                             agent_groups={"agents": list(self.possible_agents)}, **self._kwargs)
+        return self._vector
+
+    def reset(  # type: ignore[override]  # SuperSuit's: infos are a list, one dict per row
+        self, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, list[dict]]:
+        """Reset every env (env ``i`` with ``seed + i``); returns the observations and one info per row."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise InvalidInputError(f"seed must be an int or None, got {seed!r:.80}")
+        batch = self.vector.reset(seed=seed, options=options)
+        self.active = batch.active.copy()
+        self.reset_infos = self._row_infos(batch)
+        return _copy(batch.observation), [dict(info) for info in self.reset_infos]
+
+    def step_async(self, actions: Any) -> None:
+        self._actions = actions
+
+    def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        actions, self._actions = self._actions, None
+        if actions is None:
+            raise InvalidInputError("step_wait() without step_async(actions)")
+        return self.step(actions)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:  # type: ignore[override]
+        vector = self.vector
+        actions = np.asarray(actions)
+        if actions.shape[:1] != (self.num_envs,):
+            raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
+                                    f"envs x {self.num_agents} agents), got shape {actions.shape}")
+        batch = vector.step(actions)
+        observations = _copy(batch.observation)
+        infos = self._row_infos(batch)
+        rewards = batch.reward.astype(np.float32)
+        terminations, truncations = batch.terminated.copy(), batch.truncated.copy()
+        self.active = batch.active.copy()
+        n = self.num_agents
+        cut = np.flatnonzero(batch.restarted)  # its process was restarted: the episode is gone, this is a reset
+        if cut.size:
+            truncations[(cut[:, None] * n + np.arange(n)).reshape(-1)] = True
+        ended = np.flatnonzero(batch.episode_end)
+        if ended.size:  # SuperSuit resets a finished env within the step
+            rows = (ended[:, None] * n + np.arange(n)).reshape(-1)
+            for row in rows[batch.present[rows]]:
+                infos[row]["terminal_observation"] = _row(observations, row)
+            vector.send(np.zeros_like(actions[rows]), env_ids=ended)  # read by no one: the env's next step is its reset
+            reset = vector.recv(len(ended), sort=True)
+            _put_rows(observations, rows, reset.observation)
+            self.active[rows] = reset.active
+            for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):
+                infos[row].update(info)
+                self.reset_infos[row] = info
+        return observations, rewards, terminations, truncations, infos
+
+    def _row_infos(self, batch: MultiAgentBatch) -> list[dict]:
+        return [dict(infos.get(agent, {})) for infos in batch.infos for agent in self.possible_agents]
+
+    # ------------------------------------------------------------------------------------------
+
+    def render(self) -> Any:
+        """The first env's ``render()`` (as SuperSuit)."""
+        return self.vector.call("render", env_ids=[0])[0]
+
+    def get_attr(self, name: str) -> list[Any]:
+        """Each row's env's attribute (an env's value repeated for each of its agents)."""
+        return [value for value in self.vector.call(name) for _ in range(self.num_agents)]
+
+    def env_is_wrapped(self, wrapper_class: type, indices: Any = None) -> list[bool]:
+        """``[False] * num_envs``: PettingZoo envs are not gymnasium wrappers (as SuperSuit)."""
+        return [False] * self.num_envs
+
+    def close(self, **kwargs: Any) -> None:
+        vector, self._vector = self._vector, None
+        if vector is not None:
+            vector.close()
+
+    @property
+    def closed(self) -> bool:  # type: ignore[override]
+        return self._vector is None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_copy(v) for v in tree)
+    return np.array(tree, copy=True)
+
+
+def _row(tree: Any, row: int) -> Any:
+    if isinstance(tree, dict):
+        return {k: _row(v, row) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_row(v, row) for v in tree)
+    return tree[row].copy()
+
+
+def _put_rows(tree: Any, rows: np.ndarray, values: Any) -> None:
+    if isinstance(tree, dict):
+        for k in tree:
+            _put_rows(tree[k], rows, values[k])
+    elif isinstance(tree, tuple):
+        for t, v in zip(tree, values, strict=True):
+            _put_rows(t, rows, v)
+    else:
+        tree[rows] = values
+
+
+def _parallel_env(vec_env: Any) -> Any:
+    """The PettingZoo env behind what ``pettingzoo_env_to_vec_env`` returned (ours or SuperSuit's)."""
+    env = getattr(vec_env, "par_env", None)
+    if env is None:
+        kind = "a PettingZoo ParallelEnv: pass it through pettingzoo_env_to_vec_env first" if isinstance(
+            vec_env, ParallelEnv) else f"{type(vec_env).__name__}"
+        raise InvalidInputError(f"concat_vec_envs takes what pettingzoo_env_to_vec_env returns, got {kind}")
+    return env
+
+
+def pettingzoo_env_to_vec_env(parallel_env: Any) -> PettingZooVecEnv:
+    """SuperSuit's ``pettingzoo_env_to_vec_env_v1``: one PettingZoo ``ParallelEnv`` as a vector
+    env of its agents (one row per agent of ``possible_agents``), for :func:`concat_vec_envs`.
+    Used alone it runs the env in one worker process, started at its first ``reset``. Agents may
+    die (no ``black_death`` needed); all agents must share one observation and action space."""
+    if not isinstance(parallel_env, ParallelEnv):
+        raise InvalidInputError(
+            f"pettingzoo_env_to_vec_env takes a PettingZoo ParallelEnv, got {type(parallel_env).__name__} (an AEC env "
+            "converts with pettingzoo.utils.conversions.aec_to_parallel, or run it with ParallelVectorEnv)")
+    if not getattr(parallel_env, "possible_agents", None):
+        raise InvalidInputError("the env passed to pettingzoo_env_to_vec_env must have possible_agents")
+    return PettingZooVecEnv(parallel_env, 1)
+
+
+def concat_vec_envs(vec_env: Any, num_vec_envs: int, num_cpus: int = 0, base_class: str = "gymnasium",
+                    **kwargs: Any) -> Any:
+    """SuperSuit's ``concat_vec_envs_v1``: ``num_vec_envs`` copies of the env that
+    ``vec_env`` (from :func:`pettingzoo_env_to_vec_env`, ours or SuperSuit's) wraps, in
+    ``num_cpus`` worker processes (0 and 1: one), rows env by env.
+
+    :param base_class: ``"gymnasium"``: a :class:`PettingZooVecEnv` (SuperSuit's gymnasium
+        vector env); ``"stable_baselines3"``: an SB3 ``VecEnv`` around it (extra ``sb3``).
+    :param kwargs: :class:`ParallelVectorEnv` options (``timeout``, ``restart_workers``,
+        ``context``...).
+    """
+    if base_class not in BASE_CLASSES:
+        raise InvalidInputError(f"base_class must be one of {BASE_CLASSES}, got {base_class!r}")
+    env = _parallel_env(vec_env)
+    venv = PettingZooVecEnv(env, num_vec_envs, num_cpus, **kwargs)
+    try:
+        venv.vector  # noqa: B018 (starts the processes now: errors show here, as SuperSuit's)
+        if base_class == "stable_baselines3":
+            from envmanager.pettingzoo.supersuit_sb3 import SB3VecEnvWrapper
+
+            return SB3VecEnvWrapper(venv)
+    except BaseException:
+        venv.close()
+        raise
+    return venv
+
+
+#: SuperSuit's versioned names, so that changing the import is the whole change.
+concat_vec_envs_v1 = concat_vec_envs
+pettingzoo_env_to_vec_env_v1 = pettingzoo_env_to_vec_env

@@ -1,0 +1,326 @@
+"""The SuperSuit drop-in (``envmanager.pettingzoo.concat_vec_envs`` / ``pettingzoo_env_to_vec_env``)
+side by side with SuperSuit 3.11 itself, on real PettingZoo envs with the same seeds and actions:
+observations, rewards, terminations, truncations, infos (``terminal_observation`` included),
+row order, across episode ends, in one process and in several; agents that die (where SuperSuit
+asserts); SB3's PPO through it; bad input."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pettingzoo")
+ss = pytest.importorskip("supersuit")
+
+from envmanager.errors import InvalidInputError  # noqa: E402
+from envmanager.pettingzoo import (  # noqa: E402
+    PettingZooVecEnv,
+    concat_vec_envs,
+    concat_vec_envs_v1,
+    pettingzoo_env_to_vec_env,
+    pettingzoo_env_to_vec_env_v1,
+)
+
+
+def pistonball(**kwargs):
+    from pettingzoo.butterfly import pistonball_v6
+
+    return pistonball_v6.parallel_env(n_pistons=3, max_cycles=kwargs.pop("max_cycles", 8), **kwargs)
+
+
+def spread():
+    from mpe2 import simple_spread_v3
+
+    return simple_spread_v3.parallel_env(N=3, max_cycles=6)
+
+
+def kaz():
+    from pettingzoo.butterfly import knights_archers_zombies_v11
+
+    return knights_archers_zombies_v11.parallel_env(spawn_delay=2, max_zombies=20, max_cycles=130)
+
+
+def theirs(env, n, base_class="gymnasium"):
+    """SuperSuit's own, in this process (``num_cpus=0``: the reference for every ``num_cpus``)."""
+    return ss.concat_vec_envs_v1(ss.pettingzoo_env_to_vec_env_v1(env), n, num_cpus=0, base_class=base_class)
+
+
+def sample_actions(space, rows: int, rng: np.random.Generator) -> np.ndarray:
+    if hasattr(space, "n"):
+        return rng.integers(0, space.n, rows)
+    return rng.uniform(space.low, space.high, (rows, *space.shape)).astype(space.dtype)
+
+
+def assert_infos_equal(got: list[dict], expected: list[dict], what: str) -> int:
+    """Equal infos, row by row; returns how many rows had a terminal observation."""
+    assert len(got) == len(expected), what
+    terminal = 0
+    for row, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert set(g) == set(e), f"{what} row {row}: {sorted(g)} != {sorted(e)}"
+        for key in e:
+            np.testing.assert_array_equal(np.asarray(g[key]), np.asarray(e[key]), err_msg=f"{what} row {row} {key}")
+        terminal += "terminal_observation" in e
+    return terminal
+
+
+def run_side_by_side(ours, reference, steps: int, seed: int) -> int:
+    """Gymnasium side: reset and ``steps`` steps of both with the same actions, everything equal.
+    Returns the number of terminal observations seen (episode ends crossed)."""
+    got, expected = ours.reset(seed=seed), reference.reset(seed=seed)
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert_infos_equal(got[1], expected[1], "reset")
+    assert ours.num_envs == reference.num_envs
+    assert ours.observation_space == reference.observation_space and ours.action_space == reference.action_space
+    rng = np.random.default_rng(seed)
+    ends = 0
+    for t in range(steps):
+        actions = sample_actions(ours.action_space, ours.num_envs, rng)
+        got, expected = ours.step(actions), reference.step(actions)
+        for name, g, e in zip(("observations", "rewards", "terminations", "truncations"), got[:4], expected[:4],
+                              strict=True):
+            np.testing.assert_array_equal(g, e, err_msg=f"step {t}: {name}")
+        assert got[1].dtype == np.float32 and got[2].dtype == got[3].dtype == np.bool_
+        ends += assert_infos_equal(got[4], expected[4], f"step {t}")
+        assert ours.active.all()  # no agent dies here
+    return ends
+
+
+@pytest.mark.parametrize("num_cpus", [0, 2])
+def test_pistonball_equals_supersuit(num_cpus):
+    reference = theirs(pistonball(), 3)
+    ours = concat_vec_envs_v1(pettingzoo_env_to_vec_env_v1(pistonball()), 3, num_cpus=num_cpus)
+    try:
+        assert isinstance(ours, PettingZooVecEnv)
+        assert ours.envs_per_worker == (3 if num_cpus == 0 else 2)  # SuperSuit's split: ceil(3 / 2) per process
+        assert ours.render_mode == reference.render_mode and ours.metadata == reference.metadata
+        ends = run_side_by_side(ours, reference, 20, seed=5)
+        assert ends >= 9  # every env crossed an episode end (3 agents each)
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_mpe_spread_equals_supersuit_on_the_sb3_side():
+    """``base_class="stable_baselines3"``: reset returns observations (infos in ``reset_infos``),
+    step ``dones = terminated | truncated``, terminal observations in the infos."""
+    from stable_baselines3.common.vec_env import VecEnv
+
+    reference = theirs(spread(), 2, "stable_baselines3")
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(spread()), 2, num_cpus=2, base_class="stable_baselines3")
+    try:
+        assert isinstance(ours, VecEnv) and ours.num_envs == reference.num_envs == 6
+        assert ours.seed(7) == [7, 7, 7, 8, 8, 8]  # per row: its env's seed
+        got = ours.reset()
+        expected, _ = reference.venv.reset(seed=7)  # SuperSuit's own reset(seed) / seed() raise AttributeError
+        np.testing.assert_array_equal(got, expected)
+        assert ours.reset_infos == [{}] * 6
+        rng = np.random.default_rng(1)
+        ends = 0
+        for t in range(14):
+            actions = sample_actions(ours.action_space, 6, rng)
+            ours.step_async(actions)
+            reference.step_async(actions)
+            got, expected = ours.step_wait(), reference.step_wait()
+            for g, e in zip(got[:3], expected[:3], strict=True):
+                np.testing.assert_array_equal(g, e, err_msg=f"step {t}")
+            assert got[2].dtype == np.bool_
+            ends += assert_infos_equal(got[3], expected[3], f"step {t}")
+        assert ends == 12  # two episodes of 6 steps, 2 envs x 3 agents
+        assert ours.get_attr("render_mode") == [None] * 6
+        assert ours.get_attr("possible_agents", indices=[0, 5]) == [["agent_0", "agent_1", "agent_2"]] * 2
+        assert ours.env_is_wrapped(object) == [False] * 6
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_one_env_alone_and_supersuits_own_to_vec_env_accepted():
+    """``pettingzoo_env_to_vec_env`` alone is a vector env of one env's agents (started at its
+    first reset); ``concat_vec_envs`` takes SuperSuit's ``MarkovVectorEnv`` as well."""
+    alone = pettingzoo_env_to_vec_env(pistonball())
+    assert alone.closed and alone.num_envs == 3
+    reference = ss.pettingzoo_env_to_vec_env_v1(pistonball())
+    try:
+        run_side_by_side(alone, reference, 10, seed=3)
+    finally:
+        alone.close()
+    from_theirs = concat_vec_envs(ss.pettingzoo_env_to_vec_env_v1(pistonball()), 2)
+    with pytest.raises(InvalidInputError, match="step_wait"):
+        from_theirs.step_wait()
+    try:
+        run_side_by_side(from_theirs, theirs(pistonball(), 2), 3, seed=0)
+    finally:
+        from_theirs.close()
+
+
+def test_agents_that_die_are_padded_where_supersuit_asserts():
+    """KAZ: an archer dies mid-episode. SuperSuit's vector env asserts there (it needs
+    ``black_death``); ours goes on, the dead agent's row zeros, reward 0, not done, not active,
+    its action not read; the others as the env stepped here with the same actions."""
+    seed, n = 1, 2
+    reference = theirs(kaz(), n)
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(kaz()), n, num_cpus=1)
+    envs = [kaz() for _ in range(n)]
+    try:
+        ours.reset(seed=seed)
+        reference.reset(seed=seed)
+        for i, env in enumerate(envs):
+            env.reset(seed=seed + i)
+        names = envs[0].possible_agents
+        rng = np.random.default_rng(0)
+        supersuit_failed, deaths, ends = False, 0, 0
+        for t in range(140):
+            actions = rng.integers(0, 6, ours.num_envs)
+            alive = [[a in env.agents for a in names] for env in envs]
+            unread = np.array([not a for row in alive for a in row])
+            actions[unread] = 99  # out of the space: never read for agents not in the env
+            obs, rewards, terms, truncs, infos = ours.step(actions)
+            if not supersuit_failed:
+                try:
+                    reference.step(np.where(unread, 0, actions))
+                except AssertionError as e:
+                    assert "black_death" in str(e)
+                    supersuit_failed = True
+            for i, env in enumerate(envs):
+                acts = {a: int(actions[i * 4 + k]) for k, a in enumerate(names) if a in env.agents}
+                o, r, te, tr, _ = env.step(acts)
+                done = all(te[a] or tr[a] for a in o)
+                if done:
+                    ends += 1
+                    o_reset, _ = env.reset()
+                for k, agent in enumerate(names):
+                    row = i * 4 + k
+                    if agent in r:
+                        assert rewards[row] == np.float32(r[agent]) and terms[row] == te[agent], f"step {t} {agent}"
+                    else:  # dead: padded
+                        assert rewards[row] == 0 and not terms[row] and not truncs[row]
+                    if done:  # reset within the step: the reset's observation, the last one in the infos
+                        np.testing.assert_array_equal(obs[row], o_reset[agent], err_msg=f"step {t} {agent}")
+                        assert ("terminal_observation" in infos[row]) == (agent in o)
+                        if agent in o:
+                            np.testing.assert_array_equal(infos[row]["terminal_observation"], o[agent])
+                    elif agent in o:
+                        np.testing.assert_array_equal(obs[row], o[agent], err_msg=f"step {t} {agent}")
+                        assert ours.active[row] == (agent in env.agents)  # one that just died is not
+                    else:  # dead: padded, not active
+                        deaths += 1
+                        assert not obs[row].any() and not ours.active[row] and infos[row] == {}
+        assert supersuit_failed and deaths > 0 and ends == n
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_sb3_ppo_trains_through_the_drop_in_with_supersuits_wrappers():
+    """PettingZoo's SB3 tutorial's shape: SuperSuit's observation wrappers on the PettingZoo env,
+    then the drop-in, then PPO with ``VecMonitor``; the wrapped env's first steps equal
+    SuperSuit's own vector env's."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import VecMonitor
+
+    def make():
+        env = pistonball(max_cycles=20, continuous=False)
+        env = ss.color_reduction_v0(env, mode="B")
+        env = ss.resize_v1(env, x_size=48, y_size=48)
+        return ss.frame_stack_v1(env, 3)
+
+    venv = concat_vec_envs_v1(pettingzoo_env_to_vec_env_v1(make()), 2, num_cpus=2, base_class="stable_baselines3")
+    reference = theirs(make(), 2, "stable_baselines3")
+    try:
+        assert venv.observation_space.shape == (48, 48, 3)
+        venv.seed(0)
+        np.testing.assert_array_equal(venv.reset(), reference.venv.reset(seed=0)[0])
+        for _ in range(3):
+            actions = np.random.default_rng(0).integers(0, 3, 6)
+            venv.step_async(actions)
+            reference.step_async(actions)
+            np.testing.assert_array_equal(venv.step_wait()[0], reference.step_wait()[0])
+        monitored = VecMonitor(venv)
+        model = PPO("CnnPolicy", monitored, n_steps=32, batch_size=64, n_epochs=1, seed=0,
+                    policy_kwargs={"normalize_images": True, "features_extractor_kwargs": {"features_dim": 16}})
+        model.learn(total_timesteps=384)
+        assert model.num_timesteps >= 384
+        episodes = list(model.ep_info_buffer)
+        assert episodes and all(1 <= e["l"] <= 20 for e in episodes)  # VecMonitor saw episodes end (max_cycles 20)
+        action, _ = model.predict(venv.reset(), deterministic=True)
+        assert action.shape == (6,)
+    finally:
+        venv.close()
+        reference.close()
+
+
+def test_bad_input_is_refused_clearly_and_loses_nothing():
+    from pettingzoo.butterfly import pistonball_v6
+
+    with pytest.raises(InvalidInputError, match="ParallelEnv"):
+        pettingzoo_env_to_vec_env(pistonball_v6.env(n_pistons=3))  # AEC
+    from mpe2 import simple_adversary_v3
+
+    with pytest.raises(InvalidInputError, match="other spaces"):
+        pettingzoo_env_to_vec_env(simple_adversary_v3.parallel_env())
+    with pytest.raises(InvalidInputError, match="pettingzoo_env_to_vec_env first"):
+        concat_vec_envs(pistonball(), 2)
+    with pytest.raises(InvalidInputError, match="base_class"):
+        concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 2, base_class="stable_baselines")
+    with pytest.raises(InvalidInputError, match="num_vec_envs"):
+        concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 0)
+    with pytest.raises(InvalidInputError, match="num_cpus"):
+        concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 1, num_cpus=-1)
+    venv = concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 2)
+    reference = theirs(pistonball(), 2)
+    try:
+        with pytest.raises(InvalidInputError, match="seed"):
+            venv.reset(seed="0")
+        venv.reset(seed=0)
+        reference.reset(seed=0)
+        with pytest.raises(InvalidInputError, match="one row per agent row"):
+            venv.step(np.zeros((5, 1), np.float32))
+        with pytest.raises(InvalidInputError):
+            venv.step(np.full((6, 1), np.nan, np.float32))  # NaN: not in Box(-1, 1)
+        actions = np.zeros((6, 1), np.float32)  # nothing was sent: the envs step on as SuperSuit's
+        got, expected = venv.step(actions), reference.step(actions)
+        np.testing.assert_array_equal(got[0], expected[0])
+    finally:
+        venv.close()
+        reference.close()
+    discrete = concat_vec_envs(pettingzoo_env_to_vec_env(spread()), 1, base_class="stable_baselines3")
+    try:
+        discrete.reset()
+        discrete.step_async(np.array([0, 7, 0]))
+        with pytest.raises(InvalidInputError, match=r"agent 'agent_1' is invalid: value \[7\] is outside Discrete\(5\)"):
+            discrete.step_wait()
+        discrete.step_async(np.array([0, 4, 0]))
+        assert discrete.step_wait()[0].shape == (3, 18)
+    finally:
+        discrete.close()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
+    """Without restarts, the error names the env; with them, its rows come back as a reset,
+    truncated, the other env's untouched."""
+    import pettingzoo_envs
+    from envmanager.errors import WorkerError
+
+    env = pettingzoo_envs.FailingOnce(pistonball(max_cycles=50), "raise", 1, str(tmp_path / "struck"))
+    venv = concat_vec_envs(pettingzoo_env_to_vec_env(env), 2, num_cpus=2, timeout=20, restart_workers=restart)
+    try:
+        venv.reset(seed=0)
+        actions = np.zeros((6, 1), np.float32)
+        if not restart:
+            with pytest.raises(WorkerError, match="the env blew up"):
+                venv.step(actions)
+            return
+        _, rewards, terms, truncs, infos = venv.step(actions)
+        failed = [i for i in range(2) if truncs[i * 3]]
+        assert len(failed) == 1 and truncs.sum() == 3 and not terms[failed[0] * 3 : failed[0] * 3 + 3].any()
+        rows = slice(failed[0] * 3, failed[0] * 3 + 3)
+        assert not rewards[rows].any() and all("terminal_observation" not in info for info in infos[rows])
+        assert venv.active.all()
+        venv.step(actions)  # and on it goes
+    finally:
+        venv.close()
