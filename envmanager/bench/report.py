@@ -143,10 +143,12 @@ def format_targets(found: Sequence[Target]) -> str:
     if not found:
         return ""
     lines = ["== targets (medians)"]
+    width = max(15, *(len(t.scenario) + 1 for t in found))
+    backend = max(22, *(len(t.backend) + 1 for t in found))
     for t in found:
         mark = "met" if t.met else "MISSED"
         lines.append(
-            f"{t.scenario:<15}{t.what:<32}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
+            f"{t.scenario:<{width}}{t.what:<32}{t.backend:<{backend}}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
         )
     return "\n".join(lines)
 
@@ -181,7 +183,7 @@ def metadata(argv: Sequence[str] | None = None, load_at_start: list[float] | Non
         "versions": {
             m: _version(m)
             for m in ("envmanager", "gymnasium", "numpy", "stable_baselines3", "envpool", "tianshou", "torchrl",
-                      "torch", "ale_py", "mujoco")
+                      "torch", "ale_py", "mujoco", "pettingzoo", "supersuit", "mpe2")
             if m in sys.modules or m in ("envmanager", "gymnasium", "numpy")
         },
     }
