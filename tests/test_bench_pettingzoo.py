@@ -15,7 +15,7 @@ from envmanager.bench import SCENARIOS, Measurement, run_scenario, targets
 from envmanager.bench import pettingzoo_bench as pz
 from envmanager.bench.report import format_table, format_targets
 from envmanager.bench.scenarios import GROUPS
-from test_bench import check_measured, run_cli
+from test_bench import PNG_MAGIC, check_measured, run_cli
 
 pytest.importorskip("pettingzoo", reason="needs the pettingzoo extra")
 
@@ -54,7 +54,10 @@ def test_the_burning_env_is_a_parallel_env():
 
 @pytest.mark.skipif(not SUPERSUIT, reason=SUPERSUIT_MISSING)
 def test_runs_end_to_end_against_supersuit(tmp_path):
-    stdout, data, _ = run_cli(tmp_path, "--scenario", "pettingzoo-200us", "--steps", "96", "--targets", timeout=120)
+    plot = importlib.util.find_spec("matplotlib") is not None  # the bench extra: a bar panel in agent-steps/s
+    stdout, data, png = run_cli(tmp_path, "--scenario", "pettingzoo-200us", "--steps", "96", "--targets", plot=plot,
+                                timeout=120)
+    assert png is None or png.startswith(PNG_MAGIC)
     result = check_measured(data, "pettingzoo-200us", list(pz.CONTENDERS))
     assert result["unit"] == "agent-steps" and result["num_agents"] == 4
     assert result["skipped"] == {}

@@ -61,6 +61,8 @@ class PettingZooResult(ScenarioResult):
 
     notes: list[str] = dataclasses.field(default_factory=list)
     num_agents: int = 0
+    unit: str = "agent-steps"
+    ours: tuple[str, ...] = OURS
     env_step_s: list[float] = dataclasses.field(default_factory=list)  # one env's step in process, seconds
 
     def ratios(self) -> dict[str, dict[str, float]]:
@@ -90,7 +92,7 @@ class PettingZooResult(ScenarioResult):
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "unit": "agent-steps", "num_agents": self.num_agents,
+        return {**super().to_dict(), "unit": self.unit, "num_agents": self.num_agents,
                 "env_step_us": [s * 1e6 for s in self.env_step_s], "notes": list(self.notes)}
 
 
