@@ -11,6 +11,8 @@ are reported as ratios against gymnasium's vector envs measured in the same run.
 * :mod:`~envmanager.bench.runner`: warm-up, interleaved repeats, references, targets;
 * :mod:`~envmanager.bench.sampler_bench`: the ``sampler`` scenario, measured by a module of its own
   (its own contenders, ratios and targets: ``runner.OWN_MODULES``);
+* :mod:`~envmanager.bench.pettingzoo_bench`: the ``pettingzoo`` scenarios (agent-steps/s of
+  ``ParallelVectorEnv`` against SuperSuit's vector envs and in-process stepping), the same way;
 * :mod:`~envmanager.bench.report`: tables, JSON and a PNG chart.
 """
 

@@ -143,10 +143,12 @@ def format_targets(found: Sequence[Target]) -> str:
     if not found:
         return ""
     lines = ["== targets (medians)"]
+    width = max(15, *(len(t.scenario) + 1 for t in found))
+    backend = max(22, *(len(t.backend) + 1 for t in found))
     for t in found:
         mark = "met" if t.met else "MISSED"
         lines.append(
-            f"{t.scenario:<15}{t.what:<32}{t.backend:<22}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
+            f"{t.scenario:<{width}}{t.what:<32}{t.backend:<{backend}}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
         )
     return "\n".join(lines)
 
@@ -181,7 +183,7 @@ def metadata(argv: Sequence[str] | None = None, load_at_start: list[float] | Non
         "versions": {
             m: _version(m)
             for m in ("envmanager", "gymnasium", "numpy", "stable_baselines3", "envpool", "tianshou", "torchrl",
-                      "torch", "ale_py", "mujoco")
+                      "torch", "ale_py", "mujoco", "pettingzoo", "supersuit", "mpe2")
             if m in sys.modules or m in ("envmanager", "gymnasium", "numpy")
         },
     }
@@ -276,7 +278,9 @@ def _plot_bars(ax: Any, r: ScenarioResult) -> None:
     medians = [r.measurements[n].median for n in names]
     low = [m - r.measurements[n].worst for n, m in zip(names, medians, strict=True)]
     high = [r.measurements[n].best - m for n, m in zip(names, medians, strict=True)]
-    colors = ["tab:blue" if n not in BACKENDS or BACKENDS[n].ours else "tab:gray" for n in names]
+    ours = getattr(r, "ours", None)  # scenarios with contenders of their own say which are ours
+    colors = ["tab:blue" if (n in ours if ours is not None else n not in BACKENDS or BACKENDS[n].ours) else "tab:gray"
+              for n in names]
     y = range(len(names))
     ax.barh(list(y), medians, xerr=[low, high], color=colors, capsize=3)
     ax.set_yticks(list(y), names)
@@ -289,4 +293,4 @@ def _plot_bars(ax: Any, r: ScenarioResult) -> None:
         ax.axvline(r.limit, color="tab:red", linestyle="--", label=f"limit {r.limit:,.0f}/s")
         ax.legend(loc="lower right", fontsize=8)
     ax.set_title(f"{r.name}: {r.scenario.description}", fontsize=10)
-    ax.set_xlabel("env-steps per second (median; whiskers: min to best)")
+    ax.set_xlabel(f"{getattr(r, 'unit', 'env-steps')} per second (median; whiskers: min to best)")

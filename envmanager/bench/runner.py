@@ -43,7 +43,7 @@ PEER_COLUMNS = {
 #: Scenarios measured by a module of their own (kind -> module with ``run(scenario, steps, repeats,
 #: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.
 OWN_MODULES = {"sampler": "envmanager.bench.sampler_bench", "ray": "envmanager.bench.ray_bench",
-               "unity-trainer": "envmanager.bench.unity_trainer"}
+               "unity-trainer": "envmanager.bench.unity_trainer", "pettingzoo": "envmanager.bench.pettingzoo_bench"}
 #: The fixed layouts ``envmanager-auto`` is compared with (1 env per process, n_env // cores, and
 #: one process per core but the parent's, double buffered).
 FIXED_CHOICES = (FIRST_READY, PACKED, PARENT_CORE)

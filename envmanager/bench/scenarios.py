@@ -82,6 +82,14 @@ def unity_env(env_id: int) -> Any:  # pragma: no cover - depends on the ML-Agent
     raise NotImplementedError("the unity scenario is run by its own backend")
 
 
+def pettingzoo_env(name: str, env_id: int) -> Any:
+    """``pettingzoo``: the PettingZoo env ``name`` of ``envmanager.bench.pettingzoo_envs`` (imported
+    here, when called: PettingZoo is an optional dependency)."""
+    from envmanager.bench import pettingzoo_envs
+
+    return getattr(pettingzoo_envs, name)(env_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # Scenarios
 
@@ -102,7 +110,8 @@ class Scenario:
         kind: ``"gym"`` (gymnasium envs from ``factory``) or ``"unity"`` (fake Unity players,
             run by the backends' ML-Agents variants; ``factory`` unused), or a scenario measured by a
             module of its own, with its own contenders (``"sampler"``: ``envmanager.bench.sampler_bench``,
-            ``"ray"``: ``envmanager.bench.ray_bench``; see ``runner.OWN_MODULES``; ``--backends``
+            ``"ray"``: ``envmanager.bench.ray_bench``, ``"pettingzoo"``: ``envmanager.bench.pettingzoo_bench``,
+            whose ``steps`` are agent-steps; see ``runner.OWN_MODULES``; ``--backends``
             does not apply).
         requires: ``"module"`` or ``"module:attribute"`` that must import for the scenario to run.
         action_dim: continuous actions: vectors of this size, uniform in [-1, 1] (else Discrete).
@@ -151,6 +160,29 @@ def pinned(scenario: Scenario) -> Scenario:
         return scenario
     group = "pinned" if scenario.group == "sweep" else scenario.group  # its curve: the pinned one
     return replace(scenario, name=f"{scenario.name}+pin", pin=True, measure_limit=True, group=group)
+
+
+def _pettingzoo() -> list[Scenario]:
+    """``pettingzoo``: a cheap, a costly and a set-cost PettingZoo env (8 of each; ``steps`` are
+    agent-steps), on 2 shared cores and pinned."""
+    spread = "8 MPE simple_spread_v3 (3 agents, Discrete(5), mpe2)"
+    piston = "8 pistonball_v6 (20 pistons, 457x120 RGB observations, Box actions)"
+    burn = "8 PettingZoo envs of 4 agents burning 200us of CPU per step"
+    pin = "; parent pinned to a core of its own, workers to the rest"
+    made = functools.partial(pettingzoo_env, "spread"), functools.partial(pettingzoo_env, "pistonball")
+    out = []
+    for prefix, pinned_, where in (("", False, ""), ("pinned-", True, pin)):
+        out += [
+            Scenario(f"{prefix}pettingzoo-spread", spread + where, made[0], 8, 24_000, n_actions=5,
+                     measure_limit=True, kind="pettingzoo", requires=("mpe2",), group="pettingzoo", pin=pinned_),
+            Scenario(f"{prefix}pettingzoo-pistonball", piston + where, made[1], 8, 4_000, action_dim=1,
+                     measure_limit=True, kind="pettingzoo", requires=("pettingzoo.butterfly.pistonball_v6",),
+                     group="pettingzoo", pin=pinned_),
+            Scenario(f"{prefix}pettingzoo-200us", burn + where, functools.partial(pettingzoo_env, "burn"), 8, 32_000,
+                     n_actions=3, measure_limit=True, kind="pettingzoo", requires=("pettingzoo",), group="pettingzoo",
+                     step_cost=200e-6, pin=pinned_),
+        ]
+    return out
 
 
 def _sweep(cost: float) -> Scenario:
@@ -209,6 +241,7 @@ SCENARIOS: dict[str, Scenario] = {
             "ray", "2 Ray nodes (actors here) x 4 CartPole-v1, fragments of 256 steps, policy on the nodes",
             cartpole, 8, 100_000, kind="ray", requires=("ray",),
         ),
+        *_pettingzoo(),
         Scenario(
             "unity", "8 fake Unity players (gRPC), step latency {:g} ms + uniform [0, {:g} ms]".format(
                 *(1e3 * t for t in UNITY_LATENCY)), unity_env, 8, 1_000,
