@@ -237,3 +237,28 @@ def test_past_the_restart_limits_the_run_ends_as_on_a_unity_failure(tmp_path):
     assert re.search(r"RestartLimitError: worker [01] ", log), log[-3000:]
     assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
     check_clean_exit(run)
+
+
+def test_batched_inference_switch(tmp_path, monkeypatch):
+    """``--batched-inference`` (auto by default, on, off) reaches the env manager ML-Agents'
+    ``run_training`` builds; a bad value is refused by the parser; ML-Agents' options pass on."""
+    from mlagents.trainers import learn as mlagents_learn
+
+    from envmanager.mlagents import learn
+
+    for argv, expected in (([], None), (["--batched-inference=on"], True), (["--batched-inference", "off"], False)):
+        ours, rest, _ = learn.split_arguments(["config.yaml", "--num-envs=3", *argv])
+        assert rest == ["config.yaml", "--num-envs=3"]
+        factory = learn.env_manager_factory(ours.ray_address, ours.batched_inference)
+        assert factory.keywords == {"batched_inference": expected}
+    with pytest.raises(SystemExit):
+        learn.split_arguments(["--batched-inference=sometimes"])
+    built = []
+    monkeypatch.setattr(mlagents_learn, "run_cli", lambda options: built.append(mlagents_learn.SubprocessEnvManager))
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(100)))
+    assert learn.main([str(config), "--env=player", "--batched-inference=off"]) == 0
+    (factory,) = built  # what run_training would have called, during the run
+    assert factory.keywords == {"batched_inference": False}
