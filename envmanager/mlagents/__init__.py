@@ -34,6 +34,8 @@ _EXPORTS = {
     "UnityPortInUseError": "envmanager.mlagents.worker_env",
     "normalize_env_parameters": "envmanager.mlagents.settings",
     "normalize_engine_config": "envmanager.mlagents.settings",
+    "BatchedInferenceError": "envmanager.mlagents.batched",
+    "BatchedPolicy": "envmanager.mlagents.batched",
     "RayMLAgentsEnvManager": "envmanager.mlagents.ray_env_manager",  # extra ``ray``
 }
 

@@ -21,7 +21,9 @@ from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S
 from envmanager.core.results import StepInfo
 from envmanager.errors import InvalidInputError, ManagerClosedError
-from envmanager.mlagents.checks import call_if_present, check_action, is_empty, port_errors
+from envmanager.mlagents.acting import InferenceCounts, choose_actions
+from envmanager.mlagents.batched import BatchedCall, batched_call
+from envmanager.mlagents.checks import call_if_present, port_errors
 from envmanager.mlagents.player_process import PlayerProcesses
 from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
@@ -30,6 +32,7 @@ from envmanager.mlagents.trainer import (
     cut_stats,
     end_worker_episodes,
     environment_initialized,
+    inference_stats,
     manager_options,
     merge_worker_timers,
     training_started,
@@ -63,6 +66,12 @@ class MLAgentsEnvManager:
             gRPC state must not be forked.
         training_analytics: give worker 0's env a training-analytics channel, as ML-Agents'
             trainer does (set by :meth:`from_run_options`).
+        batched_inference: ``None`` (default): one policy call per behaviour for every idle
+            worker where the policy has a batched call (its own ``get_actions``, or ML-Agents'
+            torch policy on a supported ``mlagents``: :mod:`envmanager.mlagents.batched`), one
+            ``get_action`` per worker otherwise; ``True``: batched, and a policy that cannot be is
+            refused (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
+            ``get_action`` per worker, as ML-Agents' manager.
     """
 
     def __init__(
@@ -78,8 +87,12 @@ class MLAgentsEnvManager:
         restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
         context: str | None = None,
         training_analytics: bool = False,
+        batched_inference: bool | None = None,
     ) -> None:
         self._closed = True
+        self.batched_inference = batched_inference
+        self._batched: dict[str, BatchedCall] = {}  # behavior_name -> its policy's batched call
+        self.inference_counts = InferenceCounts()  # policy calls and the worker requests they served
         self.run_options: Any = None
         self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
         self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
@@ -164,8 +177,17 @@ class MLAgentsEnvManager:
     def set_policy(self, behavior_name: str, policy: Any) -> None:
         """Act for ``behavior_name`` with ``policy.get_action(decision_steps, worker_id) -> ActionInfo``.
 
-        Behaviours without a policy get empty actions (zeros), as in ML-Agents.
+        Behaviours without a policy get empty actions (zeros), as in ML-Agents. With a batched
+        call (see ``batched_inference``) the policy acts for every idle worker in one call.
         """
+        if policy is not self.policies.get(behavior_name) or behavior_name not in self.policies:
+            call = None
+            if self.batched_inference is not False and policy is not None:
+                call = batched_call(policy, behavior_name, required=self.batched_inference is True)
+            if call is None:
+                self._batched.pop(behavior_name, None)
+            else:
+                self._batched[behavior_name] = call
         self.policies[behavior_name] = policy
         if behavior_name in self.agent_managers:
             self.agent_managers[behavior_name].policy = policy
@@ -249,8 +271,8 @@ class MLAgentsEnvManager:
         with port_errors(self._for_trainer):
             self._held += m.receive_steps(min_count=0)  # no wait: what came in already
             waiting = {info.worker_id for info in self._held}
-            actions = {w: self._actions_for(w) for w in m.idle_worker_ids
-                       if w not in waiting and m.failure_of(w) is None}  # all checked before any is sent
+            actions = self._actions_for([w for w in m.idle_worker_ids
+                                         if w not in waiting and m.failure_of(w) is None])  # all checked first
             if actions:
                 m.send_step(actions)
             infos, self._held = self._held, []
@@ -358,32 +380,28 @@ class MLAgentsEnvManager:
             if latest is not None:
                 self.set_policy(name, latest)
 
-    def _actions_for(self, worker_id: int) -> SentActions:
-        """``behavior_name -> ActionTuple`` for one idle worker, from its latest result the
-        trainer was handed, with the ActionInfos they came from (they go with the request).
+    def _actions_for(self, worker_ids: list[int]) -> dict[int, SentActions]:
+        """``behavior_name -> ActionTuple`` for each idle worker, from its latest result the
+        trainer was handed, with the ActionInfos they came from (they go with the request): one
+        policy call per behaviour for all of them where it is batched, else one per worker
+        (:mod:`envmanager.mlagents.acting`). Statistics of the calls go to the agent managers.
 
         Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
         stepped.
         """
-        info = self._last.get(worker_id)
-        if info is None:
-            raise InvalidInputError(f"worker {worker_id} must be reset before it is stepped")
-        specs = self._specs.get(worker_id) or self.training_behaviors
-        action_infos: dict[str, ActionInfo] = {}
-        env_actions: dict[str, Any] = {}
-        for name, (decision_steps, _) in info.current_result.observation.items():
-            policy = self.policies.get(name)
-            if policy is None:
-                continue
-            action_info = policy.get_action(decision_steps, worker_id)
-            action_infos[name] = action_info
-            n = len(decision_steps)
-            env_action = getattr(action_info, "env_action", action_info)
-            if n == 0 or (is_empty(env_action) and not len(getattr(action_info, "agent_ids", ()) or ())):
-                continue
-            check_action(name, worker_id, env_action, n, specs.get(name))
-            env_actions[name] = env_action
-        return SentActions(env_actions, action_infos)
+        results = {}
+        for w in worker_ids:
+            info = self._last.get(w)
+            if info is None:
+                raise InvalidInputError(f"worker {w} must be reset before it is stepped")
+            results[w] = info.current_result.observation
+        specs = {w: self._specs.get(w) or self.training_behaviors for w in worker_ids}
+        sent, served = choose_actions(results, self.policies, self._batched, specs, self.inference_counts)
+        for name, sizes in served.items():
+            agent_manager = self.agent_managers.get(name)
+            if agent_manager is not None:
+                call_if_present(agent_manager, "record_environment_stats", inference_stats(sizes), 0)
+        return sent
 
     def _environment_step(self, info: StepInfo) -> EnvironmentStep:
         worker_id = info.worker_id

@@ -16,6 +16,11 @@ Options of envmanager-learn's own (ML-Agents' options go to ML-Agents unchanged)
 
 * ``--ray-address ADDRESS``: run the players on the nodes of a Ray cluster
   (:mod:`envmanager.mlagents.ray_env_manager`); the trainer stays here.
+* ``--batched-inference {auto,on,off}``: one policy call per behaviour for every ready player
+  (:mod:`envmanager.mlagents.batched`). ``auto`` (default): batched where the policy supports it
+  (ML-Agents' torch policy, with a supported ``mlagents``), else one call per player with a
+  warning saying why; ``on``: batched or the run stops with the reason; ``off``: one call per
+  player, as ``mlagents-learn``.
 
 This module imports ``mlagents`` only when it runs, so the ``forkserver`` that starts the
 workers (it imports ``__main__``, this console script) stays light.
@@ -37,16 +42,25 @@ INSTALL_HINT = (
 )
 
 
+#: ``--batched-inference`` -> ``MLAgentsEnvManager(batched_inference=...)``
+BATCHED_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def _own_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envmanager-learn", add_help=False, allow_abbrev=False,
-        usage="envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS]",
+        usage="envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--batched-inference {auto,on,off}]",
         description="envmanager-learn's own options (every other argument is mlagents-learn's):",
     )
     parser.add_argument(
         "--ray-address", default=None, metavar="ADDRESS",
         help="run the players on the nodes of this Ray cluster ('auto': the one this machine belongs to); "
              "the trainer stays here",
+    )
+    parser.add_argument(
+        "--batched-inference", choices=sorted(BATCHED_MODES), default="auto",
+        help="one policy call per behaviour for every ready player: auto (default: where the policy supports "
+             "it), on (or stop), off (one call per player, as mlagents-learn)",
     )
     return parser
 
@@ -60,17 +74,18 @@ def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str],
     return ours, rest + argv[cut:], "-h" in rest or "--help" in rest
 
 
-def env_manager_factory(ray_address: str | None = None) -> Callable[..., Any]:
+def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto") -> Callable[..., Any]:
     """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
+    import functools
+
+    batched = BATCHED_MODES[batched_inference]
     if ray_address is None:
         from envmanager.mlagents.env_manager import MLAgentsEnvManager
 
-        return MLAgentsEnvManager.from_run_options
-    import functools
-
+        return functools.partial(MLAgentsEnvManager.from_run_options, batched_inference=batched)
     from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager
 
-    return functools.partial(RayMLAgentsEnvManager.from_run_options, address=ray_address)
+    return functools.partial(RayMLAgentsEnvManager.from_run_options, address=ray_address, batched_inference=batched)
 
 
 @contextmanager
@@ -91,7 +106,7 @@ def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterato
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS]``."""
+    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--batched-inference MODE]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     ours, rest, help_asked = split_arguments(args)
     try:
@@ -106,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_own_parser().format_help().rstrip())
         return 0
     options = learn.parse_command_line(rest)
-    with using_env_manager(learn, env_manager_factory(ours.ray_address)):
+    with using_env_manager(learn, env_manager_factory(ours.ray_address, ours.batched_inference)):
         learn.run_cli(options)
     return 0
 

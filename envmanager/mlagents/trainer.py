@@ -29,6 +29,8 @@ __all__ = [
     "manager_options",
     "end_worker_episodes",
     "cut_stats",
+    "inference_stats",
+    "PLAYERS_PER_INFERENCE",
     "merge_worker_timers",
     "CUT_AGENT_EPISODES",
     "DROPPED_EXPERIENCES",
@@ -43,6 +45,9 @@ DEADLINE_MARGIN = 60.0
 #: Trainer statistics of the episodes restarts cut (per behaviour, summed per summary period).
 CUT_AGENT_EPISODES = "Env Manager/Cut Agent Episodes"
 DROPPED_EXPERIENCES = "Env Manager/Dropped Experiences"
+#: Trainer statistic: how many players each policy call acted for (averaged per summary period;
+#: 1 without batched inference).
+PLAYERS_PER_INFERENCE = "Env Manager/Players per Inference"
 
 
 def manager_options(run_options: Any) -> dict[str, Any]:
@@ -105,6 +110,13 @@ def cut_stats(agents: int, experiences: int) -> dict[str, list[tuple[float, Any]
 
     return {CUT_AGENT_EPISODES: [(float(agents), StatsAggregationMethod.SUM)],
             DROPPED_EXPERIENCES: [(float(experiences), StatsAggregationMethod.SUM)]}
+
+
+def inference_stats(sizes: list[int]) -> dict[str, list[tuple[float, Any]]]:
+    """The policy calls of one step as environment statistics: the players each one acted for."""
+    from mlagents_envs.side_channel.stats_side_channel import StatsAggregationMethod
+
+    return {PLAYERS_PER_INFERENCE: [(float(n), StatsAggregationMethod.AVERAGE) for n in sizes]}
 
 
 def merge_worker_timers(roots: list[Any]) -> None:

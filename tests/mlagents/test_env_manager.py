@@ -249,7 +249,11 @@ def test_env_parameters_and_engine_settings_reach_players_and_come_back(fake_pla
         assert [(w, n) for w, n, _, _ in reset_experiences] == [(0, 2), (1, 2)]
         assert all(info == ActionInfo.empty() for *_, info in reset_experiences)
         assert all(info.agent_ids == [0, 1] for *_, info in agent_manager.experiences[2:])
-        assert len(agent_manager.stats) == len(agent_manager.experiences)
+        # the players' stats with each step; and per policy call, how many players it acted for
+        # (TargetPolicy has no batched call: one each)
+        calls = [stats for _, stats in agent_manager.stats if "Env Manager/Players per Inference" in stats]
+        assert len(agent_manager.stats) - len(calls) == len(agent_manager.experiences)
+        assert calls and all(v == 1.0 for stats in calls for v, _ in stats["Env Manager/Players per Inference"])
         assert manager.manager.replay_calls == [
             ("set_engine_config", ({"time_scale": 20.0},), {}),
             ("set_env_parameters", ({"gravity": 9.5, "mass": normalize_env_parameters({"m": sampler})["m"],

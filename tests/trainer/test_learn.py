@@ -59,7 +59,10 @@ def test_trains_to_the_end(trained):
     assert len(rewards) >= 4, rewards
     assert rewards[-1] > 35 and rewards[-1] > rewards[0] + 10, rewards
     check_clean_exit(run)
-    check_accounting(run)
+    check_accounting(run)  # batched inference (the default): every experience holds its player's action
+    # one policy call acted for both players whenever both were ready (TensorBoard: the mean per period)
+    per_call = [value for _, value in run.scalars("Env Manager/Players per Inference")]
+    assert per_call and all(1.0 <= v <= 2.0 for v in per_call) and max(per_call) > 1.0, per_call
     # the workers' timers are in timers.json, as ML-Agents' own manager puts them
     timers = json.loads((run.results / run.run_id / "run_logs" / "timers.json").read_text())
     workers = find_timer(timers, "workers")
@@ -174,7 +177,8 @@ def test_killed_player_is_restarted_alone(tmp_path):
 def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
     """Ctrl-C (SIGINT to the trainer's process group, as a terminal sends it): ML-Agents saves a
     checkpoint of where it got to and exits 0; nothing is left running."""
-    run = TrainerRun(tmp_path, trainer_config(1_000_000), hooked=False)  # the console script, as typed
+    # the console script, as typed; one inference per player (the switch off)
+    run = TrainerRun(tmp_path, trainer_config(1_000_000), hooked=False, extra_args=["--batched-inference=off"])
     run.killed = set()
     try:
         run.start()
@@ -192,6 +196,8 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path):
     assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
     assert all(p.exit is not None for p in run.players()), [p.pid for p in run.players() if p.exit is None]
     check_clean_exit(run)
+    per_call = [value for _, value in run.scalars("Env Manager/Players per Inference")]
+    assert per_call and all(v == 1.0 for v in per_call), per_call
 
 
 def test_help_only_before_env_args(tmp_path, monkeypatch, capsys):
@@ -231,3 +237,28 @@ def test_past_the_restart_limits_the_run_ends_as_on_a_unity_failure(tmp_path):
     assert re.search(r"RestartLimitError: worker [01] ", log), log[-3000:]
     assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()
     check_clean_exit(run)
+
+
+def test_batched_inference_switch(tmp_path, monkeypatch):
+    """``--batched-inference`` (auto by default, on, off) reaches the env manager ML-Agents'
+    ``run_training`` builds; a bad value is refused by the parser; ML-Agents' options pass on."""
+    from mlagents.trainers import learn as mlagents_learn
+
+    from envmanager.mlagents import learn
+
+    for argv, expected in (([], None), (["--batched-inference=on"], True), (["--batched-inference", "off"], False)):
+        ours, rest, _ = learn.split_arguments(["config.yaml", "--num-envs=3", *argv])
+        assert rest == ["config.yaml", "--num-envs=3"]
+        factory = learn.env_manager_factory(ours.ray_address, ours.batched_inference)
+        assert factory.keywords == {"batched_inference": expected}
+    with pytest.raises(SystemExit):
+        learn.split_arguments(["--batched-inference=sometimes"])
+    built = []
+    monkeypatch.setattr(mlagents_learn, "run_cli", lambda options: built.append(mlagents_learn.SubprocessEnvManager))
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(100)))
+    assert learn.main([str(config), "--env=player", "--batched-inference=off"]) == 0
+    (factory,) = built  # what run_training would have called, during the run
+    assert factory.keywords == {"batched_inference": False}
