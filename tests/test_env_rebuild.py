@@ -15,6 +15,7 @@ import pytest
 
 from envmanager import RestartLimitError, SubprocessEnvManager, WorkerError
 from envmanager.core.batch import BatchEnvManager
+from envmanager.sampler import Sampler
 from envmanager.testing.envs import ControlledEnv, EnvFactory
 
 DEADLINE_S = 30.0  # every loop below gives up after this long (a loaded machine, not a timing claim)
@@ -135,6 +136,48 @@ def test_restarts_off_raise_the_env_error_as_before():
         assert caught.value.worker_id == 1 and "failed on purpose" in str(caught.value)
         assert m.restart_count(0) == 0 and m.generation(1) == 0 and m.workers[0].pid == pid
         assert m.get_attr("total_steps") == [2, 2]  # env 1 is the same env (its second step raised)
+
+
+class RaisesOnce:
+    """``ControlledEnv`` s of 1000-step episodes; the first env made for slot 1 raises in its
+    third step (a file remembers it: the rebuilt one does not)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, slot: int) -> ControlledEnv:
+        if slot == 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            return ControlledEnv(slot, episode_length=1000, fault="raise", fault_at=3)
+        return ControlledEnv(slot, episode_length=1000)
+
+
+class CountingPolicy:
+    def __call__(self, observations, worker_ids):
+        return np.ones(len(worker_ids), dtype=np.int64)
+
+
+def test_the_sampler_cuts_only_the_rebuilt_slots_episode(tmp_path):
+    with Sampler(RaisesOnce(str(tmp_path / "raised")), 2, CountingPolicy(), envs_per_worker=2, timeout=30,
+                 restart_workers=True) as sampler:
+        pid = sampler.manager.worker_of(0).pid
+        batch = sampler.obtain_steps(20)
+        assert sampler.manager.worker_of(0).pid == pid and sampler.manager.restart_count(1) == 1
+    rows0 = batch.worker_ids == 0
+    rows1 = batch.worker_ids == 1
+    # slot 0: one episode (id 0), never cut, its step counter counting on through the fault
+    assert set(batch.episode_ids[rows0].tolist()) == {0} and not batch.interrupted[rows0].any()
+    t0 = batch.observations[rows0][:, 0]
+    assert t0.tolist() == list(range(len(t0)))
+    # slot 1: its first episode (id 1) cut after its two steps, the next one (id 3) fresh
+    assert sampler.cut_episodes == [1]
+    assert batch.episode_ids[rows1].tolist()[:2] == [1, 1] and batch.interrupted[rows1][:2].all()
+    assert set(batch.episode_ids[rows1].tolist()[2:]) == {3} and not batch.interrupted[rows1][2:].any()
+    t1 = batch.observations[rows1][2:, 0]
+    assert t1.tolist() == list(range(len(t1)))
+    counters = sampler.stats.counters
+    assert counters["worker_restarts"] == 1 and counters["interrupted_episodes"] == 1
+    assert counters.get("failed_episodes", 0) == 0
 
 
 def test_the_sb3_drop_in_ends_only_the_rebuilt_envs_episode():
