@@ -3,9 +3,10 @@ remembers it across processes and restarts), and the env's observation shows wha
 so a test can check the data, not only the error.
 
 Observation ``[t, last action received, nonce, length]``: ``t`` counts the episode's steps, the
-nonce is unique to one env episode (its process id, slot and reset count; ``pid_of`` reads the
-process back), so an episode id that spans two env episodes shows two nonces, and a duplicated
-step shows the same ``t`` twice.
+nonce is unique to one env episode (its process id, slot and the process's reset count, so an
+env rebuilt in its process never repeats one; ``pid_of`` reads the process back), so an
+episode id that spans two env episodes shows two nonces, and a duplicated step shows the same
+``t`` twice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ENV_FAULTS = ("step_raise", "step_kill", "step_hang", "reset_raise", "reset_kill
 #: Faults of the policy: it raises, or gives one action too few, a fraction, a value out of range.
 POLICY_FAULTS = ("policy_raise", "policy_count", "policy_dtype", "policy_range")
 FAULT_SLOT = 1
+_RESETS_HERE = 0  # resets of every env in this process (for the nonce)
 
 
 def strike(marker: str) -> bool:
@@ -64,7 +66,9 @@ class FaultEnv(gym.Env):
         self.resets += 1
         self._maybe("reset", self.resets, 3)
         self.length = 3 + int(self.np_random.integers(0, 6))
-        self.nonce = float((os.getpid() * 100 + self.slot) * 100_000 + self.resets)  # exact in a float64
+        global _RESETS_HERE
+        _RESETS_HERE += 1  # counted per process, not per env: an env rebuilt in its process starts at 0 again
+        self.nonce = float((os.getpid() * 100 + self.slot) * 100_000 + _RESETS_HERE)  # exact in a float64
         self.t, self.last = 0, -1.0
         return self._obs(), {}
 

@@ -162,7 +162,8 @@ class CoreSchedule:
         self.needs_reset = [False] * N  # its env raised (restarts off)
         self.dirty = False  # a whole reset failed: every slot's state unknown until the next one
         self.armed: dict[int, set[str]] = {s: set() for s in range(N)}  # commands written, by slot
-        self.faulted: set[int] = set()  # processes that had a fault (a restart may cut their episodes)
+        self.faulted: set[int] = set()  # processes killed or hung (a restart cuts all their episodes)
+        self.raised: set[int] = set()  # slots whose env raised (restarts on: that env alone is rebuilt)
         self.killed: set[int] = set()  # processes killed (restarts off: to be given up)
         self.hangs = 0
         self.given_up: EnvManagerError | None = None
@@ -186,9 +187,12 @@ class CoreSchedule:
         return bool(gone)
 
     def note_fired(self) -> None:
-        """With restarts on, a command that acted is a restart of its process."""
+        """With restarts on, a command that acted is a rebuild of its env (it raised) or a
+        restart of its process (it hung)."""
         for slot in range(N):
-            if self.armed[slot] and self.fired(slot, ("step_raise", "reset_raise", "step_hang")):
+            if self.armed[slot] and self.fired(slot, ("step_raise", "reset_raise")):
+                self.raised.add(slot)
+            if self.armed[slot] and self.fired(slot, ("step_hang",)):
                 self.faulted.add(self.process(slot))
 
     # -- what comes back ------------------------------------------------------------------------
@@ -201,7 +205,8 @@ class CoreSchedule:
             TALLY["interrupted results"] += 1
             self.note_fired()
             assert self.restarts, f"slot {s}: an interrupted result without restarts"
-            assert self.process(s) in self.faulted, f"slot {s} interrupted, but its process had no fault"
+            assert s in self.raised or self.process(s) in self.faulted, \
+                f"slot {s} interrupted, but neither its env raised nor its process was killed or hung"
             assert obs[T] == 0, f"slot {s}: an interrupted result is not a fresh reset"
             assert prev is None or obs[NONCE] != prev[NONCE], f"slot {s}: interrupted, yet the same env"
             if self.sent[s] is not None:
@@ -305,7 +310,8 @@ class CoreSchedule:
             prev = self.last[s]
             assert obs[SLOT] == s and obs[T] == 0 and obs[LAST] == -1, f"slot {s}: reset gave {obs}"
             if info.interrupted:
-                assert self.restarts and self.process(s) in self.faulted, f"slot {s}: interrupted reset"
+                assert self.restarts and (s in self.raised or self.process(s) in self.faulted), \
+                    f"slot {s}: interrupted reset"
             elif prev is not None and obs[NONCE] == prev[NONCE]:
                 assert obs[EPISODE] > prev[EPISODE], f"slot {s}: a reset that started no new episode"
             self.last[s], self.sent[s], self.needs_reset[s] = obs, None, False

@@ -221,13 +221,15 @@ class BatchEnvManager:
         self.pool.replay_calls = list(calls)
 
     def restart_count(self, worker_id: int) -> int:
-        """How often the process hosting ``worker_id`` was restarted (quotas are per process)."""
+        """How often the process hosting ``worker_id`` was restarted or had an env rebuilt
+        (quotas are per process)."""
         return self.pool.restart_policy.counts[int(self.slot_process[worker_id])]
 
     def generation(self, worker_id: int) -> int:
-        """How many times the process hosting ``worker_id`` was replaced (0 until its first
-        restart): answers from a newer generation come from fresh envs."""
-        return self.worker_of(worker_id).generation
+        """How many times ``worker_id``'s env was replaced — its process restarted, or the env
+        rebuilt in place after it raised (0 until then): answers from a newer generation come
+        from a fresh env, so its episode was cut. A neighbour's rebuild leaves it unchanged."""
+        return self.pool.generation(worker_id, self._slot_process_list[worker_id])
 
     def report_failure(self, worker_id: int, error: EnvManagerError) -> EnvManagerError | None:
         """A failure of ``worker_id``'s env that the caller found in an answer (an env update

@@ -6,7 +6,8 @@ per lane of a double-buffered process (``envmanager.core.process``) — and turn
 back through the answer transport (the shared step queue, or each worker's own pipe:
 ``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
 :class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
-following the life cycle drawn in ``envmanager.core.process``.
+following the life cycle drawn in ``envmanager.core.process``; an env that raised in a step or
+reset of a healthy process is rebuilt there instead (``_env_failed``), within the same policy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from envmanager.core.completion import Completion, error_slot, worker_error
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
+from envmanager.core.rebuild import EnvRebuilds, delivered
 from envmanager.core.restart import RestartPolicy
 from envmanager.errors import (
     EnvManagerError,
@@ -63,6 +65,8 @@ from envmanager.worker.main import WorkerSpec
 logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
+_RESETS = (Cmd.RESET, Cmd.REBUILD)  # requests that carry a seed and options per env
+_ANSWERED_BY_RESET = (Cmd.STEP, Cmd.RESET, Cmd.REBUILD)  # by a restart's fresh reset, ``interrupted``
 
 __all__ = ["WorkerPool", "make_specs", "get_context"]
 
@@ -82,6 +86,8 @@ class WorkerPool:
         self.buffers: SharedBuffers | None = None
         #: ``(method name, args, kwargs)`` called on a restarted process's envs before its reset.
         self.replay_calls: list[tuple[str, tuple, dict]] = []
+        #: How often each slot's env was rebuilt in its process (``envmanager.core.rebuild``).
+        self.rebuilds = EnvRebuilds(sum(len(spec.env_ids) for spec in specs))
         self._seq = 0
         self._version = 0  # bumped whenever the set of watched processes may change
         self._poll_version = -1
@@ -248,13 +254,18 @@ class WorkerPool:
                     self._on_failure(w, error, completions, request)
                 continue
             if type(answer) is Stepped and answer.failures and self.restart_policy.enabled:
-                # Restarts are on: an env that raised takes its process through a restart.
-                first = min(answer.failures)
-                self._on_failure(w, worker_error(answer.failures[first], w.index), completions, request)
+                # Restarts are on: an env that raised is rebuilt (or its process restarted).
+                self._env_failed(w, request, answer, Completion(w, request, answer, None, posted_at, received, sent_at),
+                                 completions)
                 continue
             completion = Completion(w, request, answer, None, posted_at, received, sent_at, False, request.slots)
-            if w.state is ProcessState.BOOTING:
+            state = w.state
+            if state is ProcessState.RUNNING:
+                completions.append(completion)
+            elif state is ProcessState.BOOTING:
                 self._advance_boot(w, completion, completions)
+            elif state is ProcessState.REBUILDING:
+                self._rebuilt(w, completion, completions)
             else:
                 w.state = ProcessState.RUNNING
                 completions.append(completion)
@@ -303,6 +314,10 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------------
     # Failures and restarts
 
+    def generation(self, slot: int, process: int) -> int:
+        """How often ``slot``'s env was replaced: its process restarted, or itself rebuilt."""
+        return self.workers[process].generation + self.rebuilds.counts[slot]
+
     def report_failure(self, index: int, error: EnvManagerError) -> EnvManagerError | None:
         """A failure of process ``index`` that its caller found in an answer (an env that raised
         inside a call that steps the envs, say): handled as the pool handles one it finds
@@ -326,7 +341,9 @@ class WorkerPool:
         restart = refusal is None and self.queue is not None
         if not restart and self.restart_policy.enabled and refusal is not None:
             error = RestartLimitError(error_slot(error, w), refusal, error, w.env_ids, w.index)
-        gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None
+        # (a process that could not rebuild an env is given up too: that env is gone)
+        rebuilding = request is not None and request.cmd is Cmd.REBUILD
+        gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None or rebuilding
         if restart or gone:  # the process goes: every request in flight is cut short with it
             lost += w.cut()
             if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
@@ -358,17 +375,53 @@ class WorkerPool:
             replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
             asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
             for r in lost:
-                if r.cmd is Cmd.RESET:
-                    asked.update({i: (seed, options) for i, seed, options in zip(*r.message, strict=True)})
+                if r.cmd in _RESETS:
+                    m = r.message
+                    asked.update({i: (seed, options) for i, seed, options in zip(m.locals, m.seeds, m.options, strict=True)})
             reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
                           tuple(asked.get(i, (None, None))[1] for i in everyone))
-            # Steps and resets are answered by the fresh reset (``interrupted``); a call is not.
-            answered = [r for r in lost if r.cmd in (Cmd.STEP, Cmd.RESET)]
+            # Steps, resets and rebuilds are answered by the fresh reset (``interrupted``); a call is not.
+            answered = [r for r in lost if r.cmd in _ANSWERED_BY_RESET]
             for r in lost:
-                if r.cmd not in (Cmd.STEP, Cmd.RESET):
+                if r.cmd not in _ANSWERED_BY_RESET:
                     completions.append(Completion(w, r, None, error))  # its caller must know
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
         self.workers[w.index] = self._start(w.spec, boot, w.generation + 1)
+
+    def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
+                    completions: list[Completion]) -> None:
+        """Restarts are on and envs raised in ``request`` (``answer.failures``): rebuild them in
+        their process, which answered and so is healthy, counted as a restart by the policy
+        (``envmanager.core.rebuild``); the other envs' results stand (their episodes go on). A
+        process on its way back, a rebuild's own answer, or a refusal of the policy take the
+        process's failure path instead (restarted, or ``RestartLimitError``)."""
+        failures = answer.failures
+        assert failures is not None
+        error = worker_error(failures[min(failures)], w.index)
+        if request.cmd not in (Cmd.STEP, Cmd.RESET) or w.boot is not None or self.restart_policy.refusal(w.index) is not None:
+            self._on_failure(w, error, completions, request)
+            return
+        slots = request.slots
+        kept = [n for n in range(len(slots)) if n not in failures]
+        if kept:  # the envs that delivered: their results, as if the others were not asked
+            completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
+            completions.append(completion)
+        rebuild = self.rebuilds.request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls)
+        logger.warning("rebuilding env %s of %s after: %s", ", ".join(map(str, rebuild.slots)), w.name, error)
+        self.restart_policy.record(w.index)
+        w.state = ProcessState.REBUILDING
+        w.send(rebuild)
+
+    def _rebuilt(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
+        """An answer of a process rebuilding envs: a rebuild's is those slots' fresh reset,
+        ``interrupted`` (as a restart's is for every slot of its process)."""
+        request = completion.request
+        if request is not None and request.cmd is Cmd.REBUILD:
+            completion.interrupted = True
+            completion.lost = (request,)
+        if not any(r.cmd is Cmd.REBUILD for r, _ in w.requests):
+            w.state = ProcessState.RUNNING
+        completions.append(completion)
 
     def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
         """Take a replacement process through its plan (attach → replayed calls → reset)."""

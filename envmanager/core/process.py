@@ -9,6 +9,9 @@ worker can start on it: when it is sent, or when the one ahead of it is answered
 
 Life cycle of a worker process (``WorkerProcess.state``)::
 
+                 REBUILDING (an env raised: remade in place, within the restart policy;
+                      ▲  │ its fresh reset answers for it; if the rebuild fails: "fails")
+                      │  ▼
     STARTING ──READY──► RUNNING ◄────────────── boot plan done: answers the request
        │                  │                      the failure cut short (``interrupted``)
        │ fails            │ fails                          ▲
@@ -57,6 +60,7 @@ class ProcessState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     BOOTING = "booting"  # a replacement process, on its way back (see ``Boot``)
+    REBUILDING = "rebuilding"  # remaking envs that raised (a REBUILD in flight; other lanes step on)
     FAILED = "failed"  # given up: killed, ``failure`` raised on every later use
     CLOSING = "closing"  # asked to stop (or being killed): its exit is expected
     CLOSED = "closed"  # reaped
@@ -177,7 +181,7 @@ class WorkerProcess:
     @property
     def watched(self) -> bool:
         """Its death or silence is a failure (not once it was asked to stop or given up)."""
-        return self.state in (ProcessState.STARTING, ProcessState.RUNNING, ProcessState.BOOTING)
+        return self.state in (ProcessState.STARTING, ProcessState.RUNNING, ProcessState.BOOTING, ProcessState.REBUILDING)
 
     @property
     def sentinel(self) -> int:

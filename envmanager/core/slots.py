@@ -80,8 +80,10 @@ class SlotState:
         request = c.request
         is_reset = request is not None and request.cmd is Cmd.RESET
         if c.error is not None:
-            self._fail(list(request.slots if request is not None and request.slots else c.worker.env_ids), [c.error],
-                       is_reset)
+            cut = list(request.slots if request is not None and request.slots else c.worker.env_ids)
+            if request is not None and request.cmd is Cmd.REBUILD:  # an env that raised in a reset: its reset failed
+                is_reset = cut[0] in self.owed_resets
+            self._fail(cut, [c.error], is_reset)
             return
         answer: Stepped = c.answer
         index = c.worker.index

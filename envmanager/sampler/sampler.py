@@ -96,6 +96,7 @@ class Sampler:
         else:
             self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
             self._owns_manager = True
+        self._restarts_seen = _restarts(self.manager)  # for ``worker_restarts``: the policy's count
         self.policy = policy
         self.progress = progress
         self.versions = Versions(n)  # the env update log and the newest policy (update() may come from a learner thread)
@@ -403,8 +404,10 @@ class Sampler:
         m = self.manager
         if self.episodes.replaced(slot, m.generation(slot)):
             self._close(slot, Outcome.CUT, plan)
-            if m.slot_local[slot] == 0:  # once per process
-                self.stats.count("worker_restarts")
+            restarts = _restarts(m)  # process restarts and envs rebuilt in place: each once
+            if restarts > self._restarts_seen:
+                self.stats.count("worker_restarts", restarts - self._restarts_seen)
+                self._restarts_seen = restarts
 
     def _fault(self, slots: list[int], error: EnvManagerError, plan: Plan) -> None:
         """``error`` came from a call on ``slots`` (an env update): the pool's failure path
@@ -473,6 +476,11 @@ def apply_agent_update(policy: Any, update: Any) -> Any:
         policy.load_state_dict(update)
         return policy
     return update
+
+
+def _restarts(manager: BatchEnvManager) -> int:
+    """Restarts the manager's policy counted so far (process restarts and env rebuilds)."""
+    return sum(manager.restart_policy.counts.values())
 
 
 def _positive(name: str, value: Any) -> None:

@@ -11,6 +11,7 @@ CALL       :class:`Call`                               :class:`Values`
 GET_ATTR   :class:`GetAttr`                            :class:`Values`
 SET_ATTR   :class:`SetAttr`                            :class:`Values`
 ATTACH     :class:`Attach` (map the shared arrays)     :class:`Values`
+REBUILD    :class:`Rebuild` (remake envs that raised)  :class:`Stepped` (their fresh resets)
 CLOSE      (no payload)                                CLOSED, once the envs are closed
 (startup)  ``WorkerSpec`` at process start             READY with a :class:`Ready`
 (failure)  --                                          ENV_FAILED with a :class:`RemoteException`
@@ -47,6 +48,7 @@ __all__ = [
     "GetAttr",
     "SetAttr",
     "Attach",
+    "Rebuild",
     "Ready",
     "Stepped",
     "Values",
@@ -71,6 +73,7 @@ class EnvironmentCommand(enum.IntEnum):
     READY = 8
     ENV_FAILED = 9
     CLOSED = 10
+    REBUILD = 11
     ENV_EXITED = 9  # old name of ENV_FAILED
 
 
@@ -96,6 +99,19 @@ class Reset(NamedTuple):
     locals: tuple[int, ...]
     seeds: tuple[Any, ...]
     options: tuple[Any, ...]
+
+
+class Rebuild(NamedTuple):
+    """Remake the envs at ``locals`` (they raised in ``step`` or ``reset``) from the process's
+    factory, call ``calls`` on each (``(method, args, kwargs)``: what a restart replays) and
+    reset each with one seed and one options dict, as :class:`Reset` does. Sent when restarts
+    are on and the process is otherwise healthy; the parent's half is ``envmanager.core.rebuild``,
+    the worker's ``WorkerEnvs.rebuild``. If it raises, the process is restarted."""
+
+    locals: tuple[int, ...]
+    seeds: tuple[Any, ...]
+    options: tuple[Any, ...]
+    calls: tuple[tuple[str, tuple, dict], ...] = ()
 
 
 class EnvFunction(bytes):

@@ -24,6 +24,7 @@ from envmanager.wire.messages import (
     EnvFunction,
     GetAttr,
     Ready,
+    Rebuild,
     RemoteException,
     Reset,
     SetAttr,
@@ -60,6 +61,7 @@ class WorkerEnvs:
         self.env_ids = env_ids
         self.info_columns = info_columns  # the parent batches infos: columns where they fit
         self.factory = factory
+        self._factory: Callable[[int], Any] | None = None  # unpickled once
         self.autoreset_mode = autoreset_mode
         self.envs: list[Any] = []
         self.autoreset = [False] * len(env_ids)
@@ -84,17 +86,8 @@ class WorkerEnvs:
 
     def build(self) -> Ready:
         """Make the envs with the user's factory (``close`` closes those already made)."""
-        make: Callable[[int], Any] = cloudpickle.loads(self.factory)
         for slot in self.env_ids:
-            self.current = slot
-            self._words[self._at] = mark(slot, FACTORY)
-            env = make(slot)
-            if not (hasattr(env, "step") and hasattr(env, "reset")):
-                raise TypeError(
-                    f"env_factory({slot}) returned {type(env).__name__} {env!r:.80}, not an environment "
-                    "(an object with reset() and step(), such as a gymnasium.Env)"
-                )
-            self.envs.append(env)
+            self.envs.append(self._make(slot))
         first = self.envs[0]
         spec = getattr(first, "spec", None)
         try:  # a spec naming a wrapper made with a lambda does not pickle: it is only a nicety
@@ -110,6 +103,47 @@ class WorkerEnvs:
             spec,
             tuple(order_enforced(e) for e in self.envs),
         )
+
+    def _make(self, slot: int) -> Any:
+        """One env from the user's factory, checked (marked as in ``env_factory``)."""
+        make: Callable[[int], Any] = self._factory if self._factory is not None else cloudpickle.loads(self.factory)
+        self._factory = make
+        self.current = slot
+        self._words[self._at] = mark(slot, FACTORY)
+        env = make(slot)
+        if not (hasattr(env, "step") and hasattr(env, "reset")):
+            raise TypeError(
+                f"env_factory({slot}) returned {type(env).__name__} {env!r:.80}, not an environment "
+                "(an object with reset() and step(), such as a gymnasium.Env)"
+            )
+        return env
+
+    # -- REBUILD (the parent's half: ``envmanager.core.rebuild``) ------------------------------
+    def rebuild(self, request: Rebuild) -> Stepped:
+        """Remake the envs at ``request.locals`` (they raised): close each (best effort), make
+        it again from the factory with its slot, replay ``request.calls`` on it, reset it with
+        its seed and options. Anything
+        raised here fails the whole request: the parent then restarts the process."""
+        out = _Answer(len(request.locals), self.buffers)
+        for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
+            slot = self.current = self.env_ids[i]
+            start = time.perf_counter()
+            try:
+                self._words[self._at] = mark(slot, CLOSE)
+                self.envs[i].close()
+            except Exception:  # a broken env may not close: it is replaced all the same
+                logger.warning("closing env %d before rebuilding it failed", slot, exc_info=True)
+            self.envs[i] = env = self._make(slot)
+            self.autoreset[i] = False
+            for name, args, kwargs in request.calls:  # what a restarted process's envs get before their reset
+                self.marks.name(name)
+                attr = _get_attr(self._env(i, CALL), name)
+                if callable(attr):
+                    attr(*args, **kwargs)
+            self._words[self._at] = self._resets[i]
+            obs, info = env.reset(seed=seed, options=options)
+            out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+        return out.answer()
 
     # -- STEP and RESET ---------------------------------------------------------------------
     def step(self, request: Step) -> Stepped:

@@ -65,6 +65,7 @@ HANDLERS: dict[Cmd, Callable[[WorkerEnvs, Any], Any]] = {
     Cmd.GET_ATTR: WorkerEnvs.get_attr,
     Cmd.SET_ATTR: WorkerEnvs.set_attr,
     Cmd.ATTACH: WorkerEnvs.attach,
+    Cmd.REBUILD: WorkerEnvs.rebuild,
 }
 
 
