@@ -52,7 +52,11 @@ def as_parallel(env: Any, turn_based: bool | None = None) -> tuple[Any, bool]:
 
 
 class AgentFacade(gymnasium.Env):
-    """One PettingZoo env as a fixed-shape single-agent env (see the module doc)."""
+    """One PettingZoo env as a fixed-shape single-agent env (see the module doc).
+
+    Its observation is one preallocated tree of arrays, rewritten in place by every ``reset`` /
+    ``step``: the core's worker copies it into shared memory (or pickles it) before the next
+    call, so holding on to it past that sees the next result."""
 
     def __init__(self, env: Any, group_map: Mapping[str, Sequence[str]] | None = None,
                  turn_based: bool | None = None) -> None:
