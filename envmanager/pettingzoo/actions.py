@@ -79,8 +79,19 @@ class ActionRows:
         if arr.shape != expected:
             raise InvalidInputError(f"actions of group {g.name!r} have shape {arr.shape}, expected {expected} "
                                     f"({k} env(s) × {g.size} agent(s) {list(g.agents)} × {shape})")
-        rows = active[:, list(g.slots)].reshape(-1)
-        out = np.zeros(expected, _dtype(g))
+        dtype = _dtype(g)
+        every = g.slots == tuple(range(self.layout.num_agents))
+        rows = active.reshape(-1) if every else active[:, list(g.slots)].reshape(-1)
+        if type(arr) is np.ndarray and arr.dtype == dtype and rows.all():
+            # Every row is read and the array is already the space's layout: checked as a whole,
+            # no rows picked and copied (a bad row falls through to the search below, which names it).
+            try:
+                checked = self._checkers[g.name].batch(arr, np.arange(len(rows)))
+            except InvalidInputError:
+                pass
+            else:
+                return np.asarray(checked, dtype).reshape(k, g.size, *shape)
+        out = np.zeros(expected, dtype)
         if rows.any():
             picked = np.flatnonzero(rows)
             checker = self._checkers[g.name]

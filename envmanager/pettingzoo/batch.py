@@ -148,19 +148,32 @@ def gather(layout: AgentLayout, observation: dict[str, Any], ids: np.ndarray, st
     """The batch of envs ``ids`` out of the core's result arrays (a copy: valid after the envs
     are stepped again). ``observation`` is the facade's observation tree, env-first."""
     k, n = len(ids), layout.num_agents
-    per_env = {key: observation[key][ids] for key in _FLAGS + _NUMBERS}  # (k, n) each, copies
-    for key in _FLAGS:
-        per_env[key] = per_env[key].astype(np.bool_)
+    # Every env in order (a lockstep step): whole arrays copied, no fancy indexing.
+    whole = k == len(observation["active"]) and ids.tolist() == list(range(k))
+
+    def take(a: np.ndarray) -> np.ndarray:
+        return a.copy() if whole else a[ids]
+
+    flags = np.empty((len(_FLAGS), k, n), np.bool_)  # the four flags, one array, read once each
+    for i, key in enumerate(_FLAGS):
+        np.not_equal(observation[key] if whole else observation[key][ids], 0, out=flags[i])
+    per_env = dict(zip(_FLAGS, flags, strict=True))
+    per_env.update({key: take(observation[key]) for key in _NUMBERS})  # (k, n) each, copies
     groups = {}
     for g in layout.groups:
         block = observation["groups"][g.name]
-        cols = list(g.slots)
+        every = g.slots == tuple(range(n))  # the group is every agent, in slot order
 
         def rows_of(a: np.ndarray, size: int = g.size) -> np.ndarray:
-            return a[ids].reshape(k * size, *a.shape[2:])
+            return take(a).reshape(k * size, *a.shape[2:])
 
-        mask = block["action_mask"][ids].reshape(k * g.size, -1).astype(np.bool_) if "action_mask" in block else None
-        mine = {key: per_env[key][:, cols].reshape(-1) for key in _FLAGS + _NUMBERS}
+        mask = None
+        if "action_mask" in block:
+            src = block["action_mask"]
+            mask = np.not_equal(src if whole else src[ids], 0).reshape(k * g.size, -1)
+        cols = list(g.slots)
+        mine = {key: (per_env[key].reshape(-1).copy() if every else per_env[key][:, cols].reshape(-1))
+                for key in _FLAGS + _NUMBERS}
         groups[g.name] = GroupBatch(g, tree_map(rows_of, block["observation"]), mask, **mine)
     flat = {key: per_env[key].reshape(k * n) for key in _FLAGS + _NUMBERS}
     return MultiAgentBatch(env_ids=ids, layout=layout, groups=groups, episode_start=starts, episode_end=ends,

@@ -52,7 +52,11 @@ def as_parallel(env: Any, turn_based: bool | None = None) -> tuple[Any, bool]:
 
 
 class AgentFacade(gymnasium.Env):
-    """One PettingZoo env as a fixed-shape single-agent env (see the module doc)."""
+    """One PettingZoo env as a fixed-shape single-agent env (see the module doc).
+
+    Its observation is one preallocated tree of arrays, rewritten in place by every ``reset`` /
+    ``step``: the core's worker copies it into shared memory (or pickles it) before the next
+    call, so holding on to it past that sees the next result."""
 
     def __init__(self, env: Any, group_map: Mapping[str, Sequence[str]] | None = None,
                  turn_based: bool | None = None) -> None:
@@ -72,34 +76,58 @@ class AgentFacade(gymnasium.Env):
         self._returns = np.zeros(self.layout.num_agents, np.float64)
         self._lengths = np.zeros(self.layout.num_agents, np.int64)
         self._active: list[str] = []
+        # The one result this facade hands out, rewritten in place each step (the core copies it
+        # into shared memory, or pickles it, before the env is stepped again).
+        n = self.layout.num_agents
+        self._out: dict[str, Any] = {key: np.zeros(n, dtype) for key, dtype in AGENT_KEYS.items()}
+        self._out["groups"] = zeros_of(self._groups_space)
+        self._agent_arrays = [self._out[key] for key in ("active", "present", "terminated", "truncated", "reward")]
+        # Per agent whose observation is one array: where its row goes (array, row); others go by put_row.
+        self._plain: dict[str, tuple[np.ndarray, int]] = {}
+        for g in self.layout.groups:
+            block = self._out["groups"][g.name]["observation"]
+            if isinstance(block, np.ndarray) and not g.mask_in_observation:
+                self._plain.update({a: (block, row) for row, a in enumerate(g.agents)})
+        # The agents whose observations the last result holds (rows not written this time go back to zero).
+        self._written: tuple[str, ...] = ()
+        self._info_masks = [g for g in self.layout.groups if g.mask_size is not None and not g.mask_in_observation]
+        self._index_cache: dict[tuple[str, ...], Any] = {}
+        self._acts = [(a, self.layout.groups[self._where[a][0]], self._where[a][1]) for a in self.layout.possible_agents]
 
     # -- the env's calls ----------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict, dict]:
         observations, infos = self.env.reset(seed=seed, options=options)
         self._returns[:] = 0.0
         self._lengths[:] = 0
-        out = self._blank()
-        self._fill(out, observations, infos or {}, None, None, None)
+        out = self._fill(observations, infos or {}, None, None, None)
         return out, self._infos(infos)
 
     def step(self, action: Mapping[str, np.ndarray]) -> tuple[dict, float, bool, bool, dict]:
-        actions = {}
+        actions: dict[str, Any] = {}
+        where, groups = self._where, self.layout.groups
+        rows: dict[str, list] = {}  # Discrete groups' rows as Python ints, read once
         for agent in self._active:
-            k, row = self._where[agent]
-            g = self.layout.groups[k]
-            value = action[g.name][row]
-            actions[agent] = int(value) if g.mask_size is not None else np.array(value, dtype=g.action_space.dtype)
-        acted = [self._slot[a] for a in self._active]
+            k, row = where[agent]
+            g = groups[k]
+            if g.mask_size is not None:
+                values = rows.get(g.name)
+                if values is None:
+                    values = rows[g.name] = np.asarray(action[g.name]).reshape(g.size).tolist()
+                actions[agent] = int(values[row])
+            else:
+                actions[agent] = np.array(action[g.name][row], dtype=g.action_space.dtype)
+        acted = self._indices(tuple(self._active))
         observations, rewards, terminations, truncations, infos = self.env.step(actions)
         self._lengths[acted] += 1
-        out = self._blank()
-        self._fill(out, observations, infos or {}, rewards, terminations, truncations)
+        out = self._fill(observations, infos or {}, rewards, terminations, truncations)
         # Over when no agent is left, or (an env that keeps done agents listed) every agent of the
         # result is done and no other agent is listed.
-        present = out["present"] == 1
-        ended = (out["terminated"] | out["truncated"]) == 1
-        done = not self._active or bool(present.any() and ended[present].all()
-                                        and all(present[self._slot[a]] for a in self._active))
+        done = not self._active
+        if not done and (any(terminations.values()) or any(truncations.values())):
+            present = out["present"] == 1
+            ended = (out["terminated"] | out["truncated"]) == 1
+            done = bool(present.any() and ended[present].all()
+                        and all(present[self._slot[a]] for a in self._active))
         if done:
             self._active = []
             out["active"][:] = 0
@@ -112,33 +140,78 @@ class AgentFacade(gymnasium.Env):
         self.env.close()
 
     # -- arrays ---------------------------------------------------------------------------------
-    def _blank(self) -> dict[str, Any]:
-        n = self.layout.num_agents
-        out: dict[str, Any] = {key: np.zeros(n, dtype) for key, dtype in AGENT_KEYS.items()}
-        out["groups"] = zeros_of(self._groups_space)
-        return out
+    def _indices(self, agents: tuple[str, ...]) -> Any:
+        """The agent slots of ``agents`` as an index (a slice for every agent in order), cached:
+        the same agents come back step after step. Raises for an agent not in possible_agents."""
+        index = self._index_cache.get(agents)
+        if index is None:
+            slot = self._slot
+            for agent in agents:
+                if agent not in slot:
+                    raise ValueError(f"the env returned agent {agent!r}, which is not one of possible_agents "
+                                     f"{list(self.layout.possible_agents)}")
+            if agents == self.layout.possible_agents:
+                index = slice(None)
+            else:
+                index = np.array([slot[a] for a in agents], np.intp)
+            if len(self._index_cache) >= 256:
+                self._index_cache.clear()
+            self._index_cache[agents] = index
+        return index
 
-    def _fill(self, out: dict[str, Any], observations: Mapping[str, Any], infos: Mapping[str, Any],
-              rewards: Mapping[str, Any] | None, terminations: Mapping[str, Any] | None,
-              truncations: Mapping[str, Any] | None) -> None:
-        slot, groups, where = self._slot, self.layout.groups, self._where
-        present = set(observations) | set(rewards or ()) | set(terminations or ()) | set(truncations or ())
-        for agent in present:
-            if agent not in slot:
-                raise ValueError(f"the env returned agent {agent!r}, which is not one of possible_agents "
-                                 f"{list(self.layout.possible_agents)}")
-            out["present"][slot[agent]] = 1
-        for agent, value in (rewards or {}).items():
-            out["reward"][slot[agent]] = value
-        for agent, value in (terminations or {}).items():
-            out["terminated"][slot[agent]] = bool(value)
-        for agent, value in (truncations or {}).items():
-            out["truncated"][slot[agent]] = bool(value)
+    def _fill(self, observations: Mapping[str, Any], infos: Mapping[str, Any], rewards: Mapping[str, Any] | None,
+              terminations: Mapping[str, Any] | None, truncations: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The result in the facade's one preallocated result, rewritten in place."""
+        out = self._out
+        for arr in self._agent_arrays:
+            arr.fill(0)
+        keys = tuple(observations)
+        present = out["present"]
+        present[self._indices(keys)] = 1
+        for given, key in ((rewards, "reward"), (terminations, "terminated"), (truncations, "truncated")):
+            if given:
+                agents = tuple(given)
+                index = self._indices(agents)
+                if agents != keys:
+                    present[index] = 1
+                values = list(given.values())
+                target = out[key]
+                try:
+                    target[index] = values
+                except (ValueError, TypeError):  # odd values (arrays of one reward): one by one
+                    for a, v in zip(agents, values, strict=True):
+                        target[self._slot[a]] = v if key == "reward" else bool(v)
         self._returns += out["reward"]
         out["episode_return"][:] = self._returns
         out["episode_length"][:] = self._lengths
-        blocks = out["groups"]
+        self._observations(observations)
+        for g in self._info_masks:  # masks given in infos; everything allowed where the env gives none
+            mask = out["groups"][g.name][MASK_KEY]
+            if not infos or not any(infos.values()):
+                mask.fill(1)
+                continue
+            for row, agent in enumerate(g.agents):
+                info = infos.get(agent)
+                given_mask = info.get(MASK_KEY) if isinstance(info, Mapping) else None
+                mask[row] = 1 if given_mask is None else given_mask
+        active = list(self.env.agents)
+        if self.turn_based:
+            selected = getattr(self.env.aec_env, "agent_selection", None)
+            active = [selected] if active and selected in active else []
+        self._active = active
+        if active:
+            out["active"][self._indices(tuple(active))] = 1
+        return out
+
+    def _observations(self, observations: Mapping[str, Any]) -> None:
+        """The agents' observations into their groups' rows; rows the last result wrote and this
+        one does not go back to zero (rows of agents not present are zeros)."""
+        groups, where, plain, blocks = self.layout.groups, self._where, self._plain, self._out["groups"]
         for agent, obs in observations.items():
+            target = plain.get(agent)
+            if target is not None:
+                target[0][target[1]] = obs
+                continue
             k, row = where[agent]
             g = groups[k]
             block = blocks[g.name]
@@ -147,25 +220,21 @@ class AgentFacade(gymnasium.Env):
                 obs = obs["observation"] if not isinstance(g.observation_space, gymnasium.spaces.Dict) else {
                     key: v for key, v in obs.items() if key != MASK_KEY}
             put_row(block["observation"], row, obs)
-        for g in groups:  # masks given in infos; everything allowed where the env gives none
-            if g.mask_size is None or g.mask_in_observation:
-                continue
-            mask = blocks[g.name][MASK_KEY]
-            for row, agent in enumerate(g.agents):
-                info = infos.get(agent)
-                given = info.get(MASK_KEY) if isinstance(info, Mapping) else None
-                mask[row] = 1 if given is None else given
-        agents = list(self.env.agents)
-        if self.turn_based:
-            selected = getattr(self.env.aec_env, "agent_selection", None)
-            agents = [selected] if agents and selected in agents else []
-        self._active = agents
-        for agent in agents:
-            out["active"][slot[agent]] = 1
+        keys = tuple(observations)
+        if keys != self._written:  # agents the last result had and this one has not: zero their rows
+            for agent in set(self._written).difference(keys):
+                k, row = where[agent]
+                g = groups[k]
+                _zero_row(blocks[g.name]["observation"], row)
+                if g.mask_in_observation:
+                    blocks[g.name][MASK_KEY][row] = 0
+            self._written = keys
 
     def _infos(self, infos: Mapping[str, Any] | None) -> dict[str, Any]:
         """The agents' non-empty infos, less what went into arrays (the action mask, whose turn
         it is): an empty dict, the usual case, travels as nothing."""
+        if not infos or not any(infos.values()):
+            return {}
         out = {}
         for agent, info in (infos or {}).items():
             if isinstance(info, Mapping):
@@ -187,6 +256,17 @@ class FacadeFactory:
 
     def __call__(self, slot: int) -> AgentFacade:
         return AgentFacade(self.env_fns[slot](), self.group_map, self.turn_based)
+
+
+def _zero_row(block: Any, row: int) -> None:
+    if isinstance(block, dict):
+        for sub in block.values():
+            _zero_row(sub, row)
+    elif isinstance(block, tuple):
+        for sub in block:
+            _zero_row(sub, row)
+    else:
+        block[row] = 0
 
 
 def call_env(facade: AgentFacade, name: str, args: tuple, kwargs: dict) -> Any:

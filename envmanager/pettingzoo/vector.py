@@ -202,9 +202,11 @@ class ParallelVectorEnv:
             if len(set(listed)) != len(listed):
                 raise InvalidInputError(f"env_ids has duplicates: {listed}")
             ids = np.array(listed, dtype=np.int64)
-        unknown = ids[~self._known[ids]]
-        if unknown.size:
-            raise InvalidInputError(f"env(s) {unknown.tolist()} were never reset: call reset() first")
+        known = self._known[ids]
+        if not known.all():
+            raise InvalidInputError(f"env(s) {ids[~known].tolist()} were never reset: call reset() first")
+        if not self._outstanding and not self._restarted:  # nothing in flight (lockstep): nothing busy
+            return ids
         busy = self._outstanding.union(*(b.slots.tolist() for b in self._restarted)).intersection(ids.tolist())
         if busy:
             raise InvalidInputError(f"env(s) {sorted(busy)} were sent a step whose result recv() has not returned yet")
