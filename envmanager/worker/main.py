@@ -10,6 +10,7 @@ ENV_FAILED answer carrying the traceback, and the worker keeps serving. It close
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -80,6 +81,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    _default_fatal_signals()
     threading.Thread(target=watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
 
     box = WorkerMailbox(mailbox[0], mailbox[1], spec.index) if mailbox is not None else None
@@ -140,6 +142,25 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             link.farewell(header + payload)
         except Exception:
             pass
+
+
+def _default_fatal_signals() -> None:
+    """A forked worker inherits the parent's handlers of fatal signals, which some libraries
+    replace (pygame's "parachute" turns a segfault into an abort): restore the defaults, so a
+    crash ends the worker with its own signal and the error names it. Python's faulthandler, if
+    the parent enabled it, is enabled again on top (it dumps the traceback, then re-raises)."""
+    dumping = faulthandler.is_enabled()
+    if dumping:
+        faulthandler.disable()
+    for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"):
+        number = getattr(signal, name, None)
+        if number is not None:
+            try:
+                signal.signal(number, signal.SIG_DFL)
+            except (OSError, ValueError):  # not settable here
+                pass
+    if dumping:
+        faulthandler.enable()
 
 
 def _ignore_sigterm() -> None:
