@@ -225,8 +225,14 @@ def test_restart_hung_worker():
 
 SCRIPT = textwrap.dedent(
     """
-    import faulthandler, sys, time
+    import faulthandler, signal, sys, time
     faulthandler.dump_traceback_later(25)  # a parent still running then shows where it is (stderr)
+    # As a program started from a terminal: Ctrl-C raises KeyboardInterrupt. The test runner may
+    # hand its children SIGINT ignored or blocked (a library in it set that): say so, and undo it.
+    inherited = signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+    if signal.SIGINT in inherited or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        print("inherited SIGINT: blocked" if signal.SIGINT in inherited else "inherited SIGINT: ignored", file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from envmanager import SubprocessEnvManager
     from envmanager.testing.envs import EnvFactory
