@@ -160,7 +160,13 @@ def _default_fatal_signals() -> None:
             except (OSError, ValueError):  # not settable here
                 pass
     if dumping:
-        faulthandler.enable()
+        try:
+            faulthandler.enable()
+        except Exception:  # sys.stderr replaced by an object without a file descriptor
+            try:
+                faulthandler.enable(file=2)  # the process's stderr
+            except Exception:
+                pass
 
 
 def _ignore_sigterm() -> None:
