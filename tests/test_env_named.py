@@ -125,7 +125,9 @@ def test_a_hang_in_a_call_names_what_was_called(mailbox):
 def test_a_process_killed_between_calls_names_no_env(mailbox):
     with manager(EnvFactory(), 4, 2, mailbox) as m:
         m.reset()
-        m.step(dict.fromkeys(range(4), 1))
+        infos = m.step(dict.fromkeys(range(4), 1))  # first-ready: wait for every answer
+        while len(infos) < 4:
+            infos += m.receive_steps()
         pid = m.worker_of(3).pid
         os.kill(pid, signal.SIGKILL)  # idle: every answer is in, no request in flight
         with pytest.raises(WorkerDiedError) as caught:
