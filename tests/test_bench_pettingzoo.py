@@ -17,7 +17,7 @@ from envmanager.bench.report import format_table, format_targets
 from envmanager.bench.scenarios import GROUPS
 from test_bench import PNG_MAGIC, check_measured, run_cli
 
-pytest.importorskip("pettingzoo", reason="needs the pettingzoo extra")
+pytest.importorskip("pettingzoo", minversion="1.24", reason="needs the pettingzoo extra")
 
 SUPERSUIT = importlib.util.find_spec("supersuit") is not None
 SUPERSUIT_MISSING = "needs SuperSuit (pip install 'supersuit==3.11.*'), the peer these scenarios compare with"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("pettingzoo")
+pytest.importorskip("pettingzoo", minversion="1.24")  # mlagents-envs 1.1.0 pins 1.15
 
 import pettingzoo_envs as envs
 from envmanager.pettingzoo import ParallelVectorEnv

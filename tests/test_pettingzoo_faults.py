@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-pytest.importorskip("pettingzoo")
+pytest.importorskip("pettingzoo", minversion="1.24")  # mlagents-envs 1.1.0 pins 1.15
 
 import pettingzoo_envs as envs
 from envmanager.errors import InvalidInputError, SpaceMismatchError, WorkerDiedError, WorkerError, WorkerTimeoutError

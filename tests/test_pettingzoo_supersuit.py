@@ -13,7 +13,7 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 import numpy as np
 import pytest
 
-pytest.importorskip("pettingzoo")
+pytest.importorskip("pettingzoo", minversion="1.24")  # mlagents-envs 1.1.0 pins 1.15
 ss = pytest.importorskip("supersuit")
 
 from envmanager.errors import InvalidInputError  # noqa: E402
