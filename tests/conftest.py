@@ -55,6 +55,13 @@ def _describe_fds(fds: set[int]) -> list[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _sb3_log_folder(tmp_path_factory):
+    """SB3's ``learn()`` makes a log folder in /tmp on every call unless ``SB3_LOGDIR`` names
+    one: keep them in pytest's temporary directory (the examples run as children inherit it)."""
+    os.environ.setdefault("SB3_LOGDIR", str(tmp_path_factory.mktemp("sb3-logs")))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _start_infrastructure():
     """Start multiprocessing's helpers once, so they are not mistaken for leaks."""
     resource_tracker.ensure_running()
