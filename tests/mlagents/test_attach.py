@@ -94,7 +94,7 @@ def test_attaches_to_running_players_and_leaves_them_running(players):
     base = free_base_port(2)
     procs = [players.start(base), players.start(base + 1)]
     addresses = [f"127.0.0.1:{base}", f"localhost:{base + 1}"]
-    for session in range(2):  # the second proves the players outlived the first manager's close()
+    for _session in range(2):  # the second proves the players outlived the first manager's close()
         manager = MLAgentsEnvManager.attached(addresses, seed=10, timeout_wait=30, timeout=90)
         try:
             assert manager.player_addresses == {0: PlayerAddress("127.0.0.1", base), 1: PlayerAddress("localhost", base + 1)}
@@ -171,7 +171,7 @@ def test_bad_input_is_rejected_before_anything_starts(tmp_path):
     base = free_base_port(3)
     with pytest.raises(InvalidInputError, match="2 player addresses for 3 envs"):
         MLAgentsEnvManager(AttachedUnityFactory(parse_addresses(f"127.0.0.1:{base},127.0.0.1:{base + 1}")), 3)
-    with pytest.raises(InvalidInputError, match="not an address of this machine|cannot listen there"):
+    with pytest.raises(InvalidInputError, match=r"cannot listen there"):
         MLAgentsEnvManager.attached([f"192.0.2.1:{base}"], timeout_wait=10, timeout=30)  # TEST-NET-1: not ours
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", base + 2))
