@@ -148,6 +148,8 @@ def test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed(player
 def test_a_player_that_never_connects_is_an_error_naming_its_address(players):
     base = free_base_port(2)
     there = players.start(base)
+    with MLAgentsEnvManager.attached([f"127.0.0.1:{base}"], timeout_wait=60, timeout=90):
+        pass  # it is up (and connects again at once: a short timeout_wait below is about the other)
     with pytest.raises(PlayerLostError) as caught:
         MLAgentsEnvManager.attached([f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"], timeout_wait=10, timeout=60)
     err = caught.value
