@@ -201,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from envmanager.mlagents.attach import parse_addresses
 
         options.env_settings.num_envs = len(parse_addresses(ours.env_addresses))
+        if options.env_settings.env_args:
+            print("envmanager-learn: --env-args ignored: attached players are not launched", file=sys.stderr)
     factory = env_manager_factory(ours.ray_address, ours.batched_inference, ours.env_addresses)
     with using_env_manager(learn, factory):
         learn.run_cli(options)
