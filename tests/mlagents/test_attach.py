@@ -114,10 +114,13 @@ def test_attaches_to_running_players_and_leaves_them_running(players):
 
 
 @pytest.mark.timeout(180)
-def test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed(players):
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed(players, mode):
+    """A player that exits (its connection closes: seen at once) or hangs (silent for
+    ``timeout_wait``) is an error naming it; it is not killed, nor any other player."""
     base = free_base_port(2)
     healthy = players.start(base)
-    crashing = players.start(base + 1, "--crash-after-steps", "3", "--crash-mode", "exit",
+    crashing = players.start(base + 1, "--crash-after-steps", "3", "--crash-mode", mode,
                              "--crash-exit-code", str(CRASH_CODE))
     manager = MLAgentsEnvManager.attached([f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"], timeout_wait=10, timeout=60)
     try:
@@ -130,12 +133,17 @@ def test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed(player
         assert (err.worker_id, err.address) == (1, PlayerAddress("127.0.0.1", base + 1))
         assert f"the player at 127.0.0.1:{base + 1} (worker 1) is lost" in str(err)
         assert "neither restarted nor killed" in str(err)
-        assert f"the player at 127.0.0.1:{base + 1} sent nothing for 10 s" in str(err)  # the worker's account
+        account = {"exit": f"the player at 127.0.0.1:{base + 1} closed its connection: it stopped or crashed",
+                   "hang": f"the player at 127.0.0.1:{base + 1} sent nothing for 10 s"}[mode]
+        assert account in str(err)  # the worker's
         assert manager.restart_counts == [0, 0]  # never restarted
         assert healthy.poll() is None  # the error touched no other player
     finally:
         manager.close()
-    assert crashing.wait(10) == CRASH_CODE  # it ended by itself (not killed: that is -9)
+    if mode == "exit":
+        assert crashing.wait(10) == CRASH_CODE  # it ended by itself (not killed: that is -9)
+    else:
+        assert crashing.poll() is None  # hung, and left so (the test kills it)
     assert healthy.poll() is None
     # the healthy one still serves a trainer
     with MLAgentsEnvManager.attached([f"127.0.0.1:{base}"], timeout_wait=30, timeout=90) as again:

@@ -86,6 +86,7 @@ def test_a_lost_attached_player_ends_the_run_naming_its_address(tmp_path):
         log = run.log_text()
         assert "Learning was interrupted" in log, log[-3000:]  # ML-Agents ended it as on a player's failure
         assert f"PlayerLostError: the player at {run.addresses[1]} (worker 1) is lost" in log, log[-3000:]
+        assert f"the player at {run.addresses[1]} closed its connection" in log  # seen by its connection
         assert (run.results / run.run_id / f"{BEHAVIOR}.onnx").exists()  # the model was saved
         assert run.player_procs[1].wait(10) == CRASH_CODE  # it ended by itself, not killed
         assert run.player_procs[0].poll() is None  # the other one was left alone
