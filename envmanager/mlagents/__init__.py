@@ -32,6 +32,8 @@ _EXPORTS = {
     "WorkerEnvFactory": "envmanager.mlagents.worker_env",
     "UnityEnvironmentFactory": "envmanager.mlagents.worker_env",
     "UnityPortInUseError": "envmanager.mlagents.worker_env",
+    "AttachedUnityFactory": "envmanager.mlagents.attach",
+    "PlayerLostError": "envmanager.mlagents.attach",
     "normalize_env_parameters": "envmanager.mlagents.settings",
     "normalize_engine_config": "envmanager.mlagents.settings",
     "BatchedInferenceError": "envmanager.mlagents.batched",

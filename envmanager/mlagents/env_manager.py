@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from envmanager.core.manager import SubprocessEnvManager
@@ -22,6 +23,13 @@ from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LI
 from envmanager.core.results import StepInfo
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.mlagents.acting import InferenceCounts, choose_actions
+from envmanager.mlagents.attach import (
+    AttachedUnityFactory,
+    PlayerAddress,
+    check_attached,
+    lost_players,
+    parse_addresses,
+)
 from envmanager.mlagents.batched import BatchedCall, batched_call
 from envmanager.mlagents.checks import call_if_present, port_errors
 from envmanager.mlagents.player_process import PlayerProcesses
@@ -72,6 +80,11 @@ class MLAgentsEnvManager:
             ``get_action`` per worker otherwise; ``True``: batched, and a policy that cannot be is
             refused (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
             ``get_action`` per worker, as ML-Agents' manager.
+
+    With an :class:`~envmanager.mlagents.attach.AttachedUnityFactory` the workers attach to
+    players already running (one address per env, checked before anything starts); those are
+    never restarted nor killed: a lost one is a :class:`~envmanager.mlagents.attach.PlayerLostError`
+    naming its address (see :meth:`attached`).
     """
 
     def __init__(
@@ -109,6 +122,14 @@ class MLAgentsEnvManager:
         self._last: dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
         self._held: list[StepInfo] = []  # results taken from the workers, not handed out yet
         self._players = PlayerProcesses()
+        self.player_addresses: dict[int, PlayerAddress] = {}  # worker_id -> its attached player's address
+        if isinstance(env_factory, AttachedUnityFactory):
+            if type(self)._start_core is not MLAgentsEnvManager._start_core:
+                raise InvalidInputError(f"{type(self).__name__} runs its players elsewhere: attached players "
+                                        "(AttachedUnityFactory) are served from this process; use MLAgentsEnvManager")
+            check_attached(env_factory, n_env)
+            self.player_addresses = dict(enumerate(env_factory.addresses))
+            restart_workers = False  # not ours to restart: a lost one is an error naming its address
         core_options: dict[str, Any] = {
             "context": context or default_context(),
             "timeout": timeout,
@@ -117,15 +138,16 @@ class MLAgentsEnvManager:
             "restarts_rate_limit_n": restarts_rate_limit_n,
             "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
-        with port_errors():
+        with self._errors():
             self._manager = self._start_core(
                 WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
                 n_env, core_options,
             )
         self._closed = False
         try:
-            self._specs = dict(enumerate(self._manager.call("behavior_specs")))
-            self._players = PlayerProcesses(dict(enumerate(self._manager.get_attr("player"))))
+            with self._errors():
+                self._specs = dict(enumerate(self._manager.call("behavior_specs")))
+                self._players = PlayerProcesses(dict(enumerate(self._manager.get_attr("player"))))
         except BaseException:
             self.close()
             raise
@@ -154,6 +176,15 @@ class MLAgentsEnvManager:
             manager.close()
             raise
         return manager
+
+    @classmethod
+    def attached(cls, addresses: str | list[str], *, seed: int = 0, timeout_wait: int = 60, num_areas: int = 1,
+                 **options: Any) -> MLAgentsEnvManager:
+        """A manager on players already running, one env each, the trainer listening for them on
+        ``addresses`` (``"host:port,..."`` or a list): ``cls(AttachedUnityFactory(...), len(addresses))``."""
+        factory = AttachedUnityFactory(parse_addresses(addresses), seed=seed, timeout_wait=timeout_wait,
+                                       num_areas=num_areas)
+        return cls(factory, len(factory.addresses), **options)
 
     def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
         """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
@@ -223,7 +254,7 @@ class MLAgentsEnvManager:
         if config is not None:
             self.set_env_parameters(config)
         self._held = []  # dropped with the steps in flight
-        with port_errors(self._for_trainer):
+        with self._errors():
             infos = self.manager.reset()
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
@@ -268,7 +299,7 @@ class MLAgentsEnvManager:
             self.first_step_infos = []
         self._pull_policies()
         m = self.manager
-        with port_errors(self._for_trainer):
+        with self._errors():
             self._held += m.receive_steps(min_count=0)  # no wait: what came in already
             waiting = {info.worker_id for info in self._held}
             actions = self._actions_for([w for w in m.idle_worker_ids
@@ -333,6 +364,14 @@ class MLAgentsEnvManager:
         player's failure does there (``checks.as_unity_error``)."""
         return self.run_options is not None
 
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The core's errors as the user knows them: a lost attached player by its address, a
+        taken port as :class:`UnityPortInUseError`, and for ML-Agents' trainer (``_for_trainer``)
+        as a ``UnityEnvironmentException`` too (``checks.port_errors``)."""
+        with port_errors(self._for_trainer), lost_players(self.player_addresses):
+            yield
+
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
@@ -359,13 +398,13 @@ class MLAgentsEnvManager:
         of it runs with the new values."""
         self._update_replay_calls()
         m = self.manager
-        with port_errors(self._for_trainer):
+        with self._errors():
             call_replayed(m, self._healthy_worker_ids(), method, (values,))
             self._held = reset_restarted(m, self._held)
 
     def _send_analytics(self, payloads: list[bytes]) -> None:
         if payloads and 0 in self._healthy_worker_ids():
-            with port_errors(self._for_trainer):  # replayed too: worker 0 announces itself again
+            with self._errors():  # replayed too: worker 0 announces itself again
                 call_replayed(self.manager, [0], "send_analytics", (payloads,))
 
     def _pull_policies(self) -> None:

@@ -16,6 +16,11 @@ Options of envmanager-learn's own (ML-Agents' options go to ML-Agents unchanged)
 
 * ``--ray-address ADDRESS``: run the players on the nodes of a Ray cluster
   (:mod:`envmanager.mlagents.ray_env_manager`); the trainer stays here.
+* ``--env-addresses HOST:PORT,...``: attach to players already running (a game server, an
+  Editor, a build another tool started) instead of launching ``--env``: the trainer listens on
+  each address for its player (one env each; ``--num-envs``, if given, must match;
+  :mod:`envmanager.mlagents.attach`).
+  They are never restarted nor killed; a lost one ends the run with an error naming its address.
 * ``--batched-inference {auto,on,off}``: one policy call per behaviour for every ready player
   (:mod:`envmanager.mlagents.batched`). ``auto`` (default): batched where the policy supports it
   (ML-Agents' torch policy, with a supported ``mlagents``), else one call per player with a
@@ -49,13 +54,20 @@ BATCHED_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 def _own_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envmanager-learn", add_help=False, allow_abbrev=False,
-        usage="envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--batched-inference {auto,on,off}]",
+        usage="envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--env-addresses HOST:PORT,...] "
+              "[--batched-inference {auto,on,off}]",
         description="envmanager-learn's own options (every other argument is mlagents-learn's):",
     )
     parser.add_argument(
         "--ray-address", default=None, metavar="ADDRESS",
         help="run the players on the nodes of this Ray cluster ('auto': the one this machine belongs to); "
              "the trainer stays here",
+    )
+    parser.add_argument(
+        "--env-addresses", default=None, metavar="HOST:PORT,...",
+        help="attach to players already running instead of launching --env: the trainer listens on each "
+             "address (one per --num-envs) for its player (--mlagents-port PORT); they are never restarted "
+             "nor killed",
     )
     parser.add_argument(
         "--batched-inference", choices=sorted(BATCHED_MODES), default="auto",
@@ -74,11 +86,14 @@ def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str],
     return ours, rest + argv[cut:], "-h" in rest or "--help" in rest
 
 
-def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto") -> Callable[..., Any]:
+def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto",
+                        env_addresses: str | None = None) -> Callable[..., Any]:
     """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
     import functools
 
     batched = BATCHED_MODES[batched_inference]
+    if env_addresses is not None:
+        return functools.partial(attached_env_manager, env_addresses, batched_inference=batched)
     if ray_address is None:
         from envmanager.mlagents.env_manager import MLAgentsEnvManager
 
@@ -86,6 +101,59 @@ def env_manager_factory(ray_address: str | None = None, batched_inference: str =
     from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager
 
     return functools.partial(RayMLAgentsEnvManager.from_run_options, address=ray_address, batched_inference=batched)
+
+
+def attached_env_manager(env_addresses: str, env_factory: Any, run_options: Any, n_env: int | None = None,
+                         **overrides: Any) -> Any:
+    """``MLAgentsEnvManager.from_run_options`` on the players at ``env_addresses`` (ML-Agents'
+    ``env_factory``, which would launch ``--env``, is not used)."""
+    from envmanager.mlagents.attach import AttachedUnityFactory
+    from envmanager.mlagents.env_manager import MLAgentsEnvManager
+
+    factory = AttachedUnityFactory.from_run_options(env_addresses, run_options)
+    return MLAgentsEnvManager.from_run_options(factory, run_options, n_env, **overrides)
+
+
+def take_num_envs(rest: list[str]) -> tuple[list[str], int | None]:
+    """ML-Agents refuses ``--num-envs`` above 1 without ``--env``; with ``--env-addresses`` it
+    is taken out (and returned) and ML-Agents parses ``--num-envs=1``: the count is set after."""
+    cut = rest.index("--env-args") if "--env-args" in rest else len(rest)
+    head, tail, given = [], rest[cut:], None
+    i = 0
+    while i < cut:
+        arg = rest[i]
+        value = arg.split("=", 1)[1] if arg.startswith("--num-envs=") else (
+            rest[i + 1] if arg == "--num-envs" and i + 1 < cut else None)
+        if value is not None and value.isdigit():
+            given = int(value)
+            i += 1 if "=" in arg else 2
+            continue
+        head.append(arg)
+        i += 1
+    return [*head, "--num-envs=1", *tail], given
+
+
+def check_env_addresses(ours: argparse.Namespace, options: Any, num_envs: int | None) -> str | None:
+    """Why ``--env-addresses`` cannot be used with these options (``None``: it can), found before
+    anything starts: a malformed address, a count other than ``--num-envs`` (``num_envs``: the
+    one given, if any), ``--env`` or ``--ray-address`` with it, a port another program listens on."""
+    from envmanager.errors import EnvManagerError
+    from envmanager.mlagents.attach import AttachedUnityFactory, check_attached, parse_addresses
+
+    if ours.ray_address is not None:
+        return "--env-addresses and --ray-address: attached players are served from this machine, not a Ray cluster"
+    if options.env_settings.env_path is not None:
+        return ("--env-addresses and --env: --env launches players, --env-addresses attaches to running ones; "
+                "give one of them")
+    try:
+        addresses = parse_addresses(ours.env_addresses)
+        if num_envs is not None and len(addresses) != num_envs:
+            return (f"--env-addresses names {len(addresses)} player(s) and --num-envs is {num_envs}: "
+                    f"give --num-envs={len(addresses)} (or leave it out)")
+        check_attached(AttachedUnityFactory(addresses), len(addresses))
+    except EnvManagerError as exc:
+        return f"--env-addresses: {exc}"
+    return None
 
 
 @contextmanager
@@ -106,7 +174,8 @@ def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterato
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--batched-inference MODE]``."""
+    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--env-addresses HOST:PORT,...]
+    [--batched-inference MODE]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     ours, rest, help_asked = split_arguments(args)
     try:
@@ -120,8 +189,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(_own_parser().format_help().rstrip())
         return 0
+    num_envs = None
+    if ours.env_addresses is not None:
+        rest, num_envs = take_num_envs(rest)
     options = learn.parse_command_line(rest)
-    with using_env_manager(learn, env_manager_factory(ours.ray_address, ours.batched_inference)):
+    if ours.env_addresses is not None:
+        problem = check_env_addresses(ours, options, num_envs)
+        if problem is not None:
+            print(f"envmanager-learn: {problem}", file=sys.stderr)
+            return 2
+        from envmanager.mlagents.attach import parse_addresses
+
+        options.env_settings.num_envs = len(parse_addresses(ours.env_addresses))
+        if options.env_settings.env_args:
+            print("envmanager-learn: --env-args ignored: attached players are not launched", file=sys.stderr)
+    factory = env_manager_factory(ours.ray_address, ours.batched_inference, ours.env_addresses)
+    with using_env_manager(learn, factory):
         learn.run_cli(options)
     return 0
 

@@ -20,7 +20,10 @@ the ``rl_initialization_input``; a second, empty ``Exchange`` returns the first 
 every reply is answered with the next output. Header status 400 (Python's ``close()``) and the
 ``QUIT`` command end the player with exit code 0, as does a failed RPC with the server gone
 (other RPC errors: exit 1); if the parent process disappears the player exits (code 3). It
-never lingers. Crashes on purpose (``crash_after_steps``): ``exit`` -> ``os._exit(code)``,
+never lingers. With ``--sessions N`` (0: any number) it outlives its trainer, as a game server a
+trainer attaches to (``envmanager-learn --env-addresses``): after a session ends (status 400, or
+the server gone) it connects again and waits up to ``--connect-timeout`` for the next trainer.
+Crashes on purpose (``crash_after_steps``): ``exit`` -> ``os._exit(code)``,
 ``raise`` -> uncaught exception (exit 1), ``kill`` -> SIGKILL (-9), ``hang`` -> stop answering.
 
 Stats sent back each step on the StatsSideChannel (key, aggregation):
@@ -113,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--exchange-timeout", type=float, help="deadline of each Exchange RPC (default: none)")
     a("--echo-channel", dest="echo_channels", action="append", help="uuid of a side channel to echo back")
     a("--verbose", action="store_true", help="log to stderr too")
+    a("--sessions", type=int, default=1,
+      help="trainers to serve one after the other (0: any number): a player that outlives its trainer, "
+           "as a game server a trainer attaches to; after a trainer closes it waits --connect-timeout "
+           "for the next one")
     b = p.add_argument_group("behaviour (applied to every behaviour)")
     b.add_argument("--behavior", dest="name", help='behaviour name, e.g. "Ball?team=0" (single behaviour only)')
     b.add_argument("--agents", type=int)
@@ -167,7 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[_task.FakeConfig, dic
                 b[key] = getattr(ns, key)
     data["behaviors"] = behaviors
     facts = {"port": ns.mlagents_port, "log_file": log_file, "unity_flags": unity_flags,
-             "ignored_args": ignored, "config_path": path, "verbose": ns.verbose}
+             "ignored_args": ignored, "config_path": path, "verbose": ns.verbose,
+             "sessions": ns.sessions}
     return _task.make_config(data), facts
 
 
@@ -400,20 +408,57 @@ class FakePlayer:
             return self.cfg.crash_exit_code
         if self.cfg.parent_watchdog:
             self._start_watchdog()
-        self.channel = grpc.insecure_channel(f"localhost:{self.port}")
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=self.cfg.connect_timeout)
-        except grpc.FutureTimeoutError:
+        sessions = self.facts.get("sessions", 1)
+        done = 0
+        while True:
+            code, reason, handshake = self.session()
+            done += handshake
+            # a player that outlives its trainer (--sessions) waits for the next one after a normal
+            # end, and tries again when it reached a trainer's server that was going away
+            gone_early = not handshake and reason.startswith("connection_lost")
+            if sessions == 1 or (code != 0 and not gone_early) or reason == "quit" or (sessions and done >= sessions):
+                break
+            self.log(f"session ended ({reason}); waiting for the next trainer")
+        self.log(f"exiting: {reason}")
+        self.record("exit", reason=reason, code=code)
+        return code
+
+    def _connect(self) -> grpc.Channel | None:
+        """A channel to the trainer once it listens, or ``None`` after ``connect_timeout``.
+
+        A fresh channel (with subchannels of its own) every second: one that saw the previous
+        trainer's server go can stay stuck for longer than that, and gRPC's backoff grows to 2 min."""
+        timeout = self.cfg.connect_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        while True:
+            channel = grpc.insecure_channel(f"localhost:{self.port}", options=options)
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                grpc.channel_ready_future(channel).result(timeout=wait)
+                return channel
+            except grpc.FutureTimeoutError:
+                channel.close()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def session(self) -> tuple[int, str, bool]:
+        """Connect, then play until the trainer ends it: ``(exit code, reason, handshake done)``."""
+        channel = self._connect()
+        if channel is None:
             self.log(f"could not connect to localhost:{self.port}")
-            self.record("exit", reason="connect_timeout", code=1)
-            return 1
+            return 1, "connect_timeout", False
+        self.channel = channel
         stub = UnityToExternalProtoStub(self.channel)
-        code, reason = 0, "?"
+        self.inputs = 0
+        handshake = False
         try:
             initial = {sim.cfg.name: sim.reset() for sim in self.sims}
             reply = self.exchange(stub, self._output(initial, init=True))
             if reply.header.status != 200:
                 raise PlayerExit(f"status_{reply.header.status}", 0)
+            handshake = True
             init_in = reply.unity_input.rl_initialization_input
             self.seed = self.cfg.seed if self.cfg.seed is not None else init_in.seed
             self.num_areas = init_in.num_areas
@@ -428,12 +473,9 @@ class FakePlayer:
             while True:
                 msg = self.exchange(stub, self.handle(msg))
         except PlayerExit as e:
-            code, reason = e.code, e.reason
+            return e.code, e.reason, handshake
         finally:
             self.channel.close()
-        self.log(f"exiting: {reason}")
-        self.record("exit", reason=reason, code=code)
-        return code
 
 
 # ---------------------------------------------------------------- helpers for launching it
