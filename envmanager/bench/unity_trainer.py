@@ -241,13 +241,13 @@ def measure_run(tool: Path, config: Path, launcher: str, n_env: int, directory: 
     timer.start()
     tail: list[str] = []
     try:
-        trainer = psutil.Process(proc.pid)
+        trainer, tree = psutil.Process(proc.pid), TreeCpu(proc.pid)
         assert proc.stdout is not None
         for line in proc.stdout:  # the trainer prints a summary line every summary_freq steps
             tail = [*tail, line][-20:]
             found = SUMMARY.search(line)
             if found:
-                marks.append((int(found.group(1)), time.perf_counter(), own_cpu(trainer), tree_cpu(proc.pid)))
+                marks.append((int(found.group(1)), time.perf_counter(), own_cpu(trainer), tree.sample()))
         code = proc.wait(60)
     finally:
         timer.cancel()
@@ -298,16 +298,31 @@ def own_cpu(process: Any) -> float:
     return float(t.user + t.system)
 
 
-def tree_cpu(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and every process below it (0 for those gone)."""
-    import psutil
+class TreeCpu:
+    """CPU seconds of a process and every process below it, each counted as of its latest sample:
+    one that exits keeps what it had used when last seen (so the total never goes down)."""
 
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    return sum(own_cpu(p) for p in processes)
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds
+
+    def sample(self) -> float:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            processes = []
+        for p in processes:
+            try:
+                key = (p.pid, p.create_time())
+            except psutil.Error:
+                continue
+            used = own_cpu(p)
+            if used:
+                self.seen[key] = max(used, self.seen.get(key, 0.0))
+        return sum(self.seen.values())
 
 
 def _write_config(directory: Path, steps: int) -> Path:
