@@ -249,9 +249,14 @@ SCENARIOS: dict[str, Scenario] = {
             requires=("mlagents_envs", "envmanager.mlagents:MLAgentsEnvManager"),
         ),
         Scenario(
-            "unity-trainer", "ML-Agents' trainer (PPO): mlagents-learn against envmanager-learn, fake players "
-            "(4 agents, 2 ms), 1, 2, 4 envs and 4 of uneven speed", unity_env, 4, 6_000, kind="unity-trainer",
-            requires=("mlagents.trainers.learn",),
+            "unity-trainer", "ML-Agents' trainer (PPO): mlagents-learn against envmanager-learn batched and unbatched, "
+            "fake players (4 agents, 2 ms), 1, 2, 4 envs and 4, 8, 16 of uneven speed", unity_env, 4, 6_000,
+            kind="unity-trainer", requires=("mlagents.trainers.learn",),
+        ),
+        Scenario(
+            "unity-trainer-scale", "ML-Agents' trainer (PPO): mlagents-learn against envmanager-learn batched and "
+            "unbatched, fake players (4 agents, 2 ms), 4 envs and 8, 16 of uneven speed", unity_env, 16, 6_000,
+            kind="unity-trainer", requires=("mlagents.trainers.learn",),
         ),
     )
 }
