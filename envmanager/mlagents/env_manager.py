@@ -32,6 +32,7 @@ from envmanager.mlagents.attach import (
 )
 from envmanager.mlagents.batched import BatchedCall, batched_call
 from envmanager.mlagents.checks import call_if_present, port_errors
+from envmanager.mlagents.gathering import NO_GATHER, GatherWindow, gather_more
 from envmanager.mlagents.player_process import PlayerProcesses
 from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
@@ -80,6 +81,9 @@ class MLAgentsEnvManager:
             ``get_action`` per worker otherwise; ``True``: batched, and a policy that cannot be is
             refused (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
             ``get_action`` per worker, as ML-Agents' manager.
+        gather_window: after the first result, wait a moment for more players so that one
+            policy call serves more of them (:class:`~envmanager.mlagents.gathering.GatherWindow`;
+            off by default: it adds latency).
 
     With an :class:`~envmanager.mlagents.attach.AttachedUnityFactory` the workers attach to
     players already running (one address per env, checked before anything starts); those are
@@ -101,9 +105,11 @@ class MLAgentsEnvManager:
         context: str | None = None,
         training_analytics: bool = False,
         batched_inference: bool | None = None,
+        gather_window: GatherWindow = NO_GATHER,
     ) -> None:
         self._closed = True
         self.batched_inference = batched_inference
+        self.gather_window = gather_window
         self._batched: dict[str, BatchedCall] = {}  # behavior_name -> its policy's batched call
         self.inference_counts = InferenceCounts()  # policy calls and the worker requests they served
         self.run_options: Any = None
@@ -123,6 +129,8 @@ class MLAgentsEnvManager:
         self._held: list[StepInfo] = []  # results taken from the workers, not handed out yet
         self._players = PlayerProcesses()
         self.player_addresses: dict[int, PlayerAddress] = {}  # worker_id -> its attached player's address
+        if gather_window.seconds > 0 and type(self)._start_core is not MLAgentsEnvManager._start_core:
+            raise InvalidInputError(f"{type(self).__name__} has no gather_window (MLAgentsEnvManager's own workers only)")
         if isinstance(env_factory, AttachedUnityFactory):
             if type(self)._start_core is not MLAgentsEnvManager._start_core:
                 raise InvalidInputError(f"{type(self).__name__} runs its players elsewhere: attached players "
@@ -306,9 +314,10 @@ class MLAgentsEnvManager:
                                          if w not in waiting and m.failure_of(w) is None])  # all checked first
             if actions:
                 m.send_step(actions)
+            if not self._held:
+                self._held = m.receive_steps()
+                self._held = gather_more(m, self._held, self.gather_window)  # (kept if it raises)
             infos, self._held = self._held, []
-            if not infos:
-                infos = m.receive_steps()
         steps = [self._environment_step(info) for info in infos]
         merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
         return steps

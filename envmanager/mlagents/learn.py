@@ -26,6 +26,8 @@ Options of envmanager-learn's own (ML-Agents' options go to ML-Agents unchanged)
   (ML-Agents' torch policy, with a supported ``mlagents``), else one call per player with a
   warning saying why; ``on``: batched or the run stops with the reason; ``off``: one call per
   player, as ``mlagents-learn``.
+* ``--gather-window-ms MS`` (and ``--gather-share``): after the first player's result, wait up to
+  ``MS`` for more before the policies act (:mod:`envmanager.mlagents.gathering`); off by default.
 
 This module imports ``mlagents`` only when it runs, so the ``forkserver`` that starts the
 workers (it imports ``__main__``, this console script) stays light.
@@ -37,7 +39,10 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from envmanager.mlagents.gathering import GatherWindow
 
 __all__ = ["main", "env_manager_factory", "using_env_manager"]
 
@@ -74,6 +79,16 @@ def _own_parser() -> argparse.ArgumentParser:
         help="one policy call per behaviour for every ready player: auto (default: where the policy supports "
              "it), on (or stop), off (one call per player, as mlagents-learn)",
     )
+    parser.add_argument(
+        "--gather-window-ms", type=float, default=0.0, metavar="MS",
+        help="after the first player's result, wait up to MS milliseconds for more (until --gather-share of "
+             "the players stepping have answered) so one policy call serves more players: less trainer CPU "
+             "with many cheap players, up to MS more latency per step (default 0: off)",
+    )
+    parser.add_argument(
+        "--gather-share", type=float, default=0.75, metavar="SHARE",
+        help="with --gather-window-ms: the share of the players stepping to wait for (default 0.75)",
+    )
     return parser
 
 
@@ -87,17 +102,18 @@ def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str],
 
 
 def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto",
-                        env_addresses: str | None = None) -> Callable[..., Any]:
+                        env_addresses: str | None = None, gather: GatherWindow | None = None) -> Callable[..., Any]:
     """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
     import functools
 
     batched = BATCHED_MODES[batched_inference]
+    local: dict[str, Any] = {"batched_inference": batched, **({"gather_window": gather} if gather is not None else {})}
     if env_addresses is not None:
-        return functools.partial(attached_env_manager, env_addresses, batched_inference=batched)
+        return functools.partial(attached_env_manager, env_addresses, **local)
     if ray_address is None:
         from envmanager.mlagents.env_manager import MLAgentsEnvManager
 
-        return functools.partial(MLAgentsEnvManager.from_run_options, batched_inference=batched)
+        return functools.partial(MLAgentsEnvManager.from_run_options, **local)
     from envmanager.mlagents.ray_env_manager import RayMLAgentsEnvManager
 
     return functools.partial(RayMLAgentsEnvManager.from_run_options, address=ray_address, batched_inference=batched)
@@ -203,7 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         options.env_settings.num_envs = len(parse_addresses(ours.env_addresses))
         if options.env_settings.env_args:
             print("envmanager-learn: --env-args ignored: attached players are not launched", file=sys.stderr)
-    factory = env_manager_factory(ours.ray_address, ours.batched_inference, ours.env_addresses)
+    from envmanager.errors import InvalidInputError
+    from envmanager.mlagents.gathering import GatherWindow
+
+    try:
+        gather = GatherWindow(ours.gather_window_ms / 1000.0, ours.gather_share)
+    except InvalidInputError as exc:
+        print(f"envmanager-learn: {exc}", file=sys.stderr)
+        return 2
+    if gather.seconds > 0 and ours.ray_address is not None:
+        print("envmanager-learn: --gather-window-ms is not available with --ray-address", file=sys.stderr)
+        return 2
+    factory = env_manager_factory(ours.ray_address, ours.batched_inference, ours.env_addresses,
+                                  gather if gather.seconds > 0 else None)
     with using_env_manager(learn, factory):
         learn.run_cli(options)
     return 0
