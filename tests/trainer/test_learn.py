@@ -262,3 +262,29 @@ def test_batched_inference_switch(tmp_path, monkeypatch):
     assert learn.main([str(config), "--env=player", "--batched-inference=off"]) == 0
     (factory,) = built  # what run_training would have called, during the run
     assert factory.keywords == {"batched_inference": False}
+
+
+def test_gather_window_switch(tmp_path, monkeypatch, capsys):
+    """``--gather-window-ms`` / ``--gather-share`` reach the env manager as a ``GatherWindow``
+    (none by default); out of range, or with ``--ray-address``, the run is refused (exit 2)
+    before ML-Agents' run starts."""
+    from mlagents.trainers import learn as mlagents_learn
+
+    from envmanager.mlagents import learn
+    from envmanager.mlagents.gathering import GatherWindow
+
+    built = []
+    monkeypatch.setattr(mlagents_learn, "run_cli", lambda options: built.append(mlagents_learn.SubprocessEnvManager))
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(trainer_config(100)))
+    assert learn.main([str(config), "--env=player", "--gather-window-ms=20", "--gather-share", "0.5"]) == 0
+    assert built.pop().keywords == {"batched_inference": None, "gather_window": GatherWindow(0.02, 0.5)}
+    assert learn.main([str(config), "--env=player"]) == 0
+    assert built.pop().keywords == {"batched_inference": None}
+    for bad in (["--gather-window-ms=20", "--gather-share=0"], ["--gather-window-ms=-5"],
+                ["--gather-window-ms=20", "--ray-address=auto"]):
+        assert learn.main([str(config), "--env=player", *bad]) == 2
+        assert "gather" in capsys.readouterr().err
+    assert not built
