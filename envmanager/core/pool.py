@@ -144,10 +144,6 @@ class WorkerPool:
         """Seconds a process's oldest request may take before it counts as hung."""
         return self.supervisor.timeout
 
-    @property
-    def restart_policy(self) -> RestartPolicy:
-        return self.supervisor.policy
-
     # ------------------------------------------------------------------------------------------
     # Sending
 
