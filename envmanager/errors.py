@@ -106,7 +106,10 @@ class RestartLimitError(WorkerDiedError):
     """A worker failed and restarting it would exceed the configured restart limits.
 
     ``reason`` says which limit; ``failure`` is the error that made the restart necessary;
-    ``slot`` and ``call`` are the failure's (a hang's or a death's), else ``None``.
+    ``cause`` and ``remote_traceback`` are the failure's (what the env or the node raised where
+    it ran, and that traceback), else ``None``; ``slot`` and ``call`` are the failure's (a
+    hang's or a death's), else ``None``. A Ray node past the limits raises one too (also a
+    ``RayNodeError`` or ``RayPlayerError``, with ``node``): one shape for every supervised unit.
     """
 
     def __init__(
@@ -118,6 +121,8 @@ class RestartLimitError(WorkerDiedError):
         self.process = process
         self.reason = reason
         self.failure = failure
+        self.cause: BaseException | None = getattr(failure, "cause", None)
+        self.remote_traceback: str | None = getattr(failure, "remote_traceback", None)
         self.exitcode = getattr(failure, "exitcode", None)
         self.call = getattr(failure, "call", None)
         self.slot = getattr(failure, "slot", None)

@@ -34,10 +34,11 @@ from envmanager.core.layout import BATCH, Caller
 from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
-from envmanager.core.process import WorkerProcess
+from envmanager.core.process import ProcessState, WorkerProcess
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step
@@ -47,6 +48,7 @@ from envmanager.worker.envs import DISABLED, NEXT_STEP
 __all__ = ["BatchEnvManager", "SlotStatus"]
 
 
+_FAILED = ProcessState.FAILED  # (a process given up: its error is the supervisor's)
 _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 #: How long a double-buffered parent polls before it blocks (with a core of its own): a lane's work.
 DOUBLE_BUFFER_SPIN_S = 500e-6
@@ -175,7 +177,18 @@ class BatchEnvManager:
 
     @property
     def restart_policy(self) -> RestartPolicy:
-        return self.pool.restart_policy
+        return self.pool.supervisor.policy
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """The pool's supervisor: restart decisions, the processes given up, deadlines."""
+        return self.pool.supervisor
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far, of every process (an env rebuilt in its process counts as one): the
+        one count samplers and drop-ins read."""
+        return self.pool.supervisor.restarts
 
     @property
     def workers(self) -> list[WorkerProcess]:
@@ -223,7 +236,7 @@ class BatchEnvManager:
     def restart_count(self, worker_id: int) -> int:
         """How often the process hosting ``worker_id`` was restarted or had an env rebuilt
         (quotas are per process)."""
-        return self.pool.restart_policy.counts[int(self.slot_process[worker_id])]
+        return self.pool.supervisor.restart_count(int(self.slot_process[worker_id]))
 
     def generation(self, worker_id: int) -> int:
         """How many times ``worker_id``'s env was replaced — its process restarted, or the env
@@ -282,7 +295,7 @@ class BatchEnvManager:
         workers = pool.workers
         for index, lanes, _, _, _ in plan:
             w = workers[index]
-            if (w.requests and w.busy_on(lanes)) or w.failure is not None:
+            if (w.requests and w.busy_on(lanes)) or w.state is _FAILED:
                 refuse_process(w, slots)
         if self.autoreset_mode == DISABLED:
             ended = self.results.terminated[slots] | self.results.truncated[slots]

@@ -32,6 +32,7 @@ from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
 from envmanager.core.rebuild import EnvRebuilds, delivered
 from envmanager.core.restart import RestartPolicy
+from envmanager.core.supervisor import Supervisor
 from envmanager.errors import (
     EnvManagerError,
     ManagerClosedError,
@@ -79,8 +80,9 @@ class WorkerPool:
         shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0
     ) -> None:
         self.ctx = ctx
-        self.timeout = timeout
-        self.restart_policy = restart_policy
+        #: Restart or give up after a fault, the processes given up, the per-answer deadline
+        #: (``envmanager.core.supervisor``; the clocks are the processes' ``alive_at``).
+        self.supervisor = Supervisor(restart_policy, timeout, "process")
         self.daemon = daemon
         self.workers: list[WorkerProcess] = []
         self.buffers: SharedBuffers | None = None
@@ -135,7 +137,12 @@ class WorkerPool:
             self.mailboxes.reset(spec.index)  # empty rings for the new process
         # writer None: the portable transport
         return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file,
-                             generation=generation, mailboxes=self.mailboxes, marks=self.marks)
+                             generation=generation, mailboxes=self.mailboxes, marks=self.marks, supervisor=self.supervisor)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a process's oldest request may take before it counts as hung."""
+        return self.supervisor.timeout
 
     # ------------------------------------------------------------------------------------------
     # Sending
@@ -253,7 +260,7 @@ class WorkerPool:
                 else:
                     self._on_failure(w, error, completions, request)
                 continue
-            if type(answer) is Stepped and answer.failures and self.restart_policy.enabled:
+            if type(answer) is Stepped and answer.failures and self.supervisor.policy.enabled:
                 # Restarts are on: an env that raised is rebuilt (or its process restarted).
                 self._env_failed(w, request, answer, Completion(w, request, answer, None, posted_at, received, sent_at),
                                  completions)
@@ -274,8 +281,9 @@ class WorkerPool:
         """Fail every process whose oldest request's clock is past the deadline (restart or
         error), and note when the next one can be due: no clock started later is due sooner."""
         completions: list[Completion] = []
+        late = self.supervisor.late
         for w in list(self.workers):
-            if w.busy and w.watched and now >= w.alive_at + self.timeout:
+            if w.busy and w.watched and late(w.alive_at, now):
                 cmd = w.request.cmd  # type: ignore[union-attr]
                 if cmd is Cmd.CALL and self.progress is not None:
                     done = self.progress(list(w.env_ids))
@@ -337,10 +345,13 @@ class WorkerPool:
         failure cut short (``request``, already out of flight, and those still in flight)."""
         self._version += 1
         lost = [request] if request is not None else []
-        refusal = self.restart_policy.refusal(w.index)
-        restart = refusal is None and self.queue is not None
-        if not restart and self.restart_policy.enabled and refusal is not None:
-            error = RestartLimitError(error_slot(error, w), refusal, error, w.env_ids, w.index)
+        if self.queue is None:  # closing: nothing is restarted
+            refused: EnvManagerError | None = error
+        else:
+            refused = self.supervisor.decide(w.index, f"restarting {w.name} after: {error}",
+                                             lambda reason: self._refused(w, reason, error))
+        restart = refused is None
+        error = refused or error
         # (a process that could not rebuild an env is given up too: that env is gone)
         rebuilding = request is not None and request.cmd is Cmd.REBUILD
         gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None or rebuilding
@@ -351,17 +362,24 @@ class WorkerPool:
         if restart:
             self._restart(w, lost, error, completions)
             return
-        if gone:
-            w.fail(error)  # the process is gone or stuck for good
+        if gone:  # the process is gone or stuck for good: its error, on every later use
+            error = self.supervisor.give_up(w.index, error)
+            w.fail()
         requests: list[EnvironmentRequest | None] = [*lost] or [None]
         for lost_request in requests:  # the same error for each (the slots file it once)
             completions.append(Completion(w, lost_request, None, error))
 
+    def _refused(self, w: WorkerProcess, reason: str, error: EnvManagerError) -> EnvManagerError:
+        """The error of a process the policy does not restart: past the limits, ``RestartLimitError``
+        naming the slot, the process and the failure; with restarts off, the failure itself."""
+        if not self.supervisor.policy.enabled:
+            return error
+        return RestartLimitError(error_slot(error, w), reason, error, w.env_ids, w.index)
+
     def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
                  completions: list[Completion]) -> None:
-        """Replace ``w`` by a new process and plan how it comes back (see ``Boot``)."""
-        logger.warning("restarting %s after: %s", w.name, error)
-        self.restart_policy.record(w.index)
+        """Replace ``w`` by a new process and plan how it comes back (see ``Boot``); the
+        supervisor recorded the restart."""
         w.kill()
         attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
         startup = [r for r in lost if r.cmd in (Cmd.READY, Cmd.ATTACH)]
@@ -398,7 +416,7 @@ class WorkerPool:
         failures = answer.failures
         assert failures is not None
         error = worker_error(failures[min(failures)], w.index)
-        if request.cmd not in (Cmd.STEP, Cmd.RESET) or w.boot is not None or self.restart_policy.refusal(w.index) is not None:
+        if request.cmd not in (Cmd.STEP, Cmd.RESET) or w.boot is not None or self.supervisor.refusal(w.index) is not None:
             self._on_failure(w, error, completions, request)
             return
         slots = request.slots
@@ -407,8 +425,7 @@ class WorkerPool:
             completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
             completions.append(completion)
         rebuild = self.rebuilds.request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls)
-        logger.warning("rebuilding env %s of %s after: %s", ", ".join(map(str, rebuild.slots)), w.name, error)
-        self.restart_policy.record(w.index)
+        self.supervisor.restarting(w.index, f"rebuilding env {', '.join(map(str, rebuild.slots))} of {w.name} after: {error}")
         w.state = ProcessState.REBUILDING
         w.send(rebuild)
 

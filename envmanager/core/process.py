@@ -42,6 +42,7 @@ from typing import Any
 
 import psutil
 
+from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
 from envmanager.wire.marks import CallMarks
@@ -88,7 +89,7 @@ class WorkerProcess:
     def __init__(
         self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
         file: SharedFile | None = None, generation: int = 0, mailboxes: Mailboxes | None = None,
-        marks: CallMarks | None = None,
+        marks: CallMarks | None = None, supervisor: Supervisor | None = None,
     ) -> None:
         """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
         portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
@@ -96,7 +97,8 @@ class WorkerProcess:
         ``generation``: how many processes held this index before it (0, then one more per restart);
         ``mailboxes``: the pool's, if it has them (requests then go through its ring);
         ``marks``: the pool's records of which env is in which call, if it has them (cleared for
-        this process before it starts)."""
+        this process before it starts); ``supervisor``: the pool's, which keeps the error of
+        a process given up (``failure``)."""
         self.spec = spec
         self.index = spec.index
         self.generation = generation
@@ -125,7 +127,7 @@ class WorkerProcess:
         #: deadlines count from here.
         self.alive_at = now
         self.progress_seen = 0
-        self.failure: EnvManagerError | None = None
+        self.supervisor = supervisor
         self.exitcode: int | None = None
         self.reaped = False
         self._family: list[int] = []  # what it had started when it was interrupted
@@ -242,9 +244,15 @@ class WorkerProcess:
     def alive(self) -> bool:
         return not self.reaped and self.process.is_alive()
 
-    def fail(self, error: EnvManagerError) -> None:
-        """Give up on this process: kill it and keep ``error`` to raise on every later use."""
-        self.failure = error
+    @property
+    def failure(self) -> EnvManagerError | None:
+        """The error raised on every use of a process given up (kept by the supervisor), else ``None``."""
+        if self.state is not ProcessState.FAILED or self.supervisor is None:
+            return None
+        return self.supervisor.failure(self.index)
+
+    def fail(self) -> None:
+        """Give up on this process (its error is the supervisor's): kill it."""
         self.state = ProcessState.FAILED
         self.requests = []
         self.kill()

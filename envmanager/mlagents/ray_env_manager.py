@@ -16,9 +16,12 @@ deadline plus :data:`RAY_MARGIN`); the driver waits until the nearest one at mos
 actor dies (node lost, actor killed) or that misses its own deadline is replaced, while the
 others keep answering, on another Ray node if there is one, with the same worker ids, the
 environment parameters, engine settings and analytics set so far, within the restart limits (per
-node, ML-Agents' rule); its players come back as interrupted resets. Past the limits, or if the
-replacement cannot start, :class:`RayPlayerError` names the node and its worker ids. Errors of
-the players themselves name the trainer's worker ids.
+node, ML-Agents' rule); its players come back as interrupted resets. The deadlines, the decision
+and the nodes given up are the pool's :class:`~envmanager.core.supervisor.Supervisor`'s, as for
+the core's processes. Past the limits (:class:`RayPlayerRestartLimitError`, also a
+``RestartLimitError``), or if the replacement cannot start, :class:`RayPlayerError` names the
+node and its worker ids, and is raised again on every later use of that node. Errors of the
+players themselves name the trainer's worker ids.
 
 The env factory runs on the nodes: a build path must exist on every node. The Ray session is
 :class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
@@ -35,9 +38,12 @@ from typing import Any
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepInfo
+from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
+from envmanager.mlagents.ray_errors import NodeLost as _NodeLost
+from envmanager.mlagents.ray_errors import RayPlayerError, RayPlayerRestartLimitError
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 from envmanager.ray.session import RaySession
@@ -48,7 +54,7 @@ with requires_extra("ray", __name__):
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayMLAgentsEnvManager", "RayPlayerPool", "RayPlayerError", "RAY_MARGIN"]
+__all__ = ["RayMLAgentsEnvManager", "RayPlayerPool", "RayPlayerError", "RayPlayerRestartLimitError", "RAY_MARGIN"]
 
 #: Seconds a Ray call may take beyond the core's per-answer deadline (transport, scheduling).
 RAY_MARGIN = 30.0
@@ -58,24 +64,13 @@ RAY_START_MARGIN = 60.0
 _Actor = ray.remote(PlayerNode)
 
 
-class RayPlayerError(EnvManagerError):
-    """A node's players could not go on: its actor was lost past the restart limits, or could not
-    start (``cause``: what its players raised then, naming the trainer's worker ids), or raised.
-    ``node``: the node's index; ``worker_ids``: the trainer's worker ids it hosts."""
-
-    def __init__(self, node: int, worker_ids: Sequence[int], message: str, cause: BaseException | None = None) -> None:
-        self.node, self.worker_ids, self.cause = node, list(worker_ids), cause
-        super().__init__(message)
-
-
 @dataclass
 class _Node:
     index: int
     ids: list[int]
     ray_node_id: str
     actor: Any = None
-    pending: Any = None  # the step request in flight
-    deadline: Deadline | None = None  # the pending request's: from when it was sent
+    pending: Any = None  # the step request in flight (its deadline: the supervisor's clock)
     idle: set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
     sent: dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
     info: dict[str, Any] = field(default_factory=dict)
@@ -103,7 +98,9 @@ class RayPlayerPool:
         self.options = {"timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
                         "restarts_rate_limit_n": restarts_rate_limit_n,
                         "restarts_rate_limit_period_s": restarts_rate_limit_period_s}
-        self.restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
+        #: Restart or give up after a node is lost, the nodes given up, each node's deadline.
+        self.supervisor = Supervisor(RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n,
+                                                   restarts_rate_limit_period_s), self.deadline_s, "node")
         self.replay_calls: list[tuple[str, tuple, dict]] = []
         self.nodes: list[_Node] = []
         self._last: dict[int, StepInfo] = {}
@@ -166,8 +163,11 @@ class RayPlayerPool:
             self._call(node, "set_replay_calls", self.replay_calls)
 
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
-        """What its node's players raised for ``worker_id`` (past its limits on the node), if any."""
-        return self._failures.get(worker_id)
+        """Its node's error if the node was given up, else what its node's players raised for
+        ``worker_id`` (past its limits on the node), if any."""
+        node = next((n for n in self.nodes if worker_id in n.ids), None)  # (none once closed)
+        given_up = None if node is None else self.supervisor.failure(node.index)
+        return given_up or self._failures.get(worker_id)
 
     def restart_count(self, worker_id: int) -> int:
         """How often the player was restarted: on its node, or with its node."""
@@ -187,7 +187,7 @@ class RayPlayerPool:
                     lost.append((node, str(exc)))
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
-                node.pending = node.deadline = None
+                self._settle(node)
             node.sent.clear()
         self._ready = []
         for node, why in lost:
@@ -246,7 +246,7 @@ class RayPlayerPool:
             if node.index in by_node:
                 sent = by_node[node.index]
                 node.pending = self._submit(node, "step", sent)
-                node.deadline = Deadline(self.deadline_s)
+                self.supervisor.start_clock(node.index)
                 node.idle -= set(sent)
                 node.sent.update(sent)
 
@@ -263,19 +263,19 @@ class RayPlayerPool:
                     if len(out) >= min_count:
                         return out
                     raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
-                timeout = 0.0 if len(out) >= min_count else min(self._left(node) for node in pending.values())
+                timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest()
                 try:
                     done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
                     if done:  # take whatever else is in too, without waiting
                         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 except Exception as exc:
                     self._session.reraise(exc, "waiting for the nodes' steps")
-                hung = [node for ref, node in pending.items() if ref not in done and node.deadline is not None
-                        and node.deadline.passed()]  # judged now, before any replacement takes time
+                hung = [self.nodes[i] for i in self.supervisor.overdue()  # judged now, before any replacement takes time
+                        if self.nodes[i].pending is not None and self.nodes[i].pending not in done]
                 error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]
-                    node.pending = node.deadline = None
+                    self._settle(node)
                     try:
                         out += self._arrived(node, self._answer(node, ref))  # in already
                     except _NodeLost as lost:
@@ -329,7 +329,9 @@ class RayPlayerPool:
         self._session.check()
 
     def _submit(self, node: _Node, method: str, *args: Any) -> Any:
-        """``node.<method>.remote(*args)``: its ref, or the package's error for Ray's failure."""
+        """``node.<method>.remote(*args)``: its ref, or the package's error for Ray's failure (or
+        the node's own, if it was given up)."""
+        self.supervisor.check(node.index)
         try:
             return getattr(node.actor, method).remote(*args)
         except Exception as exc:
@@ -356,7 +358,12 @@ class RayPlayerPool:
         return next(n for n in self.nodes if worker_id in n.ids)
 
     def _left(self, node: _Node) -> float:
-        return node.deadline.left() if node.deadline is not None else self.deadline_s
+        return self.supervisor.left(node.index)
+
+    def _settle(self, node: _Node) -> None:
+        """``node`` has no step request in flight any more: no clock runs for it."""
+        node.pending = None
+        self.supervisor.stop_clock(node.index)
 
     def _start(self, node: _Node, ray_node_id: str, left_behind: Any = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -370,7 +377,7 @@ class RayPlayerPool:
         except Exception as exc:
             self._session.reraise(exc, f"starting {node.name()}")
         node.idle, node.sent, node.info = set(node.ids), {}, {}
-        node.pending = node.deadline = None
+        self._settle(node)
 
     def _await_start(self, node: _Node) -> None:
         """The node's ``info`` once it started; else ``RayPlayerError`` naming it (``cause``: what
@@ -390,7 +397,8 @@ class RayPlayerPool:
                 ray.kill(node.actor, no_restart=True)
             except Exception as exc:  # gone already
                 logger.debug("killing %s: %r", node.name(), exc)
-        node.actor, node.pending, node.deadline = None, None, None
+        node.actor = None
+        self._settle(node)
 
     def _call(self, node: _Node, method: str, *args: Any) -> Any:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
@@ -448,11 +456,17 @@ class RayPlayerPool:
         """Start ``node``'s worker ids anew (on another Ray node if there is one), within the
         restart limits; their fresh resets (interrupted). Else, or if the new one cannot start,
         ``RayPlayerError`` names the node and its worker ids."""
-        refusal = self.restarts.refusal(node.index)
-        if refusal:
+        reason = self.supervisor.refusal(node.index)
+        if reason:
             self._kill(node)
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why}) and not replaced: {refusal}")
-        self.restarts.record(node.index)
+            message = f"{node.name()} was lost ({why}) and not replaced: {reason}"
+            if self.supervisor.policy.enabled:
+                failure: RayPlayerError = RayPlayerRestartLimitError(
+                    node.index, node.ids, reason, RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})"),
+                    message)
+            else:
+                failure = RayPlayerError(node.index, node.ids, message)
+            raise self.supervisor.give_up(node.index, failure)
         old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
         self._kill(node)
         alive = self._alive_nodes(exclude=old)
@@ -461,21 +475,21 @@ class RayPlayerPool:
             if n is not node:
                 busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
         target = min(alive, key=lambda nid: busy.get(nid, 0))
-        logger.warning("Ray node %d (worker ids %s) lost: restarting its players on Ray node %s (%s)",
-                       node.index, node.ids, target, why)
-        self._start(node, target, left_behind)
-        self._await_start(node)
+        self.supervisor.restarting(node.index, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its "
+                                   f"players on Ray node {target} ({why})")
+        try:
+            self._start(node, target, left_behind)
+            self._await_start(node)
+        except RayPlayerError as exc:  # the replacement could not start: given up
+            self._kill(node)
+            raise self.supervisor.give_up(node.index, exc) from None
         try:
             infos = self._answer(node, self._submit(node, "reset"))
         except _NodeLost as lost:
             self._kill(node)
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why}); its replacement "
-                                 f"was lost too ({lost})") from None
+            raise self.supervisor.give_up(node.index, RayPlayerError(
+                node.index, node.ids, f"{node.name()} was lost ({why}); its replacement was lost too ({lost})")) from None
         return self._arrived(node, infos, interrupted=True)
-
-
-class _NodeLost(Exception):
-    """A node's actor died or missed its deadline (never leaves :class:`RayPlayerPool`)."""
 
 
 class RayMLAgentsEnvManager(MLAgentsEnvManager):

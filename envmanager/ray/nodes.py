@@ -4,8 +4,10 @@ node, requests in flight with deadlines, and restarts of hung or dead nodes with
 Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request misses its
 deadline counts as hung; a node whose actor died (killed, node lost) counts as dead; a node
 whose sampler raised (what no restart of its env processes absorbed) has failed too. Each goes
-through ``NodePool.failed``: killed and started again (``RestartPolicy``: lifetime count and
-rate, per node) with the newest weights and every env update replayed, or ``RayNodeError``.
+through ``NodePool.failed``, where the pool's :class:`~envmanager.core.supervisor.Supervisor`
+decides (the one restart policy, per node; it also keeps the deadlines and the nodes given up):
+killed and started again with the newest weights and every env update replayed, or
+``RayNodeError`` (past the limits also a ``RestartLimitError``: ``RayNodeRestartLimitError``).
 Every other Ray call's failure is ``RaySessionError`` (``RaySession.reraise``).
 """
 
@@ -18,8 +20,9 @@ from typing import Any, NoReturn
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
+from envmanager.core.supervisor import Supervisor
 from envmanager.core.updates import Pickled
-from envmanager.errors import EnvManagerError, ManagerClosedError
+from envmanager.errors import EnvManagerError, ManagerClosedError, RestartLimitError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
 from envmanager.ray.session import RaySession, RaySessionError
@@ -30,7 +33,7 @@ with requires_extra("ray", "envmanager.ray"):
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodePool", "RayNodeError", "RaySessionError", "Request"]
+__all__ = ["NodePool", "RayNodeError", "RayNodeRestartLimitError", "RaySessionError", "Request"]
 
 #: Seconds a node's actor gets to end cleanly on close before it is killed.
 CLOSE_TIMEOUT = 10.0
@@ -38,13 +41,33 @@ CLOSE_TIMEOUT = 10.0
 
 class RayNodeError(EnvManagerError):
     """A node failed and was not restarted (restarts off, or past the limits), or could not be
-    placed; ``cause``: what its sampler raised (naming global slots), when it raised."""
+    placed; ``cause``: what its sampler raised (naming global slots), when it raised;
+    ``worker_ids``: the node's global slots (when known)."""
 
-    def __init__(self, node: int, message: str, remote_traceback: str | None = None, cause: BaseException | None = None) -> None:
+    def __init__(self, node: int, message: str, remote_traceback: str | None = None, cause: BaseException | None = None,
+                 worker_ids: list[int] | None = None) -> None:
         self.node = node
         self.remote_traceback = remote_traceback
         self.cause = cause
+        self.worker_ids = list(worker_ids or [])
         super().__init__(message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
+
+
+class RayNodeRestartLimitError(RayNodeError, RestartLimitError):
+    """A node failed past the restart limits: the ``RestartLimitError`` a process past them
+    raises (``reason``, ``failure``: the node's fault, ``worker_ids``: its global slots, ``cause``
+    and ``remote_traceback``: what its sampler raised), as a ``RayNodeError`` (``node``)."""
+
+    def __init__(self, node: int, slots: list[int], reason: str, failure: RayNodeError, message: str) -> None:
+        self.node, self.worker_ids, self.worker_id, self.process = node, list(slots), slots[0], None
+        self.reason, self.failure, self.message = reason, failure, message
+        self.cause, self.remote_traceback = failure.cause, failure.remote_traceback
+        self.exitcode = self.call = self.slot = None
+        traceback = f"\n\nnode traceback:\n{self.remote_traceback}" if self.remote_traceback else ""
+        EnvManagerError.__init__(self, message + traceback)
+
+    def __reduce__(self):
+        return (type(self), (self.node, self.worker_ids, self.reason, self.failure, self.message))
 
 
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # Ray's stubs omit concurrency_groups
@@ -94,13 +117,16 @@ class Node:
     incarnation: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: list[Request] = dataclasses.field(default_factory=list)  # in submission order (Ray runs them so)
-    head_deadline: Deadline | None = None
-    failed: RayNodeError | None = None
     updates_sent: int = 0  # to this incarnation: a request waits on the node until it has them all
 
     def name(self) -> str:
         where = f", host {self.info['host']}, pid {self.info['pid']}" if self.info else ""
         return f"node {self.index} (slots {self.offset}–{self.offset + self.n_envs - 1}{where})"
+
+    @property
+    def slots(self) -> list[int]:
+        """Its global slots."""
+        return list(range(self.offset, self.offset + self.n_envs))
 
 
 class NodePool:
@@ -110,9 +136,9 @@ class NodePool:
                  resume: Callable[[Node], tuple[list[int | None], list[int]]],
                  sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
                  restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
-        self.timeout = timeout
         self.start_timeout = start_timeout
-        self.restarts = restarts
+        #: Restart or give up after a node fault, the nodes given up, each node's deadline.
+        self.supervisor = Supervisor(restarts, timeout, "node")
         self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
         #: Per node: each slot's seed if no episode used it yet, and the episodes each started so far.
@@ -134,6 +160,15 @@ class NodePool:
             self.close()
             raise
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a node's oldest request may take before the node counts as hung."""
+        return self.supervisor.timeout
+
+    def failure(self, node: Node) -> EnvManagerError | None:
+        """``node``'s error if it was given up (raised on every later use), else ``None``."""
+        return self.supervisor.failure(node.index)
+
     # ------------------------------------------------------------------------------------------
     # Starting and restarting
 
@@ -150,7 +185,7 @@ class NodePool:
             self.ray_failed(exc, f"starting {node.name()}")
         node.info = {}
         node.queue = []
-        node.head_deadline = None
+        self.supervisor.stop_clock(node.index)
         node.updates_sent = 0
 
     def _await_started(self, nodes: list[Node]) -> None:
@@ -194,26 +229,35 @@ class NodePool:
         in it was given up), as a process whose env raised does."""
         if self.closed:  # closed by another thread meanwhile: nothing is restarted
             raise ManagerClosedError("the ray sampler was closed")
-        refusal = self.restarts.refusal(node.index)
-        if refusal is not None:
-            failure = RayNodeError(node.index, f"{node.name()} {why}; not restarted: {refusal}", remote_traceback, error)
-            if not serves or self.restarts.enabled:
+        failure = self.supervisor.decide(node.index, f"ray sampler: {node.name()} {why}; restarting it",
+                                         lambda reason: self._refused(node, why, reason, error, remote_traceback))
+        if failure is not None:
+            if not serves or self.supervisor.policy.enabled:
                 self._kill(node)
-                node.failed, node.queue, node.head_deadline = failure, [], None
+                node.queue = []
+                self.supervisor.give_up(node.index, failure)
             raise failure
         lost = node.queue
         self._kill(node)
-        self.restarts.record(node.index)
-        logger.warning("ray sampler: %s %s; restarting it (%d so far)", node.name(), why, self.restarts.counts[node.index])
         node.incarnation += 1
         self._start(node)
         try:
             self._await_started([node])
         except RayNodeError as exc:
-            node.failed = exc
+            self.supervisor.give_up(node.index, exc)
             self._kill(node)
             raise
         return lost
+
+    def _refused(self, node: Node, why: str, reason: str, error: BaseException | None,
+                 remote_traceback: str | None) -> RayNodeError:
+        """The error of a node the policy does not restart: past the limits, a
+        ``RayNodeRestartLimitError``; with restarts off, ``RayNodeError``."""
+        message = f"{node.name()} {why}; not restarted: {reason}"
+        if self.supervisor.policy.enabled:
+            fault = RayNodeError(node.index, f"{node.name()} {why}", remote_traceback, error, node.slots)
+            return RayNodeRestartLimitError(node.index, node.slots, reason, fault, message)
+        return RayNodeError(node.index, message, remote_traceback, error, node.slots)
 
     def _kill(self, node: Node) -> None:
         if node.actor is not None:
@@ -241,8 +285,7 @@ class NodePool:
             request.ref = method.remote(arg, node.updates_sent)
         except Exception as exc:
             self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
-        if not node.queue:
-            node.head_deadline = Deadline(self.timeout)
+        self.supervisor.start_clock(node.index)  # (unless an earlier request's clock runs)
         node.queue.append(request)
         return request
 
@@ -262,16 +305,14 @@ class NodePool:
             raise ManagerClosedError("the ray sampler is closed")
         if self.session is not None:
             self.session.check()
-        if node is not None and node.failed is not None:
-            raise node.failed
+        if node is not None:
+            self.supervisor.check(node.index)
 
     def raise_given_up(self) -> None:
         """What makes a collection call futile, at once: closed, the session gone, or a node
         given up (its error, on every later call, as a process the local samplers gave up)."""
         self.check_usable()
-        for node in self.nodes:
-            if node.failed is not None:
-                raise node.failed
+        self.supervisor.check()
 
     def in_flight(self) -> int:
         return sum(len(node.queue) for node in self.nodes)
@@ -292,7 +333,7 @@ class NodePool:
             if not pending:
                 return []
             heads = [node.queue[0].ref for node in self.nodes if node.queue]  # only they can be booked first
-            soonest = min(node.head_deadline.left() for node in self.nodes if node.queue and node.head_deadline)
+            soonest = self.supervisor.soonest()
             try:
                 ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
                 if ready:  # drain whatever else is done too, without waiting
@@ -300,16 +341,16 @@ class NodePool:
             except Exception as exc:
                 self.ray_failed(exc, "waiting for the nodes' answers")
             done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
+            late = [self.nodes[i] for i in self.supervisor.overdue()]
             self._faults += [Fault(node, node.incarnation, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
-                             for node in self.nodes if node.queue and node.head_deadline is not None
-                             and node.head_deadline.passed() and node.queue[0].ref not in done]
+                             for node in late if node.queue and node.queue[0].ref not in done]
             self._take(ready, out)
         if out:
             return out
         while self._faults:
             fault = self._faults.pop(0)
             node = fault.node
-            if node.incarnation != fault.incarnation or node.failed is not None:
+            if node.incarnation != fault.incarnation or self.supervisor.failure(node.index) is not None:
                 continue  # restarted or given up meanwhile
             if fault.hung and (not node.queue or self._done(node.queue[0].ref)):
                 continue  # done meanwhile: the next wait takes it
@@ -341,7 +382,7 @@ class NodePool:
                     self._faults.append(Fault(node, node.incarnation, f"failed ({type(exc).__name__}: {exc})"))
                     break
                 node.queue.pop(0)
-                node.head_deadline = Deadline(self.timeout) if node.queue else None
+                self.supervisor.next_clock(node.index, bool(node.queue))
                 if answer is not None:
                     out.append((request, answer))
 

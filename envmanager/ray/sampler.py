@@ -141,7 +141,7 @@ class RaySampler:
     def _publish(self, version: int | None, weights: Any, env: Pickled | None) -> None:
         """An update to every node not given up (whose error every collection call raises)."""
         for node in self._pool.nodes:
-            if node.failed is None:
+            if self._pool.failure(node) is None:
                 sliced = None if env is None else Pickled(tuple(_slice(env.payloads, node)))
                 self._pool.send_update(node, version, weights, sliced)
 
@@ -221,7 +221,7 @@ class RaySampler:
         if not self.first_ready:
             return
         for node in self._pool.nodes:
-            if node.failed is None and all(r.kind == "steps" for r in node.queue):
+            if self._pool.failure(node) is None and all(r.kind == "steps" for r in node.queue):
                 while len(node.queue) < self.in_flight:
                     self._pool.submit(node, "steps", self.fragment_steps)
 
@@ -248,7 +248,7 @@ class RaySampler:
         except RayNodeError as exc:
             node = self._pool.nodes[exc.node]
             failed = self._forget_open(node)
-            if node.failed is not None and failed:
+            if self._pool.failure(node) is not None and failed:
                 self.stats.count("failed_episodes", failed)
             raise
 
@@ -413,7 +413,13 @@ class RaySampler:
         self._pool.kill_node(index)
 
     def restart_count(self, index: int) -> int:
-        return self._pool.restarts.counts[index]
+        """How often node ``index`` was restarted (the pool's supervisor's count)."""
+        return self._pool.supervisor.restart_count(index)
+
+    @property
+    def restarts(self) -> int:
+        """Node restarts so far, of every node: the supervisor's one count."""
+        return self._pool.supervisor.restarts
 
     def shutdown_worker(self) -> None:
         """garage's name for ``close``."""

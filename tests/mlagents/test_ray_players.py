@@ -259,6 +259,34 @@ def test_a_node_that_cannot_start_again_ends_the_run_naming_it(fake_player, tmp_
         run.close()
 
 
+@pytest.mark.timeout(180)
+def test_a_node_lost_past_the_limits_is_given_up_with_the_one_error_shape(fake_player, tmp_path):
+    """Node 1's actor dies twice (one restart allowed): replaced once, counted once by the pool's
+    supervisor; then refused with a ``RestartLimitError`` (also ``RayPlayerError``) naming node 1,
+    worker ids 2 and 3, the limit and the loss — the shape a process past the limits raises —
+    and the same error at once on every later use of node 1."""
+    run = Run(fake_player, tmp_path, max_lifetime_restarts=1, restarts_rate_limit_n=-1).start()
+    pool = run.manager.manager
+    try:
+        run.steps_until(lambda: min(run.checked.values()) >= 1)
+        os.kill(node_of(run.manager, 1)["pid"], signal.SIGKILL)
+        run.steps_until(lambda: run.interrupted[2] and run.interrupted[3])
+        assert pool.supervisor.restarts == pool.supervisor.restart_count(1) == 1
+        os.kill(node_of(run.manager, 1)["pid"], signal.SIGKILL)
+        with pytest.raises(RestartLimitError) as caught:
+            run.steps_until(lambda: False)
+        error = caught.value
+        assert isinstance(error, RayPlayerError) and error.node == 1 and error.worker_ids == [2, 3], error
+        assert "max_lifetime_restarts" in error.reason and "worker ids [2, 3]" in str(error)
+        assert isinstance(error.failure, RayPlayerError) and "lost" in str(error.failure)
+        assert pool.supervisor.restarts == 1 and pool.failure_of(2) is error and pool.failure_of(0) is None
+        with pytest.raises(RestartLimitError) as again:  # node 1 given up: its error, at once
+            pool.call_on([3], "behavior_specs")
+        assert again.value is error
+    finally:
+        run.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_port_taken_is_a_clear_error_and_nothing_is_left(fake_player, tmp_path):
     """Worker 3's port is taken: the manager raises UnityPortInUseError naming it (from node 1's
