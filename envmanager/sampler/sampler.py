@@ -96,6 +96,8 @@ class Sampler:
         else:
             self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
             self._owns_manager = True
+        for slot in range(n):  # the envs as they are now (a process restarted at start-up, a manager used before)
+            self.episodes.replaced(slot, self.manager.generation(slot))
         self._restarts_seen = _restarts(self.manager)  # for ``worker_restarts``: the policy's count
         self.policy = policy
         self.progress = progress
@@ -280,8 +282,8 @@ class Sampler:
         error: EnvManagerError | None = None
         for slot in starting:
             episodes.start(slot, recording=True)
-            if episodes[slot].generation != m.generation(slot):
-                self._replaced(slot, plan)
+            if episodes[slot].generation != m.generation(slot):  # replaced since its last answer: nothing to start on
+                self._replaced(slot, m.generation(slot), plan)
                 continue
             have = episodes[slot].env_version
             due = self.versions.env_updates.due(slot, have)
@@ -299,7 +301,7 @@ class Sampler:
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
             if episodes[slot].generation != m.generation(slot):
                 del resets[slot]
-                self._replaced(slot, plan)
+                self._replaced(slot, m.generation(slot), plan)
         m.send_reset(resets)  # the others start all the same: the next call takes their resets
         if error is not None:
             raise error
@@ -315,9 +317,11 @@ class Sampler:
         except EnvManagerError as exc:
             self._failed(exc)
             raise
+        generations = batch.generations
+        assert generations is not None  # (the manager's array: every batch it hands out has it)
         for slot in batch.slots.tolist():
-            if slot in batch.interrupted:  # its process was replaced during the reset
-                self._replaced(slot, plan)
+            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                self._replaced(slot, int(generations[slot]), plan)  # its env was replaced during the reset
             else:
                 record = self.episodes[slot]
                 record.observation, record.state = self._read_observation(slot), READY
@@ -363,10 +367,11 @@ class Sampler:
         except EnvManagerError as exc:
             self._failed(exc)
             raise
-        r = m.results
+        r, generations = m.results, batch.generations
+        assert generations is not None
         for slot in batch.slots.tolist():
-            if slot in batch.interrupted:  # a restarted process: the episode was cut; kept, flagged
-                self._replaced(slot, plan)
+            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                self._replaced(slot, int(generations[slot]), plan)  # a fresh env: the episode was cut; kept, flagged
                 continue
             record = self.episodes[slot]
             if record.state is not STEPPING or record.sent is None:
@@ -399,10 +404,11 @@ class Sampler:
             if outcome is Outcome.ENDED:
                 self.stats.count("episodes")
 
-    def _replaced(self, slot: int, plan: Plan) -> None:
-        """An answer from a newer generation of the slot's process: its episode is cut."""
+    def _replaced(self, slot: int, generation: int, plan: Plan) -> None:
+        """The slot's env is of another ``generation`` than its record (an answer carried it, or
+        the pool says so before anything is sent): its episode is cut."""
         m = self.manager
-        if self.episodes.replaced(slot, m.generation(slot)):
+        if self.episodes.replaced(slot, generation):
             self._close(slot, Outcome.CUT, plan)
             restarts = _restarts(m)  # process restarts and envs rebuilt in place: each once
             if restarts > self._restarts_seen:
@@ -420,7 +426,7 @@ class Sampler:
         restarted = False
         for s in slots:
             if self.episodes[s].generation != m.generation(s):
-                self._replaced(s, plan)
+                self._replaced(s, m.generation(s), plan)
                 restarted = True
             else:
                 self.episodes.close(s, Outcome.FAILED)
