@@ -28,7 +28,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
-from envmanager.sampler.slots import EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots
+from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
@@ -152,7 +152,7 @@ class Sampler:
         _positive("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
-        return self._episodes(self._collect(SampleCount(self.n_workers, num_samples)))
+        return self._episodes(self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running)))
 
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
@@ -179,11 +179,10 @@ class Sampler:
         self.update(agent_update, env_update)
         plan = self._collect(StepCount(self.n_workers, n))
         steps: list[Step] = []
-        for record in self.episodes:
-            for episode, _ in plan.episodes[record.slot]:
+        for slot in range(self.n_workers):
+            for episode, _ in plan.episodes[slot]:
                 steps += episode
-            steps += record.steps  # the running episode's steps so far: it goes on next call
-            record.steps = []
+            steps += self.episodes.take_steps(slot)  # the running episode's steps so far: it goes on next call
         return TransitionBatch.from_steps(steps)
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
@@ -209,37 +208,23 @@ class Sampler:
         out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
         its own. A call that raises drops what it recorded (counted as ``dropped_steps``), and
         the episodes still running are not recorded on (so no episode's rows have a gap)."""
-        self._raise_given_up()
+        raise_given_up(self.manager, self.episodes)
         if not plan.record_partial:
             self._apply_agent_update()
-            for record in self.episodes:
-                record.recording = False
+            self.episodes.stop_recording()
         bar = self._progress_bar(plan)
         try:
             self._run(plan, bar)
         except BaseException:
             dropped = sum(len(steps) for per_slot in plan.episodes for steps, _ in per_slot)
-            for record in self.episodes:  # running ones go on unrecorded: no episode's rows have a gap
-                dropped += len(record.steps)
-                record.recording, record.steps = False, []
             if dropped:
                 self.stats.count("dropped_steps", dropped)
+            self.episodes.stop_recording()  # running ones go on unrecorded: no episode's rows have a gap
             raise
         finally:
             if bar is not None:
                 bar.close()
         return plan
-
-    def _raise_given_up(self) -> None:
-        """A process the pool gave up on (past the restart limits, or dead with restarts off):
-        its error, at once, on every call."""
-        m = self.manager
-        for slot in range(self.n_workers):
-            failure = m.failure_of(slot)
-            if failure is not None:
-                for s in failed_slots(failure) or [slot]:
-                    self.episodes.close(s, Outcome.FAILED)
-                raise failure
 
     def _progress_bar(self, plan: Plan) -> Any:
         _, total, unit = plan.progress()
@@ -323,8 +308,7 @@ class Sampler:
             if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
                 self._replaced(slot, int(generations[slot]), plan)  # its env was replaced during the reset
             else:
-                record = self.episodes[slot]
-                record.observation, record.state = self._read_observation(slot), READY
+                self.episodes.ready(slot, self._read_observation(slot))
 
     def _act(self, plan: Plan) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
@@ -355,9 +339,7 @@ class Sampler:
         sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
         version = self._acting_version
         for i, slot in enumerate(slots):
-            record = episodes[slot]
-            record.sent = (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version)
-            record.state = STEPPING
+            episodes.sent(slot, (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
 
     def _receive(self, plan: Plan) -> None:
         m = self.manager
@@ -381,7 +363,7 @@ class Sampler:
             terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
             self.stats.count("env_steps")
             if record.recording:
-                record.steps.append(Step(
+                self.episodes.record(slot, Step(
                     observation, action, float(r.reward[slot]), terminated, truncated, next_obs, slot,
                     record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
@@ -389,27 +371,27 @@ class Sampler:
             else:
                 self.stats.count("discarded_steps")
             if terminated or truncated:
-                self._close(slot, Outcome.ENDED, plan)
+                self._book(slot, self.episodes.close(slot, Outcome.ENDED), plan)
             else:
-                record.observation, record.sent, record.state = next_obs, None, READY
+                self.episodes.ready(slot, next_obs)
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record
 
-    def _close(self, slot: int, outcome: Outcome, plan: Plan) -> None:
-        recording = self.episodes[slot].recording
-        steps = self.episodes.close(slot, outcome)
-        if recording and outcome is not Outcome.FAILED:
-            plan.finished(slot, steps, outcome is Outcome.CUT)
-            if outcome is Outcome.ENDED:
+    def _book(self, slot: int, closed: Closed, plan: Plan) -> None:
+        """An episode the record closed, booked in the plan if this call admitted it."""
+        if closed.recording and closed.episode_id >= 0 and closed.outcome is not Outcome.FAILED:
+            plan.finished(slot, closed.steps, closed.outcome is Outcome.CUT)
+            if closed.outcome is Outcome.ENDED:
                 self.stats.count("episodes")
 
     def _replaced(self, slot: int, generation: int, plan: Plan) -> None:
         """The slot's env is of another ``generation`` than its record (an answer carried it, or
         the pool says so before anything is sent): its episode is cut."""
         m = self.manager
-        if self.episodes.replaced(slot, generation):
-            self._close(slot, Outcome.CUT, plan)
+        cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
+        if cut is not None:
+            self._book(slot, cut, plan)
             restarts = _restarts(m)  # process restarts and envs rebuilt in place: each once
             if restarts > self._restarts_seen:
                 self.stats.count("worker_restarts", restarts - self._restarts_seen)
