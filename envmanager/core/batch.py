@@ -447,9 +447,9 @@ class BatchEnvManager:
         w = c.worker
         self._answered_generation[w.index] = w.generation
         rebuilds = self.pool.rebuilds.counts
-        generations = self._state.generations
+        generations, as_list = self._state.generations, self._state.generation_list
         for slot in (c.slots if c.interrupted else w.env_ids):
-            generations[slot] = w.generation + rebuilds[slot]
+            generations[slot] = as_list[slot] = w.generation + rebuilds[slot]
 
     # ------------------------------------------------------------------------------------------
     # Env calls (see ``envmanager.core.calls``)

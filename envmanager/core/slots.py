@@ -53,6 +53,7 @@ class SlotState:
         self.status = np.zeros(n_env, dtype=np.uint8)
         #: Each slot's generation as of its latest answer filed (``StepBatch.generations``).
         self.generations = np.zeros(n_env, dtype=np.int64)
+        self.generation_list = [0] * n_env  # the same, for per-slot Python (StepInfo): no numpy scalar per answer
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
