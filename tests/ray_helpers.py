@@ -176,3 +176,16 @@ def raising_factory(marker: str, slot: int, at: int):
     def factory(worker_id: int):
         return KindEnv(marker, at, "raise") if worker_id == slot else KindEnv()
     return factory
+
+
+def reset_raising_once_factory(marker: str, slot: int, episode_length: int = 5):
+    """``ControlledEnv`` s of ``episode_length`` steps; slot ``slot``'s first env raises in its
+    first reset, once (it leaves ``marker``; the env made again in its place does not)."""
+    def factory(worker_id: int):
+        from envmanager.testing.envs import ControlledEnv
+
+        first = worker_id == slot and not os.path.exists(marker)
+        if first:
+            open(marker, "w").close()
+        return ControlledEnv(worker_id, episode_length=episode_length, fault="raise_reset" if first else None)
+    return factory

@@ -118,6 +118,7 @@ class BatchEnvManager:
         #: process's envs) or 2 (second half).
         self.slot_lanes = lanes_of([len(spec.env_ids) for spec in specs], self.double_buffer)
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
+        self._answered_generation = [0] * n_procs  # per process: the generation its latest answer came from
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             # Where every process has a core; double buffered, the parent spins long enough to cover a lane:
@@ -440,12 +441,28 @@ class BatchEnvManager:
     # The parent's half of every answer (steps and resets: ``envmanager.core.slots``)
 
     def _take(self, completions: list[Completion]) -> None:
-        """File what the pool delivered: call answers to the calls, the rest to the slots."""
+        """File what the pool delivered: call answers to the calls, the rest to the slots,
+        with the generation of the env that answered (``StepBatch.generations``)."""
+        state, answered = self._state, self._answered_generation
         for c in completions:
             if c.request is not None and c.request.cmd in _CALLS:
                 self._calls.file(c)
-            else:
-                self._state.file(c)
+                continue
+            state.file(c)
+            w = c.worker
+            if (c.interrupted or w.generation != answered[w.index]) and c.error is None:  # rare: a restart or rebuild
+                self._note_generation(c)
+
+    def _note_generation(self, c: Completion) -> None:
+        """The slots ``c`` answers for (a restart: all of its process's) are of the generation
+        that answered: the process that sent it (``c.worker``, not the one that may have replaced
+        it since), plus each env's rebuilds (``pool.generation``'s sum at that moment)."""
+        w = c.worker
+        self._answered_generation[w.index] = w.generation
+        rebuilds = self.pool.rebuilds.counts
+        generations, as_list = self._state.generations, self._state.generation_list
+        for slot in (c.slots if c.interrupted else w.env_ids):
+            generations[slot] = as_list[slot] = w.generation + rebuilds[slot]
 
     # ------------------------------------------------------------------------------------------
     # Env calls (see ``envmanager.core.calls``)

@@ -173,6 +173,7 @@ class SubprocessEnvManager(BatchEnvManager):
         obs_tree, obs_list = r.observation, self.observation_list
         rewards, terms, truncs = r.reward.tolist(), r.terminated.tolist(), r.truncated.tolist()
         infos, interrupted, resets = batch.infos, batch.interrupted, batch.resets
+        generations = self._state.generation_list  # batch.generations' rows, as ints (it is no copy: the same now)
         last, actions = self._last, self._actions
         out = []
         for slot in batch.slots.tolist():
@@ -187,6 +188,7 @@ class SubprocessEnvManager(BatchEnvManager):
                 actions.pop(slot, None),
                 StepTimings(*self.timings(slot)),
                 slot in interrupted,
+                generations[slot],
             )
             last[slot] = info
             out.append(info)

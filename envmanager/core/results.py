@@ -39,6 +39,9 @@ class StepInfo(NamedTuple):
     ``previous_result`` is the result the action was chosen from (``None`` right after a reset),
     ``current_result`` the result it led to. ``interrupted`` marks a result that comes from a
     restarted worker: the episode was cut short and ``current_result`` is a fresh reset.
+    ``generation`` is the slot's generation when it answered (``generation(worker_id)`` then:
+    how often its env had been replaced); an answer of a newer generation than the one before
+    comes from a fresh env.
     """
 
     worker_id: int
@@ -47,6 +50,7 @@ class StepInfo(NamedTuple):
     action: Any
     timings: StepTimings = StepTimings()
     interrupted: bool = False
+    generation: int = 0
 
 
 class InfoBlock(NamedTuple):
@@ -69,6 +73,9 @@ class StepBatch(NamedTuple):
     the fresh reset of a restarted worker; ``resets`` the slots whose result is a reset;
     ``info_columns`` the infos that came as columns, when the receiver asked for them so
     (``receive_batch(info_columns=True)``; else they are in ``infos`` as dicts).
+    ``generations`` is the manager's array of every slot's generation as of its latest answer
+    (``generation(worker_id)`` when it answered): rows ``slots`` are this batch's, valid as the
+    ``results`` rows are (no copy is made per batch).
     """
 
     slots: np.ndarray
@@ -76,3 +83,4 @@ class StepBatch(NamedTuple):
     interrupted: frozenset[int] = frozenset()
     resets: frozenset[int] = frozenset()
     info_columns: tuple[InfoBlock, ...] = ()
+    generations: np.ndarray | None = None

@@ -7,7 +7,8 @@ One status per slot (``worker_id`` is a slot)::
          └── its env failed        └────────────── send_batch ───────────────┘
 
 What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
-set), their non-empty infos, which were interrupted by a restart, and the errors to raise.
+set), their non-empty infos, which were interrupted by a restart, and the errors to raise; and
+each slot's generation as of its latest answer (``generations``, kept by the batch level).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class SlotState:
 
     def __init__(self, n_env: int) -> None:
         self.status = np.zeros(n_env, dtype=np.uint8)
+        #: Each slot's generation as of its latest answer filed (``StepBatch.generations``).
+        self.generations = np.zeros(n_env, dtype=np.int64)
+        self.generation_list = [0] * n_env  # the same, for per-slot Python (StepInfo): no numpy scalar per answer
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
@@ -195,7 +199,7 @@ class SlotState:
         cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else _NONE
         if cut:
             interrupted -= cut
-        return _new(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks))
+        return _new(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks, self.generations))
 
     def _hand_out_columns(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
         """The column infos of ``slots``: as blocks (``columns``), or into ``dicts``."""

@@ -163,13 +163,16 @@ class SamplerNode:
 
     def _answer(self, batch: Any) -> tuple[Any, dict[str, Any]]:
         """The batch with global slot ids, what the node's counters grew by since the last
-        answer, and the ids of the episodes its sampler cut since (``cut_episodes``)."""
+        answer, the ids of the episodes its sampler cut since (``cut_episodes``), and how many
+        episodes each of its slots started so far (``started``: the driver's records resume a
+        restarted node from them, so even an episode that left no trace is never numbered twice)."""
         batch.worker_ids = batch.worker_ids + self.offset
         now = {k: int(self.sampler.stats.counters.get(k, 0)) for k in COUNTERS}
         grown: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         cut = self.sampler.cut_episodes
         grown["cut_episodes"], self._cut_reported = list(cut[self._cut_reported:]), len(cut)
+        grown["started"] = [record.started for record in self.sampler.episodes]
         return batch, grown
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import COUNTERS
 from envmanager.ray.nodes import Node, NodePool, RayNodeError, Request
+from envmanager.ray.records import SlotRecords
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.versions import Versions
@@ -98,11 +99,9 @@ class RaySampler:
         #: into a restarted node.
         self.versions = Versions(self.n_workers, prepare=self._put, publish=self._publish)
         self._buffer: collections.deque[TransitionBatch] = collections.deque()  # fragments not handed out yet
-        self._open: dict[int, int] = {}  # slot -> global id of its episode still running in handed-out/buffered steps
-        self.cut_episodes: list[int] = []  # global ids of episodes cut by a node restart
-        self._seeds = [None if seed is None else seed + s for s in range(self.n_workers)]
-        #: Per global slot: the highest episode count ``k`` seen in an answer (ids are ``k * n + slot``).
-        self._seen = np.full(self.n_workers, -1, dtype=np.int64)
+        #: One record per global slot (seed used, episodes started, episode running): what a
+        #: restarted node resumes from (``envmanager.ray.records``).
+        self.records = SlotRecords([None if seed is None else seed + s for s in range(self.n_workers)])
         restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s,
                                  switch="restart_nodes")
         if env_timeout is not None:
@@ -146,12 +145,10 @@ class RaySampler:
                 self._pool.send_update(node, version, weights, sliced)
 
     def _resume(self, node: Node) -> tuple[list[int | None], list[int]]:
-        """What a (re)started node is built with, per slot: its seed only if no episode of it
-        reached us yet (a restarted node must not replay seeded episodes), and the episodes
-        started so far (so ids go on: one seen earlier is never reused)."""
-        slots = range(node.offset, node.offset + node.n_envs)
-        return ([self._seeds[s] if self._seen[s] < 0 else None for s in slots],
-                [int(self._seen[s]) + 1 for s in slots])
+        """What a (re)started node is built with, from the records of its slots: each seed only
+        if no episode of it is known to have started (a restarted node must not replay seeded
+        episodes), and the episodes started so far (so ids go on: none is ever reused)."""
+        return self.records.resume(_slots(node))
 
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
@@ -203,7 +200,12 @@ class RaySampler:
     @property
     def open_episodes(self) -> set[int]:
         """Ids of episodes whose steps were handed out or buffered and that are still running."""
-        return set(self._open.values())
+        return self.records.running()
+
+    @property
+    def cut_episodes(self) -> list[int]:
+        """Global ids of the episodes cut (inside a node, or with a lost node), in the order seen."""
+        return self.records.cut_episodes
 
     def _round(self) -> None:
         """Wait-for-all: one fragment from every node, booked in node order."""
@@ -262,10 +264,9 @@ class RaySampler:
                 self._node_lost(node, request)
             else:
                 batch, counters = answer
-                if len(batch):
-                    np.maximum.at(self._seen, batch.worker_ids, batch.episode_ids // self.n_workers)
                 for key in COUNTERS:
                     self.stats.count(key, counters.get(key, 0))
+                self.records.booked(batch, counters.get("started"), node.offset, runs_on=request.kind == "steps")
                 if request.kind == "steps":
                     self._book_fragment(batch)
                 self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
@@ -282,14 +283,6 @@ class RaySampler:
         self.stats.count("fragments")
         batch.interrupted = batch.interrupted.copy()  # Ray hands arrays out read-only; a later cut may flag these
         self._buffer.append(batch)
-        ends = batch.dones
-        for slot in np.unique(batch.worker_ids).tolist():
-            rows = np.flatnonzero(batch.worker_ids == slot)
-            last = rows[-1]
-            if ends[last]:
-                self._open.pop(slot, None)
-            else:
-                self._open[slot] = int(batch.episode_ids[last])
 
     def _node_lost(self, node: Node, request: Request) -> None:
         """A request died with its node (already restarted). A fragment's episodes still running
@@ -297,17 +290,14 @@ class RaySampler:
         node again)."""
         self.stats.count("lost_requests")
         if request.kind == "steps":
-            slots = range(node.offset, node.offset + node.n_envs)
-            self._cut([self._open[s] for s in slots if s in self._open], counted=False)
+            self._cut([self.records[s].running for s in _slots(node) if self.records[s].running >= 0], counted=False)
 
     def _cut(self, episodes: Sequence[int], counted: bool) -> None:
         """``episodes`` were cut (by a restart inside a node, ``counted`` there, or of a node):
         listed, no longer running, and their rows not handed out yet flagged ``interrupted``."""
-        for episode in episodes:
-            self.cut_episodes.append(episode)
+        for episode in self.records.cut(episodes):
             if not counted:
                 self.stats.count("interrupted_episodes")
-            self._open = {s: e for s, e in self._open.items() if e != episode}
             for batch in self._buffer:
                 batch.interrupted[batch.episode_ids == episode] = True
 
@@ -383,7 +373,7 @@ class RaySampler:
     def _forget_open(self, node: Node) -> int:
         """The node's running episodes never continue in a fragment (an episode request makes
         them run out unrecorded, as the local ``Sampler`` does; or the node failed): how many."""
-        return sum(self._open.pop(slot, None) is not None for slot in range(node.offset, node.offset + node.n_envs))
+        return self.records.let_go(_slots(node))
 
     def _top_up_if_streaming(self) -> None:
         if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):
@@ -436,6 +426,11 @@ class RaySampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _slots(node: Node) -> range:
+    """The global slots of ``node``."""
+    return range(node.offset, node.offset + node.n_envs)
 
 
 def _slice(per_slot: Sequence[Any], node: Node) -> list[Any]:

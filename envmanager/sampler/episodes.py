@@ -10,7 +10,7 @@ in (worker, admission) order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from envmanager.sampler.batches import Step
 
@@ -24,13 +24,13 @@ def spread(n: int, n_workers: int) -> list[int]:
 
 class Plan:
     """What one collection call wants. The sampler asks ``admit`` when a slot could start an
-    episode, ``step_budget`` before it sends steps, and reports every recorded episode's end."""
+    episode, ``step_budget`` before it sends steps, and reports every recorded episode's end.
+    What runs now is in the sampler's records, not here."""
 
     record_partial = False  # hand out the steps of episodes still running when done (obtain_steps)
 
     def __init__(self, n_workers: int) -> None:
         self.episodes: list[list[tuple[list[Step], bool]]] = [[] for _ in range(n_workers)]
-        self.running = [0] * n_workers  # steps of the admitted episode running on each slot
         self.empty_cut = 0  # admitted episodes cut before their first step
 
     def admit(self, slot: int) -> bool:
@@ -42,12 +42,11 @@ class Plan:
         return None
 
     def recorded_step(self, slot: int) -> None:
-        self.running[slot] += 1
+        """An admitted episode recorded a step."""
 
     def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
         """An admitted episode ended (or was cut by a restart, ``interrupted``)."""
         self.episodes[slot].append((steps, interrupted))
-        self.running[slot] = 0
 
     def done(self) -> bool:
         raise NotImplementedError
@@ -74,7 +73,6 @@ class EpisodeQuotas(Plan):
     def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
         if interrupted and not steps:  # cut before its first step: admitted again
             self.admitted[slot] -= 1
-            self.running[slot] = 0
             self.empty_cut += 1
             return
         super().finished(slot, steps, interrupted)
@@ -88,16 +86,18 @@ class EpisodeQuotas(Plan):
 
 class SampleCount(Plan):
     """garage's ``obtain_samples``: whole episodes until at least ``num_samples`` steps. An
-    episode is admitted while finished plus running admitted steps stay below the target."""
+    episode is admitted while finished plus running admitted steps (``running()``: read from the
+    sampler's records) stay below the target."""
 
-    def __init__(self, n_workers: int, num_samples: int) -> None:
+    def __init__(self, n_workers: int, num_samples: int, running: Callable[[], int]) -> None:
         super().__init__(n_workers)
         self.num_samples = num_samples
+        self.running = running
         self.steps = 0  # steps of finished episodes
         self.active: set[int] = set()
 
     def admit(self, slot: int) -> bool:
-        if self.steps + sum(self.running) >= self.num_samples:
+        if self.steps + self.running() >= self.num_samples:
             return False
         self.active.add(slot)
         return True

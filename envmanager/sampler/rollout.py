@@ -128,13 +128,15 @@ def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most:
 
 
 class _Slot:
-    """The worker's own state of one slot's episode (garage's worker owns its episode)."""
+    """The worker's own state of one slot's episode: garage's worker owns its episode. The
+    parent books what each fragment reports (``running``, ``cut``, ``env_version``), and
+    commands the rest (admission, ids, the seed, updates, ``let_go``); it never keeps a second
+    copy to reconcile with this one."""
 
     def __init__(self) -> None:
         self.obs: Any = None
         self.running = False
         self.episode = -1  # the running (or last) episode's id, as the parent gave it
-        self.seed: int | None = None
         self.env_version = 0
 
 
@@ -178,10 +180,11 @@ class RegisteredFactory:
 class RolloutRequest(NamedTuple):
     """One fragment for one process. Per slot (in ``slots`` order): ``steps`` most rows,
     ``starts`` episodes that may start (-1: any), the id its next episode gets (``ids``, then
-    ``+ id_stride`` for each one after), the episode the parent expects it to go on with
-    (``continues``, -1: none; a running episode the parent did not expect is abandoned), a
-    seed for its next reset, and the env updates its env has not had (a ``Due`` of the sampler's
-    ``UpdateLog``), applied by ``envmanager.core.updates.apply`` when its next episode starts."""
+    ``+ id_stride`` for each one after), whether to let its running episode go (``let_go``: the
+    parent discarded it; exact episodes start afresh), a seed for its next reset (the parent's,
+    until a fragment reports an episode started), and the env updates its env has not had (a
+    ``Due`` of the sampler's ``UpdateLog``), applied by ``envmanager.core.updates.apply`` when
+    its next episode starts."""
 
     slots: tuple[int, ...]
     first: int  # row of slots[0] in a shared arena
@@ -193,7 +196,7 @@ class RolloutRequest(NamedTuple):
     starts: tuple[int, ...]
     ids: tuple[int, ...]
     id_stride: int
-    continues: tuple[int, ...]
+    let_go: tuple[bool, ...]
     seeds: tuple[Any, ...]
     env_updates: tuple[Due, ...]
 
@@ -284,10 +287,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     words[at] = 0
     step_marks = [mark(s, STEP) for s in request.slots]
     ticks: list[tuple[int, list[int], dict[str, Any]]] = []
+    seeds = list(request.seeds)  # each used once, by the first episode this fragment starts
     for i, st in enumerate(states):
-        if request.seeds[i] is not None:
-            st.seed = request.seeds[i]
-        if st.running and st.episode != request.continues[i]:  # the parent let it go (exact episodes start afresh)
+        if request.let_go[i]:  # the parent discarded it (exact episodes start afresh)
             st.running = False
 
     def ready(i: int) -> bool:
@@ -305,12 +307,12 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
             st.env_version = apply_updates(envs[i], due, st.env_version)  # the call path's applier
             words[at] = mark(request.slots[i], RESET)
-            st.obs, _ = envs[i].reset(seed=st.seed)
+            st.obs, _ = envs[i].reset(seed=seeds[i])
             words[at] = 0
         except Exception as exc:
             failures[i] = remote_exception(request.slots[i], exc)
             return False
-        st.seed, st.running = None, True
+        seeds[i], st.running = None, True
         st.episode, next_ids[i] = next_ids[i], next_ids[i] + request.id_stride
         versions[i][st.episode] = st.env_version
         started[i] += 1
@@ -385,8 +387,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             if (states[i].running and t < steps[i]) or ready(i):
                 active.append(i)
     out = {
-        "rows": rows, "started": started, "running": [st.running for st in states],
-        "episodes": [st.episode if st.running else cut.get(i, -1) for i, st in enumerate(states)],
+        "rows": rows, "started": started,
+        "running": [st.episode if st.running else -1 for st in states],  # what each slot goes on with
+        "cut": [cut.get(i, -1) for i in range(k)],  # the episode a failure ended
         "env_version": [st.env_version for st in states],
         "env_versions": versions, "env_infos": infos, "failures": failures,
         "agent_infos": _agent_infos(ticks, k, max(rows, default=0)),
@@ -424,5 +427,5 @@ def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: 
     states = states or [_Slot() for _ in envs]
     request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k,
                              tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)), k,
-                             tuple(st.episode for st in states), (None,) * k, (Due(0, ()),) * k)
+                             (False,) * k, (None,) * k, (Due(0, ()),) * k)
     return run_fragment(agent, envs, states, arena, request, ActionChecker(envs[0].action_space)), arena, states

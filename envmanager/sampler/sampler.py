@@ -28,7 +28,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
 from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
-from envmanager.sampler.slots import EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots
+from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
@@ -96,7 +96,9 @@ class Sampler:
         else:
             self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
             self._owns_manager = True
-        self._restarts_seen = _restarts(self.manager)  # for ``worker_restarts``: the policy's count
+        for slot in range(n):  # the envs as they are now (a process restarted at start-up, a manager used before)
+            self.episodes.replaced(slot, self.manager.generation(slot))
+        self._restarts_seen = self.manager.restarts  # for ``worker_restarts``: the supervisor's one count
         self.policy = policy
         self.progress = progress
         self.versions = Versions(n)  # the env update log and the newest policy (update() may come from a learner thread)
@@ -150,7 +152,7 @@ class Sampler:
         _positive("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
-        return self._episodes(self._collect(SampleCount(self.n_workers, num_samples)))
+        return self._episodes(self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running)))
 
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
@@ -177,11 +179,10 @@ class Sampler:
         self.update(agent_update, env_update)
         plan = self._collect(StepCount(self.n_workers, n))
         steps: list[Step] = []
-        for record in self.episodes:
-            for episode, _ in plan.episodes[record.slot]:
+        for slot in range(self.n_workers):
+            for episode, _ in plan.episodes[slot]:
                 steps += episode
-            steps += record.steps  # the running episode's steps so far: it goes on next call
-            record.steps = []
+            steps += self.episodes.take_steps(slot)  # the running episode's steps so far: it goes on next call
         return TransitionBatch.from_steps(steps)
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
@@ -207,37 +208,23 @@ class Sampler:
         out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
         its own. A call that raises drops what it recorded (counted as ``dropped_steps``), and
         the episodes still running are not recorded on (so no episode's rows have a gap)."""
-        self._raise_given_up()
+        raise_given_up(self.manager, self.episodes)
         if not plan.record_partial:
             self._apply_agent_update()
-            for record in self.episodes:
-                record.recording = False
+            self.episodes.stop_recording()
         bar = self._progress_bar(plan)
         try:
             self._run(plan, bar)
         except BaseException:
             dropped = sum(len(steps) for per_slot in plan.episodes for steps, _ in per_slot)
-            for record in self.episodes:  # running ones go on unrecorded: no episode's rows have a gap
-                dropped += len(record.steps)
-                record.recording, record.steps = False, []
             if dropped:
                 self.stats.count("dropped_steps", dropped)
+            self.episodes.stop_recording()  # running ones go on unrecorded: no episode's rows have a gap
             raise
         finally:
             if bar is not None:
                 bar.close()
         return plan
-
-    def _raise_given_up(self) -> None:
-        """A process the pool gave up on (past the restart limits, or dead with restarts off):
-        its error, at once, on every call."""
-        m = self.manager
-        for slot in range(self.n_workers):
-            failure = m.failure_of(slot)
-            if failure is not None:
-                for s in failed_slots(failure) or [slot]:
-                    self.episodes.close(s, Outcome.FAILED)
-                raise failure
 
     def _progress_bar(self, plan: Plan) -> Any:
         _, total, unit = plan.progress()
@@ -280,8 +267,8 @@ class Sampler:
         error: EnvManagerError | None = None
         for slot in starting:
             episodes.start(slot, recording=True)
-            if episodes[slot].generation != m.generation(slot):
-                self._replaced(slot, plan)
+            if episodes[slot].generation != m.generation(slot):  # replaced since its last answer: nothing to start on
+                self._replaced(slot, m.generation(slot), plan)
                 continue
             have = episodes[slot].env_version
             due = self.versions.env_updates.due(slot, have)
@@ -299,7 +286,7 @@ class Sampler:
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
             if episodes[slot].generation != m.generation(slot):
                 del resets[slot]
-                self._replaced(slot, plan)
+                self._replaced(slot, m.generation(slot), plan)
         m.send_reset(resets)  # the others start all the same: the next call takes their resets
         if error is not None:
             raise error
@@ -315,12 +302,13 @@ class Sampler:
         except EnvManagerError as exc:
             self._failed(exc)
             raise
+        generations = batch.generations
+        assert generations is not None  # (the manager's array: every batch it hands out has it)
         for slot in batch.slots.tolist():
-            if slot in batch.interrupted:  # its process was replaced during the reset
-                self._replaced(slot, plan)
+            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                self._replaced(slot, int(generations[slot]), plan)  # its env was replaced during the reset
             else:
-                record = self.episodes[slot]
-                record.observation, record.state = self._read_observation(slot), READY
+                self.episodes.ready(slot, self._read_observation(slot))
 
     def _act(self, plan: Plan) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
@@ -351,9 +339,7 @@ class Sampler:
         sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
         version = self._acting_version
         for i, slot in enumerate(slots):
-            record = episodes[slot]
-            record.sent = (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version)
-            record.state = STEPPING
+            episodes.sent(slot, (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
 
     def _receive(self, plan: Plan) -> None:
         m = self.manager
@@ -363,10 +349,11 @@ class Sampler:
         except EnvManagerError as exc:
             self._failed(exc)
             raise
-        r = m.results
+        r, generations = m.results, batch.generations
+        assert generations is not None
         for slot in batch.slots.tolist():
-            if slot in batch.interrupted:  # a restarted process: the episode was cut; kept, flagged
-                self._replaced(slot, plan)
+            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                self._replaced(slot, int(generations[slot]), plan)  # a fresh env: the episode was cut; kept, flagged
                 continue
             record = self.episodes[slot]
             if record.state is not STEPPING or record.sent is None:
@@ -376,7 +363,7 @@ class Sampler:
             terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
             self.stats.count("env_steps")
             if record.recording:
-                record.steps.append(Step(
+                self.episodes.record(slot, Step(
                     observation, action, float(r.reward[slot]), terminated, truncated, next_obs, slot,
                     record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
@@ -384,27 +371,28 @@ class Sampler:
             else:
                 self.stats.count("discarded_steps")
             if terminated or truncated:
-                self._close(slot, Outcome.ENDED, plan)
+                self._book(slot, self.episodes.close(slot, Outcome.ENDED), plan)
             else:
-                record.observation, record.sent, record.state = next_obs, None, READY
+                self.episodes.ready(slot, next_obs)
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record
 
-    def _close(self, slot: int, outcome: Outcome, plan: Plan) -> None:
-        recording = self.episodes[slot].recording
-        steps = self.episodes.close(slot, outcome)
-        if recording and outcome is not Outcome.FAILED:
-            plan.finished(slot, steps, outcome is Outcome.CUT)
-            if outcome is Outcome.ENDED:
+    def _book(self, slot: int, closed: Closed, plan: Plan) -> None:
+        """An episode the record closed, booked in the plan if this call admitted it."""
+        if closed.recording and closed.episode_id >= 0 and closed.outcome is not Outcome.FAILED:
+            plan.finished(slot, closed.steps, closed.outcome is Outcome.CUT)
+            if closed.outcome is Outcome.ENDED:
                 self.stats.count("episodes")
 
-    def _replaced(self, slot: int, plan: Plan) -> None:
-        """An answer from a newer generation of the slot's process: its episode is cut."""
+    def _replaced(self, slot: int, generation: int, plan: Plan) -> None:
+        """The slot's env is of another ``generation`` than its record (an answer carried it, or
+        the pool says so before anything is sent): its episode is cut."""
         m = self.manager
-        if self.episodes.replaced(slot, m.generation(slot)):
-            self._close(slot, Outcome.CUT, plan)
-            restarts = _restarts(m)  # process restarts and envs rebuilt in place: each once
+        cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
+        if cut is not None:
+            self._book(slot, cut, plan)
+            restarts = m.restarts  # process restarts and envs rebuilt in place: each once
             if restarts > self._restarts_seen:
                 self.stats.count("worker_restarts", restarts - self._restarts_seen)
                 self._restarts_seen = restarts
@@ -420,7 +408,7 @@ class Sampler:
         restarted = False
         for s in slots:
             if self.episodes[s].generation != m.generation(s):
-                self._replaced(s, plan)
+                self._replaced(s, m.generation(s), plan)
                 restarted = True
             else:
                 self.episodes.close(s, Outcome.FAILED)
@@ -476,11 +464,6 @@ def apply_agent_update(policy: Any, update: Any) -> Any:
         policy.load_state_dict(update)
         return policy
     return update
-
-
-def _restarts(manager: BatchEnvManager) -> int:
-    """Restarts the manager's policy counted so far (process restarts and env rebuilds)."""
-    return sum(manager.restart_policy.counts.values())
 
 
 def _positive(name: str, value: Any) -> None:

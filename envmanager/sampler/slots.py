@@ -10,9 +10,13 @@ every fault reaches a record through one of three events (drawn in ``docs/archit
       │             (worker-side sampler: RUNNING, the worker steps it fragment by fragment)
       │
       └── closed as ENDED  (terminated or truncated)
-                    CUT    (an answer from a newer process generation: the process was
-                            replaced, the episode's rows are kept and flagged)
+                    CUT    (an answer from another generation of the slot's env: the process
+                            was replaced or the env rebuilt; the episode's rows are kept and
+                            flagged)
                     FAILED (an error no restart absorbed: restarts off, or past the limits)
+
+A record is closed to outside writes: its fields are read-only, and every change is one of
+``EpisodeSlots``' methods, so a cut is one step (``replaced`` closes the episode it cuts).
 
 Episode ids are the parent's, given before an episode starts: the ``k``-th episode started on
 slot ``s`` of ``n`` is ``k * n + s``, whichever process generation runs it, so no id spans two
@@ -28,15 +32,18 @@ import enum
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import Step
 from envmanager.sampler.stats import Stats
 
+if TYPE_CHECKING:
+    from envmanager.core.batch import BatchEnvManager
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpisodeState", "Outcome", "EpisodeSlot", "EpisodeSlots", "EpisodeIds", "failed_slots"]
+__all__ = ["EpisodeState", "Outcome", "EpisodeSlot", "EpisodeSlots", "EpisodeIds", "Closed", "failed_slots", "raise_given_up"]
 
 
 class EpisodeState(enum.Enum):
@@ -54,22 +61,36 @@ class Outcome(enum.Enum):
     DISCARDED = "discarded"  # let go unrecorded by the sampler (exact episodes start afresh)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class EpisodeSlot:
-    """Everything about one slot's episode (see the module doc)."""
+    """Everything about one slot's episode (see the module doc). Read it freely; it changes
+    only through :class:`EpisodeSlots`' methods (assigning a field raises)."""
 
     slot: int
     seed: int | None = None  # the first reset's seed, until an episode used it
     state: EpisodeState = EpisodeState.NONE
     episode_id: int = -1
     started: int = 0  # episodes started on this slot so far
-    generation: int = 0  # the process generation the slot's env lives in
+    generation: int = 0  # the generation of the slot's env (process restarts + rebuilds)
     env_version: int = 0  # env updates applied to that env
     recording: bool = False  # admitted by the current collection call
     # Parent-side policy: the observation to act on, the step in flight, the steps recorded.
     observation: Any = None
     sent: tuple[Any, Any, dict[str, Any], int] | None = None  # (observation, action, agent info, policy version)
     steps: list[Step] = field(default_factory=list)
+
+
+_set = object.__setattr__  # the records' one writer is EpisodeSlots
+
+
+class Closed(NamedTuple):
+    """An episode a record closed: its id (-1: none was running), the steps it recorded (none
+    once ``FAILED``: dropped, counted), whether it was recording, and how it ended."""
+
+    episode_id: int
+    steps: list[Step]
+    recording: bool
+    outcome: Outcome
 
 
 class EpisodeIds(NamedTuple):
@@ -84,7 +105,7 @@ class EpisodeIds(NamedTuple):
 
 
 class EpisodeSlots:
-    """The records of ``n`` slots and the episodes cut so far."""
+    """The records of ``n`` slots and the episodes cut so far: every change goes through here."""
 
     def __init__(self, seeds: Sequence[int | None], stats: Stats, ids: EpisodeIds = EpisodeIds()) -> None:
         self.n = len(seeds)
@@ -107,6 +128,10 @@ class EpisodeSlots:
     def in_state(self, *states: EpisodeState) -> list[int]:
         return [r.slot for r in self.slots if r.state in states]
 
+    def recorded_running(self) -> int:
+        """Steps recorded so far by the episodes running and recording (admitted by this call)."""
+        return sum(len(r.steps) for r in self.slots if r.recording)
+
     # ------------------------------------------------------------------------------------------
     # Episodes
 
@@ -118,39 +143,82 @@ class EpisodeSlots:
         """An episode starts on ``slot`` (admitted by this call when ``recording``): its id."""
         record = self.slots[slot]
         assert record.state is EpisodeState.NONE, f"slot {slot} already runs episode {record.episode_id}"
-        record.episode_id = self.next_id(slot)
-        record.started += 1
-        record.state, record.recording = state, recording
-        record.observation, record.sent, record.steps = None, None, []
+        episode_id = self.next_id(slot)
+        _set(record, "episode_id", episode_id)
+        _set(record, "started", record.started + 1)
+        _set(record, "state", state)
+        _set(record, "recording", recording)
+        self._clear(record)
         self.stats.count("episodes_started")
-        return record.episode_id
+        return episode_id
+
+    def ready(self, slot: int, observation: Any) -> None:
+        """The slot's reset or step was answered and its episode goes on: act on ``observation``."""
+        record = self.slots[slot]
+        _set(record, "observation", observation)
+        _set(record, "sent", None)
+        _set(record, "state", EpisodeState.READY)
+
+    def sent(self, slot: int, sent: tuple[Any, Any, dict[str, Any], int]) -> None:
+        """A step is in flight: ``(observation, action, agent info, policy version)``."""
+        record = self.slots[slot]
+        _set(record, "sent", sent)
+        _set(record, "state", EpisodeState.STEPPING)
+
+    def record(self, slot: int, step: Step) -> None:
+        """The step answered belongs to the slot's episode, which records it."""
+        self.slots[slot].steps.append(step)
+
+    def take_steps(self, slot: int) -> list[Step]:
+        """The running episode's steps recorded so far, handed out (it goes on recording)."""
+        record = self.slots[slot]
+        steps = record.steps
+        _set(record, "steps", [])
+        return steps
+
+    def stop_recording(self) -> int:
+        """A collection call admits its own episodes: those running go on unrecorded, and any
+        steps they recorded and nobody took are dropped (counted as ``dropped_steps``). Returns
+        how many were dropped."""
+        dropped = 0
+        for record in self.slots:
+            dropped += len(record.steps)
+            _set(record, "recording", False)
+            _set(record, "steps", [])
+        if dropped:
+            self.stats.count("dropped_steps", dropped)
+        return dropped
 
     def advanced(self, slot: int, started: int, running: int) -> None:
         """Worker-side: a fragment started ``started`` episodes on ``slot`` (ids in order from
         ``next_id``) and ``running`` goes on (-1: none)."""
         record = self.slots[slot]
-        record.started += started
+        _set(record, "started", record.started + started)
         if started:
-            record.seed = None
+            _set(record, "seed", None)
             self.stats.count("episodes_started", started)
         if running >= 0:
-            record.state, record.episode_id, record.recording = EpisodeState.RUNNING, running, True
+            _set(record, "state", EpisodeState.RUNNING)
+            _set(record, "episode_id", running)
+            _set(record, "recording", True)
         else:
-            record.state, record.recording = EpisodeState.NONE, False
+            _set(record, "state", EpisodeState.NONE)
+            _set(record, "recording", False)
 
     def take_seed(self, slot: int) -> int | None:
         """The seed for the slot's next reset, used once."""
         record = self.slots[slot]
-        seed, record.seed = record.seed, None
+        seed = record.seed
+        _set(record, "seed", None)
         return seed
 
-    def close(self, slot: int, outcome: Outcome) -> list[Step]:
-        """The slot's episode is over: ``ENDED``, ``CUT`` (listed, counted) or ``FAILED``
-        (counted, its recorded steps dropped and counted). Returns the steps recorded."""
+    def close(self, slot: int, outcome: Outcome) -> Closed:
+        """The slot's episode is over: ``ENDED``, ``CUT`` (listed, counted), ``FAILED``
+        (counted, its recorded steps dropped and counted) or ``DISCARDED``. Returns it."""
         record = self.slots[slot]
-        steps = record.steps
         if record.state is EpisodeState.NONE:
-            return []
+            return Closed(-1, [], False, outcome)
+        steps = record.steps
         if outcome is Outcome.CUT:
             for step in steps:
                 step.interrupted = True
@@ -163,19 +231,30 @@ class EpisodeSlots:
             if steps:
                 self.stats.count("dropped_steps", len(steps))
             steps = []
-        record.state, record.recording = EpisodeState.NONE, False
-        record.observation, record.sent, record.steps = None, None, []
-        return steps
+        closed = Closed(record.episode_id, steps, record.recording, outcome)
+        _set(record, "state", EpisodeState.NONE)
+        _set(record, "recording", False)
+        self._clear(record)
+        return closed
 
-    def replaced(self, slot: int, generation: int) -> bool:
-        """The core's event: the slot's process is now ``generation``. A newer one has fresh
-        envs: the running episode is cut and every env update is due again. Returns whether
-        the generation changed."""
+    def replaced(self, slot: int, generation: int) -> Closed | None:
+        """The slot's env is of ``generation`` (an answer carried it, or the pool said so before
+        anything was sent). Another generation than the record's means a fresh env: its running
+        episode is cut and closed here (``CUT``), and every env update is due again. Returns
+        the cut (``episode_id`` -1 if none was running), or ``None`` if nothing changed."""
         record = self.slots[slot]
         if generation == record.generation:
-            return False
-        record.generation, record.env_version = generation, 0
-        return True
+            return None
+        closed = self.close(slot, Outcome.CUT)
+        _set(record, "generation", generation)
+        _set(record, "env_version", 0)
+        return closed
+
+    @staticmethod
+    def _clear(record: EpisodeSlot) -> None:
+        _set(record, "observation", None)
+        _set(record, "sent", None)
+        _set(record, "steps", [])
 
     # ------------------------------------------------------------------------------------------
     # Env versions (the updates themselves are in the sampler's ``UpdateLog``)
@@ -183,7 +262,7 @@ class EpisodeSlots:
     def applied(self, slot: int, version: int) -> None:
         """The slot's env has every update up to ``version``."""
         record = self.slots[slot]
-        record.env_version = max(record.env_version, version)
+        _set(record, "env_version", max(record.env_version, version))
 
 
 def failed_slots(error: BaseException) -> list[int]:
@@ -194,3 +273,14 @@ def failed_slots(error: BaseException) -> list[int]:
     slot = getattr(error, "worker_id", None)
     return [int(slot)] if isinstance(slot, int) and slot >= 0 else []
 
+
+
+def raise_given_up(manager: BatchEnvManager, episodes: EpisodeSlots) -> None:
+    """A process the pool gave up on (past the restart limits, or dead with restarts off): its
+    error, at once, on every call of a sampler; the episodes on the slots it names failed."""
+    for slot in range(manager.n_env):
+        failure = manager.failure_of(slot)
+        if failure is not None:
+            for s in failed_slots(failure) or [slot]:
+                episodes.close(s, Outcome.FAILED)
+            raise failure

@@ -38,7 +38,7 @@ from envmanager.sampler.episodes import spread
 from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
-from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, failed_slots
+from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_given_up
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
@@ -98,6 +98,7 @@ class WorkerPolicySampler:
         except BaseException:
             self._free_arena()
             raise
+        self._restarts_seen = self.manager.restarts  # for ``worker_restarts``: the supervisor's one count
         try:  # the workers run: any failure from here on must reap them
             self._setup(n, int(fragment_bytes))
         except BaseException:
@@ -233,7 +234,7 @@ class WorkerPolicySampler:
         as its last one is in. A call that raises drops its rows (counted as ``dropped_steps``)
         and lets the episodes running go (``discarded_episodes``): none has a gap in its rows."""
         m, episodes = self.manager, self.episodes
-        self._raise_given_up()
+        raise_given_up(m, episodes)
         for p in self._procs:
             self._sync(p)
         if quotas is not None:  # exact episodes start afresh: what runs now is let go
@@ -253,30 +254,33 @@ class WorkerPolicySampler:
                 return any(want[s] > 0 for s in slots)
             return any(starts[s] > 0 or episodes[s].state is RUNNING for s in slots)
 
-        for p in self._procs:
-            if work(p):
-                pending[p] = self._send(p, want if steps is not None else None, starts)
-        with self.stats.timer("collect"):
-            while pending:
-                self._wait_any(pending)
-                for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
-                    sent = pending.pop(p)
-                    try:
-                        answer = m.receive_call(sent.call, timeout=0)[0]
-                    except EnvManagerError as exc:
-                        failure = self._lost(p, sent, exc, out, want, starts)
-                    else:
-                        failure = self._file(p, sent, answer, out, want, starts)
-                    error = error or failure
-                    if error is None and work(p):
-                        pending[p] = self._send(p, want if steps is not None else None, starts)
-        if error is not None:  # what was collected is dropped, and what runs is let go: no episode has a gap
+        try:
+            for p in self._procs:
+                if work(p):
+                    pending[p] = self._send(p, want if steps is not None else None, starts)
+            with self.stats.timer("collect"):
+                while pending:
+                    self._wait_any(pending)
+                    for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
+                        sent = pending.pop(p)
+                        try:
+                            answer = m.receive_call(sent.call, timeout=0)[0]
+                        except EnvManagerError as exc:
+                            failure = self._lost(p, sent, exc, out, want, starts)
+                        else:
+                            failure = self._file(p, sent, answer, out, want, starts)
+                        error = error or failure
+                        if error is None and work(p):
+                            pending[p] = self._send(p, want if steps is not None else None, starts)
+            if error is not None:
+                raise error
+        except BaseException:  # returned or raised: what was collected is dropped, what runs let go (no gaps)
             dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
             for s in episodes.in_state(RUNNING):
                 episodes.close(s, Outcome.DISCARDED)
-            raise error
+            raise
         cut = episodes.cut_episodes[cut_before:]
         if cut:
             for per_slot in out:
@@ -298,7 +302,7 @@ class WorkerPolicySampler:
         request = RolloutRequest(
             tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
             tuple(starts[s] for s in slots), tuple(episodes.next_id(s) for s in slots), episodes.id_stride,
-            tuple(episodes[s].episode_id if episodes[s].state is RUNNING else -1 for s in slots),
+            tuple(episodes[s].state is not RUNNING for s in slots),  # what the records do not run, the worker lets go
             tuple(episodes[s].seed for s in slots), tuple(due))
         if self._arena is not None:  # a worker killed before its first row must not show old rows
             self._arena.rows[slots] = 0
@@ -335,7 +339,8 @@ class WorkerPolicySampler:
                 infos = {k: v[i, :n] for k, v in answer["agent_infos"].items()}
                 batch = self._batch(s, fields, infos, answer["env_infos"][i], answer["env_versions"][i], sent, i)
                 out[s].append(batch)
-            empty[s] = self._advance(s, fields if n else None, answer["started"][i], answer["episodes"][i], want, starts)
+            empty[s] = self._advance(s, fields if n else None, answer["started"][i], answer["running"][i],
+                                     answer["cut"][i], want, starts)
             self.episodes.applied(s, answer["env_version"][i])
         self.stats.count("env_steps", sum(answer["rows"]))
         self.stats.count("fragments")
@@ -364,17 +369,20 @@ class WorkerPolicySampler:
             running = record.episode_id if record.state is RUNNING and not started else -1
             if fields is not None and not (fields["terminated"][-1] or fields["truncated"][-1]):
                 running = int(fields["episodes"][-1])
-            empty[s] = self._advance(s, fields, started, running, want, starts)
+            empty[s] = self._advance(s, fields, started, running, -1, want, starts)
         if self._arena is None:
             self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
         failure = self._fault(p, sent, error, slots)
         self._count_empty(empty, absorbed=failure is None)
         return failure
 
-    def _advance(self, s: int, fields: dict[str, Any] | None, started: int, running: int, want: list[int],
+    def _advance(self, s: int, fields: dict[str, Any] | None, started: int, running: int, cut: int, want: list[int],
                  starts: list[int]) -> int:
-        """Book one slot's part of a fragment in its record; returns how many episodes started
-        in it that wrote no row (cut or failed before their first step)."""
+        """Book one slot's part of a fragment in its record, as the worker reported it: the
+        episode it goes on with (``running``, -1: none), or the one a failure ended (``cut``),
+        which the record holds for the pool's outcome (cut by a restart, or failed) if anything
+        of it was seen. Returns how many episodes started in it that wrote no row (cut or
+        failed before their first step)."""
         record = self.episodes[s]
         before = record.episode_id if record.state is RUNNING else -1
         with_rows: set[int] = set()
@@ -382,8 +390,8 @@ class WorkerPolicySampler:
             with_rows = set(np.unique(fields["episodes"]).tolist())
             want[s] -= len(fields["rewards"])
             self.stats.count("episodes", int(np.count_nonzero(fields["terminated"] | fields["truncated"])))
-        if running >= 0 and running != before and running not in with_rows:
-            running = -1  # started, then ended by a fault before its first row: one of the empty ones
+        if cut >= 0 and (cut == before or cut in with_rows):
+            running = cut  # (one that ended before its first row is one of the empty ones)
         if starts[s] > 0:  # admitted episodes count, cut or not: none is silently replaced
             starts[s] = max(0, starts[s] - started)
         self.episodes.advanced(s, started, running)
@@ -409,20 +417,11 @@ class WorkerPolicySampler:
     def _sync(self, p: int) -> None:
         """Process ``p`` is a newer generation than its records: their episodes were cut."""
         m = self.manager
-        replaced = [s for s in self._procs[p] if self.episodes.replaced(s, m.generation(s))]
-        for s in replaced:
-            self.episodes.close(s, Outcome.CUT)
-        if replaced:
-            self.stats.count("worker_restarts")
-
-    def _raise_given_up(self) -> None:
-        """A process the pool gave up on: its error at once, on every call."""
-        for slots in self._procs.values():
-            failure = self.manager.failure_of(slots[0])
-            if failure is not None:
-                for s in failed_slots(failure) or slots:
-                    self.episodes.close(s, Outcome.FAILED)
-                raise failure
+        replaced = [s for s in self._procs[p] if self.episodes.replaced(s, m.generation(s)) is not None]  # (cut and closed)
+        if replaced:  # the supervisor's one count, as the Sampler reads it
+            restarts = m.restarts
+            self.stats.count("worker_restarts", restarts - self._restarts_seen)
+            self._restarts_seen = restarts
 
     def _count_empty(self, empty: dict[int, int], absorbed: bool) -> None:
         for s, k in empty.items():

@@ -1,0 +1,54 @@
+"""The Ray driver's records over global slots (#30 item 3): a node started again in place of a
+lost one resumes from them, so no episode id is given twice — also that of an episode cut
+before its first row, which reaches the driver only in the node's list of cut episodes.
+A real local Ray session, real env processes."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
+
+from envmanager.ray import RaySampler  # noqa: E402
+from ray_helpers import IdPolicy, alive, node_pids, ray_session, reset_raising_once_factory  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_session):  # noqa: F811
+    yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Ray's processes live for the module: the test checks its nodes' processes are gone."""
+    yield
+
+
+def test_an_episode_cut_before_its_first_row_on_a_lost_node_never_has_its_id_again(tmp_path):
+    # Slot 3's first env raises in its first reset: the node's sampler rebuilds it and cuts that
+    # episode (id 3) before its first row. One step per fragment, in rounds: slot 2 takes them,
+    # so no row of slot 3 reaches the driver before node 1 is lost.
+    sampler = RaySampler(reset_raising_once_factory(str(tmp_path / "raised"), 3), IdPolicy(), nodes=2, envs_per_node=2,
+                         fragment_steps=1, first_ready=False, seed=1, timeout=60.0, start_timeout=60.0,
+                         restart_workers=True)
+    try:
+        first = sampler.obtain_steps(2)  # one round: a fragment from each node
+        assert 3 in sampler.cut_episodes and 3 not in first.worker_ids.tolist()
+        assert sampler.records[3].started == 1 and sampler.records[3].seed is None
+        actor = sampler._pool.nodes[1].actor
+        sampler.kill_node(1)
+        with pytest.raises(ray.exceptions.RayActorError):  # gone (ray.kill returns before it is)
+            ray.get(actor.info.remote(), timeout=60)
+        batch = sampler.obtain_exact_episodes([0, 0, 1, 1])  # asked of node 1's replacement
+        assert sampler.restart_count(1) == 1
+        pids = node_pids(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    ids = set(batch.episode_ids.tolist())
+    assert not ids & set(sampler.cut_episodes), f"a cut episode's id was given again: {sorted(ids)}"
+    slot_3 = set(batch.episode_ids[batch.worker_ids == 3].tolist())
+    assert slot_3 and min(slot_3) > 3 and all(e % 4 == 3 for e in slot_3)
+    assert not batch.interrupted.any()  # whole episodes of the new node, none of them cut
