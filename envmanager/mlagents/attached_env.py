@@ -21,7 +21,7 @@ from mlagents_envs.environment import UnityEnvironment
 from mlagents_envs.exception import UnityCommunicationException, UnityTimeOutException
 from mlagents_envs.rpc_communicator import RpcCommunicator, UnityToExternalServicerImplementation
 
-from envmanager.mlagents.attach import AddressInUseError, PlayerAddress, check_listenable
+from envmanager.mlagents.addresses import AddressInUseError, PlayerAddress, check_listenable
 
 __all__ = ["AttachedUnityEnvironment", "AddressCommunicator", "PeerWatch", "connection_states"]
 
