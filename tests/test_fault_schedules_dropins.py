@@ -40,6 +40,7 @@ class DropInSchedule:
     """What both drop-ins' schedules share: the faults on command and the checks of an error."""
 
     restarts = False
+    v: Any  # the vector env under test
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -139,13 +140,26 @@ class DropInSchedule:
     def manager(self) -> Any:
         raise NotImplementedError
 
-    def finish(self, close: Any) -> None:
+    def use_after_give_up(self) -> None:
+        """A process given up: a reset and a step of the vector env raise at once."""
+        assert self.given_up is not None
+        with within(TIMEOUT + MARGIN, "a call after a process was given up"), \
+                pytest.raises((WorkerDiedError, WorkerTimeoutError)) as again:
+            self.v.reset()
+            self.v.step(np.zeros(N, dtype=np.int64))
+        self.check_given_up(again.value)
+
+    def teardown(self) -> None:
         try:
-            self.pids |= {w.pid for w in self.manager().workers if w.pid is not None}
+            if self.given_up is not None:
+                self.use_after_give_up()
         finally:
-            with within(TIMEOUT + MARGIN, "close()"):
-                close()
-            shutil.rmtree(self.commands, ignore_errors=True)
+            try:
+                self.pids |= {w.pid for w in self.manager().workers if w.pid is not None}
+            finally:
+                with within(TIMEOUT + MARGIN, "close()"):
+                    self.v.close()
+                shutil.rmtree(self.commands, ignore_errors=True)
         assert_nothing_left(self.pids)
 
 
@@ -219,21 +233,6 @@ class SB3Schedule(DropInSchedule):
                 assert (o[NONCE], o[EPISODE], o[T], o[LAST]) == (p[NONCE], p[EPISODE] + 1, 0, -1), \
                     f"slot {i}: the autoreset after {seen} gave {o}"
         self.last = obs.copy()
-
-    def use_after_give_up(self) -> None:
-        assert self.given_up is not None
-        with within(TIMEOUT + MARGIN, "a step after a process was given up"), \
-                pytest.raises((WorkerDiedError, WorkerTimeoutError)) as again:
-            self.v.reset()
-            self.v.step(np.zeros(N, dtype=np.int64))
-        self.check_given_up(again.value)
-
-    def teardown(self) -> None:
-        try:
-            if self.given_up is not None:
-                self.use_after_give_up()
-        finally:
-            self.finish(self.v.close)
 
 
 ACTIONS = st.tuples(*[st.integers(0, 3)] * N)
@@ -323,21 +322,6 @@ class GymnasiumSchedule(DropInSchedule):
             assert o[LAST] == actions[i], f"slot {i}: the env received {o[LAST]:.0f}, {actions[i]} was given"
             assert bool(terminated[i]) == (o[T] >= episode_length(i, int(o[EPISODE])))
         self.last = obs.copy()
-
-    def use_after_give_up(self) -> None:
-        assert self.given_up is not None
-        with within(TIMEOUT + MARGIN, "a call after a process was given up"), \
-                pytest.raises((WorkerDiedError, WorkerTimeoutError)) as again:
-            self.v.reset(seed=0)
-            self.v.step(np.zeros(N, dtype=np.int64))
-        self.check_given_up(again.value)
-
-    def teardown(self) -> None:
-        try:
-            if self.given_up is not None:
-                self.use_after_give_up()
-        finally:
-            self.finish(self.v.close)
 
 
 GYMNASIUM_OPS = st.one_of(
