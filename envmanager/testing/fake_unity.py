@@ -18,11 +18,12 @@ priority: defaults, the JSON file named by ``$ENVMANAGER_FAKE_UNITY_CONFIG``, ``
 Protocol (mirrors Unity's RpcCommunicator): ``Exchange(init output + first rl_output)`` returns
 the ``rl_initialization_input``; a second, empty ``Exchange`` returns the first real input; then
 every reply is answered with the next output. Header status 400 (Python's ``close()``) and the
-``QUIT`` command end the player with exit code 0, as does a failed RPC with the server gone
-(other RPC errors: exit 1); if the parent process disappears the player exits (code 3). It
+``QUIT`` command end the player with exit code 0, as does a failed RPC with the trainer gone
+(UNAVAILABLE, CANCELLED, or UNKNOWN: mlagents' server raising on its closed pipe; other RPC
+errors: exit 1); if the parent process disappears the player exits (code 3). It
 never lingers. With ``--sessions N`` (0: any number) it outlives its trainer, as a game server a
 trainer attaches to (``envmanager-learn --env-addresses``): after a session ends (status 400, or
-the server gone) it connects again and waits up to ``--connect-timeout`` for the next trainer.
+the trainer gone) it connects again and waits up to ``--connect-timeout`` for the next trainer.
 Crashes on purpose (``crash_after_steps``): ``exit`` -> ``os._exit(code)``,
 ``raise`` -> uncaught exception (exit 1), ``kill`` -> SIGKILL (-9), ``hang`` -> stop answering.
 
@@ -39,7 +40,6 @@ message ("Unknown side channel data"); pass one, or turn stats off (``--no-stats
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -57,11 +57,15 @@ from typing import Any, TextIO
 
 if __package__:
     from envmanager.testing import fake_unity_task as _task
+    from envmanager.testing.fake_unity_args import CONFIG_ENV_VAR, build_parser, parse_args
 else:  # run as a file (what write_launcher does): skip importing the envmanager package
-    import fake_unity_task as _task  # type: ignore[no-redef,import-not-found]  # the file next to this one
+    import fake_unity_task as _task  # type: ignore[no-redef,import-not-found]  # the files next to this one
+    from fake_unity_args import CONFIG_ENV_VAR, build_parser, parse_args  # type: ignore[no-redef,import-not-found]
 
     if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # our directory must not shadow anything imported later
+
+__all__ = ["CONFIG_ENV_VAR", "FakePlayer", "build_parser", "free_base_port", "main", "parse_args", "write_launcher"]
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no gRPC core chatter on the player's stderr
 # The protocol comes with the mlagents extra. Without it this module still imports (--help,
@@ -82,101 +86,10 @@ try:
 except ImportError as e:
     _PROTOCOL_MISSING = e
 
-CONFIG_ENV_VAR = "ENVMANAGER_FAKE_UNITY_CONFIG"
-
-
 class PlayerExit(Exception):
     def __init__(self, reason: str, code: int = 0) -> None:
         super().__init__(reason)
         self.reason, self.code = reason, code
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="envmanager-fake-unity", allow_abbrev=False,
-                                description="Fake Unity ML-Agents player (gRPC client, API 1.5.0; needs the extra "
-                                            "mlagents).")
-    a = p.add_argument
-    a("--mlagents-port", type=int, default=5005, help="port of the Python gRPC server")
-    a("--config", help="JSON config file (see envmanager.testing.fake_unity_task.FakeConfig)")
-    a("--record", help="append JSON lines of what the player receives to this file")
-    a("--seed", type=int, help="task seed (default: the seed UnityEnvironment sends)")
-    a("--step-latency", type=float, help="seconds to sleep per STEP")
-    a("--latency-jitter", type=float, help="extra uniform [0, jitter] seconds per STEP")
-    a("--reset-latency", type=float, help="seconds to sleep per RESET")
-    a("--crash-after-steps", type=int, help="answer N STEP commands, crash on the next one")
-    a("--crash-mode", choices=["exit", "raise", "kill", "hang"])
-    a("--crash-exit-code", type=int)
-    a("--crash-on-start", action="store_true", default=None, help="exit(crash code) before connecting")
-    a("--no-stats", dest="stats", action="store_false", default=None, help="send no StatsSideChannel data")
-    a("--connect-timeout", type=float)
-    a("--exchange-timeout", type=float, help="deadline of each Exchange RPC (default: none)")
-    a("--echo-channel", dest="echo_channels", action="append", help="uuid of a side channel to echo back")
-    a("--verbose", action="store_true", help="log to stderr too")
-    a("--sessions", type=int, default=1,
-      help="trainers to serve one after the other (0: any number): a player that outlives its trainer, "
-           "as a game server a trainer attaches to; after a trainer closes it waits --connect-timeout "
-           "for the next one")
-    b = p.add_argument_group("behaviour (applied to every behaviour)")
-    b.add_argument("--behavior", dest="name", help='behaviour name, e.g. "Ball?team=0" (single behaviour only)')
-    b.add_argument("--agents", type=int)
-    b.add_argument("--obs-shape", dest="observation_shapes", type=_int_list, action="append",
-                   help="observation shape like 8 or 3,4 (repeat for several observations)")
-    b.add_argument("--continuous", type=int, help="number of continuous actions")
-    b.add_argument("--discrete", type=_int_list, help="discrete branch sizes like 3,2 ('' for none)")
-    b.add_argument("--action-mask", dest="action_masks", type=_int_list, action="append",
-                   help="masked indices of one branch, like 1,2 (repeat once per branch)")
-    b.add_argument("--episode-length", type=int, help="steps per episode (0 = never ends)")
-    b.add_argument("--interrupt", dest="episode_end", action="store_const", const="interrupt",
-                   help="episodes end interrupted (max_step_reached) instead of terminated")
-    b.add_argument("--decision-period", type=int)
-    b.add_argument("--wrong-reward", type=float)
-    b.add_argument("--echo-actions", action="store_true", default=None,
-                   help="observations after the first hold the agent's last action received")
-    return p
-
-
-TOP_FLAGS = ("record", "seed", "step_latency", "latency_jitter", "reset_latency", "crash_after_steps",
-             "crash_mode", "crash_exit_code", "crash_on_start", "stats", "connect_timeout",
-             "exchange_timeout", "echo_channels")
-BEHAVIOR_FLAGS = ("name", "agents", "observation_shapes", "continuous", "discrete", "action_masks",
-                  "episode_length", "episode_end", "decision_period", "wrong_reward", "echo_actions")
-
-
-def parse_args(argv: Sequence[str] | None = None) -> tuple[_task.FakeConfig, dict[str, Any]]:
-    """Returns the config and the launch facts (port, log file, Unity flags, ignored args)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    log_file, unity_flags, rest = None, [], []
-    i = 0
-    while i < len(argv):  # Unity-style single-dash flags, taken out before argparse sees them
-        arg = argv[i]
-        if arg.lower() == "-logfile" and i + 1 < len(argv):
-            log_file, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2 and arg[1].isalpha():
-            unity_flags.append(arg)
-        else:
-            rest.append(arg)
-        i += 1
-    ns, ignored = build_parser().parse_known_args(rest)
-    path = ns.config or os.environ.get(CONFIG_ENV_VAR)
-    data: dict[str, Any] = _task.load_config(path) if path else {}
-    for key in TOP_FLAGS:
-        if getattr(ns, key) is not None:
-            data[key] = getattr(ns, key)
-    behaviors = [dict(b) for b in data.get("behaviors", [{}])]
-    for key in BEHAVIOR_FLAGS:
-        if getattr(ns, key) is not None:
-            for b in behaviors:
-                b[key] = getattr(ns, key)
-    data["behaviors"] = behaviors
-    facts = {"port": ns.mlagents_port, "log_file": log_file, "unity_flags": unity_flags,
-             "ignored_args": ignored, "config_path": path, "verbose": ns.verbose,
-             "sessions": ns.sessions}
-    return _task.make_config(data), facts
 
 
 def _require_protocol() -> None:
@@ -254,9 +167,11 @@ class FakePlayer:
     def exchange(self, stub: UnityToExternalProtoStub, msg: UnityMessageProto) -> UnityMessageProto:
         try:
             return stub.Exchange(msg, timeout=self.cfg.exchange_timeout)
-        except grpc.RpcError as e:  # server gone (UNAVAILABLE / CANCELLED): a normal way to end
+        except grpc.RpcError as e:  # the trainer went away: a normal way to end
+            # UNAVAILABLE / CANCELLED: its server stopped; UNKNOWN: mlagents' servicer raised
+            # because the trainer had closed its pipe (an Exchange that arrived while it closed)
             code = e.code() if hasattr(e, "code") else None
-            normal = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            normal = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
             if not normal:  # e.g. RESOURCE_EXHAUSTED (message over gRPC's 4 MB) or DEADLINE_EXCEEDED
                 self.log(f"Exchange failed: {e!r}")
             raise PlayerExit(f"connection_lost:{getattr(code, 'name', code)}", 0 if normal else 1) from None
@@ -413,6 +328,7 @@ class FakePlayer:
         while True:
             code, reason, handshake = self.session()
             done += handshake
+            self.record("session_end", reason=reason, code=code, handshake=handshake)
             # a player that outlives its trainer (--sessions) waits for the next one after a normal
             # end, and tries again when it reached a trainer's server that was going away
             gone_early = not handshake and reason.startswith("connection_lost")
