@@ -78,6 +78,12 @@ def output_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def chosen_scenarios(requested: list[str]) -> list[str]:
+    """The scenarios ``--scenario`` names, groups and ``all`` expanded, in the canonical order."""
+    wanted = {n for name in requested for n in GROUPS.get(name, [name])}
+    return [n for n, s in SCENARIOS.items() if n in wanted or ("all" in requested and s.in_all)]
+
+
 def bench(args: argparse.Namespace) -> int:
     problem = output_problem(args)
     if problem:
@@ -85,8 +91,7 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     # In the canonical order whatever the order given: unity (gRPC in this process) comes last,
     # after every backend that forks this process.
-    wanted = {n for name in args.scenario for n in GROUPS.get(name, [name])}
-    names = [n for n in SCENARIOS if n in wanted or "all" in args.scenario]
+    names = chosen_scenarios(args.scenario)
     if args.backends is None:
         backends = list(DEFAULT_BACKENDS)
     elif "all" in args.backends:
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--scenario", nargs="+", choices=[*SCENARIOS, *GROUPS, "all"], default=["cartpole"], metavar="SCENARIO",
         help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*), "
-             "or all (default: cartpole)",
+             "or all (every one but unity-trainer-scale, whose setups unity-trainer runs; default: cartpole)",
     )
     b.add_argument(
         "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",

@@ -241,6 +241,15 @@ def test_unknown_choices_are_rejected(argv, capsys):
     assert "invalid choice" in err or "must be at least 1" in err
 
 
+def test_all_runs_each_setup_once_and_groups_expand():
+    everything = cli.chosen_scenarios(["all"])
+    assert "unity-trainer" in everything and "unity-trainer-scale" not in everything  # a subset of it
+    assert set(everything) == {n for n, s in SCENARIOS.items() if n != "unity-trainer-scale"}
+    assert cli.chosen_scenarios(["unity-trainer-scale"]) == ["unity-trainer-scale"]
+    sweep = cli.chosen_scenarios(["sweep", "cartpole"])
+    assert sweep[0] == "cartpole" and len(sweep) > 2 and all(n.startswith("sweep") for n in sweep[1:])
+
+
 def test_all_scenarios_and_backends_are_choices():
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--scenario", "all", "--backends", "all"])

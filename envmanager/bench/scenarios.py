@@ -120,6 +120,7 @@ class Scenario:
         step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
         pin: the parent on a core of its own, the workers on the others, during the timed loop
             (``envmanager.bench.pinning``); the limit is then the worker cores' (``pinned``, ``--pin``).
+        in_all: ``--scenario all`` runs it (not a scenario whose setups another one runs).
     """
 
     name: str
@@ -140,6 +141,7 @@ class Scenario:
     group: str | None = None
     step_cost: float | None = None
     pin: bool = False
+    in_all: bool = True
 
 
 def _cost_label(seconds: float) -> str:
@@ -256,7 +258,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "unity-trainer-scale", "ML-Agents' trainer (PPO): mlagents-learn against envmanager-learn batched and "
             "unbatched, fake players (4 agents, 2 ms), 4 envs and 8, 16 of uneven speed", unity_env, 16, 6_000,
-            kind="unity-trainer", requires=("mlagents.trainers.learn",),
+            kind="unity-trainer", requires=("mlagents.trainers.learn",), in_all=False,  # unity-trainer's subset
         ),
     )
 }
