@@ -13,12 +13,16 @@ again. The process-level half (requests in flight, restarts) is the pool's.
 
 Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
 with its own request in flight: the worker steps one while the parent turns the other around.
+
+The reset path is ``envmanager.core.resetting`` and the env calls ``envmanager.core.calls``,
+halves of this class (mixins): this module keeps its construction, state, the step path (the
+hot loop) and the waits.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,21 +32,22 @@ from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout, usable_cores
-from envmanager.core.calls import CallRequest, EnvCalls
+from envmanager.core.calls import CallMethods, EnvCalls
 from envmanager.core.completion import Completion
 from envmanager.core.layout import BATCH, Caller
-from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, reset_plan, row_of
+from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import ProcessState, WorkerProcess
+from envmanager.core.resetting import BatchResets
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, NEEDS_RESET, SlotState, SlotStatus
+from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotStatus
 from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
-from envmanager.wire.messages import Call, Ready, Step
 from envmanager.wire.messages import EnvironmentCommand as Cmd
+from envmanager.wire.messages import Ready, Step
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
@@ -54,8 +59,9 @@ _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 DOUBLE_BUFFER_SPIN_S = 500e-6
 
 
-class BatchEnvManager:
-    """Env slots in worker processes, stepped and received as batches (see the module doc).
+class BatchEnvManager(BatchResets, CallMethods):
+    """Env slots in worker processes, stepped and received as batches (see the module doc);
+    resets: ``BatchResets`` (``envmanager.core.resetting``); env calls: ``CallMethods``.
 
     Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
     called with every slot's observation and action spaces as the workers report them, before
@@ -260,13 +266,6 @@ class BatchEnvManager:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
         return self.worker_of(worker_id).failure
 
-    def allow_step_before_reset(self, worker_ids: Sequence[int]) -> None:
-        """Let these slots be stepped before their first reset (call it before any reset): their
-        envs decide what that means (gymnasium's AsyncVectorEnv steps an env without
-        ``OrderEnforcing``). A slot whose env fails needs a reset as always."""
-        slots = [s for s in self.slots(worker_ids) if self.status[s] == NEEDS_RESET and s not in self._state.owed_resets]
-        self.status[slots] = IDLE
-
     # ------------------------------------------------------------------------------------------
     # Stepping
 
@@ -358,45 +357,6 @@ class BatchEnvManager:
         return self._state.timings(worker_id, self._slot_process_list[worker_id])
 
     # ------------------------------------------------------------------------------------------
-    # Resetting
-
-    def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
-        """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
-        pool = self.pool
-        slots = np.array(sorted(seeds_and_options), dtype=np.int64)
-        if slots.size == 0:
-            return
-        if slots.min() < 0 or slots.max() >= self.n_env:
-            raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
-        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_lanes, self.slot_local, self.status)
-        try:  # encode everything before the first send
-            outgoing = [(index, pool.prepare(Cmd.RESET, message, own, lanes)) for index, message, own, lanes in plan]
-        except Exception as exc:
-            raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
-        self.status[slots] = IN_FLIGHT
-        self._state.owed_resets.update(slots.tolist())
-        for index, request in outgoing:
-            pool.workers[index].send(request)
-
-    def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
-        """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
-        them out, sorted by slot. Raises the first failed reset (that slot needs a new reset);
-        the others, and answers that arrive before a timeout, are kept, so a later call picks up
-        where this one stopped."""
-        wanted = set(self._state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
-        if not wanted <= self._state.owed_resets:
-            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - self._state.owed_resets)}")
-        state = self._state
-        self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
-                      timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
-        if self._state.reset_errors:
-            raise self._state.reset_errors.pop(0)
-        done = sorted(wanted)
-        self._state.owed_resets -= wanted
-        self._state.arrived_resets -= wanted
-        return self._state.hand_out(done, reset=True)
-
-    # ------------------------------------------------------------------------------------------
     # Waiting
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
@@ -463,42 +423,6 @@ class BatchEnvManager:
         generations, as_list = self._state.generations, self._state.generation_list
         for slot in (c.slots if c.interrupted else w.env_ids):
             generations[slot] = as_list[slot] = w.generation + rebuilds[slot]
-
-    # ------------------------------------------------------------------------------------------
-    # Env calls (see ``envmanager.core.calls``)
-
-    def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
-        return self._calls.call_on(None, name, args, kwargs)
-
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
-                kwargs: dict | None = None) -> list[Any]:
-        """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
-        be a function, run in the worker as ``name(env, *args, **kwargs)``."""
-        return self._calls.call_on(worker_ids, name, args, kwargs)
-
-    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
-        """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
-        return self._calls.get_attr(name, worker_ids)
-
-    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
-        """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
-        self._calls.set_attr(name, values, worker_ids)
-
-    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
-                  worker_ids: Sequence[int] | None = None) -> CallRequest:
-        """Send ``call`` without waiting; ``receive_call`` collects the answers."""
-        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
-
-    def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
-        """The answers to ``send_call``, in the order of its worker ids; answers that arrive
-        before a timeout are kept for the next try."""
-        return self._calls.receive(request, timeout)
-
-    def call_ready(self, request: CallRequest) -> bool:
-        """Whether every answer to ``send_call``'s ``request`` arrived (answers are taken by any
-        wait: ``wait_for(lambda: manager.call_ready(r), ...)`` waits for one of several calls)."""
-        return self._calls.ready(request)
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
         """``worker_ids`` checked (``None``: every slot); each must be in ``range(n_env)``."""

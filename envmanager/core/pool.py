@@ -5,9 +5,10 @@ knows nothing about actions or episodes: it sends requests — one in flight per
 per lane of a double-buffered process (``envmanager.core.process``) — and turns what comes
 back through the answer transport (the shared step queue, or each worker's own pipe:
 ``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
-:class:`Completion`\\ s. A failed process is restarted here, within the restart policy,
-following the life cycle drawn in ``envmanager.core.process``; an env that raised in a step or
-reset of a healthy process is rebuilt there instead (``_env_failed``), within the same policy.
+:class:`Completion`\\ s. A failed process is restarted, within the restart policy, following
+the life cycle drawn in ``envmanager.core.process``; an env that raised in a step or reset of a
+healthy process is rebuilt there instead, within the same policy: that failure path is
+``envmanager.core.recovery`` (``PoolRecovery``, a half of this class).
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from threading import get_ident
 from time import monotonic
 from typing import Any
 
-from envmanager.core.completion import Completion, error_slot, worker_error
+from envmanager.core.completion import Completion, worker_error
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
-from envmanager.core.rebuild import EnvRebuilds, delivered
+from envmanager.core.rebuild import EnvRebuilds
+from envmanager.core.recovery import PoolRecovery
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.supervisor import Supervisor
 from envmanager.errors import (
-    EnvManagerError,
     ManagerClosedError,
-    RestartLimitError,
-    WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
 )
@@ -49,9 +48,7 @@ from envmanager.wire.messages import (
     RAW,
     REQUEST_HEADER,
     Attach,
-    Call,
     EnvironmentRequest,
-    Reset,
     Stepped,
     decode_answer,
     encode_request,
@@ -66,14 +63,13 @@ from envmanager.worker.main import WorkerSpec
 logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
-_RESETS = (Cmd.RESET, Cmd.REBUILD)  # requests that carry a seed and options per env
-_ANSWERED_BY_RESET = (Cmd.STEP, Cmd.RESET, Cmd.REBUILD)  # by a restart's fresh reset, ``interrupted``
 
 __all__ = ["WorkerPool", "make_specs", "get_context"]
 
 
-class WorkerPool:
-    """Worker processes hosting ``specs``' environments, and everything needed to talk to them."""
+class WorkerPool(PoolRecovery):
+    """Worker processes hosting ``specs``' environments, and everything needed to talk to them
+    (restarts and rebuilds: ``PoolRecovery``)."""
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
@@ -318,144 +314,6 @@ class WorkerPool:
             if c.error is not None:
                 raise c.error
         return ordered
-
-    # ------------------------------------------------------------------------------------------
-    # Failures and restarts
-
-    def generation(self, slot: int, process: int) -> int:
-        """How often ``slot``'s env was replaced: its process restarted, or itself rebuilt."""
-        return self.workers[process].generation + self.rebuilds.counts[slot]
-
-    def report_failure(self, index: int, error: EnvManagerError) -> EnvManagerError | None:
-        """A failure of process ``index`` that its caller found in an answer (an env that raised
-        inside a call that steps the envs, say): handled as the pool handles one it finds
-        itself. Returns ``None`` when the process is being restarted (its fresh reset comes back
-        ``interrupted``), else the error to raise (``RestartLimitError`` past the limits)."""
-        w = self.workers[index]
-        if w.failure is not None:
-            return w.failure
-        completions: list[Completion] = []
-        self._on_failure(w, error, completions)
-        return next((c.error for c in completions if c.error is not None), None)
-
-    def _on_failure(
-        self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
-    ) -> None:
-        """Restart ``w`` if the policy allows; otherwise report ``error`` for every request the
-        failure cut short (``request``, already out of flight, and those still in flight)."""
-        self._version += 1
-        lost = [request] if request is not None else []
-        if self.queue is None:  # closing: nothing is restarted
-            refused: EnvManagerError | None = error
-        else:
-            refused = self.supervisor.decide(w.index, f"restarting {w.name} after: {error}",
-                                             lambda reason: self._refused(w, reason, error))
-        restart = refused is None
-        error = refused or error
-        # (a process that could not rebuild an env is given up too: that env is gone)
-        rebuilding = request is not None and request.cmd is Cmd.REBUILD
-        gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None or rebuilding
-        if restart or gone:  # the process goes: every request in flight is cut short with it
-            lost += w.cut()
-            if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
-                lost = list(w.boot.lost)
-        if restart:
-            self._restart(w, lost, error, completions)
-            return
-        if gone:  # the process is gone or stuck for good: its error, on every later use
-            error = self.supervisor.give_up(w.index, error)
-            w.fail()
-        requests: list[EnvironmentRequest | None] = [*lost] or [None]
-        for lost_request in requests:  # the same error for each (the slots file it once)
-            completions.append(Completion(w, lost_request, None, error))
-
-    def _refused(self, w: WorkerProcess, reason: str, error: EnvManagerError) -> EnvManagerError:
-        """The error of a process the policy does not restart: past the limits, ``RestartLimitError``
-        naming the slot, the process and the failure; with restarts off, the failure itself."""
-        if not self.supervisor.policy.enabled:
-            return error
-        return RestartLimitError(error_slot(error, w), reason, error, w.env_ids, w.index)
-
-    def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
-                 completions: list[Completion]) -> None:
-        """Replace ``w`` by a new process and plan how it comes back (see ``Boot``); the
-        supervisor recorded the restart."""
-        w.kill()
-        attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
-        startup = [r for r in lost if r.cmd in (Cmd.READY, Cmd.ATTACH)]
-        if w.boot is not None:  # it failed again while coming back: the same way up, from the start
-            boot = Boot(w.boot.all_steps, w.boot.lost, w.boot.startup)
-        elif startup:
-            # Failed while the pool was starting: the new process answers the startup instead.
-            boot = Boot(attach if startup[0].cmd is Cmd.ATTACH else [], startup, True)
-        else:
-            everyone = tuple(range(len(w.env_ids)))
-            replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
-            asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
-            for r in lost:
-                if r.cmd in _RESETS:
-                    m = r.message
-                    asked.update({i: (seed, options) for i, seed, options in zip(m.locals, m.seeds, m.options, strict=True)})
-            reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
-                          tuple(asked.get(i, (None, None))[1] for i in everyone))
-            # Steps, resets and rebuilds are answered by the fresh reset (``interrupted``); a call is not.
-            answered = [r for r in lost if r.cmd in _ANSWERED_BY_RESET]
-            for r in lost:
-                if r.cmd not in _ANSWERED_BY_RESET:
-                    completions.append(Completion(w, r, None, error))  # its caller must know
-            boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
-        self.workers[w.index] = self._start(w.spec, boot, w.generation + 1)
-
-    def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
-                    completions: list[Completion]) -> None:
-        """Restarts are on and envs raised in ``request`` (``answer.failures``): rebuild them in
-        their process, which answered and so is healthy, counted as a restart by the policy
-        (``envmanager.core.rebuild``); the other envs' results stand (their episodes go on). A
-        process on its way back, a rebuild's own answer, or a refusal of the policy take the
-        process's failure path instead (restarted, or ``RestartLimitError``)."""
-        failures = answer.failures
-        assert failures is not None
-        error = worker_error(failures[min(failures)], w.index)
-        if request.cmd not in (Cmd.STEP, Cmd.RESET) or w.boot is not None or self.supervisor.refusal(w.index) is not None:
-            self._on_failure(w, error, completions, request)
-            return
-        slots = request.slots
-        kept = [n for n in range(len(slots)) if n not in failures]
-        if kept:  # the envs that delivered: their results, as if the others were not asked
-            completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
-            completions.append(completion)
-        rebuild = self.rebuilds.request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls)
-        self.supervisor.restarting(w.index, f"rebuilding env {', '.join(map(str, rebuild.slots))} of {w.name} after: {error}")
-        w.state = ProcessState.REBUILDING
-        w.send(rebuild)
-
-    def _rebuilt(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
-        """An answer of a process rebuilding envs: a rebuild's is those slots' fresh reset,
-        ``interrupted`` (as a restart's is for every slot of its process)."""
-        request = completion.request
-        if request is not None and request.cmd is Cmd.REBUILD:
-            completion.interrupted = True
-            completion.lost = (request,)
-        if not any(r.cmd is Cmd.REBUILD for r, _ in w.requests):
-            w.state = ProcessState.RUNNING
-        completions.append(completion)
-
-    def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
-        """Take a replacement process through its plan (attach → replayed calls → reset)."""
-        boot = w.boot
-        assert boot is not None
-        if boot.plan:
-            cmd, message = boot.plan.pop(0)
-            locals_ = getattr(message, "locals", None)
-            slots = w.env_ids if locals_ is None else tuple(w.env_ids[i] for i in locals_)
-            w.send(self.prepare(cmd, message, slots))
-            return
-        completion.interrupted = not boot.startup
-        completion.request = boot.lost[0] if boot.lost else None
-        completion.lost = tuple(boot.lost)
-        w.boot = None
-        w.state = ProcessState.RUNNING
-        completions.append(completion)
 
     # ------------------------------------------------------------------------------------------
     # Lifetime

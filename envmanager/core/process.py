@@ -23,8 +23,9 @@ Life cycle of a worker process (``WorkerProcess.state``)::
 
     any other state ── request_close() / kill() ──► CLOSING ──reaped──► CLOSED
 
-The pool (``envmanager.core.pool``) drives the transitions; this class holds the state and
-does the process work: send, read a large answer, stop, kill with every descendant.
+The pool (``envmanager.core.pool``; its failure path: ``envmanager.core.recovery``) drives the
+transitions; this class holds the state and does the process work: send, read a large answer,
+stop, kill with every descendant.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
 With restarts on, an env that raised in a step or reset of a process that answered — so is
 otherwise healthy — is made again inside that process from its factory, rather than the process
 restarted (RLlib's ``restart_failed_sub_environments`` granularity). The pool decides when
-(``WorkerPool._env_failed``: within the restart policy, which counts a rebuild as a restart);
-this module builds the request, splits the answer that reported the failure into what the other
-envs delivered, and keeps how often each slot's env was rebuilt: with its process's generation,
-the slot's generation (``BatchEnvManager.generation``), which a rebuild raises for that slot only.
+(``WorkerPool._env_failed``, in ``envmanager.core.recovery``: within the restart policy, which
+counts a rebuild as a restart); this module builds the request, splits the answer that reported
+the failure into what the other envs delivered, and keeps how often each slot's env was
+rebuilt: with its process's generation, the slot's generation (``BatchEnvManager.generation``),
+which a rebuild raises for that slot only.
 """
 
 from __future__ import annotations

@@ -25,14 +25,17 @@ players themselves name the trainer's worker ids.
 
 The env factory runs on the nodes: a build path must exist on every node. The Ray session is
 :class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
+
+The node actors themselves (start, calls, loss and replacement: the driver's half of
+:mod:`envmanager.mlagents.ray_node`) are :mod:`envmanager.mlagents.ray_player_nodes`, the base
+class of :class:`RayPlayerPool`; this module keeps the pool's construction, its closing, and the
+core manager's interface over the nodes.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from envmanager.core.deadline import Deadline
@@ -42,15 +45,13 @@ from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
-from envmanager.mlagents.ray_errors import NodeLost as _NodeLost
-from envmanager.mlagents.ray_errors import RayPlayerError, RayPlayerRestartLimitError
-from envmanager.mlagents.ray_node import PlayerNode
+from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError, RayPlayerRestartLimitError
+from envmanager.mlagents.ray_player_nodes import Node, PlayerNodes
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 from envmanager.ray.session import RaySession
 
 with requires_extra("ray", __name__):
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
@@ -61,25 +62,9 @@ RAY_MARGIN = 30.0
 #: Seconds a node's actor may take to come up (its process imports envmanager and ML-Agents)
 #: beyond the core's deadline, which bounds its players' start.
 RAY_START_MARGIN = 60.0
-_Actor = ray.remote(PlayerNode)
 
 
-@dataclass
-class _Node:
-    index: int
-    ids: list[int]
-    ray_node_id: str
-    actor: Any = None
-    pending: Any = None  # the step request in flight (its deadline: the supervisor's clock)
-    idle: set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
-    sent: dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def name(self) -> str:
-        return f"Ray node {self.index} (worker ids {self.ids}, Ray node {self.ray_node_id})"
-
-
-class RayPlayerPool:
+class RayPlayerPool(PlayerNodes):
     """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes.
 
     ``n_nodes``: how many node actors share the worker ids (consecutive blocks); default one per
@@ -102,7 +87,7 @@ class RayPlayerPool:
         self.supervisor = Supervisor(RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n,
                                                    restarts_rate_limit_period_s), self.deadline_s, "node")
         self.replay_calls: list[tuple[str, tuple, dict]] = []
-        self.nodes: list[_Node] = []
+        self.nodes: list[Node] = []
         self._last: dict[int, StepInfo] = {}
         self._ready: list[StepInfo] = []
         self._resets: list[int] = []
@@ -118,7 +103,7 @@ class RayPlayerPool:
             per, extra = divmod(self.n_env, count)
             sizes = [per + (k < extra) for k in range(count)]
             firsts = [sum(sizes[:k]) for k in range(count)]
-            self.nodes = [_Node(k, self.worker_ids[firsts[k]:firsts[k] + sizes[k]], alive[k % len(alive)])
+            self.nodes = [Node(k, self.worker_ids[firsts[k]:firsts[k] + sizes[k]], alive[k % len(alive)])
                           for k in range(count)]
             for node in self.nodes:  # every actor starts at once; then each is awaited
                 self._start(node, node.ray_node_id)
@@ -178,12 +163,12 @@ class RayPlayerPool:
         dropped); a node lost meanwhile is replaced, its players' fresh resets are its resets."""
         self._check_open()
         out: list[StepInfo] = []
-        lost: list[tuple[_Node, str]] = []
+        lost: list[tuple[Node, str]] = []
         for node in self.nodes:
             if node.pending is not None:
                 try:
                     self._answer(node, node.pending, self._left(node))
-                except _NodeLost as exc:
+                except NodeLost as exc:
                     lost.append((node, str(exc)))
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
@@ -196,7 +181,7 @@ class RayPlayerPool:
         for node, ref in resetting:
             try:
                 out += self._arrived(node, self._answer(node, ref))
-            except _NodeLost as exc:
+            except NodeLost as exc:
                 out += self._replace(node, str(exc))
         return sorted(out, key=lambda info: info.worker_id)
 
@@ -217,7 +202,7 @@ class RayPlayerPool:
         for node, ref in resetting:
             try:
                 out += self._arrived(node, self._answer(node, ref))
-            except _NodeLost as lost:  # its players come back as the replacement's resets
+            except NodeLost as lost:  # its players come back as the replacement's resets
                 self._ready += self._replace(node, str(lost))
         return sorted(out, key=lambda info: info.worker_id)
 
@@ -278,7 +263,7 @@ class RayPlayerPool:
                     self._settle(node)
                     try:
                         out += self._arrived(node, self._answer(node, ref))  # in already
-                    except _NodeLost as lost:
+                    except NodeLost as lost:
                         out += self._replace(node, str(lost))
                     except EnvManagerError as exc:  # the other nodes' answers are kept
                         error = error or exc
@@ -303,7 +288,7 @@ class RayPlayerPool:
         finally:
             self._session.leave()
 
-    def _end(self, nodes: list[_Node]) -> None:
+    def _end(self, nodes: list[Node]) -> None:
         try:
             closing = [(n, n.actor.close.remote()) for n in nodes if n.actor is not None]
         except Exception as exc:  # the actors are killed all the same
@@ -327,169 +312,6 @@ class RayPlayerPool:
         if self._closed:
             raise ManagerClosedError("the Ray player pool is closed")
         self._session.check()
-
-    def _submit(self, node: _Node, method: str, *args: Any) -> Any:
-        """``node.<method>.remote(*args)``: its ref, or the package's error for Ray's failure (or
-        the node's own, if it was given up)."""
-        self.supervisor.check(node.index)
-        try:
-            return getattr(node.actor, method).remote(*args)
-        except Exception as exc:
-            self._session.reraise(exc, f"sending {method!r} to {node.name()}")
-
-    def _alive_nodes(self, exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
-        """Ids of the cluster's live nodes but ``exclude`` (the head's first), waiting up to
-        ``wait_s`` for one; if none, every live node."""
-        deadline = Deadline(wait_s)
-        try:
-            while True:
-                every = [n for n in ray.nodes() if n.get("Alive")]
-                nodes = [n for n in every if n["NodeID"] != exclude]
-                if nodes or deadline.passed():
-                    break
-                time.sleep(0.2)
-        except Exception as exc:
-            self._session.reraise(exc, "listing the cluster's nodes")
-        nodes = nodes or every
-        nodes.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
-        return [n["NodeID"] for n in nodes]
-
-    def _node_of(self, worker_id: int) -> _Node:
-        return next(n for n in self.nodes if worker_id in n.ids)
-
-    def _left(self, node: _Node) -> float:
-        return self.supervisor.left(node.index)
-
-    def _settle(self, node: _Node) -> None:
-        """``node`` has no step request in flight any more: no clock runs for it."""
-        node.pending = None
-        self.supervisor.stop_clock(node.index)
-
-    def _start(self, node: _Node, ray_node_id: str, left_behind: Any = None) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        node.ray_node_id = ray_node_id
-        self._session.check()  # a replacement after the session went would start a new one
-        try:
-            node.actor = _Actor.options(
-                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-            ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
-        except Exception as exc:
-            self._session.reraise(exc, f"starting {node.name()}")
-        node.idle, node.sent, node.info = set(node.ids), {}, {}
-        self._settle(node)
-
-    def _await_start(self, node: _Node) -> None:
-        """The node's ``info`` once it started; else ``RayPlayerError`` naming it (``cause``: what
-        its players raised, a port taken say)."""
-        try:
-            info, error = self._get(node, self._submit(node, "info"), self.start_s)
-        except _NodeLost as lost:
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} could not start: {lost}") from None
-        if error is not None:
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} could not start its players: "
-                                 f"{type(error).__name__}: {error}", error) from None
-        node.info = info
-
-    def _kill(self, node: _Node) -> None:
-        if node.actor is not None:
-            try:
-                ray.kill(node.actor, no_restart=True)
-            except Exception as exc:  # gone already
-                logger.debug("killing %s: %r", node.name(), exc)
-        node.actor = None
-        self._settle(node)
-
-    def _call(self, node: _Node, method: str, *args: Any) -> Any:
-        """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
-        the next ``step``) and the answer is ``None``."""
-        try:
-            return self._answer(node, self._submit(node, method, *args))
-        except _NodeLost as lost:
-            self._ready += self._replace(node, str(lost))
-            return None
-
-    def _answer(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
-        """The value of a node call that answers ``(value, error)``: ``error`` (what its players
-        raised, naming the trainer's worker ids) is noted for ``failure_of`` and raised."""
-        value, error = self._get(node, ref, timeout)
-        if error is not None:
-            if isinstance(error, EnvManagerError):
-                for w in getattr(error, "worker_ids", None) or []:
-                    self._failures[w] = error
-            raise error
-        return value
-
-    def _get(self, node: _Node, ref: Any, timeout: float | None = None) -> Any:
-        """``ray.get`` within ``timeout`` (default: a deadline from now); a dead or silent actor is
-        ``_NodeLost``, a node's own error is ``RayPlayerError``."""
-        try:
-            return ray.get(ref, timeout=self.deadline_s if timeout is None else timeout)
-        except RayTaskError as exc:
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} raised: {exc}") from None
-        except (RayActorError, GetTimeoutError) as exc:
-            raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
-        except RayError as exc:
-            raise _NodeLost(f"{type(exc).__name__}: {exc}") from None
-        except Exception as exc:  # the session went meanwhile
-            self._session.reraise(exc, f"waiting for {node.name()}")
-
-    def _arrived(self, node: _Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
-        """A node's answer as the trainer's steps: global ids (the node's), the previous result
-        and the actions sent (the driver's: the very objects the policy made)."""
-        out = []
-        for info in infos:
-            w = info.worker_id
-            previous = self._last.get(w)
-            cut = info.interrupted or interrupted
-            action = node.sent.pop(w, None)
-            if cut:
-                self.restarts_seen[w] = self.restarts_seen.get(w, 0) + 1
-            info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
-                                 action=None if cut else action, interrupted=cut)
-            self._last[w] = info
-            node.idle.add(w)
-            out.append(info)
-        return out
-
-    def _replace(self, node: _Node, why: str) -> list[StepInfo]:
-        """Start ``node``'s worker ids anew (on another Ray node if there is one), within the
-        restart limits; their fresh resets (interrupted). Else, or if the new one cannot start,
-        ``RayPlayerError`` names the node and its worker ids."""
-        reason = self.supervisor.refusal(node.index)
-        if reason:
-            self._kill(node)
-            message = f"{node.name()} was lost ({why}) and not replaced: {reason}"
-            if self.supervisor.policy.enabled:
-                failure: RayPlayerError = RayPlayerRestartLimitError(
-                    node.index, node.ids, reason, RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})"),
-                    message)
-            else:
-                failure = RayPlayerError(node.index, node.ids, message)
-            raise self.supervisor.give_up(node.index, failure)
-        old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
-        self._kill(node)
-        alive = self._alive_nodes(exclude=old)
-        busy: dict[str, int] = {}
-        for n in self.nodes:
-            if n is not node:
-                busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
-        target = min(alive, key=lambda nid: busy.get(nid, 0))
-        self.supervisor.restarting(node.index, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its "
-                                   f"players on Ray node {target} ({why})")
-        try:
-            self._start(node, target, left_behind)
-            self._await_start(node)
-        except RayPlayerError as exc:  # the replacement could not start: given up
-            self._kill(node)
-            raise self.supervisor.give_up(node.index, exc) from None
-        try:
-            infos = self._answer(node, self._submit(node, "reset"))
-        except _NodeLost as lost:
-            self._kill(node)
-            raise self.supervisor.give_up(node.index, RayPlayerError(
-                node.index, node.ids, f"{node.name()} was lost ({why}); its replacement was lost too ({lost})")) from None
-        return self._arrived(node, infos, interrupted=True)
 
 
 class RayMLAgentsEnvManager(MLAgentsEnvManager):
