@@ -19,28 +19,29 @@ from pettingzoo.utils.conversions import turn_based_aec_to_parallel
 import pettingzoo_envs as envs
 from envmanager.errors import InvalidInputError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from envmanager.pettingzoo import ActingAgents, MultiAgentSampler
-from envmanager.pettingzoo.layout import AgentLayout
 
 SEED = 3
 
 
 class RandomPolicy:
-    """Seeded random actions for one group, legal where a mask is given; checks what it is given."""
+    """Seeded random actions, legal where a mask is given (``spaces``: each agent slot's action
+    space); checks what it is given. Pickles: it runs in the workers too."""
 
-    def __init__(self, seed: int) -> None:
-        self.layout: AgentLayout | None = None  # set once the sampler knows it
-        self.rng, self.rows = np.random.default_rng(seed), 0
+    def __init__(self, seed: int, spaces: list) -> None:
+        self.rng, self.spaces, self.rows = np.random.default_rng(seed), spaces, 0
 
     def get_actions(self, observations: Any, acting: ActingAgents) -> np.ndarray:
-        assert self.layout is not None
         n = len(acting.agents)
         self.rows += n
-        assert n and len(acting.worker_ids) == len(acting.episode_ids) == n
+        assert n and len(acting.worker_ids) == n and (acting.episode_ids is None or len(acting.episode_ids) == n)
         assert len({(int(w), int(a)) for w, a in zip(acting.worker_ids, acting.agents, strict=True)}) == n
-        g = next(g for g in self.layout.groups if int(acting.agents[0]) in g.slots)
-        assert all(int(a) in g.slots for a in acting.agents)
-        return np.stack([envs.sample(g.action_space, self.rng, None if acting.action_mask is None else acting.action_mask[i])
-                         for i in range(n)])
+        return np.stack([envs.sample(self.spaces[int(a)], self.rng, None if acting.action_mask is None else acting.action_mask[i])
+                         for i, a in enumerate(acting.agents)])
+
+
+def action_spaces(make) -> list:
+    env = make()
+    return [env.action_space(a) for a in env.possible_agents]
 
 
 def reference(make, turn_based: bool, seed: int, episodes: list[dict[int, list[dict]]], names) -> list[dict]:
@@ -116,12 +117,15 @@ CASES = {
 }
 
 
+WHERE = {"parent": {}, "workers": {"policy_in_workers": True}, "workers-k2": {"policy_in_workers": True, "envs_per_worker": 2}}
+
+
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("case", CASES)
-def test_per_agent_rows_equal_the_env_stepped_here(case):
+def test_per_agent_rows_equal_the_env_stepped_here(case, where):
     make, turn_based, n_slots, n_eps = CASES[case]
-    policy = RandomPolicy(7)
-    with MultiAgentSampler([make] * n_slots, policy, seed=SEED, timeout=60) as sampler:
-        policy.layout = sampler.layout
+    policy = RandomPolicy(7, action_spaces(make))
+    with MultiAgentSampler([make] * n_slots, policy, seed=SEED, timeout=60, **WHERE[where]) as sampler:
         sample = sampler.obtain_exact_episodes(n_eps)
         names = list(sampler.possible_agents)
         check_ids(sample, sampler)
@@ -166,7 +170,8 @@ def test_per_agent_rows_equal_the_env_stepped_here(case):
                 lengths[r["episode_id"]] += 1
             deaths += len(set(lengths.values())) > 1
         # the policy was asked for the active agents only: one row each, as recorded
-        assert policy.rows == sum(len(b) for b in sample.groups.values())
+        if where == "parent":
+            assert policy.rows == sum(len(b) for b in sample.groups.values())
         if case == "kaz":
             assert deaths, "no agent died before its episode's end: the case checks nothing"
         # whole per-agent episodes: contiguous, one per agent that acted in each env episode
@@ -177,12 +182,12 @@ def test_per_agent_rows_equal_the_env_stepped_here(case):
             assert b.dones[starts + b.lengths - 1].all()
 
 
-def test_steps_carry_open_transitions_into_the_next_call():
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_steps_carry_open_transitions_into_the_next_call(where):
     """A turn-based game over several ``obtain_steps`` calls: each transition handed out once,
     whole (a transition open at a call's end is handed out by the call that closes it)."""
-    policy = RandomPolicy(1)
-    with MultiAgentSampler([envs.tictactoe] * 2, {"player": policy}, seed=SEED, timeout=60) as sampler:
-        policy.layout = sampler.layout
+    policy = RandomPolicy(1, action_spaces(envs.tictactoe))
+    with MultiAgentSampler([envs.tictactoe] * 2, {"player": policy}, seed=SEED, timeout=60, **WHERE[where]) as sampler:
         batches = [sampler.obtain_steps(3) for _ in range(8)]
         seen = []
         for b in batches:
@@ -190,7 +195,7 @@ def test_steps_carry_open_transitions_into_the_next_call():
             seen += list(zip(g.episode_ids.tolist(), g.observations.reshape(len(g), -1).sum(1).tolist(), strict=True))
         assert len(seen) == len(set(seen)), "a transition handed out twice"
         env_steps = sum(len(b.env_steps) for b in batches)
-        assert env_steps == 24
+        assert env_steps == (24 if where == "parent" else 2 * 24)  # the worker-side sampler counts per slot
         rows = sum(len(b["player"]) for b in batches)
         open_now = sum(len(e.open) for e in sampler._rows.open.values())
         assert rows + open_now == env_steps  # one agent acts per step: one row per step, none lost
@@ -216,14 +221,15 @@ AT = 3  # the failing env's step
 
 
 def spread_policy(observations: Any, acting: ActingAgents) -> np.ndarray:
-    return np.array([int(e + a) % 5 for e, a in zip(acting.episode_ids, acting.agents, strict=True)], np.int64)
+    return (acting.worker_ids + acting.agents) % 5
 
 
+@pytest.mark.parametrize("where", ["parent", "workers"])
 @pytest.mark.parametrize("how", ["raise", "kill", "hang"])
-def test_a_fault_cuts_every_agent_of_the_env_and_collection_goes_on(tmp_path, how):
+def test_a_fault_cuts_every_agent_of_the_env_and_collection_goes_on(tmp_path, how, where):
     fns = [envs.spread, envs.Failing(envs.spread, how, AT, str(tmp_path / "struck")), envs.spread]
-    with MultiAgentSampler(fns, spread_policy, seed=0, timeout=2.0, restart_workers=True) as sampler:
-        first = sampler.obtain_steps(3 * 10)  # env 1 fails at its 3rd step, mid-episode
+    with MultiAgentSampler(fns, spread_policy, seed=0, timeout=2.0, restart_workers=True, **WHERE[where]) as sampler:
+        first = sampler.obtain_steps(3 * 10 if where == "parent" else 10)  # env 1 fails at its 3rd step, mid-episode
         second = sampler.obtain_exact_episodes(1)
         (cut,) = sampler.cut_episodes
         assert cut % 3 == 1  # an episode of slot 1
@@ -254,10 +260,11 @@ def test_a_fault_cuts_every_agent_of_the_env_and_collection_goes_on(tmp_path, ho
         assert len(g) == 3 * len(first.env_steps) and len(g2) == 3 * len(second.env_steps)
 
 
+@pytest.mark.parametrize("where", ["parent", "workers"])
 @pytest.mark.parametrize("how,error", [("raise", WorkerError), ("kill", WorkerDiedError), ("hang", WorkerTimeoutError)])
-def test_with_restarts_off_the_error_names_the_slot(tmp_path, how, error):
+def test_with_restarts_off_the_error_names_the_slot(tmp_path, how, error, where):
     fns = [envs.spread, envs.Failing(envs.spread, how, AT, str(tmp_path / "struck"))]
-    with MultiAgentSampler(fns, spread_policy, seed=0, timeout=2.0) as sampler:
+    with MultiAgentSampler(fns, spread_policy, seed=0, timeout=2.0, **WHERE[where]) as sampler:
         with pytest.raises(error) as caught:
             sampler.obtain_steps(2 * 10)
         assert 1 in (getattr(caught.value, "worker_ids", None) or [getattr(caught.value, "worker_id", None)])
@@ -273,3 +280,34 @@ def test_with_restarts_off_the_error_names_the_slot(tmp_path, how, error):
             with pytest.raises(error) as later:
                 sampler.obtain_steps(2)
             assert later.value is caught.value
+
+
+class Constant:
+    """Always the same action; ``set_param_values`` changes it (weights loaded in place)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def set_param_values(self, value: int) -> None:
+        self.value = value
+
+    def get_actions(self, observations: Any, acting: ActingAgents) -> np.ndarray:
+        return np.full(len(acting.agents), self.value, np.int64)
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_a_policy_update_reaches_its_group(where):
+    """``update(agent_update={group: weights})``: the next episodes act with them, recorded
+    with the new policy version, wherever the policy runs."""
+    groups = {"first": ["agent_0"], "rest": ["agent_1", "agent_2"]}
+    with MultiAgentSampler([envs.spread] * 2, {"first": Constant(1), "rest": Constant(2)}, agent_groups=groups, seed=0,
+                           **WHERE[where]) as sampler:
+        before = sampler.obtain_exact_episodes(1)
+        assert (before["first"].actions == 1).all() and (before["rest"].actions == 2).all()
+        assert sampler.update(agent_update={"rest": 4}) == (1, 0)
+        after = sampler.obtain_exact_episodes(1)
+        assert (after["first"].actions == 1).all() and (after["rest"].actions == 4).all()
+        assert (after["rest"].policy_versions == 1).all() and (before["rest"].policy_versions == 0).all()
+        sampler.update(agent_update=3)  # one value: every group
+        last = sampler.obtain_exact_episodes(1)
+        assert all((last[g].actions == 3).all() for g in groups)

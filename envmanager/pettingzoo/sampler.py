@@ -1,12 +1,13 @@
 """``MultiAgentSampler``: per-agent trajectories from PettingZoo envs in worker processes.
 
-A layer over the single-agent ``Sampler``, not a second one: each PettingZoo env runs behind
-its fixed-shape facade (``envmanager.pettingzoo.facade``), so the ``Sampler`` collects env steps
-as it does for any env, with its records, episode ids, updates, stats and its one fault path
-(a cut episode is flagged, ids are never reused, an error names the slot). What this layer
-adds is the policy's side, one policy per group of agents called with the observations of the
-ready slots' active agents (``GroupPolicies``), and the learner's side, the env steps turned
-into per-agent rows per group (``envmanager.pettingzoo.agents``).
+A layer over the single-agent samplers, not a third one: each PettingZoo env runs behind its
+fixed-shape facade (``envmanager.pettingzoo.facade``), so the ``Sampler`` (policy in the
+parent) or the ``WorkerPolicySampler`` (policy in the workers) collects env steps as it does
+for any env, with its records, episode ids, updates, stats and its one fault path (a cut
+episode is flagged, ids are never reused, an error names the slot). What this layer adds is
+the policy's side, one policy per group of agents called with the observations of the active
+agents only (``GroupPolicies``, which runs wherever the policy runs), and the learner's side,
+the env steps turned into per-agent rows per group (``envmanager.pettingzoo.agents``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from envmanager.pettingzoo.vector import _check_options, _one_layout
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.sampler import Sampler, apply_agent_update
 from envmanager.sampler.slots import EpisodeSlots
+from envmanager.sampler.worker_policy import WorkerPolicySampler
 
 __all__ = ["MultiAgentSampler", "AgentSample", "ActingAgents", "GroupPolicies"]
 
@@ -34,12 +36,13 @@ logger = logging.getLogger(__name__)
 
 class ActingAgents(NamedTuple):
     """Who a group's policy acts for, one entry per row of the observations it is given: the env
-    slot, the agent slot (index into ``possible_agents``), the agent's episode id, and the
-    action mask (bool ``(rows, n)``, for ``Discrete`` actions; else ``None``)."""
+    slot, the agent slot (index into ``possible_agents``), the agent's episode id (``None`` in
+    the workers, which do not keep the records), and the action mask (bool ``(rows, n)``, for
+    ``Discrete`` actions; else ``None``)."""
 
     worker_ids: np.ndarray
     agents: np.ndarray
-    episode_ids: np.ndarray
+    episode_ids: np.ndarray | None
     action_mask: np.ndarray | None
 
 
@@ -50,7 +53,7 @@ class GroupPolicies:
     returns one action per row; the rows of inactive agents are filled with a valid value the
     facade never reads (so the core's check passes and nothing is sent to an agent)."""
 
-    def __init__(self, layout: AgentLayout, policies: Any, episodes: EpisodeSlots) -> None:
+    def __init__(self, layout: AgentLayout, policies: Any, episodes: EpisodeSlots | None) -> None:
         names = [g.name for g in layout.groups]
         if isinstance(policies, Mapping):
             if set(policies) != set(names):
@@ -59,7 +62,7 @@ class GroupPolicies:
         else:
             self.policies = dict.fromkeys(names, policies)
         self.layout = layout
-        self.episodes = episodes  # the sampler's records: each slot's env episode id
+        self.episodes = episodes  # the parent-side sampler's records (each slot's env episode id); None in a worker
         self._fill = {g.name: _valid_rows(g) for g in layout.groups}
 
     def set_param_values(self, update: Any) -> None:
@@ -74,7 +77,8 @@ class GroupPolicies:
     def get_actions(self, observations: dict[str, Any], worker_ids: np.ndarray) -> dict[str, np.ndarray]:
         active = np.asarray(observations["active"]) != 0  # (envs, agents)
         n = self.layout.num_agents
-        env_ids = np.array([self.episodes[s].episode_id for s in worker_ids.tolist()], np.int64)
+        episodes = self.episodes
+        env_ids = None if episodes is None else np.array([episodes[s].episode_id for s in worker_ids.tolist()], np.int64)
         out = {}
         for g in self.layout.groups:
             k = len(worker_ids)
@@ -85,7 +89,8 @@ class GroupPolicies:
                 env_at, row_at = np.nonzero(rows)
                 agents = np.asarray(g.slots, np.int64)[row_at]
                 mask = block[MASK_KEY][env_at, row_at] != 0 if MASK_KEY in block else None
-                acting = ActingAgents(worker_ids[env_at], agents, agent_episode_id(env_ids[env_at], agents, n), mask)
+                ids = None if env_ids is None else agent_episode_id(env_ids[env_at], agents, n)
+                acting = ActingAgents(np.asarray(worker_ids)[env_at], agents, ids, mask)
                 policy = self.policies[g.name]
                 get_actions: Callable[..., Any] = getattr(policy, "get_actions", policy)
                 chosen = np.asarray(get_actions(_pick(block["observation"], env_at, row_at), acting))
@@ -125,31 +130,44 @@ class MultiAgentSampler:
     Args:
         env_fns: one function per env slot, each returning a PettingZoo env (called in the worker).
         policy: ``{group: policy}`` or one for every group; see :class:`GroupPolicies`.
+        policy_in_workers: run the policies in the workers (``WorkerPolicySampler``: whole
+            rollout fragments per request; the policies must pickle with cloudpickle) instead
+            of in the parent (``Sampler``: one batched call per group over the ready envs).
         agent_groups, turn_based: as ``ParallelVectorEnv``'s.
-        seed, log_interval, progress, manager options: the ``Sampler``'s.
+        sampler_options: the underlying sampler's (``seed``, ``envs_per_worker``, ``timeout``,
+            ``restart_workers``, ``context``, ...).
 
-    Counts are the ``Sampler``'s, of env steps and env episodes: ``obtain_steps(n)`` collects
-    ``n`` env steps (each one row per agent that acted, once its transition is closed; those
-    still open go on into the next call); ``obtain_episodes(n)`` ``n`` env episodes, every
-    agent's episode in them whole. ``sampler`` is the ``Sampler`` underneath (stats, records).
+    Counts are the underlying sampler's, of env steps and env episodes: ``obtain_steps(n)``
+    collects ``n`` env steps (``n`` per slot with the policy in the workers), each one row per
+    agent that acted, once its transition is closed (those still open go on into the next
+    call); ``obtain_episodes(n)`` ``n`` env episodes, every agent's episode in them whole.
+    ``sampler`` is the sampler underneath (stats, records).
     """
 
-    def __init__(self, env_fns: Sequence[Callable[[], Any]], policy: Any = None, *,
+    def __init__(self, env_fns: Sequence[Callable[[], Any]], policy: Any = None, *, policy_in_workers: bool = False,
                  agent_groups: Mapping[str, Sequence[str]] | None = None, turn_based: bool | None = None,
                  **sampler_options: Any) -> None:
         env_fns = list(env_fns)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise InvalidInputError("env_fns must be a non-empty sequence of functions that make PettingZoo envs")
         _check_options(agent_groups, turn_based)
-        self.sampler = Sampler(FacadeFactory(env_fns, agent_groups, turn_based), len(env_fns), check_spaces=_one_layout,
-                               **sampler_options)
+        factory, n = FacadeFactory(env_fns, agent_groups, turn_based), len(env_fns)
+        self.sampler: Sampler | WorkerPolicySampler
+        if policy_in_workers:  # its agent is set below, once the layout is known (version 0 still)
+            self.sampler = WorkerPolicySampler(factory, n, _NotYet(), check_spaces=_one_layout, **sampler_options)
+        else:
+            self.sampler = Sampler(factory, n, check_spaces=_one_layout, **sampler_options)
         try:
             layouts: list[AgentLayout] = self.sampler.manager.get_attr("layout")
             if any(other != layouts[0] for other in layouts):
                 raise InvalidInputError("every env must have the same agents, groups and spaces")
             #: The agent slots and groups of every env.
             self.layout = layouts[0]
-            self.sampler.policy = GroupPolicies(self.layout, policy, self.sampler.episodes)
+            if isinstance(self.sampler, Sampler):
+                self._policies = self.sampler.policy = GroupPolicies(self.layout, policy, self.sampler.episodes)
+            else:
+                self._policies = GroupPolicies(self.layout, policy, None)
+                self.sampler.update(self._policies, version=0)
             self._rows = AgentRows(self.layout)
         except BaseException:
             self.sampler.close()
@@ -177,24 +195,35 @@ class MultiAgentSampler:
         return self.sampler.cut_episodes
 
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
-        """The ``Sampler``'s ``update``; ``agent_update``: ``{group: update}`` or one for all."""
+        """The sampler's ``update``; ``agent_update``: ``{group: update}`` or one for every
+        group (weights loaded, or a new policy; see ``GroupPolicies.set_param_values``)."""
+        if agent_update is not None and isinstance(self.sampler, WorkerPolicySampler):  # the workers get them all, pickled
+            policies = GroupPolicies(self.layout, dict(self._policies.policies), None)
+            policies.set_param_values(agent_update)
+            versions = self.sampler.update(policies, env_update, version)
+            self._policies = policies
+            return versions
         return self.sampler.update(agent_update, env_update, version)
 
     # ------------------------------------------------------------------------------------------
 
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> AgentSample:
-        """``n`` env steps (in env slot order) as per-agent transitions, per group."""
-        return self._transitions(self.sampler.obtain_steps(n, agent_update, env_update))
+        """``n`` env steps (``n`` per slot with the policy in the workers), in env slot order,
+        as per-agent transitions, per group."""
+        self.update(agent_update, env_update)
+        return self._transitions(self.sampler.obtain_steps(n))
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None,
                         env_update: Any = None) -> AgentSample:
         """``n`` env episodes (or ``n`` per env slot), as per-agent episodes, per group."""
-        return self._episodes(self.sampler.obtain_episodes(n, per_worker, agent_update, env_update))
+        self.update(agent_update, env_update)
+        return self._episodes(self.sampler.obtain_episodes(n, per_worker))
 
-    def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
+    def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None,
                               env_update: Any = None) -> AgentSample:
-        """Exactly ``n_eps_per_worker`` env episodes from each slot (unbiased: the ``Sampler``'s)."""
-        return self._episodes(self.sampler.obtain_exact_episodes(n_eps_per_worker, agent_update, env_update))
+        """Exactly ``n_eps_per_worker`` env episodes from each slot (unbiased: the sampler's)."""
+        self.update(agent_update, env_update)
+        return self._episodes(self.sampler.obtain_exact_episodes(n_eps_per_worker))
 
     def _transitions(self, env: TransitionBatch) -> AgentSample:
         self._settle(env)
@@ -250,6 +279,13 @@ class MultiAgentSampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _NotYet:
+    """The worker-side sampler's agent until the layout is known (replaced before any request)."""
+
+    def get_actions(self, observations: Any, worker_ids: Any) -> Any:
+        raise RuntimeError("the multi-agent sampler's policies were never set")
 
 
 def _valid_rows(g: AgentGroup) -> np.ndarray:
