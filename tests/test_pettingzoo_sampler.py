@@ -6,11 +6,15 @@ nothing lost or duplicated; with restarts off the error names the slot."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pettingzoo", minversion="1.24")  # mlagents-envs 1.1.0 pins 1.15
 
@@ -19,6 +23,8 @@ from pettingzoo.utils.conversions import turn_based_aec_to_parallel
 import pettingzoo_envs as envs
 from envmanager.errors import InvalidInputError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from envmanager.pettingzoo import ActingAgents, MultiAgentSampler
+from envmanager.pettingzoo.agents import AgentRows
+from envmanager.sampler import TransitionBatch
 
 SEED = 3
 
@@ -204,6 +210,37 @@ def test_steps_carry_open_transitions_into_the_next_call(where):
         episodes = sampler.obtain_episodes(2)
         assert sampler.stats.counters["dropped_agent_steps"] == open_now > 0
         assert not set(episodes["player"].episode_ids.tolist()) & {e for e, _ in seen}
+
+
+@functools.cache
+def recorded_games():
+    """Env steps of whole tic-tac-toe games (rewarded at every step), recorded once by a real sampler."""
+    policy = RandomPolicy(5, action_spaces(envs.tictactoe_shaped))
+    with MultiAgentSampler([envs.tictactoe_shaped] * 2, policy, seed=SEED, timeout=60) as sampler:
+        return sampler.layout, sampler.obtain_exact_episodes(3).env_steps
+
+
+def agent_rows(steps: list) -> list[tuple]:
+    """Rows comparable across orders: each agent episode's rows in order."""
+    out = [(s.episode_id, s.reward, s.terminated, s.truncated, s.interrupted, s.observation.tobytes(),
+            s.next_observation.tobytes(), int(s.action)) for s in steps]
+    return sorted(out, key=lambda r: r[0])  # stable: an agent's rows keep their order
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rows_do_not_depend_on_where_the_calls_split_the_steps(data):
+    """However ``obtain_steps`` calls split the env steps, the rows handed out are those of the
+    whole run: each once, whole, in order per agent; nothing left open at the episodes' ends."""
+    layout, env = recorded_games()
+    whole = AgentRows(layout).rows(env)["player"]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(env) - 1), max_size=12)))
+    rows = AgentRows(layout)
+    pieces: list = []
+    for a, b in itertools.pairwise([0, *cuts, len(env)]):
+        pieces += rows.rows(TransitionBatch.select(env, slice(a, b)))["player"]
+    assert agent_rows(pieces) == agent_rows(whole)
+    assert len(whole) == len(env) and not rows.open  # one mover per step; every game ended
 
 
 def test_the_policy_must_give_one_action_per_acting_agent():
