@@ -14,11 +14,14 @@ and lengths, action masks, and one block per group of agents that share spaces::
 
 Modules: ``layout`` (agent slots, groups, the facade's spaces), ``facade`` (the worker's half),
 ``actions`` (checks before sending), ``batch`` (what comes back), ``vector`` (the class),
+``sampler`` (``MultiAgentSampler``: per-agent trajectories, one policy per group, on the
+``Sampler``) and ``agents`` (env steps into per-agent rows),
 ``supersuit`` and ``supersuit_sb3`` (the drop-in for SuperSuit's vector wrappers).
 """
 
 from envmanager.pettingzoo.batch import AgentStep, GroupBatch, MultiAgentBatch
 from envmanager.pettingzoo.layout import AgentGroup, AgentLayout
+from envmanager.pettingzoo.sampler import ActingAgents, AgentSample, MultiAgentSampler
 from envmanager.pettingzoo.supersuit import (
     PettingZooVecEnv,
     concat_vec_envs,
@@ -28,6 +31,7 @@ from envmanager.pettingzoo.supersuit import (
 )
 from envmanager.pettingzoo.vector import ParallelVectorEnv
 
-__all__ = ["ParallelVectorEnv", "MultiAgentBatch", "GroupBatch", "AgentStep", "AgentGroup", "AgentLayout",
+__all__ = ["ParallelVectorEnv", "MultiAgentSampler", "AgentSample", "ActingAgents",
+           "MultiAgentBatch", "GroupBatch", "AgentStep", "AgentGroup", "AgentLayout",
            "PettingZooVecEnv", "concat_vec_envs", "concat_vec_envs_v1", "pettingzoo_env_to_vec_env",
            "pettingzoo_env_to_vec_env_v1"]
