@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["AgentGroup", "AgentLayout", "stacked_space", "stacked_action_space", "zeros_of", "put_row", "AGENT_KEYS"]
+from envmanager.errors import InvalidInputError, SpaceMismatchError
+
+__all__ = ["AgentGroup", "AgentLayout", "stacked_space", "stacked_action_space", "zeros_of", "put_row", "AGENT_KEYS",
+           "one_layout", "check_group_options"]
 
 #: The per-agent arrays every facade observation carries, one entry per agent slot, and their dtypes.
 AGENT_KEYS: dict[str, Any] = {
@@ -241,3 +244,32 @@ def put_row(block: Any, row: int, value: Any) -> None:
             put_row(sub, row, item)
     else:
         block[row] = value
+
+
+def one_layout(observation_spaces: list[Any], action_spaces: list[Any]) -> None:
+    """The core's ``check_spaces``: every env's facade has the same spaces (else a clear error)."""
+    for slot, (o, a) in enumerate(zip(observation_spaces, action_spaces, strict=True)):
+        if o != observation_spaces[0] or a != action_spaces[0]:
+            raise SpaceMismatchError(f"env {slot}'s agents have other spaces than env 0's: every env of a "
+                                     "ParallelVectorEnv must have the same agents and spaces")
+
+
+def check_group_options(agent_groups: Mapping[str, Sequence[str]] | None, turn_based: bool | None) -> None:
+    """What can be checked before any process starts (agent names are checked against each env's
+    ``possible_agents`` once it is made)."""
+    if turn_based is not None and not isinstance(turn_based, bool):
+        raise InvalidInputError(f"turn_based must be True, False or None, got {turn_based!r}")
+    if agent_groups is None:
+        return
+    if not isinstance(agent_groups, Mapping) or not agent_groups:
+        raise InvalidInputError(f"agent_groups must be a non-empty dict {{group name: [agents]}}, got {agent_groups!r:.80}")
+    seen: dict[str, str] = {}
+    for name, agents in agent_groups.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"group names must be non-empty strings, got {name!r}")
+        if isinstance(agents, str) or not isinstance(agents, Sequence) or not agents:
+            raise InvalidInputError(f"group {name!r} must list its agents (a non-empty list of names), got {agents!r:.80}")
+        for agent in agents:
+            if agent in seen:
+                raise InvalidInputError(f"agent {agent!r} is in two groups: {seen[agent]!r} and {name!r}")
+            seen[agent] = name

@@ -22,8 +22,7 @@ import numpy as np
 from envmanager.errors import InvalidInputError
 from envmanager.pettingzoo.agents import AgentRows, agent_episode_id
 from envmanager.pettingzoo.facade import FacadeFactory
-from envmanager.pettingzoo.layout import MASK_KEY, AgentGroup, AgentLayout, stacked_action_space
-from envmanager.pettingzoo.vector import _check_options, _one_layout
+from envmanager.pettingzoo.layout import MASK_KEY, AgentGroup, AgentLayout, check_group_options, one_layout, stacked_action_space
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.sampler import Sampler, apply_agent_update
 from envmanager.sampler.slots import EpisodeSlots
@@ -150,13 +149,13 @@ class MultiAgentSampler:
         env_fns = list(env_fns)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise InvalidInputError("env_fns must be a non-empty sequence of functions that make PettingZoo envs")
-        _check_options(agent_groups, turn_based)
+        check_group_options(agent_groups, turn_based)
         factory, n = FacadeFactory(env_fns, agent_groups, turn_based), len(env_fns)
         self.sampler: Sampler | WorkerPolicySampler
         if policy_in_workers:  # its agent is set below, once the layout is known (version 0 still)
-            self.sampler = WorkerPolicySampler(factory, n, _NotYet(), check_spaces=_one_layout, **sampler_options)
+            self.sampler = WorkerPolicySampler(factory, n, _NotYet(), check_spaces=one_layout, **sampler_options)
         else:
-            self.sampler = Sampler(factory, n, check_spaces=_one_layout, **sampler_options)
+            self.sampler = Sampler(factory, n, check_spaces=one_layout, **sampler_options)
         try:
             layouts: list[AgentLayout] = self.sampler.manager.get_attr("layout")
             if any(other != layouts[0] for other in layouts):

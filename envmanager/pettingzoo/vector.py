@@ -22,7 +22,7 @@ from envmanager.errors import InvalidInputError, ManagerClosedError, SpaceMismat
 from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
 from envmanager.pettingzoo.facade import FacadeFactory, call_env
-from envmanager.pettingzoo.layout import AgentGroup, AgentLayout
+from envmanager.pettingzoo.layout import AgentGroup, AgentLayout, check_group_options, one_layout
 
 __all__ = ["ParallelVectorEnv"]
 
@@ -69,7 +69,7 @@ class ParallelVectorEnv:
         env_fns = list(env_fns)
         if not env_fns or not all(callable(f) for f in env_fns):
             raise InvalidInputError("env_fns must be a non-empty sequence of functions that make PettingZoo envs")
-        _check_options(agent_groups, turn_based)
+        check_group_options(agent_groups, turn_based)
         for fixed in ("autoreset_mode", "env_factory", "n_env", "check_spaces"):
             if fixed in manager_kwargs:
                 raise TypeError(f"ParallelVectorEnv() does not take {fixed!r}")
@@ -77,7 +77,7 @@ class ParallelVectorEnv:
         self._manager = BatchEnvManager(
             FacadeFactory(env_fns, agent_groups, turn_based), n, envs_per_worker=envs_per_worker, context=context,
             shared_memory=shared_memory, autoreset_mode="next_step", timeout=timeout, restart_workers=restart_workers,
-            check_spaces=_one_layout, **manager_kwargs)
+            check_spaces=one_layout, **manager_kwargs)
         try:
             layouts: list[AgentLayout] = self._manager.get_attr("layout")
             for slot, other in enumerate(layouts):
@@ -282,35 +282,6 @@ class ParallelVectorEnv:
             self.close()
         except Exception:
             pass
-
-
-def _one_layout(observation_spaces: list[Any], action_spaces: list[Any]) -> None:
-    """The core's ``check_spaces``: every env's facade has the same spaces (else a clear error)."""
-    for slot, (o, a) in enumerate(zip(observation_spaces, action_spaces, strict=True)):
-        if o != observation_spaces[0] or a != action_spaces[0]:
-            raise SpaceMismatchError(f"env {slot}'s agents have other spaces than env 0's: every env of a "
-                                     "ParallelVectorEnv must have the same agents and spaces")
-
-
-def _check_options(agent_groups: Mapping[str, Sequence[str]] | None, turn_based: bool | None) -> None:
-    """What can be checked before any process starts (agent names are checked against each env's
-    ``possible_agents`` once it is made)."""
-    if turn_based is not None and not isinstance(turn_based, bool):
-        raise InvalidInputError(f"turn_based must be True, False or None, got {turn_based!r}")
-    if agent_groups is None:
-        return
-    if not isinstance(agent_groups, Mapping) or not agent_groups:
-        raise InvalidInputError(f"agent_groups must be a non-empty dict {{group name: [agents]}}, got {agent_groups!r:.80}")
-    seen: dict[str, str] = {}
-    for name, agents in agent_groups.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidInputError(f"group names must be non-empty strings, got {name!r}")
-        if isinstance(agents, str) or not isinstance(agents, Sequence) or not agents:
-            raise InvalidInputError(f"group {name!r} must list its agents (a non-empty list of names), got {agents!r:.80}")
-        for agent in agents:
-            if agent in seen:
-                raise InvalidInputError(f"agent {agent!r} is in two groups: {seen[agent]!r} and {name!r}")
-            seen[agent] = name
 
 
 def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
