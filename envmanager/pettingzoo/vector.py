@@ -186,7 +186,8 @@ class ParallelVectorEnv:
         ids = np.concatenate([b.slots for b in taken]) if len(taken) > 1 else taken[0].slots
         self._outstanding.difference_update(ids.tolist())
         merged = StepBatch(ids, {k: v for b in taken for k, v in b.infos.items()},
-                           frozenset().union(*(b.interrupted for b in taken)))
+                           frozenset().union(*(b.interrupted for b in taken)), frozenset().union(*(b.resets for b in taken)),
+                           generations=taken[-1].generations)  # (one array, the manager's: valid for every batch taken)
         if sort:
             ids = np.sort(ids)
         return self._hand_out(ids, merged)
