@@ -80,13 +80,16 @@ class SamplerNode:
     ``k * n_slots + s``), its ``policy_versions`` the versions that chose each action on this
     node. A node started again in place of a lost one is given each slot's seed only if no
     episode used it yet (``seeds``), and the episodes each slot started so far (``started``),
-    so it neither replays seeded episodes nor reuses ids. Errors name the global slots.
+    so it neither replays seeded episodes nor reuses ids. Errors name the global slots. Every
+    answer carries the node's ``generation`` (how often the driver's supervisor restarted it):
+    the driver's records refuse an answer of another generation than the one they resume.
     """
 
     def __init__(self, index: int, env_factory: Any, n_envs: int, offset: int, policy: Any, seeds: list[int | None],
-                 started: list[int], n_slots: int, sampler_options: dict[str, Any]) -> None:
+                 started: list[int], n_slots: int, sampler_options: dict[str, Any], generation: int = 0) -> None:
         self.index = index
         self.offset = offset
+        self.generation = generation
         options = {"context": "forkserver", **sampler_options}  # never fork a Ray worker: it runs threads
         self.sampler = Sampler(functools.partial(_global_env, env_factory, offset), n_envs, GlobalIds(policy, offset),
                                seed=seeds, episode_ids=EpisodeIds(offset, n_slots, started), **options)
@@ -130,7 +133,7 @@ class SamplerNode:
         """Where this node runs: host, actor pid, env worker pids, Ray node id."""
         import ray
 
-        return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
+        return {"index": self.index, "generation": self.generation, "host": socket.gethostname(), "pid": os.getpid(),
                 "worker_pids": sorted(set(self.sampler.manager.call_on(None, _worker_pid))),
                 "ray_node_id": ray.get_runtime_context().get_node_id()}
 
@@ -165,7 +168,8 @@ class SamplerNode:
         """The batch with global slot ids, what the node's counters grew by since the last
         answer, the ids of the episodes its sampler cut since (``cut_episodes``), and how many
         episodes each of its slots started so far (``started``: the driver's records resume a
-        restarted node from them, so even an episode that left no trace is never numbered twice)."""
+        restarted node from them, so even an episode that left no trace is never numbered twice),
+        and the node's ``generation`` (the records book only answers of the one they resumed)."""
         batch.worker_ids = batch.worker_ids + self.offset
         now = {k: int(self.sampler.stats.counters.get(k, 0)) for k in COUNTERS}
         grown: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}
@@ -173,6 +177,7 @@ class SamplerNode:
         cut = self.sampler.cut_episodes
         grown["cut_episodes"], self._cut_reported = list(cut[self._cut_reported:]), len(cut)
         grown["started"] = [record.started for record in self.sampler.episodes]
+        grown["generation"] = self.generation
         return batch, grown
 
     def close(self) -> None:

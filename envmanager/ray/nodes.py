@@ -114,7 +114,7 @@ class Node:
     offset: int
     n_envs: int
     actor: Any = None
-    incarnation: int = 0
+    incarnation: int = 0  # its generation: how often the supervisor restarted it (its answers carry it)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: list[Request] = dataclasses.field(default_factory=list)  # in submission order (Ray runs them so)
     updates_sent: int = 0  # to this incarnation: a request waits on the node until it has them all
@@ -180,7 +180,8 @@ class NodePool:
         try:
             # @ray.remote made the class an actor class with .options; the stubs keep the plain class
             node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
-                node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options)
+                node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
+                node.incarnation)
         except Exception as exc:
             self.ray_failed(exc, f"starting {node.name()}")
         node.info = {}
@@ -239,7 +240,7 @@ class NodePool:
             raise failure
         lost = node.queue
         self._kill(node)
-        node.incarnation += 1
+        node.incarnation = self.supervisor.restart_count(node.index)  # its generation: the supervisor's count
         self._start(node)
         try:
             self._await_started([node])

@@ -7,7 +7,11 @@ episode still running in rows handed out or buffered. Everything a node reports 
 rows, the ids its sampler cut (an episode cut before its first row has no row, and its id must
 not be given again), and each slot's count of episodes started (those that neither wrote a row
 nor were cut too). So a node started again in place of a lost one never reuses an id or
-replays a seeded episode. The records are changed only through :class:`SlotRecords`' methods.
+replays a seeded episode. Each record holds the generation of the node it resumed (how often
+the driver's supervisor restarted that node): an answer carries its node's generation, and one
+of another generation (a replaced node's) is refused whole, rows and counts, as the local
+samplers' records refuse an answer of another process generation. The records are changed only
+through :class:`SlotRecords`' methods.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SlotRecord:
     seed: int | None = None  # the first reset's seed, until an episode of the slot is known to have started
     started: int = 0  # episodes the slot is known to have started: the next id is ``started * n + slot``
     running: int = -1  # the episode still running in rows handed out or buffered (-1: none)
+    generation: int = 0  # of the node the slot runs on: only its answers are booked
 
 
 class SlotRecords:
@@ -59,16 +64,28 @@ class SlotRecords:
             _set(record, "started", count)
             _set(record, "seed", None)
 
+    def current(self, slots: Iterable[int], generation: int | None) -> bool:
+        """Whether an answer of node ``generation`` for ``slots`` may be booked (``None``: an
+        answer that does not say, booked as before)."""
+        return generation is None or all(self.slots[s].generation == generation for s in slots)
+
     def booked(self, batch: TransitionBatch, started: Sequence[int] | None = None, offset: int = 0,
-               runs_on: bool = True) -> None:
+               runs_on: bool = True, generation: int | None = None) -> bool:
         """An answer's rows, and (if the node sent them) its slots' counts of episodes started,
         ``started[i]`` for global slot ``offset + i``. With ``runs_on`` (a fragment), each slot's
-        last row's episode runs on unless it ended there; whole episodes do not."""
+        last row's episode runs on unless it ended there; whole episodes do not. An answer of
+        another node ``generation`` than its slots' records is refused: nothing of it is booked,
+        and ``False`` says so (the caller drops it, counted)."""
+        slots = set(np.unique(batch.worker_ids).tolist())
+        if started is not None:
+            slots |= set(range(offset, offset + len(started)))
+        if not self.current(slots, generation):
+            return False
         if started is not None:
             for i, count in enumerate(started):
                 self._started(offset + i, int(count))
         if not len(batch):
-            return
+            return True
         ends = batch.dones
         for slot in np.unique(batch.worker_ids).tolist():
             rows = np.flatnonzero(batch.worker_ids == slot)
@@ -76,6 +93,7 @@ class SlotRecords:
             if runs_on:
                 last = rows[-1]
                 _set(self.slots[slot], "running", -1 if ends[last] else int(batch.episode_ids[last]))
+        return True
 
     def cut(self, episodes: Iterable[int]) -> list[int]:
         """``episodes`` were cut (inside a node, or with it): listed, known to have started (an
@@ -104,8 +122,11 @@ class SlotRecords:
     # ------------------------------------------------------------------------------------------
     # What a (re)started node is built with
 
-    def resume(self, slots: Iterable[int]) -> tuple[list[int | None], list[int]]:
+    def resume(self, slots: Iterable[int], generation: int = 0) -> tuple[list[int | None], list[int]]:
         """Per slot: its seed only if no episode of it is known to have started (a restarted node
-        must not replay a seeded episode), and the episodes started so far (ids go on)."""
+        must not replay a seeded episode), and the episodes started so far (ids go on). The
+        slots now run on a node of ``generation``: only its answers are booked from now on."""
         records = [self.slots[s] for s in slots]
+        for record in records:
+            _set(record, "generation", generation)
         return [r.seed for r in records], [r.started for r in records]

@@ -147,8 +147,9 @@ class RaySampler:
     def _resume(self, node: Node) -> tuple[list[int | None], list[int]]:
         """What a (re)started node is built with, from the records of its slots: each seed only
         if no episode of it is known to have started (a restarted node must not replay seeded
-        episodes), and the episodes started so far (so ids go on: none is ever reused)."""
-        return self.records.resume(_slots(node))
+        episodes), and the episodes started so far (so ids go on: none is ever reused). From
+        now on the records book only answers of the node's generation it starts as."""
+        return self.records.resume(_slots(node), node.incarnation)
 
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
@@ -262,14 +263,10 @@ class RaySampler:
             node = self._pool.nodes[request.node]
             if answer is None:
                 self._node_lost(node, request)
-            else:
-                batch, counters = answer
-                for key in COUNTERS:
-                    self.stats.count(key, counters.get(key, 0))
-                self.records.booked(batch, counters.get("started"), node.offset, runs_on=request.kind == "steps")
-                if request.kind == "steps":
-                    self._book_fragment(batch)
-                self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
+            elif not self._booked(node, request, answer):  # a replaced node's: as lost (an episode request is asked again)
+                if request in asked:
+                    out.append((request, None))
+                continue
             if request.kind == "steps":
                 continue
             self._forget_open(node)
@@ -278,6 +275,26 @@ class RaySampler:
             elif answer is not None:
                 self.stats.count("dropped_steps", len(answer[0]))
         return out
+
+    def _booked(self, node: Node, request: Request, answer: Any) -> bool:
+        """Book one answer into the records (and a fragment into the buffer), unless the records
+        refuse it: an answer of another generation of the node than the one running its slots
+        (a replaced node's) is dropped whole, counted (``stale_answers``, ``dropped_steps``)."""
+        batch, counters = answer
+        generation = counters.get("generation")
+        if not self.records.booked(batch, counters.get("started"), node.offset, runs_on=request.kind == "steps",
+                                   generation=generation):
+            self.stats.count("stale_answers")
+            self.stats.count("dropped_steps", len(batch))
+            logger.warning("ray sampler: an answer of generation %s of %s came after generation %d started; its %d "
+                           "steps are dropped", generation, node.name(), node.incarnation, len(batch))
+            return False
+        for key in COUNTERS:
+            self.stats.count(key, counters.get(key, 0))
+        if request.kind == "steps":
+            self._book_fragment(batch)
+        self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
+        return True
 
     def _book_fragment(self, batch: TransitionBatch) -> None:
         self.stats.count("fragments")
