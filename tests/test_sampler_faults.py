@@ -79,8 +79,11 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         second = sampler.obtain_exact_episodes(2)
         counters, cut = dict(sampler.stats.counters), list(sampler.cut_episodes)
         assert sampler.manager.restart_count(FAULT_SLOT) == 1 and sampler.manager.generation(FAULT_SLOT) == 1
-        rebuilt = fault.endswith("_raise") and fault != "update_raise" and VARIANTS[variant][0] == "sampler"
-        if rebuilt:  # the env that raised was rebuilt in its process; a neighbour's env is untouched
+        # The env that raised is rebuilt in its process, a neighbour's env untouched: in a step
+        # or reset; in an env update too where the worker applies it (the parent-side sampler
+        # applies updates by a call, whose failure takes the process's path).
+        rebuilt = fault.endswith("_raise") and (fault != "update_raise" or VARIANTS[variant][0] == "worker")
+        if rebuilt:
             assert sampler.manager.worker_of(FAULT_SLOT).pid == pid
             assert all(sampler.manager.generation(s) == 0 for s in range(N) if s != FAULT_SLOT)
         else:
@@ -101,7 +104,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
     elif fault.startswith("step"):  # an episode was running: cut, kept, flagged, listed
         assert counters["interrupted_episodes"] >= 1 and first.interrupted.any()
         assert set(first.episode_ids[first.interrupted].tolist()) <= set(cut)
-    if fault == "update_raise":  # replayed on the restarted process: every episode ran with it
+    if fault == "update_raise":  # replayed on the restarted process (or rebuilt env): every episode ran with it
         assert (first.env_versions == 1).all() and (second.env_versions == 1).all()
 
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from envmanager.errors import EnvManagerError, WorkerError, WorkerTimeoutError
+from envmanager.errors import EnvManagerError, RestartLimitError, WorkerError, WorkerTimeoutError
 from envmanager.sampler import LearnerFeed, TransitionBatch, WorkerPolicySampler
 from envmanager.sampler.rollout import ARENAS
 from sampler_envs import KindEnv, kind_env, set_bonus, true_lengths
@@ -26,8 +26,11 @@ class ParityAgent:
         return observations[:, 0].astype(np.int64) % 2, {"tag": np.full(len(worker_ids), self.tag)}
 
 
-def crashing(marker: str, slot: int, at: int, crash: str):
+def crashing(marker: str, slot: int, at: int, crash: str, made: str | None = None):
     def factory(worker_id):
+        if made is not None:  # "pid slot" per env made: what was rebuilt, and where
+            with open(made, "a") as f:
+                f.write(f"{os.getpid()} {worker_id}\n")
         return KindEnv(crash_marker=marker if worker_id == slot else None, crash_at=at, crash=crash)
     return factory
 
@@ -131,22 +134,80 @@ def test_exact_episodes_with_a_killed_worker_fill_their_admissions(tmp_path):
     check_no_gap_no_repeat(batch)
 
 
-def test_env_raising_mid_fragment_is_cut_and_collection_goes_on(tmp_path):
-    marker = str(tmp_path / "raised")
-    with WorkerPolicySampler(crashing(marker, 1, 7, "raise"), 4, ParityAgent(), seed=3, envs_per_worker=2,
+def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp_path):
+    marker, made = str(tmp_path / "raised"), tmp_path / "made"
+    with WorkerPolicySampler(crashing(marker, 1, 7, "raise", str(made)), 4, ParityAgent(), seed=3, envs_per_worker=2,
                              restart_workers=True, timeout=30) as sampler:
         pid = sampler.manager.worker_of(1).pid
         batch = sampler.obtain_steps(30)
-        # One failure path: the env's process goes through a restart (the core's rule), so the
-        # episodes of both its slots are cut, kept and flagged; the other process goes on.
-        assert sampler.stats.counters["interrupted_episodes"] == 2
+        assert sorted(made.read_text().split("\n")[4:-1]) == [f"{pid} 1"]  # made again, there, and nothing else
+        # The env that raised is rebuilt in its process (issue 30 item 7: RLlib's granularity):
+        # its episode is cut, kept and flagged; its neighbour in the process (slot 0) goes on.
+        assert sampler.stats.counters["interrupted_episodes"] == 1
         assert sampler.manager.restart_policy.counts[0] == 1  # counted against the process's quota
-        assert sampler.manager.worker_of(1).pid != pid and sampler.manager.generation(1) == 1
+        assert sampler.manager.restarts == 1 and sampler.stats.counters["worker_restarts"] == 1
+        assert sampler.manager.worker_of(1).pid == pid  # not restarted
+        assert [sampler.manager.generation(s) for s in range(4)] == [0, 1, 0, 0]
+        more = sampler.obtain_steps(10)  # the rebuilt env serves on
+    assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
+    assert batch.interrupted[batch.worker_ids == 1].any()
+    assert not batch.interrupted[batch.worker_ids != 1].any()  # the neighbour's episode was not cut
+    assert set(batch.episode_ids[batch.interrupted].tolist()) == set(sampler.cut_episodes)
+    assert len(sampler.cut_episodes) == 1
+    check_no_gap_no_repeat(batch)
+    assert not more.interrupted.any() and np.bincount(more.worker_ids).tolist() == [10] * 4
+    assert not set(more.episode_ids[more.worker_ids == 1].tolist()) & set(sampler.cut_episodes)  # ids not reused
+
+
+class RemadeOnceFails:
+    """Slot 1's env raises at its 7th step; remaking it in the same process fails once (the
+    second env made for slot 1 raises in the factory): the rebuild cannot be made."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, worker_id: int) -> KindEnv:
+        if worker_id == 1:
+            count = os.path.join(self.directory, "made-1")
+            with open(count, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            with open(count) as f:
+                if len(f.read().split()) == 2:
+                    raise RuntimeError("cannot remake env 1")
+        return KindEnv(crash_marker=os.path.join(self.directory, "raised") if worker_id == 1 else None, crash_at=7,
+                       crash="raise")
+
+
+def test_an_env_that_cannot_be_rebuilt_takes_its_process_through_a_restart(tmp_path):
+    with WorkerPolicySampler(RemadeOnceFails(str(tmp_path)), 4, ParityAgent(), seed=3, envs_per_worker=2,
+                             restart_workers=True, restarts_rate_limit_n=5, timeout=30) as sampler:
+        pid = sampler.manager.worker_of(1).pid
+        batch = sampler.obtain_steps(30)
+        assert sampler.manager.worker_of(1).pid != pid  # the rebuild failed: the process was restarted
+        assert sampler.manager.restart_policy.counts[0] == 2  # the rebuild, then the restart: one policy
+        assert sampler.manager.generation(0) == 1 and sampler.manager.generation(1) == 2
+    made = (tmp_path / "made-1").read_text().split()
+    assert made[:2] == [str(pid)] * 2 and made[2] != str(pid)  # made, remade there (raised), made in the new process
     assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
     assert batch.interrupted[batch.worker_ids == 1].any() and batch.interrupted[batch.worker_ids == 0].any()
     assert not batch.interrupted[batch.worker_ids >= 2].any()
     assert set(batch.episode_ids[batch.interrupted].tolist()) == set(sampler.cut_episodes)
     check_no_gap_no_repeat(batch)
+
+
+def test_a_rebuild_past_the_restart_limits_is_an_error_naming_the_slot(tmp_path):
+    def factory(worker_id):  # both envs of process 0 raise once, at different steps: two decisions
+        return KindEnv(crash_marker=str(tmp_path / f"raised-{worker_id}") if worker_id < 2 else None,
+                       crash_at=5 if worker_id == 0 else 40, crash="raise")
+
+    with WorkerPolicySampler(factory, 4, ParityAgent(), seed=3, envs_per_worker=2, restart_workers=True,
+                             restarts_rate_limit_n=1, timeout=30) as sampler:
+        sampler.obtain_steps(20)  # slot 0 raised: rebuilt, within the limit
+        assert sampler.manager.restart_count(0) == 1 and sampler.manager.generation(0) == 1
+        with pytest.raises(RestartLimitError) as caught:
+            sampler.obtain_steps(40)  # slot 1 raised: past 1 per 60 s
+        assert caught.value.worker_id == 1 and "env blew up" in str(caught.value.failure)
+        assert sampler.manager.restart_count(0) == 1  # refused: not counted
 
 
 @pytest.mark.parametrize("crash", ["raise", "sigkill"])

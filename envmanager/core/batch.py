@@ -262,6 +262,21 @@ class BatchEnvManager(BatchResets, CallMethods):
             raise InvalidInputError(f"worker {worker_id} has a request in flight; report a failure once it answered")
         return self.pool.report_failure(w.index, error)
 
+    def rebuild_envs(self, worker_ids: Sequence[int], error: EnvManagerError) -> EnvManagerError | None:
+        """The envs of ``worker_ids`` (one process's) raised inside a call their process answered
+        (a worker-side rollout): with restarts on and within the policy, each is to be rebuilt in
+        place — counted as a restart, its ``generation`` raised now, and remade by the caller's
+        next call there (``envmanager.worker.envs.envs_here().rebuild``) — and ``None`` is
+        returned; else as :meth:`report_failure` (the process restarted, or the error)."""
+        slots = self.slots(worker_ids)
+        processes = {self._slot_process_list[s] for s in slots}
+        if len(processes) != 1:
+            raise InvalidInputError(f"rebuild_envs takes the envs of one process, got worker ids {slots}")
+        w = self.worker_of(slots[0])
+        if w.busy:
+            raise InvalidInputError(f"worker {slots[0]} has a request in flight; report a failure once it answered")
+        return self.pool.rebuild_in_place(w.index, slots, error)
+
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
         return self.worker_of(worker_id).failure

@@ -65,6 +65,23 @@ class PoolRecovery:
         self._on_failure(w, error, completions)
         return next((c.error for c in completions if c.error is not None), None)
 
+    def rebuild_in_place(self, index: int, slots: list[int], error: EnvManagerError) -> EnvManagerError | None:
+        """Envs ``slots`` of process ``index`` raised inside a call the process answered (so it
+        is healthy): within the restart policy each is to be rebuilt in that process, counted as
+        a restart now, its slot's generation raised now (``None`` is returned); the caller's own
+        code in the worker remakes it before its next use (``WorkerEnvs.rebuild``, as a REBUILD
+        would). A process on its way back, or a refusal of the policy, take the process's
+        failure path instead (``report_failure``)."""
+        w = self.workers[index]
+        if w.failure is not None:
+            return w.failure
+        if w.boot is not None or self.queue is None or self.supervisor.refusal(index) is not None:
+            return self.report_failure(index, error)
+        self.supervisor.restarting(index, f"rebuilding env {', '.join(map(str, slots))} of {w.name} after: {error}")
+        for s in slots:
+            self.rebuilds.counts[s] += 1
+        return None
+
     def _on_failure(
         self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
     ) -> None:

@@ -4,16 +4,17 @@ arena, and those rows as a ``TransitionBatch`` stamped with policy and env versi
 
 from __future__ import annotations
 
+import mmap
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from envmanager.core.calls import CallRequest
 from envmanager.sampler.batches import TransitionBatch, _stack_or_objects
-from envmanager.sampler.rollout import Arena
+from envmanager.sampler.rollout import ARENAS, Arena
 from envmanager.wire import shm
 
-__all__ = ["FIELDS", "SentFragment", "answer_rows", "arena_rows", "fragment_batch", "fill_agent_infos"]
+__all__ = ["FIELDS", "SentFragment", "answer_rows", "arena_rows", "fragment_batch", "fill_agent_infos", "release_arena"]
 
 #: The arrays of a fragment, per slot and row.
 FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
@@ -23,7 +24,7 @@ class SentFragment(NamedTuple):
     """A fragment request in flight on one process, and what the answer is read against."""
 
     call: CallRequest
-    generation: int  # of the process it went to
+    generation: int  # of the process it went to (its restarts; an env rebuilt in it does not change it)
     policy_version: int
     env_before: list[int]  # each slot's env version when sent: that of an episode going on
     env_reached: list[int]  # ... and what episodes started in the fragment have
@@ -79,3 +80,13 @@ def fill_agent_infos(chunk: TransitionBatch, template: dict[str, np.ndarray]) ->
 def _env_infos(infos: list[dict]) -> dict[str, Any]:
     keys = set.intersection(*(set(i) for i in infos)) if infos else set()
     return {k: _stack_or_objects([i[k] for i in infos]) for k in sorted(keys)}
+
+
+def release_arena(token: str, mapping: mmap.mmap) -> None:
+    """Forget an arena and close its mapping (from ``close`` or when the sampler is collected)."""
+    ARENAS.pop(token, None)
+    try:
+        mapping.close()
+    except BufferError:  # a view still alive somewhere: the mapping goes with it
+        pass
+

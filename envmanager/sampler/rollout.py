@@ -36,7 +36,8 @@ from envmanager.errors import InvalidInputError
 from envmanager.sampler.batches import stack_values
 from envmanager.wire import shm
 from envmanager.wire.marks import CALL, RESET, STEP, mark
-from envmanager.worker.envs import marks_here, remote_exception
+from envmanager.wire.messages import Rebuild
+from envmanager.worker.envs import envs_here, marks_here, remote_exception
 
 __all__ = ["ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
 
@@ -138,6 +139,7 @@ class _Slot:
         self.running = False
         self.episode = -1  # the running (or last) episode's id, as the parent gave it
         self.env_version = 0
+        self.generation: int | None = None  # of the env stepped here (the parent's count; None: not told yet)
 
 
 class _Process:
@@ -199,6 +201,8 @@ class RolloutRequest(NamedTuple):
     let_go: tuple[bool, ...]
     seeds: tuple[Any, ...]
     env_updates: tuple[Due, ...]
+    generations: tuple[int, ...] = ()  # each slot's env generation in the parent: a newer one is remade here first
+    replays: tuple[tuple[str, tuple, dict], ...] = ()  # the core's replayed calls, for an env remade here
 
 
 class _AgentFailure(Exception):
@@ -256,7 +260,31 @@ def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
     if proc.checker is None:
         proc.checker = ActionChecker(envs[0].action_space)
     states = [proc.slots.setdefault(s, _Slot()) for s in request.slots]
+    if request.generations:
+        stale = [i for i, st in enumerate(states) if st.generation is not None and st.generation != request.generations[i]]
+        if stale:
+            _rebuild(request, stale, states)
+            envs = [proc.envs[s] for s in request.slots]
+        for st, generation in zip(states, request.generations, strict=True):
+            st.generation = generation
     return run_fragment(proc.agent[1], envs, states, arena, request, proc.checker)
+
+
+def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> None:
+    """Remake the envs at positions ``stale``: they raised, and the parent's pool decided to
+    rebuild them in this healthy process (``BatchEnvManager.rebuild_envs``) rather than restart
+    it. The core's worker half does it (``WorkerEnvs.rebuild``: the factory, the replayed calls,
+    a reset), so the env is replaced everywhere this process keeps it; their episodes are gone.
+    Anything raised here fails the request: the parent then restarts the process."""
+    here = envs_here()
+    if here is None:
+        raise RuntimeError("an env to rebuild outside a worker process")
+    locals_ = tuple(here.env_ids.index(request.slots[i]) for i in stale)
+    none = (None,) * len(stale)
+    here.rebuild(Rebuild(locals_, none, none, request.replays))
+    for i in stale:
+        st = states[i]
+        st.obs, st.running, st.env_version = None, False, 0
 
 
 def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest,
@@ -277,6 +305,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     starts = list(request.starts)
     next_ids = list(request.ids)
     failures: dict[int, Any] = {}
+    env_raised: list[int] = []  # the failures that are the env's own (the agent's are not)
     cut: dict[int, int] = {}  # slot -> the episode a failure ended
     versions: list[dict[int, int]] = [{} for _ in range(k)]
     infos: list[list[Any] | None] = [None] * k
@@ -311,6 +340,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             words[at] = 0
         except Exception as exc:
             failures[i] = remote_exception(request.slots[i], exc)
+            env_raised.append(i)
             return False
         seeds[i], st.running = None, True
         st.episode, next_ids[i] = next_ids[i], next_ids[i] + request.id_stride
@@ -352,6 +382,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 obs, reward, term, trunc, info = envs[i].step(per_env[j])
             except Exception as exc:
                 failures[i] = remote_exception(request.slots[i], exc)
+                env_raised.append(i)
                 cut[i], states[i].running = states[i].episode, False
                 continue
             done.append(i)
@@ -391,7 +422,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         "running": [st.episode if st.running else -1 for st in states],  # what each slot goes on with
         "cut": [cut.get(i, -1) for i in range(k)],  # the episode a failure ended
         "env_version": [st.env_version for st in states],
-        "env_versions": versions, "env_infos": infos, "failures": failures,
+        "env_versions": versions, "env_infos": infos, "failures": failures, "env_raised": sorted(env_raised),
         "agent_infos": _agent_infos(ticks, k, max(rows, default=0)),
         "arrays": None,
     }

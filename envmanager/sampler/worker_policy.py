@@ -6,13 +6,14 @@ in lockstep with one policy call per tick and writes whole rollout fragments int
 arena; one answer per process per fragment announces them (``envmanager.sampler.rollout``).
 Fragments are handed out first-ready: a process that finished gets its next request at once.
 
-Faults take the core's one failure path. An env that raises mid-fragment (in a step, a reset
-or an env update), an agent that raises or gives actions that do not fit, a process that dies
-or hangs: the pool restarts the process within the manager's restart policy -- the episodes
-running there are cut, their rows written before the fault kept (read from the arena),
-flagged ``interrupted`` and counted, and collection goes on -- or, past the limits or with
-restarts off, the error names the slot and process with the worker's traceback. Each slot's
-episode is one record (``envmanager.sampler.slots``); episode ids are the parent's.
+Faults take the core's one failure path and restart policy. An env that raises mid-fragment (a
+step, a reset, an env update) is rebuilt in its process, its episode cut, its neighbours' going
+on (the worker remakes it with the core's rebuild before its next fragment). An agent that raises
+or gives actions that do not fit, a process that dies or hangs, or a rebuild that fails: the
+process is restarted, the episodes running there cut. Cut episodes keep the rows written before
+the fault (read from the arena), flagged ``interrupted`` and counted, and collection goes on;
+past the limits or with restarts off, the error names the slot and process with the worker's
+traceback. Each slot's episode is one record (``envmanager.sampler.slots``); ids are the parent's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from envmanager.core.pool import get_context
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.episodes import spread
-from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch
+from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch, release_arena
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_given_up
@@ -92,7 +93,7 @@ class WorkerPolicySampler:
         if self._mapping is not None:
             ARENAS[self._token] = self._mapping
             # An unclosed sampler, once collected, frees its arena all the same.
-            self._release_arena = weakref.finalize(self, _release_arena, self._token, self._mapping)
+            self._release_arena = weakref.finalize(self, release_arena, self._token, self._mapping)
         try:
             self.manager = BatchEnvManager(RegisteredFactory(env_factory), n, autoreset_mode=DISABLED, **manager_options)
         except BaseException:
@@ -303,12 +304,14 @@ class WorkerPolicySampler:
             tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
             tuple(starts[s] for s in slots), tuple(episodes.next_id(s) for s in slots), episodes.id_stride,
             tuple(episodes[s].state is not RUNNING for s in slots),  # what the records do not run, the worker lets go
-            tuple(episodes[s].seed for s in slots), tuple(due))
+            tuple(episodes[s].seed for s in slots), tuple(due), tuple(episodes[s].generation for s in slots),
+            tuple(m.pool.replay_calls))
         if self._arena is not None:  # a worker killed before its first row must not show old rows
             self._arena.rows[slots] = 0
             self._arena.started[slots] = 0
         call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
-        return SentFragment(call, m.generation(slots[0]), version, [episodes[s].env_version for s in slots], [r for r, _ in due])
+        return SentFragment(call, m.worker_of(slots[0]).generation, version, [episodes[s].env_version for s in slots],
+                            [r for r, _ in due])
 
     def _wait_any(self, pending: dict[int, SentFragment]) -> None:
         """Until one of the ``pending`` fragments is in. One clock: the pool's deadline, which
@@ -347,7 +350,8 @@ class WorkerPolicySampler:
         error = None
         if failures:
             first = min(failures)
-            error = self._fault(p, sent, worker_error(failures[first], p), [slots[i] for i in sorted(failures)])
+            error = self._fault(p, sent, worker_error(failures[first], p), [slots[i] for i in sorted(failures)],
+                                envs_raised=set(answer["env_raised"]) == set(failures))
         self._count_empty(empty, absorbed=error is None)
         return error
 
@@ -397,17 +401,26 @@ class WorkerPolicySampler:
         self.episodes.advanced(s, started, running)
         return max(0, started - len(with_rows - {before}))
 
-    def _fault(self, p: int, sent: SentFragment, error: EnvManagerError, failing: list[int]) -> EnvManagerError | None:
-        """A fault of process ``p`` through the pool's one failure path: restarted within the
-        restart policy (every episode of the process cut, ``None``), else the error to raise
-        (the failing slots' episodes failed; every slot's if the process was given up)."""
+    def _fault(self, p: int, sent: SentFragment, error: EnvManagerError, failing: list[int],
+               envs_raised: bool = False) -> EnvManagerError | None:
+        """A fault of process ``p`` through the pool's one failure path, within the restart
+        policy: envs that raised (``envs_raised``) rebuilt in place, their episodes cut, the
+        neighbours' going on; else the process restarted, every episode of it cut (``None``
+        either way). Else the error to raise (the failing slots' episodes failed; every slot's
+        if the process was given up)."""
         m, slots = self.manager, self._procs[p]
-        if m.generation(slots[0]) == sent.generation and m.failure_of(slots[0]) is None and isinstance(error, WorkerError):
-            outcome = m.report_failure(failing[0], error)  # found in the answer: the pool decides
+        same = m.worker_of(slots[0]).generation == sent.generation
+        if same and m.failure_of(slots[0]) is None and isinstance(error, WorkerError):  # found in the answer: the pool decides
+            outcome = m.rebuild_envs(failing, error) if envs_raised else m.report_failure(failing[0], error)
             error = error if outcome is None else outcome
-        if m.generation(slots[0]) != sent.generation:
+        if m.worker_of(slots[0]).generation != sent.generation:
             self._sync(p)
             logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
+            return None
+        if any(m.generation(s) != self.episodes[s].generation for s in failing):
+            self._sync(p)
+            logger.warning("worker-side sampler: %s; the env was rebuilt in its process, its cut episode kept and flagged",
+                           error)
             return None
         given_up = m.failure_of(slots[0]) is not None
         for s in slots if given_up else failing:
@@ -483,13 +496,4 @@ def _progress_of(ref: weakref.ref) -> Callable[[list[int]], int]:
         sampler = ref()
         return 0 if sampler is None else sampler._progress(slots)
     return progress
-
-
-def _release_arena(token: str, mapping: mmap.mmap) -> None:
-    """Forget an arena and close its mapping (from ``close`` or when the sampler is collected)."""
-    ARENAS.pop(token, None)
-    try:
-        mapping.close()
-    except BufferError:  # a view still alive somewhere: the mapping goes with it
-        pass
 

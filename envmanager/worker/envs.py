@@ -38,9 +38,18 @@ logger = logging.getLogger(__name__)
 NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per request)
 
-__all__ = ["WorkerEnvs", "remote_exception", "marks_here", "NEXT_STEP", "SAME_STEP", "DISABLED"]
+__all__ = ["WorkerEnvs", "remote_exception", "marks_here", "envs_here", "NEXT_STEP", "SAME_STEP", "DISABLED"]
 
 _here = WorkerMarks(None, 0)  # this process's record (a worker's, once its envs exist; else nowhere)
+
+
+_envs_here: WorkerEnvs | None = None  # this worker process's envs (None outside a worker)
+
+
+def envs_here() -> WorkerEnvs | None:
+    """This worker process's envs, for code that runs inside a request and must remake one the
+    parent decided to rebuild in place (a worker-side rollout); ``None`` outside a worker."""
+    return _envs_here
 
 
 def marks_here() -> WorkerMarks:
@@ -74,8 +83,9 @@ class WorkerEnvs:
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
         # Which env is in which call, for the parent to read should this process hang or die
         # (``envmanager.wire.marks``): one store of a precomputed word before each env's call.
-        global _here
+        global _here, _envs_here
         self.marks = _here = marks if marks is not None else WorkerMarks(None, 0)
+        _envs_here = self
         self._words, self._at = self.marks.words, self.marks.at
         self._steps = [mark(s, STEP) for s in env_ids]  # by local index
         self._resets = [mark(s, RESET) for s in env_ids]
