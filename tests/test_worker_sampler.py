@@ -210,6 +210,28 @@ def test_a_rebuild_past_the_restart_limits_is_an_error_naming_the_slot(tmp_path)
         assert sampler.manager.restart_count(0) == 1  # refused: not counted
 
 
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)])
+def test_with_two_processes_given_up_every_call_raises_the_same_error(order):
+    """Found by the fault schedules (no restarts, two envs per process, both processes killed):
+    the call that found the deaths raised one process's error, the next call the other's. A
+    sampler raises the first process given up's error, on that call and every later one."""
+    sampler = WorkerPolicySampler(kind_env, 4, ParityAgent(), seed=0, envs_per_worker=2, timeout=30)
+    try:
+        sampler.obtain_steps(2)
+        for p in order:
+            pid = sampler.manager.workers[p].pid
+            os.kill(pid, 9)
+        with pytest.raises(EnvManagerError) as first:
+            sampler.obtain_steps(5)
+        assert first.value is sampler.manager.first_failure()
+        for _ in range(2):
+            with pytest.raises(EnvManagerError) as again:
+                sampler.obtain_steps(5)
+            assert again.value is first.value
+    finally:
+        sampler.close()
+
+
 @pytest.mark.parametrize("crash", ["raise", "sigkill"])
 def test_fault_without_restarts_names_the_worker(tmp_path, crash):
     marker = str(tmp_path / "crashed")

@@ -277,6 +277,11 @@ class BatchEnvManager(BatchResets, CallMethods):
             raise InvalidInputError(f"worker {slots[0]} has a request in flight; report a failure once it answered")
         return self.pool.rebuild_in_place(w.index, slots, error)
 
+    def first_failure(self) -> EnvManagerError | None:
+        """The error of the process given up first (the one a caller saw first), or ``None``."""
+        first = self.pool.supervisor.first_failure()
+        return None if first is None else first[1]
+
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
         return self.worker_of(worker_id).failure

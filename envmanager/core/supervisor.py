@@ -90,12 +90,18 @@ class Supervisor:
         """``unit``'s terminal error, if it was given up."""
         return self._failures.get(unit)
 
+    def first_failure(self) -> tuple[int, EnvManagerError] | None:
+        """The unit given up first and its error: the one a caller saw first, so the one every
+        later use raises again (``None`` while none is)."""
+        return next(iter(self._failures.items()), None)
+
     def check(self, unit: int | None = None) -> None:
-        """Raise ``unit``'s terminal error (any unit's, the lowest first, if ``None``)."""
+        """Raise ``unit``'s terminal error (if ``None``: the first given up's, :meth:`first_failure`)."""
         if unit is not None:
             failure = self._failures.get(unit)
         else:
-            failure = self._failures[min(self._failures)] if self._failures else None
+            first = self.first_failure()
+            failure = first[1] if first is not None else None
         if failure is not None:
             raise failure
 

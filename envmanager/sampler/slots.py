@@ -277,10 +277,11 @@ def failed_slots(error: BaseException) -> list[int]:
 
 def raise_given_up(manager: BatchEnvManager, episodes: EpisodeSlots) -> None:
     """A process the pool gave up on (past the restart limits, or dead with restarts off): its
-    error, at once, on every call of a sampler; the episodes on the slots it names failed."""
-    for slot in range(manager.n_env):
-        failure = manager.failure_of(slot)
-        if failure is not None:
-            for s in failed_slots(failure) or [slot]:
-                episodes.close(s, Outcome.FAILED)
-            raise failure
+    error, at once, on every call of a sampler -- the first one given up's, so the same error
+    every time, whatever others fail later; the episodes on the slots it names failed."""
+    failure = manager.first_failure()
+    if failure is not None:
+        slots = failed_slots(failure) or [s for s in range(manager.n_env) if manager.failure_of(s) is failure]
+        for s in slots:
+            episodes.close(s, Outcome.FAILED)
+        raise failure

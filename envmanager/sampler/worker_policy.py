@@ -274,6 +274,7 @@ class WorkerPolicySampler:
                         if error is None and work(p):
                             pending[p] = self._send(p, want if steps is not None else None, starts)
             if error is not None:
+                raise_given_up(m, episodes)  # a process given up: the first one's error, as every later call raises
                 raise error
         except BaseException:  # returned or raised: what was collected is dropped, what runs let go (no gaps)
             dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
