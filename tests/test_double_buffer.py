@@ -51,7 +51,7 @@ def test_first_ready_results_are_every_slots_own_and_none_is_lost():
         rng = np.random.default_rng(0)
         last = rng.integers(0, 3, N)
         m.send_batch(np.arange(N), last)
-        assert [len(w.requests) for w in m.workers] == [2, 2]  # both halves in flight
+        assert m.waiting_worker_ids == list(range(N))  # both halves in flight
         while counts.min() < 50:
             batch = m.receive_batch(1)
             slots = batch.slots
@@ -82,16 +82,16 @@ def test_each_slot_keeps_its_own_lanes_timings_when_both_lanes_come_back_togethe
         assert envs[0] < sleeps[2] and envs[1] < sleeps[3], envs  # lane 0's own, not lane 1's (30, 40 ms)
 
 
-def test_a_busy_lane_is_refused_before_anything_is_sent_and_the_other_lane_goes(tmp_path):
+def test_a_slot_in_flight_is_refused_before_anything_is_sent_and_the_other_lane_goes(tmp_path):
     gate = str(tmp_path / "open")
     with manager(EnvFactory(gate=gate), n=4) as m:
         reset_all(m)
         m.send_batch([0, 1], [1, 1])
         with pytest.raises(InvalidInputError, match="still stepping"):
-            m.send_batch([1, 2], [1, 1])  # slot 1's lane is busy: nothing of it is sent
-        assert len(m.workers[0].requests) == 1
+            m.send_batch([1, 2], [1, 1])  # slot 1 is in flight: nothing of the batch is sent
+        assert m.waiting_worker_ids == [0, 1]
         m.send_batch([2, 3], [2, 2])  # the other lane
-        assert len(m.workers[0].requests) == 2
+        assert m.waiting_worker_ids == [0, 1, 2, 3]
         assert m.idle_worker_ids == []
         open(gate, "w").close()
         got = []
@@ -119,7 +119,7 @@ def kill_with_both_halves_in_flight(m: BatchEnvManager, tmp_path) -> int:
     reset_all(m)
     m.send_batch(np.arange(4), np.ones(4, dtype=np.int64))
     w = m.workers[0]
-    assert len(w.requests) == 2
+    assert m.waiting_worker_ids == [0, 1, 2, 3]
     os.kill(w.pid, signal.SIGKILL)
     return w.pid
 

@@ -106,6 +106,7 @@ class AsyncVectorEnv(VectorEnv):
         self.worker = worker
         self.observation_mode = observation_mode
         self.autoreset_mode = autoreset_mode if isinstance(autoreset_mode, AutoresetMode) else AutoresetMode(autoreset_mode)
+        self._disabled = self.autoreset_mode == AutoresetMode.DISABLED  # (asked per step)
         if max_concurrency is not None:
             if not isinstance(max_concurrency, (int, np.integer)) or isinstance(max_concurrency, bool):
                 raise ValueError(f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}.")
@@ -164,7 +165,7 @@ class AsyncVectorEnv(VectorEnv):
         self._reset_waves: list[list[int]] = []  # resets still to receive (max_concurrency)
         self._reset_sent: tuple[list[int | None], Any] = ([], None)
         self._reset_infos: dict[int, dict] = {}
-        self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # sent this step, not yet answered
+        self._stepping = np.zeros(self.num_envs, dtype=np.bool_)  # max_concurrency: sent this step, not yet answered
         self._left = 0  # how many (``_stepping.sum()``, kept as a Python int: step_wait's loop tests it)
         self._queued: list[int] = []  # max_concurrency: envs whose step waits for room
         self._actions: HandedActions | None = None  # max_concurrency: the actions of the step in progress
@@ -263,13 +264,14 @@ class AsyncVectorEnv(VectorEnv):
         return self.step_wait()
 
     def step_async(self, actions) -> None:
-        manager = self._running()
-        self._assert_default("step_async")
+        manager = self._manager
+        if manager is None or self.closed or self._state is not AsyncState.DEFAULT:  # (one test on the hot path)
+            manager = self._running()
+            self._assert_default("step_async")
         self._step_infos, self._step_columns = {}, []
         handed = self._hand_over(manager, actions, self._all)
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
             self._send(manager, self._all, handed)
-            self._stepping[:] = True
             self._left = self.num_envs
         else:  # checked whole, then sent as room frees up
             self._actions, self._queued = handed.kept(), list(range(self.num_envs))
@@ -279,7 +281,7 @@ class AsyncVectorEnv(VectorEnv):
     def _hand_over(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> HandedActions:
         """What each env in ``ids`` gets, as gymnasium hands it over; everything that would be
         refused is refused here, before anything is sent."""
-        if self.autoreset_mode == AutoresetMode.DISABLED:
+        if self._disabled:
             self._check_not_ended(manager, ids)
         handed = self._actions_in.hand_over(actions, ids.size)  # iterate()'s errors, as gymnasium's
         # gymnasium's env says so when stepped; we say it before sending. ``status`` is one byte
@@ -321,9 +323,12 @@ class AsyncVectorEnv(VectorEnv):
         self._queued = [i for i in self._queued if i not in set(chosen)]
 
     def step_wait(self, timeout: float | None = None):
-        manager = self._running()
-        if self._state != AsyncState.WAITING_STEP:
-            raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", AsyncState.WAITING_STEP.value)
+        manager = self._manager
+        if manager is None or self.closed or self._state is not AsyncState.WAITING_STEP:  # (one test on the hot path)
+            manager = self._running()
+            if self._state != AsyncState.WAITING_STEP:
+                raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.",
+                                       AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
         # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
         # counts: the performance guide's "Function calls per env-step").
@@ -338,7 +343,7 @@ class AsyncVectorEnv(VectorEnv):
                     self._left -= slots.size
                 else:  # max_concurrency: an env sent by ``send()`` may come back meanwhile
                     self._left -= int(np.count_nonzero(self._stepping[slots]))
-                self._stepping[slots] = False
+                    self._stepping[slots] = False
                 if batch.infos:
                     self._step_infos.update(batch.infos)
                 if batch.info_columns:

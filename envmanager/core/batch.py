@@ -35,7 +35,7 @@ from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout, usab
 from envmanager.core.calls import CallMethods, EnvCalls
 from envmanager.core.completion import Completion
 from envmanager.core.layout import BATCH, Caller
-from envmanager.core.plans import BatchPlans, lanes_of, refuse_process, refuse_slots, row_of
+from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, row_of
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import ProcessState, WorkerProcess
@@ -47,7 +47,7 @@ from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.messages import Ready, Step
+from envmanager.wire.messages import Ready, Step, lanes_of
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
@@ -55,8 +55,9 @@ __all__ = ["BatchEnvManager", "SlotStatus"]
 
 _FAILED = ProcessState.FAILED  # (a process given up: its error is the supervisor's)
 _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
-#: How long a double-buffered parent polls before it blocks (with a core of its own): a lane's work.
-DOUBLE_BUFFER_SPIN_S = 500e-6
+#: The most a waiter spins before it blocks, where every process and the parent have a core of
+#: their own: the spins are sized from the waits seen (``envmanager.wire.spin``), this caps them.
+SPIN_CAP_S = 2e-3
 
 
 class BatchEnvManager(BatchResets, CallMethods):
@@ -104,6 +105,7 @@ class BatchEnvManager(BatchResets, CallMethods):
             double_buffer = chosen if double_buffer == AUTO else double_buffer
         self.envs_per_worker = int(envs_per_worker)
         self.autoreset_mode = mode
+        self._disabled = mode == DISABLED  # (asked per batch)
         self.timeout = float(timeout)
         self._state = SlotState(n_env)
         #: Per-slot state (see the module doc).
@@ -113,8 +115,8 @@ class BatchEnvManager(BatchResets, CallMethods):
         #: Whether each process's slots form two lanes, each with its own request in flight.
         self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
-            spin_s = 50e-6 if n_procs + 1 <= usable_cores() else 0.0
-        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns)
+            spin_s = SPIN_CAP_S if n_procs + 1 <= usable_cores() else 0.0
+        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])
@@ -127,11 +129,11 @@ class BatchEnvManager(BatchResets, CallMethods):
         self._answered_generation = [0] * n_procs  # per process: the generation its latest answer came from
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
-            # Where every process has a core; double buffered, the parent spins long enough to cover a lane:
-            # a worker waking a blocked parent pays ~10 us in its write (the bound there: performance guide).
+            # Where every process has a core the workers and the parent spin, as long as their waits
+            # typically take (a worker waking a blocked parent pays ~10 us in its write; a blocked
+            # reader wakes tens of us after it: the bound there, performance guide).
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
-                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0),
-                                    parent_spin_s=max(spin_s, DOUBLE_BUFFER_SPIN_S) if self.double_buffer and spin_s else spin_s)
+                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
@@ -157,6 +159,8 @@ class BatchEnvManager(BatchResets, CallMethods):
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
             self._state.attach(self.results, self.observation_list, self.observation_space)
+            if self._pool.mailboxes is not None:
+                self._state.board_timings = self._pool.mailboxes.timings
             self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
             self._calls = EnvCalls(self)
         except BaseException:
@@ -218,8 +222,8 @@ class BatchEnvManager(BatchResets, CallMethods):
         return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if not workers[procs[s]].busy_on(lanes[s])]
 
     def in_flight(self) -> bool:
-        """Whether any process has a request in flight (a restart on its way back, say)."""
-        return any(w.requests for w in self.pool.workers)
+        """Whether any process has a request or a step in flight (a restart on its way back, say)."""
+        return any(w.busy for w in self.pool.workers)
 
     def unreceived(self) -> bool:
         """Whether results arrived that nobody received yet (a restart of an idle worker)."""
@@ -227,9 +231,9 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     @property
     def waiting_worker_ids(self) -> list[int]:
-        """Slots whose lane has a request in flight (a restart, say)."""
-        workers, procs, lanes = self.pool.workers, self._slot_process_list, self.slot_lanes
-        return [s for s in range(self.n_env) if workers[procs[s]].busy_on(lanes[s])]
+        """Slots in flight, or whose lane has a request in flight (a restart, say)."""
+        workers, procs, lanes, status = self.pool.workers, self._slot_process_list, self.slot_lanes, self.status
+        return [s for s in range(self.n_env) if status[s] == IN_FLIGHT or workers[procs[s]].busy_on(lanes[s])]
 
     @property
     def replay_calls(self) -> list[tuple[str, tuple, dict]]:
@@ -305,19 +309,24 @@ class BatchEnvManager(BatchResets, CallMethods):
         pool = self.pool
         if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
             slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if slots.size == 0:
+        n = slots.size
+        if n == 0:
             return
         plan = self._plans.get(slots)
         status = self.status[slots]
-        n = len(slots)
         if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
             refuse_slots(slots, status, self.worker_of)
-        workers = pool.workers
-        for index, lanes, _, _, _ in plan:
-            w = workers[index]
-            if (w.requests and w.busy_on(lanes)) or w.state is _FAILED:
-                refuse_process(w, slots)
-        if self.autoreset_mode == DISABLED:
+        shared = self.results.action
+        pickled = as_given and per_slot  # each as given: no array layout to write them into
+        # On the step board (the mailbox) steps are in flight per slot: no lane to check.
+        board = pool.mailboxes is not None and shared is not None and not pickled
+        if not board or pool.supervisor.first_failure() is not None:
+            workers = pool.workers
+            for index, lanes, _, _, _ in plan.requests:
+                w = workers[index]
+                if (not board and w.requests and w.busy_on(lanes)) or w.state is _FAILED:
+                    refuse_process(w, slots)
+        if self._disabled:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
                 raise InvalidInputError(
@@ -325,31 +334,38 @@ class BatchEnvManager(BatchResets, CallMethods):
         checker = self.actions
         if as_given:
             batch = list(actions) if per_slot else actions
-            if per_slot and len(batch) != len(slots):
-                raise InvalidInputError(f"expected {len(slots)} actions, got {len(batch)}")
+            if per_slot and len(batch) != n:
+                raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
         elif checker.space is not None:
             batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
         else:  # a space with no array layout: actions travel pickled, as given
             batch = list(actions)
-            if len(batch) != len(slots):
-                raise InvalidInputError(f"expected {len(slots)} actions, got {len(batch)}")
-        shared = self.results.action
-        pickled = as_given and per_slot  # each as given: no array layout to write them into
+            if len(batch) != n:
+                raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
+        if board:  # one numpy operation per array, whatever the number of processes
+            if type(shared) is np.ndarray:
+                shared[slots] = batch
+            else:
+                shm.write(shared, slots, batch)
+            self.status[slots] = IN_FLIGHT
+            pool.post_steps(slots, plan.processes, time.monotonic())
+            return batch
         if shared is not None and not pickled:
-            requests = [pool.prepare_raw_step(body, process_slots, lanes) for _, lanes, process_slots, _, body in plan]
+            requests = [pool.prepare_raw_step(body, process_slots, lanes) for _, lanes, process_slots, _, body in plan.requests]
             shm.write(shared, slots, batch)
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
                     pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]),
                                  process_slots, lanes)
-                    for _, lanes, process_slots, (locals_, rows), _ in plan
+                    for _, lanes, process_slots, (locals_, rows), _ in plan.requests
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
         now = time.monotonic()
-        for entry, request in zip(plan, requests, strict=True):
+        workers = pool.workers
+        for entry, request in zip(plan.requests, requests, strict=True):
             workers[entry[0]].send(request, now)
         return batch
 
@@ -366,7 +382,7 @@ class BatchEnvManager(BatchResets, CallMethods):
         self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
         if len(state.arrived) < min_count and not state.step_errors:
             self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
-                          self._busy_slots, enough=lambda: bool(state.arrived))
+                          self._busy_slots, enough=lambda: bool(state.arrived), can_finish=self._any_busy)
         if state.step_errors:
             raise state.step_errors.pop(0)
         arrived, state.arrived = state.arrived, []
@@ -374,21 +390,27 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
-        return self._state.timings(worker_id, self._slot_process_list[worker_id])
+        return self._state.timings(worker_id)
 
     # ------------------------------------------------------------------------------------------
     # Waiting
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
-                 enough: Callable[[], bool] = lambda: False) -> None:
+                 enough: Callable[[], bool] = lambda: False, can_finish: Callable[[], bool] | None = None) -> None:
         """Take answers until ``done()``; ``late()`` names the slots whose processes may still
         make it done. Raises at once when nothing in flight can (unless ``enough()``); one clock
-        per request (``timeout=None``: the pool's deadline). See ``envmanager.core.waiting``."""
-        waiting.wait_for(self.pool, self._take, self._slot_process_list, done, timeout, what, late, enough)
+        per request (``timeout=None``: the pool's deadline). ``can_finish()``: a cheaper test
+        that something can, asked before ``late()``. See ``envmanager.core.waiting``."""
+        waiting.wait_for(self.pool, self._take, self._slot_process_list, done, timeout, what, late, enough, can_finish)
 
     def _busy_slots(self) -> list[int]:
         """Slots whose process has a request in flight (a restart coming back, say)."""
         return [s for w in self.pool.workers if w.busy and w.watched for s in w.env_ids]
+
+    def _any_busy(self) -> bool:
+        """Whether any process that can still answer has something in flight (``_busy_slots``
+        without naming them: it stops at the first)."""
+        return any(w.busy and w.watched for w in self.pool.workers)
 
     def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
         """Let calls that keep working outlive the deadline: ``progress(slots)`` is a count
@@ -432,6 +454,10 @@ class BatchEnvManager(BatchResets, CallMethods):
             w = c.worker
             if (c.interrupted or w.generation != answered[w.index]) and c.error is None:  # rare: a restart or rebuild
                 self._note_generation(c)
+        # The step board's answers: a replaced process answers through the ring first (its fresh
+        # reset, ``interrupted``), so these come from the generation the slots already have.
+        for steps in self._pool.take_steps():  # type: ignore[union-attr]
+            state.file_steps(steps)
 
     def _note_generation(self, c: Completion) -> None:
         """The slots ``c`` answers for (a restart: all of its process's) are of the generation

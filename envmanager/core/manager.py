@@ -56,11 +56,11 @@ class SubprocessEnvManager(BatchEnvManager):
             process (with ``envs_per_worker=k``, one quota for its k slots).
         policy: ``policy(step_info) -> action``, used by ``step()`` when no actions are given.
         daemon: start workers as daemonic processes (they cannot start multiprocessing children).
-        spin_s: seconds an idle worker polls for its next command before it blocks, and the
-            parent for the next answer (double buffered: at least 500 µs, about a lane's work).
-            Default: 50 µs when every worker process and the parent have a core of their own
-            (this process's CPU affinity), else 0 (spinning processes that outnumber the cores
-            slow everything down).
+        spin_s: the most seconds an idle worker polls for its next command before it blocks, and
+            the parent for the next answer; each spins about twice as long as its waits typically
+            take, at most this (``envmanager.wire.spin``). Default: 2 ms when every worker
+            process and the parent have a core of their own (this process's CPU affinity), else 0
+            (spinning processes that outnumber the cores slow everything down).
         double_buffer: split each process's slots into two lanes, each with its own request in
             flight: the worker steps one half while the parent turns the other around. Pays
             where the parent has a core of its own; ``"auto"``: on when there are more usable

@@ -5,7 +5,7 @@ repeats; and what ``send_batch`` says when it refuses a batch. ``send_reset``'s 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import Reset, raw_locals
 
-__all__ = ["BatchPlans", "Plan", "lanes_of", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
+__all__ = ["BatchPlans", "Plan", "Requests", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
 
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
@@ -21,7 +21,16 @@ _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
 #: Per request (one per process, or per lane of a double-buffered process): the process index,
 #: the lanes mask, its slots among the batch's, (their local indices, their rows in the batch),
 #: and the local indices as a raw STEP request carries them.
-Plan = list[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
+Requests = list[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
+
+
+class Plan(NamedTuple):
+    """How one batch of slots is sent: its ``requests`` (one per process or lane, through the
+    processes' pipes or rings), and its distinct ``processes`` as an array (on the step board the
+    batch is one numpy operation for all of them)."""
+
+    requests: Requests
+    processes: np.ndarray
 
 
 class BatchPlans:
@@ -49,21 +58,16 @@ class BatchPlans:
         by_lane: dict[tuple[int, int], list[int]] = {}
         for row, slot in enumerate(listed):
             by_lane.setdefault((self.slot_process[slot], self.slot_lanes[slot]), []).append(row)
-        plan: Plan = []
+        requests: Requests = []
         for (index, lanes), rows in sorted(by_lane.items()):
             rows.sort(key=listed.__getitem__)
             process_slots = tuple(listed[r] for r in rows)
             locals_ = tuple(self.slot_local[s] for s in process_slots)
-            plan.append((index, lanes, process_slots, (locals_, rows), raw_locals(locals_)))
+            requests.append((index, lanes, process_slots, (locals_, rows), raw_locals(locals_)))
+        plan = Plan(requests, np.array(sorted({index for index, *_ in requests}), dtype=np.int64))
         if len(self._plans) < self.limit:
             self._plans[slots.tobytes()] = plan
         return plan
-
-
-def lanes_of(envs_per_process: list[int], double_buffer: bool) -> list[int]:
-    """Each slot's lane as a bit mask: 1; double buffered, 1 for the first half of its
-    process's envs and 2 for the second."""
-    return [1 << (local * 2 // k) if double_buffer else 1 for k in envs_per_process for local in range(k)]
 
 
 def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int], Any]) -> None:

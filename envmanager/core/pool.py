@@ -27,6 +27,8 @@ from threading import get_ident
 from time import monotonic
 from typing import Any
 
+import numpy as np
+
 from envmanager.core.completion import Completion, worker_error
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
@@ -40,10 +42,11 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.wire.mailbox import Mailboxes
+from envmanager.wire.mailbox import WAKE, Mailboxes
 from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import (
     ALL_LANES,
+    BOARD_SEQ,
     ON_PIPE,
     RAW,
     REQUEST_HEADER,
@@ -51,12 +54,14 @@ from envmanager.wire.messages import (
     EnvironmentRequest,
     Stepped,
     decode_answer,
+    decode_steps_answer,
     encode_request,
 )
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
 )
 from envmanager.wire.shm import SharedBuffers, SharedFile
+from envmanager.wire.step_queue import write_frame
 from envmanager.wire.transport import PortableAnswers, StepQueue, make_transport
 from envmanager.worker.main import WorkerSpec
 
@@ -111,8 +116,12 @@ class WorkerPool(PoolRecovery):
         #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
         self.transport = transport_name(transport)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
-        #: The mailboxes (``envmanager.wire.mailbox``), where asked for and the step queue is used.
-        self.mailboxes = Mailboxes.create(len(specs)) if mailbox and isinstance(self.queue, StepQueue) else None
+        #: The mailboxes (``envmanager.wire.mailbox``), where asked for and the step queue is used:
+        #: with them, steps whose actions are in shared memory go on the step board (``post_steps``).
+        self.mailboxes = (Mailboxes.create(len(specs), [spec.env_ids for spec in specs])
+                          if mailbox and isinstance(self.queue, StepQueue) else None)
+        #: The slots the step board answered since the batch level last took them (``take_steps``).
+        self._steps_answered: list[np.ndarray] = []
         if isinstance(self.queue, StepQueue):
             self.queue.mailboxes = self.mailboxes
             self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
@@ -156,6 +165,27 @@ class WorkerPool(PoolRecovery):
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
         return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None, lanes))
+
+    def post_steps(self, slots: np.ndarray, processes: np.ndarray, now: float) -> None:
+        """Ask for a step of ``slots`` on the step board (the mailboxes'), their actions already
+        in shared memory: one numpy operation for the whole batch, a wake-up written only to a
+        process that may be asleep. ``processes``: the distinct processes hosting them. The
+        batch level checked everything."""
+        box = self.mailboxes
+        assert box is not None
+        sleepy = box.post_steps(box.slot_word[slots], processes, now)
+        if sleepy.size:
+            for p in sleepy.tolist():
+                try:
+                    write_frame(self.workers[p].fd, WAKE)
+                except OSError:  # gone: its sentinel tells
+                    pass
+
+    def take_steps(self) -> list[np.ndarray]:
+        """The slots whose board steps the waits took since the last call, results all in shared
+        memory (filed by the batch level; their timings: ``mailboxes.timings``)."""
+        answered, self._steps_answered = self._steps_answered, []
+        return answered
 
     def share_buffers(self, n_envs: int, observation_space: Any, action_space: Any) -> SharedBuffers:
         """Shared arrays for ``n_envs`` slots (in ``file``, or a named segment), mapped by
@@ -215,8 +245,15 @@ class WorkerPool(PoolRecovery):
         self._poll_version = self._version
 
     def _drain(self, completions: list[Completion], everything: bool = False) -> None:
-        """Take every answer that has arrived: the transport's half of every answer."""
+        """Take every answer that has arrived: the transport's half of every answer. The step
+        board first: a notice goes out before the answer words it completes."""
         assert self.queue is not None
+        box = self.mailboxes
+        if box is not None:
+            answered = box.steps_answered()
+            if answered is not None:
+                self._steps_answered.append(answered)
+                self.answers += answered.size
         notices = self.queue.take(everything)
         if not notices:
             return
@@ -225,6 +262,9 @@ class WorkerPool(PoolRecovery):
         for cmd, process, seq, posted_at, form, data in notices:
             w = workers[process]
             requests = w.requests
+            if seq == BOARD_SEQ and cmd is Cmd.STEP:  # board steps answered with more than shared memory holds
+                self._board_notice(w, form, data, posted_at, received, completions)
+                continue
             if requests and requests[0][0].seq == seq and cmd is not Cmd.CLOSED:
                 request, sent_at = requests[0]  # the usual case: answers come in the order sent
                 del requests[0]  # (``w.answered`` inline: this runs once per answer)
@@ -273,14 +313,46 @@ class WorkerPool(PoolRecovery):
                 w.state = ProcessState.RUNNING
                 completions.append(completion)
 
+    def _board_notice(self, w: WorkerProcess, form: int, data: Any, posted_at: float, received: float,
+                      completions: list[Completion]) -> None:
+        """A notice answering board steps of ``w`` (a ``StepsAnswer``): filed as the answer to a
+        STEP request of its slots, as if it had come through ``w.requests``; stale ones (of a
+        replaced process, or steps taken out of flight) are dropped."""
+        box = self.mailboxes
+        assert box is not None
+        if form == ON_PIPE:
+            try:
+                data = w.read_large_answer(self.timeout)
+            except (EOFError, OSError, TimeoutError) as exc:
+                self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
+                return
+        try:
+            locals_, ordinals, answer = decode_steps_answer(data)
+        except Exception as exc:  # e.g. an info of a class the parent cannot import
+            what = f"its answer to STEP could not be unpickled here: {exc!r}"
+            self._on_failure(w, WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "",
+                                            exc, w.index), completions)
+            return
+        slots = tuple(w.env_ids[i] for i in locals_)
+        if not w.watched or not box.take_notice(w.index, box.slot_word[list(slots)].tolist(), list(ordinals), received):
+            return
+        self.answers += len(slots)
+        request = EnvironmentRequest(Cmd.STEP, BOARD_SEQ, slots)
+        sent = float(box.asked_at(list(slots)).min())
+        completion = Completion(w, request, answer, None, posted_at, received, sent, False, slots)
+        if answer.failures and self.supervisor.policy.enabled:  # an env that raised is rebuilt
+            self._env_failed(w, request, answer, completion, completions)
+        else:
+            completions.append(completion)
+
     def _check_deadlines(self, now: float) -> list[Completion]:
         """Fail every process whose oldest request's clock is past the deadline (restart or
         error), and note when the next one can be due: no clock started later is due sooner."""
         completions: list[Completion] = []
         late = self.supervisor.late
         for w in list(self.workers):
-            if w.busy and w.watched and late(w.alive_at, now):
-                cmd = w.request.cmd  # type: ignore[union-attr]
+            if w.busy and w.watched and late(w.clock, now):
+                cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
                 if cmd is Cmd.CALL and self.progress is not None:
                     done = self.progress(list(w.env_ids))
                     if done != w.progress_seen:  # working, not hung: a new deadline from now
@@ -288,7 +360,7 @@ class WorkerPool(PoolRecovery):
                         continue
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)
-        oldest = min((w.alive_at for w in self.workers if w.busy and w.watched), default=now)
+        oldest = min((w.clock for w in self.workers if w.busy and w.watched), default=now)
         self._next_deadline_check = oldest + self.timeout
         return completions
 
@@ -403,11 +475,11 @@ def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
 
 
 def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0,
-               info_columns: bool = False) -> list[WorkerSpec]:
+               info_columns: bool = False, double_buffer: bool = False) -> list[WorkerSpec]:
     """Split ``n_env`` slots over processes, ``envs_per_worker`` each (the last may have fewer)."""
     return [
         WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s,
-                   info_columns)
+                   info_columns, double_buffer)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
 

@@ -5,7 +5,10 @@ order, so answers come back in the order sent. Each request names the **lanes** 
 (a bit mask over the groups of slots the batch level splits the process into): two requests
 may be in flight at once only on disjoint lanes (double buffering: the worker steps one half
 of its envs while the parent turns the other half around). A request's clock starts when the
-worker can start on it: when it is sent, or when the one ahead of it is answered.
+worker can start on it: when it is sent, or when the one ahead of it is answered. Steps whose
+actions are in shared memory go on the mailbox's step board instead, where the process has
+one (``envmanager.wire.mailbox``): they are in flight per env, not in this FIFO, and take no
+lane; ``busy``, the deadline's ``clock`` and ``cut`` count them too.
 
 Life cycle of a worker process (``WorkerProcess.state``)::
 
@@ -47,8 +50,8 @@ from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
 from envmanager.wire.marks import CallMarks
+from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, encode_request
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.messages import EnvironmentRequest, encode_request
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
 from envmanager.worker.main import WorkerSpec, worker_main
@@ -143,7 +146,8 @@ class WorkerProcess:
 
     @property
     def busy(self) -> bool:
-        return self.requests != []  # (no call: this is asked per slot on the hot path)
+        """Whether anything is in flight: a request, or a step on the board."""
+        return self.requests != [] or (self.mailboxes is not None and self.mailboxes.busy(self.index))
 
     @property
     def request(self) -> EnvironmentRequest | None:
@@ -151,12 +155,23 @@ class WorkerProcess:
         return self.requests[0][0] if self.requests else None
 
     @property
+    def clock(self) -> float:
+        """When the clock of its oldest request (or board step) in flight started: the
+        deadline counts from here."""
+        box = self.mailboxes
+        if box is None or not box.busy(self.index):
+            return self.alive_at
+        board = box.clock(self.index)
+        return min(self.alive_at, board) if self.requests else board
+
+    @property
     def sent_at(self) -> float:
         """When the oldest request in flight was sent."""
         return self.requests[0][1] if self.requests else self.alive_at
 
     def busy_on(self, lanes: int) -> bool:
-        """Whether a request in flight occupies any of ``lanes`` (a bit mask)."""
+        """Whether a request in flight occupies any of ``lanes`` (a bit mask; board steps take
+        none: they are in flight per env)."""
         for request, _ in self.requests:  # noqa: SIM110 (a loop, not any(): asked per request on the hot path)
             if request.lanes & lanes:
                 return True
@@ -176,9 +191,14 @@ class WorkerProcess:
         return None
 
     def cut(self) -> list[EnvironmentRequest]:
-        """Take every request out of flight (a failure cut them short), oldest first."""
+        """Take every request out of flight (a failure cut them short), oldest first; the
+        board's steps in flight as one STEP request of their slots."""
         lost = [request for request, _ in self.requests]
         self.requests = []
+        if self.mailboxes is not None:
+            slots = self.mailboxes.cut_steps(self.index)
+            if slots:
+                lost.append(EnvironmentRequest(Cmd.STEP, BOARD_SEQ, tuple(sorted(slots))))
         return lost
 
     @property
@@ -255,7 +275,7 @@ class WorkerProcess:
     def fail(self) -> None:
         """Give up on this process (its error is the supervisor's): kill it."""
         self.state = ProcessState.FAILED
-        self.requests = []
+        self.cut()
         self.kill()
 
     def request_close(self) -> None:

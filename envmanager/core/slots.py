@@ -14,6 +14,8 @@ each slot's generation as of its latest answer (``generations``, kept by the bat
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +48,12 @@ _NONE: frozenset[int] = frozenset()
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per batch)
 
 
+def _rows(slots: tuple[int, ...]) -> slice | list[int]:
+    """Where a request's slots (ascending) are in a per-slot array: a slice when contiguous."""
+    first, last = slots[0], slots[-1]
+    return slice(first, last + 1) if last - first + 1 == len(slots) else list(slots)
+
+
 class SlotState:
     """Per-slot status and everything that arrived but was not handed out yet."""
 
@@ -65,9 +73,15 @@ class SlotState:
         self.interrupted: set[int] = set()
         self.step_errors: list[EnvManagerError] = []
         self.reset_errors: list[EnvManagerError] = []
-        # Each process's latest two answers (its two lanes when double buffered), newest first,
-        # for ``timings`` (read from them only when asked).
-        self._timings: dict[int, tuple[Completion, Completion | None]] = {}
+        #: Per slot, of its latest answer: seconds in the env, and when the request was sent,
+        #: the answer posted and taken (``time.monotonic``), for ``timings``; for an answer of
+        #: the step board (``on_board``) the first three are the board's (``board_timings``).
+        self.env_time = np.zeros(n_env)
+        self.sent_at = np.zeros(n_env)
+        self.posted_at = np.zeros(n_env)
+        self.received_at = np.zeros(n_env)
+        self.on_board = np.zeros(n_env, dtype=np.bool_)
+        self.board_timings: Callable[[int], tuple[float, float, float]] | None = None
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
         self.observation_space: Any = None
@@ -91,9 +105,11 @@ class SlotState:
             return
         answer: Stepped = c.answer
         index = c.worker.index
-        latest = self._timings.get(index)
-        self._timings[index] = (c, latest[0] if latest is not None else None)
         slots = c.slots  # a tuple, ascending (a request's slots)
+        if slots and len(answer.env_times) == len(slots):  # (a restart's reset answers every slot of its process)
+            rows = _rows(slots)
+            self.env_time[rows], self.posted_at[rows], self.received_at[rows] = answer.env_times, c.posted_at, c.received_at
+            self.sent_at[rows], self.on_board[rows] = c.sent_at, False
         if answer.info_columns is not None:
             self._file_columns(answer.info_columns, slots)
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
@@ -117,6 +133,14 @@ class SlotState:
             self.arrived_resets.update(slots)
         else:
             self.arrived.extend(slots)
+
+    def file_steps(self, slots: np.ndarray) -> None:
+        """File the step board's answers of ``slots`` (results all in shared memory): a few
+        numpy operations for the whole batch, whatever the number of processes."""
+        self.status[slots] = ARRIVED
+        self.arrived.extend(slots.tolist())
+        self.on_board[slots] = True
+        self.received_at[slots] = time.monotonic()
 
     def _file_interrupted(self, slots: list[int]) -> None:
         """A restart's fresh reset, for every slot of the process: each comes back once,
@@ -226,13 +250,16 @@ class SlotState:
                                  info.dicts(None if positions is None else positions.tolist()), strict=True))
         return tuple(out)
 
-    def timings(self, slot: int, process: int) -> tuple[float, float, float]:
+    def timings(self, slot: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
-        for c in self._timings.get(process, ()):
-            if c is not None and slot in c.slots:
-                env = c.answer.env_times[c.slots.index(slot)]
-                return float(env), max(0.0, c.received_at - c.posted_at), max(0.0, c.received_at - c.sent_at)
-        return 0.0, 0.0, 0.0
+        received = float(self.received_at[slot])
+        if not received:
+            return 0.0, 0.0, 0.0
+        if self.on_board[slot] and self.board_timings is not None:
+            env, posted, sent = self.board_timings(slot)
+        else:
+            env, posted, sent = float(self.env_time[slot]), float(self.posted_at[slot]), float(self.sent_at[slot])
+        return env, max(0.0, received - posted), max(0.0, received - sent)
 
     def drop(self) -> list[EnvManagerError]:
         """Forget everything not handed out (``drain``): those slots count as handed out.

@@ -15,7 +15,7 @@ __all__ = ["wait_for"]
 
 def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process_of: list[int],
              done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
-             enough: Callable[[], bool]) -> None:
+             enough: Callable[[], bool], can_finish: Callable[[], bool] | None = None) -> None:
     """Hand ``take`` what the pool delivers until ``done()``. ``late()`` names the slots whose
     processes may still make it done (``process_of[slot]`` is a slot's process): when none of
     them has a request in flight, nothing can finish and this raises at once (the failure of
@@ -26,15 +26,17 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     ``WorkerTimeoutError(hung=True)`` raised by the caller). A ``timeout`` of the caller's own
     bounds the wait too: at its end a process past the pool's deadline is hung all the same;
     for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight
-    and what arrived meanwhile is kept."""
+    and what arrived meanwhile is kept. ``can_finish()``, if given, says more cheaply than
+    ``late()`` whether anything in flight can still make it done (asked on every turn)."""
     deadline = None if timeout is None else Deadline(timeout)
     while not done():  # (what has already come is taken by the first wait, which returns at once then)
-        waiting = late()
-        workers = pool.workers
-        if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):
-            if enough():
-                return
-            raise nothing_can_finish(pool, process_of, waiting, what)
+        if can_finish is None or not can_finish():
+            waiting = late()
+            workers = pool.workers
+            if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):
+                if enough():
+                    return
+                raise nothing_can_finish(pool, process_of, waiting, what)
         if deadline is not None and deadline.passed():
             take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
             if done():

@@ -4,28 +4,43 @@ reader has a core of its own.
 Where every worker process and the parent have a core (``spin_s > 0``), each side spins a
 little before it blocks, so a message usually finds its reader awake; through pipes it still
 costs a ``write`` on one side and a ``poll`` and a ``read`` on the other (several µs, ~10 µs
-when the write wakes a blocked reader). The mailbox is a small shared mapping holding, per
-worker process, a ring of requests (parent → worker) and a ring of answers (worker → parent).
-A message goes into its ring; the pipe is written only when the reader may be asleep (an empty
-frame: a wake-up) or the message does not fit (it goes on the pipe as before, announced in the
-ring, so the order is kept).
+when the write wakes a blocked reader). The mailbox is a small shared mapping with two parts:
 
-Each side says what it is doing in a word the other reads: ``BUSY`` (it looks at its ring
-before it blocks), spinning until ``T`` (``time.monotonic_ns``), or ``SLEEPING`` (blocked on its
-pipe). A writer publishes its entry first, then reads the reader's word: it skips the pipe when
-the reader is ``BUSY`` or spins until well after now (:data:`MARGIN_NS`), else it writes a
-wake-up. A reader never goes from ``BUSY`` to ``SLEEPING`` in less than the margin, and looks
-at its ring once more after saying ``SLEEPING``. Between a writer's decision to skip the pipe
-and the reader's last look there is then at least the margin, and a store reaches the other
-core long before (a store buffer drains in well under a microsecond): no wake-up is lost. That
-rests on x86's total store order, which also makes an entry's bytes visible before its
-ordinal; elsewhere the mailbox is off and the pipes carry everything (``mailbox_supported``).
+* **the step board**: per env slot, a word the parent bumps to ask for a step whose actions
+  are in shared memory (the request's ordinal), and a word the worker sets once the step's
+  results are in shared memory (the ordinal it served; its negative when the answer also
+  carries infos or failures, which follow as a notice). The parent asks for a whole batch with
+  one numpy operation, finds every answer with one compare of bytes, and files them with a few
+  numpy operations, however many processes there are: its work per batch does not grow with
+  the processes (PufferLib's and Sample Factory's flag arrays). Each slot's ordinals only grow,
+  for the pool's whole life, so an answer of a replaced process is never taken for a newer one.
+* **the rings**: per worker process, a ring of requests (parent → worker) and a ring of answers
+  (worker → parent), for every other message (resets, calls, answers with infos...). A message
+  goes into its ring; the pipe is written only when the reader may be asleep (an empty frame: a
+  wake-up) or the message does not fit (it goes on the pipe as before, announced in the ring,
+  so the order is kept).
 
-Layout: a line with the parent's word; every process's count of answers posted, side by side
-(the parent checks them all with one compare of bytes); then per process a line with the
-worker's word, its request ring and its answer ring. An entry is ``[ordinal][length][bytes]``,
-the ordinal written last (it publishes the entry). A process has at most its two lanes' requests
-and a CLOSE unanswered, so rings of four entries never overrun.
+Each side says what it is doing in a word the other reads: ``BUSY`` (it looks at its ring and
+board before it blocks), spinning until ``T`` (``time.monotonic_ns``), or ``SLEEPING`` (blocked
+on its pipe). A writer publishes its entry first, then reads the reader's word: it skips the
+pipe when the reader is ``BUSY`` or spins until well after now (:data:`MARGIN_NS`), else it
+writes a wake-up. A reader never goes from ``BUSY`` to ``SLEEPING`` in less than the margin,
+and looks at its ring and board once more after saying ``SLEEPING``. Between a writer's
+decision to skip the pipe and the reader's last look there is then at least the margin, and a
+store reaches the other core long before (a store buffer drains in well under a microsecond):
+no wake-up is lost. That rests on x86's total store order, which also makes an entry's bytes
+visible before its ordinal (and a step's results before its answer word); elsewhere the mailbox
+is off and the pipes carry everything (``mailbox_supported``).
+
+Layout: a line with the parent's word and whether the workers may spin (the parent decides,
+from the cores each process may run on); every process's count of answers posted, side by side
+(the parent checks them all with one compare of bytes); per process a line with the worker's
+word, its request ring and its answer ring; then the step board: four blocks (request
+ordinals, answer ordinals, env seconds, answer times), each a run of whole lines per process
+(one word per env), so no two processes write one line. A ring entry is
+``[ordinal][length][bytes]``, the ordinal written last (it publishes the entry). A process has
+at most its two lanes' requests and a CLOSE unanswered in its rings (steps in shared memory go
+on the board), so rings of four entries never overrun.
 """
 
 from __future__ import annotations
@@ -33,13 +48,17 @@ from __future__ import annotations
 import platform
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from envmanager.wire.messages import NOTICE_HEADER, EnvironmentCommand, EnvironmentResponse
 from envmanager.wire.shm import SharedFile
 
-__all__ = ["Mailboxes", "WorkerMailbox", "MailboxLayout", "mailbox_supported", "BUSY", "SLEEPING", "ON_PIPE",
-           "MARGIN_NS", "WAKE"]
+__all__ = ["Mailboxes", "WorkerMailbox", "MailboxLayout", "mailbox_supported", "BUSY", "SLEEPING",
+           "ON_PIPE", "MARGIN_NS", "WAKE"]
 
 BUSY, SLEEPING = -1, 0
 #: A request entry's length when the request itself is on the worker's pipe.
@@ -52,9 +71,13 @@ ENTRIES = 4
 REQUEST_BYTES = 240  # a raw STEP of up to 115 envs fits
 ANSWER_BYTES = 496  # a raw answer of up to 59 envs, or a small pickled one (a few envs' infos)
 _LINE = 64
+_WORDS_PER_LINE = _LINE // 8
 _REQUEST_ENTRY = 16 + REQUEST_BYTES
 _ANSWER_ENTRY = 16 + ANSWER_BYTES
 _REGION = _LINE + ENTRIES * (_REQUEST_ENTRY + _ANSWER_ENTRY)
+#: The step board's blocks, in order: request ordinals (the parent's), answer ordinals, env
+#: seconds and answer times (``time.monotonic``) (the workers').
+REQUESTS, ANSWERS, ENV_TIMES, ANSWERED_AT = range(4)
 _NOTICE, _NOTICE_SIZE = NOTICE_HEADER.unpack_from, NOTICE_HEADER.size
 _COMMANDS = {int(cmd): cmd for cmd in EnvironmentCommand}
 _new = tuple.__new__
@@ -65,11 +88,23 @@ def mailbox_supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
+def _lines(words: int) -> int:
+    return -(-words // _WORDS_PER_LINE)
+
+
 @dataclass(frozen=True)
 class MailboxLayout:
-    """Where everything is, for ``n_procs`` processes (picklable: workers get it in their spec)."""
+    """Where everything is, for ``n_procs`` processes hosting ``envs[p]`` envs each (one each
+    if not given); picklable: workers get it in their spec."""
 
     n_procs: int
+    envs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.envs:
+            object.__setattr__(self, "envs", (1,) * self.n_procs)
+        if len(self.envs) != self.n_procs:
+            raise ValueError(f"{len(self.envs)} env counts for {self.n_procs} processes")
 
     @property
     def posted(self) -> int:
@@ -77,7 +112,7 @@ class MailboxLayout:
         return _LINE
 
     def region(self, p: int) -> int:
-        return _LINE + -(-8 * self.n_procs // _LINE) * _LINE + p * _REGION
+        return _LINE + _lines(self.n_procs) * _LINE + p * _REGION
 
     def request(self, p: int, ordinal: int) -> int:
         return self.region(p) + _LINE + (ordinal % ENTRIES) * _REQUEST_ENTRY
@@ -85,18 +120,34 @@ class MailboxLayout:
     def answer(self, p: int, ordinal: int) -> int:
         return self.region(p) + _LINE + ENTRIES * _REQUEST_ENTRY + (ordinal % ENTRIES) * _ANSWER_ENTRY
 
+    # -- the step board ----------------------------------------------------------------------
+    @property
+    def board_lines(self) -> int:
+        """Lines per block of the board: whole lines per process."""
+        return sum(_lines(k) for k in self.envs)
+
+    def block(self, which: int) -> int:
+        """Offset of one of the board's blocks (``REQUESTS``, ``ANSWERS``, ...)."""
+        return self.region(self.n_procs) + which * self.board_lines * _LINE
+
+    def board_word(self, p: int, local: int) -> int:
+        """Where env ``local`` of process ``p`` is, in words from the start of any block."""
+        return sum(_lines(k) for k in self.envs[:p]) * _WORDS_PER_LINE + local
+
     @property
     def nbytes(self) -> int:
-        return self.region(self.n_procs)
+        return self.block(4)
 
 
 class Mailboxes:
-    """The parent's side: every process's rings, in a :class:`SharedFile` made before any worker
-    starts (each gets it as it starts, as it gets its pipe)."""
+    """The parent's side: every process's rings and the step board, in a :class:`SharedFile`
+    made before any worker starts (each gets it as it starts, as it gets its pipe).
+    ``slots[p]``: the env slots process ``p`` hosts (one slot each, ``p``, if not given)."""
 
-    def __init__(self, file: SharedFile, n_procs: int) -> None:
+    def __init__(self, file: SharedFile, n_procs: int, slots: list[tuple[int, ...]] | None = None) -> None:
+        slots = slots if slots is not None else [(p,) for p in range(n_procs)]
         self.file = file
-        self.layout = layout = MailboxLayout(n_procs)
+        self.layout = layout = MailboxLayout(n_procs, tuple(len(s) for s in slots))
         file.resize(layout.nbytes)
         self._map = file.map(layout.nbytes)
         self._words = memoryview(self._map).cast("q")
@@ -110,24 +161,36 @@ class Mailboxes:
         self._requests = [[layout.request(p, k) for k in range(ENTRIES)] for p in range(n_procs)]
         self._answers = [[layout.answer(p, k) for k in range(ENTRIES)] for p in range(n_procs)]
         self._words[0] = BUSY
+        self._words[1] = 1  # the workers may spin (``allow_spin``)
+        self._board_init(slots)
 
     @classmethod
-    def create(cls, n_procs: int) -> Mailboxes | None:
-        """Mailboxes for ``n_procs`` processes, or ``None`` where there is no such file or
-        the mailbox is not sound (see ``mailbox_supported``)."""
+    def create(cls, n_procs: int, slots: list[tuple[int, ...]] | None = None) -> Mailboxes | None:
+        """Mailboxes for ``n_procs`` processes (hosting ``slots``), or ``None`` where there is no
+        such file or the mailbox is not sound (see ``mailbox_supported``)."""
         if not mailbox_supported():
             return None
         file = SharedFile.create()
-        return None if file is None else cls(file, n_procs)
+        return None if file is None else cls(file, n_procs, slots)
 
     def reset(self, p: int) -> None:
-        """Empty process ``p``'s rings for a new process (the old one is gone)."""
+        """Empty process ``p``'s rings for a new process (the old one is gone, its board steps
+        cut: ``cut_steps``); its board words carry on from the ordinals reached."""
         start = self.layout.region(p)
         self._map[start : start + _REGION] = bytes(_REGION)
         self._words[start // 8] = BUSY  # the new worker looks at its ring before it ever blocks
         self._words[self.layout.posted // 8 + p] = 0
         self._sent[p] = self._seen[p] = 0
         self._seen_bytes = struct.pack(f"<{len(self._seen)}q", *self._seen)
+        words = self._board_words[p]
+        answers = np.frombuffer(self._map, np.int64, len(self._board_seen), self.layout.block(ANSWERS))
+        answers[words] = self._board_seen[words] = self._board_taken[words] = self._requested[words]
+        del answers
+        self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
+
+    def allow_spin(self, allowed: bool) -> None:
+        """Whether the workers may spin for their next request (they always spin the margin)."""
+        self._words[1] = int(allowed)
 
     # -- requests ------------------------------------------------------------------------------
     def send(self, p: int, data: bytes) -> bytes | None:
@@ -151,8 +214,9 @@ class Mailboxes:
 
     # -- answers -------------------------------------------------------------------------------
     def waiting(self) -> bool:
-        """Whether any process posted an answer not taken yet (one compare of bytes)."""
-        return self._map[self._posted] != self._seen_bytes
+        """Whether any process posted an answer or a step not taken yet (two compares of bytes)."""
+        m = self._map
+        return m[self._posted] != self._seen_bytes or m[self._answer_span] != self._board_seen_bytes
 
     def take(self, out: list[EnvironmentResponse]) -> None:
         """Append every answer posted and not taken yet, oldest first per process."""
@@ -175,6 +239,140 @@ class Mailboxes:
             seen[p] = n
         self._seen_bytes = posted_bytes
 
+    # -- the step board: steps whose actions are in shared memory --------------------------------
+    def _board_init(self, slots: list[tuple[int, ...]]) -> None:
+        layout = self.layout
+        n_words = layout.board_lines * _WORDS_PER_LINE
+        n_slots = max((s for own in slots for s in own), default=-1) + 1
+
+        def block(which: int, dtype: Any) -> np.ndarray:
+            return np.frombuffer(self._map, dtype, n_words, layout.block(which))
+
+        self._requested = block(REQUESTS, np.int64)  # the parent's: the ordinal last asked of each env
+        self._env_times, self._answered_at = block(ENV_TIMES, np.float64), block(ANSWERED_AT, np.float64)
+        start = layout.block(ANSWERS)
+        self._answer_span = slice(start, start + n_words * 8)
+        start = layout.block(REQUESTS)
+        self._request_span = slice(start, start + n_words * 8)
+        #: The answer words as the parent took them (an ordinal served; negated when it came with a
+        #: notice, ``take_notice``), and the same ordinals unsigned: a step is in flight while its
+        #: ``taken`` word differs from its request (compared as bytes, a process's or all at once).
+        self._board_seen = np.zeros(n_words, np.int64)
+        self._board_taken = np.zeros(n_words, np.int64)
+        self._board_seen_bytes = self._board_taken_bytes = self._board_seen.tobytes()
+        self._asked_at = np.zeros(n_words)  # when each step in flight was asked (time.monotonic)
+        #: Per process: when it last answered a board step (its deadline counts from the later of
+        #: that and its oldest step in flight).
+        self._last_answer = np.zeros(len(slots))
+        #: Each slot's word, each word's slot (-1: padding) and process, each process's words and span.
+        self.slot_word = np.zeros(n_slots, np.int64)
+        self._word_slot = np.full(n_words, -1, np.int64)
+        self._word_process = np.zeros(n_words, np.int64)
+        self._board_words: list[np.ndarray] = []
+        self._spans: list[tuple[slice, slice]] = []  # (in the mapping, in ``_board_taken_bytes``)
+        for p, own in enumerate(slots):
+            words = [layout.board_word(p, local) for local in range(len(own))]
+            self.slot_word[list(own)] = words
+            self._word_slot[words] = own
+            self._word_process[words] = p
+            self._board_words.append(np.array(words, np.int64))
+            first = 8 * words[0] if words else 0
+            self._spans.append((slice(start + first, start + first + 8 * len(own)), slice(first, first + 8 * len(own))))
+        self._worker_words = np.array([layout.region(p) // 8 for p in range(len(slots))], np.int64)
+        self._worker_states = np.frombuffer(self._map, np.uint64)
+
+    def post_steps(self, words: np.ndarray, processes: np.ndarray, now: float) -> np.ndarray:
+        """Ask for a step of the envs at board ``words`` (``slot_word`` of their slots; their
+        actions already in shared memory), hosted by ``processes`` (distinct); returns those
+        owed a wake-up on their pipe (asleep, or spinning too briefly to see it)."""
+        requested = self._requested
+        ordinals = requested[words]
+        ordinals += 1
+        requested[words] = ordinals  # published (each word on its own: a worker takes what it sees)
+        self._asked_at[words] = now
+        state = self._worker_states[self._worker_words[processes]]  # unsigned: BUSY (-1) is the largest
+        sleepy = (state <= time.monotonic_ns() + MARGIN_NS).nonzero()[0]
+        return processes[sleepy] if sleepy.size else sleepy
+
+    def steps_answered(self) -> np.ndarray | None:
+        """The slots whose board steps were answered since the last look with all their results
+        in shared memory (raw), now taken; ``None`` if there are none (``timings`` has the rest).
+        Answers with a notice wait for it (``take_notice``). Look here before taking notices: a
+        notice is written before its answer word."""
+        snapshot = self._map[self._answer_span]
+        if snapshot == self._board_seen_bytes:  # the usual look: one compare of bytes
+            return None
+        if snapshot == self._map[self._request_span]:  # every step asked is answered, raw (lockstep's case)
+            words = (self._board_taken != self._requested).nonzero()[0]
+            self._board_seen[:] = self._requested
+            self._board_taken[:] = self._requested
+            self._board_seen_bytes = self._board_taken_bytes = snapshot
+            self._last_answer[self._word_process[words]] = time.monotonic()
+            return self._word_slot[words]
+        answers = np.frombuffer(snapshot, np.int64)
+        changed = (answers != self._board_seen).nonzero()[0]
+        ordinals = answers[changed]
+        raw = ordinals == self._requested[changed]
+        words, ordinals = changed[raw], ordinals[raw]
+        if not words.size:
+            return None
+        self._board_seen[words] = ordinals
+        self._board_taken[words] = ordinals
+        self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
+        self._last_answer[self._word_process[words]] = time.monotonic()
+        return self._word_slot[words]
+
+    def take_notice(self, p: int, words: list[int], ordinals: list[int], now: float) -> bool:
+        """A notice of process ``p`` answering the board steps of ``words`` (its envs') at
+        ``ordinals`` (infos or failures came with it): take those steps; ``False`` if it is stale
+        (an older step's, or of a replaced process)."""
+        requested, taken = self._requested, self._board_taken
+        for w, ordinal in zip(words, ordinals, strict=True):
+            if requested[w] != ordinal or taken[w] == ordinal:
+                return False
+        self._board_seen[words] = [-o for o in ordinals]
+        taken[words] = ordinals
+        self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), taken.tobytes()
+        self._last_answer[p] = now
+        return True
+
+    def timings(self, slot: int) -> tuple[float, float, float]:
+        """``(seconds in the env, answer posted at, step asked at)`` of ``slot``'s latest board
+        step (``time.monotonic``): valid from its answer until it is asked again."""
+        w = self.slot_word[slot]
+        return float(self._env_times[w]), float(self._answered_at[w]), float(self._asked_at[w])
+
+    def asked_at(self, slots: list[int]) -> np.ndarray:
+        """When the steps of ``slots`` were last asked (``time.monotonic``)."""
+        return self._asked_at[self.slot_word[slots]]
+
+    def busy(self, p: int) -> bool:
+        """Whether process ``p`` has a board step in flight (one compare of bytes)."""
+        in_mapping, in_taken = self._spans[p]
+        return self._map[in_mapping] != self._board_taken_bytes[in_taken]
+
+    def clock(self, p: int) -> float:
+        """When process ``p``'s deadline clock started: the later of its last board answer and
+        the ask of its oldest board step in flight (``time.monotonic``; only asked while ``busy``)."""
+        words = self._board_words[p]
+        flying = words[self._board_taken[words] != self._requested[words]]
+        oldest = float(self._asked_at[flying].min()) if flying.size else 0.0
+        return max(oldest, float(self._last_answer[p]))
+
+    def steps_in_flight(self, p: int) -> list[int]:
+        """The slots of process ``p`` with a board step in flight."""
+        words = self._board_words[p]
+        return self._word_slot[words[self._board_taken[words] != self._requested[words]]].tolist()
+
+    def cut_steps(self, p: int) -> list[int]:
+        """Take process ``p``'s board steps out of flight (it failed); their slots. Answers
+        that come for them later are stale."""
+        words = self._board_words[p]
+        flying = words[self._board_taken[words] != self._requested[words]]
+        self._board_seen[flying] = self._board_taken[flying] = self._requested[flying]
+        self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
+        return self._word_slot[flying].tolist()
+
     # -- the parent's word ---------------------------------------------------------------------
     def parent_busy(self) -> None:
         self._words[0] = BUSY
@@ -188,6 +386,8 @@ class Mailboxes:
     def close(self) -> None:
         """Unmap and close (the workers' mappings keep it alive until they end)."""
         self._words.release()
+        for name in ("_requested", "_env_times", "_answered_at", "_worker_states"):
+            setattr(self, name, None)
         try:
             self._map.close()
         except BufferError:  # a view still alive somewhere; the mapping goes with it
@@ -196,23 +396,37 @@ class Mailboxes:
 
 
 class WorkerMailbox:
-    """A worker's side: its own request and answer rings, and the parent's word."""
+    """A worker's side: its own request and answer rings, its envs' words on the step board,
+    and the parent's word."""
 
     def __init__(self, file: SharedFile, layout: MailboxLayout, p: int) -> None:
         self.layout, self.p = layout, p
         self._map = file.map(layout.nbytes)
         self._words = memoryview(self._map).cast("q")
+        self._floats = memoryview(self._map).cast("d")
         self._word = layout.region(p) // 8
         self._posted_at = layout.posted // 8 + p
         self._requests = [layout.request(p, k) for k in range(ENTRIES)]
         self._answers = [layout.answer(p, k) for k in range(ENTRIES)]
         self._taken = 0  # ordinal of the last request taken
         self._posted = 0  # ordinal of the last answer posted
+        # The board: this process's words in each block (in words from the mapping's start).
+        k = layout.envs[p]
+        first = layout.board_word(p, 0)
+        self._asked = [layout.block(REQUESTS) // 8 + first + i for i in range(k)]
+        self._ans = [layout.block(ANSWERS) // 8 + first + i for i in range(k)]
+        self._times = [layout.block(ENV_TIMES) // 8 + first + i for i in range(k)]
+        self._at = [layout.block(ANSWERED_AT) // 8 + first + i for i in range(k)]
+        self._asked_span = slice(self._asked[0] * 8, self._asked[0] * 8 + 8 * k)
+        #: The ordinals this process served (a replaced process's successor starts from what
+        #: its board holds: the parent took the old steps out of flight).
+        self._served = [self._words[w] for w in self._asked]
+        self._served_bytes = self._map[self._asked_span]
 
     def ready(self) -> bool:
-        """Whether the next request is published."""
+        """Whether the next request is published (in the ring or on the board)."""
         n = self._taken + 1
-        return self._words[self._requests[n % ENTRIES] // 8] == n
+        return self._words[self._requests[n % ENTRIES] // 8] == n or self._map[self._asked_span] != self._served_bytes
 
     def take(self) -> bytes | int | None:
         """The next request's bytes, :data:`ON_PIPE` when it is on the pipe, or ``None``."""
@@ -224,6 +438,38 @@ class WorkerMailbox:
         self._taken = n
         size = words[at // 8 + 1]
         return ON_PIPE if size == ON_PIPE else self._map[at + 16 : at + 16 + size]
+
+    def asked(self) -> bool:
+        """Whether the board asks for steps (one compare of bytes)."""
+        return self._map[self._asked_span] != self._served_bytes
+
+    def steps(self) -> tuple[list[int], list[int]]:
+        """The envs (local indices, ascending) the board asks to step, and their ordinals."""
+        if self._map[self._asked_span] == self._served_bytes:
+            return [], []
+        words, served = self._words, self._served
+        locals_, ordinals = [], []
+        for i, w in enumerate(self._asked):
+            ordinal = words[w]
+            if ordinal != served[i]:
+                locals_.append(i)
+                ordinals.append(ordinal)
+        return locals_, ordinals
+
+    def answer_steps(self, locals_: list[int], ordinals: list[int], env_times: Sequence[float], raw: bool) -> bool:
+        """Publish the answers of the board steps ``locals_`` (their results already written to
+        shared memory; with ``raw=False`` a notice carrying the rest was posted just before);
+        returns whether the parent may be asleep (a wake-up must follow on the queue)."""
+        words, floats, served = self._words, self._floats, self._served
+        now = time.monotonic()
+        for i, ordinal, seconds in zip(locals_, ordinals, env_times, strict=True):
+            floats[self._times[i]] = seconds
+            floats[self._at[i]] = now
+            words[self._ans[i]] = ordinal if raw else -ordinal  # published
+            served[i] = ordinal
+        self._served_bytes = _packed(served)  # (not the board's bytes: the parent may ask again already)
+        word = words[0]
+        return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
 
     def post(self, notice: bytes) -> bool | None:
         """Publish an answer notice; ``None`` when it does not fit (the step queue takes it),
@@ -241,6 +487,11 @@ class WorkerMailbox:
         word = words[0]
         return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
 
+    @property
+    def spin_allowed(self) -> bool:
+        """Whether the parent lets workers spin for their next request (beyond the margin)."""
+        return self._words[1] != 0
+
     # -- the worker's word ---------------------------------------------------------------------
     def busy(self) -> None:
         self._words[self._word] = BUSY
@@ -253,7 +504,12 @@ class WorkerMailbox:
 
     def close(self) -> None:
         self._words.release()
+        self._floats.release()
         try:
             self._map.close()
         except BufferError:
             pass
+
+
+def _packed(values: list[int]) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)

@@ -51,6 +51,7 @@ __all__ = [
     "Rebuild",
     "Ready",
     "Stepped",
+    "StepsAnswer",
     "Values",
     "EnvFunction",
 ]
@@ -191,6 +192,17 @@ class Stepped(NamedTuple):
                 and self.info_columns is None)
 
 
+class StepsAnswer(NamedTuple):
+    """A worker's notice for steps the step board asked for (``envmanager.wire.mailbox``) whose
+    answer is more than shared memory holds (infos, failures): the envs (local indices) and the
+    ordinals they were asked at, and the rest as a :class:`Stepped` (one entry per env, in that
+    order). Its answer words go up after it, negated: the parent files the steps from this."""
+
+    locals: tuple[int, ...]
+    ordinals: tuple[int, ...]
+    stepped: Stepped
+
+
 class Values(NamedTuple):
     """The answer to CALL, GET_ATTR, SET_ATTR and ATTACH: one value per local env."""
 
@@ -273,6 +285,22 @@ def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, PICKLED), dumps(message)
 
 
+#: The sequence number of a notice answering board steps (requests start at 1; READY is 0 too).
+BOARD_SEQ = 0
+
+
+def encode_steps_answer(index: int, posted_at: float, answer: StepsAnswer) -> tuple[bytes, bytes]:
+    """``(header, payload)`` of a :class:`StepsAnswer` notice: a STEP with :data:`BOARD_SEQ`,
+    its payload the bare tuples (see ``encode_answer``)."""
+    locals_, ordinals, stepped = answer
+    return NOTICE_HEADER.pack(Cmd.STEP, index, BOARD_SEQ, posted_at, PICKLED), dumps((locals_, ordinals, tuple(stepped)))
+
+
+def decode_steps_answer(payload: memoryview | bytes) -> StepsAnswer:
+    locals_, ordinals, stepped = pickle.loads(payload)
+    return _new(StepsAnswer, (locals_, ordinals, _new(Stepped, stepped)))
+
+
 class EnvironmentResponse(NamedTuple):
     """An answer as taken off the step queue; ``payload`` is still encoded (see ``decode_answer``)."""
 
@@ -321,6 +349,12 @@ def on_pipe_notice(header: bytes) -> bytes:
 
 #: The lanes mask of a request that occupies its whole process (calls, attach, start-up).
 ALL_LANES = 0xFF
+
+
+def lanes_of(envs_per_process: list[int], double_buffer: bool) -> list[int]:
+    """Each slot's lane as a bit mask: 1; double buffered, 1 for the first half of its
+    process's envs and 2 for the second."""
+    return [1 << (local * 2 // k) if double_buffer else 1 for k in envs_per_process for local in range(k)]
 
 
 class EnvironmentRequest(NamedTuple):

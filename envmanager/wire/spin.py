@@ -1,8 +1,12 @@
-"""How long a waiter spins before it blocks: bounded, and backing off when spins catch nothing.
+"""How long a waiter spins before it blocks: bounded, sized from the waits it sees, and backing
+off when spins catch nothing.
 
 A spin pays only where the spinner has a core of its own and the thing it waits for usually
 comes within the spin: a blocked process wakes tens of microseconds after it is signalled (and
-the one signalling it pays for the wake-up in its ``write``). A spin that never catches
+the one signalling it pays for the wake-up in its ``write``). So the spin is sized from the
+measured waits, not fixed: about twice the typical wait (a running average of how long the
+messages took to come, ``waited``), at most ``spin_s``; where the typical wait is longer than
+that, a wake-up costs little next to it and only the floor is spun. A spin that never catches
 anything only burns the core, so after a spin that caught nothing the next ``1, 2, 4, ...``
 waits (up to :data:`MAX_SPIN_SKIP`) skip it; one that catches ends the back-off.
 
@@ -14,10 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["SpinPolicy", "MAX_SPIN_SKIP"]
+__all__ = ["SpinPolicy", "MAX_SPIN_SKIP", "SPIN_FACTOR"]
 
 #: The most waits that skip their spin after spins in a row caught nothing.
 MAX_SPIN_SKIP = 64
+#: A sized spin covers this many times the typical wait.
+SPIN_FACTOR = 2.0
+_AVERAGE = 1 / 8  # weight of each new wait in the running average
 
 
 class SpinPolicy:
@@ -26,22 +33,32 @@ class SpinPolicy:
     ``spin(ready, limit)`` runs one wait's spin: calls ``ready()`` until it is true, the spin's
     budget is spent or ``limit`` seconds have passed; returns what ``ready()`` last said.
     ``floor_s``: the spin a wait never goes below, even backing off (the mailbox's margin).
+    ``sized``: spin :data:`SPIN_FACTOR` times the typical wait (``waited``), capped at
+    ``spin_s``; else always ``spin_s``.
     """
 
-    def __init__(self, spin_s: float, floor_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, spin_s: float, floor_s: float = 0.0, clock: Callable[[], float] = time.perf_counter,
+                 sized: bool = False) -> None:
         self.spin_s = spin_s
         self.floor_s = floor_s
         self.clock = clock
+        self.sized = sized
+        #: The running average of the waits (seconds), ``None`` before the first.
+        self.typical: float | None = None
         self._skip = 0  # waits left that skip their spin
         self._backoff = 1  # how many the next spin that catches nothing makes skip
 
     def budget(self) -> tuple[float, bool]:
-        """This wait's spin and whether it is a full one: ``spin_s``, or ``floor_s`` while
-        backing off (which counts the wait)."""
+        """This wait's spin and whether it is a full one: ``spin_s`` (or the sized spin), or
+        ``floor_s`` while backing off (which counts the wait)."""
         if self._skip > 0:
             self._skip -= 1
             return self.floor_s, False
-        return max(self.spin_s, self.floor_s), True
+        spin = self.spin_s
+        if self.sized and self.typical is not None:
+            wanted = SPIN_FACTOR * self.typical
+            spin = wanted if wanted <= spin else 0.0  # waits this long: a wake-up costs little next to them
+        return max(spin, self.floor_s), True
 
     def caught(self, caught: bool) -> None:
         """Record what a full spin found."""
@@ -49,6 +66,11 @@ class SpinPolicy:
             self._backoff = 1
         else:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SPIN_SKIP)
+
+    def waited(self, seconds: float) -> None:
+        """Record how long a wait took until its message came (spinning or blocked)."""
+        typical = self.typical
+        self.typical = seconds if typical is None else typical + _AVERAGE * (seconds - typical)
 
     def spin(self, ready: Callable[[], bool], limit: float) -> bool:
         """One wait's spin (see the class doc). What is ready at once costs no spin and leaves

@@ -62,9 +62,10 @@ class StepQueue:
         self.mailboxes: Mailboxes | None = None
 
     def set_spin(self, spin_s: float) -> None:
-        """Spin up to ``spin_s`` seconds per wait before blocking (0: never)."""
+        """Spin up to ``spin_s`` seconds per wait before blocking (0: never), about twice as long
+        as answers typically take to come (``SpinPolicy``, sized)."""
         floor = MARGIN_NS * 1e-9 if self.mailboxes is not None else 0.0
-        self.spin = SpinPolicy(spin_s, floor) if spin_s > 0 or floor > 0 else None
+        self.spin = SpinPolicy(spin_s, floor, sized=True) if spin_s > 0 or floor > 0 else None
 
     # -- waiting (parent side) --------------------------------------------------------------
     def watch(self, conns: list[Connection], sentinels: list[int]) -> None:
@@ -82,14 +83,14 @@ class StepQueue:
         mailbox it polls the pipe only every :data:`POLL_INTERVAL_S` (for ended processes and
         the answers too big for the mailbox)."""
         box = self.mailboxes
-        if box is not None and box.waiting():
+        if box is not None:
+            if timeout > 0 and not box.waiting():  # the spin looks at the pipe first thing
+                return self._spin_then_block(timeout)
             now = self.clock()
             if now < self._next_poll:
                 return []
             self._next_poll = now + POLL_INTERVAL_NS
             return self._ended(self._poller.poll(0))
-        if box is not None and timeout > 0:  # the spin looks at the pipe first thing
-            return self._spin_then_block(timeout)
         events = self._poller.poll(0)
         if events or timeout <= 0:
             return self._ended(events)
@@ -133,8 +134,11 @@ class StepQueue:
                 box.parent_sleeping()
             if box is None or not box.waiting():  # the last look after saying SLEEPING: then block
                 events = poll(_ms(left))
+            found = bool(events) or (box is not None and box.waiting())
         if box is not None:
             box.parent_busy()
+        if found:  # how long answers take to come sizes the next spins
+            spin.waited((clock() - start) * 1e-9)
         return self._ended(events)
 
     def _ended(self, events: list) -> list[int]:

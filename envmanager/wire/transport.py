@@ -26,7 +26,14 @@ from typing import Any, cast
 
 from envmanager.wire.mailbox import MARGIN_NS, WAKE, WorkerMailbox
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.messages import EnvironmentResponse, decode_notice, decode_request_header
+from envmanager.wire.messages import (
+    EnvironmentResponse,
+    Stepped,
+    StepsAnswer,
+    decode_notice,
+    decode_request_header,
+    encode_steps_answer,
+)
 from envmanager.wire.spin import SpinPolicy
 from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
 
@@ -143,35 +150,45 @@ class QueueLink(WorkerLink):
 
 class MailboxLink(QueueLink):
     """Worker side of the step queue with a mailbox (``envmanager.wire.mailbox``): requests
-    taken from the ring in the order sent (those on the pipe where the ring says so), answers
-    posted to the ring, the pipes written only to wake a sleeping parent or for what does not
-    fit. ``read`` spins on the ring (at least the mailbox's margin), then blocks on the pipe."""
+    taken from the ring in the order sent (those on the pipe where the ring says so), steps
+    from the step board, answers posted to the ring or the board, the pipes written only to wake
+    a sleeping parent or for what does not fit. ``read`` spins on the ring and the board (at
+    least the mailbox's margin; beyond it only while the parent allows, as long as the
+    parent's turnarounds typically take: ``SpinPolicy``, sized, at most ``spin_s``), then blocks
+    on the pipe."""
 
     def __init__(self, conn: Connection, queue_writer: Connection, spin_s: float, box: WorkerMailbox) -> None:
         super().__init__(conn, queue_writer)
         self.box = box
-        self.ring_spin = SpinPolicy(spin_s, MARGIN_NS * 1e-9)
+        self.ring_spin = SpinPolicy(spin_s, MARGIN_NS * 1e-9, sized=True)
         self._stash: bytes | None = None  # a request read off the pipe before the ring named it
+        self._answered_ns = 0  # when the last answer went out (0: a request came since)
 
-    def read(self) -> bytes:
+    def read(self) -> bytes | None:  # type: ignore[override]
+        """The next request, or ``None`` when the step board asks for steps (``steps``)."""
         box = self.box
         while True:
             got = box.take()
-            if got is None:
+            if got is None and not box.asked():
                 closing = self._wait()
                 if closing is not None:
                     return closing
                 continue
+            if self._answered_ns:  # the parent's turnaround, as this worker saw it: sizes the spin
+                self.ring_spin.waited((time.monotonic_ns() - self._answered_ns) * 1e-9)
+                self._answered_ns = 0
+            if got is None:
+                return None
             if type(got) is int:  # ON_PIPE: the request itself is the next frame on the pipe
                 frame, self._stash = self._stash, None
                 return frame if frame is not None else self._next_frame()
             return got  # type: ignore[return-value]
 
     def _wait(self) -> bytes | None:
-        """Spin on the ring, then sleep on the pipe; ``None`` once there may be a request in
-        the ring (look again), or a CLOSE read off the pipe."""
+        """Spin on the ring and the board, then sleep on the pipe; ``None`` once there may be a
+        request (look again), or a CLOSE read off the pipe."""
         box, spin = self.box, self.ring_spin
-        budget, full = spin.budget()
+        budget, full = spin.budget() if box.spin_allowed else (spin.floor_s, False)
         clock = time.monotonic_ns
         until = clock() + max(int(budget * 1e9), MARGIN_NS)
         box.spinning(until)
@@ -205,9 +222,26 @@ class MailboxLink(QueueLink):
     def post(self, header: bytes, payload: bytes) -> None:
         notice = header + payload
         wake = self.box.post(notice)
+        self._answered_ns = time.monotonic_ns()
         if wake is None:  # too big for the ring
             StepQueue.post(self.queue_fd, self.conn, header, payload)
         elif wake:
+            write_frame(self.queue_fd, WAKE)
+
+    def answer_steps(self, locals_: list[int], ordinals: list[int], stepped: Stepped, index: int) -> None:
+        """Answer the board's steps of ``locals_`` (asked at ``ordinals``), their results written
+        to shared memory: on the board alone when that is all (``stepped`` is raw), else after a
+        notice carrying the rest (a :class:`StepsAnswer`)."""
+        raw = not stepped[1] and not stepped[2] and stepped[3] is None and stepped[4] is None and stepped[5] is None
+        if not raw:
+            answer = StepsAnswer(tuple(locals_), tuple(ordinals), stepped)
+            header, payload = encode_steps_answer(index, time.monotonic(), answer)
+            notice = header + payload
+            if self.box.post(notice) is None:  # too big for the ring (the board's word below wakes the parent)
+                StepQueue.post(self.queue_fd, self.conn, header, payload)
+        wake = self.box.answer_steps(locals_, ordinals, stepped.env_times, raw)
+        self._answered_ns = time.monotonic_ns()
+        if wake:
             write_frame(self.queue_fd, WAKE)
 
 

@@ -28,18 +28,22 @@ from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
 )
 from envmanager.wire.messages import (
+    Step,
+    Stepped,
     decode_request,
     decode_request_header,
     encode_answer,
+    lanes_of,
 )
 from envmanager.wire.shm import SharedFile
-from envmanager.wire.transport import link_for
+from envmanager.wire.transport import MailboxLink, link_for
 from envmanager.worker.envs import WorkerEnvs, remote_exception
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
 PARENT_CHECK_INTERVAL = 0.5  # seconds between checks that the parent is still alive
 EXIT_GRACE = 5.0  # seconds a worker whose parent died gets to close its envs
+_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per request)
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,9 @@ class WorkerSpec:
     factory: bytes  # cloudpickled ``env_factory(worker_id) -> env``
     autoreset_mode: str
     parent_pid: int
-    spin_s: float = 0.0  # seconds to spin for the next command before blocking on the pipe
+    spin_s: float = 0.0  # at most this many seconds spun for the next command before blocking on the pipe
     info_columns: bool = False  # the parent batches infos: send them as columns where they fit
+    double_buffer: bool = False  # its envs form two lanes, answered one after the other
 
 
 #: The worker's half of every command: request message -> answer message.
@@ -111,8 +116,12 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         finally:
             envs.unmark()
         post(Cmd.READY, 0, ready)
+        lanes = lanes_of([len(spec.env_ids)], spec.double_buffer)
         while True:
             data = link.read()  # spins first where the worker has a core of its own (spec.spin_s)
+            if data is None:  # the step board asks for steps (the mailbox's link only)
+                serve_steps(envs, link, lanes, spec.index)
+                continue
             cmd, seq, form = decode_request_header(data)
             if cmd is Cmd.CLOSE:
                 break
@@ -142,6 +151,27 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             link.farewell(header + payload)
         except Exception:
             pass
+
+
+def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: int) -> None:
+    """The worker's half of the step board's steps (the parent's: ``WorkerPool.post_steps``):
+    step every env it asks for, their actions in shared memory, one lane at a time, and answer
+    each lane as soon as its results are in shared memory (double buffered, the parent turns
+    one lane around while the other steps)."""
+    locals_, ordinals = link.box.steps()
+    first = lanes[locals_[0]]
+    groups = [(locals_, ordinals)]
+    if lanes[locals_[-1]] != first:  # both lanes asked: the first one's answer goes first
+        cut = next(n for n, i in enumerate(locals_) if lanes[i] != first)
+        groups = [(locals_[:cut], ordinals[:cut]), (locals_[cut:], ordinals[cut:])]
+    for own, asked in groups:
+        try:
+            stepped = envs.step(_new(Step, (tuple(own), None)))
+        except Exception as exc:  # (envs.step reports an env's own error per env; this is anything else)
+            failure = remote_exception(envs.current, exc)
+            stepped = Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure))
+        envs.unmark()
+        link.answer_steps(own, asked, stepped, index)
 
 
 def _default_fatal_signals() -> None:
