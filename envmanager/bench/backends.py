@@ -267,10 +267,13 @@ def run_envpool(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick)
     """
     import envpool
 
+    task = scenario.envpool_id
+    assert task is not None, "envpool runs only scenarios with an envpool_id (_envpool_unavailable)"
+
     def make() -> Any:
         with warnings.catch_warnings():  # envpool's spaces warn about float precision
             warnings.simplefilter("ignore")
-            return envpool.make_gymnasium(scenario.envpool_id, num_envs=scenario.n_env, seed=0,
+            return envpool.make_gymnasium(task, num_envs=scenario.n_env, seed=0,
                                           **dict(scenario.envpool_kwargs))
 
     def reset(env: Any) -> None:
