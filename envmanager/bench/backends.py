@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from envmanager.bench import peers
 from envmanager.bench.common import START_METHOD, Progress, Tick, cores, env_fns, lockstep, worker_cores
 from envmanager.bench.scenarios import Scenario, env_columns
 
-__all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
+__all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "backends_for", "cores"]
 
 #: What ``envs_per_worker="auto"`` chose, by scenario name (the last run of ``envmanager-auto``).
 AUTO_CHOICES: dict[str, int] = {}
@@ -472,3 +472,14 @@ BACKENDS: dict[str, Backend] = {
 DEFAULT_BACKENDS = tuple(BACKENDS)
 
 NOT_APPLICABLE = "not applicable"  # how the reasons of backends that do not fit a scenario start
+
+
+def backends_for(scenario: Scenario, backends: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The backends a run of ``scenario`` tries: ``backends``, or with none named its own
+    contenders (``scenario.backends``) or every backend; and those left out, with why."""
+    if backends is not None:
+        return list(backends), {}
+    if scenario.backends is None:
+        return list(DEFAULT_BACKENDS), {}
+    why = f"{NOT_APPLICABLE}: not one of {scenario.group or scenario.name}'s contenders (name it with --backends)"
+    return list(scenario.backends), {b: why for b in DEFAULT_BACKENDS if b not in scenario.backends}
