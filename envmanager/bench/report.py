@@ -177,6 +177,8 @@ def format_targets(found: Sequence[Target], where: dict[str, Any] | None = None,
     backend = max(22, *(len(t.backend) + 1 for t in found))
     for t in found:
         value = "-" if t.value is None else f"{t.value:.2f}"
+        if t.value is not None and not t.met and float(value) >= t.threshold:  # 0.4996 is no 0.50
+            value = f"{t.value:.4f}"
         mark = "met" if t.met else "MISSED" if t.value is not None else f"NOT MEASURED: {t.why_not}"
         lines.append(f"{t.scenario:<{width}}{t.what:<{wide}}{t.backend:<{backend}}{value:>7}"
                      f"  (target >= {t.threshold:g})  {mark}")
