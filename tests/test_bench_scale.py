@@ -287,6 +287,10 @@ def test_targets_list_every_one_met_missed_or_not_measured():
     assert sum("NOT MEASURED: " in line for line in text) == sum(t.value is None for t in found)
     assert sum(line.endswith("  met") for line in text) == sum(t.met for t in found)
     assert "not a git checkout" in describe_machine({**where, "git": None})
+    from envmanager.bench.runner import Target
+
+    close = format_targets([Target("scale-20us", "w", "b", 0.4996, 0.5)])  # never shown as 0.50 and missed
+    assert "0.4996  (target >= 0.5)  MISSED" in close
 
 
 def test_a_limit_that_fails_is_reported_and_its_targets_not_measured():
