@@ -9,9 +9,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from envmanager.bench import BACKENDS, DEFAULT_BACKENDS, SCENARIOS, cores, run_benchmark, targets
+from envmanager.bench import BACKENDS, SCENARIOS, cores, run_benchmark, targets
 from envmanager.bench.report import (
     PLOT_EXTRA,
+    format_fractions,
     format_sweep,
     format_table,
     format_targets,
@@ -21,7 +22,8 @@ from envmanager.bench.report import (
     write_json,
     write_plot,
 )
-from envmanager.bench.scenarios import GROUPS, pinned
+from envmanager.bench.scale import regime_note
+from envmanager.bench.scenarios import GROUPS, SCALE_PER_CORE, Scenario, pinned, scale
 
 NOTES = (
     "notes: steps/s = env-steps per second of the timed loop (start-up, reset and close not timed);\n"
@@ -30,6 +32,8 @@ NOTES = (
     "envpool steps its own C++ envs in threads of this process. Other load on the machine\n"
     "(see the load average) widens the min-best spread: compare medians, rerun when in doubt.\n"
     "tianshou's vector envs do not autoreset: finished envs are reset in the timed loop.\n"
+    "scale and cycle run their own contenders unless --backends names others (the drop-ins as users get\n"
+    "them and every peer; the cycle's one-env and two-lane contenders).\n"
     "PufferLib's parent and workers busy-wait: on cores they share, the spinning takes CPU from the envs."
 )
 
@@ -84,16 +88,27 @@ def chosen_scenarios(requested: list[str]) -> list[str]:
     return [n for n, s in SCENARIOS.items() if n in wanted or ("all" in requested and s.in_all)]
 
 
+def _scenario(name: str, args: argparse.Namespace) -> Scenario:
+    """``name``'s scenario as the options make it: ``--num-envs`` (scale), ``--pin``."""
+    scenario = SCENARIOS[name]
+    if args.num_envs is not None and scenario.group == "scale":
+        scenario = scale(name, args.num_envs)
+    return pinned(scenario) if args.pin else scenario
+
+
 def bench(args: argparse.Namespace) -> int:
     problem = output_problem(args)
-    if problem:
-        print(f"envmanager bench: {problem}", file=sys.stderr)
-        return 2
     # In the canonical order whatever the order given: unity (gRPC in this process) comes last,
     # after every backend that forks this process.
     names = chosen_scenarios(args.scenario)
+    if not problem and args.num_envs is not None and not any(SCENARIOS[n].group == "scale" for n in names):
+        problem = "--num-envs applies to the scale scenarios only (--scenario scale, scale-200us, ...)"
+    if problem:
+        print(f"envmanager bench: {problem}", file=sys.stderr)
+        return 2
+    backends: list[str] | None
     if args.backends is None:
-        backends = list(DEFAULT_BACKENDS)
+        backends = None  # each scenario's own contenders, or every backend
     elif "all" in args.backends:
         backends = list(BACKENDS)
     else:
@@ -104,7 +119,7 @@ def bench(args: argparse.Namespace) -> int:
         + (f"; load average {load[0]:.2f}" if load else "")
     )
     results = run_benchmark(
-        [pinned(SCENARIOS[n]) if args.pin else SCENARIOS[n] for n in names], backends,
+        [_scenario(n, args) for n in names], backends,
         steps=args.steps or None, repeats=args.repeats,
         progress=_progress(not args.no_progress), seed=args.seed, warmup=not args.no_warmup,
     )
@@ -117,7 +132,13 @@ def bench(args: argparse.Namespace) -> int:
         if sweep:
             print()
             print(sweep)
-    summary = format_targets(targets(results)) if args.targets else ""
+    for group in ("scale", "cycle"):
+        summary = format_fractions(results, group)
+        if summary:
+            print()
+            print(summary)
+    note = regime_note(results)
+    summary = format_targets(targets(results), meta["machine"], [note] if note else []) if args.targets else ""
     if summary:
         print()
         print(summary)
@@ -184,15 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--scenario", nargs="+", choices=[*SCENARIOS, *GROUPS, "all"], default=["cartpole"], metavar="SCENARIO",
-        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*), "
+        help=f"one or more of {', '.join([*SCENARIOS, *GROUPS])} (sweep = every sweep-*, pinned = every pinned-*, "
+             "scale = every scale-*, cycle = every cycle-*), "
              "or all (every one but unity-trainer-scale, whose setups unity-trainer runs; default: cartpole)",
     )
     b.add_argument(
         "--backends", nargs="+", choices=[*BACKENDS, "all"], default=None, metavar="BACKEND",
-        help=f"one or more of {', '.join(BACKENDS)}, or all (default: all; "
-        "those unavailable or not applicable are skipped with the reason)",
+        help=f"one or more of {', '.join(BACKENDS)}, or all (default: all, or a scenario's own contenders: "
+        "scale, cycle; those unavailable or not applicable are skipped with the reason)",
     )
     b.add_argument("--steps", type=_positive, default=None, help="env-steps per repeat (default: per scenario)")
+    b.add_argument("--num-envs", type=_positive, default=None, metavar="N",
+                   help=f"envs of the scale scenarios (default: {SCALE_PER_CORE} x the usable cores, "
+                   f"{SCALE_PER_CORE * cores()} here)")
     b.add_argument("--repeats", type=_positive, default=3, help="timed repeats per backend (default: 3)")
     b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
     b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")

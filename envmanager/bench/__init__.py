@@ -4,7 +4,10 @@ Every backend in a run steps the same environments with the same (seeded) action
 are reported as ratios against gymnasium's vector envs measured in the same run.
 
 * :mod:`~envmanager.bench.scenarios`: the workloads (``cartpole``, ``many``, ``cpu``,
-  ``uneven``, the ``sweep`` of CPU costs, ``atari``, ``mujoco``, ``unity``);
+  ``uneven``, the ``sweep`` of CPU costs, ``atari``, ``mujoco``, ``pinned``, ``scale``, ``cycle``,
+  ``unity``);
+* :mod:`~envmanager.bench.limit`: ``scale``'s limit, processes stepping one env each, together;
+  :mod:`~envmanager.bench.scale`: the ``scale`` and ``cycle`` targets, every one listed;
 * :mod:`~envmanager.bench.backends`: the contenders (ours in several stepping styles and
   ``envs_per_worker="auto"``, gymnasium, Stable-Baselines3, EnvPool), each skipped with a
   reason when unavailable; :mod:`~envmanager.bench.peers`: tianshou, TorchRL and PufferLib;

@@ -1,4 +1,5 @@
-"""The contenders of ``envmanager bench``: ours in five stepping styles, and our peers.
+"""The contenders of ``envmanager bench``: ours in several stepping styles (and the drop-ins as
+users get them), and our peers.
 
 A backend's ``run(scenario, steps, actions, tick)`` builds the envs, resets them with seed 0,
 steps at least ``steps`` env-steps, calls ``tick(n)`` now and then (in chunks, never per step)
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from envmanager.bench import peers
 from envmanager.bench.common import START_METHOD, Progress, Tick, cores, env_fns, lockstep, worker_cores
 from envmanager.bench.scenarios import Scenario, env_columns
 
-__all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "cores"]
+__all__ = ["Backend", "BACKENDS", "DEFAULT_BACKENDS", "backends_for", "cores"]
 
 #: What ``envs_per_worker="auto"`` chose, by scenario name (the last run of ``envmanager-auto``).
 AUTO_CHOICES: dict[str, int] = {}
@@ -202,6 +203,28 @@ def run_vector(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) 
     )
 
 
+def run_vector_default(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """The drop-in ``envmanager.AsyncVectorEnv(fns)`` as users get it (``envs_per_worker`` and
+    ``double_buffer`` left at their defaults), ``step(actions)`` in lockstep."""
+    import envmanager
+
+    return _run_vector(scenario, steps, actions, tick,
+                       lambda: envmanager.AsyncVectorEnv(env_fns(scenario), context=START_METHOD))
+
+
+def run_sb3_drop_in(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick) -> tuple[int, float]:
+    """The SB3 drop-in ``envmanager.sb3.SubprocVecEnv(fns)`` as users get it (its defaults but
+    the start method, :data:`START_METHOD` as for every backend), ``step(actions)``."""
+    from envmanager.sb3 import SubprocVecEnv
+
+    def reset(env: Any) -> None:
+        env.seed(0)
+        env.reset()
+
+    return _run_vector(scenario, steps, actions, tick,
+                       lambda: SubprocVecEnv(env_fns(scenario), start_method=START_METHOD), reset)
+
+
 # ---------------------------------------------------------------------------------------------
 # Peers
 
@@ -267,10 +290,13 @@ def run_envpool(scenario: Scenario, steps: int, actions: np.ndarray, tick: Tick)
     """
     import envpool
 
+    task = scenario.envpool_id
+    assert task is not None, "envpool runs only scenarios with an envpool_id (_envpool_unavailable)"
+
     def make() -> Any:
         with warnings.catch_warnings():  # envpool's spaces warn about float precision
             warnings.simplefilter("ignore")
-            return envpool.make_gymnasium(scenario.envpool_id, num_envs=scenario.n_env, seed=0,
+            return envpool.make_gymnasium(task, num_envs=scenario.n_env, seed=0,
                                           **dict(scenario.envpool_kwargs))
 
     def reset(env: Any) -> None:
@@ -400,8 +426,9 @@ BACKENDS: dict[str, Backend] = {
                 "the parent's, double buffered", ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-lockstep", run_lockstep, "SubprocessEnvManager, waiting for all envs each step",
                 ours=True, lockstep=True, unavailable=_gym_envs_only, unity=_unity("run_lockstep")),
-        Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2",
-                ours=True, unavailable=_gym_envs_only),
+        Backend("envmanager-batch", run_partial_batch, "envmanager.AsyncVectorEnv, batch_size = n_env // 2, send/recv "
+                "(envs_per_worker and double_buffer at their defaults, as users get it)", ours=True,
+                unavailable=_gym_envs_only),
         Backend("envmanager-batchlevel", run_batch_level, "the core's batch level (send_batch / receive_batch), "
                 "first-ready, n_env // cores envs/worker", ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-db", run_double_buffered, "the batch level, first-ready, n_env // cores envs/worker, "
@@ -410,6 +437,11 @@ BACKENDS: dict[str, Backend] = {
                 "n_env // cores envs/worker, double buffered", ours=True, unavailable=_gym_envs_only),
         Backend("envmanager-vector", run_vector, "envmanager.AsyncVectorEnv, step(actions) in lockstep, "
                 "n_env // cores envs/worker", ours=True, lockstep=True, unavailable=_gym_envs_only),
+        Backend("envmanager-vector-default", run_vector_default, "envmanager.AsyncVectorEnv(fns), step(actions) in "
+                "lockstep: the drop-in as users get it (envs_per_worker and double_buffer at their defaults)",
+                ours=True, lockstep=True, unavailable=_gym_envs_only),
+        Backend("envmanager-sb3", run_sb3_drop_in, "envmanager.sb3.SubprocVecEnv(fns), step(actions): the SB3 drop-in "
+                "as users get it", ours=True, lockstep=True, unavailable=lambda s: _gym_envs_only(s) or _sb3_unavailable(s)),
         Backend("gym.SyncVectorEnv", run_gym_sync, "gymnasium SyncVectorEnv (in process)",
                 lockstep=True, unavailable=_gym_envs_only),
         Backend("gym.AsyncVectorEnv", run_gym_async, "gymnasium AsyncVectorEnv (shared memory)",
@@ -440,3 +472,14 @@ BACKENDS: dict[str, Backend] = {
 DEFAULT_BACKENDS = tuple(BACKENDS)
 
 NOT_APPLICABLE = "not applicable"  # how the reasons of backends that do not fit a scenario start
+
+
+def backends_for(scenario: Scenario, backends: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The backends a run of ``scenario`` tries: ``backends``, or with none named its own
+    contenders (``scenario.backends``) or every backend; and those left out, with why."""
+    if backends is not None:
+        return list(backends), {}
+    if scenario.backends is None:
+        return list(DEFAULT_BACKENDS), {}
+    why = f"{NOT_APPLICABLE}: not one of {scenario.group or scenario.name}'s contenders (name it with --backends)"
+    return list(scenario.backends), {b: why for b in DEFAULT_BACKENDS if b not in scenario.backends}

@@ -8,11 +8,13 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envmanager.bench import pinning
-from envmanager.bench.scenarios import Scenario
 from envmanager.core.platforms import default_start_method
+
+if TYPE_CHECKING:  # scenarios imports ``cores`` from here
+    from envmanager.bench.scenarios import Scenario
 
 __all__ = ["START_METHOD", "Tick", "Progress", "RunStats", "LAST_RUN", "cores", "worker_cores", "env_fns", "lockstep"]
 
@@ -32,8 +34,11 @@ def cores() -> int:
 
 
 def worker_cores(scenario: Scenario) -> int:
-    """The cores the workers run on: every usable one, or all but the parent's when pinned."""
-    return cores() - 1 if scenario.pin else cores()
+    """The cores the workers run on: every usable one, or all but the parent's when pinned (at
+    most ``scenario.pin_workers`` of them, where it says)."""
+    if not scenario.pin:
+        return cores()
+    return cores() - 1 if scenario.pin_workers is None else min(cores() - 1, scenario.pin_workers)
 
 
 class RunStats:

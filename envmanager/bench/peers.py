@@ -59,7 +59,8 @@ def _run_tianshou(scenario: Scenario, steps: int, actions: np.ndarray, tick: Cal
     n, rows = scenario.n_env, len(actions)
     progress = Progress(tick, scenario, steps)
     # ShmemVectorEnv is SubprocVectorEnv(share_memory=True) without a ``context`` argument
-    env = SubprocVectorEnv(env_fns(scenario), share_memory=share_memory, context=START_METHOD)
+    context: Any = START_METHOD  # tianshou 2 types it Literal["fork", "spawn"]; ours is a platform's default
+    env = SubprocVectorEnv(env_fns(scenario), share_memory=share_memory, context=context)
     try:
         env.seed(0)  # env i gets seed i, as everywhere else
         env.reset()

@@ -42,10 +42,12 @@ def unavailable() -> str | None:
     return None
 
 
-def plan() -> Pinning:
-    """The parent on the first usable core, the workers on the others."""
+def plan(workers: int | None = None) -> Pinning:
+    """The parent on the first usable core, the workers on the others (``workers``: on only that
+    many of them, the next ones: the ``cycle`` scenarios' one worker core)."""
     cores = sorted(os.sched_getaffinity(0))
-    return Pinning(frozenset(cores[:1]), frozenset(cores[1:]), frozenset(cores))
+    rest = cores[1:] if workers is None else cores[1:1 + workers]
+    return Pinning(frozenset(cores[:1]), frozenset(rest), frozenset(cores))
 
 
 def _set(pid: int, cores: frozenset[int]) -> None:

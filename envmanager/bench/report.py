@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -15,16 +16,22 @@ from typing import Any
 
 from envmanager.bench.backends import AUTO_CHOICES, BACKENDS, NOT_APPLICABLE, envs_per_worker_for
 from envmanager.bench.common import cores, worker_cores
+from envmanager.bench.limit import LIMIT_SECONDS
 from envmanager.bench.peers import pufferlib_layout
 from envmanager.bench.runner import ScenarioResult, Target, targets
+from envmanager.bench.scale import regime, regime_note
 from envmanager.extras import install_command, requires_extra
 
 __all__ = [
     "PLOT_EXTRA",
+    "format_fractions",
     "format_sweep",
     "format_table",
     "format_targets",
     "load_average",
+    "fractions",
+    "machine",
+    "describe_machine",
     "metadata",
     "plot_unavailable",
     "sweep_fractions",
@@ -70,13 +77,17 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
             value = ratios[c].get(name)
             row += f"{'-' if value is None else f'{value:.2f}x':>{widths[c]}}"
         lines.append(row)
-    if result.limit is not None:
+    if result.limit is not None and s.limit_processes:
+        lines.append(_processes_limit(result, width))
+    elif result.limit is not None:
         rate = sorted(result.single_env_rate)[len(result.single_env_rate) // 2]
         where = f"{worker_cores(s)} worker cores (the parent pinned to a core of its own)" if s.pin else f"{cores()} cores"
         lines.append(
             f"{'limit':<{width}}{_rate(result.limit):>12}   = min({where}, {s.n_env} envs)"
             f" x {_rate(rate)} steps/s of one env in process"
         )
+    if result.limit_failed:
+        lines.append(f"   the limit FAILED: {result.limit_failed}")
     if result.references:
         n = s.reference_n_env
         refs = ", ".join(f"{b} {_rate(m.median)}" for b, m in result.references.items())
@@ -106,6 +117,18 @@ def format_table(result: ScenarioResult, show_not_applicable: bool = True) -> st
     return "\n".join(lines)
 
 
+def _processes_limit(result: ScenarioResult, width: int) -> str:
+    """The limit line of ``limit_processes`` scenarios: how it was measured, and against one env alone."""
+    assert result.limit is not None
+    n = result.limit_cores
+    line = (f"{'limit':<{width}}{_rate(result.limit):>12}   = the sum of {n} process{'es' * (n != 1)} stepping one env "
+            f"each in process, started together, {LIMIT_SECONDS:g} s")
+    if result.single_env_rate:
+        alone = sorted(result.single_env_rate)[len(result.single_env_rate) // 2]
+        line += f" ({result.limit / (n * alone):.2f}x {n} x {_rate(alone)} steps/s of one env alone)"
+    return line
+
+
 def _micro(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:.1f}"
 
@@ -130,7 +153,8 @@ def format_sweep(results: Sequence[ScenarioResult], group: str = "sweep") -> str
         return ""
     labels = [f"{c * 1e3:g} ms" if c >= 1e-3 else f"{c * 1e6:g} us" for c in costs]
     width = max([22, *(len(n) + 2 for n in curves)])
-    what = ("(worker cores x one env's in-process rate; the parent pinned to a core of its own)" if group == "pinned"
+    what = ("(worker cores x one env's in-process rate; the parent pinned to a core of its own, several envs packed "
+            "per worker core: not the many-core figure, see scale and cycle)" if group == "pinned"
             else "(min(cores, envs) x one env's in-process rate)")
     lines = [f"== {group}: fraction of the limit {what} by CPU time per step",
              f"{'backend':<{width}}" + "".join(f"{label:>9}" for label in labels)]
@@ -139,18 +163,53 @@ def format_sweep(results: Sequence[ScenarioResult], group: str = "sweep") -> str
     return "\n".join(lines)
 
 
-def format_targets(found: Sequence[Target]) -> str:
+def format_targets(found: Sequence[Target], where: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> str:
+    """The targets, met or missed (or not measured, with why); ``where``: the machine they ran on
+    (``machine()``), said once at the top; ``notes``: lines after it (the regime)."""
     if not found:
         return ""
     lines = ["== targets (medians)"]
+    if where is not None:
+        lines.append(f"   machine: {describe_machine(where)}")
+    lines += [f"   {note}" for note in notes]
     width = max(15, *(len(t.scenario) + 1 for t in found))
+    wide = max(32, *(len(t.what) + 1 for t in found))
     backend = max(22, *(len(t.backend) + 1 for t in found))
     for t in found:
-        mark = "met" if t.met else "MISSED"
-        lines.append(
-            f"{t.scenario:<{width}}{t.what:<32}{t.backend:<{backend}}{t.value:>7.2f}  (target >= {t.threshold:g})  {mark}"
-        )
+        value = "-" if t.value is None else f"{t.value:.2f}"
+        if t.value is not None and not t.met and float(value) >= t.threshold:  # 0.4996 is no 0.50
+            value = f"{t.value:.4f}"
+        mark = "met" if t.met else "MISSED" if t.value is not None else f"NOT MEASURED: {t.why_not}"
+        lines.append(f"{t.scenario:<{width}}{t.what:<{wide}}{t.backend:<{backend}}{value:>7}"
+                     f"  (target >= {t.threshold:g})  {mark}")
     return "\n".join(lines)
+
+
+def fractions(results: Sequence[ScenarioResult], group: str) -> tuple[list[str], dict[str, list[float | None]]]:
+    """A group's cases (``scale``, ``cycle``) in order, and per backend its fraction of each
+    case's limit (``None`` where it did not run)."""
+    points = [r for r in results if r.scenario.group == group and r.limit]
+    names = list(dict.fromkeys(b for r in points for b in r.measurements))
+    return [r.name for r in points], {
+        b: [r.measurements[b].median / r.limit if b in r.measurements and r.limit else None for r in points] for b in names}
+
+
+def format_fractions(results: Sequence[ScenarioResult], group: str) -> str:
+    """One line per backend: its fraction of the limit of each case of ``group``."""
+    cases, curves = fractions(results, group)
+    if not cases:
+        return ""
+    width = max([26, *(len(n) + 2 for n in curves)])
+    columns = [max(9, len(c) + 2) for c in cases]
+    what = ("the sum of cores processes stepping one env each in process" if group == "scale"
+            else "one env's in-process rate on the worker's core")
+    lines = [f"== {group}: fraction of the limit ({what})",
+             f"{'backend':<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(cases, columns, strict=True))]
+    for name, values in curves.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{'-' if v is None else f'{v:.2f}':>{w}}"
+                                                  for v, w in zip(values, columns, strict=True)))
+    note = regime_note(results) if group == "scale" else None
+    return "\n".join(lines + ([f"   {note}"] if note else []))
 
 
 def _version(module: str) -> str | None:
@@ -169,9 +228,62 @@ def load_average() -> list[float] | None:
         return None
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _git(root: str, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _commit() -> dict[str, Any] | None:
+    """The commit of the checkout envmanager runs from (``None``: not a git checkout), and
+    whether tracked files differ from it."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../envmanager
+    root = os.path.dirname(package)
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    sha = _git(root, "rev-parse", "HEAD")
+    if not sha:
+        return None
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": sha, "modified": None if status is None else bool(status)}
+
+
+def machine() -> dict[str, Any]:
+    """The machine a run measured: CPU model, usable cores (this process's affinity) of how many,
+    Python, and the git commit where envmanager runs from a checkout."""
+    return {"cpu": _cpu_model(), "usable_cores": cores(), "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0], "platform": platform.platform(), "git": _commit(),
+            "scale_regime": regime()}
+
+
+def describe_machine(where: dict[str, Any]) -> str:
+    """``machine()`` on one line."""
+    git = where.get("git")
+    commit = "not a git checkout" if not git else f"commit {git['commit'][:12]}" + (
+        " with uncommitted changes" if git.get("modified") else "")
+    return (f"{where['cpu']}; {where['usable_cores']} usable cores (of {where['cpu_count']}); "
+            f"Python {where['python']}; {commit}")
+
+
 def metadata(argv: Sequence[str] | None = None, load_at_start: list[float] | None = None) -> dict[str, Any]:
     """Where and when the numbers were taken (call it after the run: it lists versions used)."""
     return {
+        "machine": machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": list(argv) if argv is not None else None,
         "python": sys.version.split()[0],
@@ -196,6 +308,9 @@ def to_json(results: Sequence[ScenarioResult], meta: dict[str, Any] | None = Non
         "scenarios": {r.name: {**r.to_dict(), "auto_envs_per_worker": AUTO_CHOICES.get(r.name)} for r in results},
         "sweep": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results), strict=True)),
         "pinned": dict(zip(("step_costs", "fraction_of_limit"), sweep_fractions(results, "pinned"), strict=True)),
+        "scale": {"regime": regime(), "usable_cores": cores(),
+                  **dict(zip(("cases", "fraction_of_limit"), fractions(results, "scale"), strict=True))},
+        "cycle": dict(zip(("cases", "fraction_of_limit"), fractions(results, "cycle"), strict=True)),
         "targets": [t.to_dict() for t in targets(results)],
     }
 
@@ -264,8 +379,8 @@ def _plot_sweep(ax: Any, costs: list[float], curves: dict[str, list[float | None
     ax.set_xlabel("CPU time per env step")
     ax.set_ylabel("fraction of the limit")
     if group == "pinned":
-        ax.set_title(f"pinned: 8 envs; parent on a core of its own, limit = {max(1, cores() - 1)} worker core(s) x one "
-                     "env's in-process rate", fontsize=10)
+        ax.set_title(f"pinned: 8 envs packed on {max(1, cores() - 1)} worker core(s), parent on a core of its own; limit = "
+                     "worker cores x one env's in-process rate", fontsize=10)
     else:
         ax.set_title(f"sweep: 8 envs; limit = min({cores()} cores, 8 envs) x one env's in-process rate", fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="lower right")

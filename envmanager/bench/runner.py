@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from envmanager.bench import pinning
-from envmanager.bench.backends import BACKENDS, Backend
+from envmanager.bench.backends import BACKENDS, Backend, backends_for
 from envmanager.bench.common import LAST_RUN, cores, worker_cores
+from envmanager.bench.limit import LIMIT_SECONDS, ProcessRate, describe, processes_rate, summed
 from envmanager.bench.scenarios import (
     Scenario,
     actions_for,
@@ -44,6 +45,8 @@ PEER_COLUMNS = {
 #: progress, seed) -> ScenarioResult``): not backends x envs, but peers of their own kind.
 OWN_MODULES = {"sampler": "envmanager.bench.sampler_bench", "ray": "envmanager.bench.ray_bench",
                "unity-trainer": "envmanager.bench.unity_trainer", "pettingzoo": "envmanager.bench.pettingzoo_bench"}
+#: Scenario groups whose targets a module of its own lists (group -> module with ``targets(result)``).
+TARGET_MODULES = {"scale": "envmanager.bench.scale", "cycle": "envmanager.bench.scale"}
 #: The fixed layouts ``envmanager-auto`` is compared with (1 env per process, n_env // cores, and
 #: one process per core but the parent's, double buffered).
 FIXED_CHOICES = (FIRST_READY, PACKED, PARENT_CORE)
@@ -158,6 +161,9 @@ class ScenarioResult:
     failed: dict[str, str] = field(default_factory=dict)  # backend -> error
     references: dict[str, Measurement] = field(default_factory=dict)  # backend -> at reference_n_env
     single_env_rate: list[float] = field(default_factory=list)  # in-process steps/s of one env
+    #: ``limit_processes``: per repeat, what each of the limit's processes did (``envmanager.bench.limit``)
+    process_rates: list[list[ProcessRate]] = field(default_factory=list)
+    limit_failed: str | None = None  # why the limit could not be measured
     unavailable: str | None = None  # why the whole scenario could not run
     warmup: bool = True
 
@@ -166,12 +172,21 @@ class ScenarioResult:
         return self.scenario.name
 
     @property
+    def limit_cores(self) -> int:
+        """How many cores the limit counts (and processes it starts, for ``limit_processes``):
+        ``min(cores, n_env)``; pinned, of the worker cores."""
+        return min(worker_cores(self.scenario), self.scenario.n_env)
+
+    @property
     def limit(self) -> float | None:
         """``min(cores, n_env)`` x one env's in-process step rate (median), when measured; pinned,
-        the worker cores'."""
+        the worker cores'. ``limit_processes``: the median over repeats of the processes' summed
+        rates (never one env's rate times anything)."""
+        if self.scenario.limit_processes:
+            return float(statistics.median(summed(r) for r in self.process_rates)) if self.process_rates else None
         if not self.single_env_rate:
             return None
-        return min(worker_cores(self.scenario), self.scenario.n_env) * statistics.median(self.single_env_rate)
+        return self.limit_cores * statistics.median(self.single_env_rate)
 
     def ratios(self) -> dict[str, dict[str, float]]:
         """Ratio columns (name -> backend -> median ratio) that apply to this scenario."""
@@ -215,7 +230,10 @@ class ScenarioResult:
                 "cores": worker_cores(self.scenario),
                 "single_env_steps_per_second": self.single_env_rate,
                 "steps_per_second": self.limit,
+                **(describe(self.process_rates, self.single_env_rate) if self.scenario.limit_processes else
+                   {"kind": f"min({worker_cores(self.scenario)} cores, {self.scenario.n_env} envs) x one env's rate"}),
             },
+            "limit_failed": self.limit_failed,
         }
 
 
@@ -223,13 +241,13 @@ def _measure(
     backend: Backend, scenario: Scenario, steps: int, actions: Any, tick: Callable[[int], None]
 ) -> tuple[int, float]:
     LAST_RUN.__init__()  # type: ignore[misc]
-    with pinning.pinned(pinning.plan() if scenario.pin else None):
+    with pinning.pinned(pinning.plan(scenario.pin_workers) if scenario.pin else None):
         return backend.runner(scenario)(scenario, steps, actions, tick)
 
 
 def run_scenario(
     scenario: Scenario,
-    backends: Sequence[str],
+    backends: Sequence[str] | None,
     steps: int | None = None,
     repeats: int = 3,
     progress: ProgressFactory | None = None,
@@ -242,6 +260,7 @@ def run_scenario(
     A backend that is unavailable for the scenario is listed in ``skipped`` with the reason;
     one that raises is listed in ``failed`` (the others go on). ``earlier`` results of the same
     run are reused for reference measurements (``many`` compares with ``cartpole``).
+    ``backends=None``: the scenario's own contenders, or every backend (``backends_for``).
     """
     steps = steps or scenario.steps
     result = ScenarioResult(scenario, steps, repeats, warmup=warmup)
@@ -251,8 +270,9 @@ def run_scenario(
         return result
     if scenario.kind in OWN_MODULES:
         return importlib.import_module(OWN_MODULES[scenario.kind]).run(scenario, steps, repeats, progress, seed)
+    names, result.skipped = backends_for(scenario, backends)
     chosen: list[Backend] = []
-    for name in backends:
+    for name in names:
         backend = BACKENDS[name]
         why = backend.why_not(scenario)
         if why:
@@ -283,9 +303,18 @@ def run_scenario(
             _try(result, backend, functools.partial(_measure, backend, scenario, max(scenario.n_env * 20, steps // 20),
                                                     actions, _ignore))
         for r in range(repeats):
+            plan = pinning.plan(scenario.pin_workers) if scenario.pin else None
             if scenario.measure_limit:  # pinned: on the workers' cores
-                with pinning.on_worker_cores(pinning.plan() if scenario.pin else None):
+                with pinning.on_worker_cores(plan):
                     result.single_env_rate.append(in_process_rate(scenario, max(200, steps // scenario.n_env), actions))
+            if scenario.limit_processes and result.limit_failed is None:
+                bar.set_description(f"{scenario.name}: limit ({result.limit_cores} processes, {LIMIT_SECONDS:g} s)")
+                with pinning.on_worker_cores(plan):  # the processes start with this process's affinity
+                    try:
+                        result.process_rates.append(processes_rate(scenario, result.limit_cores, actions))
+                    except Exception as exc:
+                        logger.warning("%s: the limit failed: %s", scenario.name, exc)
+                        result.limit_failed = f"{type(exc).__name__}: {exc}"
             for backend in chosen:
                 if backend.name in result.failed:
                     continue
@@ -328,7 +357,7 @@ def _try(result: ScenarioResult, backend: Backend, fn: Callable[[], tuple[int, f
 
 def run_benchmark(
     scenarios: Sequence[Scenario],
-    backends: Sequence[str],
+    backends: Sequence[str] | None,
     steps: int | None = None,
     repeats: int = 3,
     progress: ProgressFactory | None = None,
@@ -348,19 +377,24 @@ def run_benchmark(
 
 @dataclass(frozen=True)
 class Target:
+    """``value >= threshold``, or, where ``value`` is ``None``, a target that could not be
+    evaluated in this run (``why_not`` says why: not measured, not installed, failed): missed."""
+
     scenario: str
     what: str
     backend: str
-    value: float
+    value: float | None
     threshold: float
+    why_not: str | None = None
 
     @property
     def met(self) -> bool:
-        return self.value >= self.threshold
+        return self.value is not None and self.value >= self.threshold
 
     def to_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "what": self.what, "backend": self.backend,
-                "value": self.value, "threshold": self.threshold, "met": self.met}
+                "value": self.value, "threshold": self.threshold, "met": self.met,
+                "measured": self.value is not None, "why_not": self.why_not}
 
 
 def _best_ours(result: ScenarioResult) -> Measurement | None:
@@ -381,6 +415,9 @@ def targets(results: Iterable[ScenarioResult]) -> list[Target]:
     for result in results:
         if result.scenario.kind in OWN_MODULES:  # their own peers, their own targets
             out += result.targets() if hasattr(result, "targets") else []
+            continue
+        if result.scenario.group in TARGET_MODULES:  # every one of them listed, measured or not
+            out += importlib.import_module(TARGET_MODULES[result.scenario.group]).targets(result)
             continue
         ratios = result.ratios()
         name = result.name

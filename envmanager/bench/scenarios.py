@@ -16,6 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from envmanager.bench.common import cores
 from envmanager.testing.envs import ControlledEnv
 
 __all__ = [
@@ -24,7 +25,11 @@ __all__ = [
     "SCENARIOS",
     "SWEEP_COSTS",
     "PINNED_COSTS",
+    "SCALE_CONTENDERS",
+    "SCALE_PER_CORE",
+    "MANY_CORES",
     "pinned",
+    "scale",
     "actions_for",
     "env_columns",
     "in_process_rate",
@@ -39,6 +44,17 @@ SWEEP_COSTS = (5e-6, 20e-6, 50e-6, 200e-6, 1e-3, 5e-3)  # ``sweep``: CPU seconds
 SWEEP_SECONDS = 2.0  # ``sweep``: default steps per repeat ~ this many seconds at the 2-core limit
 PINNED_COSTS = (5e-6, 20e-6, 63e-6, 200e-6, 1e-3)  # ``pinned``: 63 us is HalfCheetah's step
 ATARI_ID, MUJOCO_ID = "ALE/Pong-v5", "HalfCheetah-v5"
+SCALE_PER_CORE = 4  # ``scale``: envs per usable core, unless ``--num-envs`` says otherwise
+MANY_CORES = 8  # ``scale`` is the many-core figure from this many usable cores; below, the shared regime
+#: ``scale``'s contenders when no ``--backends`` are named: the drop-ins as users get them (no
+#: ``envs_per_worker`` or ``double_buffer`` arguments) and every peer that applies.
+SCALE_CONTENDERS = ("envmanager-vector-default", "envmanager-batch", "envmanager-sb3", "gym.AsyncVectorEnv",
+                    "gym.SyncVectorEnv", "sb3.SubprocVecEnv", "pufferlib.Multiprocessing", "pufferlib.Multiprocessing-sync",
+                    "tianshou.SubprocVectorEnv", "tianshou.ShmemVectorEnv", "torchrl.ParallelEnv", "envpool")
+#: ``cycle``'s contenders: one env (the drop-in's ``step()`` with one env per process, the SB3
+#: drop-in, the core's batch level, gymnasium's AsyncVectorEnv), and two envs in two lanes.
+CYCLE_CONTENDERS = ("envmanager-vector", "envmanager-sb3", "envmanager-batchlevel", "gym.AsyncVectorEnv")
+CYCLE_LANES_CONTENDERS = ("envmanager-db", "envmanager-batch-db")
 #: EnvPool's Pong set up to do what ``atari`` envs do: frameskip 4 (max-pooled), full RGB frames,
 #: no sticky actions, no life-loss episodes, raw rewards.
 ENVPOOL_PONG = (("img_height", 210), ("img_width", 160), ("gray_scale", False), ("stack_num", 1),
@@ -120,6 +136,13 @@ class Scenario:
         step_cost: CPU seconds each step burns (``sweep``: the x axis of its curve).
         pin: the parent on a core of its own, the workers on the others, during the timed loop
             (``envmanager.bench.pinning``); the limit is then the worker cores' (``pinned``, ``--pin``).
+        pin_workers: pinned, the workers on only this many cores (``cycle``: the one worker
+            process on one core); ``None``: on every core but the parent's.
+        limit_processes: the limit is measured as ``min(cores, n_env)`` processes, started
+            together, each stepping its own env in process (no IPC) for a fixed time, their rates
+            summed (``scale``: ``envmanager.bench.limit``); ``measure_limit`` then adds one env's
+            rate alone, to compare.
+        backends: what runs when no ``--backends`` are named (``None``: every backend).
         in_all: ``--scenario all`` runs it (not a scenario whose setups another one runs).
     """
 
@@ -141,6 +164,9 @@ class Scenario:
     group: str | None = None
     step_cost: float | None = None
     pin: bool = False
+    pin_workers: int | None = None
+    limit_processes: bool = False
+    backends: tuple[str, ...] | None = None
     in_all: bool = True
 
 
@@ -148,11 +174,57 @@ def _cost_label(seconds: float) -> str:
     return f"{seconds * 1e3:g}ms" if seconds >= 1e-3 else f"{seconds * 1e6:g}us"
 
 
+#: What the ``pinned`` scenarios simulate (and what they do not).
+PACKED = ("; parent pinned to a core of its own, workers to the rest: several envs packed per worker core (on 2 cores "
+          "all 8 on one), not the many-core regime of a worker with a core of its own (cycle, scale)")
+
+
 def _pinned(cost: float) -> Scenario:
     return Scenario(
-        f"pinned-{_cost_label(cost)}", f"8 envs burning {_cost_label(cost)} of CPU per step; parent pinned to a core "
-        "of its own, workers to the rest", functools.partial(burn_env, cost), 8, int(min(40_000, SWEEP_SECONDS / cost)),
+        f"pinned-{_cost_label(cost)}", f"8 envs burning {_cost_label(cost)} of CPU per step{PACKED}",
+        functools.partial(burn_env, cost), 8, int(min(40_000, SWEEP_SECONDS / cost)),
         n_actions=3, measure_limit=True, group="pinned", step_cost=cost, pin=True,
+    )
+
+
+#: ``scale``'s cases: what the envs are, their factory, env-steps per usable core per repeat
+#: (~0.5 s at the limit on the 16-core machine), and the scenario's other fields.
+_SCALE_CASES: dict[str, tuple[str, Callable[[int], Any], int, dict[str, Any]]] = {
+    "scale-200us": ("envs burning 200us of CPU per step", functools.partial(burn_env, 200e-6), 2_500,
+                    {"n_actions": 3, "step_cost": 200e-6}),
+    "scale-20us": ("envs burning 20us of CPU per step", functools.partial(burn_env, 20e-6), 20_000,
+                   {"n_actions": 3, "step_cost": 20e-6}),
+    "scale-cartpole": ("CartPole-v1 envs", cartpole, 40_000, {"gym_id": "CartPole-v1", "envpool_id": "CartPole-v1"}),
+    "scale-pong": (f"{ATARI_ID} envs (ale-py), frameskip 4, RGB frames", atari_env, 1_000,
+                   {"n_actions": 6, "requires": ("ale_py",), "envpool_id": "Pong-v5", "envpool_kwargs": ENVPOOL_PONG}),
+}
+
+
+def scale(case: str, n_env: int | None = None) -> Scenario:
+    """The ``scale`` case ``case`` (``scale-200us``, ``scale-20us``, ``scale-cartpole``, ``scale-pong``)
+    with ``n_env`` envs, by default ``SCALE_PER_CORE`` x the usable cores (``--num-envs``)."""
+    what, factory, per_core, fields = _SCALE_CASES[case]
+    usable = cores()
+    how = f"--num-envs {n_env}" if n_env is not None else f"{SCALE_PER_CORE} x {usable} usable cores"
+    n = n_env if n_env is not None else SCALE_PER_CORE * usable
+    processes = min(usable, n)
+    return Scenario(
+        case, f"{n} {what} ({how}), the drop-ins as users get them; limit: {processes} processes, one env each, "
+        "stepped together in process", factory, n, max(20 * n, per_core * usable), measure_limit=True,
+        limit_processes=True, group="scale", backends=SCALE_CONTENDERS, **fields,
+    )
+
+
+def _cycle(cost: float, lanes: bool = False) -> Scenario:
+    label = _cost_label(cost)
+    what = (f"2 envs burning {label} of CPU per step in one worker process, two lanes (double buffered)" if lanes
+            else f"1 env burning {label} of CPU per step in one worker process")
+    return Scenario(
+        f"cycle-2lanes-{label}" if lanes else f"cycle-{label}", f"{what}; the parent pinned to one core, the worker to "
+        "another: the per-process cycle of a many-core machine, where each worker process has a core of its own",
+        functools.partial(burn_env, cost), 2 if lanes else 1, int(min(40_000, SWEEP_SECONDS / cost)), n_actions=3,
+        measure_limit=True, group="cycle", step_cost=cost, pin=True, pin_workers=1,
+        backends=CYCLE_LANES_CONTENDERS if lanes else CYCLE_CONTENDERS,
     )
 
 
@@ -232,13 +304,17 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         *(_pinned(cost) for cost in PINNED_COSTS),
         Scenario(
-            "pinned-mujoco", f"8 {MUJOCO_ID} envs; parent pinned to a core of its own, workers to the rest", mujoco_env,
+            "pinned-mujoco", f"8 {MUJOCO_ID} envs{PACKED}", mujoco_env,
             8, 16_000, action_dim=6, measure_limit=True, requires=("mujoco",), group="pinned", pin=True,
         ),
         Scenario(
-            "pinned-atari", f"8 {ATARI_ID} envs (ale-py); parent pinned to a core of its own, workers to the rest",
+            "pinned-atari", f"8 {ATARI_ID} envs (ale-py){PACKED}",
             atari_env, 8, 8_000, n_actions=6, measure_limit=True, requires=("ale_py",), group="pinned", pin=True,
         ),
+        *(scale(case) for case in _SCALE_CASES),
+        _cycle(200e-6),
+        _cycle(63e-6),
+        _cycle(200e-6, lanes=True),
         Scenario(
             "ray", "2 Ray nodes (actors here) x 4 CartPole-v1, fragments of 256 steps, policy on the nodes",
             cartpole, 8, 100_000, kind="ray", requires=("ray",),
