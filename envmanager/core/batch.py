@@ -2,17 +2,19 @@
 slots that finished, whose results are rows of shared arrays.
 
 Every adapter is built on this level. A batch of actions is checked once and written into
-shared memory with one numpy operation per array; a step request and its answer are then fixed
-binary headers (in the mailbox's rings where every process has a core). Per-env Python runs
-only for non-empty infos, or where the user asked for per-env objects (``StepInfo``).
+shared memory with one numpy operation per array; where every process has a core the batch is
+then asked for on the mailbox's step board (one numpy operation for all processes, its answers
+found and filed the same way, ``envmanager.wire.mailbox``), elsewhere a step request and its
+answer are fixed binary headers. Per-env Python runs only for non-empty infos, or where the
+user asked for per-env objects (``StepInfo``).
 
 State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
-A slot may be sent a step only when IDLE and its lane has nothing in flight (a process
-hosting several slots steps them as one request). Its results are valid until it is sent
+A slot may be sent a step whenever it is IDLE, whatever its process's other slots do (a
+process steps what it was asked, in the order asked). Its results are valid until it is sent
 again. The process-level half (requests in flight, restarts) is the pool's.
 
 Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
-with its own request in flight: the worker steps one while the parent turns the other around.
+answered on its own: the worker steps one while the parent turns the other around.
 
 The reset path is ``envmanager.core.resetting`` and the env calls ``envmanager.core.calls``,
 halves of this class (mixins): this module keeps its construction, state, the step path (the
@@ -112,7 +114,7 @@ class BatchEnvManager(BatchResets, CallMethods):
         self.status = self._state.status
 
         n_procs = -(-n_env // self.envs_per_worker)
-        #: Whether each process's slots form two lanes, each with its own request in flight.
+        #: Whether each process's slots form two lanes, each answered on its own.
         self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
         if spin_s is None:  # spinning only pays when every process (and the parent) has a core
             spin_s = SPIN_CAP_S if n_procs + 1 <= usable_cores() else 0.0
@@ -216,10 +218,11 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     @property
     def idle_worker_ids(self) -> list[int]:
-        """Slots with nothing in flight or waiting to be received, on a lane with nothing in
-        flight. Slots of a failed process count as idle: stepping them raises its error."""
-        workers, procs, lanes = self.pool.workers, self._slot_process_list, self.slot_lanes
-        return [s for s in np.flatnonzero(self.status <= IDLE).tolist() if not workers[procs[s]].busy_on(lanes[s])]
+        """Slots with nothing in flight or waiting to be received (they may be sent a step
+        whatever their process's other slots do). Slots of a failed process count as idle:
+        stepping them raises its error."""
+        _ = self.pool  # raises if closed
+        return (self.status <= IDLE).nonzero()[0].tolist()
 
     def in_flight(self) -> bool:
         """Whether any process has a request or a step in flight (a restart on its way back, say)."""
@@ -231,9 +234,9 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     @property
     def waiting_worker_ids(self) -> list[int]:
-        """Slots in flight, or whose lane has a request in flight (a restart, say)."""
-        workers, procs, lanes, status = self.pool.workers, self._slot_process_list, self.slot_lanes, self.status
-        return [s for s in range(self.n_env) if status[s] == IN_FLIGHT or workers[procs[s]].busy_on(lanes[s])]
+        """Slots in flight (a step, a reset, or a restart on its way back)."""
+        _ = self.pool  # raises if closed
+        return (self.status == IN_FLIGHT).nonzero()[0].tolist()
 
     @property
     def replay_calls(self) -> list[tuple[str, tuple, dict]]:
@@ -316,16 +319,14 @@ class BatchEnvManager(BatchResets, CallMethods):
         status = self.status[slots]
         if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
             refuse_slots(slots, status, self.worker_of)
+        if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
+            workers = pool.workers
+            for index, _, _, _, _ in plan.requests:
+                if workers[index].state is _FAILED:
+                    refuse_process(workers[index], slots)
         shared = self.results.action
         pickled = as_given and per_slot  # each as given: no array layout to write them into
-        # On the step board (the mailbox) steps are in flight per slot: no lane to check.
-        board = pool.mailboxes is not None and shared is not None and not pickled
-        if not board or pool.supervisor.first_failure() is not None:
-            workers = pool.workers
-            for index, lanes, _, _, _ in plan.requests:
-                w = workers[index]
-                if (not board and w.requests and w.busy_on(lanes)) or w.state is _FAILED:
-                    refuse_process(w, slots)
+        board = pool.mailboxes is not None and shared is not None and not pickled  # on the step board
         if self._disabled:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
@@ -351,14 +352,14 @@ class BatchEnvManager(BatchResets, CallMethods):
             pool.post_steps(slots, plan.processes, time.monotonic())
             return batch
         if shared is not None and not pickled:
-            requests = [pool.prepare_raw_step(body, process_slots, lanes) for _, lanes, process_slots, _, body in plan.requests]
+            requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in plan.requests]
             shm.write(shared, slots, batch)
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
                     pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]),
-                                 process_slots, lanes)
-                    for _, lanes, process_slots, (locals_, rows), _ in plan.requests
+                                 process_slots)
+                    for _, _, process_slots, (locals_, rows), _ in plan.requests
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc

@@ -61,8 +61,8 @@ class SubprocessEnvManager(BatchEnvManager):
             take, at most this (``envmanager.wire.spin``). Default: 2 ms when every worker
             process and the parent have a core of their own (this process's CPU affinity), else 0
             (spinning processes that outnumber the cores slow everything down).
-        double_buffer: split each process's slots into two lanes, each with its own request in
-            flight: the worker steps one half while the parent turns the other around. Pays
+        double_buffer: split each process's slots into two lanes, each answered on its own: the
+            worker steps one half while the parent turns the other around. Pays
             where the parent has a core of its own; ``"auto"``: on when there are more usable
             cores than worker processes (``envmanager.core.auto.choose_double_buffer``).
     """

@@ -18,9 +18,10 @@ __all__ = ["BatchPlans", "Plan", "Requests", "refuse_process", "refuse_slots", "
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
 
-#: Per request (one per process, or per lane of a double-buffered process): the process index,
-#: the lanes mask, its slots among the batch's, (their local indices, their rows in the batch),
-#: and the local indices as a raw STEP request carries them.
+#: Per request (one per process, or per lane of a double-buffered process: the worker answers
+#: the first lane before it steps the second): the process index, the lane (a bit mask), its
+#: slots among the batch's, (their local indices, their rows in the batch), and the local
+#: indices as a raw STEP request carries them.
 Requests = list[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
 
 
@@ -85,23 +86,21 @@ def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int
 
 
 def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int], worker_of: Callable[[int], Any],
-               slot_lanes: list[int], slot_local: np.ndarray,
-               status: np.ndarray) -> list[tuple[int, Reset, tuple[int, ...], int]]:
-    """``send_reset``'s split: per process, its ``Reset``, its slots and the lanes they occupy.
-    Raises a failed process's error, or ``InvalidInputError`` for a slot that is busy."""
+               slot_local: np.ndarray, status: np.ndarray) -> list[tuple[int, Reset, tuple[int, ...]]]:
+    """``send_reset``'s split: per process, its ``Reset`` and its slots. Raises a failed
+    process's error, or ``InvalidInputError`` for a slot in flight or whose result was not
+    received (its process's other slots may be busy: requests queue)."""
     by_process: dict[int, list[int]] = {}
-    lanes: dict[int, int] = {}
     for slot in slots:
         w = worker_of(slot)
         if w.failure is not None:
             raise w.failure
-        if w.busy_on(slot_lanes[slot]) or status[slot] == _ARRIVED:
+        if status[slot] in (_IN_FLIGHT, _ARRIVED):
             raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
         by_process.setdefault(w.index, []).append(slot)
-        lanes[w.index] = lanes.get(w.index, 0) | slot_lanes[slot]
     try:
         return [(index, Reset(tuple(slot_local[own].tolist()), tuple(seeds_and_options[s][0] for s in own),
-                              tuple(seeds_and_options[s][1] for s in own)), tuple(own), lanes[index])
+                              tuple(seeds_and_options[s][1] for s in own)), tuple(own))
                 for index, own in by_process.items()]
     except Exception as exc:
         raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc

@@ -45,7 +45,6 @@ from envmanager.errors import (
 from envmanager.wire.mailbox import WAKE, Mailboxes
 from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import (
-    ALL_LANES,
     BOARD_SEQ,
     ON_PIPE,
     RAW,
@@ -152,19 +151,19 @@ class WorkerPool(PoolRecovery):
     # ------------------------------------------------------------------------------------------
     # Sending
 
-    def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = (), lanes: int = ALL_LANES) -> EnvironmentRequest:
+    def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
         """Number and encode a request; raises (before anything is sent) if it cannot be encoded.
 
         Sequence numbers are unique across restarts, so an answer from a replaced process can
-        never be taken for an answer to a newer request. ``lanes``: the lanes it occupies.
+        never be taken for an answer to a newer request.
         """
         self._seq += 1
-        return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message, lanes)
+        return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message)
 
-    def prepare_raw_step(self, body: bytes, slots: tuple[int, ...], lanes: int = ALL_LANES) -> EnvironmentRequest:
+    def prepare_raw_step(self, body: bytes, slots: tuple[int, ...]) -> EnvironmentRequest:
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
-        return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None, lanes))
+        return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None))
 
     def post_steps(self, slots: np.ndarray, processes: np.ndarray, now: float) -> None:
         """Ask for a step of ``slots`` on the step board (the mailboxes'), their actions already

@@ -1,14 +1,14 @@
 """The parent's handle on one worker process: its pipe, its requests in flight, its life.
 
 Requests in flight form a FIFO (``WorkerProcess.requests``): the worker serves its pipe in
-order, so answers come back in the order sent. Each request names the **lanes** it occupies
-(a bit mask over the groups of slots the batch level splits the process into): two requests
-may be in flight at once only on disjoint lanes (double buffering: the worker steps one half
-of its envs while the parent turns the other half around). A request's clock starts when the
-worker can start on it: when it is sent, or when the one ahead of it is answered. Steps whose
-actions are in shared memory go on the mailbox's step board instead, where the process has
-one (``envmanager.wire.mailbox``): they are in flight per env, not in this FIFO, and take no
-lane; ``busy``, the deadline's ``clock`` and ``cut`` count them too.
+order, so answers come back in the order sent. Several may be in flight at once — steps and
+resets of distinct slots (the batch level sends a slot only when it is idle; double buffered,
+one request per half of the process's envs, so the worker answers one half while it steps the
+other), or one call, which waits for the process to be idle. A request's clock starts when
+the worker can start on it: when it is sent, or when the one ahead of it is answered. Steps
+whose actions are in shared memory go on the mailbox's step board instead, where the process
+has one (``envmanager.wire.mailbox``): they are in flight per env, not in this FIFO;
+``busy``, the deadline's ``clock`` and ``cut`` count them too.
 
 Life cycle of a worker process (``WorkerProcess.state``)::
 
@@ -65,7 +65,7 @@ class ProcessState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     BOOTING = "booting"  # a replacement process, on its way back (see ``Boot``)
-    REBUILDING = "rebuilding"  # remaking envs that raised (a REBUILD in flight; other lanes step on)
+    REBUILDING = "rebuilding"  # remaking envs that raised (a REBUILD in flight; the other envs step on)
     FAILED = "failed"  # given up: killed, ``failure`` raised on every later use
     CLOSING = "closing"  # asked to stop (or being killed): its exit is expected
     CLOSED = "closed"  # reaped
@@ -169,14 +169,6 @@ class WorkerProcess:
         """When the oldest request in flight was sent."""
         return self.requests[0][1] if self.requests else self.alive_at
 
-    def busy_on(self, lanes: int) -> bool:
-        """Whether a request in flight occupies any of ``lanes`` (a bit mask; board steps take
-        none: they are in flight per env)."""
-        for request, _ in self.requests:  # noqa: SIM110 (a loop, not any(): asked per request on the hot path)
-            if request.lanes & lanes:
-                return True
-        return False
-
     def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
         """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not
         in flight (a stale answer). The next request's clock starts now."""
@@ -217,10 +209,7 @@ class WorkerProcess:
         through the process sentinel, like any other.
         """
         now = time.monotonic() if now is None else now
-        if self.requests:
-            if self.busy_on(request.lanes):  # the batch level refuses such a batch before it gets here
-                raise AssertionError(f"{self.name} already has a request in flight on lanes {request.lanes}")
-        else:
+        if not self.requests:
             self.alive_at = now
             self.progress_seen = 0
         self.requests.append((request, now))

@@ -44,7 +44,7 @@ class EnvRebuilds:
             asked = ((None,) * len(slots), (None,) * len(slots))
         replays = tuple((name, tuple(args), dict(kwargs)) for name, args, kwargs in replay_calls)
         message = Rebuild(tuple(env_ids.index(s) for s in slots), *asked, replays)
-        request = prepare(Cmd.REBUILD, message, slots, failed.lanes)
+        request = prepare(Cmd.REBUILD, message, slots)
         for s in slots:
             self.counts[s] += 1
         return request

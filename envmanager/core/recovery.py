@@ -18,7 +18,7 @@ from envmanager.core.process import Boot, ProcessState, WorkerProcess
 from envmanager.core.rebuild import EnvRebuilds, delivered
 from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerTimeoutError
-from envmanager.wire.messages import ALL_LANES, Attach, Call, EnvironmentRequest, Reset, Stepped
+from envmanager.wire.messages import Attach, Call, EnvironmentRequest, Reset, Stepped
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedBuffers
 from envmanager.wire.transport import PortableAnswers, StepQueue
@@ -43,7 +43,7 @@ class PoolRecovery:
     _version: int
 
     if TYPE_CHECKING:  # the pool's own methods
-        def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = (), lanes: int = ALL_LANES) -> EnvironmentRequest:
+        def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
             ...
 
         def _start(self, spec: WorkerSpec, boot: Boot | None = None, generation: int = 0) -> WorkerProcess:

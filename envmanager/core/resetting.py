@@ -63,9 +63,9 @@ class BatchResets:
             return
         if slots.min() < 0 or slots.max() >= self.n_env:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
-        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_lanes, self.slot_local, self.status)
+        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_local, self.status)
         try:  # encode everything before the first send
-            outgoing = [(index, pool.prepare(Cmd.RESET, message, own, lanes)) for index, message, own, lanes in plan]
+            outgoing = [(index, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT

@@ -39,8 +39,8 @@ word, its request ring and its answer ring; then the step board: four blocks (re
 ordinals, answer ordinals, env seconds, answer times), each a run of whole lines per process
 (one word per env), so no two processes write one line. A ring entry is
 ``[ordinal][length][bytes]``, the ordinal written last (it publishes the entry). A process has
-at most its two lanes' requests and a CLOSE unanswered in its rings (steps in shared memory go
-on the board), so rings of four entries never overrun.
+at most one request per env in flight (their slots are distinct) or one call, and a CLOSE, so
+rings of two entries more than it has envs (at least four) never overrun.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import platform
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,14 +67,13 @@ ON_PIPE = -1
 MARGIN_NS = 20_000
 #: The frame that only wakes a reader (multiprocessing's framing of no bytes).
 WAKE = b""
-ENTRIES = 4
+MIN_ENTRIES = 4
 REQUEST_BYTES = 240  # a raw STEP of up to 115 envs fits
 ANSWER_BYTES = 496  # a raw answer of up to 59 envs, or a small pickled one (a few envs' infos)
 _LINE = 64
 _WORDS_PER_LINE = _LINE // 8
 _REQUEST_ENTRY = 16 + REQUEST_BYTES
 _ANSWER_ENTRY = 16 + ANSWER_BYTES
-_REGION = _LINE + ENTRIES * (_REQUEST_ENTRY + _ANSWER_ENTRY)
 #: The step board's blocks, in order: request ordinals (the parent's), answer ordinals, env
 #: seconds and answer times (``time.monotonic``) (the workers').
 REQUESTS, ANSWERS, ENV_TIMES, ANSWERED_AT = range(4)
@@ -99,26 +98,40 @@ class MailboxLayout:
 
     n_procs: int
     envs: tuple[int, ...] = ()
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # each process's region, and the end
 
     def __post_init__(self) -> None:
         if not self.envs:
             object.__setattr__(self, "envs", (1,) * self.n_procs)
         if len(self.envs) != self.n_procs:
             raise ValueError(f"{len(self.envs)} env counts for {self.n_procs} processes")
+        starts = [_LINE + _lines(self.n_procs) * _LINE]
+        for p in range(self.n_procs):
+            starts.append(starts[-1] + self.region_bytes(p))
+        object.__setattr__(self, "_starts", tuple(starts))
 
     @property
     def posted(self) -> int:
         """Offset of the answer counts (one int64 per process)."""
         return _LINE
 
+    def entries(self, p: int) -> int:
+        """Entries in process ``p``'s rings: one per request that can be in flight (one per env,
+        their slots being distinct, or one call), and one for CLOSE."""
+        return max(MIN_ENTRIES, self.envs[p] + 2)
+
+    def region_bytes(self, p: int) -> int:
+        return _LINE + self.entries(p) * (_REQUEST_ENTRY + _ANSWER_ENTRY)
+
     def region(self, p: int) -> int:
-        return _LINE + _lines(self.n_procs) * _LINE + p * _REGION
+        return self._starts[p]
 
     def request(self, p: int, ordinal: int) -> int:
-        return self.region(p) + _LINE + (ordinal % ENTRIES) * _REQUEST_ENTRY
+        return self.region(p) + _LINE + (ordinal % self.entries(p)) * _REQUEST_ENTRY
 
     def answer(self, p: int, ordinal: int) -> int:
-        return self.region(p) + _LINE + ENTRIES * _REQUEST_ENTRY + (ordinal % ENTRIES) * _ANSWER_ENTRY
+        entries = self.entries(p)
+        return self.region(p) + _LINE + entries * _REQUEST_ENTRY + (ordinal % entries) * _ANSWER_ENTRY
 
     # -- the step board ----------------------------------------------------------------------
     @property
@@ -158,8 +171,8 @@ class Mailboxes:
         self._counts = struct.Struct(f"<{n_procs}q").unpack
         # Offsets, worked out once: each process's word (in words), request and answer entries.
         self._worker_word = [layout.region(p) // 8 for p in range(n_procs)]
-        self._requests = [[layout.request(p, k) for k in range(ENTRIES)] for p in range(n_procs)]
-        self._answers = [[layout.answer(p, k) for k in range(ENTRIES)] for p in range(n_procs)]
+        self._requests = [[layout.request(p, k) for k in range(layout.entries(p))] for p in range(n_procs)]
+        self._answers = [[layout.answer(p, k) for k in range(layout.entries(p))] for p in range(n_procs)]
         self._words[0] = BUSY
         self._words[1] = 1  # the workers may spin (``allow_spin``)
         self._board_init(slots)
@@ -177,7 +190,8 @@ class Mailboxes:
         """Empty process ``p``'s rings for a new process (the old one is gone, its board steps
         cut: ``cut_steps``); its board words carry on from the ordinals reached."""
         start = self.layout.region(p)
-        self._map[start : start + _REGION] = bytes(_REGION)
+        size = self.layout.region_bytes(p)
+        self._map[start : start + size] = bytes(size)
         self._words[start // 8] = BUSY  # the new worker looks at its ring before it ever blocks
         self._words[self.layout.posted // 8 + p] = 0
         self._sent[p] = self._seen[p] = 0
@@ -197,7 +211,8 @@ class Mailboxes:
         """Publish request ``data`` for process ``p``; what must also go on its pipe: nothing,
         a wake-up (:data:`WAKE`), or ``data`` itself when it does not fit (announced first)."""
         n = self._sent[p] = self._sent[p] + 1
-        at = self._requests[p][n % ENTRIES]
+        entries = self._requests[p]
+        at = entries[n % len(entries)]
         words = self._words
         size = len(data)
         if size > REQUEST_BYTES:
@@ -231,7 +246,7 @@ class Mailboxes:
             entries = answers[p]
             while n < posted:
                 n += 1
-                at = entries[n % ENTRIES]
+                at = entries[n % len(entries)]
                 body = at + 16 + _NOTICE_SIZE
                 cmd, process, seq, posted_at, form = _NOTICE(m, at + 16)  # decode_notice, inline
                 out.append(_new(EnvironmentResponse, (_COMMANDS[cmd], process, seq, posted_at, form,
@@ -406,8 +421,9 @@ class WorkerMailbox:
         self._floats = memoryview(self._map).cast("d")
         self._word = layout.region(p) // 8
         self._posted_at = layout.posted // 8 + p
-        self._requests = [layout.request(p, k) for k in range(ENTRIES)]
-        self._answers = [layout.answer(p, k) for k in range(ENTRIES)]
+        self._requests = [layout.request(p, k) for k in range(layout.entries(p))]
+        self._answers = [layout.answer(p, k) for k in range(layout.entries(p))]
+        self._entries = layout.entries(p)
         self._taken = 0  # ordinal of the last request taken
         self._posted = 0  # ordinal of the last answer posted
         # The board: this process's words in each block (in words from the mapping's start).
@@ -426,12 +442,12 @@ class WorkerMailbox:
     def ready(self) -> bool:
         """Whether the next request is published (in the ring or on the board)."""
         n = self._taken + 1
-        return self._words[self._requests[n % ENTRIES] // 8] == n or self._map[self._asked_span] != self._served_bytes
+        return self._words[self._requests[n % self._entries] // 8] == n or self._map[self._asked_span] != self._served_bytes
 
     def take(self) -> bytes | int | None:
         """The next request's bytes, :data:`ON_PIPE` when it is on the pipe, or ``None``."""
         n = self._taken + 1
-        at = self._requests[n % ENTRIES]
+        at = self._requests[n % self._entries]
         words = self._words
         if words[at // 8] != n:
             return None
@@ -478,7 +494,7 @@ class WorkerMailbox:
         if size > ANSWER_BYTES:
             return None
         n = self._posted = self._posted + 1
-        at = self._answers[n % ENTRIES]
+        at = self._answers[n % self._entries]
         words = self._words
         self._map[at + 16 : at + 16 + size] = notice
         words[at // 8 + 1] = size

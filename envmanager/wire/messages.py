@@ -347,10 +347,6 @@ def on_pipe_notice(header: bytes) -> bytes:
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, ON_PIPE)
 
 
-#: The lanes mask of a request that occupies its whole process (calls, attach, start-up).
-ALL_LANES = 0xFF
-
-
 def lanes_of(envs_per_process: list[int], double_buffer: bool) -> list[int]:
     """Each slot's lane as a bit mask: 1; double buffered, 1 for the first half of its
     process's envs and 2 for the second."""
@@ -361,8 +357,7 @@ class EnvironmentRequest(NamedTuple):
     """A request in flight to one worker process: what was sent, to answer or replay it.
 
     ``slots`` are the env slots (public ``worker_id``s) it concerns; ``data`` the encoded
-    request, kept so a restart can send it again; ``lanes`` the groups of the process's slots
-    it occupies (a bit mask; every lane unless the batch level says otherwise).
+    request, kept so a restart can send it again.
     """
 
     cmd: Cmd
@@ -370,4 +365,3 @@ class EnvironmentRequest(NamedTuple):
     slots: tuple[int, ...] = ()
     data: bytes = b""
     message: Any = None
-    lanes: int = ALL_LANES
