@@ -1,14 +1,15 @@
-"""The parent's CPU per answer when it never waits: the real manager, its workers stopped, and a
-stand-in worker in the parent answering every request at once through the real mailbox.
+"""The parent's CPU when it never waits: the real manager, its workers stopped, and stand-in
+workers in the parent answering every step at once through the real mailbox (its step board).
 
-On a many-core machine the parent is the one serial part, and its CPU per answer when answers
-are always ready caps the whole machine; a pinned run cannot show it once the workers are the
-bound (the parent then waits, and its looks for answers cost it too). Here nothing waits: the
-parent's loop is the bench's batch-level loop (``receive_batch``, the next actions, ``send_batch``)
-and the stand-in's own cost (take the request, encode an answer, post it) is measured alone and
-taken out. Needs the mailbox (x86, Linux).
+On a many-core machine the parent is the one serial part: its CPU per lockstep ``step()`` holds
+every worker idle once per step, and it must not grow with the processes (issue 40: at most
+15 µs + 1 µs per process). A run on real cores cannot show it once the workers are the bound
+(the parent then waits); here nothing waits. The stand-ins' own work (take the board's
+requests, write an info, post the answer words) is timed apart and left out. Needs the mailbox
+(x86, Linux).
 
-    python -m benchmarks.parent            # 1 and 4 env-steps per answer, with and without infos
+    python -m benchmarks.parent            # the drop-in's step() with 1, 4, 16, 64 processes, and
+                                           # the batch level's CPU per answer (1 and 4 env-steps)
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import signal
 import sys
 import time
-import timeit
 from typing import Any
 
 import numpy as np
@@ -26,82 +26,151 @@ import numpy as np
 from envmanager.bench.scenarios import burn_env
 from envmanager.core.batch import BatchEnvManager
 from envmanager.wire.mailbox import WorkerMailbox
-from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.messages import Stepped, decode_request_header, encode_answer
+from envmanager.wire.messages import Stepped, StepsAnswer, encode_steps_answer
+
+#: The issue's budget for the parent's CPU per step() with P processes: this + PER_PROCESS_US * P.
+BUDGET_US, PER_PROCESS_US = 15.0, 1.0
 
 
-def _stand_ins(m: BatchEnvManager, lane: int, infos: bool) -> Any:
-    """Stop the workers; return a function answering every request waiting, as they would."""
-    box = m.pool.mailboxes
-    if box is None:
-        raise RuntimeError("no mailbox here (it needs x86 and the step queue)")
-    for w in m.pool.workers:
-        os.kill(w.pid, signal.SIGSTOP)
-    fakes = []
-    for w in m.pool.workers:
-        fake = WorkerMailbox(box.file, box.layout, w.index)
-        fake._taken, fake._posted = box._sent[w.index], box._seen[w.index]
-        fake.busy()
-        fakes.append(fake)
-    info = {k: {"t": 1} for k in range(lane)} if infos else None
+class StandIns:
+    """The pool's worker processes stopped (SIGSTOP), and in their place one stand-in per process,
+    in this process, answering whatever the board asks at once: the results stay as they are in
+    shared memory; with ``infos`` each env's info is ``{"t": n}``, in the board's info rows (the
+    first answer announces its schema in a notice, as a worker does)."""
 
-    def answer() -> None:
-        for p, fake in enumerate(fakes):
-            while (data := fake.take()) is not None:
-                _, seq, _ = decode_request_header(data)  # type: ignore[arg-type]
-                header, payload = encode_answer(Cmd.STEP, p, seq, 0.0, Stepped([1e-6] * lane, info))
-                fake.post(header + payload)
+    def __init__(self, manager: BatchEnvManager, infos: bool) -> None:
+        box = manager.pool.mailboxes
+        if box is None:
+            raise RuntimeError("no mailbox here (it needs x86 and the step queue; ENVMANAGER_MAILBOX=on)")
+        self.workers = manager.pool.workers
+        for w in self.workers:
+            os.kill(w.pid, signal.SIGSTOP)
+        self.fakes = []
+        for w in self.workers:
+            fake = WorkerMailbox(box.file, box.layout, w.index)
+            fake._taken, fake._posted = box._sent[w.index], box._seen[w.index]
+            fake.busy()
+            self.fakes.append(fake)
+        self.infos = infos
+        self.t = 0
 
-    def alone() -> None:  # the stand-in's work for one answer, without a parent
-        header, payload = encode_answer(Cmd.STEP, 0, 1, 0.0, Stepped([1e-6] * lane, info))
-        decode_request_header(b"\x01" + bytes(9))
-        fakes[0].post(header + payload)
-        fakes[0]._posted -= 1
+    def answer(self) -> None:
+        """Answer every step asked for."""
+        self.t += 1
+        for p, fake in enumerate(self.fakes):
+            locals_, ordinals = fake.steps()
+            if not locals_:
+                continue
+            times = [1e-6] * len(locals_)
+            raw = True
+            if self.infos:
+                schemas = fake.write_infos(locals_, [{"t": self.t}] * len(locals_))
+                if schemas:  # the schema's first use: announced in a notice
+                    stepped = Stepped(times, {int(i): {"t": self.t} for i in locals_})
+                    header, payload = encode_steps_answer(p, 0.0, StepsAnswer(tuple(locals_), tuple(ordinals), stepped,
+                                                                              tuple(schemas)))
+                    fake.post(header + payload)
+                    raw = False
+            fake.answer_steps(locals_, ordinals, times, raw)
 
-    return answer, alone
+    def kill(self) -> None:
+        for w in self.workers:
+            if w.pid is not None:
+                os.kill(w.pid, signal.SIGKILL)
+
+
+def _cpu_us(parent: list[Any], stand_in: Any, rounds: int) -> float:
+    """µs of this process's CPU per round in the ``parent`` calls, the stand-in's left out
+    (best of 5 repeats of ``rounds`` rounds)."""
+    clock = time.process_time_ns
+    best = float("inf")
+    for _ in range(5):
+        spent = 0
+        for _ in range(rounds):
+            t0 = clock()
+            parent[0]()
+            t1 = clock()
+            stand_in()
+            t2 = clock()
+            parent[1]()
+            spent += clock() - t2 + t1 - t0
+        best = min(best, spent / rounds / 1e3)
+    return best
+
+
+def per_step(processes: int, infos: bool = False, envs_per_worker: int = 1, rounds: int = 3000) -> float:
+    """µs of parent CPU per lockstep ``step()`` of ``envmanager.AsyncVectorEnv`` with ``processes``
+    stand-in processes of ``envs_per_worker`` envs (answering at once; ``infos``: ``{"t": n}``)."""
+    import envmanager
+
+    n = processes * envs_per_worker
+    vec = envmanager.AsyncVectorEnv([functools.partial(burn_env, 0.0, i) for i in range(n)], envs_per_worker=envs_per_worker,
+                                    double_buffer=False, context="fork")
+    stand_ins = None
+    try:
+        vec.reset(seed=0)
+        assert vec._manager is not None
+        stand_ins = StandIns(vec._manager, infos)
+        actions = np.zeros(n, dtype=np.int64)
+        _cpu_us([lambda: vec.step_async(actions), vec.step_wait], stand_ins.answer, 50)  # warm up (the schema's notice)
+        return _cpu_us([lambda: vec.step_async(actions), vec.step_wait], stand_ins.answer, rounds)
+    finally:
+        if stand_ins is not None:
+            stand_ins.kill()
+        vec.close(terminate=True)
 
 
 def per_answer(n: int, envs_per_worker: int, infos: bool = True, rounds: int = 5000) -> tuple[float, float]:
-    """(µs of parent CPU per answer, env-steps per answer) for ``n`` envs, double buffered."""
-    lane = envs_per_worker // 2
+    """(µs of parent CPU per env-step, env-steps per receive) of the batch level's first-ready loop
+    (``receive_batch``, the next actions, ``send_batch``) for ``n`` envs, double buffered (the
+    stand-ins answer every step asked, so each receive takes all ``n``)."""
     m = BatchEnvManager(functools.partial(burn_env, 0.0), n, envs_per_worker=envs_per_worker, double_buffer=True,
                         info_columns=True, spin_s=50e-6, context="fork")
+    stand_ins = None
     try:
         m.send_reset({i: (i, None) for i in range(n)})
         m.receive_reset_batch()
-        answer, alone = _stand_ins(m, lane, infos)
+        stand_ins = StandIns(m, infos)
         actions, position = np.zeros((256, n), dtype=np.int64), np.ones(n, dtype=np.int64)
         m.send_batch(np.arange(n), actions[0])
-        answer()
+        stand_ins.answer()
+        slots: list[np.ndarray] = []
 
-        def turn() -> None:
-            slots = m.receive_batch(1, info_columns=True).slots
-            p = position[slots]
-            m.send_batch(slots, actions[p % 256, slots])
-            position[slots] = p + 1
-            answer()
+        def receive() -> None:
+            slots.append(m.receive_batch(1, info_columns=True).slots)
 
-        before = m.pool.answers
-        best = min(timeit.repeat(turn, number=rounds, repeat=5, timer=time.process_time)) / rounds
-        answers = (m.pool.answers - before) / (5 * rounds)
-        own = min(timeit.repeat(alone, number=rounds, repeat=5, timer=time.process_time)) / rounds
-        return (best / answers - own) * 1e6, float(lane)
+        def send() -> None:
+            got = slots.pop()
+            p = position[got]
+            m.send_batch(got, actions[p % 256, got])
+            position[got] = p + 1
+
+        receive()
+        before = m.pool.answers  # (on the board an answer is one env-step)
+        us = _cpu_us([send, receive], stand_ins.answer, rounds)
+        steps = (m.pool.answers - before) / (5 * rounds)
+        return us / steps, steps
     finally:
-        for w in m.pool.workers:
-            if w.pid is not None:
-                os.kill(w.pid, signal.SIGKILL)
+        if stand_ins is not None:
+            stand_ins.kill()
         m.close(0.1)
 
 
 def main() -> int:
-    print("| env-steps per answer | infos | parent CPU per answer |\n|---:|---|---:|")
+    info = '{"t": n}'
+    print("| processes | infos | parent CPU per step() | budget (15 + 1 × P) |\n|---:|---|---:|---:|")
+    for processes in (1, 4, 16, 64):
+        for infos in (False, True):
+            us, budget = per_step(processes, infos), BUDGET_US + PER_PROCESS_US * processes
+            print(f"| {processes} | {info if infos else 'none'} | {us:.1f} µs | {budget:.0f} µs |", flush=True)
+    print("\n| envs | infos | parent CPU per env-step (batch level, first-ready) |\n|---:|---|---:|")
     for n, k in ((2, 2), (8, 8)):
         for infos in (False, True):
-            us, lane = per_answer(n, k, infos)
-            what = '{"t": n} each' if infos else "none"
-            print(f"| {lane:.0f} | {what} | {us:.1f} µs |")
+            us, steps = per_answer(n, k, infos)
+            print(f"| {steps:.0f} | {info + ' each' if infos else 'none'} | {us:.1f} µs |", flush=True)
     return 0
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("ENVMANAGER_MAILBOX", "on")  # the stand-ins answer through the mailbox
     sys.exit(main())

@@ -70,5 +70,6 @@ def test_the_saturated_parent_harness_runs(monkeypatch):
 
     monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")  # the mailbox is the step queue's
 
-    us, lane = parent.per_answer(2, 2, infos=True, rounds=200)
-    assert lane == 1 and us > 0
+    us, steps = parent.per_answer(2, 2, infos=True, rounds=200)
+    assert steps == 2 and us > 0
+    assert parent.per_step(2, infos=True, rounds=200) > 0

@@ -116,7 +116,7 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
     and answer, no per-env Python. Each array takes the dtype of the lowest env's value, as
     gymnasium's does."""
     infos: dict[str, Any] = {}
-    for block in sorted(blocks, key=lambda b: int(b.slots.min())):
+    for block in sorted(blocks, key=lambda b: int(b.slots.min())) if len(blocks) > 1 else blocks:
         for key, column in zip(block.keys, block.columns, strict=True):
             if key not in infos:
                 infos[key] = np.zeros(num_envs, dtype=column.dtype)

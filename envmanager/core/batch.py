@@ -457,8 +457,8 @@ class BatchEnvManager(BatchResets, CallMethods):
                 self._note_generation(c)
         # The step board's answers: a replaced process answers through the ring first (its fresh
         # reset, ``interrupted``), so these come from the generation the slots already have.
-        for steps in self._pool.take_steps():  # type: ignore[union-attr]
-            state.file_steps(steps)
+        for slots, infos in self._pool.take_steps():  # type: ignore[union-attr]
+            state.file_steps(slots, infos)
 
     def _note_generation(self, c: Completion) -> None:
         """The slots ``c`` answers for (a restart: all of its process's) are of the generation

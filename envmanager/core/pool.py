@@ -42,6 +42,7 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
+from envmanager.wire.info_columns import InfoColumns
 from envmanager.wire.mailbox import WAKE, Mailboxes
 from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import (
@@ -119,8 +120,9 @@ class WorkerPool(PoolRecovery):
         #: with them, steps whose actions are in shared memory go on the step board (``post_steps``).
         self.mailboxes = (Mailboxes.create(len(specs), [spec.env_ids for spec in specs])
                           if mailbox and isinstance(self.queue, StepQueue) else None)
-        #: The slots the step board answered since the batch level last took them (``take_steps``).
-        self._steps_answered: list[np.ndarray] = []
+        #: The slots the step board answered since the batch level last took them, with their
+        #: infos (per schema: slots and columns; ``take_steps``).
+        self._steps_answered: list[tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]]] = []
         if isinstance(self.queue, StepQueue):
             self.queue.mailboxes = self.mailboxes
             self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
@@ -180,9 +182,10 @@ class WorkerPool(PoolRecovery):
                 except OSError:  # gone: its sentinel tells
                     pass
 
-    def take_steps(self) -> list[np.ndarray]:
+    def take_steps(self) -> list[tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]]]:
         """The slots whose board steps the waits took since the last call, results all in shared
-        memory (filed by the batch level; their timings: ``mailboxes.timings``)."""
+        memory, and their infos as columns (filed by the batch level; their timings:
+        ``mailboxes.timings``)."""
         answered, self._steps_answered = self._steps_answered, []
         return answered
 
@@ -252,7 +255,7 @@ class WorkerPool(PoolRecovery):
             answered = box.steps_answered()
             if answered is not None:
                 self._steps_answered.append(answered)
-                self.answers += answered.size
+                self.answers += answered[0].size
         notices = self.queue.take(everything)
         if not notices:
             return
@@ -326,14 +329,15 @@ class WorkerPool(PoolRecovery):
                 self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
                 return
         try:
-            locals_, ordinals, answer = decode_steps_answer(data)
+            locals_, ordinals, answer, schemas = decode_steps_answer(data)
         except Exception as exc:  # e.g. an info of a class the parent cannot import
             what = f"its answer to STEP could not be unpickled here: {exc!r}"
             self._on_failure(w, WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "",
                                             exc, w.index), completions)
             return
         slots = tuple(w.env_ids[i] for i in locals_)
-        if not w.watched or not box.take_notice(w.index, box.slot_word[list(slots)].tolist(), list(ordinals), received):
+        if not w.watched or not box.take_notice(w.index, box.slot_word[list(slots)].tolist(), list(ordinals), received,
+                                                schemas):
             return
         self.answers += len(slots)
         request = EnvironmentRequest(Cmd.STEP, BOARD_SEQ, slots)

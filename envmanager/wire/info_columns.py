@@ -14,6 +14,7 @@ scalars (``InfoColumns.dicts``), so whoever asks for per-env dicts gets the envs
 
 from __future__ import annotations
 
+import functools
 from array import array
 from typing import Any, NamedTuple
 
@@ -47,14 +48,14 @@ class InfoColumns(NamedTuple):
         out, offset = [], 0
         n = self.n_envs()
         for dtype in self.dtypes:
-            dt = np.dtype(dtype.removeprefix("py:"))
+            dt = _dtype(dtype)
             out.append(np.frombuffer(self.data, dt, n, offset))
             offset += n * dt.itemsize
         return out
 
     def n_envs(self) -> int:
         """How many envs' infos the columns hold."""
-        width = sum(np.dtype(d.removeprefix("py:")).itemsize for d in self.dtypes)
+        width = sum(_dtype(d).itemsize for d in self.dtypes)
         return len(self.data) // width if width else 0
 
     def dicts(self, positions: list[int] | None = None) -> list[dict[str, Any]]:
@@ -65,6 +66,12 @@ class InfoColumns(NamedTuple):
         n = self.n_envs()
         rows = range(n) if positions is None else positions
         return [{k: c[i] for k, c in zip(self.keys, columns, strict=True)} for i in rows]
+
+
+@functools.cache
+def _dtype(dtype: str) -> np.dtype:
+    """A column's numpy dtype (its string without ``py:``)."""
+    return np.dtype(dtype.removeprefix("py:"))
 
 
 #: Columns cost a few numpy operations per key where dicts cost some per env and key: below

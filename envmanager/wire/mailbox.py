@@ -45,6 +45,7 @@ rings of two entries more than it has envs (at least four) never overrun.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import struct
 import time
@@ -54,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from envmanager.wire.info_columns import InfoColumns
 from envmanager.wire.messages import NOTICE_HEADER, EnvironmentCommand, EnvironmentResponse
 from envmanager.wire.shm import SharedFile
 
@@ -75,8 +77,19 @@ _WORDS_PER_LINE = _LINE // 8
 _REQUEST_ENTRY = 16 + REQUEST_BYTES
 _ANSWER_ENTRY = 16 + ANSWER_BYTES
 #: The step board's blocks, in order: request ordinals (the parent's), answer ordinals, env
-#: seconds and answer times (``time.monotonic``) (the workers').
-REQUESTS, ANSWERS, ENV_TIMES, ANSWERED_AT = range(4)
+#: seconds and answer times (``time.monotonic``), and info rows (the workers').
+REQUESTS, ANSWERS, ENV_TIMES, ANSWERED_AT, INFOS = range(5)
+#: Words of an env's info row: its info's schema (0: no info) and up to this less one values.
+INFO_WORDS = 16
+#: The info values the board holds (flat infos of scalars, as gymnasium batches them): each
+#: type's column dtype (``py:``: Python scalars, as ``info_columns``) and whether it is stored
+#: as a float64 (else an int64).
+INFO_KINDS: dict[type, tuple[str, bool]] = {
+    int: ("py:<i8", False), float: ("py:<f8", True), bool: ("py:|b1", False),
+    np.float64: ("<f8", True), np.float32: ("<f4", True), np.int64: ("<i8", False), np.int32: ("<i4", False),
+    np.bool_: ("|b1", False),
+}
+_FLOAT_DTYPES = frozenset(d for d, is_float in INFO_KINDS.values() if is_float)
 _NOTICE, _NOTICE_SIZE = NOTICE_HEADER.unpack_from, NOTICE_HEADER.size
 _COMMANDS = {int(cmd): cmd for cmd in EnvironmentCommand}
 _new = tuple.__new__
@@ -140,7 +153,8 @@ class MailboxLayout:
         return sum(_lines(k) for k in self.envs)
 
     def block(self, which: int) -> int:
-        """Offset of one of the board's blocks (``REQUESTS``, ``ANSWERS``, ...)."""
+        """Offset of one of the board's blocks (``REQUESTS``, ``ANSWERS``, ... ``INFOS``, whose
+        rows are :data:`INFO_WORDS` words where the others' are one)."""
         return self.region(self.n_procs) + which * self.board_lines * _LINE
 
     def board_word(self, p: int, local: int) -> int:
@@ -149,7 +163,7 @@ class MailboxLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.block(4)
+        return self.block(INFOS) + self.board_lines * _LINE * INFO_WORDS
 
 
 class Mailboxes:
@@ -201,6 +215,7 @@ class Mailboxes:
         answers[words] = self._board_seen[words] = self._board_taken[words] = self._requested[words]
         del answers
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
+        self._info_rows[words, 0] = 0
 
     def allow_spin(self, allowed: bool) -> None:
         """Whether the workers may spin for their next request (they always spin the margin)."""
@@ -295,6 +310,11 @@ class Mailboxes:
             self._spans.append((slice(start + first, start + first + 8 * len(own)), slice(first, first + 8 * len(own))))
         self._worker_words = np.array([layout.region(p) // 8 for p in range(len(slots))], np.int64)
         self._worker_states = np.frombuffer(self._map, np.uint64)
+        #: Each env's info row (by word), and the schemas the workers announced: id -> (keys, dtypes).
+        self._info_rows = np.frombuffer(self._map, np.int64, n_words * INFO_WORDS, layout.block(INFOS)).reshape(n_words,
+                                                                                                                 INFO_WORDS)
+        self._schemas: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        self._no_infos = bytes(8 * n_words)
 
     def post_steps(self, words: np.ndarray, processes: np.ndarray, now: float) -> np.ndarray:
         """Ask for a step of the envs at board ``words`` (``slot_word`` of their slots; their
@@ -309,21 +329,24 @@ class Mailboxes:
         sleepy = (state <= time.monotonic_ns() + MARGIN_NS).nonzero()[0]
         return processes[sleepy] if sleepy.size else sleepy
 
-    def steps_answered(self) -> np.ndarray | None:
+    def steps_answered(self) -> tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]] | None:
         """The slots whose board steps were answered since the last look with all their results
-        in shared memory (raw), now taken; ``None`` if there are none (``timings`` has the rest).
-        Answers with a notice wait for it (``take_notice``). Look here before taking notices: a
-        notice is written before its answer word."""
+        in shared memory (raw), now taken, and their infos (per schema: slots and columns); ``None``
+        if there are none (``timings`` has the rest). Answers with a notice wait for it
+        (``take_notice``), and so does an answer whose info schema's notice was not taken yet.
+        Look here before taking notices: a notice is written before the answer words after it."""
         snapshot = self._map[self._answer_span]
         if snapshot == self._board_seen_bytes:  # the usual look: one compare of bytes
             return None
         if snapshot == self._map[self._request_span]:  # every step asked is answered, raw (lockstep's case)
             words = (self._board_taken != self._requested).nonzero()[0]
-            self._board_seen[:] = self._requested
-            self._board_taken[:] = self._requested
-            self._board_seen_bytes = self._board_taken_bytes = snapshot
-            self._last_answer[self._word_process[words]] = time.monotonic()
-            return self._word_slot[words]
+            ids = self._info_rows[words, 0]
+            if ids.tobytes() == self._no_infos[: 8 * ids.size] or self._known(ids) is None:
+                self._board_seen[:] = self._requested
+                self._board_taken[:] = self._requested
+                self._board_seen_bytes = self._board_taken_bytes = snapshot
+                self._last_answer[self._word_process[words]] = time.monotonic()
+                return self._word_slot[words], self._infos(words, ids)
         answers = np.frombuffer(snapshot, np.int64)
         changed = (answers != self._board_seen).nonzero()[0]
         ordinals = answers[changed]
@@ -331,20 +354,58 @@ class Mailboxes:
         words, ordinals = changed[raw], ordinals[raw]
         if not words.size:
             return None
+        ids = self._info_rows[words, 0]
+        if ids.tobytes() != self._no_infos[: 8 * ids.size]:
+            unknown = self._known(ids)
+            if unknown is not None:  # their schema's notice is still on its way: they wait for it
+                words, ordinals, ids = words[~unknown], ordinals[~unknown], ids[~unknown]
+                if not words.size:
+                    return None
         self._board_seen[words] = ordinals
         self._board_taken[words] = ordinals
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
         self._last_answer[self._word_process[words]] = time.monotonic()
-        return self._word_slot[words]
+        return self._word_slot[words], self._infos(words, ids)
 
-    def take_notice(self, p: int, words: list[int], ordinals: list[int], now: float) -> bool:
+    def _known(self, ids: np.ndarray) -> np.ndarray | None:
+        """Which of the info schema ``ids`` are not announced yet (a mask), or ``None`` if all are."""
+        unknown = [schema for schema in set(ids.tolist()) if schema and schema not in self._schemas]
+        return np.isin(ids, unknown) if unknown else None
+
+    def _infos(self, words: np.ndarray, ids: np.ndarray) -> list[tuple[np.ndarray, InfoColumns]]:
+        """The infos of the answers at ``words`` (ascending; ``ids``: their info rows' schemas),
+        read from their info rows: per schema its slots and their infos as columns; ``[]`` when
+        no env returned one."""
+        if ids.tobytes() == self._no_infos[: 8 * ids.size]:
+            return []
+        if ids.size == 1 or ids.tobytes() == ids[:1].tobytes() * ids.size:  # one schema (the usual case)
+            groups: list[tuple[int, Any]] = [(int(ids[0]), slice(None))]
+        else:
+            groups = [(schema, ids == schema) for schema in sorted(set(ids.tolist())) if schema]
+        out = []
+        for schema, which in groups:
+            keys, dtypes = self._schemas[schema]
+            rows = words[which]
+            values = self._info_rows[rows, 1 : 1 + len(keys)]
+            columns = []
+            for j, dtype in enumerate(dtypes):
+                column = values[:, j].view(np.float64) if dtype in _FLOAT_DTYPES else values[:, j]
+                columns.append(column.astype(dtype.removeprefix("py:"), copy=False).tobytes())
+            out.append((self._word_slot[rows], InfoColumns(keys, dtypes, b"".join(columns))))
+        return out
+
+    def take_notice(self, p: int, words: list[int], ordinals: list[int], now: float,
+                    schemas: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = ()) -> bool:
         """A notice of process ``p`` answering the board steps of ``words`` (its envs') at
-        ``ordinals`` (infos or failures came with it): take those steps; ``False`` if it is stale
-        (an older step's, or of a replaced process)."""
+        ``ordinals`` (infos or failures came with it, and the info ``schemas`` it uses from now
+        on: ``(id, keys, dtypes)``): take those steps; ``False`` if it is stale (an older
+        step's, or of a replaced process)."""
         requested, taken = self._requested, self._board_taken
         for w, ordinal in zip(words, ordinals, strict=True):
             if requested[w] != ordinal or taken[w] == ordinal:
                 return False
+        for schema, keys, dtypes in schemas:
+            self._schemas[schema] = (keys, dtypes)
         self._board_seen[words] = [-o for o in ordinals]
         taken[words] = ordinals
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), taken.tobytes()
@@ -401,7 +462,7 @@ class Mailboxes:
     def close(self) -> None:
         """Unmap and close (the workers' mappings keep it alive until they end)."""
         self._words.release()
-        for name in ("_requested", "_env_times", "_answered_at", "_worker_states"):
+        for name in ("_requested", "_env_times", "_answered_at", "_worker_states", "_info_rows"):  # views of the mapping
             setattr(self, name, None)
         try:
             self._map.close()
@@ -434,6 +495,9 @@ class WorkerMailbox:
         self._times = [layout.block(ENV_TIMES) // 8 + first + i for i in range(k)]
         self._at = [layout.block(ANSWERED_AT) // 8 + first + i for i in range(k)]
         self._asked_span = slice(self._asked[0] * 8, self._asked[0] * 8 + 8 * k)
+        self._info_rows = [layout.block(INFOS) // 8 + (first + i) * INFO_WORDS for i in range(k)]
+        #: The info schemas this process announced: (keys, value types) -> id (``schema_id``).
+        self._schemas: dict[tuple[tuple[Any, ...], tuple[type, ...]], int] = {}
         #: The ordinals this process served (a replaced process's successor starts from what
         #: its board holds: the parent took the old steps out of flight).
         self._served = [self._words[w] for w in self._asked]
@@ -487,6 +551,45 @@ class WorkerMailbox:
         word = words[0]
         return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
 
+    def write_infos(self, locals_: list[int],
+                    infos: list[dict | None] | None) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]] | None:
+        """Write the infos of the envs ``locals_`` into their info rows (an empty one, or all
+        when ``infos`` is ``None``, as none);
+        ``None`` if one does not fit (a value other than a scalar of ``INFO_KINDS``, a key
+        other than a string, too many keys): then they travel in a notice. Returns the schemas
+        first used here, ``(id, keys, dtypes)``, which a notice must announce before an answer
+        of the board alone may use them (they count as known once returned)."""
+        words, floats, known = self._words, self._floats, self._schemas
+        if infos is None:
+            for i in locals_:
+                words[self._info_rows[i]] = 0
+            return []
+        fresh: dict[tuple[tuple[Any, ...], tuple[type, ...]], int] = {}
+        for i, info in zip(locals_, infos, strict=True):
+            row = self._info_rows[i]
+            if not info:
+                words[row] = 0
+                continue
+            keys = tuple(info)
+            values = info.values()
+            kinds = tuple(map(type, values))
+            schema = known.get((keys, kinds)) or fresh.get((keys, kinds))
+            if schema is None:
+                if len(keys) >= INFO_WORDS or not all(type(k) is str for k in keys) or not all(k in INFO_KINDS for k in kinds):
+                    return None
+                schema = fresh[(keys, kinds)] = schema_id(keys, tuple(INFO_KINDS[k][0] for k in kinds))
+            try:
+                for j, (value, kind) in enumerate(zip(values, kinds, strict=True), row + 1):
+                    if INFO_KINDS[kind][1]:
+                        floats[j] = float(value)
+                    else:
+                        words[j] = int(value)
+            except (OverflowError, TypeError, ValueError):  # an int beyond 64 bits, say
+                return None
+            words[row] = schema
+        known.update(fresh)
+        return [(schema, keys, tuple(INFO_KINDS[k][0] for k in kinds)) for (keys, kinds), schema in fresh.items()]
+
     def post(self, notice: bytes) -> bool | None:
         """Publish an answer notice; ``None`` when it does not fit (the step queue takes it),
         else whether the parent may be asleep (then a wake-up must follow on the queue)."""
@@ -525,6 +628,13 @@ class WorkerMailbox:
             self._map.close()
         except BufferError:
             pass
+
+
+def schema_id(keys: tuple[str, ...], dtypes: tuple[str, ...]) -> int:
+    """An info schema's id: the same in every process (the parent batches the infos of every
+    process with that schema as one block), never 0 (no info)."""
+    digest = hashlib.blake2b(repr((keys, dtypes)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2 or 1
 
 
 def _packed(values: list[int]) -> bytes:

@@ -194,13 +194,16 @@ class Stepped(NamedTuple):
 
 class StepsAnswer(NamedTuple):
     """A worker's notice for steps the step board asked for (``envmanager.wire.mailbox``) whose
-    answer is more than shared memory holds (infos, failures): the envs (local indices) and the
-    ordinals they were asked at, and the rest as a :class:`Stepped` (one entry per env, in that
-    order). Its answer words go up after it, negated: the parent files the steps from this."""
+    answer is more than shared memory holds (infos that do not fit its info rows, failures), or
+    that first use an info schema: the envs (local indices) and the ordinals they were asked at,
+    the rest as a :class:`Stepped` (one entry per env, in that order), and the info ``schemas``
+    the board's info rows use from now on (``(id, keys, dtypes)``). Its answer words go up after
+    it, negated: the parent files the steps from this."""
 
     locals: tuple[int, ...]
     ordinals: tuple[int, ...]
     stepped: Stepped
+    schemas: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
 class Values(NamedTuple):
@@ -292,13 +295,14 @@ BOARD_SEQ = 0
 def encode_steps_answer(index: int, posted_at: float, answer: StepsAnswer) -> tuple[bytes, bytes]:
     """``(header, payload)`` of a :class:`StepsAnswer` notice: a STEP with :data:`BOARD_SEQ`,
     its payload the bare tuples (see ``encode_answer``)."""
-    locals_, ordinals, stepped = answer
-    return NOTICE_HEADER.pack(Cmd.STEP, index, BOARD_SEQ, posted_at, PICKLED), dumps((locals_, ordinals, tuple(stepped)))
+    locals_, ordinals, stepped, schemas = answer
+    return (NOTICE_HEADER.pack(Cmd.STEP, index, BOARD_SEQ, posted_at, PICKLED),
+            dumps((locals_, ordinals, tuple(stepped), schemas)))
 
 
 def decode_steps_answer(payload: memoryview | bytes) -> StepsAnswer:
-    locals_, ordinals, stepped = pickle.loads(payload)
-    return _new(StepsAnswer, (locals_, ordinals, _new(Stepped, stepped)))
+    locals_, ordinals, stepped, schemas = pickle.loads(payload)
+    return _new(StepsAnswer, (locals_, ordinals, _new(Stepped, stepped), schemas))
 
 
 class EnvironmentResponse(NamedTuple):

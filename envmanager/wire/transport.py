@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any, cast
 
+from envmanager.wire.info_columns import to_columns
 from envmanager.wire.mailbox import MARGIN_NS, WAKE, WorkerMailbox
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import (
@@ -36,6 +37,8 @@ from envmanager.wire.messages import (
 )
 from envmanager.wire.spin import SpinPolicy
 from envmanager.wire.step_queue import FrameReader, StepQueue, write_frame
+
+_new = tuple.__new__
 
 __all__ = ["make_transport", "PortableAnswers", "WorkerLink", "QueueLink", "MailboxLink", "link_for", "StepQueue"]
 
@@ -228,13 +231,28 @@ class MailboxLink(QueueLink):
         elif wake:
             write_frame(self.queue_fd, WAKE)
 
-    def answer_steps(self, locals_: list[int], ordinals: list[int], stepped: Stepped, index: int) -> None:
-        """Answer the board's steps of ``locals_`` (asked at ``ordinals``), their results written
-        to shared memory: on the board alone when that is all (``stepped`` is raw), else after a
-        notice carrying the rest (a :class:`StepsAnswer`)."""
-        raw = not stepped[1] and not stepped[2] and stepped[3] is None and stepped[4] is None and stepped[5] is None
+    def answer_steps(self, locals_: list[int], ordinals: list[int], stepped: Stepped, slots: list[int], columns: bool,
+                     index: int) -> None:
+        """Answer the board's steps of ``locals_`` (slots ``slots``, asked at ``ordinals``), their
+        results written to shared memory: on the board alone when that is all, flat infos in its
+        info rows; else after a notice carrying the rest (a :class:`StepsAnswer`: failures, infos
+        that do not fit, as columns where they fit and the parent batches infos (``columns``),
+        and the info schemas used for the first time)."""
+        infos = stepped[1]
+        raw = not stepped[2] and stepped[3] is None and stepped[4] is None and stepped[5] is None
+        schemas: tuple = ()
+        if raw:
+            written = self.box.write_infos(locals_, [infos.get(s) for s in slots] if infos else None)
+            if written:  # a schema's first use: this answer announces it
+                raw, schemas = False, tuple(written)
+            elif written is None:
+                raw = False
+                if columns and infos and len(infos) == len(slots) > 1:
+                    packed = to_columns([infos[s] for s in slots])
+                    if packed is not None:
+                        stepped = _new(Stepped, (stepped[0], None, None, None, None, packed))
         if not raw:
-            answer = StepsAnswer(tuple(locals_), tuple(ordinals), stepped)
+            answer = StepsAnswer(tuple(locals_), tuple(ordinals), stepped, schemas)
             header, payload = encode_steps_answer(index, time.monotonic(), answer)
             notice = header + payload
             if self.box.post(notice) is None:  # too big for the ring (the board's word below wakes the parent)

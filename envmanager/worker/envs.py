@@ -156,10 +156,13 @@ class WorkerEnvs:
         return out.answer()
 
     # -- STEP and RESET ---------------------------------------------------------------------
-    def step(self, request: Step) -> Stepped:
+    def step(self, request: Step, columns: bool | None = None) -> Stepped:
+        """Step the envs at ``request.locals``; their infos as columns where they fit when
+        ``columns`` (default: as the parent asked, ``info_columns``), else as dicts."""
         b = self.buffers
         if request.actions is None and b is not None and type(b.action) is np.ndarray and type(b.observation) is np.ndarray:
-            return self._step_shared(request.locals, b, b.action, b.observation)
+            return self._step_shared(request.locals, b, b.action, b.observation,
+                                     self.info_columns if columns is None else columns)
         actions, envs, mode = request.actions, self.envs, self.autoreset_mode
         words, at = self._words, self._at
         out = _Answer(len(request.locals), b)
@@ -188,7 +191,7 @@ class WorkerEnvs:
         return out.answer()
 
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
-                     observation: np.ndarray) -> Stepped:
+                     observation: np.ndarray, columns: bool) -> Stepped:
         """The hot path: actions read from shared memory and results written back as whole
         batches (one numpy operation per array; a slice for a lane's contiguous slots), not env by
         env; ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env:
@@ -251,10 +254,10 @@ class WorkerEnvs:
                 except Exception as exc:
                     failures[k] = remote_exception(slots[k], exc)
         b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
-        if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
-            columns = to_columns([infos[s] for s in slots])
-            if columns is not None:
-                return _new(Stepped, (times, None, None, None, None, columns))
+        if columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
+            packed = to_columns([infos[s] for s in slots])
+            if packed is not None:
+                return _new(Stepped, (times, None, None, None, None, packed))
         return _new(Stepped, (times, infos or None, failures or None, None, None, None))
 
     def reset(self, request: Reset) -> Stepped:

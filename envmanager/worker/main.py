@@ -165,13 +165,13 @@ def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: in
         cut = next(n for n, i in enumerate(locals_) if lanes[i] != first)
         groups = [(locals_[:cut], ordinals[:cut]), (locals_[cut:], ordinals[cut:])]
     for own, asked in groups:
-        try:
-            stepped = envs.step(_new(Step, (tuple(own), None)))
+        try:  # infos as dicts: the board's info rows take them, or a notice (as columns if they fit)
+            stepped = envs.step(_new(Step, (tuple(own), None)), columns=False)
         except Exception as exc:  # (envs.step reports an env's own error per env; this is anything else)
             failure = remote_exception(envs.current, exc)
             stepped = Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure))
         envs.unmark()
-        link.answer_steps(own, asked, stepped, index)
+        link.answer_steps(own, asked, stepped, [envs.env_ids[i] for i in own], envs.info_columns, index)
 
 
 def _default_fatal_signals() -> None:
