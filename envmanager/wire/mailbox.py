@@ -90,6 +90,11 @@ INFO_KINDS: dict[type, tuple[str, bool]] = {
     np.bool_: ("|b1", False),
 }
 _FLOAT_DTYPES = frozenset(d for d, is_float in INFO_KINDS.values() if is_float)
+_FLOAT_KINDS = frozenset(kind for kind, (_, is_float) in INFO_KINDS.items() if is_float)
+_KIND_OF = {dtype: kind for kind, (dtype, _) in INFO_KINDS.items()}
+#: An info schema as announced: its id, its keys and its columns' dtypes.
+Schema = tuple[int, tuple[str, ...], tuple[str, ...]]
+LastSchema = tuple[tuple[Any, ...], tuple[type, ...], int]  # an env's last: keys, value types, id
 _NOTICE, _NOTICE_SIZE = NOTICE_HEADER.unpack_from, NOTICE_HEADER.size
 _COMMANDS = {int(cmd): cmd for cmd in EnvironmentCommand}
 _new = tuple.__new__
@@ -496,8 +501,10 @@ class WorkerMailbox:
         self._at = [layout.block(ANSWERED_AT) // 8 + first + i for i in range(k)]
         self._asked_span = slice(self._asked[0] * 8, self._asked[0] * 8 + 8 * k)
         self._info_rows = [layout.block(INFOS) // 8 + (first + i) * INFO_WORDS for i in range(k)]
-        #: The info schemas this process announced: (keys, value types) -> id (``schema_id``).
+        #: The info schemas this process announced: (keys, value types) -> id (``schema_id``),
+        #: and each env's last one (keys, value types, id).
         self._schemas: dict[tuple[tuple[Any, ...], tuple[type, ...]], int] = {}
+        self._last_schema: list[LastSchema | None] = [None] * k
         #: The ordinals this process served (a replaced process's successor starts from what
         #: its board holds: the parent took the old steps out of flight).
         self._served = [self._words[w] for w in self._asked]
@@ -551,44 +558,60 @@ class WorkerMailbox:
         word = words[0]
         return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
 
-    def write_infos(self, locals_: list[int],
-                    infos: list[dict | None] | None) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]] | None:
+    def write_infos(self, locals_: list[int], infos: list[dict | None] | None) -> list[Schema] | None:
         """Write the infos of the envs ``locals_`` into their info rows (an empty one, or all
-        when ``infos`` is ``None``, as none);
-        ``None`` if one does not fit (a value other than a scalar of ``INFO_KINDS``, a key
-        other than a string, too many keys): then they travel in a notice. Returns the schemas
-        first used here, ``(id, keys, dtypes)``, which a notice must announce before an answer
-        of the board alone may use them (they count as known once returned)."""
-        words, floats, known = self._words, self._floats, self._schemas
+        when ``infos`` is ``None``, as none); ``None`` if one does not fit (a value other than
+        a scalar of ``INFO_KINDS``, a key other than a string, too many keys): then they travel
+        in a notice. Returns the schemas first used here, ``(id, keys, dtypes)``, which a notice
+        must announce before an answer of the board alone may use them (they count as known
+        once returned)."""
+        words, floats, rows = self._words, self._floats, self._info_rows
         if infos is None:
             for i in locals_:
-                words[self._info_rows[i]] = 0
+                words[rows[i]] = 0
             return []
-        fresh: dict[tuple[tuple[Any, ...], tuple[type, ...]], int] = {}
+        fresh: list[Schema] = []
         for i, info in zip(locals_, infos, strict=True):
-            row = self._info_rows[i]
+            row = rows[i]
             if not info:
                 words[row] = 0
                 continue
             keys = tuple(info)
-            values = info.values()
-            kinds = tuple(map(type, values))
-            schema = known.get((keys, kinds)) or fresh.get((keys, kinds))
-            if schema is None:
-                if len(keys) >= INFO_WORDS or not all(type(k) is str for k in keys) or not all(k in INFO_KINDS for k in kinds):
+            last = self._last_schema[i]  # an env's info has the same keys step after step, usually
+            if last is None or last[0] != keys:
+                last = self._last_schema[i] = self._schema_of(keys, tuple(map(type, info.values())), fresh)
+                if last is None:
                     return None
-                schema = fresh[(keys, kinds)] = schema_id(keys, tuple(INFO_KINDS[k][0] for k in kinds))
+            kinds: tuple[Any, ...] = last[1]
+            schema = last[2]
             try:
-                for j, (value, kind) in enumerate(zip(values, kinds, strict=True), row + 1):
-                    if INFO_KINDS[kind][1]:
+                for j, value, kind in zip(range(row + 1, row + 1 + len(kinds)), info.values(), kinds, strict=True):
+                    if type(value) is not kind:  # the same keys, another type: another schema
+                        self._last_schema[i] = None
+                        return self.write_infos(locals_, infos)
+                    if kind is float or kind in _FLOAT_KINDS:
                         floats[j] = float(value)
                     else:
                         words[j] = int(value)
             except (OverflowError, TypeError, ValueError):  # an int beyond 64 bits, say
                 return None
             words[row] = schema
-        known.update(fresh)
-        return [(schema, keys, tuple(INFO_KINDS[k][0] for k in kinds)) for (keys, kinds), schema in fresh.items()]
+        for schema, keys, dtypes in fresh:
+            self._schemas[(keys, tuple(_KIND_OF[d] for d in dtypes))] = schema
+        return fresh
+
+    def _schema_of(self, keys: tuple[Any, ...], kinds: tuple[type, ...], fresh: list[Schema]) -> LastSchema | None:
+        """``(keys, kinds, schema id)`` of an info with these keys and value types, noted in
+        ``fresh`` if this process has not used it yet; ``None`` if the info rows cannot hold it."""
+        schema = self._schemas.get((keys, kinds))
+        if schema is None:
+            if len(keys) >= INFO_WORDS or not all(type(k) is str for k in keys) or not all(k in INFO_KINDS for k in kinds):
+                return None
+            dtypes = tuple(INFO_KINDS[k][0] for k in kinds)
+            schema = schema_id(keys, dtypes)
+            if all(s != schema for s, _, _ in fresh):
+                fresh.append((schema, keys, dtypes))
+        return keys, kinds, schema
 
     def post(self, notice: bytes) -> bool | None:
         """Publish an answer notice; ``None`` when it does not fit (the step queue takes it),
@@ -638,4 +661,10 @@ def schema_id(keys: tuple[str, ...], dtypes: tuple[str, ...]) -> int:
 
 
 def _packed(values: list[int]) -> bytes:
-    return struct.pack(f"<{len(values)}q", *values)
+    pack = _PACKERS.get(len(values))
+    if pack is None:
+        pack = _PACKERS[len(values)] = struct.Struct(f"<{len(values)}q").pack
+    return pack(*values)
+
+
+_PACKERS: dict[int, Any] = {}

@@ -76,9 +76,8 @@ class WorkerEnvs:
         self.autoreset = [False] * len(env_ids)
         self.buffers: shm.SharedBuffers | None = None
         self.file = file  # the shared memory this process was started with (ATTACH maps it)
-        # A request's envs by their locals: where they sit in the shared arrays (a slice when
-        # contiguous) and their slots.
-        self._lanes: dict[tuple[int, ...], tuple[Any, ...]] = {}
+        # A request's envs by their locals: their slots.
+        self._slots: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._next_step, self._same_step = autoreset_mode == NEXT_STEP, autoreset_mode == SAME_STEP
         self.current = env_ids[0]  # the slot being worked on, so an exception can name it
         # Which env is in which call, for the parent to read should this process hang or die
@@ -192,31 +191,27 @@ class WorkerEnvs:
 
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
                      observation: np.ndarray, columns: bool) -> Stepped:
-        """The hot path: actions read from shared memory and results written back as whole
-        batches (one numpy operation per array; a slice for a lane's contiguous slots), not env by
-        env; ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env:
+        """The hot path: each env's action read from shared memory and its results written back
+        as soon as it has stepped (no list of results to convert: one assignment per array and
+        env); ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env:
         each env's time runs from the end of the one before."""
-        lane = self._lanes.get(locals_)
-        if lane is None:
-            if len(self._lanes) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
-                self._lanes.clear()
-            slots_ = tuple(self.env_ids[i] for i in locals_)
-            k = len(slots_)
-            lane = self._lanes[locals_] = (_rows_of(list(slots_)), slots_, [None] * k, [0.0] * k, [False] * k, [False] * k)
-        # The lane's lists are filled anew each time: what they hold is written to the shared
-        # arrays below, before this returns.
-        rows, slots, observations, rewards, terminated, truncated = lane
+        slots = self._slots.get(locals_)
+        if slots is None:
+            if len(self._slots) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
+                self._slots.clear()
+            slots = self._slots[locals_] = tuple(self.env_ids[i] for i in locals_)
         n = len(locals_)
-        # A copy (fancy indexing copies, a slice does not): the envs may keep their action.
-        actions = action[rows].copy() if type(rows) is slice else action[rows]
         times = [0.0] * n
         infos: dict[int, dict] = {}
         failures: dict[int, RemoteException] = {}
         envs, autoreset, next_step, same_step = self.envs, self.autoreset, self._next_step, self._same_step
         words, at, steps = self._words, self._at, self._steps
+        rewards, terminated, truncated = b.reward, b.terminated, b.truncated
+        rows_are_arrays = action.ndim > 1  # (a row of a 1-d array is a scalar: nothing to copy)
         clock = time.perf_counter
         start = clock()
         for k, i in enumerate(locals_):
+            slot = slots[k]
             try:
                 env = envs[i]
                 if autoreset[i] and next_step:
@@ -225,35 +220,24 @@ class WorkerEnvs:
                     reward, term, trunc = 0.0, False, False
                 else:
                     words[at] = steps[i]  # the one store per env: "slot i is in step()"
-                    obs, reward, term, trunc, info = env.step(actions[k])
+                    # A copy of an array row: the env may keep its action.
+                    obs, reward, term, trunc, info = env.step(action[slot].copy() if rows_are_arrays else action[slot])
                     if (term or trunc) and same_step:
                         final = {"final_obs": obs, "final_info": info}
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
-                if term or trunc:
-                    autoreset[i], terminated[k], truncated[k] = True, term, trunc
-                else:
-                    autoreset[i] = terminated[k] = truncated[k] = False
-                observations[k], rewards[k] = obs, reward
+                autoreset[i] = bool(term or trunc)
+                observation[slot] = obs  # (an observation that does not fit raises: this env's failure)
+                rewards[slot], terminated[slot], truncated[slot] = reward, term, trunc
                 if info:
-                    infos[slots[k]] = info
+                    infos[slot] = info
             except Exception as exc:
-                self.current = slots[k]
-                failures[k] = remote_exception(self.current, exc)
-                observations[k] = observation[slots[k]]  # unchanged
-                rewards[k], terminated[k], truncated[k] = 0.0, False, False
+                self.current = slot
+                failures[k] = remote_exception(slot, exc)  # its observation stays as it was
+                rewards[slot], terminated[slot], truncated[slot] = 0.0, False, False
             end = clock()
             times[k], start = end - start, end
-        try:
-            observation[rows] = observations
-        except Exception:  # an observation that does not fit: find it, env by env
-            for k, obs in enumerate(observations):
-                try:
-                    observation[slots[k]] = obs
-                except Exception as exc:
-                    failures[k] = remote_exception(slots[k], exc)
-        b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
         if columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
             packed = to_columns([infos[s] for s in slots])
             if packed is not None:
@@ -358,15 +342,6 @@ class _Answer:
 
     def answer(self) -> Stepped:
         return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars)
-
-
-def _rows_of(slots: list[int]) -> slice | np.ndarray:
-    """Where a request's slots sit in the shared arrays: a slice when they are contiguous (a
-    lane: numpy's cheapest index), else an index array."""
-    first = slots[0]
-    if slots == list(range(first, first + len(slots))):
-        return slice(first, first + len(slots))
-    return np.array(slots, dtype=np.int64)
 
 
 def order_enforced(env: Any) -> bool:
