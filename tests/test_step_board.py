@@ -74,7 +74,7 @@ def answer_all(workers: list[WorkerMailbox], raw: bool = True) -> dict[int, list
 
 def taken(made: Mailboxes) -> list[int]:
     got = made.steps_answered()
-    return [] if got is None else sorted(got[0].tolist())
+    return [] if got is None else sorted(got.tolist())
 
 
 @settings(max_examples=40, deadline=None)
@@ -179,10 +179,12 @@ def test_infos_in_the_info_rows_come_back_as_the_envs_returned_them(steps):
                 continue
             w.answer_steps(locals_, ordinals, [1e-6] * 3, raw=True)
             got = made.steps_answered()
-            assert got is not None and sorted(got[0].tolist()) == [0, 1, 2]
-            back = {s: {} for s in range(3)}
-            for rows, columns in got[1]:
-                back.update(zip(rows.tolist(), columns.dicts(), strict=True))
+            assert got is not None and sorted(got.tolist()) == [0, 1, 2]
+            back: dict[int, dict] = {s: {} for s in range(3)}
+            for rows, keys, columns, python in made.infos(np.sort(got)):
+                lists = [c.tolist() if py else list(c) for c, py in zip(columns, python, strict=True)]
+                back.update((s, dict(zip(keys, values, strict=True)))
+                            for s, values in zip(rows.tolist(), zip(*lists, strict=True), strict=True))
             for slot, info in enumerate(infos):
                 assert back[slot] == info
                 assert [type(v) for v in back[slot].values()] == [type(v) for v in info.values()]
@@ -202,8 +204,9 @@ def test_an_answer_whose_schema_was_not_announced_yet_waits_for_its_notice():
         assert made.steps_answered() is None  # slot 1's schema is unknown here yet: it waits
         assert made.take_notice(0, made.slot_word[[0]].tolist(), ordinals[:1], time.monotonic(), tuple(schemas))
         got = made.steps_answered()
-        assert got is not None and got[0].tolist() == [1]
-        assert [c.dicts() for _, c in got[1]] == [[{"t": 1}]]
+        assert got is not None and got.tolist() == [1]
+        assert [(rows.tolist(), keys, [c.tolist() for c in columns]) for rows, keys, columns, _ in made.infos(got)] == [
+            ([1], ("t",), [[1]])]
 
 
 @pytest.mark.parametrize("info", [{"nested": {"a": 1}}, {"array": np.zeros(2)}, {"big": 2**70}, {"none": None},

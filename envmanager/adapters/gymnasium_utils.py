@@ -116,6 +116,13 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
     and answer, no per-env Python. Each array takes the dtype of the lowest env's value, as
     gymnasium's does."""
     infos: dict[str, Any] = {}
+    if len(blocks) == 1 and len(blocks[0].slots) == num_envs:  # every env, in order (distinct slots of [0, n)): one block
+        block = blocks[0]
+        if block.slots[0] == 0 and block.slots[-1] == num_envs - 1:
+            for key, column in zip(block.keys, block.columns, strict=True):
+                infos[key] = column if column.flags.writeable and column.base is None else column.copy()
+                infos[f"_{key}"] = np.ones(num_envs, dtype=np.bool_)
+            return infos
     for block in sorted(blocks, key=lambda b: int(b.slots.min())) if len(blocks) > 1 else blocks:
         for key, column in zip(block.keys, block.columns, strict=True):
             if key not in infos:

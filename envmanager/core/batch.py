@@ -161,8 +161,9 @@ class BatchEnvManager(BatchResets, CallMethods):
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
             self._state.attach(self.results, self.observation_list, self.observation_space)
-            if self._pool.mailboxes is not None:
+            if self._pool.mailboxes is not None:  # the step board's answers: their infos and timings stay there
                 self._state.board_timings = self._pool.mailboxes.timings
+                self._state.board_infos = self._pool.mailboxes.infos
             self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
             self._calls = EnvCalls(self)
         except BaseException:
@@ -457,8 +458,8 @@ class BatchEnvManager(BatchResets, CallMethods):
                 self._note_generation(c)
         # The step board's answers: a replaced process answers through the ring first (its fresh
         # reset, ``interrupted``), so these come from the generation the slots already have.
-        for slots, infos in self._pool.take_steps():  # type: ignore[union-attr]
-            state.file_steps(slots, infos)
+        for slots in self._pool.take_steps():  # type: ignore[union-attr]
+            state.file_steps(slots)
 
     def _note_generation(self, c: Completion) -> None:
         """The slots ``c`` answers for (a restart: all of its process's) are of the generation

@@ -42,7 +42,6 @@ from envmanager.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from envmanager.wire.info_columns import InfoColumns
 from envmanager.wire.mailbox import WAKE, Mailboxes
 from envmanager.wire.marks import CallMarks
 from envmanager.wire.messages import (
@@ -120,9 +119,8 @@ class WorkerPool(PoolRecovery):
         #: with them, steps whose actions are in shared memory go on the step board (``post_steps``).
         self.mailboxes = (Mailboxes.create(len(specs), [spec.env_ids for spec in specs])
                           if mailbox and isinstance(self.queue, StepQueue) else None)
-        #: The slots the step board answered since the batch level last took them, with their
-        #: infos (per schema: slots and columns; ``take_steps``).
-        self._steps_answered: list[tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]]] = []
+        #: The slots the step board answered since the batch level last took them (``take_steps``).
+        self._steps_answered: list[np.ndarray] = []
         if isinstance(self.queue, StepQueue):
             self.queue.mailboxes = self.mailboxes
             self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
@@ -182,10 +180,10 @@ class WorkerPool(PoolRecovery):
                 except OSError:  # gone: its sentinel tells
                     pass
 
-    def take_steps(self) -> list[tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]]]:
+    def take_steps(self) -> list[np.ndarray]:
         """The slots whose board steps the waits took since the last call, results all in shared
-        memory, and their infos as columns (filed by the batch level; their timings:
-        ``mailboxes.timings``)."""
+        memory (filed by the batch level; their infos and timings stay in the board until they
+        are asked again: ``mailboxes.infos``, ``mailboxes.timings``)."""
         answered, self._steps_answered = self._steps_answered, []
         return answered
 
@@ -255,7 +253,7 @@ class WorkerPool(PoolRecovery):
             answered = box.steps_answered()
             if answered is not None:
                 self._steps_answered.append(answered)
-                self.answers += answered[0].size
+                self.answers += answered.size
         notices = self.queue.take(everything)
         if not notices:
             return

@@ -82,6 +82,11 @@ class SlotState:
         self.received_at = np.zeros(n_env)
         self.on_board = np.zeros(n_env, dtype=np.bool_)
         self.board_timings: Callable[[int], tuple[float, float, float]] | None = None
+        #: Infos of the step board's answers, read from the board when handed out (they stay
+        #: there until their slots are sent again, as their results do): per schema, slots, keys,
+        #: columns, whether Python scalars.
+        self.board_infos: Callable[[np.ndarray], list[tuple[np.ndarray, tuple[str, ...], list[np.ndarray],
+                                                            tuple[bool, ...]]]] | None = None
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
         self.observation_space: Any = None
@@ -134,12 +139,9 @@ class SlotState:
         else:
             self.arrived.extend(slots)
 
-    def file_steps(self, slots: np.ndarray, infos: list[tuple[np.ndarray, Any]]) -> None:
-        """File the step board's answers of ``slots`` (results all in shared memory) and their
-        infos (per schema: slots and columns): a few numpy operations for the whole batch,
-        whatever the number of processes."""
-        for rows, columns in infos:
-            self._file_columns(columns, rows)
+    def file_steps(self, slots: np.ndarray) -> None:
+        """File the step board's answers of ``slots`` (results, infos and timings all in shared
+        memory): a few numpy operations for the whole batch, whatever the number of processes."""
         self.status[slots] = ARRIVED
         self.arrived.extend(slots.tolist())
         self.on_board[slots] = True
@@ -223,6 +225,10 @@ class SlotState:
         infos, interrupted = self.infos, self.interrupted
         mine = {s: infos.pop(s) for s in slots_list if s in infos} if infos else {}
         blocks = self._hand_out_columns(slots, mine, columns) if self.info_blocks else ()
+        if self.board_infos is not None and not reset:
+            on_board = slots[self.on_board[slots]]
+            if on_board.size:
+                blocks += self._hand_out_board(on_board, mine, columns)
         cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else _NONE
         if cut:
             interrupted -= cut
@@ -251,6 +257,21 @@ class SlotState:
             else:
                 dicts.update(zip(rows.tolist() if whole else mine.tolist(),
                                  info.dicts(None if positions is None else positions.tolist()), strict=True))
+        return tuple(out)
+
+    def _hand_out_board(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
+        """The infos of the step board's answers of ``slots``: as blocks (``columns``), or into ``dicts``."""
+        assert self.board_infos is not None
+        out = []
+        for rows, keys, arrays, python in self.board_infos(np.sort(slots)):  # (blocks ascend, as answers' do)
+            block = InfoBlock(rows, keys, arrays, python)
+            if columns:
+                out.append(block)
+            else:
+                lists = [a.tolist() if py else list(a) for a, py in zip(arrays, python, strict=True)]
+                rows_of_values = zip(*lists, strict=True)
+                dicts.update((slot, dict(zip(keys, values, strict=True)))
+                             for slot, values in zip(rows.tolist(), rows_of_values, strict=True))
         return tuple(out)
 
     def timings(self, slot: int) -> tuple[float, float, float]:

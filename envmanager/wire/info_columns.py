@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["InfoColumns", "to_columns"]
+__all__ = ["InfoColumns", "to_columns", "column_dtype"]
 
 _PYTHON = (int, float, bool)
 #: Scalar types packed with the ``array`` module (a worker's step is no place for numpy's
@@ -69,9 +69,12 @@ class InfoColumns(NamedTuple):
 
 
 @functools.cache
-def _dtype(dtype: str) -> np.dtype:
-    """A column's numpy dtype (its string without ``py:``)."""
+def column_dtype(dtype: str) -> np.dtype:
+    """A column's numpy dtype (its dtype string, ``py:`` or not)."""
     return np.dtype(dtype.removeprefix("py:"))
+
+
+_dtype = column_dtype
 
 
 #: Columns cost a few numpy operations per key where dicts cost some per env and key: below

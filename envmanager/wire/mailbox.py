@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from envmanager.wire.info_columns import InfoColumns
+from envmanager.wire.info_columns import column_dtype as _dtype
 from envmanager.wire.messages import NOTICE_HEADER, EnvironmentCommand, EnvironmentResponse
 from envmanager.wire.shm import SharedFile
 
@@ -334,24 +334,24 @@ class Mailboxes:
         sleepy = (state <= time.monotonic_ns() + MARGIN_NS).nonzero()[0]
         return processes[sleepy] if sleepy.size else sleepy
 
-    def steps_answered(self) -> tuple[np.ndarray, list[tuple[np.ndarray, InfoColumns]]] | None:
+    def steps_answered(self) -> np.ndarray | None:
         """The slots whose board steps were answered since the last look with all their results
-        in shared memory (raw), now taken, and their infos (per schema: slots and columns); ``None``
-        if there are none (``timings`` has the rest). Answers with a notice wait for it
-        (``take_notice``), and so does an answer whose info schema's notice was not taken yet.
-        Look here before taking notices: a notice is written before the answer words after it."""
+        in shared memory (raw), now taken; ``None`` if there are none. Their infos (``infos``)
+        and timings (``timings``) stay in the board until they are asked again. Answers with a
+        notice wait for it (``take_notice``), and so does an answer whose info schema's notice
+        was not taken yet. Look here before taking notices: a notice is written before the
+        answer words after it."""
         snapshot = self._map[self._answer_span]
         if snapshot == self._board_seen_bytes:  # the usual look: one compare of bytes
             return None
         if snapshot == self._map[self._request_span]:  # every step asked is answered, raw (lockstep's case)
             words = (self._board_taken != self._requested).nonzero()[0]
-            ids = self._info_rows[words, 0]
-            if ids.tobytes() == self._no_infos[: 8 * ids.size] or self._known(ids) is None:
+            if self._announced(words) is None:
                 self._board_seen[:] = self._requested
                 self._board_taken[:] = self._requested
                 self._board_seen_bytes = self._board_taken_bytes = snapshot
                 self._last_answer[self._word_process[words]] = time.monotonic()
-                return self._word_slot[words], self._infos(words, ids)
+                return self._word_slot[words]
         answers = np.frombuffer(snapshot, np.int64)
         changed = (answers != self._board_seen).nonzero()[0]
         ordinals = answers[changed]
@@ -359,44 +359,48 @@ class Mailboxes:
         words, ordinals = changed[raw], ordinals[raw]
         if not words.size:
             return None
-        ids = self._info_rows[words, 0]
-        if ids.tobytes() != self._no_infos[: 8 * ids.size]:
-            unknown = self._known(ids)
-            if unknown is not None:  # their schema's notice is still on its way: they wait for it
-                words, ordinals, ids = words[~unknown], ordinals[~unknown], ids[~unknown]
-                if not words.size:
-                    return None
+        unknown = self._announced(words)
+        if unknown is not None:  # their info schema's notice is still on its way: they wait for it
+            words, ordinals = words[~unknown], ordinals[~unknown]
+            if not words.size:
+                return None
         self._board_seen[words] = ordinals
         self._board_taken[words] = ordinals
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
         self._last_answer[self._word_process[words]] = time.monotonic()
-        return self._word_slot[words], self._infos(words, ids)
+        return self._word_slot[words]
 
-    def _known(self, ids: np.ndarray) -> np.ndarray | None:
-        """Which of the info schema ``ids`` are not announced yet (a mask), or ``None`` if all are."""
+    def _announced(self, words: np.ndarray) -> np.ndarray | None:
+        """Which answers at ``words`` use an info schema not announced yet (a mask), or ``None``
+        if every one is announced (or none has an info)."""
+        ids = self._info_rows[words, 0]
+        if ids.tobytes() == self._no_infos[: 8 * ids.size]:
+            return None
+        first = int(ids[0])
+        if (first == 0 or first in self._schemas) and ids.tobytes() == ids[:1].tobytes() * ids.size:
+            return None  # one schema, known (the usual case)
         unknown = [schema for schema in set(ids.tolist()) if schema and schema not in self._schemas]
         return np.isin(ids, unknown) if unknown else None
 
-    def _infos(self, words: np.ndarray, ids: np.ndarray) -> list[tuple[np.ndarray, InfoColumns]]:
-        """The infos of the answers at ``words`` (ascending; ``ids``: their info rows' schemas),
-        read from their info rows: per schema its slots and their infos as columns; ``[]`` when
-        no env returned one."""
+    def infos(self, slots: np.ndarray) -> list[tuple[np.ndarray, tuple[str, ...], list[np.ndarray], tuple[bool, ...]]]:
+        """The infos of ``slots`` (their board steps answered and not asked again), read from their
+        info rows: per schema, its slots, keys, one array per key and whether the envs returned
+        Python scalars for it; nothing for the slots whose env returned no info."""
+        words = self.slot_word[slots]
+        ids = self._info_rows[words, 0]
         if ids.tobytes() == self._no_infos[: 8 * ids.size]:
             return []
-        if ids.size == 1 or ids.tobytes() == ids[:1].tobytes() * ids.size:  # one schema (the usual case)
+        if ids.tobytes() == ids[:1].tobytes() * ids.size:  # one schema (the usual case)
             groups: list[tuple[int, Any]] = [(int(ids[0]), slice(None))]
         else:
             groups = [(schema, ids == schema) for schema in sorted(set(ids.tolist())) if schema]
         out = []
         for schema, which in groups:
             keys, dtypes = self._schemas[schema]
-            rows = words[which]
-            values = self._info_rows[rows, 1 : 1 + len(keys)]
-            columns = []
-            for j, dtype in enumerate(dtypes):
-                column = values[:, j].view(np.float64) if dtype in _FLOAT_DTYPES else values[:, j]
-                columns.append(column.astype(dtype.removeprefix("py:"), copy=False).tobytes())
-            out.append((self._word_slot[rows], InfoColumns(keys, dtypes, b"".join(columns))))
+            values = self._info_rows[words[which], 1 : 1 + len(keys)]
+            columns = [(values[:, j].view(np.float64) if dtype in _FLOAT_DTYPES else values[:, j]).astype(_dtype(dtype))
+                       for j, dtype in enumerate(dtypes)]
+            out.append((slots[which], keys, columns, tuple(d.startswith("py:") for d in dtypes)))
         return out
 
     def take_notice(self, p: int, words: list[int], ordinals: list[int], now: float,
