@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncVectorEnv"]
 
+#: Observations of at least this many bytes an env are copied out as each process answers (``copy=True``).
+COPY_AHEAD_BYTES = 16 * 1024
+
 
 class AsyncVectorEnv(VectorEnv):
     """Vectorized environment running each sub-environment in a worker process.
@@ -66,9 +69,9 @@ class AsyncVectorEnv(VectorEnv):
             a throwaway process (``env_fns[0]()`` built there, its unwrapped env stepped) --
             even CPU-bound envs laid out as the model of this machine predicts fastest
             (``envmanager.core.layout``), uneven or waiting ones get a process each
-            (``envmanager.core.auto``); ``1`` is gymnasium's layout. With
-            partial batches (``batch_size`` below the number of envs) ``"auto"`` is 1: a
-            process is sent a step only when all its envs are back.
+            (``envmanager.core.auto``); ``1`` is gymnasium's layout. Any layout takes partial
+            batches: an env is sent its step as soon as it is back, whatever its process's
+            other envs do.
         batch_size: enable partial batches of this size (``send``/``recv``); default: all envs.
         worker_timeout: deadline in seconds for any one worker answer (the fault model's
             bound on waits that gymnasium leaves unbounded).
@@ -137,8 +140,6 @@ class AsyncVectorEnv(VectorEnv):
             )
 
         fns = list(env_fns)
-        if envs_per_worker == "auto" and self.batch_size < self.num_envs:
-            envs_per_worker = 1  # partial batches send envs one by one: a process per env
         if double_buffer == "auto" and self.batch_size == self.num_envs:
             double_buffer = False  # lockstep: both halves are waited for each step (see the docstring)
         self._manager = BatchEnvManager(
@@ -158,6 +159,11 @@ class AsyncVectorEnv(VectorEnv):
         # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])
         self._actions_in = Actions(self.single_action_space, self._manager.actions)
+        # Big observations (an Atari frame: 100 KB an env) are copied out as each process answers, so
+        # only the last ones' copies wait after the step: there the copy is most of the parent's work.
+        obs = self._manager.results.observation
+        self._copy_ahead = (copy and self._manager.shared_memory and type(obs) is np.ndarray and obs.ndim > 1
+                            and obs[0].nbytes >= COPY_AHEAD_BYTES)
         self._all = np.arange(self.num_envs)
         self._all_list: list[int] = self._all.tolist()
         self._observations: Any = None  # the batch returned with copy=False and no array layout
@@ -330,13 +336,18 @@ class AsyncVectorEnv(VectorEnv):
                 raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.",
                                        AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
+        copied = np.empty_like(manager.results.observation) if self._copy_ahead else None
         # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
         # counts: the performance guide's "Function calls per env-step").
         try:
             while self._left or self._queued:
-                wanted = 1 if self._queued else self._left
+                wanted = 1 if self._queued or copied is not None else self._left
                 batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
                 slots = batch.slots
+                if copied is not None:  # while the others still step
+                    observation: np.ndarray = manager.results.observation  # type: ignore[assignment]
+                    for slot in slots.tolist():
+                        copied[slot] = observation[slot]
                 if self._actions is None:
                     # Every env was sent at once, so each was idle with nothing unreceived
                     # (send_batch refuses any other): a batch holds envs of this step only, each once.
@@ -357,7 +368,8 @@ class AsyncVectorEnv(VectorEnv):
         infos = (batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
                  if self._step_infos or self._step_columns else {})
         self._step_infos, self._step_columns, self._actions = {}, [], None
-        return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
+        observations = copied if copied is not None else self._observations_of(None)
+        return observations, r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
     def _abandon(self) -> list[EnvManagerError]:
         """After a failure (``gymnasium_failures``): drop what is in flight so nothing stale surfaces later; return the

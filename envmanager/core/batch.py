@@ -33,9 +33,10 @@ from gymnasium import spaces
 from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
-from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout, usable_cores
+from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout
 from envmanager.core.calls import CallMethods, EnvCalls
 from envmanager.core.completion import Completion
+from envmanager.core.cores import machine_cores
 from envmanager.core.layout import BATCH, Caller
 from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, row_of
 from envmanager.core.platforms import mailbox_enabled
@@ -116,8 +117,9 @@ class BatchEnvManager(BatchResets, CallMethods):
         n_procs = -(-n_env // self.envs_per_worker)
         #: Whether each process's slots form two lanes, each answered on its own.
         self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
-        if spin_s is None:  # spinning only pays when every process (and the parent) has a core
-            spin_s = SPIN_CAP_S if n_procs + 1 <= usable_cores() else 0.0
+        if spin_s is None:  # spinning only pays where every process (and the parent) can have a core: the
+            # machine's count decides here, where each process may run decides while they run (WorkerPool)
+            spin_s = SPIN_CAP_S if n_procs + 1 <= machine_cores() else 0.0
         specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from envmanager.core.completion import Completion, worker_error
+from envmanager.core.cores import affinity, own_cores
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
@@ -66,6 +67,8 @@ from envmanager.worker.main import WorkerSpec
 
 logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
+#: Seconds between two looks at where the processes may run (``_check_cores``).
+CORE_CHECK_S = 0.5
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 
 __all__ = ["WorkerPool", "make_specs", "get_context"]
@@ -95,6 +98,7 @@ class WorkerPool(PoolRecovery):
         self._poll_version = -1
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
+        self._next_core_check = 0.0  # when to look again where the processes may run (the spin permission)
         self._closing = False
         self._waiter: int | None = None  # the thread inside ``wait``, if one is
         #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
@@ -209,6 +213,8 @@ class WorkerPool(PoolRecovery):
         self._waiter = get_ident()  # one thread waits at a time (the pool is not shared for waiting)
         try:
             now = monotonic()
+            if now >= self._next_core_check:
+                self._check_cores(now)
             if now >= self._next_deadline_check:
                 overdue = self._check_deadlines(now)
                 if overdue:
@@ -345,6 +351,15 @@ class WorkerPool(PoolRecovery):
             self._env_failed(w, request, answer, completion, completions)
         else:
             completions.append(completion)
+
+    def _check_cores(self, now: float) -> None:
+        """Give the processes the permission to spin where the parent and every worker process
+        each have a core of their own, from the cores each may run on now (``envmanager.core.cores``),
+        and take it where they do not; looked at again every :data:`CORE_CHECK_S`."""
+        self._next_core_check = now + CORE_CHECK_S
+        if self.mailboxes is not None:
+            placed = [affinity()] + [affinity(w.pid) for w in self.workers if w.pid is not None and w.watched]
+            self.mailboxes.allow_spin(own_cores(placed))
 
     def _check_deadlines(self, now: float) -> list[Completion]:
         """Fail every process whose oldest request's clock is past the deadline (restart or

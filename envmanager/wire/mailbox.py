@@ -32,6 +32,12 @@ no wake-up is lost. That rests on x86's total store order, which also makes an e
 visible before its ordinal (and a step's results before its answer word); elsewhere the mailbox
 is off and the pipes carry everything (``mailbox_supported``).
 
+Spinning is a permission the parent gives (``allow_spin``: where each process has a core of its
+own, judged from the cores each may run on, looked at again while they run). Without it nothing
+spins, not even the margin, and every writer wakes its reader (the pipes' cost; nothing burnt on
+shared cores). For :data:`GRACE_NS` after the permission changes, writers wake their readers and
+the parent keeps the margin, so no side acts on the old rule while the other acts on the new one.
+
 Layout: a line with the parent's word and whether the workers may spin (the parent decides,
 from the cores each process may run on); every process's count of answers posted, side by side
 (the parent checks them all with one compare of bytes); per process a line with the worker's
@@ -60,13 +66,15 @@ from envmanager.wire.messages import NOTICE_HEADER, EnvironmentCommand, Environm
 from envmanager.wire.shm import SharedFile
 
 __all__ = ["Mailboxes", "WorkerMailbox", "MailboxLayout", "mailbox_supported", "BUSY", "SLEEPING",
-           "ON_PIPE", "MARGIN_NS", "WAKE"]
+           "ON_PIPE", "MARGIN_NS", "GRACE_NS", "WAKE"]
 
 BUSY, SLEEPING = -1, 0
 #: A request entry's length when the request itself is on the worker's pipe.
 ON_PIPE = -1
 #: The least a reader spins between ``BUSY`` and ``SLEEPING``, and the margin a writer keeps.
 MARGIN_NS = 20_000
+#: After the spin permission changes: how long every writer wakes its reader and readers keep the margin.
+GRACE_NS = 2_000_000
 #: The frame that only wakes a reader (multiprocessing's framing of no bytes).
 WAKE = b""
 MIN_ENTRIES = 4
@@ -194,6 +202,9 @@ class Mailboxes:
         self._answers = [[layout.answer(p, k) for k in range(layout.entries(p))] for p in range(n_procs)]
         self._words[0] = BUSY
         self._words[1] = 1  # the workers may spin (``allow_spin``)
+        #: Whether the processes may spin (``allow_spin``), and when that last changed (ns).
+        self.spin_allowed = True
+        self._permission_changed = 0
         self._board_init(slots)
 
     @classmethod
@@ -223,8 +234,22 @@ class Mailboxes:
         self._info_rows[words, 0] = 0
 
     def allow_spin(self, allowed: bool) -> None:
-        """Whether the workers may spin for their next request (they always spin the margin)."""
-        self._words[1] = int(allowed)
+        """Whether the parent and the workers may spin waiting for each other (see the module
+        doc): where each has a core of its own."""
+        if allowed != self.spin_allowed:
+            self.spin_allowed = allowed
+            self._permission_changed = time.monotonic_ns()
+            self._words[1] = int(allowed)
+
+    def wake_always(self, now_ns: int) -> bool:
+        """Whether a writer must wake its reader whatever the reader's word says (no spinning,
+        or the permission changed lately)."""
+        return not self.spin_allowed or now_ns < self._permission_changed + GRACE_NS
+
+    def parent_may_spin(self, now_ns: int) -> bool:
+        """Whether the parent keeps the margin before it sleeps (spinning allowed, or it was
+        until lately: a worker may still skip waking it)."""
+        return self.spin_allowed or now_ns < self._permission_changed + GRACE_NS
 
     # -- requests ------------------------------------------------------------------------------
     def send(self, p: int, data: bytes) -> bytes | None:
@@ -243,7 +268,8 @@ class Mailboxes:
         words[at // 8 + 1] = size
         words[at // 8] = n  # published
         word = words[self._worker_word[p]]
-        if word == BUSY or (word != SLEEPING and time.monotonic_ns() < word - MARGIN_NS):
+        now = time.monotonic_ns()
+        if (word == BUSY or (word != SLEEPING and now < word - MARGIN_NS)) and not self.wake_always(now):
             return None
         return WAKE
 
@@ -330,8 +356,11 @@ class Mailboxes:
         ordinals += 1
         requested[words] = ordinals  # published (each word on its own: a worker takes what it sees)
         self._asked_at[words] = now
+        now_ns = time.monotonic_ns()
+        if self.wake_always(now_ns):
+            return processes
         state = self._worker_states[self._worker_words[processes]]  # unsigned: BUSY (-1) is the largest
-        sleepy = (state <= time.monotonic_ns() + MARGIN_NS).nonzero()[0]
+        sleepy = (state <= now_ns + MARGIN_NS).nonzero()[0]
         return processes[sleepy] if sleepy.size else sleepy
 
     def steps_answered(self) -> np.ndarray | None:
@@ -559,8 +588,13 @@ class WorkerMailbox:
             words[self._ans[i]] = ordinal if raw else -ordinal  # published
             served[i] = ordinal
         self._served_bytes = _packed(served)  # (not the board's bytes: the parent may ask again already)
+        return self._parent_may_sleep()
+
+    def _parent_may_sleep(self) -> bool:
+        """After publishing: whether the parent must be woken (it may be asleep, or nothing spins)."""
+        words = self._words
         word = words[0]
-        return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
+        return words[1] == 0 or (word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS))
 
     def write_infos(self, locals_: list[int], infos: list[dict | None] | None) -> list[Schema] | None:
         """Write the infos of the envs ``locals_`` into their info rows (an empty one, or all
@@ -630,12 +664,11 @@ class WorkerMailbox:
         words[at // 8 + 1] = size
         words[at // 8] = n
         words[self._posted_at] = n  # published
-        word = words[0]
-        return word != BUSY and (word == SLEEPING or time.monotonic_ns() >= word - MARGIN_NS)
+        return self._parent_may_sleep()
 
     @property
     def spin_allowed(self) -> bool:
-        """Whether the parent lets workers spin for their next request (beyond the margin)."""
+        """Whether the parent lets the workers spin (else they sleep at once, and are always woken)."""
         return self._words[1] != 0
 
     # -- the worker's word ---------------------------------------------------------------------

@@ -105,6 +105,8 @@ class StepQueue:
         budget, full = spin.budget()
         clock = self.clock
         start = clock()
+        if box is not None and not box.parent_may_spin(start):  # nothing spins: every worker wakes the parent
+            budget, full = 0.0, False
         until = start + int(min(budget, timeout) * 1e9)
         if box is not None:
             box.parent_spinning(until)

@@ -191,17 +191,18 @@ class MailboxLink(QueueLink):
         """Spin on the ring and the board, then sleep on the pipe; ``None`` once there may be a
         request (look again), or a CLOSE read off the pipe."""
         box, spin = self.box, self.ring_spin
-        budget, full = spin.budget() if box.spin_allowed else (spin.floor_s, False)
         clock = time.monotonic_ns
-        until = clock() + max(int(budget * 1e9), MARGIN_NS)
-        box.spinning(until)
         found = False
-        while clock() < until:
-            if box.ready():
-                found = True
-                break
-        if full:
-            spin.caught(found)
+        if box.spin_allowed:  # (else nothing spins: the parent always wakes this worker)
+            budget, full = spin.budget()
+            until = clock() + max(int(budget * 1e9), MARGIN_NS)
+            box.spinning(until)
+            while clock() < until:
+                if box.ready():
+                    found = True
+                    break
+            if full:
+                spin.caught(found)
         if not found:
             box.sleeping()
             if not box.ready():  # the last look after saying SLEEPING: then block

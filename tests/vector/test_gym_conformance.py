@@ -487,7 +487,9 @@ def test_partial_batches_return_ready_envs_first(make_async, gates):
     n, batch = 4, 2
     gate = gates()
     fns = [env_fn(max_len=None, step_gate=gate.path if i >= 2 else None) for i in range(n)]
-    vec = make_async(fns, batch_size=batch)
+    # A process steps its envs one after another: a gated env holds the envs packed with it, so
+    # each gets a process (auto measures env 0, which is quick and even, and would pack them).
+    vec = make_async(fns, batch_size=batch, envs_per_worker=1)
     vec.reset(seed=0)
     pool = Pool(vec, n)
     pool.send()
