@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-from envmanager.wire.spin import MAX_SPIN_SKIP, SpinPolicy
+import pytest
+
+from envmanager.wire.spin import MAX_SPIN_SKIP, MIN_SIZED_S, SpinPolicy
 from envmanager.wire.step_queue import StepQueue, write_frame
 
 
@@ -29,9 +31,10 @@ class FakePoller:
     """``select.poll`` that answers from a script: ``ready_after`` zero-timeout polls, then an
     event on the queue; counts zero polls and blocking polls (with their timeouts)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, clock: FakeClock | None = None) -> None:
         self.fd, self.zero_polls, self.blocking = fd, 0, []
         self.ready_after: int | None = None
+        self.clock = clock  # a blocking poll lets its timeout pass on it
 
     def poll(self, timeout_ms):
         if timeout_ms == 0:
@@ -43,6 +46,8 @@ class FakePoller:
                     return [(self.fd, 1)]
             return []
         self.blocking.append(timeout_ms)
+        if self.clock is not None:
+            self.clock.now += timeout_ms * 1_000_000
         return []
 
 
@@ -50,9 +55,9 @@ def make_queue(spin_s: float) -> tuple[StepQueue, FakePoller]:
     queue = StepQueue(mp.get_context("fork"))
     queue.watch([], [])
     queue.set_spin(spin_s)
-    poller = FakePoller(queue.reader.fileno())
+    queue.clock = clock = FakeClock()
+    poller = FakePoller(queue.reader.fileno(), clock)
     queue._poller = poller
-    queue.clock = FakeClock()
     return queue, poller
 
 
@@ -116,11 +121,14 @@ def test_spin_policy_floor_and_limit():
     assert len(looks) <= 12
 
 
-def test_the_queue_spins_then_blocks_and_backs_off():
+def test_the_queue_spins_then_blocks_and_stops_spinning_where_waits_outlast_its_spin():
     queue, poller = make_queue(spin_s=200e-6)
     try:
         spins = [spun(poller, lambda: queue.wait(0.001)) for _ in range(20)]
-        assert [i for i, s in enumerate(spins) if s] == [0, 2, 5, 10, 19]
+        # The first wait spins 200 us, then blocks its 1 ms: waits take longer than twice the
+        # spin allowed, so the next ones block at once (a wake-up costs little next to them).
+        assert [i for i, s in enumerate(spins) if s] == [0]
+        assert queue.spin is not None and queue.spin.typical is not None and queue.spin.typical >= 1e-3
         assert len(poller.blocking) == 20 and all(ms == 1 for ms in poller.blocking)  # every wait ended blocked
     finally:
         close(queue)
@@ -146,3 +154,19 @@ def test_the_queue_answers_at_once_without_spinning_and_reads_only_what_poll_saw
         assert queue.take(everything=True) == []  # read (and dropped: a wake-up)
     finally:
         close(queue)
+
+
+def test_a_sized_spin_covers_twice_the_typical_wait_at_least_its_minimum_and_does_not_back_off():
+    policy = SpinPolicy(2e-3, floor_s=20e-6, clock=FakeClock(step=1_000).seconds, sized=True)
+    assert policy.budget() == (2e-3, True)  # no wait seen yet: the cap
+    for _ in range(60):
+        policy.waited(30e-6)
+    assert policy.budget() == (pytest.approx(MIN_SIZED_S), True)  # twice 30 us is below the minimum
+    for _ in range(60):
+        policy.waited(400e-6)
+    assert policy.budget()[0] == pytest.approx(2 * 400e-6, rel=0.01)
+    policy.caught(False)  # a late message: no back-off, the next wait spins as long
+    assert policy.budget()[0] == pytest.approx(2 * 400e-6, rel=0.01)
+    for _ in range(60):
+        policy.waited(5e-3)  # waits longer than half the cap: a wake-up costs little next to them
+    assert policy.budget() == (20e-6, True)  # the floor only

@@ -2,13 +2,17 @@
 off when spins catch nothing.
 
 A spin pays only where the spinner has a core of its own and the thing it waits for usually
-comes within the spin: a blocked process wakes tens of microseconds after it is signalled (and
-the one signalling it pays for the wake-up in its ``write``). So the spin is sized from the
-measured waits, not fixed: about twice the typical wait (a running average of how long the
-messages took to come, ``waited``), at most ``spin_s``; where the typical wait is longer than
-that, a wake-up costs little next to it and only the floor is spun. A spin that never catches
-anything only burns the core, so after a spin that caught nothing the next ``1, 2, 4, ...``
-waits (up to :data:`MAX_SPIN_SKIP`) skip it; one that catches ends the back-off.
+comes within the spin: a blocked process wakes tens of microseconds after it is signalled —
+far more on a loaded machine — and the one signalling it pays for the wake-up in its ``write``.
+
+A **sized** spin (the mailbox's waiters) covers about twice the typical wait (a running average
+of how long the messages took to come, ``waited``), and at least :data:`MIN_SIZED_S` (a wait
+that is usually short still has its hiccups), at most ``spin_s``; where the typical wait is
+longer than that cap, a wake-up costs little next to it and only the floor is spun. It does not
+back off: one late message moves the average a little, and sleeping through the next ones would
+cost a wake-up each. A **fixed** spin (``spin_s`` every time) backs off instead: after a spin
+that caught nothing the next ``1, 2, 4, ...`` waits (up to :data:`MAX_SPIN_SKIP`) skip it; one
+that catches ends the back-off.
 
 The clock is injected, so the policy is tested against a fake clock rather than the machine's.
 """
@@ -18,12 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["SpinPolicy", "MAX_SPIN_SKIP", "SPIN_FACTOR"]
+__all__ = ["SpinPolicy", "MAX_SPIN_SKIP", "SPIN_FACTOR", "MIN_SIZED_S"]
 
 #: The most waits that skip their spin after spins in a row caught nothing.
 MAX_SPIN_SKIP = 64
-#: A sized spin covers this many times the typical wait.
+#: A sized spin covers this many times the typical wait...
 SPIN_FACTOR = 2.0
+#: ...and at least this long.
+MIN_SIZED_S = 100e-6
 _AVERAGE = 1 / 8  # weight of each new wait in the running average
 
 
@@ -56,15 +62,15 @@ class SpinPolicy:
             return self.floor_s, False
         spin = self.spin_s
         if self.sized and self.typical is not None:
-            wanted = SPIN_FACTOR * self.typical
+            wanted = max(SPIN_FACTOR * self.typical, MIN_SIZED_S)
             spin = wanted if wanted <= spin else 0.0  # waits this long: a wake-up costs little next to them
         return max(spin, self.floor_s), True
 
     def caught(self, caught: bool) -> None:
-        """Record what a full spin found."""
+        """Record what a full spin found (a fixed spin backs off after one that found nothing)."""
         if caught:
             self._backoff = 1
-        else:
+        elif not self.sized:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, MAX_SPIN_SKIP)
 
     def waited(self, seconds: float) -> None:

@@ -140,8 +140,9 @@ class StepQueue:
             found = bool(events) or (box is not None and box.waiting())
         if box is not None:
             box.parent_busy()
-        if found:  # how long answers take to come sizes the next spins
-            spin.waited((clock() - start) * 1e-9)
+        # How long answers take to come sizes the next spins (a wait that ended with nothing says
+        # at least as long).
+        spin.waited((clock() - start) * 1e-9)
         return self._ended(events)
 
     def _ended(self, events: list) -> list[int]:
