@@ -38,12 +38,12 @@ spins, not even the margin, and every writer wakes its reader (the pipes' cost; 
 shared cores). For :data:`GRACE_NS` after the permission changes, writers wake their readers and
 the parent keeps the margin, so no side acts on the old rule while the other acts on the new one.
 
-Layout: a line with the parent's word and whether the workers may spin (the parent decides,
+Layout: a line with the parent's word and whether the processes may spin (the parent decides,
 from the cores each process may run on); every process's count of answers posted, side by side
 (the parent checks them all with one compare of bytes); per process a line with the worker's
-word, its request ring and its answer ring; then the step board: four blocks (request
-ordinals, answer ordinals, env seconds, answer times), each a run of whole lines per process
-(one word per env), so no two processes write one line. A ring entry is
+word, its request ring and its answer ring; then the step board: five blocks (request ordinals,
+answer ordinals, env seconds, answer times, and info rows of :data:`INFO_WORDS` words per env),
+each a run of whole lines per process, so no two processes write one line. A ring entry is
 ``[ordinal][length][bytes]``, the ordinal written last (it publishes the entry). A process has
 at most one request per env in flight (their slots are distinct) or one call, and a CLOSE, so
 rings of two entries more than it has envs (at least four) never overrun.
