@@ -15,7 +15,7 @@ import numpy as np
 from gymnasium import Wrapper
 from gymnasium.wrappers import OrderEnforcing
 
-from envmanager.wire import shm
+from envmanager.wire import returns, shm
 from envmanager.wire.info_columns import to_columns
 from envmanager.wire.marks import CALL, CLOSE, FACTORY, GET_ATTR, RESET, SET_ATTR, STEP, WorkerMarks, mark
 from envmanager.wire.messages import (
@@ -134,7 +134,7 @@ class WorkerEnvs:
         it again from the factory with its slot, replay ``request.calls`` on it, reset it with
         its seed and options. Anything
         raised here fails the whole request: the parent then restarts the process."""
-        out = _Answer(len(request.locals), self.buffers)
+        out = _Answer(len(request.locals), self.buffers, "reset")
         for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -152,7 +152,7 @@ class WorkerEnvs:
                     attr(*args, **kwargs)
             self._words[self._at] = self._resets[i]
             obs, info = env.reset(seed=seed, options=options)
-            out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+            out.add(n, slot, obs, None, info, time.perf_counter() - start)
         return out.answer()
 
     # -- STEP and RESET ---------------------------------------------------------------------
@@ -162,7 +162,7 @@ class WorkerEnvs:
             return self._step_shared(request.locals, b, b.action, b.observation)
         actions, envs, mode = request.actions, self.envs, self.autoreset_mode
         words, at = self._words, self._at
-        out = _Answer(len(request.locals), b)
+        out = _Answer(len(request.locals), b, "step")
         for n, i in enumerate(request.locals):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -172,7 +172,7 @@ class WorkerEnvs:
                 if self.autoreset[i] and mode == NEXT_STEP:
                     words[at] = self._resets[i]
                     obs, info = env.reset()
-                    reward, terminated, truncated = 0.0, False, False
+                    scalars, terminated, truncated = None, False, False  # None: a reset's zeros
                 else:
                     words[at] = self._steps[i]
                     obs, reward, terminated, truncated, info = env.step(action)
@@ -181,10 +181,11 @@ class WorkerEnvs:
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
+                    scalars = (reward, terminated, truncated)
                 self.autoreset[i] = bool(terminated or truncated)
-                out.add(n, slot, obs, reward, terminated, truncated, info, time.perf_counter() - start)
+                out.add(n, slot, obs, scalars, info, time.perf_counter() - start)
             except Exception as exc:
-                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+                out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "step")), time.perf_counter() - start)
         return out.answer()
 
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
@@ -211,6 +212,7 @@ class WorkerEnvs:
         failures: dict[int, RemoteException] = {}
         envs, autoreset, next_step, same_step = self.envs, self.autoreset, self._next_step, self._same_step
         words, at, steps = self._words, self._at, self._steps
+        zeros = b.scalars.begin()  # rewards and flags: in the shapes the parent decided at the first step
         clock = time.perf_counter
         start = clock()
         for k, i in enumerate(locals_):
@@ -219,7 +221,7 @@ class WorkerEnvs:
                 if autoreset[i] and next_step:
                     words[at] = self._resets[i]
                     obs, info = env.reset()
-                    reward, term, trunc = 0.0, False, False
+                    reward, term, trunc = zeros  # in the shapes of the first step's (returns.ScalarLayout)
                 else:
                     words[at] = steps[i]  # the one store per env: "slot i is in step()"
                     obs, reward, term, trunc, info = env.step(actions[k])
@@ -229,36 +231,44 @@ class WorkerEnvs:
                         obs, info = env.reset()
                         info = {**final, **info}
                 if term or trunc:
-                    autoreset[i], terminated[k], truncated[k] = True, term, trunc
+                    autoreset[i] = True
                 else:
-                    autoreset[i] = terminated[k] = truncated[k] = False
-                observations[k], rewards[k] = obs, reward
+                    autoreset[i] = False
+                observations[k], rewards[k], terminated[k], truncated[k] = obs, reward, term, trunc
                 if info:
                     infos[slots[k]] = info
             except Exception as exc:
                 self.current = slots[k]
-                failures[k] = remote_exception(self.current, exc)
+                failures[k] = remote_exception(self.current, returns.refused_here(exc, self.current, "step"))
                 observations[k] = observation[slots[k]]  # unchanged
-                rewards[k], terminated[k], truncated[k] = 0.0, False, False
+                rewards[k], terminated[k], truncated[k] = zeros
             end = clock()
             times[k], start = end - start, end
-        try:
-            observation[rows] = observations
-        except Exception:  # an observation that does not fit: find it, env by env
-            for k, obs in enumerate(observations):
-                try:
-                    observation[slots[k]] = obs
-                except Exception as exc:
-                    failures[k] = remote_exception(slots[k], exc)
-        b.reward[rows], b.terminated[rows], b.truncated[rows] = rewards, terminated, truncated
-        if self.info_columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
+        travelling = self._put_results(b, rows, slots, observations, rewards, terminated, truncated, failures)
+        # Every env said the same kind of thing (and rewards and flags are in shared memory):
+        if self.info_columns and n > 1 and len(infos) == n and not failures and travelling is None:
             columns = to_columns([infos[s] for s in slots])
             if columns is not None:
                 return _new(Stepped, (times, None, None, None, None, columns))
-        return _new(Stepped, (times, infos or None, failures or None, None, None, None))
+        return _new(Stepped, (times, infos or None, failures or None, None, travelling, None))
+
+    @staticmethod
+    def _put_results(b: shm.SharedBuffers, rows: slice | np.ndarray, slots: tuple[int, ...], observations: list,
+                     rewards: list, terminated: list, truncated: list, failures: dict[int, RemoteException]) -> list | None:
+        """A step's results into shared memory as gymnasium writes them (``envmanager.wire.returns``);
+        returns the rewards and flags that travel instead (the first step's: the parent decides
+        their shapes; or shapes of more than one element), else ``None``. A value that does not fit
+        fails its env, naming it (added to ``failures``)."""
+        refused = returns.put_observations(b.observation, rows, slots, observations, failures)  # type: ignore[arg-type]
+        travelling, refused_too = b.scalars.put_rows(rows, slots, rewards, terminated, truncated,
+                                                     failures | refused if refused else failures)
+        if refused or refused_too:
+            for k, exc in (refused | refused_too).items():
+                failures[k] = remote_exception(slots[k], exc)
+        return travelling
 
     def reset(self, request: Reset) -> Stepped:
-        out = _Answer(len(request.locals), self.buffers)
+        out = _Answer(len(request.locals), self.buffers, "reset")
         for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -266,9 +276,9 @@ class WorkerEnvs:
                 self._words[self._at] = self._resets[i]
                 obs, info = self.envs[i].reset(seed=seed, options=options)
                 self.autoreset[i] = False
-                out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+                out.add(n, slot, obs, None, info, time.perf_counter() - start)
             except Exception as exc:
-                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+                out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "reset")), time.perf_counter() - start)
         return out.answer()
 
     # -- reaching into the envs -------------------------------------------------------------
@@ -325,27 +335,45 @@ class WorkerEnvs:
 
 
 class _Answer:
-    """Builds a :class:`Stepped`: results go into shared memory where they can."""
+    """Builds a :class:`Stepped`: results go into shared memory where they can (as gymnasium
+    writes them: ``envmanager.wire.returns``); what does not fit travels."""
 
-    def __init__(self, n: int, buffers: shm.SharedBuffers | None) -> None:
+    def __init__(self, n: int, buffers: shm.SharedBuffers | None, call: str) -> None:
         self.b = buffers
+        self.call = call
         self.times = [0.0] * n
         self.infos: dict[int, dict] = {}
         self.failures: dict[int, RemoteException] = {}
         self.observations = [None] * n if buffers is None or buffers.observation is None else None
-        self.scalars = [(0.0, False, False)] * n if buffers is None else None
+        # Rewards and flags as the env returned them (``None``: a reset's zeros), where they travel.
+        if buffers is not None:
+            buffers.scalars.begin()
+        travelling = buffers is None or buffers.scalars.travelling
+        self.scalars: list[tuple[Any, Any, Any] | None] | None = [None] * n if travelling else None
 
-    def add(self, n: int, slot: int, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict, t: float) -> None:
+    def add(self, n: int, slot: int, obs: Any, scalars: tuple[Any, Any, Any] | None, info: dict, t: float) -> None:
+        """Env ``slot``'s results (``scalars``: its reward, terminated and truncated; ``None``
+        after a reset); one that does not fit fails it, naming the value (nothing is written)."""
         self.times[n] = t
         b = self.b
-        if self.scalars is None:
-            b.reward[slot], b.terminated[slot], b.truncated[slot] = reward, terminated, truncated  # type: ignore[union-attr]
-        else:
-            self.scalars[n] = (reward, bool(terminated), bool(truncated))
         if self.observations is None:
-            shm.write(b.observation, slot, obs)  # type: ignore[union-attr]
+            try:
+                returns.write_shared(b.observation, slot, obs)  # type: ignore[union-attr]
+            except Exception as exc:
+                self.failed(n, remote_exception(slot, returns.refusal(exc, slot, self.call, "observation", obs)), t)
+                return
         else:
             self.observations[n] = obs
+        if self.scalars is not None:  # (always without shared memory)
+            self.scalars[n] = scalars
+        elif scalars is None:
+            b.scalars.clear(slot)  # type: ignore[union-attr]
+        else:
+            try:
+                b.scalars.put(slot, *scalars, call=self.call)  # type: ignore[union-attr]
+            except Exception as exc:
+                self.failed(n, remote_exception(slot, exc), t)
+                return
         if info:
             self.infos[slot] = info
 
