@@ -232,10 +232,8 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError as exc:
             raise_as_gymnasium("reset_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
-        infos: dict[str, Any] = {}
-        for i in sorted(self._reset_infos):
-            infos = self._add_info(infos, self._reset_infos[i], i)
-        self._reset_infos = {}
+        dicts, self._reset_infos = self._reset_infos, {}
+        infos = batched_infos(dicts, (), self.num_envs, self._add_info, "reset") if dicts else {}
         return self._observations_of(None), infos
 
     def _observations_of(self, ids: np.ndarray | None) -> Any:
@@ -349,9 +347,9 @@ class AsyncVectorEnv(VectorEnv):
             raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         r = manager.results
-        infos = (batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
-                 if self._step_infos or self._step_columns else {})
+        dicts, columns = self._step_infos, self._step_columns
         self._step_infos, self._step_columns, self._actions = {}, [], None
+        infos = batched_infos(dicts, columns, self.num_envs, self._add_info) if dicts or columns else {}
         return self._observations_of(None), r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
     def _abandon(self) -> list[EnvManagerError]:

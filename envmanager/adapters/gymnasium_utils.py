@@ -17,6 +17,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
 
 from envmanager.core.results import InfoBlock
+from envmanager.wire.returns import refusal
 
 
 class AsyncState(Enum):
@@ -127,17 +128,40 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
 
 
 def batched_infos(dicts: dict[int, dict], columns: Sequence[InfoBlock], num_envs: int,
-                  add_info: Callable[[dict, dict, int], dict]) -> dict[str, Any]:
-    """gymnasium's batched infos of a step: from columns alone with a few numpy operations,
-    else (some envs' infos came as dicts) env by env with gymnasium's ``add_info``."""
-    if columns and not dicts:
-        return infos_from_columns(columns, num_envs)
+                  add_info: Callable[[dict, dict, int], dict], call: str = "step") -> dict[str, Any]:
+    """gymnasium's batched infos of a ``call``: from columns alone with a few numpy operations,
+    else (some envs' infos came as dicts) env by env with gymnasium's ``add_info``. What
+    ``add_info`` refuses raises its exception, restated to name the env whose info it was."""
+    try:
+        if columns and not dicts:
+            return infos_from_columns(columns, num_envs)
+        for block in columns:
+            dicts.update(block_dicts(block))
+        infos: dict[str, Any] = {}
+        for i in sorted(dicts):
+            infos = add_info(infos, dicts[i], i)
+        return infos
+    except Exception as exc:
+        named = refused_info(exc, dicts, columns, add_info, call)
+        if named is exc:  # no env's info alone is refused: gymnasium's own error
+            raise
+        raise named from exc
+
+
+def refused_info(exc: Exception, dicts: Mapping[int, dict], columns: Sequence[InfoBlock],
+                 add_info: Callable[[dict, dict, int], dict], call: str) -> BaseException:
+    """``exc``, raised batching infos, restated to name the first env whose info gymnasium's
+    ``add_info`` refuses (batched again, env by env), the call and the info."""
+    every = dict(dicts)
     for block in columns:
-        dicts.update(block_dicts(block))
+        every.update(block_dicts(block))
     infos: dict[str, Any] = {}
-    for i in sorted(dicts):
-        infos = add_info(infos, dicts[i], i)
-    return infos
+    for k in sorted(every):
+        try:
+            infos = add_info(infos, every[k], k)
+        except Exception as why:
+            return refusal(why, k, call, "info", every[k])
+    return exc
 
 
 #: The types gymnasium's ``_add_info`` batches into an array of their own (with ``numpy.number``).
@@ -337,5 +361,9 @@ def partial_infos(listed: list[int], later: bool, dicts: dict[int, dict], column
             by_row.update(zip(rows, block_dicts(block).values(), strict=True))
         infos = {}
         for k in sorted(by_row):
-            infos = add_info(infos, by_row[k], k)
+            try:
+                infos = add_info(infos, by_row[k], k)
+            except Exception as exc:  # gymnasium's refusal, naming the env (row k is env listed[k])
+                raise refusal(exc, listed[k], "step", "info", by_row[k]) from exc
     return infos, left, rest_columns
+
