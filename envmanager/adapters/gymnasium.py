@@ -299,6 +299,8 @@ class AsyncVectorEnv(VectorEnv):
         r = manager.results
         ended = r.terminated[ids] | r.truncated[ids]
         if ended.any():
+            if ended.ndim > 1:  # flags of shape (1,) (``envmanager.wire.returns``): one per env
+                ended = ended.reshape(len(ids), -1).any(axis=1)
             raise AssertionError(
                 f"env(s) {ids[ended].tolist()} finished their episode; with autoreset_mode=DISABLED reset "
                 "them (options={'reset_mask': ...}) before stepping"

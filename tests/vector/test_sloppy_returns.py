@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gymnasium.vector import AsyncVectorEnv as GymAsyncVectorEnv
+from gymnasium.vector import AutoresetMode
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from sloppy_cases import FLAG_FAMILIES, REWARD_FAMILIES, assert_names, assert_same, case, named_in, refused_alone
@@ -512,3 +513,22 @@ def test_a_restarted_process_keeps_the_shapes(closing) -> None:
     assert rewards.tolist() == [[2.0], [0.0]] and dones.tolist() == [False, True] and infos[1]["interrupted"]
     ours.env_method("load", table, indices=[1])
     assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
+
+
+def test_flags_of_shape_one_with_autoreset_disabled(closing) -> None:
+    """Flags of shape (1,) make terminations of shape (n, 1), as gymnasium's; stepping an env
+    that ended without autoreset is refused naming it, as SyncVectorEnv does (with flags of
+    one value per env, gymnasium's async class raises nothing: a defect ours does not have)."""
+    table = plain_table(N, [[1.0, 2.0]] * N, [[np.array([False]), np.array([False])], [np.array([True]), np.array([False])],
+                                              [np.array([False]), np.array([False])]])
+    ours = closing(envmanager.AsyncVectorEnv(fns("box"), context="fork", envs_per_worker=2,
+                                             autoreset_mode=AutoresetMode.DISABLED))
+    ours.call("load", table)
+    ours.reset(seed=1)
+    _, _, terminated, truncated, _ = ours.step(np.zeros(N, dtype=np.int64))
+    assert terminated.tolist() == [[False], [True], [False]] and truncated.shape == (N,)  # (a plain False each)
+    with pytest.raises(AssertionError, match=r"env\(s\) \[1\] finished their episode"):
+        ours.step(np.zeros(N, dtype=np.int64))
+    ours.reset(options={"reset_mask": np.array([False, True, False])})
+    _, rewards, terminated, _, _ = ours.step(np.zeros(N, dtype=np.int64))
+    assert rewards.tolist() == [2.0, 1.0, 2.0] and terminated.tolist() == [[False], [True], [False]]
