@@ -29,29 +29,32 @@ class AsyncState(Enum):
     WAITING_CALL = "call"
 
 
-def observation_spaces(
-    observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int
-) -> tuple[Space, Space]:
-    """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
-    (the first env's, batched), ``"different"`` (every env made once to read its space, batched
-    with ``batch_differing_spaces``, which raises for spaces of different shapes or types), or
-    a tuple ``(batched, single)`` given by the user."""
+def check_observation_mode(observation_mode: Any) -> None:
+    """gymnasium's refusals of an ``observation_mode`` (its words), before anything starts."""
     if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
         if not all(isinstance(s, Space) for s in observation_mode):
             raise TypeError(
                 "Expected both elements of observation_mode to be Spaces, got "
                 f"{type(observation_mode[0])} and {type(observation_mode[1])}"
             )
+    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
+        raise ValueError(
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+            f"batch observation space, actual got {observation_mode}"
+        )
+
+
+def observation_spaces_of(observation_mode: Any, first: Space, every: Callable[[], list[Space]], n: int) -> tuple[Space, Space]:
+    """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
+    (the first env's, batched), ``"different"`` (``every()`` env's, batched with
+    ``batch_differing_spaces``, which raises for spaces of different shapes or types), or a
+    tuple ``(batched, single)`` given by the user (``check_observation_mode`` checked it)."""
+    if isinstance(observation_mode, tuple):
         return observation_mode[1], observation_mode[0]
     if observation_mode == "same":
-        return dummy_env.observation_space, batch_space(dummy_env.observation_space, n)
-    if observation_mode == "different":
-        env_spaces = [env().observation_space for env in env_fns]
-        return env_spaces[0], batch_differing_spaces(env_spaces)
-    raise ValueError(
-        "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
-        f"batch observation space, actual got {observation_mode}"
-    )
+        return first, batch_space(first, n)
+    env_spaces = every()
+    return env_spaces[0], batch_differing_spaces(env_spaces)
 
 
 def space_check(
@@ -79,6 +82,15 @@ def space_check(
             )
 
     return check
+
+
+def check_shareable(shared_memory: bool, space: Space) -> None:
+    """gymnasium's refusal of a space its shared memory cannot hold (custom spaces), its words."""
+    if shared_memory and not gymnasium_can_share(space):
+        raise ValueError(
+            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
+            "feature with `shared_memory=False` however this is slower."
+        )
 
 
 def gymnasium_can_share(space: Space) -> bool:
@@ -366,4 +378,3 @@ def partial_infos(listed: list[int], later: bool, dicts: dict[int, dict], column
             except Exception as exc:  # gymnasium's refusal, naming the env (row k is env listed[k])
                 raise refusal(exc, listed[k], "step", "info", by_row[k]) from exc
     return infos, left, rest_columns
-

@@ -6,12 +6,16 @@ one entry per env slot (``load(table)``, through ``call`` / ``env_method``, so o
 serves many generated examples); each env replays its own row. Everything it returns is a deep
 copy: SB3's worker writes into the info dict it gets.
 
+``RefusesParent`` cannot be built in the process that made the vector env (it stands for an env
+that needs a GPU context, a licence server or a simulator only the workers have).
+
 Top-level classes only, so workers import them under every start method.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
@@ -73,3 +77,40 @@ class ReplayEnv(gym.Env):
         out = steps[self._t % len(steps)]
         self._t += 1
         return copy.deepcopy(out)
+
+
+class RefusesParent(gym.Env):
+    """An env that raises when built in the process ``parent_pid`` (the test's), as an env that
+    needs what only the workers have; otherwise a small deterministic env. With ``log``, each
+    construction appends the pid of the process it ran in to that file."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 7}
+
+    def __init__(self, parent_pid: int, render_mode: str | None = None, log: str | None = None) -> None:
+        if log is not None:
+            with open(log, "a") as out:
+                out.write(f"{os.getpid()}\n")
+        if os.getpid() == parent_pid:
+            raise RuntimeError(f"RefusesParent cannot be built in the parent process (pid {parent_pid})")
+        self.render_mode = render_mode
+        self.observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = spaces.Discrete(3)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), {"built_in": os.getpid()}
+
+    def step(self, action: Any):
+        self._t += 1
+        obs = np.array([self._t / 10.0, float(action) / 3.0], dtype=np.float32)
+        return obs, float(action), self._t >= 4, False, {}
+
+    def render(self) -> np.ndarray:
+        return np.full((2, 2, 3), self._t, dtype=np.uint8)
+
+
+def unbuildable(message: str) -> gym.Env:
+    """An env factory that raises, wherever it runs (a licence server that does not answer)."""
+    raise ValueError(message)
