@@ -71,10 +71,10 @@ def refused_here(exc: BaseException, slot: int, call: str) -> BaseException:
     if tb is None or tb.tb_next is not None:
         return exc
     values = tb.tb_frame.f_locals
-    shown = ""
+    shown = "what"
     if "truth value" in str(exc):  # ``terminated or truncated``: the flags were returned
-        shown = f" terminated={_shown(values.get('term'))}, truncated={_shown(values.get('trunc'))}"
-    text = f"env {slot}'s {call}() returned{shown or ' what'} the vector env cannot take: {exc}"
+        shown = f"terminated={_shown(values.get('term'))}, truncated={_shown(values.get('trunc'))}, which"
+    text = f"env {slot}'s {call}() returned {shown} the vector env cannot take: {exc}"
     try:
         made = type(exc)(text)
     except Exception:

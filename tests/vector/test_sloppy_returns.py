@@ -32,7 +32,7 @@ from sloppy_cases import FLAG_FAMILIES, REWARD_FAMILIES, assert_names, assert_sa
 from sloppy_envs import OBS_KINDS, ReplayEnv
 
 import envmanager
-from envmanager.errors import WorkerError
+from envmanager.errors import EnvManagerError, WorkerError
 
 pytestmark = pytest.mark.skipif(
     __import__("envs").REFERENCE, reason="compares envmanager with its references itself"
@@ -497,7 +497,8 @@ def test_the_first_step_is_decided_while_a_process_still_steps(closing) -> None:
 
 
 def test_a_restarted_process_keeps_the_shapes(closing) -> None:
-    """A process started again reads the shapes the parent decided: rewards stay (n, 1)."""
+    """A process started again holds the shapes the parent decided at the first step (it does
+    not decide again): rewards stay (n, 1), and its fresh env's plain float is refused."""
     import os
     import signal
 
@@ -512,7 +513,11 @@ def test_a_restarted_process_keeps_the_shapes(closing) -> None:
     _, rewards, dones, infos = ours.step(np.zeros(2, dtype=np.int64))  # env 1's episode cut by the restart
     assert rewards.tolist() == [[2.0], [0.0]] and dones.tolist() == [False, True] and infos[1]["interrupted"]
     ours.env_method("load", table, indices=[1])
+    ours.env_method("load", table, indices=[0])
     assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
+    ours.env_method("load", plain_table(2, [[3.0, 3.0]] * 2), indices=[1])
+    with pytest.raises(EnvManagerError, match=r"env 1's step\(\) returned reward 3.0 .*the shape the first step gave"):
+        ours.step(np.zeros(2, dtype=np.int64))
 
 
 def test_flags_of_shape_one_with_autoreset_disabled(closing) -> None:
