@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -394,3 +395,24 @@ def refused_alone(what: str, value: Any, space: Any, shared_memory: bool) -> typ
     except Exception as exc:
         return type(exc)
     return None
+
+
+def close_reference(ref: Any) -> None:
+    """Close gymnasium's vector env, broken or not, and free what it leaves to the collector."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ref.close(terminate=True)
+        except Exception:
+            pass
+    ref.error_queue.close()
+    ref.error_queue.join_thread()
+    for proc in ref.processes:
+        proc.join(5)
+        try:
+            proc.close()
+        except ValueError:
+            pass
+    for end in (getattr(ref.error_queue, "_reader", None), getattr(ref.error_queue, "_writer", None)):
+        if end is not None:
+            end.close()

@@ -17,6 +17,7 @@ import pytest
 from envs import assert_tree_equal, env_fn, worker_children
 from gymnasium.vector import AsyncVectorEnv as GymAsyncVectorEnv
 from gymnasium.vector import AutoresetMode
+from sloppy_cases import close_reference
 from sloppy_envs import RefusesParent, unbuildable
 
 import envmanager
@@ -117,11 +118,14 @@ def _as_gymnasium_cases():
 def test_spaces_metadata_and_render_mode_as_gymnasium(closing, fns: list, kwargs: dict) -> None:
     """What the first worker reports gives the attributes gymnasium reads off its parent's env."""
     ours = closing(envmanager.AsyncVectorEnv(fns, context="fork", envs_per_worker=1, **kwargs))
-    ref = closing(GymAsyncVectorEnv(fns, context="fork", **kwargs))
-    for name in ("num_envs", "single_observation_space", "observation_space", "single_action_space", "action_space",
-                 "metadata", "render_mode", "spec"):
-        assert getattr(ours, name) == getattr(ref, name), (name, getattr(ours, name), getattr(ref, name))
-    assert_tree_equal(ours.reset(seed=4)[0], ref.reset(seed=4)[0], "reset")
+    ref = GymAsyncVectorEnv(fns, context="fork", **kwargs)
+    try:
+        for name in ("num_envs", "single_observation_space", "observation_space", "single_action_space", "action_space",
+                     "metadata", "render_mode", "spec"):
+            assert getattr(ours, name) == getattr(ref, name), (name, getattr(ours, name), getattr(ref, name))
+        assert_tree_equal(ours.reset(seed=4)[0], ref.reset(seed=4)[0], "reset")
+    finally:
+        close_reference(ref)
 
 
 def test_observation_spaces_that_do_not_batch_raise_as_gymnasium() -> None:

@@ -28,7 +28,16 @@ from gymnasium.vector import AsyncVectorEnv as GymAsyncVectorEnv
 from gymnasium.vector import AutoresetMode
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from sloppy_cases import FLAG_FAMILIES, REWARD_FAMILIES, assert_names, assert_same, case, named_in, refused_alone
+from sloppy_cases import (
+    FLAG_FAMILIES,
+    REWARD_FAMILIES,
+    assert_names,
+    assert_same,
+    case,
+    close_reference,
+    named_in,
+    refused_alone,
+)
 from sloppy_envs import OBS_KINDS, ReplayEnv
 
 import envmanager
@@ -89,27 +98,6 @@ class Reused:
 
 def gym_reference(obs_kind: str, shared_memory: bool) -> GymAsyncVectorEnv:
     return GymAsyncVectorEnv(fns(obs_kind), shared_memory=shared_memory, context="fork")
-
-
-def close_reference(ref: GymAsyncVectorEnv) -> None:
-    """Close gymnasium's vector env, broken or not, and free what it leaves to the collector."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            ref.close(terminate=True)
-        except Exception:
-            pass
-    ref.error_queue.close()
-    ref.error_queue.join_thread()
-    for proc in ref.processes:
-        proc.join(5)
-        try:
-            proc.close()
-        except ValueError:
-            pass
-    for end in (getattr(ref.error_queue, "_reader", None), getattr(ref.error_queue, "_writer", None)):
-        if end is not None:
-            end.close()
 
 
 def autoreset_model(step_values: list[tuple], resetting: list[bool], reward_shape: tuple, flag_shape: tuple) -> tuple:
