@@ -111,6 +111,24 @@ class RefusesParent(gym.Env):
         return np.full((2, 2, 3), self._t, dtype=np.uint8)
 
 
+class OneElementRewards(gym.Env):
+    """Rewards as one-element arrays (``np.array([t])``), episodes of 3 steps."""
+
+    def __init__(self, slot: int = 0) -> None:
+        self.observation_space = spaces.Box(-10.0, 10.0, (3,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._t = 0
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action: Any):
+        self._t += 1
+        return np.full(3, self._t, np.float32), np.array([float(self._t)]), self._t >= 3, False, {}
+
+
 def unbuildable(message: str) -> gym.Env:
     """An env factory that raises, wherever it runs (a licence server that does not answer)."""
     raise ValueError(message)

@@ -525,3 +525,24 @@ def test_flags_of_shape_one_with_autoreset_disabled(closing) -> None:
     ours.reset(options={"reset_mask": np.array([False, True, False])})
     _, rewards, terminated, _, _ = ours.step(np.zeros(N, dtype=np.int64))
     assert rewards.tolist() == [2.0, 1.0, 2.0] and terminated.tolist() == [[False], [True], [False]]
+
+
+class _AnyActions:
+    """A policy for the Sampler: action 0 for every env."""
+
+    def get_actions(self, observations: np.ndarray, worker_ids: list[int]) -> tuple[np.ndarray, dict]:
+        return np.zeros(len(worker_ids), dtype=np.int64), {}
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_the_sampler_takes_one_element_rewards_as_its_scalars(envs_per_worker: int) -> None:
+    """The Sampler's transitions hold one reward per step: a reward of shape (1,) is that
+    reward (with one env per process it was before, flattened by the worker; now the core keeps
+    the (n, 1) shape and the Sampler reads its one element)."""
+    from sloppy_envs import OneElementRewards
+
+    from envmanager.sampler import Sampler
+
+    with Sampler(OneElementRewards, 2, _AnyActions(), seed=0, envs_per_worker=envs_per_worker, context="fork") as sampler:
+        batch = sampler.obtain_episodes(2)
+    assert batch.rewards.dtype == np.float64 and batch.rewards.tolist() == [1.0, 2.0, 3.0] * 2
