@@ -72,8 +72,9 @@ def refused_here(exc: BaseException, slot: int, call: str) -> BaseException:
         return exc
     values = tb.tb_frame.f_locals
     shown = "what"
-    if "truth value" in str(exc):  # ``terminated or truncated``: the flags were returned
-        shown = f"terminated={_shown(values.get('term'))}, truncated={_shown(values.get('trunc'))}, which"
+    if "truth value" in str(exc):  # ``terminated or truncated``: the flags were returned (the worker's names)
+        terminated, truncated = values.get("term", values.get("terminated")), values.get("trunc", values.get("truncated"))
+        shown = f"terminated={_shown(terminated)}, truncated={_shown(truncated)}, which"
     text = f"env {slot}'s {call}() returned {shown} the vector env cannot take: {exc}"
     try:
         made = type(exc)(text)
@@ -99,14 +100,15 @@ def write_shared(tree: Any, slot: int, value: Any) -> None:
     arrays) by gymnasium's rule for shared memory: cast as ``np.asarray(value, dtype)``, then the
     slot's number of elements in any shape, or one element for the whole slot."""
     if type(tree) is np.ndarray:
-        dest = tree[slot]
+        shape = tree.shape[1:]
+        size = int(np.prod(shape))
         source = np.asarray(value, dtype=tree.dtype)
-        if source.size == tree[0].size:
-            tree[slot] = source.reshape(np.shape(dest))
+        if source.size == size:
+            tree[slot] = source.reshape(shape)
         elif source.size == 1:
             tree[slot] = source.reshape(())
         else:
-            raise ValueError(f"could not broadcast input array from shape ({source.size},) into shape ({tree[0].size},)")
+            raise ValueError(f"could not broadcast input array from shape ({source.size},) into shape ({size},)")
     elif isinstance(tree, dict):
         for key, array in tree.items():
             write_shared(array, slot, value[key])

@@ -449,6 +449,7 @@ def test_a_reward_of_shape_one_gives_rewards_of_shape_n_1(closing, envs_per_work
         close_reference(ref)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # gymnasium's log of the env that failed, as gymnasium's class logs it
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pickled"])
 def test_shapes_are_decided_at_the_first_step(closing, shared_memory: bool) -> None:
     """A reward whose shape wanders after the first step is refused, naming the env, the call
