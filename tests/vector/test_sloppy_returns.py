@@ -449,6 +449,20 @@ def test_a_reward_of_shape_one_gives_rewards_of_shape_n_1(closing, envs_per_work
         close_reference(ref)
 
 
+def test_partial_batches_keep_the_shape_of_rewards(closing) -> None:
+    """``send`` / ``recv`` hand out rows of the same (n, 1) rewards."""
+    table = plain_table(N, [[np.array([i + 1.0])] * 3 for i in range(N)])
+    ours = closing(envmanager.AsyncVectorEnv(fns("box"), context="fork", batch_size=2))
+    ours.call("load", table)
+    ours.reset(seed=1)
+    ours.send(np.zeros(N, dtype=np.int64))
+    for _ in range(3):
+        _, rewards, terminated, _, infos = ours.recv()
+        assert rewards.shape == (2, 1) and terminated.shape == (2,)
+        assert rewards[:, 0].tolist() == [i + 1.0 for i in infos["env_id"].tolist()]
+        ours.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # gymnasium's log of the env that failed, as gymnasium's class logs it
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pickled"])
 def test_shapes_are_decided_at_the_first_step(closing, shared_memory: bool) -> None:
