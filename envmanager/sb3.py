@@ -209,10 +209,15 @@ class SubprocVecEnv(VecEnv):
         obs = self._observations(manager)
         rewards = r.reward.astype(np.float32)
         dones = r.terminated | r.truncated
-        time_limit = (r.truncated & ~r.terminated).tolist()
+        time_limit = r.truncated & ~r.terminated
+        if time_limit.ndim > 1:  # flags of shape (1,) (returns.ScalarLayout): one truth per env, as SB3's
+            time_limit = time_limit.reshape(n, -1).any(axis=1)
+        time_limit = time_limit.tolist()
         step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
-        for i, info in infos.items():  # an env that ended has an info (final_obs, final_info)
-            if dones[i]:
+        for i, info in infos.items():
+            # An env that ended was reset in its step: its info holds final_obs and final_info (the
+            # worker judged ``terminated or truncated`` as SB3's does: a list [False] is true there).
+            if "final_info" in info and "final_obs" in info:
                 info = dict(info)
                 terminal = info.pop("final_obs")
                 step_info = info.pop("final_info")

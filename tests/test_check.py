@@ -181,7 +181,8 @@ def test_observations_of_the_wrong_shape_fail_in_shared_memory():
     assert set(report.problem_ids) == {"observation-shape", "gymnasium-checker"}, report.format()
     text = evidence(report, "observation-shape")
     assert "shape (3,), the space declares (4,); shared memory cannot hold it" in text
-    assert "reset through envmanager in a fork worker failed: ValueError: could not broadcast" in text
+    assert "reset through envmanager in a fork worker failed: ValueError: env 0's reset() returned observation" in text
+    assert "could not broadcast input array from shape (3,) into shape (4,)" in text
 
 
 def test_array_rewards():

@@ -37,9 +37,10 @@ from envmanager.adapters.gymnasium_partial import PartialBatches
 from envmanager.adapters.gymnasium_utils import (
     AsyncState,
     batched_infos,
+    check_observation_mode,
     check_reset_mask,
-    gymnasium_can_share,
-    observation_spaces,
+    check_shareable,
+    observation_spaces_of,
     space_check,
 )
 from envmanager.core.arguments import seeds_for
@@ -47,7 +48,7 @@ from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.layout import VECTOR, VECTOR_PARTIAL
 from envmanager.core.slots import NEEDS_RESET
-from envmanager.errors import EnvManagerError, InvalidInputError
+from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
 from envmanager.wire.shm import tree_map
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,12 @@ class AsyncVectorEnv(VectorEnv):
             (``send``/``recv``), where a process hosts 2+ envs and the parent has a core of its
             own (more usable cores than worker processes). Lockstep ``step()`` waits for both
             halves anyway: there it measured 0.65-0.99x, so ``"auto"`` leaves it off.
+        dummy_env: build ``env_fns[0]()`` in this process to read the spaces, ``metadata`` and
+            ``render_mode`` (and with ``observation_mode="different"`` every env, to read its
+            space), then close it, as gymnasium does. By default (``False``) they come from the
+            first worker, as SB3's ``SubprocVecEnv`` takes them: no env is ever built here, so
+            an env that can only be built where a GPU context, a licence or a simulator is
+            (a worker) runs, and a heavy env is not built once more.
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class AsyncVectorEnv(VectorEnv):
         batch_size: int | None = None,
         worker_timeout: float = 300.0,
         double_buffer: bool | str = "auto",
+        dummy_env: bool = False,
     ) -> None:
         self._manager: BatchEnvManager | None = None
         self.closed = False
@@ -123,39 +131,25 @@ class AsyncVectorEnv(VectorEnv):
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(f"`batch_size` must be in [1, {self.num_envs}], got {batch_size}")
 
-        dummy_env = env_fns[0]()
-        self.metadata = dict(dummy_env.metadata)
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = dummy_env.render_mode
-        self.single_action_space = dummy_env.action_space
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self.single_observation_space, self.observation_space = observation_spaces(
-            observation_mode, dummy_env, env_fns, self.num_envs)
-        dummy_env.close()
-        del dummy_env
-        if shared_memory and not gymnasium_can_share(self.single_observation_space):
-            raise ValueError(
-                "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
-                "feature with `shared_memory=False` however this is slower."
-            )
+        check_observation_mode(observation_mode)
+        parent = _ParentEnv(env_fns, observation_mode, shared_memory) if dummy_env else None
 
         fns = list(env_fns)
         if double_buffer == "auto" and self.batch_size == self.num_envs:
             double_buffer = False  # lockstep: both halves are waited for each step (see the docstring)
-        self._manager = BatchEnvManager(
-            lambda i: fns[i](),
-            self.num_envs,
-            envs_per_worker=envs_per_worker,
-            context=context,
-            shared_memory=shared_memory,
-            autoreset_mode=self.autoreset_mode.value,
-            timeout=worker_timeout,
-            daemon=daemon,
-            check_spaces=space_check(observation_mode, self.single_observation_space, self.single_action_space),
-            double_buffer=double_buffer,
-            info_columns=True,  # gymnasium batches infos: a few numpy operations per key, not _add_info per env
-            caller=VECTOR if self.batch_size == self.num_envs else VECTOR_PARTIAL,
-        )
+        try:
+            self._manager = self._start(fns, envs_per_worker, worker_timeout, double_buffer, parent)
+        except WorkerError as exc:  # an env that could not be built: its own exception, as gymnasium's would be
+            reraise(exc)
+        # What the first env is: the parent's copy's (dummy_env=True), else the first worker's.
+        first: Any = parent if parent is not None else self._manager
+        self.metadata = dict(first.metadata or {})
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = first.render_mode
+        if parent is not None:
+            self.single_observation_space, self.observation_space = parent.observation_spaces
+        self.single_action_space = first.action_space
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
         # Envs that would not refuse a step before reset themselves are stepped, as gymnasium does.
         self._manager.allow_step_before_reset([i for i, enforced in enumerate(self._manager.order_enforced) if not enforced])
         self._actions_in = Actions(self.single_action_space, self._manager.actions)
@@ -179,6 +173,32 @@ class AsyncVectorEnv(VectorEnv):
         self._step_columns: list = []  # infos that came as columns (``InfoBlock``s)
         self._call: Any = None
         self._partial = PartialBatches()  # send / recv's state
+
+    def _start(self, fns: list[Callable[[], gym.Env]], envs_per_worker: int | str, worker_timeout: float,
+               double_buffer: bool | str, parent: _ParentEnv | None) -> BatchEnvManager:
+        """The worker processes, their envs built there; their spaces checked by gymnasium's rules."""
+        return BatchEnvManager(
+            lambda i: fns[i](),
+            self.num_envs,
+            envs_per_worker=envs_per_worker,
+            context=self.context,
+            shared_memory=self.shared_memory,
+            autoreset_mode=self.autoreset_mode.value,
+            timeout=worker_timeout,
+            daemon=self.daemon,
+            check_spaces=parent.check if parent is not None else self._take_spaces,
+            double_buffer=double_buffer,
+            info_columns=True,  # gymnasium batches infos: a few numpy operations per key, not _add_info per env
+            caller=VECTOR if self.batch_size == self.num_envs else VECTOR_PARTIAL,
+        )
+
+    def _take_spaces(self, observation_spaces: list[Space], action_spaces: list[Space]) -> None:
+        """The spaces every worker reported, before shared memory is laid out: the first env's
+        are this vector env's, judged by gymnasium's rules (its errors, its words)."""
+        self.single_observation_space, self.observation_space = observation_spaces_of(
+            self.observation_mode, observation_spaces[0], lambda: observation_spaces, self.num_envs)
+        check_shareable(self.shared_memory, self.single_observation_space)
+        space_check(self.observation_mode, self.single_observation_space, action_spaces[0])(observation_spaces, action_spaces)
 
     # ------------------------------------------------------------------------------------------
     # gymnasium API
@@ -239,10 +259,8 @@ class AsyncVectorEnv(VectorEnv):
         except EnvManagerError as exc:
             raise_as_gymnasium("reset_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
-        infos: dict[str, Any] = {}
-        for i in sorted(self._reset_infos):
-            infos = self._add_info(infos, self._reset_infos[i], i)
-        self._reset_infos = {}
+        dicts, self._reset_infos = self._reset_infos, {}
+        infos = batched_infos(dicts, (), self.num_envs, self._add_info, "reset") if dicts else {}
         return self._observations_of(None), infos
 
     def _observations_of(self, ids: np.ndarray | None) -> Any:
@@ -309,6 +327,8 @@ class AsyncVectorEnv(VectorEnv):
         r = manager.results
         ended = r.terminated[ids] | r.truncated[ids]
         if ended.any():
+            if ended.ndim > 1:  # flags of shape (1,) (``envmanager.wire.returns``): one per env
+                ended = ended.reshape(len(ids), -1).any(axis=1)
             raise AssertionError(
                 f"env(s) {ids[ended].tolist()} finished their episode; with autoreset_mode=DISABLED reset "
                 "them (options={'reset_mask': ...}) before stepping"
@@ -365,9 +385,9 @@ class AsyncVectorEnv(VectorEnv):
             raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
         self._state = AsyncState.DEFAULT
         r = manager.results
-        infos = (batched_infos(self._step_infos, self._step_columns, self.num_envs, self._add_info)
-                 if self._step_infos or self._step_columns else {})
+        dicts, columns = self._step_infos, self._step_columns
         self._step_infos, self._step_columns, self._actions = {}, [], None
+        infos = batched_infos(dicts, columns, self.num_envs, self._add_info) if dicts or columns else {}
         observations = copied if copied is not None else self._observations_of(None)
         return observations, r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
@@ -489,3 +509,22 @@ class AsyncVectorEnv(VectorEnv):
             except Exception:
                 pass
 
+
+class _ParentEnv:
+    """``dummy_env=True``: ``env_fns[0]()`` built in this process and closed, as gymnasium's
+    constructor does, for its spaces, ``metadata`` and ``render_mode``; with ``"different"``
+    every env built here for its observation space. Checks the workers' spaces against them."""
+
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], observation_mode: Any, shared_memory: bool) -> None:
+        env = env_fns[0]()
+        self.metadata = dict(env.metadata)
+        self.render_mode = env.render_mode
+        self.action_space = env.action_space
+        self.observation_mode = observation_mode
+        self.observation_spaces = observation_spaces_of(
+            observation_mode, env.observation_space, lambda: [fn().observation_space for fn in env_fns], len(env_fns))
+        env.close()
+        check_shareable(shared_memory, self.observation_spaces[0])
+
+    def check(self, observation_spaces: list[Space], action_spaces: list[Space]) -> None:
+        space_check(self.observation_mode, self.observation_spaces[0], self.action_space)(observation_spaces, action_spaces)

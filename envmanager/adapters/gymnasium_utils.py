@@ -17,6 +17,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.utils.shared_memory import create_shared_memory
 
 from envmanager.core.results import InfoBlock
+from envmanager.wire.returns import refusal
 
 
 class AsyncState(Enum):
@@ -28,29 +29,32 @@ class AsyncState(Enum):
     WAITING_CALL = "call"
 
 
-def observation_spaces(
-    observation_mode: Any, dummy_env: gym.Env, env_fns: Sequence[Callable[[], gym.Env]], n: int
-) -> tuple[Space, Space]:
-    """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
-    (the first env's, batched), ``"different"`` (every env made once to read its space, batched
-    with ``batch_differing_spaces``, which raises for spaces of different shapes or types), or
-    a tuple ``(batched, single)`` given by the user."""
+def check_observation_mode(observation_mode: Any) -> None:
+    """gymnasium's refusals of an ``observation_mode`` (its words), before anything starts."""
     if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
         if not all(isinstance(s, Space) for s in observation_mode):
             raise TypeError(
                 "Expected both elements of observation_mode to be Spaces, got "
                 f"{type(observation_mode[0])} and {type(observation_mode[1])}"
             )
+    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
+        raise ValueError(
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+            f"batch observation space, actual got {observation_mode}"
+        )
+
+
+def observation_spaces_of(observation_mode: Any, first: Space, every: Callable[[], list[Space]], n: int) -> tuple[Space, Space]:
+    """``(single, batched)`` observation spaces for gymnasium's ``observation_mode``: ``"same"``
+    (the first env's, batched), ``"different"`` (``every()`` env's, batched with
+    ``batch_differing_spaces``, which raises for spaces of different shapes or types), or a
+    tuple ``(batched, single)`` given by the user (``check_observation_mode`` checked it)."""
+    if isinstance(observation_mode, tuple):
         return observation_mode[1], observation_mode[0]
     if observation_mode == "same":
-        return dummy_env.observation_space, batch_space(dummy_env.observation_space, n)
-    if observation_mode == "different":
-        env_spaces = [env().observation_space for env in env_fns]
-        return env_spaces[0], batch_differing_spaces(env_spaces)
-    raise ValueError(
-        "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
-        f"batch observation space, actual got {observation_mode}"
-    )
+        return first, batch_space(first, n)
+    env_spaces = every()
+    return env_spaces[0], batch_differing_spaces(env_spaces)
 
 
 def space_check(
@@ -78,6 +82,15 @@ def space_check(
             )
 
     return check
+
+
+def check_shareable(shared_memory: bool, space: Space) -> None:
+    """gymnasium's refusal of a space its shared memory cannot hold (custom spaces), its words."""
+    if shared_memory and not gymnasium_can_share(space):
+        raise ValueError(
+            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
+            "feature with `shared_memory=False` however this is slower."
+        )
 
 
 def gymnasium_can_share(space: Space) -> bool:
@@ -134,17 +147,40 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
 
 
 def batched_infos(dicts: dict[int, dict], columns: Sequence[InfoBlock], num_envs: int,
-                  add_info: Callable[[dict, dict, int], dict]) -> dict[str, Any]:
-    """gymnasium's batched infos of a step: from columns alone with a few numpy operations,
-    else (some envs' infos came as dicts) env by env with gymnasium's ``add_info``."""
-    if columns and not dicts:
-        return infos_from_columns(columns, num_envs)
+                  add_info: Callable[[dict, dict, int], dict], call: str = "step") -> dict[str, Any]:
+    """gymnasium's batched infos of a ``call``: from columns alone with a few numpy operations,
+    else (some envs' infos came as dicts) env by env with gymnasium's ``add_info``. What
+    ``add_info`` refuses raises its exception, restated to name the env whose info it was."""
+    try:
+        if columns and not dicts:
+            return infos_from_columns(columns, num_envs)
+        for block in columns:
+            dicts.update(block_dicts(block))
+        infos: dict[str, Any] = {}
+        for i in sorted(dicts):
+            infos = add_info(infos, dicts[i], i)
+        return infos
+    except Exception as exc:
+        named = refused_info(exc, dicts, columns, add_info, call)
+        if named is exc:  # no env's info alone is refused: gymnasium's own error
+            raise
+        raise named from exc
+
+
+def refused_info(exc: Exception, dicts: Mapping[int, dict], columns: Sequence[InfoBlock],
+                 add_info: Callable[[dict, dict, int], dict], call: str) -> BaseException:
+    """``exc``, raised batching infos, restated to name the first env whose info gymnasium's
+    ``add_info`` refuses (batched again, env by env), the call and the info."""
+    every = dict(dicts)
     for block in columns:
-        dicts.update(block_dicts(block))
+        every.update(block_dicts(block))
     infos: dict[str, Any] = {}
-    for i in sorted(dicts):
-        infos = add_info(infos, dicts[i], i)
-    return infos
+    for k in sorted(every):
+        try:
+            infos = add_info(infos, every[k], k)
+        except Exception as why:
+            return refusal(why, k, call, "info", every[k])
+    return exc
 
 
 #: The types gymnasium's ``_add_info`` batches into an array of their own (with ``numpy.number``).
@@ -344,5 +380,8 @@ def partial_infos(listed: list[int], later: bool, dicts: dict[int, dict], column
             by_row.update(zip(rows, block_dicts(block).values(), strict=True))
         infos = {}
         for k in sorted(by_row):
-            infos = add_info(infos, by_row[k], k)
+            try:
+                infos = add_info(infos, by_row[k], k)
+            except Exception as exc:  # gymnasium's refusal, naming the env (row k is env listed[k])
+                raise refusal(exc, listed[k], "step", "info", by_row[k]) from exc
     return infos, left, rest_columns

@@ -2,10 +2,12 @@
 with them? And do two trajectories agree?
 
 Shared memory holds one array per observation leaf with the dtype and shape of the space
-(``envmanager.wire.shm``): a value is written into it with numpy's casting, so a float64
-observation of a float32 Box is rounded, an int too large for a uint8 wraps around, a wrong
-shape fails the step, and a value outside the bounds is stored unchanged (nothing clips).
-Rewards are stored as float64 and flags as booleans.
+(``envmanager.wire.shm``): a value is written into it as gymnasium's shared memory writes it
+(``envmanager.wire.returns``): with numpy's casting, so a float64 observation of a float32 Box
+is rounded and an int too large for a uint8 wraps around; another shape with the space's number
+of elements is reshaped, one element fills the slot, any other shape fails the step; a value
+outside the bounds is stored unchanged (nothing clips). Rewards are batched as float64 and flags
+as booleans, in the shape the first step gave them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envmanager.check.probes import Trajectory, Unpicklable
+from envmanager.wire.returns import write_shared
 
 __all__ = ["Finding", "space_findings", "first_difference", "show"]
 
@@ -91,10 +94,10 @@ def _array_findings(space: Any, value: Any, where: str, index: int) -> list[Find
         return [Finding("observation-not-in-space", where, index,
                         f"{_entry(index)}: {show(value)} is not numeric (the space holds {dtype})")]
     if array.shape != shape:
-        stored = np.zeros(shape, dtype)
+        stored = np.zeros((1, *shape), dtype)
         try:
-            stored[...] = array
-            fate = f"shared memory broadcasts it into shape {shape}"
+            write_shared(stored, 0, array)
+            fate = f"shared memory {'reshapes' if array.size == stored[0].size else 'broadcasts'} it into shape {shape}"
         except Exception as exc:
             fate = f"shared memory cannot hold it: the step fails ({type(exc).__name__}: {exc})"
         return [Finding("observation-shape", where, index,
@@ -188,10 +191,11 @@ def _step_findings(index: int, reward: Any, terminated: Any, truncated: Any) -> 
     out = []
     r = np.asarray(reward) if not isinstance(reward, Unpicklable) else None
     if r is None or r.ndim != 0 or r.dtype.kind not in "biuf":
-        fate = "shared memory stores rewards as float64: "
+        fate = "vector envs batch rewards as float64 arrays: "
         try:
-            np.zeros(1)[0] = reward
-            fate += "numpy converts it (a deprecated conversion for arrays)"
+            shape = np.asarray(reward, dtype=np.float64).shape
+            fate += (f"rewards of this shape come back as (n, {', '.join(map(str, shape))}), as in gymnasium's "
+                     "AsyncVectorEnv (the first step decides the shape)") if shape else "numpy converts it"
         except Exception as exc:
             fate += f"it cannot, the step fails ({type(exc).__name__})"
         out.append(Finding("reward-not-scalar", "reward", index, f"{_entry(index)}: {show(reward)}; {fate}"))

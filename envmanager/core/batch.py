@@ -333,8 +333,9 @@ class BatchEnvManager(BatchResets, CallMethods):
         if self._disabled:
             ended = self.results.terminated[slots] | self.results.truncated[slots]
             if ended.any():
+                first = int(np.flatnonzero(ended.reshape(len(slots), -1).any(axis=1))[0])  # (flags of any shape)
                 raise InvalidInputError(
-                    f"worker {int(slots[ended][0])} finished its episode; with autoreset_mode='disabled' reset it first")
+                    f"worker {int(slots[first])} finished its episode; with autoreset_mode='disabled' reset it first")
         checker = self.actions
         if as_given:
             batch = list(actions) if per_slot else actions

@@ -3,6 +3,7 @@ level; and the pool's errors made from what a worker sent back (``worker_error``
 
 from __future__ import annotations
 
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from envmanager.errors import EnvManagerError, WorkerError
@@ -12,7 +13,7 @@ from envmanager.wire.messages import EnvironmentRequest, RemoteException
 if TYPE_CHECKING:
     from envmanager.core.process import WorkerProcess
 
-__all__ = ["Completion", "worker_error", "error_slot"]
+__all__ = ["Completion", "worker_error", "refused_error", "error_slot"]
 
 
 class Completion:
@@ -60,6 +61,13 @@ class Completion:
 
 def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:
     return WorkerError(remote.env_index, remote.exc_type, remote.message, remote.traceback, remote.exception, process)
+
+
+def refused_error(slot: int, exc: BaseException) -> WorkerError:
+    """What env ``slot`` returned, refused in the parent (``exc``: it does not fit the batch,
+    ``envmanager.wire.returns``): reported as that env's failure, as if it had raised ``exc``."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return WorkerError(slot, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, exc)
 
 
 def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.completion import worker_error
+from envmanager.core.completion import refused_error, worker_error
 from envmanager.core.results import InfoBlock, StepBatch
-from envmanager.errors import EnvManagerError, InvalidInputError
-from envmanager.wire import shm
+from envmanager.errors import EnvManagerError
+from envmanager.wire import returns, shm
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import Stepped
 
@@ -118,7 +118,7 @@ class SlotState:
         if answer.info_columns is not None:
             self._file_columns(answer.info_columns, slots)
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
-            failed = self._file_extras(answer, slots)
+            failed = self._file_extras(answer, slots, "reset" if is_reset else "step")
             if answer.failures:
                 failed.update({slots[n]: worker_error(f, index) for n, f in answer.failures.items()})
             if failed:
@@ -177,9 +177,10 @@ class SlotState:
             for slot in slots:
                 self.infos.pop(slot, None)
 
-    def _file_extras(self, answer: Stepped, slots: tuple[int, ...]) -> dict[int, EnvManagerError]:
-        """Infos, and results that travelled pickled: the slow path, per env. Returns the
-        slots whose observation did not fit, with their errors."""
+    def _file_extras(self, answer: Stepped, slots: tuple[int, ...], call: str) -> dict[int, EnvManagerError]:
+        """Infos, and results that travelled pickled: the slow path, per env (as gymnasium batches
+        them: ``envmanager.wire.returns``). Returns the slots whose results did not fit, with
+        their errors (naming the env, the ``call`` and the value)."""
         infos = answer.infos  # by slot
         if self.info_blocks:  # columns not handed out yet are replaced
             self.block_of[list(slots)] = -1
@@ -195,23 +196,25 @@ class SlotState:
         failures = answer.failures or {}
         r = self.results
         assert r is not None
-        if answer.scalars is not None:
-            for n, (reward, terminated, truncated) in enumerate(answer.scalars):
-                if n not in failures:
-                    r.reward[slots[n]], r.terminated[slots[n]], r.truncated[slots[n]] = reward, terminated, truncated
         bad: dict[int, EnvManagerError] = {}
+        if answer.scalars is not None:
+            for n, values in enumerate(answer.scalars):
+                if n not in failures:
+                    try:
+                        r.scalars.put(slots[n], *values, call=call) if values is not None else r.scalars.clear(slots[n])
+                    except Exception as exc:
+                        bad[slots[n]] = refused_error(slots[n], exc)
         if answer.observations is not None:
             for n, obs in enumerate(answer.observations):
-                if n in failures:
+                if n in failures or slots[n] in bad:
                     continue
                 if self.observation_list is not None:
                     self.observation_list[slots[n]] = obs
                     continue
                 try:
-                    shm.write(r.observation, slots[n], obs)
+                    returns.write_stacked(r.observation, slots[n], obs)
                 except Exception as exc:
-                    bad[slots[n]] = InvalidInputError(
-                        f"worker {slots[n]} returned an observation that does not fit {self.observation_space}: {exc}")
+                    bad[slots[n]] = refused_error(slots[n], returns.refusal(exc, slots[n], call, "observation", obs))
         return bad
 
     # ------------------------------------------------------------------------------------------

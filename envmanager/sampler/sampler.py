@@ -364,7 +364,7 @@ class Sampler:
             self.stats.count("env_steps")
             if record.recording:
                 self.episodes.record(slot, Step(
-                    observation, action, float(r.reward[slot]), terminated, truncated, next_obs, slot,
+                    observation, action, r.reward[slot].item(), terminated, truncated, next_obs, slot,  # (shape (1,) too)
                     record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
                 plan.recorded_step(slot)

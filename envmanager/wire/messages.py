@@ -173,7 +173,8 @@ class Stepped(NamedTuple):
     parent files them with one ``dict.update``).
     ``failures``: the envs that raised, by position (the others stepped fine and deliver).
     ``observations``: each env's observation, when observations are not in shared memory;
-    ``scalars``: each env's ``(reward, terminated, truncated)``, when those are not either;
+    ``scalars``: each env's ``(reward, terminated, truncated)`` as it returned them (``None``: a
+    reset's zeros), when those are not in shared memory either (``envmanager.wire.returns``);
     ``info_columns``: every env's info as columns, instead of ``infos``, where they fit
     (``envmanager.wire.info_columns``).
     """
@@ -182,7 +183,7 @@ class Stepped(NamedTuple):
     infos: dict[int, dict] | None = None
     failures: dict[int, RemoteException] | None = None
     observations: list[Any] | None = None
-    scalars: list[tuple[float, bool, bool]] | None = None
+    scalars: list[tuple[Any, Any, Any] | None] | None = None
     info_columns: Any = None
 
     @property

@@ -29,6 +29,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envmanager.errors import SpaceMismatchError
+from envmanager.wire.returns import MAX_AXES, ScalarLayout
 
 __all__ = ["SharedBuffers", "SharedFile", "BufferLayout", "array_layout", "tree_map", "write", "read"]
 
@@ -61,6 +62,10 @@ def _leaves(tree: Any) -> list[_Leaf]:
     return [leaf for child in values for leaf in _leaves(child)]
 
 
+#: The shapes of rewards and flags, as the parent decided them at the first step (``returns.ScalarLayout``).
+_LAYOUT_WORD = np.zeros((3, 1 + MAX_AXES), dtype=np.int64)
+
+
 def _aligned(n: int) -> int:
     return (n + 63) // 64 * 64
 
@@ -77,6 +82,7 @@ class BufferLayout:
 
     def nbytes(self) -> int:
         total = _aligned(8 * self.n_envs) + 2 * _aligned(self.n_envs)  # reward, terminated, truncated
+        total += _aligned(_LAYOUT_WORD.itemsize * int(np.prod(_LAYOUT_WORD.shape)))  # their layout (returns.ScalarLayout)
         for tree in (self.observation, self.action):
             if tree is not None:
                 for leaf in _leaves(tree):
@@ -153,6 +159,10 @@ class SharedBuffers:
     """Per-slot arrays over one block of memory: ``observation`` and ``action`` (trees of
     arrays, or ``None``), ``reward`` (float64), ``terminated`` and ``truncated`` (bool).
 
+    Rewards and flags have one value per slot until the first step decides their shapes
+    (``scalars``, a :class:`~envmanager.wire.returns.ScalarLayout`): then ``reward`` & co. are
+    arrays of those shapes (views of the same memory where each value is one element).
+
     ``mapping`` is the shared memory (an ``mmap`` of a :class:`SharedFile`, or a named
     ``SharedMemory``), ``None`` for private memory. The creator (``owner``) of a named
     segment is the only one to unlink it.
@@ -181,6 +191,10 @@ class SharedBuffers:
         self.reward = take((n,), np.float64)
         self.terminated = take((n,), np.bool_)
         self.truncated = take((n,), np.bool_)
+        #: The arrays of one value per slot, whatever shapes the first step decides.
+        self.base_scalars = (self.reward, self.terminated, self.truncated)
+        self.layout_word: np.ndarray | None = take(_LAYOUT_WORD.shape, _LAYOUT_WORD.dtype)
+        self.scalars = ScalarLayout(self)
         self.observation = None if layout.observation is None else build(layout.observation)
         self.action = None if layout.action is None else build(layout.action)
 
@@ -238,6 +252,8 @@ class SharedBuffers:
         if mapping is None:
             return
         self.reward = self.terminated = self.truncated = None  # type: ignore[assignment]
+        self.base_scalars = ()  # type: ignore[assignment]
+        self.layout_word = self.scalars.word = None
         try:
             mapping.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it

@@ -15,7 +15,7 @@ import numpy as np
 from gymnasium import Wrapper
 from gymnasium.wrappers import OrderEnforcing
 
-from envmanager.wire import shm
+from envmanager.wire import returns, shm
 from envmanager.wire.info_columns import to_columns
 from envmanager.wire.marks import CALL, CLOSE, FACTORY, GET_ATTR, RESET, SET_ATTR, STEP, WorkerMarks, mark
 from envmanager.wire.messages import (
@@ -32,6 +32,7 @@ from envmanager.wire.messages import (
     Stepped,
     Values,
 )
+from envmanager.wire.returns import PLAIN_SCALARS
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class WorkerEnvs:
         it again from the factory with its slot, replay ``request.calls`` on it, reset it with
         its seed and options. Anything
         raised here fails the whole request: the parent then restarts the process."""
-        out = _Answer(len(request.locals), self.buffers)
+        out = _Answer(len(request.locals), self.buffers, "reset")
         for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -151,7 +152,7 @@ class WorkerEnvs:
                     attr(*args, **kwargs)
             self._words[self._at] = self._resets[i]
             obs, info = env.reset(seed=seed, options=options)
-            out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+            out.add(n, slot, obs, None, info, time.perf_counter() - start)
         return out.answer()
 
     # -- STEP and RESET ---------------------------------------------------------------------
@@ -164,7 +165,7 @@ class WorkerEnvs:
                                      self.info_columns if columns is None else columns)
         actions, envs, mode = request.actions, self.envs, self.autoreset_mode
         words, at = self._words, self._at
-        out = _Answer(len(request.locals), b)
+        out = _Answer(len(request.locals), b, "step")
         for n, i in enumerate(request.locals):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -174,7 +175,7 @@ class WorkerEnvs:
                 if self.autoreset[i] and mode == NEXT_STEP:
                     words[at] = self._resets[i]
                     obs, info = env.reset()
-                    reward, terminated, truncated = 0.0, False, False
+                    scalars, terminated, truncated = None, False, False  # None: a reset's zeros
                 else:
                     words[at] = self._steps[i]
                     obs, reward, terminated, truncated, info = env.step(action)
@@ -183,18 +184,22 @@ class WorkerEnvs:
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
+                    scalars = (reward, terminated, truncated)
                 self.autoreset[i] = bool(terminated or truncated)
-                out.add(n, slot, obs, reward, terminated, truncated, info, time.perf_counter() - start)
+                out.add(n, slot, obs, scalars, info, time.perf_counter() - start)
             except Exception as exc:
-                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+                out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "step")), time.perf_counter() - start)
         return out.answer()
 
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
                      observation: np.ndarray, columns: bool) -> Stepped:
-        """The hot path: each env's action read from shared memory and its results written back
-        as soon as it has stepped (no list of results to convert: one assignment per array and
-        env); ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env:
-        each env's time runs from the end of the one before."""
+        """The hot path: each env's action read from shared memory and its results written back as
+        soon as it has stepped, as gymnasium writes them (``envmanager.wire.returns``): one
+        assignment per array and env where the env returned what the arrays hold (the usual
+        case), gymnasium's rules otherwise; rewards and flags travel in the answer until the
+        parent has decided their shapes (the first step), or where each is more than one element.
+        ``action`` and ``observation`` are ``b``'s, each one array. One clock read per env: each
+        env's time runs from the end of the one before."""
         slots = self._slots.get(locals_)
         if slots is None:
             if len(self._slots) >= 64:  # partial batches can name up to 2**k - 1 sets of slots
@@ -206,7 +211,12 @@ class WorkerEnvs:
         failures: dict[int, RemoteException] = {}
         envs, autoreset, next_step, same_step = self.envs, self.autoreset, self._next_step, self._same_step
         words, at, steps = self._words, self._at, self._steps
+        layout = b.scalars
+        zeros = layout.begin()  # rewards and flags: in the shapes the parent decided at the first step
+        travelling: list[Any] | None = [None] * n if layout.travelling else None
+        plain = travelling is None and layout.plain  # one scalar each: written as they come when plain
         rewards, terminated, truncated = b.reward, b.terminated, b.truncated
+        row_shape, row_dtype = observation.shape[1:], observation.dtype
         rows_are_arrays = action.ndim > 1  # (a row of a 1-d array is a scalar: nothing to copy)
         clock = time.perf_counter
         start = clock()
@@ -217,7 +227,8 @@ class WorkerEnvs:
                 if autoreset[i] and next_step:
                     words[at] = self._resets[i]
                     obs, info = env.reset()
-                    reward, term, trunc = 0.0, False, False
+                    reward, term, trunc = zeros  # in the shapes of the first step's (returns.ScalarLayout)
+                    fresh = True
                 else:
                     words[at] = steps[i]  # the one store per env: "slot i is in step()"
                     # A copy of an array row: the env may keep its action.
@@ -227,25 +238,40 @@ class WorkerEnvs:
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
+                    fresh = False
                 autoreset[i] = bool(term or trunc)
-                observation[slot] = obs  # (an observation that does not fit raises: this env's failure)
-                rewards[slot], terminated[slot], truncated[slot] = reward, term, trunc
-                if info:
-                    infos[slot] = info
             except Exception as exc:
                 self.current = slot
-                failures[k] = remote_exception(slot, exc)  # its observation stays as it was
-                rewards[slot], terminated[slot], truncated[slot] = 0.0, False, False
+                failures[k] = remote_exception(slot, returns.refused_here(exc, slot, "step"))
+            else:
+                try:  # what it returned, into its rows; what does not fit fails it, naming the value
+                    if type(obs) is np.ndarray and obs.shape == row_shape and obs.dtype == row_dtype:
+                        observation[slot] = obs
+                    else:
+                        returns.write_observation(observation, slot, obs, "step")
+                    if travelling is not None:
+                        travelling[k] = None if fresh else (reward, term, trunc)
+                    elif plain and type(reward) in PLAIN_SCALARS and type(term) in PLAIN_SCALARS and type(trunc) in PLAIN_SCALARS:
+                        rewards[slot], terminated[slot], truncated[slot] = reward, term, trunc
+                    else:
+                        layout.put(slot, reward, term, trunc)
+                except Exception as exc:
+                    self.current = slot
+                    failures[k] = remote_exception(slot, exc)
+                else:
+                    if info:
+                        infos[slot] = info
             end = clock()
             times[k], start = end - start, end
-        if columns and n > 1 and len(infos) == n and not failures:  # every env said the same kind of thing
+        # Every env said the same kind of thing (and rewards and flags are in shared memory):
+        if columns and n > 1 and len(infos) == n and not failures and travelling is None:
             packed = to_columns([infos[s] for s in slots])
             if packed is not None:
                 return _new(Stepped, (times, None, None, None, None, packed))
-        return _new(Stepped, (times, infos or None, failures or None, None, None, None))
+        return _new(Stepped, (times, infos or None, failures or None, None, travelling, None))
 
     def reset(self, request: Reset) -> Stepped:
-        out = _Answer(len(request.locals), self.buffers)
+        out = _Answer(len(request.locals), self.buffers, "reset")
         for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
             start = time.perf_counter()
@@ -253,9 +279,9 @@ class WorkerEnvs:
                 self._words[self._at] = self._resets[i]
                 obs, info = self.envs[i].reset(seed=seed, options=options)
                 self.autoreset[i] = False
-                out.add(n, slot, obs, 0.0, False, False, info, time.perf_counter() - start)
+                out.add(n, slot, obs, None, info, time.perf_counter() - start)
             except Exception as exc:
-                out.failed(n, remote_exception(slot, exc), time.perf_counter() - start)
+                out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "reset")), time.perf_counter() - start)
         return out.answer()
 
     # -- reaching into the envs -------------------------------------------------------------
@@ -312,27 +338,45 @@ class WorkerEnvs:
 
 
 class _Answer:
-    """Builds a :class:`Stepped`: results go into shared memory where they can."""
+    """Builds a :class:`Stepped`: results go into shared memory where they can (as gymnasium
+    writes them: ``envmanager.wire.returns``); what does not fit travels."""
 
-    def __init__(self, n: int, buffers: shm.SharedBuffers | None) -> None:
+    def __init__(self, n: int, buffers: shm.SharedBuffers | None, call: str) -> None:
         self.b = buffers
+        self.call = call
         self.times = [0.0] * n
         self.infos: dict[int, dict] = {}
         self.failures: dict[int, RemoteException] = {}
         self.observations = [None] * n if buffers is None or buffers.observation is None else None
-        self.scalars = [(0.0, False, False)] * n if buffers is None else None
+        # Rewards and flags as the env returned them (``None``: a reset's zeros), where they travel.
+        if buffers is not None:
+            buffers.scalars.begin()
+        travelling = buffers is None or buffers.scalars.travelling
+        self.scalars: list[tuple[Any, Any, Any] | None] | None = [None] * n if travelling else None
 
-    def add(self, n: int, slot: int, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict, t: float) -> None:
+    def add(self, n: int, slot: int, obs: Any, scalars: tuple[Any, Any, Any] | None, info: dict, t: float) -> None:
+        """Env ``slot``'s results (``scalars``: its reward, terminated and truncated; ``None``
+        after a reset); one that does not fit fails it, naming the value (nothing is written)."""
         self.times[n] = t
         b = self.b
-        if self.scalars is None:
-            b.reward[slot], b.terminated[slot], b.truncated[slot] = reward, terminated, truncated  # type: ignore[union-attr]
-        else:
-            self.scalars[n] = (reward, bool(terminated), bool(truncated))
         if self.observations is None:
-            shm.write(b.observation, slot, obs)  # type: ignore[union-attr]
+            try:
+                returns.write_shared(b.observation, slot, obs)  # type: ignore[union-attr]
+            except Exception as exc:
+                self.failed(n, remote_exception(slot, returns.refusal(exc, slot, self.call, "observation", obs)), t)
+                return
         else:
             self.observations[n] = obs
+        if self.scalars is not None:  # (always without shared memory)
+            self.scalars[n] = scalars
+        elif scalars is None:
+            b.scalars.clear(slot)  # type: ignore[union-attr]
+        else:
+            try:
+                b.scalars.put(slot, *scalars, call=self.call)  # type: ignore[union-attr]
+            except Exception as exc:
+                self.failed(n, remote_exception(slot, exc), t)
+                return
         if info:
             self.infos[slot] = info
 
