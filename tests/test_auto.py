@@ -7,15 +7,30 @@ import multiprocessing
 import os
 import subprocess
 import time
+from dataclasses import replace
 
 import gymnasium as gym
 import numpy as np
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import envmanager
 from envmanager import InvalidInputError, SubprocessEnvManager
 from envmanager.core import auto
+from envmanager.core.layout import (
+    BATCH,
+    BOARD_INFOS,
+    DEFAULT_COSTS,
+    NO_INFOS,
+    NOTICE_INFOS,
+    SB3,
+    STEP_INFO,
+    VECTOR,
+    VECTOR_PARTIAL,
+    best_layout,
+)
 from envmanager.testing.envs import EnvFactory
 from process_helpers import alive
 
@@ -26,8 +41,10 @@ def test_cheap_envs_are_packed_where_the_parent_keeps_a_core(caplog):
     the processes-per-core layout on CartPole), and the choice is logged with its prediction."""
     with caplog.at_level(logging.INFO, logger="envmanager.core.auto"):
         assert auto.choose_layout(EnvFactory(), 8, cores=2) == (8, True)
-    assert any("chose 8" in r.getMessage() and "predicted" in r.getMessage() and "double buffered" in r.getMessage()
-               for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if "chose 8" in r.getMessage()]
+    assert len(lines) == 1  # one line: the choice, its prediction and the costs it used
+    assert "predicted" in lines[0] and "double buffered" in lines[0]
+    assert "round trip" in lines[0] and "per process on the board" in lines[0] and "per notice" in lines[0]
     cores = auto.usable_cores()
     with SubprocessEnvManager(EnvFactory(), 4 * cores, envs_per_worker="auto", double_buffer="auto", context="fork",
                               timeout=30) as m:
@@ -51,7 +68,7 @@ def test_expensive_even_cpu_bound_envs_are_packed_too(caplog, monkeypatch):
     # a quiet machine (a loaded one measures it as waiting or uneven, and rightly chooses 1:
     # measure_step_cost has tests of its own); the choice and the run are real.
     cost = auto.StepCost(median_s=2e-3, p90_s=2.1e-3, cpu_median_s=2e-3, cpu_p90_s=2.1e-3, cpu_share=1.0, steps=50,
-                         round_trip_s=80e-6, speed=1.0)
+                         round_trip_s=80e-6, round_trip_cpu_s=10e-6)
     monkeypatch.setattr(auto, "measure_step_cost", lambda *args, **kwargs: cost)
     cores = auto.usable_cores()
     with (caplog.at_level(logging.INFO, logger="envmanager.core.auto"),
@@ -321,3 +338,119 @@ def test_a_caller_that_may_not_start_processes_gets_the_reason_and_one():
         daemon.join(10)
         reader.close()
     assert isinstance(answer, str) and "could not start" in answer and "daemonic" in answer
+
+
+# -- the choice's properties, over measured costs (the measurement stood in for: no process) ----
+
+even_costs = st.builds(
+    auto.StepCost,
+    median_s=st.just(0.0), p90_s=st.just(0.0),
+    cpu_median_s=st.floats(1e-6, 20e-3), cpu_p90_s=st.just(0.0), cpu_share=st.floats(auto.CPU_BOUND, 1.0),
+    steps=st.just(100), round_trip_s=st.none() | st.floats(5e-6, 2e-3), round_trip_cpu_s=st.none() | st.floats(1e-6, 1e-4),
+    infos=st.sampled_from([NO_INFOS, BOARD_INFOS, NOTICE_INFOS]),
+).map(lambda c: replace(c, median_s=c.cpu_median_s, p90_s=c.cpu_median_s * 1.1, cpu_p90_s=c.cpu_median_s * 1.1))
+boards = st.tuples(st.floats(1e-6, 1e-4), st.floats(0.0, 5e-6))
+callers = st.sampled_from([BATCH, STEP_INFO, VECTOR, VECTOR_PARTIAL, SB3])
+#: (envs, cores), often near each other: where one env per process turns into packing.
+machines = st.integers(1, 128).flatmap(lambda c: st.tuples(st.integers(max(1, c - 3), c + 3) | st.integers(1, 256), st.just(c)))
+
+
+def _stand_in(monkeypatch, cost, board) -> list[int]:
+    """``measure_step_cost`` and ``board_costs`` answer ``cost`` and ``board``; the list counts the measurements."""
+    calls: list[int] = []
+
+    def measured(*args, **kwargs):
+        calls.append(1)
+        return cost
+
+    monkeypatch.setattr(auto, "measure_step_cost", measured)
+    monkeypatch.setattr(auto, "board_costs", lambda *args, **kwargs: board)
+    return calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines, even_costs, boards, callers, st.sampled_from([auto.AUTO, True, False]))
+def test_auto_never_has_more_processes_than_cores_nor_a_core_idle_while_envs_are_packed(machine, cost, board, caller,
+                                                                                        double_buffer):
+    n, cores = machine
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = _stand_in(monkeypatch, cost, board)
+        k, db = auto.choose_layout(EnvFactory(), n, cores, caller=caller, double_buffer=double_buffer)
+    processes = -(-n // k)
+    assert processes <= cores
+    if n < cores:  # every env a core, and the parent one: nothing measured
+        assert (k, db, calls) == (1, False, [])
+        return
+    if k >= 2:  # packed only where a thinner split overfills the regime (cores - 1 with the parent's own, or cores)
+        room = cores - 1 if processes + 1 <= cores else cores
+        assert -(-n // (k - 1)) > room
+    assert not db or (k >= 2 and (double_buffer is True or not caller.lockstep))
+    # and it is the model's choice with the costs measured here
+    best, _ = best_layout(n, cost.cpu_median_s, cores, auto.costs_here(cost, board), caller, cost.infos,
+                          lanes=None if double_buffer == auto.AUTO else (2 if double_buffer else 1))
+    assert (k, db) == (best.layout.envs_per_worker, best.layout.double_buffer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(machines, even_costs, boards, st.floats(3.01, 50.0), st.floats(0.0, 0.49))
+def test_uneven_or_waiting_envs_get_one_process_each_whatever_the_machine(machine, cost, board, spread, share):
+    n, cores = machine
+    uneven = replace(cost, cpu_p90_s=cost.cpu_median_s * spread + auto.UNEVEN_MIN_S)
+    waiting = replace(cost, cpu_share=share)
+    for measured in (uneven, waiting, "measuring failed: no env"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _stand_in(monkeypatch, measured, board)
+            assert auto.choose_layout(EnvFactory(), n, cores) == (1, False)
+
+
+class Named(gym.Env):
+    """Returns a string in every step's info (no info row of the step board holds one)."""
+
+    observation_space = gym.spaces.Discrete(2)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return 0, {}
+
+    def step(self, action):
+        return 0, 0.0, False, False, {"name": "named"}
+
+
+def test_the_costs_are_this_machines():
+    """The round trip and the pipe's CPU from the measuring process's pings, the parent's
+    turnaround from the board's own operations timed here; defaults only where one is missing."""
+    cost = auto.measure_step_cost(EnvFactory())
+    assert not isinstance(cost, str), cost
+    assert cost.round_trip_s and cost.round_trip_cpu_s and 0 < cost.round_trip_cpu_s <= 2 * cost.round_trip_s
+    assert cost.infos == BOARD_INFOS  # ControlledEnv returns {"t": n}: flat, on the board
+    board = auto.board_costs()
+    assert board is not None and board[0] > 0 and board[1] >= 0
+    costs = auto.costs_here(cost, board)
+    assert (costs.round_trip_s, costs.pipe_s, costs.parent_s, costs.parent_process_s) == (
+        cost.round_trip_s, cost.round_trip_cpu_s, *board)
+    unmeasured = auto.costs_here(replace(cost, round_trip_s=None, round_trip_cpu_s=None), board)
+    assert unmeasured.round_trip_s == DEFAULT_COSTS.round_trip_s and unmeasured.pipe_s == DEFAULT_COSTS.pipe_s
+    plain = auto.measure_step_cost(lambda i: gym.make("CartPole-v1"))
+    assert not isinstance(plain, str) and plain.infos == NO_INFOS  # CartPole's infos are empty
+    named = auto.measure_step_cost(lambda i: Named())
+    assert not isinstance(named, str) and named.infos == NOTICE_INFOS  # a string: pickled in a notice
+
+
+def test_the_board_is_timed_as_the_processes_grow(monkeypatch):
+    """``board_costs`` fits the turnaround at two sizes: a board that costs more per process gives
+    a steeper slope."""
+    from envmanager.wire.mailbox import Mailboxes
+
+    flat = auto.board_costs(rounds=50)
+    real = Mailboxes.post_steps
+
+    def slower(self, words, processes, now):  # ~0.5 us more per process asked
+        end = time.perf_counter() + 0.5e-6 * len(processes)
+        while time.perf_counter() < end:
+            pass
+        return real(self, words, processes, now)
+
+    monkeypatch.setattr(Mailboxes, "post_steps", slower)
+    steep = auto.board_costs(rounds=50)
+    assert flat is not None and steep is not None
+    assert steep[1] > flat[1] + 0.2e-6

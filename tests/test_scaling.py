@@ -1,67 +1,53 @@
-"""``benchmarks/scaling.py``: the layout model's costs read from a pinned run, its table for
-64 envs on 8-64 cores, and its check against runs here; ``benchmarks/parent.py``'s harness (they
-run; no speed is asserted)."""
+"""``benchmarks/scaling.py``: the layout model's table for 64 envs on 2-64 cores (costs measured
+here or the 16-core machine's) and its check against runs here; ``benchmarks/parent.py``'s
+harness (they run; no speed is asserted)."""
 
 from __future__ import annotations
 
-import json
+import re
 
 import pytest
 
 from benchmarks import scaling
+from envmanager.core.auto import usable_cores
+from envmanager.core.layout import DEFAULT_COSTS, candidates
 from envmanager.wire.mailbox import mailbox_supported
 
 
-def pinned_run() -> dict:
-    """A pinned run as ``envmanager bench --json`` writes it, with the figures the model reads."""
-
-    def measurement(median: float, work_us: float | None, per_answer: int) -> dict:
-        return {"median": median, "env_steps": [4000, 4000], "answers": [4000 // per_answer] * 2,
-                "parent_work_per_answer_us": work_us}
-
-    def scenario(cost: float | None, median: float, single: float, work_us: float | None, per_answer: int) -> dict:
-        return {"pinned": True, "step_cost": cost, "measurements": {"envmanager-db": measurement(median, work_us, per_answer)},
-                "limit": {"single_env_steps_per_second": [single], "steps_per_second": single}}
-
-    return {"scenarios": {
-        "pinned-parent": {"pinned": True, "step_cost": None,
-                          "measurements": {"envmanager-db": measurement(60_000, 12.0, 1)}},
-        "pinned-5us": scenario(5e-6, 90_000, 130_000, 24.0, 4),
-        "pinned-20us": scenario(20e-6, 38_000, 44_000, 30.0, 4),
-        "pinned-63us": scenario(63e-6, 14_400, 15_000, 40.0, 4),
-        "pinned-200us": scenario(200e-6, 4_800, 4_900, 60.0, 4),
-    }}
-
-
-def test_costs_come_from_the_run():
-    costs, steps = scaling.costs_from(pinned_run())
-    assert costs.parent_s == pytest.approx(8e-6) and costs.parent_env_s == pytest.approx(4e-6)  # 12 at 1, 24 at 4
-    assert 0 < costs.worker_s < 30e-6
-    assert set(steps) == {"pinned-5us", "pinned-20us", "pinned-63us", "pinned-200us"}
-
-
-def test_the_table_names_a_layout_and_its_bound_per_machine(tmp_path, capsys):
-    path = tmp_path / "pinned.json"
-    path.write_text(json.dumps(pinned_run()))
-    assert scaling.main([str(path)]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("| 5us", "| 200us"))]
-    assert len(rows) == 2
+def test_the_table_names_a_layout_within_the_cores_and_its_bound_per_machine():
+    out = scaling.table(DEFAULT_COSTS)
+    rows = [line for line in out.splitlines()[2:] if line.startswith("|")]
+    assert len(rows) == len(scaling.STEPS)
     for row in rows:
         cells = row.split("|")[2:-1]
         assert len(cells) == len(scaling.CORES)
-        assert all(("workers" in c or "parent" in c or "cpu" in c) and "×" in c for c in cells)
-    assert scaling.main([str(path), "--before"]) == 0
+        for cores, cell in zip(scaling.CORES, cells, strict=True):
+            match = re.search(r"\((\d+)×(\d+)", cell)
+            assert match and int(match[1]) <= cores, (cores, cell)  # never more processes than cores
+            assert ("workers" in cell or "parent" in cell or "cpu" in cell)
+            assert ("shared" in cell) == (int(match[1]) + 1 > cores)
 
 
-def test_the_check_runs_both_regimes_here():
+def test_the_sixteen_core_machines_table_and_a_slower_parent(capsys):
+    assert scaling.main(["--sixteen"]) == 0
+    plain = capsys.readouterr().out
+    assert "round trip 85 us" in plain and "16 cores" in plain
+    assert scaling.main(["--sixteen", "--slower", "2"]) == 0
+    slower = capsys.readouterr().out
+    assert f"{DEFAULT_COSTS.parent_s * 2e6:.1f} us per step" in slower and slower != plain
+
+
+def test_the_check_runs_every_layout_auto_considers_here():
     out = scaling.check(seconds=0.2)
     rows = [line for line in out.splitlines()[2:] if line.startswith("|")]
-    assert len(rows) == 4
-    assert sum("own cores" in r for r in rows) == 2 and sum("shared cores" in r for r in rows) == 2
+    cores = usable_cores()
+    per_step = len(candidates(4 * cores, cores, lockstep=True))
+    assert len(rows) == 2 * per_step
+    assert sum("(auto)" in r for r in rows) == 2  # auto's choice marked, once per step cost
     for row in rows:
         predicted, measured = (float(c.replace(",", "")) for c in row.split("|")[4:6])
         assert predicted > 0 and measured > 0
+    assert "Costs measured here: round trip" in out
 
 
 @pytest.mark.skipif(not mailbox_supported(), reason="the mailbox is x86 only (its store order)")

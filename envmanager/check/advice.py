@@ -20,21 +20,19 @@ faster (double buffering: 10%); then the in-process layout wins if it is at leas
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from envmanager.check import measure
 from envmanager.check.report import Advice, Layout
 from envmanager.core.auto import (
     CPU_BOUND,
-    LOADED_ROUND_TRIP,
     UNEVEN_MIN_S,
     UNEVEN_RATIO,
     StepCost,
     measure_step_cost,
+    model_choice,
     usable_cores,
 )
-from envmanager.core.layout import REFERENCE, best_layout
 
 __all__ = ["advise"]
 
@@ -126,13 +124,11 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
 
 def _model_layout(num_envs: int, cores: int, cost: StepCost | str, kind: str, layouts: list[Layout]) -> Layout | None:
     """``envs_per_worker="auto"``'s choice (``envmanager.core.auto.choose_layout``: the layout model
-    on the measured step and round trip) as a layout to measure, unless a candidate already is it
+    with the costs measured here) as a layout to measure, unless a candidate already is it
     (then that candidate is marked as the model's)."""
     if kind != "cpu-bound, even" or isinstance(cost, str) or num_envs < cores:
         return None
-    costs = replace(REFERENCE.scaled(cost.speed),
-                    round_trip_s=LOADED_ROUND_TRIP * (cost.round_trip_s or REFERENCE.round_trip_s))
-    best, _ = best_layout(num_envs, cost.cpu_median_s, cores, costs)
+    best, _ = model_choice(cost, num_envs, cores)
     k, db = best.layout.envs_per_worker, best.layout.double_buffer
     for layout in layouts:
         same = layout.envs_per_process == k and layout.double_buffer == db

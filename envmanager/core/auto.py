@@ -9,18 +9,23 @@ env 0 or this process: the measured env is ``env.unwrapped``, reset and stepped 
 wrappers that record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see
 no step; an env with ``render_mode="human"`` is not stepped at all (it would open a window;
 such steps wait on the display, and get a process each). The measuring process also answers a
-few pings, whose round trip (both sides asleep until the other writes) is what a request costs
-where processes share cores, and times a reference loop (``layout.speed``). The rule:
+few pings: their round trip (both sides asleep until the other writes) is what a request costs
+where processes share cores, and this process's CPU per ping what a message on a pipe costs it.
+This process then times the step board's own operations against stand-ins (``board_costs``: a
+few hundred rounds at 1 and 64 processes, a few ms): the parent's turnaround per step as a
+function of the processes. The whole measurement takes the env's build plus ~0.1-0.2 s. The rule:
 
 * even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
   x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
   cost does not hold first-ready back, and cheap steps resumed after preemption on a cold
   cache vary by more than 3x --, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
-  cheap or expensive: the layout the model of ``envmanager.core.layout`` predicts fastest --
-  processes x envs per process, and one lane or two -- for this step, round trip, Python
-  speed, number of cores and caller (``choose_layout``). On 2 cores cheap envs get one process
-  and the parent the other core (they spin, the mailbox carries requests and answers; double
-  buffered), costly ones a process per core or more;
+  cheap or expensive: every core at work, never more stepping processes than cores, and of the
+  layouts that do so (``cores - 1`` processes and the parent on a core of its own, or ``cores``
+  processes and the parent sharing one; one lane or two) the one the model of
+  ``envmanager.core.layout`` predicts fastest with the costs measured here, for this caller
+  (``choose_layout``). On 2 cores cheap envs get one process and the parent the other core
+  (they spin, the step board carries requests and answers; double buffered for partial
+  batches), costly ones a process per core;
 * anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), an
   env that did not finish the measurement within the deadline, or one that failed: one env
   per process, so first-ready stepping never waits for a slow neighbour and waits overlap.
@@ -46,15 +51,30 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
-from envmanager.core.layout import BATCH, REFERENCE, Caller, best_layout, speed
+from envmanager.core.cores import machine_cores
+from envmanager.core.layout import (
+    BATCH,
+    BOARD_INFOS,
+    DEFAULT_COSTS,
+    NO_INFOS,
+    NOTICE_INFOS,
+    Caller,
+    Costs,
+    Prediction,
+    best_layout,
+)
+from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.process import descendants, kill_all, start
 from envmanager.errors import InvalidInputError
+from envmanager.wire.mailbox import ANSWERS, BUSY, INFO_KINDS, INFO_WORDS, REQUESTS, Mailboxes, mailbox_supported
+from envmanager.wire.shm import SharedFile
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO", "StepCost", "choose_double_buffer", "choose_envs_per_worker", "choose_layout", "measure_step_cost",
-           "usable_cores"]
+__all__ = ["AUTO", "StepCost", "board_costs", "choose_double_buffer", "choose_envs_per_worker", "choose_layout",
+           "costs_here", "describe", "measure_step_cost", "model_choice", "usable_cores"]
 
 AUTO = "auto"
 UNEVEN_RATIO = 3.0  # 90th percentile / median of the CPU times above this: uneven...
@@ -66,10 +86,10 @@ DEADLINE_S = 1.0  # the reset and steps, once the env is built
 START_TIMEOUT_S = 60.0  # the process starting and the env built (spawn imports the env's modules)
 CLOSE_GRACE_S = 1.0  # the env's close() after answering, before the process is killed
 _BUILT = "built"
-#: A request's round trip where processes share cores, as a multiple of an idle ping's (measured
-#: on the reference machine: 150-250 us against 55-85 us pings; the other processes wait for a core).
-LOADED_ROUND_TRIP = 3.0
 _PING = b"p"
+#: ``board_costs``: the processes it times the board at (one env each), and rounds per size.
+BOARD_PROCESSES = (1, 64)
+BOARD_ROUNDS = 200
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,8 @@ class StepCost:
     cpu_share: float
     steps: int
     round_trip_s: float | None = None  # a ping to the measuring process and back (``_round_trip``)
-    speed: float = 1.0  # how many times slower than the reference machine Python ran there (``layout.speed``)
+    round_trip_cpu_s: float | None = None  # this process's CPU per ping (a write and a read on a pipe)
+    infos: str = NO_INFOS  # what its infos are: none, flat scalars the board holds, or more (notices)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -93,11 +114,23 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on."""
+    """CPU cores the workers may run on: this process's (which they inherit), within the CPU quota
+    of its control group (``envmanager.core.cores.machine_cores``: 2 in a container given 2 of 64)."""
     try:
-        return len(os.sched_getaffinity(0))
+        mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        mine = os.cpu_count() or 1
+    return max(1, min(mine, machine_cores()))
+
+
+def _infos_kind(info: Any) -> str:
+    """What an info is to the step board: nothing, flat scalars its info rows hold, or more (a notice)."""
+    if not info:
+        return NO_INFOS
+    if (len(info) < INFO_WORDS and all(type(k) is str for k in info)
+            and all(type(v) in INFO_KINDS for v in info.values())):
+        return BOARD_INFOS
+    return NOTICE_INFOS
 
 
 def step_cost(env: Any) -> StepCost | str:
@@ -113,15 +146,18 @@ def step_cost(env: Any) -> StepCost | str:
     cpus: list[float] = []
     preempted = 0.0  # seconds the steps spent runnable but waiting for a CPU
     waited = _runnable_wait()
+    infos = NO_INFOS
     end = time.perf_counter() + MEASURE_S
     while len(times) < MAX_STEPS and time.perf_counter() < end:
         action = space.sample()
         q0 = waited() if waited else 0.0
         c0, t0 = time.process_time(), time.perf_counter()
-        _, _, terminated, truncated, _ = base.step(action)
+        _, _, terminated, truncated, info = base.step(action)
         times.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
         preempted += (waited() - q0) if waited else 0.0
+        if infos != NOTICE_INFOS:
+            infos = max(infos, _infos_kind(info), key=(NO_INFOS, BOARD_INFOS, NOTICE_INFOS).index)
         if terminated or truncated:
             base.reset()
     # preemption (a busy machine) stretches wall times, not CPU times: judge evenness on CPU
@@ -134,7 +170,7 @@ def step_cost(env: Any) -> StepCost | str:
     else:
         share = min(1.0, cpu_median / min(times)) if min(times) > 0 else 1.0
     return StepCost(statistics.median(times), _percentile(times, 0.9), cpu_median, _percentile(cpus, 0.9), share, len(times),
-                    speed=speed())
+                    infos=infos)
 
 
 def _runnable_wait() -> Callable[[], float] | None:
@@ -218,7 +254,8 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
         answer = reader.recv()
         answered = True
         if isinstance(answer, StepCost):
-            answer = replace(answer, round_trip_s=_round_trip(reader, deadline_s))
+            trip, cpu = _round_trip(reader, deadline_s)
+            answer = replace(answer, round_trip_s=trip, round_trip_cpu_s=cpu)
         return answer
     except (EOFError, OSError):
         return f"the measuring process died (exit code {process.exitcode})"
@@ -226,22 +263,122 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
         _reap(process, reader, answered)
 
 
-def _round_trip(conn: Any, deadline_s: float, pings: int = 12) -> float | None:
+def _round_trip(conn: Any, deadline_s: float, pings: int = 12) -> tuple[float | None, float | None]:
     """The median seconds of a ping to the measuring process and back, each side asleep until the
-    other writes: what a request round trip costs where processes share cores (``None`` if the
-    process stops answering)."""
-    times = []
+    other writes (what a request round trip costs where processes share cores), and this
+    process's median CPU per ping (a write and a read on a pipe); ``None``s if the process stops
+    answering."""
+    times, cpus = [], []
     try:
         for _ in range(pings):
-            start = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             conn.send_bytes(_PING)
             if not conn.poll(deadline_s):
-                return None
+                return None, None
             conn.recv_bytes()
-            times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
     except (EOFError, OSError):
+        return None, None
+    return statistics.median(times), statistics.median(cpus)
+
+
+def board_costs(processes: tuple[int, int] = BOARD_PROCESSES, rounds: int = BOARD_ROUNDS) -> tuple[float, float] | None:
+    """The parent's CPU per step of a whole batch on the step board, fitted as ``parent_s +
+    parent_process_s * P`` from ``processes`` (two sizes, one env per process): the core's own
+    board operations (``Mailboxes.post_steps`` asks for every env's step, ``steps_answered``
+    finds every answer) and the numpy work around them on the hot path (the actions written into
+    shared memory, the slots' status, the results' rows read), against stand-ins in this process
+    that answer every step at once through a mapping of their own (their work not timed). The
+    lower quartile of ``rounds`` rounds per size (a few ms in all); ``None`` where there is no
+    shared file to lay a board in."""
+    times = [_board_round(n, rounds) for n in processes]
+    if None in times:
         return None
-    return statistics.median(times)
+    (p_lo, t_lo), (p_hi, t_hi) = zip(processes, times, strict=True)
+    assert t_lo is not None and t_hi is not None
+    slope = max(0.0, (t_hi - t_lo) / (p_hi - p_lo))
+    return max(0.0, t_lo - slope * p_lo), slope
+
+
+def _board_round(n: int, rounds: int) -> float | None:
+    """``board_costs`` at ``n`` processes of one env: the lower quartile of ``rounds`` steps."""
+    file = SharedFile.create()
+    if file is None:
+        return None
+    box = Mailboxes(file, n)
+    mapping = file.map(box.layout.nbytes)  # the stand-ins' side, as a worker maps it
+    try:
+        _stand_ins_awake(mapping, box, n)
+        blocks = box.layout.board_lines * 8
+        asked = np.frombuffer(mapping, np.int64, blocks, box.layout.block(REQUESTS))
+        answered = np.frombuffer(mapping, np.int64, blocks, box.layout.block(ANSWERS))
+        slots, owners = np.arange(n), np.arange(n)
+        actions, batch = np.zeros(n, np.int64), np.ones(n, np.int64)
+        status, observations, out, rewards = np.zeros(n, np.uint8), np.zeros((n, 4)), np.zeros((n, 4)), np.zeros(n)
+        spent = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            actions[slots] = batch
+            status[slots] = 1
+            box.post_steps(box.slot_word[slots], owners, time.monotonic())
+            t1 = time.perf_counter()
+            answered[:] = asked  # the stand-ins: every step answered, its results in place
+            t2 = time.perf_counter()
+            got = box.steps_answered()
+            if got is None:
+                raise RuntimeError("the board lost an answer")
+            status[got] = 0
+            out[got] = observations[got]
+            rewards[got].sum()
+            spent.append(t1 - t0 + time.perf_counter() - t2)
+        del asked, answered  # (views of the mapping: closing it needs them gone)
+        return _percentile(spent, 0.25)
+    finally:
+        try:
+            mapping.close()
+        except BufferError:  # a view still alive (an error above): the mapping goes with it
+            pass
+        box.close()
+
+
+def _stand_ins_awake(mapping: Any, box: Mailboxes, n: int) -> None:
+    """Every stand-in says it is busy (awake): the board owes none a wake-up on its pipe."""
+    words = np.frombuffer(mapping, np.int64)
+    words[[box.layout.region(p) // 8 for p in range(n)]] = BUSY
+    del words
+
+
+def costs_here(cost: StepCost, board: tuple[float, float] | None = None) -> Costs:
+    """The model's costs on this machine: the round trip and a pipe's CPU from ``cost`` (the
+    measuring process's pings), the parent's turnaround on the board from ``board``
+    (``board_costs()``, timed now if not given); the defaults where a figure is missing."""
+    board = board if board is not None else board_costs()
+    costs = replace(DEFAULT_COSTS, board=mailbox_supported() and mailbox_enabled(True))  # (ENVMANAGER_MAILBOX=off: pipes)
+    if cost.round_trip_s:
+        costs = replace(costs, round_trip_s=cost.round_trip_s)
+    if cost.round_trip_cpu_s:
+        costs = replace(costs, pipe_s=cost.round_trip_cpu_s)
+    if board is not None:
+        costs = replace(costs, parent_s=board[0], parent_process_s=board[1])
+    return costs
+
+
+def model_choice(cost: StepCost, n_env: int, cores: int, caller: Caller = BATCH, lanes: int | None = None,
+                 costs: Costs | None = None) -> tuple[Prediction, Costs]:
+    """The model's best layout for ``n_env`` envs of this measured ``cost`` on ``cores`` cores,
+    and the costs it used (``costs_here`` unless given)."""
+    costs = costs if costs is not None else costs_here(cost)
+    best, _ = best_layout(n_env, cost.cpu_median_s, cores, costs, caller, cost.infos, lanes=lanes)
+    return best, costs
+
+
+def describe(costs: Costs) -> str:
+    """The costs a choice used (measured, then the model's constants), for its log line."""
+    return (f"round trip {costs.round_trip_s * 1e6:.0f} us, the parent's CPU {costs.pipe_s * 1e6:.1f} us per pipe round "
+            f"trip and {costs.parent_s * 1e6:.1f} us per step + {costs.parent_process_s * 1e6:.2f} us per process on the "
+            f"board{'' if costs.board else ' (no board here: pipes)'}; constants: {costs.notice_s * 1e6:.0f} us per "
+            f"notice, the worker {costs.worker_s * 1e6:.0f} us per request + {costs.worker_env_s * 1e6:.1f} us per env")
 
 
 def _reap(process: Any, conn: Any, answered: bool) -> None:
@@ -285,11 +422,12 @@ def choose_layout(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: 
                   double_buffer: bool | str = AUTO) -> tuple[int, bool]:
     """``(envs_per_worker, double_buffer)`` for ``n_env`` envs on ``cores`` cores: one env per
     process where each can have a core (nothing measured), or where the steps are uneven or wait
-    (first-ready then never waits for a slow neighbour, and waits overlap); otherwise the layout
-    the model of ``envmanager.core.layout`` predicts fastest for the measured step and round
-    trip, this ``caller`` (what it costs the parent per env-step, whether it steps in lockstep)
-    and ``double_buffer`` (``True``/``False`` fix the lanes). The choice and its prediction are
-    logged."""
+    (first-ready then never waits for a slow neighbour, and waits overlap); otherwise, of the
+    layouts that put every core to work, the one the model of ``envmanager.core.layout``
+    predicts fastest with the costs measured here (the step, the round trip, the parent's
+    turnaround on the board), for this ``caller`` (its own Python per step and per env-step,
+    whether it steps in lockstep) and ``double_buffer`` (``True``/``False`` fix the lanes). The
+    choice, its prediction and the costs it used are logged (one line)."""
     cores = cores or usable_cores()
     if n_env < cores:  # every env a core, and the parent one too
         logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: nothing to pack", n_env, cores)
@@ -300,15 +438,12 @@ def choose_layout(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: 
         logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: %s", n_env, cores, why)
         return 1, False
     assert isinstance(cost, StepCost)
-    costs = REFERENCE.scaled(cost.speed)  # Python's speed measured beside the step (this machine's speed varies)
-    if cost.round_trip_s:  # a ping between two idle processes: a loaded round trip takes about twice that
-        costs = replace(costs, round_trip_s=LOADED_ROUND_TRIP * cost.round_trip_s)
-    costs = replace(costs, parent_env_s=costs.parent_env_s * caller.parent_env_s / BATCH.parent_env_s)
     lanes = None if double_buffer == AUTO else (2 if double_buffer else 1)
-    best, _ = best_layout(n_env, cost.cpu_median_s, cores, costs, lockstep=caller.lockstep, lanes=lanes)
-    logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores (%s): %s; even CPU-bound steps of %.0f us, "
-                "round trip %s", best.layout.envs_per_worker, n_env, cores, caller.name, best, cost.cpu_median_s * 1e6,
-                "unmeasured" if cost.round_trip_s is None else f"{cost.round_trip_s * 1e6:.0f} us")
+    best, costs = model_choice(cost, n_env, cores, caller, lanes)
+    logger.info("envs_per_worker='auto' chose %d for %d envs on %d cores (%s): %s; even CPU-bound steps of %.0f us%s; "
+                "costs: %s", best.layout.envs_per_worker, n_env, cores, caller.name, best,
+                cost.cpu_median_s * 1e6, {NO_INFOS: "", BOARD_INFOS: " with flat infos (on the board)",
+                                          NOTICE_INFOS: " with infos in notices"}[cost.infos], describe(costs))
     return best.layout.envs_per_worker, best.layout.double_buffer
 
 

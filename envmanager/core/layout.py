@@ -1,88 +1,107 @@
 """How to lay ``n_env`` envs over worker processes on this machine: a small model of what each
 layout delivers, and the best of its candidates (``envs_per_worker="auto"``).
 
-A layout is ``processes`` worker processes of ``envs_per_worker`` envs, each process in one lane
-or two (double buffered: one half steps while the parent turns the other around). An answer
-carries ``e`` env-steps (a lane's envs). What one answer costs:
+A layout is ``processes`` worker processes of ``envs_per_worker`` envs (the last may have fewer),
+each in one lane or two (double buffered: one half steps while the parent turns the other around).
 
-* the worker: ``e * step`` (one env's step, measured) plus its own overhead per request,
-  ``worker_s + worker_env_s * e``;
-* the parent: its CPU per answer when it never waits, ``parent_s + parent_env_s * e``: the one
-  serial part of the machine. Its rate, ``e / (parent_s + parent_env_s * e)``, caps every layout
-  however many cores the workers have: bigger answers lift the cap. ``parent_env_s`` is the
-  caller's too: a ``StepInfo`` per env-step costs more than a row of an array.
+**The candidates.** Even, CPU-bound envs on every core, never more stepping processes than
+cores, never a core idle while envs wait packed in a process: with ``n_env >= cores``, the fewest
+envs per process that fit ``cores - 1`` processes (the parent on a core of its own: every process
+spins, requests and answers go through the step board in shared memory), and those that fit
+``cores`` processes (the parent shares a core: nothing spins, requests and answers go through
+the pipes), each in one lane or, for callers that take partial batches, two. (Envs per process
+are whole: 64 envs on 15 processes make 13 of 5, the least the 15 can do. A lockstep step waits
+for the fullest process, so that costs a lockstep caller nothing.) With fewer envs than cores,
+one env per process.
 
-Two regimes, as the performance guide measures them. **Own cores** (every worker process and the
-parent have a core: they spin, requests and answers go through the mailbox, no process waits
-to be woken): a process with two lanes steps one while the other is turned around, so it
-delivers ``e`` per worker time; with one lane it also waits out the parent's turnaround; the
-parent caps the sum. **Shared cores** (more processes than cores but the parent's): a request
-round trip wakes a sleeping process on each side, which takes ``round_trip_s`` of latency
-(measured: a pipe ping-pong between two blocked processes) and about a third of that in CPU; the
-cores' CPU is shared by the envs, the overheads and the parent, and a process waits out its
-round trips unless another lane or process fills them. Lockstep callers (a vector env's
-``step``) wait for every env each step: two lanes only add the parent's second answer per
-process there, so they get one.
+**What a request costs** (seconds, :class:`Costs`; an answer carries ``e`` env-steps):
 
-The costs are this machine's kind of figures (the performance guide has them measured), scaled
-by how fast this Python runs a reference loop (``speed``); the round trip is measured where the
-layout is chosen. ``python -m benchmarks.scaling --check`` compares predictions with runs.
+* the worker: ``e * (step + worker_env_s) + worker_s`` (its envs' steps, measured, and its own
+  overhead per request: constants);
+* the parent, to ask ``P`` processes for ``n`` env-steps and take their answers:
+  ``caller.step_s + parent_s + parent_process_s * P + caller.env_s * n`` -- on the board its
+  CPU hardly grows with the processes (one numpy operation asks a whole batch, one compare of
+  bytes finds every answer) --, plus ``caller.info_s`` where the envs return infos (the
+  caller's batched infos), ``notice_s`` per process whose answer comes as a notice (infos the
+  board's rows cannot hold, or everything on the pipes) and ``pipe_s`` per process on the
+  pipes (a request written, an answer read);
+* where a process sleeps between requests (the pipes), a round trip ``round_trip_s``: a ping
+  between two processes asleep on their pipes.
+
+**The rates.** Own cores (``P + 1 <= cores``): a lockstep step takes the parent's turnaround
+plus the fullest process's request: ``n / (parent(P, n) + worker(k))``. Shared cores: the same
+plus a round trip, and never more than the cores' CPU gives (the envs, the overheads, the
+parent and the pipes' messages share them). A caller taking partial batches turns each answer
+around on its own (``parent(1, e)``): one lane waits it out, two overlap it with the other
+half's step; the parent, answering one at a time, caps the sum.
+
+The costs are measured where the layout is chosen (``envmanager.core.auto``: the step and the
+ping in the throwaway process, the board's operations in this one); the worker's overhead and
+the callers' own Python are constants, documented where they are defined. ``python -m
+benchmarks.scaling --check`` compares predictions with runs.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-__all__ = ["Costs", "Caller", "Layout", "Prediction", "predict", "candidates", "best_layout", "speed", "REFERENCE", "BATCH",
-           "STEP_INFO", "VECTOR", "VECTOR_PARTIAL", "SB3"]
+__all__ = ["Costs", "Caller", "Layout", "Prediction", "predict", "candidates", "best_layout", "DEFAULT_COSTS", "BATCH",
+           "STEP_INFO", "VECTOR", "VECTOR_PARTIAL", "SB3", "NO_INFOS", "BOARD_INFOS", "NOTICE_INFOS"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds of the model's costs (see the module doc). The defaults are the reference
-    machine's (this project's 2-core VM), before scaling."""
+    """Seconds of the model's costs (see the module doc). ``auto`` measures the first four on
+    this machine; the defaults are this project's 2-core VM's (the performance guide), used only
+    where a measurement is missing."""
 
-    worker_s: float = 10e-6  # the worker's overhead per request, beyond its envs' steps
-    worker_env_s: float = 0.5e-6  # ... and per env in the request
-    parent_s: float = 11e-6  # the parent's CPU per answer, saturated
-    parent_env_s: float = 1.0e-6  # ... and per env-step in the answer (the batch level's rows)
-    round_trip_s: float = 150e-6  # a request's round trip where processes sleep between requests
+    round_trip_s: float = 80e-6  # a ping between two processes asleep on their pipes (measured)
+    pipe_s: float = 15e-6  # the parent's CPU per round trip on a pipe: a write and a read (measured, the ping's)
+    parent_s: float = 6.5e-6  # the parent's CPU per step of a batch on the step board (measured) ...
+    parent_process_s: float = 0.05e-6  # ... and per process asked (measured: a fit at 1 and 64 processes)
+    #: The worker's overhead per request beyond its envs' steps, and per env in it: constants (not
+    #: measured by ``auto``): 5-12 µs per request measured in process on the 2-core VM.
+    worker_s: float = 8e-6
+    worker_env_s: float = 1e-6
+    #: The parent's CPU per answer that comes as a notice (infos the board cannot hold, or any
+    #: answer on the pipes): taken, decoded and filed one process at a time: a constant (10-13 µs
+    #: per answer in process on the 2-core VM).
+    notice_s: float = 10e-6
+    board: bool = True  # whether the step board works here (x86: ``envmanager.wire.mailbox``)
 
-    def scaled(self, factor: float) -> Costs:
-        """The CPU costs on a machine whose Python is ``factor`` times as slow (the round trip
-        is the kernel's and the machine's: measured, not scaled)."""
-        return replace(self, worker_s=self.worker_s * factor, worker_env_s=self.worker_env_s * factor,
-                       parent_s=self.parent_s * factor, parent_env_s=self.parent_env_s * factor)
 
-
-REFERENCE = Costs()
+DEFAULT_COSTS = Costs()
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who steps the envs, as the model needs it: the parent's CPU per env-step on top of the
-    batch level's (a ``StepInfo`` per env-step, a vector env's batched infos, SB3's list of
-    dicts), and whether it steps in lockstep."""
+    """Who steps the envs, as the model needs it: its own Python per step on top of the board's
+    (``step_s``: checking the actions, filing the answers, handing them out), per env-step
+    (``env_s``: a ``StepInfo`` per env-step costs more than a row of an array) and per step
+    where the envs return infos (``info_s``: gymnasium's batched infos, SB3's dicts), and
+    whether it steps in lockstep. Constants: the caller's ``step()`` against stand-in workers
+    answering at once, in process on the 2-core VM, less the board's own operations
+    (``benchmarks.parent``: the drop-in's ``step()`` 16-33 µs at one process, 17-20 µs more
+    with a ``{"t": n}`` info per env)."""
 
     name: str
-    parent_env_s: float
+    step_s: float
+    env_s: float
+    info_s: float = 0.0
     lockstep: bool = False
 
 
-BATCH = Caller("the batch level", 1.0e-6)
-STEP_INFO = Caller("SubprocessEnvManager.step", 5.0e-6)
-VECTOR = Caller("a vector env in lockstep", 2.0e-6, lockstep=True)
-VECTOR_PARTIAL = Caller("a vector env in partial batches", 2.0e-6)
-SB3 = Caller("SB3's VecEnv", 3.0e-6, lockstep=True)
-#: The CPU a round trip between sleeping processes takes, as a share of its latency.
-WAKE_CPU = 1 / 3
-#: Where processes share cores, how much more their own work costs (context switches evict
-#: caches): fitted on the reference machine's runs with 2-64 envs, 5 us-1 ms per step.
-SHARED_OVERHEAD = 1.4
+BATCH = Caller("the batch level", 5.5e-6, 0.1e-6, 3e-6)
+STEP_INFO = Caller("SubprocessEnvManager.step", 6e-6, 5e-6, 3e-6)
+VECTOR = Caller("a vector env in lockstep", 9e-6, 0.1e-6, 17e-6, lockstep=True)
+VECTOR_PARTIAL = Caller("a vector env in partial batches", 9e-6, 0.1e-6, 17e-6)
+SB3 = Caller("SB3's VecEnv", 12e-6, 1e-6, 17e-6, lockstep=True)
+#: What the envs' infos are, for the model: none, flat scalars the step board's info rows hold,
+#: or anything else (pickled in a notice per answer).
+NO_INFOS, BOARD_INFOS, NOTICE_INFOS = "none", "board", "notices"
 
 
 @dataclass(frozen=True)
@@ -111,99 +130,81 @@ class Prediction:
     def __str__(self) -> str:
         lay = self.layout
         lanes = ", double buffered" if lay.double_buffer else ""
-        return (f"{lay.processes} process(es) of {lay.envs_per_worker} env(s){lanes}: {self.steps_per_s:,.0f} env-steps/s "
-                f"predicted, bound by the {self.bound}")
+        where = "the parent on a core of its own" if self.own_cores else "the parent sharing a core"
+        return (f"{lay.processes} process(es) of {lay.envs_per_worker} env(s){lanes}, {where}: "
+                f"{self.steps_per_s:,.0f} env-steps/s predicted, bound by the {self.bound}")
 
 
-def predict(layout: Layout, n_env: int, step_s: float, cores: int, costs: Costs = REFERENCE,
-            lockstep: bool = False) -> Prediction:
-    """What ``layout`` of ``n_env`` envs of ``step_s`` seconds per step delivers on ``cores`` cores."""
+def predict(layout: Layout, n_env: int, step_s: float, cores: int, costs: Costs = DEFAULT_COSTS,
+            caller: Caller = BATCH, infos: str = NO_INFOS) -> Prediction:
+    """What ``layout`` of ``n_env`` envs of ``step_s`` seconds per step delivers on ``cores`` cores
+    for ``caller``; ``infos``: what the envs' infos are (``NO_INFOS``, ``BOARD_INFOS``, ``NOTICE_INFOS``)."""
     processes, lanes = layout.processes, layout.lanes
-    e = layout.envs_per_worker / lanes  # env-steps per answer
+    e = min(layout.envs_per_worker, n_env) / lanes  # env-steps per answer
     own = processes + 1 <= cores
-    busier = 1.0 if own else SHARED_OVERHEAD  # processes taking turns on a core evict each other's caches
-    worker = e * step_s + busier * (costs.worker_s + costs.worker_env_s * e)
-    parent = busier * (costs.parent_s + costs.parent_env_s * e)
-    parent_rate = e / parent  # the one serial part
+    pipes = not (own and costs.board)  # nothing spins where processes share cores: the pipes carry it all
     trip = 0.0 if own else costs.round_trip_s
-    if lockstep:  # every env each step: the slowest process, then the parent's answers, in turn
-        step_time = lanes * worker + trip + processes * lanes * parent
-        rate, bound = n_env / step_time, "workers"
-    elif lanes == 2:  # one lane steps while the other is turned around
-        rate, bound = processes * e / max(worker, (worker + parent + trip) / 2), "workers"
-    else:
-        rate, bound = processes * e / (worker + parent + trip), "workers"
-    if not own:  # the envs, the overheads, the parent and the wake-ups share the cores
-        cpu = cores * e / (worker + parent + WAKE_CPU * trip)
-        if cpu < rate:
-            rate, bound = cpu, "cpu"
-    if parent_rate < rate:
-        rate, bound = parent_rate, "parent"
+    noticed = pipes or infos == NOTICE_INFOS
+    per_process = costs.parent_process_s + (costs.pipe_s if pipes else 0.0) + (costs.notice_s if noticed else 0.0)
+    per_step = caller.step_s + costs.parent_s + (caller.info_s if infos != NO_INFOS else 0.0)
+
+    def worker(envs: float) -> float:
+        return envs * (step_s + costs.worker_env_s) + costs.worker_s + (costs.pipe_s if pipes else 0.0)
+
+    def parent(asked: float, envs: float) -> float:
+        return per_step + per_process * asked + caller.env_s * envs
+
+    if caller.lockstep:  # every env each step: the parent asks and takes all, the fullest process steps
+        turnaround, stepping = parent(processes * lanes, n_env), lanes * worker(e)
+        rate = n_env / (turnaround + trip + stepping)
+        bound = "workers" if stepping >= turnaround else "parent"
+        cpu = n_env / (turnaround + processes * lanes * worker(e)) * cores  # the cores' share, where they are shared
+    else:  # each answer turned around on its own; two lanes overlap it with the other half's step
+        turnaround = parent(1, e)
+        cycle = worker(e) + turnaround + trip
+        rate = processes * lanes * e / (cycle if lanes == 1 else max(2 * worker(e), cycle))
+        bound = "workers"
+        if e / turnaround < rate:  # the parent answers one at a time: the one serial part
+            rate, bound = e / turnaround, "parent"
+        cpu = cores * e / (worker(e) + turnaround)
+    if not own and cpu < rate:
+        rate, bound = cpu, "cpu"
     return Prediction(layout, rate, bound, own)
 
 
 def candidates(n_env: int, cores: int, lockstep: bool = False) -> list[Layout]:
-    """Every distinct way to split ``n_env`` envs over 1 ... ``n_env`` processes (as many envs per
-    process as it takes), in one lane or two."""
+    """The layouts that put every core to work (see the module doc): one env per process where
+    there are fewer envs than cores; else the fewest envs per process for ``cores - 1``
+    processes and for ``cores``, in one lane or (not in lockstep) two."""
+    if n_env < cores:
+        return [Layout(n_env, 1, 1)]
     out: list[Layout] = []
-    seen = set()
-    for processes in range(1, n_env + 1):
-        k = -(-n_env // processes)
-        p = -(-n_env // k)
-        if k in seen:
+    for room in (cores - 1, cores):  # the parent on a core of its own, or sharing one
+        if room < 1:
             continue
-        seen.add(k)
-        out.append(Layout(p, k, 1))
-        if k >= 2 and not lockstep:
-            out.append(Layout(p, k, 2))
+        k = -(-n_env // room)
+        for lanes in (1, 2) if k >= 2 and not lockstep else (1,):
+            layout = Layout(-(-n_env // k), k, lanes)
+            if layout not in out:
+                out.append(layout)
     return out
 
 
-def best_layout(n_env: int, step_s: float, cores: int, costs: Costs | None = None, lockstep: bool = False,
-                envs_per_worker: int | None = None, lanes: int | None = None) -> tuple[Prediction, list[Prediction]]:
-    """The best candidate (the fewest processes among those within 2% of the fastest: fewer
-    processes cost less memory and start-up), and every candidate's prediction. With
-    ``envs_per_worker`` given, only its lanes are chosen; with ``lanes``, only layouts with that
-    many (one where a process has a single env)."""
-    costs = costs or REFERENCE.scaled(speed())
-    layouts = candidates(n_env, cores, lockstep)
+def best_layout(n_env: int, step_s: float, cores: int, costs: Costs = DEFAULT_COSTS, caller: Caller = BATCH,
+                infos: str = NO_INFOS, envs_per_worker: int | None = None,
+                lanes: int | None = None) -> tuple[Prediction, list[Prediction]]:
+    """The best candidate (the fewest processes, then lanes, among those within 2% of the
+    fastest), and every candidate's prediction. With ``envs_per_worker`` given, only its lanes
+    are chosen; with ``lanes``, only layouts with that many (one where a process has a single env)."""
+    layouts = candidates(n_env, cores, caller.lockstep)
     if envs_per_worker is not None:
         k = max(1, int(envs_per_worker))
         p = -(-n_env // k)
-        layouts = [Layout(p, k, 1)] + ([Layout(p, k, 2)] if k >= 2 and not lockstep else [])
-    if lanes is not None:
-        layouts = [lay for lay in layouts if lay.lanes == lanes or (lay.envs_per_worker == 1 and lay.lanes == 1)]
-    predictions = [predict(lay, n_env, step_s, cores, costs, lockstep) for lay in layouts]
+        layouts = [Layout(p, k, 1)] + ([Layout(p, k, 2)] if k >= 2 and not caller.lockstep else [])
+    if lanes is not None:  # (a single env per process has one lane)
+        layouts = list(dict.fromkeys(Layout(lay.processes, lay.envs_per_worker, lanes if lay.envs_per_worker >= 2 else 1)
+                                     for lay in layouts))
+    predictions = [predict(lay, n_env, step_s, cores, costs, caller, infos) for lay in layouts]
     fastest = max(p.steps_per_s for p in predictions)
     close = [p for p in predictions if p.steps_per_s >= 0.98 * fastest]
     return min(close, key=lambda p: (p.layout.processes, p.layout.lanes)), predictions
-
-
-#: How long this project's reference machine runs ``_reference_loop`` (seconds), for ``speed``.
-REFERENCE_LOOP_S = 0.4e-3
-
-
-def _reference_loop() -> None:
-    """Python work like the hot path's: attribute and list look-ups, small tuples, a call."""
-    items = [(i, i * 2) for i in range(64)]
-    total = 0
-    for _ in range(40):
-        for a, b in items:
-            total += max(a, b) & 7
-    if total < 0:  # never: keeps the loop from being optimised away
-        raise AssertionError
-
-
-def speed() -> float:
-    """How many times slower than the reference machine this Python is now (the best of a few
-    tries of a ~0.4 ms loop; clamped to [0.25, 8])."""
-    best = min(_timed(_reference_loop) for _ in range(5))
-    factor = min(8.0, max(0.25, best / REFERENCE_LOOP_S))
-    logger.debug("this Python runs the reference loop in %.2f ms: %.2fx the reference machine", best * 1e3, factor)
-    return factor
-
-
-def _timed(fn: object) -> float:
-    start = time.perf_counter()
-    fn()  # type: ignore[operator]
-    return time.perf_counter() - start
