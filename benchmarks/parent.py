@@ -43,6 +43,11 @@ class StandIns:
         if box is None:
             raise RuntimeError("no mailbox here (it needs x86 and the step queue; ENVMANAGER_MAILBOX=on)")
         self.workers = manager.pool.workers
+        # The stand-ins answer at once: nobody sleeps, nobody is woken (the stopped workers would
+        # never read a wake-up; their pipes would fill). The pool does not look at the cores again.
+        box.allow_spin(True)
+        box._permission_changed = 0
+        manager.pool._next_core_check = float("inf")
         for w in self.workers:
             os.kill(w.pid, signal.SIGSTOP)
         self.fakes = []
