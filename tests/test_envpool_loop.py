@@ -22,9 +22,8 @@ carries its id, its step in the episode, the last action it received and its epi
   loop through kills, hangs and env errors: every slot sent comes back exactly once per send,
   the ones a restart or rebuild answered flagged ``interrupted``, ids unique, nothing lost, every
   other result the env's own; a result nobody asked for only as documented (a process restarted
-  while the slot was idle hands out its fresh reset, ``interrupted``). A slot whose process is
-  booting is sent again only once it is back (``HOLD_BACK_BOOTING``: a known bug, its own test
-  ``test_a_step_sent_to_a_booting_process``; ``ENVMANAGER_LOOP_HOLD_BACK=0`` drops the workaround).
+  while the slot was idle hands out its fresh reset, ``interrupted``). A slot is sent again as
+  soon as it is received, its process booting or not (``test_a_request_sent_to_a_booting_process``).
 
 The examples are seeded (``ENVMANAGER_LOOP_SEED``, default 40) and bounded to about a minute on
 two cores; ``ENVMANAGER_LOOP_EXAMPLES=10`` runs ten times as many.
@@ -415,11 +414,11 @@ class FaultRun:
 def faults(draw: st.DrawFn, kind: str) -> dict[str, Any]:
     layout = draw(layouts(max_n=FAULT_MAX_N))
     n = layout["n"]
-    measured = layout["envs_per_worker"] == "auto" and layout["batch_size"] == n
+    measured = layout["envs_per_worker"] == "auto"
     if measured and n == 1:
         layout["envs_per_worker"] = 1
-    # "auto" without partial batches steps env_fns[0] in a throwaway process first (documented):
-    # a fault of env 0 would happen there, once, and never in the run
+    # "auto" may step env_fns[0] in a throwaway process first to measure it (documented): a
+    # fault of env 0 would happen there, once, and never in the run
     first = 1 if measured and n > 1 else 0
     return {
         "layout": layout,
@@ -456,12 +455,6 @@ def test_envpool_loop_under_faults(kind: str) -> None:
 # 3. Faults on the core with restarts on: the same loop on BatchEnvManager's send_batch /
 # receive_batch, through kills, hangs and env errors, every one absorbed by a restart (or an
 # env rebuilt in its process)
-
-
-#: Slots received while their process is booting (restarted, its boot plan not done) are sent
-#: again only once it is back: sent at once, their steps are lost or mistaken for the boot's
-#: answers (``test_a_step_sent_to_a_booting_process``, a known bug). Set to False once fixed.
-HOLD_BACK_BOOTING = os.environ.get("ENVMANAGER_LOOP_HOLD_BACK", "1") != "0"
 
 
 class CoreRun:
@@ -582,26 +575,16 @@ class CoreRun:
         self.pids |= self.seen_pids()
         return batch.slots
 
-    def booting(self, slot: int) -> bool:
-        return self.m.worker_of(slot).state is ProcessState.BOOTING
-
     def wait_back(self, slots: list[int]) -> None:
         """Until the processes of ``slots`` have nothing in flight (what finishes is kept)."""
         with bounded(self.bound, "wait_idle()"):
             self.m.wait_idle(slots)
 
     def play(self, rounds: int) -> None:
+        """EnvPool's loop: what each receive hands out is sent again at once, whatever its
+        process is doing (a restart on its way back answers it with its fresh reset)."""
         self.reset()
         self.send(np.arange(self.n, dtype=np.int64))
-        held: list[int] = []  # received, not sent again yet: their process is booting (HOLD_BACK_BOOTING)
-
-        def send_ready(received: list[int]) -> list[int]:
-            idle = list(dict.fromkeys(held + received))  # (a held slot may come back: an idle restart)
-            ready = [s for s in idle if not (HOLD_BACK_BOOTING and self.booting(s))]
-            if ready:
-                self.send(np.array(ready, dtype=np.int64))
-            return [s for s in idle if s not in ready]
-
         for r in range(rounds):
             for at, slot in self.kills:
                 if at == r:
@@ -610,15 +593,9 @@ class CoreRun:
                     assert pid is not None
                     kill(pid)
                     self.killed.add(self.process[slot])
-            wanted = min(self.batch_size, len(self.outstanding))
-            if wanted:
-                held = send_ready(self.receive(wanted).tolist())
-            else:
-                self.wait_back(held)
-                held = send_ready(self.receive(0).tolist())
-        while held:
-            self.wait_back(held)
-            held = send_ready(self.receive(0).tolist())
+            received = self.receive(min(self.batch_size, len(self.outstanding))).tolist()
+            if received:
+                self.send(np.array(received, dtype=np.int64))
         while self.outstanding:  # every step sent comes back, once
             self.receive(1)
         self.wait_back(list(range(self.n)))  # restarts still on their way: what they hand out is checked too
@@ -668,25 +645,20 @@ def test_envpool_loop_on_the_core_with_restarts(schedule: dict[str, Any], shift:
 
 
 # ---------------------------------------------------------------------------------------------
-# Known bug: a step sent to a process that is booting (restarted, its boot plan not done)
+# A step or reset sent to a process that is booting (restarted, its boot plan not done)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (since bc44334): send_batch sends a step to a slot whose process is BOOTING at once; the worker "
-    "takes it before the boot plan's ATTACH and reset, and the pool files every answer of a booting process "
-    "as the boot plan's: shared memory -> AttributeError in the worker ('NoneType' object has no attribute "
-    "'action'), a second restart for one fault; pickled actions -> the step is lost and receive_batch raises "
-    "InvalidInputError('nothing in flight can deliver a step result'), or the un-reset env's step is handed "
-    "out as the restart's fresh reset"))
+@pytest.mark.parametrize("ask", ["step", "seeded reset"])
 @pytest.mark.parametrize("transport, shared_memory", [("mailbox", True), ("step_queue", True), ("step_queue", False)],
                          ids=["mailbox", "step-queue", "pickled"])
-def test_a_step_sent_to_a_booting_process(transport: str, shared_memory: bool) -> None:
+def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool, ask: str) -> None:
     """EnvPool's loop on the core with restarts on: slot 0 (process 0, with slot 1) was received;
     slot 1's env kills the process; the restart starts in the receive that hands out slot 2
-    (process 1); slot 0, idle, is sent again at once, as the loop does. One fault is one restart;
-    slot 0's step comes back once, as the fresh env's first step or the restart's fresh reset
-    (``interrupted``), at most after one result of the restart of its idle env; slot 1's as the
-    restart's fresh reset."""
+    (process 1); slot 0, idle, is sent again at once, as the loop does (or reset with a seed).
+    One fault is one restart; the restart's fresh reset answers slot 0 once, ``interrupted``
+    (a reset: with the seed it asked for), and slot 1 once. (Before the fix the worker took the
+    step ahead of its boot plan: a second restart, a lost step, or the un-reset env's step handed
+    out as the fresh reset.)"""
     from envmanager.core.batch import BatchEnvManager
 
     commands = tempfile.mkdtemp(prefix="envpool-boot-")
@@ -712,20 +684,52 @@ def test_a_step_sent_to_a_booting_process(transport: str, shared_memory: bool) -
         if batch.slots.tolist() != [2] or m.worker_of(0).state is not ProcessState.BOOTING:
             pytest.skip(f"the premise did not hold: {batch}, process 0 {m.worker_of(0).state}")  # (a slow machine)
         pids |= {w.pid for w in m.workers if w.pid is not None}
-        m.send_batch([0], one)  # idle: the loop sends it again at once
+        fresh = [0.0, 0.0, -1.0, 1.0]
+        if ask == "step":
+            m.send_batch([0], one)  # idle: the loop sends it again at once
+        else:
+            m.send_reset({0: (1234, None)})
+            with bounded(MARGIN, "receive_reset_batch([0])"):
+                reset = m.receive_reset_batch([0])
+            assert reset.slots.tolist() == [0] and reset.infos[0]["seed"] == 1234, reset
+            assert m.results.observation[0].tolist() == fresh
         results: dict[int, list[tuple[list[float], bool]]] = {0: [], 1: []}
-        with bounded(MARGIN, "receive_batch() until slots 0 and 1 are back"):
-            while not results[1] or not results[0] or m.in_flight() or m.unreceived():
+        with bounded(MARGIN, "receive_batch() until slot 1 is back and nothing is in flight"):
+            while not results[1] or m.in_flight() or m.unreceived():
                 got = m.receive_batch(0 if not m.in_flight() else 1)
                 for s in got.slots.tolist():
                     results[s].append((m.results.observation[s].tolist(), s in got.interrupted))
         pids |= {w.pid for w in m.workers if w.pid is not None}
         assert m.restarts == 1, f"one fault, {m.restarts} restarts"
-        assert results[1] == [([0.0, 1.0, -1.0, 1.0], True)], results
-        fresh_reset, fresh_step = ([0.0, 0.0, -1.0, 1.0], True), ([1.0, 0.0, 1.0, 1.0], False)
-        assert 1 <= len(results[0]) <= 2 and results[0][-1] in (fresh_reset, fresh_step), results
-        assert all(r == fresh_reset for r in results[0][:-1]), results
+        assert results[1] == [([0.0, 1.0, -1.0, 1.0], True)], results  # (env 1's fresh reset)
+        assert results[0] == ([(fresh, True)] if ask == "step" else []), results
+        assert m.idle_worker_ids == [0, 1, 2]
     finally:
         m.close()
         shutil.rmtree(commands, ignore_errors=True)
     assert_nothing_left(pids)
+
+
+@pytest.mark.parametrize("sent", [False, True], ids=["reset-not-sent", "reset-sent"])
+def test_a_seeded_reset_joins_the_boot_reset(sent: bool) -> None:
+    """The seeds and options of a reset asked during a boot go into the boot's reset; if it was
+    sent already, a second reset of every env follows it (the last answer ends the boot); the
+    boot's plan from the start (should the process fail again) carries them too."""
+    from types import SimpleNamespace
+
+    from envmanager.core.process import Boot
+    from envmanager.core.recovery import PoolRecovery
+    from envmanager.wire.messages import EnvironmentCommand as Cmd
+    from envmanager.wire.messages import Reset
+
+    boot = Boot([(Cmd.ATTACH, None), (Cmd.RESET, Reset((0, 1, 2), (7, None, None), (None, None, None)))], [], False)
+    if sent:
+        boot.plan.clear()
+    pool = PoolRecovery.__new__(PoolRecovery)
+    pool.workers = [SimpleNamespace(boot=boot)]  # type: ignore[list-item]
+    pool.join_boot(0, Cmd.RESET, (11,), Reset((1,), (1234,), ({"a": 1},)))
+    pool.join_boot(0, Cmd.STEP, (12,))
+    merged = (Cmd.RESET, Reset((0, 1, 2), (7, 1234, None), (None, {"a": 1}, None)))
+    assert boot.plan == ([merged] if sent else [(Cmd.ATTACH, None), merged])
+    assert boot.all_steps == [(Cmd.ATTACH, None), merged]
+    assert [(r.cmd, r.slots) for r in boot.lost] == [(Cmd.RESET, (11,)), (Cmd.STEP, (12,))]

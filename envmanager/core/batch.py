@@ -347,32 +347,51 @@ class BatchEnvManager(BatchResets, CallMethods):
             batch = list(actions)
             if len(batch) != n:
                 raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
+        entries, joined = plan.requests, None
+        if pool.supervisor.policy.counts and any(pool.workers[e[0]].boot is not None for e in entries):
+            # A process on its way back from a restart: its boot answers these slots (``join_boot``).
+            joined = [e for e in entries if pool.workers[e[0]].boot is not None]
+            entries = [e for e in entries if pool.workers[e[0]].boot is None]
         if board:  # one numpy operation per array, whatever the number of processes
             if type(shared) is np.ndarray:
                 shared[slots] = batch
             else:
                 shm.write(shared, slots, batch)
             self.status[slots] = IN_FLIGHT
-            pool.post_steps(slots, plan.processes, time.monotonic())
+            if joined is None:
+                pool.post_steps(slots, plan.processes, time.monotonic())
+                return batch
+            self._join_boots(joined)
+            if entries:
+                posted = np.array([s for e in entries for s in e[2]], dtype=np.int64)
+                pool.post_steps(posted, np.array([e[0] for e in entries], dtype=np.int64), time.monotonic())
             return batch
         if shared is not None and not pickled:
-            requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in plan.requests]
+            requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in entries]
             shm.write(shared, slots, batch)
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
                     pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]),
                                  process_slots)
-                    for _, _, process_slots, (locals_, rows), _ in plan.requests
+                    for _, _, process_slots, (locals_, rows), _ in entries
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
+        if joined is not None:
+            self._join_boots(joined)
         now = time.monotonic()
         workers = pool.workers
-        for entry, request in zip(plan.requests, requests, strict=True):
+        for entry, request in zip(entries, requests, strict=True):
             workers[entry[0]].send(request, now)
         return batch
+
+    def _join_boots(self, entries: Any) -> None:
+        """Steps of processes on their way back from a restart (a plan's ``entries``): never sent,
+        the boot's fresh reset answers their slots, ``interrupted`` (``WorkerPool.join_boot``)."""
+        for index, _, own, _, _ in entries:
+            self.pool.join_boot(index, Cmd.STEP, tuple(own))
 
     def receive_batch(self, min_count: int = 1, timeout: float | None = None, info_columns: bool = False) -> StepBatch:
         """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand

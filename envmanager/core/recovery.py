@@ -65,6 +65,30 @@ class PoolRecovery:
         self._on_failure(w, error, completions)
         return next((c.error for c in completions if c.error is not None), None)
 
+    def join_boot(self, index: int, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
+        """A step or reset of ``slots`` (idle) asked while process ``index`` comes back from a
+        restart (``boot`` set): its boot's fresh reset answers them, ``interrupted``, as it
+        answers what the failure cut short. Nothing goes to the worker, which would take it
+        ahead of its plan. A reset's seeds and options go into the boot's reset (a second reset
+        of every env, if the first was sent already)."""
+        boot = self.workers[index].boot
+        assert boot is not None and not boot.startup, "only a running pool's restart is joined"
+        if reset is not None and any(v is not None for v in (*reset.seeds, *reset.options)):
+            final = boot.all_steps[-1][1]
+            assert isinstance(final, Reset)  # (a boot's plan ends with the reset of every env)
+            seeds = dict(zip(final.locals, final.seeds, strict=True))
+            options = dict(zip(final.locals, final.options, strict=True))
+            seeds.update(zip(reset.locals, reset.seeds, strict=True))
+            options.update(zip(reset.locals, reset.options, strict=True))
+            merged = (Cmd.RESET, Reset(final.locals, tuple(seeds[i] for i in final.locals),
+                                       tuple(options[i] for i in final.locals)))
+            boot.all_steps[-1] = merged  # (the plan again, should this process fail on its way up)
+            if boot.plan:  # not sent yet
+                boot.plan[-1] = merged
+            else:
+                boot.plan.append(merged)
+        boot.lost.append(EnvironmentRequest(cmd, -1, slots))
+
     def rebuild_in_place(self, index: int, slots: list[int], error: EnvManagerError) -> EnvManagerError | None:
         """Envs ``slots`` of process ``index`` raised inside a call the process answered (so it
         is healthy): within the restart policy each is to be rebuilt in that process, counted as

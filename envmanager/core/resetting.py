@@ -65,13 +65,16 @@ class BatchResets:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
         plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_local, self.status)
         try:  # encode everything before the first send
-            outgoing = [(index, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
+            outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self.status[slots] = IN_FLIGHT
         self._state.owed_resets.update(slots.tolist())
-        for index, request in outgoing:
-            pool.workers[index].send(request)
+        for index, message, request in outgoing:
+            if pool.workers[index].boot is not None:  # on its way back from a restart: its boot resets them
+                pool.join_boot(index, Cmd.RESET, request.slots, message)
+            else:
+                pool.workers[index].send(request)
 
     def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
