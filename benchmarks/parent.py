@@ -103,17 +103,25 @@ def _cpu_us(parent: list[Any], stand_in: Any, rounds: int) -> float:
     return best
 
 
-def per_step(processes: int, infos: bool = False, envs_per_worker: int = 1, rounds: int = 3000) -> float:
-    """µs of parent CPU per lockstep ``step()`` of ``envmanager.AsyncVectorEnv`` with ``processes``
-    stand-in processes of ``envs_per_worker`` envs (answering at once; ``infos``: ``{"t": n}``)."""
-    import envmanager
-
+def per_step(processes: int, infos: bool = False, envs_per_worker: int = 1, rounds: int = 3000, sb3: bool = False) -> float:
+    """µs of parent CPU per lockstep ``step()`` of ``envmanager.AsyncVectorEnv`` (``sb3``: of
+    ``envmanager.sb3.SubprocVecEnv``) with ``processes`` stand-in processes of ``envs_per_worker``
+    envs (answering at once; ``infos``: ``{"t": n}``)."""
     n = processes * envs_per_worker
-    vec = envmanager.AsyncVectorEnv([functools.partial(burn_env, 0.0, i) for i in range(n)], envs_per_worker=envs_per_worker,
-                                    double_buffer=False, context="fork")
+    fns = [functools.partial(burn_env, 0.0, i) for i in range(n)]
+    vec: Any
+    if sb3:
+        from envmanager.sb3 import SubprocVecEnv
+
+        vec = SubprocVecEnv(fns, "fork", envs_per_worker=envs_per_worker)
+        vec.reset()
+    else:
+        import envmanager
+
+        vec = envmanager.AsyncVectorEnv(fns, envs_per_worker=envs_per_worker, double_buffer=False, context="fork")
+        vec.reset(seed=0)
     stand_ins = None
     try:
-        vec.reset(seed=0)
         assert vec._manager is not None
         stand_ins = StandIns(vec._manager, infos)
         actions = np.zeros(n, dtype=np.int64)
@@ -122,7 +130,10 @@ def per_step(processes: int, infos: bool = False, envs_per_worker: int = 1, roun
     finally:
         if stand_ins is not None:
             stand_ins.kill()
-        vec.close(terminate=True)
+        if sb3:
+            vec._manager.close(0.1)
+        else:
+            vec.close(terminate=True)
 
 
 def per_answer(n: int, envs_per_worker: int, infos: bool = True, rounds: int = 5000) -> tuple[float, float]:
@@ -163,11 +174,13 @@ def per_answer(n: int, envs_per_worker: int, infos: bool = True, rounds: int = 5
 
 def main() -> int:
     info = '{"t": n}'
-    print("| processes | infos | parent CPU per step() | budget (15 + 1 × P) |\n|---:|---|---:|---:|")
+    print("| processes | infos | parent CPU per step() | budget (15 + 1 × P) | the SB3 drop-in's step_async + step_wait |\n"
+          "|---:|---|---:|---:|---:|")
     for processes in (1, 4, 16, 64):
         for infos in (False, True):
             us, budget = per_step(processes, infos), BUDGET_US + PER_PROCESS_US * processes
-            print(f"| {processes} | {info if infos else 'none'} | {us:.1f} µs | {budget:.0f} µs |", flush=True)
+            sb3 = per_step(processes, infos, sb3=True)
+            print(f"| {processes} | {info if infos else 'none'} | {us:.1f} µs | {budget:.0f} µs | {sb3:.1f} µs |", flush=True)
     print("\n| envs | infos | parent CPU per env-step (batch level, first-ready) |\n|---:|---|---:|")
     for n, k in ((2, 2), (8, 8)):
         for infos in (False, True):

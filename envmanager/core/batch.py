@@ -222,10 +222,14 @@ class BatchEnvManager(BatchResets, CallMethods):
     @property
     def idle_worker_ids(self) -> list[int]:
         """Slots with nothing in flight or waiting to be received (they may be sent a step
-        whatever their process's other slots do). Slots of a failed process count as idle:
-        stepping them raises its error."""
-        _ = self.pool  # raises if closed
-        return (self.status <= IDLE).nonzero()[0].tolist()
+        whatever their process's other slots do), and not on a process coming back from a
+        restart (its fresh reset is on its way to each of them). Slots of a failed process
+        count as idle: stepping them raises its error."""
+        idle = self.status <= IDLE
+        booting = self._booting_slots()
+        if booting:
+            idle[booting] = False
+        return idle.nonzero()[0].tolist()
 
     def in_flight(self) -> bool:
         """Whether any process has a request or a step in flight (a restart on its way back, say)."""
@@ -237,9 +241,16 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     @property
     def waiting_worker_ids(self) -> list[int]:
-        """Slots in flight (a step, a reset, or a restart on its way back)."""
-        _ = self.pool  # raises if closed
-        return (self.status == IN_FLIGHT).nonzero()[0].tolist()
+        """Slots in flight (a step or a reset), or on a process coming back from a restart."""
+        waiting = self.status == IN_FLIGHT
+        booting = self._booting_slots()
+        if booting:
+            waiting[booting] = True
+        return waiting.nonzero()[0].tolist()
+
+    def _booting_slots(self) -> list[int]:
+        """The slots of processes coming back from a restart (each gets its fresh reset)."""
+        return [s for w in self.pool.workers if w.boot is not None for s in w.env_ids]
 
     @property
     def replay_calls(self) -> list[tuple[str, tuple, dict]]:
