@@ -113,9 +113,10 @@ def no_leaks(request):
 # (``pytest -m slow``), so CI drops nothing, and a plain ``pytest`` runs both. A test is listed
 # here when it takes many seconds and another test of the same layer and fault kind stays in
 # the README's set: that set keeps, for every layer (core, the gymnasium / SB3 / SuperSuit
-# drop-ins, the samplers, Ray, ML-Agents over gRPC), real runs with raised, killed and hung
-# envs (a Ray node killed, policy faults). Keys: the test's id below ``tests/``, shell-style
-# patterns (``[[]`` is a literal ``[``). Why each is slow is said next to it.
+# drop-ins, the samplers, Ray, ML-Agents over gRPC), real runs with envs or players that raise,
+# die and hang (on Ray: an env raising or killed in a node, a node killed, a node hung) and with
+# failing policies. Keys: the test's id below ``tests/``, shell-style patterns (``[[]`` is a
+# literal ``[``). Why each is slow is said next to it.
 SLOW_BECAUSE = {
     "a peer's own test suite": [
         "test_sb3_own_suite.py::*",  # SB3's own VecEnv suite on our SubprocVecEnv, ~75 s
@@ -145,7 +146,7 @@ SLOW_BECAUSE = {
         "test_env_named.py::test_the_samplers_name_the_env[[]*-step_hang-*]",  # the drop-ins' stay
         "test_pettingzoo_sampler.py::*[[]hang-*workers]",
         "test_ray_faults.py::test_env_fault[[]*_hang-*]",  # 10 s inside a node
-        "test_ray_faults.py::test_node_fault[[]node_hang-*]",  # 10 s in the driver
+        "test_ray_faults.py::test_node_fault[[]node_hang-on]",  # 10 s in the driver; -off stays
         "test_ray.py::test_a_slow_restart_does_not_make_a_healthy_node_hung",
         "mlagents/test_attach.py::test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed[[]hang]",
         "mlagents/test_attach.py::test_a_player_that_never_connects_is_an_error_naming_its_address",
