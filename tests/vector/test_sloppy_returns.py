@@ -495,42 +495,54 @@ def test_shapes_are_decided_at_the_first_step(closing, shared_memory: bool) -> N
 def test_the_first_step_is_decided_while_a_process_still_steps(closing) -> None:
     """The parent decides the shapes from the first answer it files; a process that started its
     step before must still hand over every env's values (found by the generated cases: a Dict
-    observation, so the step goes env by env, and the second env's reward came back 0)."""
-    from envmanager.sb3 import SubprocVecEnv
-
+    observation, so the step goes env by env, and the second env's reward came back 0). The
+    core's, so shown with the gymnasium drop-in (the SB3 one runs on the same core)."""
     table = plain_table(4, [[np.float64(i + 1.0)] * 2 for i in range(4)], obs_kind="dict")
     for row in table[:3]:  # process 0 (slots 0-2) takes its time over env 0's first step; process 1 answers at once
         row["delay"] = 0.0
     table[0]["delay"] = 0.5
-    ours = closing(SubprocVecEnv(fns("dict", 4), start_method="fork", envs_per_worker=3))
-    ours.env_method("load", table)
-    ours.reset()
-    _, rewards, _, _ = ours.step(np.zeros(4, dtype=np.int64))
+    ours = closing(envmanager.AsyncVectorEnv(fns("dict", 4), context="fork", envs_per_worker=3))
+    ours.call("load", table)
+    ours.reset(seed=1)
+    _, rewards, _, _, _ = ours.step(np.zeros(4, dtype=np.int64))
     assert rewards.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_a_restarted_process_keeps_the_shapes(closing) -> None:
     """A process started again holds the shapes the parent decided at the first step (it does
-    not decide again): rewards stay (n, 1), and its fresh env's plain float is refused."""
+    not decide again): rewards stay (n, 1), and its fresh env's plain float is refused. On the
+    core's batch level with restarts on, as the SB3 drop-in runs it (the drop-in's own handling
+    of a restart: test_sb3_subproc)."""
     import os
     import signal
 
-    from envmanager.sb3 import SubprocVecEnv
+    from envmanager.core.batch import BatchEnvManager
 
-    table = plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2)
-    ours = closing(SubprocVecEnv(fns("box", 2), start_method="fork", envs_per_worker=1, restart_workers=True))
-    ours.env_method("load", table)
-    ours.reset()
-    assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
-    os.kill(ours.manager.workers[1].pid, signal.SIGKILL)
-    _, rewards, dones, infos = ours.step(np.zeros(2, dtype=np.int64))  # env 1's episode cut by the restart
-    assert rewards.tolist() == [[2.0], [0.0]] and dones.tolist() == [False, True] and infos[1]["interrupted"]
-    ours.env_method("load", table, indices=[1])
-    ours.env_method("load", table, indices=[0])
-    assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
-    ours.env_method("load", plain_table(2, [[3.0, 3.0]] * 2), indices=[1])
+    actions = np.zeros(2, dtype=np.int64)
+    m = closing(BatchEnvManager(functools.partial(ReplayEnv, obs_kind="box"), 2, context="fork",
+                                autoreset_mode="same_step", restart_workers=True, timeout=30))
+    m.call("load", plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2))
+    m.send_reset({0: (None, None), 1: (None, None)})
+    m.receive_reset_batch()
+    m.send_batch([0, 1], actions)
+    assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+    assert m.results.reward.tolist() == [[1.0], [1.0]]  # the first step: rewards (n, 1)
+    slow = plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2)
+    slow[1]["delay"] = 30.0  # env 1's next step outlasts the test: its process is killed in it
+    m.call("load", slow)
+    m.send_batch([0, 1], actions)
+    assert m.receive_batch(1).slots.tolist() == [0]
+    os.kill(m.workers[1].pid, signal.SIGKILL)
+    cut = m.receive_batch(1)  # the restart's fresh reset
+    assert cut.slots.tolist() == [1] and cut.interrupted == {1} and m.restart_count(1) == 1
+    m.call_on([1], "load", (plain_table(2, [[np.array([5.0])]] * 2),))
+    m.send_batch([0, 1], actions)
+    assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+    assert m.results.reward.tolist() == [[2.0], [5.0]]  # the fresh process writes (1,) rows too
+    m.call_on([1], "load", (plain_table(2, [[3.0, 3.0]] * 2),))
+    m.send_batch([0, 1], actions)
     with pytest.raises(EnvManagerError, match=r"env 1's step\(\) returned reward 3.0 .*the shape the first step gave"):
-        ours.step(np.zeros(2, dtype=np.int64))
+        m.receive_batch(2)
 
 
 def test_flags_of_shape_one_with_autoreset_disabled(closing) -> None:
