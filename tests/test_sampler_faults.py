@@ -164,8 +164,9 @@ def test_policy_fault(variant, fault, restarts, tmp_path):
             assert sampler.manager.restart_count(FAULT_SLOT) == 1
         else:
             expected = (RuntimeError if fault == "policy_raise" else InvalidInputError) if not worker_side else WorkerError
-            with pytest.raises(expected) as caught:
-                collect(sampler)
+            with pytest.raises(expected) as caught:  # the slot's step 2: within a few calls, however
+                for _ in range(3):                     # unevenly a loaded machine spreads the steps
+                    collect(sampler)
             error = caught.value
             if worker_side:  # named, with the worker's traceback
                 process = process_of(variant)
