@@ -187,3 +187,19 @@ def test_fake_unity_player_script_launches(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[1:] == ["4", "(3,)"], done.stdout
+
+
+def test_a_module_over_600_lines_says_why_it_is_one():
+    """The house rule (docs/guide/contributing.md): one concept per module, not a line count;
+    a long module says in its docstring why it is one."""
+    import ast
+    from pathlib import Path
+
+    unexplained = []
+    for path in sorted(Path(REPO, "envmanager").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 600:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "why one module" not in doc.lower():
+                unexplained.append(f"{path.relative_to(REPO)} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"modules over 600 lines whose docstring does not say why they are one: {unexplained}"

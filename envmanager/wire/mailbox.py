@@ -47,6 +47,10 @@ each a run of whole lines per process, so no two processes write one line. A rin
 ``[ordinal][length][bytes]``, the ordinal written last (it publishes the entry). A process has
 at most one request per env in flight (their slots are distinct) or one call, and a CLOSE, so
 rings of two entries more than it has envs (at least four) never overrun.
+
+Why one module (over 600 lines): the board, the rings and the words are one mapping with one
+layout and one wake-up rule; its writer's and reader's halves must be read side by side to see
+that no wake-up is lost, so they are not split across files.
 """
 
 from __future__ import annotations
