@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envmanager.core.batch import BatchEnvManager
-from envmanager.core.cores import machine_cores, own_cores
+from envmanager.core.cores import CoreUse, machine_cores, own_cores
 from envmanager.testing.envs import EnvFactory
 from envmanager.wire.mailbox import mailbox_supported
 
@@ -43,6 +46,7 @@ def test_the_spin_permission_follows_where_the_processes_run_and_nothing_is_lost
     monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
     monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")
     monkeypatch.setattr("envmanager.core.pool.CORE_CHECK_S", 0.0)  # look at every wait
+    monkeypatch.setattr(CoreUse, "others", lambda self, pids, cores: 0.0)  # (the affinities alone: the machine may be busy)
     cores = sorted(os.sched_getaffinity(0))
     with BatchEnvManager(EnvFactory(), 2, envs_per_worker=2, timeout=30) as m:
         box, pid = m.pool.mailboxes, m.workers[0].pid
@@ -63,3 +67,57 @@ def test_the_spin_permission_follows_where_the_processes_run_and_nothing_is_lost
             assert sorted(got.slots.tolist()) == [0, 1]
             np.testing.assert_array_equal(m.results.observation[:, 0], steps)  # each its own step, none lost
             assert box.spin_allowed == (not shared)
+
+
+def test_core_use_counts_other_programs_not_ours():
+    """A process of ours burning a core is ours; the same burn in a process not named is another
+    program's: about one core's worth (the kernel counts in 10 ms ticks; the machine may carry
+    other load, so only the difference between the two is asserted)."""
+
+    cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+    burn = "import time\nend = time.monotonic() + 1.2\nwhile time.monotonic() < end: pass\n"
+    figures = {}
+    for ours in (True, False):
+        hog = subprocess.Popen([sys.executable, "-c", burn])
+        try:
+            use = CoreUse()
+            pids = [os.getpid()] + ([hog.pid] if ours else [])
+            assert use.others(pids, cores) is None  # one sample: no figure yet
+            time.sleep(0.8)
+            figures[ours] = use.others(pids, cores)
+        finally:
+            hog.wait(10)
+    assert figures[True] is not None and figures[False] is not None
+    assert figures[False] - figures[True] > 0.5, figures
+
+
+@pytest.mark.skipif(not mailbox_supported() or not hasattr(os, "sched_setaffinity"), reason="the mailbox and affinities")
+def test_nothing_spins_where_other_programs_keep_the_cores_busy(monkeypatch):
+    """The parent and one worker process on the machine's cores, but other programs burning one
+    core per core of the machine: the pool takes the permission to spin away, and the steps go on,
+    each its own."""
+    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
+    monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")
+    monkeypatch.setattr("envmanager.core.pool.CORE_CHECK_S", 0.0)
+    burn = "import time\nend = time.monotonic() + 20\nwhile time.monotonic() < end: pass\n"
+    hogs: list[subprocess.Popen] = []
+    with BatchEnvManager(EnvFactory(), 1, envs_per_worker=1, timeout=30) as m:
+        box = m.pool.mailboxes
+        assert box is not None
+        m.send_reset({0: (0, None)})
+        m.receive_reset_batch()
+        try:
+            hogs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(os.cpu_count() or 1)]
+            deadline = time.monotonic() + 10
+            steps = 0
+            while box.spin_allowed and time.monotonic() < deadline:
+                m.send_batch([0], [1])
+                steps += 1
+                got = m.receive_batch(1, timeout=30)
+                assert got.slots.tolist() == [0]
+                assert m.results.observation[0, 0] == steps  # each its own step, none lost
+            assert not box.spin_allowed, "other programs burn every core, yet the processes may spin"
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait(10)

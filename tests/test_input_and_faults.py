@@ -467,3 +467,23 @@ def test_worker_error_names_the_process(slot):
         assert f"worker {slot}" in message, message
         assert "process 1" in message, message
         assert "failed on purpose" in err.remote_traceback
+
+
+def test_reset_says_which_dropped_step_failed(caplog):
+    """EnvPool's loop left a step in flight that no recv() returned, and it raised: reset()
+    drops it, as it drops every result not returned, but logs the error naming the env and
+    the exception — not lost — and every env is reset."""
+    fns = [lambda i=i: ControlledEnv(i, fault="raise" if i == 3 else None, fault_at=2) for i in range(4)]
+    envs = AsyncVectorEnv(fns, batch_size=4, context=CTX)
+    try:
+        envs.reset(seed=0)
+        envs.send(np.zeros(4, dtype=np.int64))
+        envs.recv()
+        envs.send(np.zeros(1, dtype=np.int64), env_ids=[3])  # env 3 raises in it; nobody receives it
+        with caplog.at_level("WARNING", logger="envmanager"):
+            obs, _ = envs.reset(seed=1)
+        dropped = [r.getMessage() for r in caplog.records if "dropped a step" in r.getMessage()]
+        assert len(dropped) == 1 and "worker 3" in dropped[0] and "failed on purpose" in dropped[0], dropped
+        assert obs[:, 0].tolist() == [0, 0, 0, 0] and envs.get_attr("resets") == (2, 2, 2, 2)
+    finally:
+        envs.close()

@@ -228,7 +228,8 @@ class AsyncVectorEnv(VectorEnv):
         if options is not None and "reset_mask" in options:
             ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
         if self._partial.pending():  # partial batches: envs still stepping are dropped
-            manager.drain()
+            for error in manager.drain():  # their errors too: said here, not lost
+                logger.warning("reset() dropped a step no recv() returned, which failed: %s", error)
             self._partial.clear()
         ids = ids.tolist()
         limit = self.max_concurrency or self.num_envs

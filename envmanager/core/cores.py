@@ -4,16 +4,24 @@ own, and processes that spin on shared cores collapse throughput).
 
 Judged from the cores each process may run on (its CPU affinity), not from the parent's alone when
 the envs are made: a program may pin the parent to one core and its workers to the others after
-they start (as ``envmanager bench`` does, and users who keep a core for their learner). The pool
-looks again while it runs (``WorkerPool``), and gives or takes the permission to spin.
+they start (as ``envmanager bench`` does, and users who keep a core for their learner). And from
+how busy other programs keep those cores (``CoreUse``): a core another program keeps busy is not
+one of our own, whatever the affinities say (a learner's threads, another run, a test suite).
+The pool looks again while it runs (``WorkerPool``), and gives or takes the permission to spin.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
-__all__ = ["machine_cores", "own_cores", "affinity"]
+import psutil
+
+__all__ = ["machine_cores", "own_cores", "affinity", "CoreUse"]
+
+#: Seconds between two samples of ``CoreUse`` (the kernel counts CPU time in 10 ms ticks).
+MIN_SAMPLE_S = 0.2
 
 
 def affinity(pid: int = 0) -> frozenset[int] | None:
@@ -75,3 +83,80 @@ def own_cores(allowed: Sequence[frozenset[int] | None], cores: int | None = None
         return False
 
     return all(place(p, set()) for p in sorted(range(len(sets)), key=lambda p: len(sets[p])))
+
+
+class CoreUse:
+    """How many cores' worth of CPU programs other than ours used, between two looks, on the cores
+    our processes may run on — or, where a CPU quota limits this program's control group (a
+    container), inside that group (other containers are the quota's business).
+
+    Each look (``others``) samples the machine's per-core CPU times (``psutil``; or the group's
+    usage) and our processes' own; the figure is the difference over the time since the sample
+    before, at least :data:`MIN_SAMPLE_S` apart (a look sooner returns the last figure)."""
+
+    def __init__(self) -> None:
+        self._sampled_at = 0.0
+        self._busy = 0.0  # seconds of CPU, on ``_cores`` (or in the group), at the last sample
+        self._cores: frozenset[int] = frozenset()
+        self._ours: dict[int, float] = {}  # pid -> its CPU seconds at the last sample
+        self._procs: dict[int, psutil.Process] = {}
+        self._figure: float | None = None
+
+    def others(self, pids: Sequence[int], cores: frozenset[int]) -> float | None:
+        """Cores' worth of CPU used by processes other than ``pids`` since the last sample;
+        ``None`` until two samples were taken (or where the counters cannot be read)."""
+        now = time.monotonic()
+        if now - self._sampled_at < MIN_SAMPLE_S:
+            return self._figure
+        try:
+            busy = _group_usage_s() if _cgroup_quota() else _cores_busy_s(cores)
+            ours = {pid: self._cpu_s(pid) for pid in pids}
+        except (psutil.Error, OSError, ValueError):
+            return self._figure
+        if self._sampled_at and busy is not None and cores == self._cores:
+            spent = sum(t - self._ours.get(pid, 0.0) for pid, t in ours.items())
+            self._figure = max(0.0, (busy - self._busy - spent) / (now - self._sampled_at))
+        else:  # the first sample, or other cores: a figure from the next one
+            self._figure = None
+        self._sampled_at, self._busy, self._cores, self._ours = now, busy or 0.0, cores, ours
+        for gone in self._procs.keys() - ours.keys():
+            del self._procs[gone]
+        return self._figure
+
+    def _cpu_s(self, pid: int) -> float:
+        proc = self._procs.get(pid)
+        if proc is None:
+            proc = self._procs[pid] = psutil.Process(pid)
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:  # gone since: what it had counted last
+            return self._ours.get(pid, 0.0)
+        return t.user + t.system
+
+
+def _cores_busy_s(cores: frozenset[int]) -> float:
+    """CPU seconds the machine's ``cores`` have been busy (anything but idle and I/O wait; a VM's
+    stolen time counts as busy: another guest had the core)."""
+    per_core = psutil.cpu_times(percpu=True)
+    total = 0.0
+    for c in cores:
+        if c < len(per_core):
+            t = per_core[c]
+            total += t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    return total
+
+
+def _group_usage_s() -> float | None:
+    """CPU seconds used by this program's control group (v2 ``cpu.stat``, v1 ``cpuacct.usage``)."""
+    try:
+        with open("/sys/fs/cgroup/cpu.stat") as f:
+            for line in f:
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) * 1e-6
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpuacct/cpuacct.usage") as f:
+            return int(f.read()) * 1e-9
+    except (OSError, ValueError):
+        return None

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from envmanager.core.completion import Completion, worker_error
-from envmanager.core.cores import affinity, own_cores
+from envmanager.core.cores import CoreUse, affinity, machine_cores, own_cores
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
 #: Seconds between two looks at where the processes may run (``_check_cores``).
 CORE_CHECK_S = 0.5
+#: Cores' worth of other programs' CPU the spin permission tolerates on our cores beyond those no
+#: process of ours needs (half that to give it back: no flapping at the edge).
+OTHERS_TOLERATED = 0.5
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 
 __all__ = ["WorkerPool", "make_specs", "get_context"]
@@ -99,6 +102,8 @@ class WorkerPool(PoolRecovery):
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
         self._next_core_check = 0.0  # when to look again where the processes may run (the spin permission)
+        self._core_use = CoreUse()  # how busy other programs keep those cores
+        self._crowded = False  # whether they kept too many busy at the last look
         self._closing = False
         self._waiter: int | None = None  # the thread inside ``wait``, if one is
         #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
@@ -349,12 +354,25 @@ class WorkerPool(PoolRecovery):
 
     def _check_cores(self, now: float) -> None:
         """Give the processes the permission to spin where the parent and every worker process
-        each have a core of their own, from the cores each may run on now (``envmanager.core.cores``),
-        and take it where they do not; looked at again every :data:`CORE_CHECK_S`."""
+        each have a core of their own — from the cores each may run on now and how busy other
+        programs keep them (``envmanager.core.cores``) — and take it where they do not; looked at
+        again every :data:`CORE_CHECK_S`."""
         self._next_core_check = now + CORE_CHECK_S
-        if self.mailboxes is not None:
-            placed = [affinity()] + [affinity(w.pid) for w in self.workers if w.pid is not None and w.watched]
-            self.mailboxes.allow_spin(own_cores(placed))
+        if self.mailboxes is None:
+            return
+        pids = [os.getpid()] + [w.pid for w in self.workers if w.pid is not None and w.watched]
+        placed = [affinity(pid) for pid in pids]
+        every = frozenset(range(os.cpu_count() or 1))
+        cores = frozenset().union(*(every if a is None else a for a in placed))
+        others = self._core_use.others(pids, cores)
+        if others is not None:  # cores no process of ours needs may carry other work; a little more is noise
+            spare = min(len(cores), machine_cores()) - len(placed)
+            crowded = others > spare + OTHERS_TOLERATED / (2 if self._crowded else 1)
+            if crowded != self._crowded:
+                logger.debug("other programs keep %.2f cores busy of the %d ours may run on (%d spare): spinning %s",
+                             others, len(cores), spare, "off" if crowded else "allowed again")
+            self._crowded = crowded
+        self.mailboxes.allow_spin(own_cores(placed) and not self._crowded)
 
     def _check_deadlines(self, now: float) -> list[Completion]:
         """Fail every process whose oldest request's clock is past the deadline (restart or

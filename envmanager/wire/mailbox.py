@@ -603,7 +603,7 @@ class WorkerMailbox:
         in a notice. Returns the schemas first used here, ``(id, keys, dtypes)``, which a notice
         must announce before an answer of the board alone may use them (they count as known
         once returned)."""
-        words, floats, rows = self._words, self._floats, self._info_rows
+        words, rows = self._words, self._info_rows
         if infos is None:
             for i in locals_:
                 words[rows[i]] = 0
@@ -620,23 +620,31 @@ class WorkerMailbox:
                 last = self._last_schema[i] = self._schema_of(keys, tuple(map(type, info.values())), fresh)
                 if last is None:
                     return None
-            kinds: tuple[Any, ...] = last[1]
-            schema = last[2]
             try:
-                for j, value, kind in zip(range(row + 1, row + 1 + len(kinds)), info.values(), kinds, strict=True):
-                    if type(value) is not kind:  # the same keys, another type: another schema
-                        self._last_schema[i] = None
-                        return self.write_infos(locals_, infos)
-                    if kind is float or kind in _FLOAT_KINDS:
-                        floats[j] = float(value)
-                    else:
-                        words[j] = int(value)
+                if not self._write_row(row, info, last[1]):  # the same keys, other types: another schema
+                    last = self._last_schema[i] = self._schema_of(keys, tuple(map(type, info.values())), fresh)
+                    if last is None:
+                        return None
+                    self._write_row(row, info, last[1])
             except (OverflowError, TypeError, ValueError):  # an int beyond 64 bits, say
                 return None
-            words[row] = schema
+            words[row] = last[2]
         for schema, keys, dtypes in fresh:
             self._schemas[(keys, tuple(_KIND_OF[d] for d in dtypes))] = schema
         return fresh
+
+    def _write_row(self, row: int, info: dict, kinds: tuple[Any, ...]) -> bool:
+        """Write ``info``'s values after its schema word at ``row``, as ``kinds``; ``False`` (the
+        row half written, its schema word not) where a value is of another type."""
+        words, floats = self._words, self._floats
+        for j, value, kind in zip(range(row + 1, row + 1 + len(kinds)), info.values(), kinds, strict=True):
+            if type(value) is not kind:
+                return False
+            if kind is float or kind in _FLOAT_KINDS:
+                floats[j] = float(value)
+            else:
+                words[j] = int(value)
+        return True
 
     def _schema_of(self, keys: tuple[Any, ...], kinds: tuple[type, ...], fresh: list[Schema]) -> LastSchema | None:
         """``(keys, kinds, schema id)`` of an info with these keys and value types, noted in
