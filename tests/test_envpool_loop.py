@@ -62,8 +62,8 @@ EXAMPLES = {name: max(1, round(count * SCALE))
             for name, count in {"plain": 100, "raise": 30, "sigkill": 25, "hang": 6, "kill": 25, "core": 60}.items()}
 #: ``ENVMANAGER_MAILBOX`` / ``ENVMANAGER_TRANSPORT`` per transport (read when the pool is built).
 TRANSPORTS = {
-    "mailbox": {"ENVMANAGER_MAILBOX": "on"},
-    "step_queue": {"ENVMANAGER_MAILBOX": "off"},
+    "mailbox": {"ENVMANAGER_MAILBOX": "on", "ENVMANAGER_TRANSPORT": "step_queue"},
+    "step_queue": {"ENVMANAGER_MAILBOX": "off", "ENVMANAGER_TRANSPORT": "step_queue"},
     "portable": {"ENVMANAGER_MAILBOX": "off", "ENVMANAGER_TRANSPORT": "portable"},
 }
 #: What the fault runs did (printed with ``-s``): outcomes by error type.
@@ -247,7 +247,11 @@ def make_vector(layout: dict[str, Any], per_env: dict[int, dict[str, Any]], work
         [LoopEnvFn(per_env, env_id=i) for i in range(layout["n"])], context="fork",
         envs_per_worker=layout["envs_per_worker"], batch_size=layout["batch_size"],
         double_buffer=layout["double_buffer"], shared_memory=layout["shared_memory"], worker_timeout=worker_timeout)
-    check_transport(v._manager, layout["transport"])
+    try:
+        check_transport(v._manager, layout["transport"])
+    except BaseException:
+        v.close()
+        raise
     m = v._manager
     event(f"{m.envs_per_worker} envs per process{', double buffered' if m.double_buffer else ''}, "
           f"{'a multiple' if m.envs_per_worker == 1 or layout['batch_size'] % m.envs_per_worker == 0 else 'no multiple'} "
@@ -483,10 +487,12 @@ class CoreRun:
                     LoopEnvFn(per_env), self.n, envs_per_worker=layout["envs_per_worker"], context="fork",
                     shared_memory=layout["shared_memory"], double_buffer=layout["double_buffer"], timeout=FAULT_TIMEOUT,
                     restart_workers=True, max_lifetime_restarts=-1, restarts_rate_limit_n=-1)
+            check_transport(self.m, layout["transport"])
         except BaseException:
+            if hasattr(self, "m"):
+                self.m.close()
             shutil.rmtree(self.commands, ignore_errors=True)
             raise
-        check_transport(self.m, layout["transport"])
         self.process = self.m.slot_process.tolist()
         self.pids = self.seen_pids()
         self.killed: set[int] = set()  # processes the test killed

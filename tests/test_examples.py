@@ -103,6 +103,19 @@ def test_readme_quick_start_runs_as_written(name, tmp_path):
         assert re.search(r"worker \d rewards \[", done.stdout), done.stdout
 
 
+def test_the_readme_is_a_front_page_and_its_test_command_leaves_the_slow_tests_to_ci():
+    """The house rule (contributing guide): README.md is a front page of at most 250 lines (the
+    guides hold the rest). Its second set-up command is the one ``.ci/run`` runs as written: the
+    suite but the tests marked ``slow`` (``.ci/run`` runs those after it)."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    lines = text.count("\n")
+    assert lines <= 250, f"README.md is {lines} lines; the front page keeps to 250 (move the detail to docs/guide)"
+    commands = re.findall(r"^```bash\n(.*?)\n```", text, re.M | re.S)
+    assert len(commands) >= 2 and "-m pytest" in commands[1], commands
+    assert '-m "not slow"' in commands[1], commands[1]
+
+
 def documented_paths() -> dict[str, set[str]]:
     """Every dotted ``envmanager.x.y`` path, and every name a ``from envmanager... import``
     takes, in README.md and docs/ (not CHANGELOG.md: it names removed paths on purpose)."""

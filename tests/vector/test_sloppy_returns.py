@@ -11,7 +11,8 @@ desyncs. Each vector env under test serves many examples (scripts are loaded wit
 
 The deliberate differences (the guide lists them): rewards and flags keep the shape of the
 first step's (gymnasium follows each step: a next-step autoreset's plain zeros among ``(1,)``
-rewards make its batch ragged, and it raises); and the SB3 drop-in returns DummyVecEnv's dtypes.
+rewards make its batch ragged, and it raises, or with numpy < 1.24 flattens it to ``(n,)``);
+and the SB3 drop-in returns DummyVecEnv's dtypes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ pytestmark = pytest.mark.skipif(
     __import__("envs").REFERENCE, reason="compares envmanager with its references itself"
 )
 
+#: numpy >= 1.24 raises for a ragged list given a dtype (1.x before: a DeprecationWarning).
+NUMPY_REFUSES_RAGGED = np.lib.NumpyVersion(np.__version__) >= "1.24.0"
 N = 3  # with envs_per_worker=2: a process of two envs and a process of one
 STEPS = 4
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None, report_multiple_bugs=False,
@@ -441,8 +444,15 @@ def test_a_reward_of_shape_one_gives_rewards_of_shape_n_1(closing, envs_per_work
         assert_same(rewards, expected)
         assert rewards.shape == (N, 1) and rewards.tolist() == [[1.0], [2.0], [3.0]]
         assert terminated.tolist() == [False, True, False]
-        with pytest.raises(ValueError, match="inhomogeneous"):  # env 1 resets: its 0 among arrays
-            ref.step(np.zeros(N, dtype=np.int64))
+        # env 1 resets: its 0 among arrays. numpy >= 1.24 refuses the ragged batch; numpy 1.x
+        # before warns and flattens the one-element arrays, so gymnasium's rewards are (n,).
+        if NUMPY_REFUSES_RAGGED:
+            with pytest.raises(ValueError, match="inhomogeneous"):
+                ref.step(np.zeros(N, dtype=np.int64))
+        else:
+            with pytest.warns(DeprecationWarning, match="setting an array element with a sequence"):
+                _, expected, _, _, _ = ref.step(np.zeros(N, dtype=np.int64))
+            assert expected.shape == (N,) and expected.tolist() == [-1.5, 0.0, -1.5]
         _, rewards, _, _, _ = ours.step(np.zeros(N, dtype=np.int64))
         assert_same(rewards, np.array([[-1.5], [0.0], [-1.5]]))
     finally:
@@ -485,42 +495,54 @@ def test_shapes_are_decided_at_the_first_step(closing, shared_memory: bool) -> N
 def test_the_first_step_is_decided_while_a_process_still_steps(closing) -> None:
     """The parent decides the shapes from the first answer it files; a process that started its
     step before must still hand over every env's values (found by the generated cases: a Dict
-    observation, so the step goes env by env, and the second env's reward came back 0)."""
-    from envmanager.sb3 import SubprocVecEnv
-
+    observation, so the step goes env by env, and the second env's reward came back 0). The
+    core's, so shown with the gymnasium drop-in (the SB3 one runs on the same core)."""
     table = plain_table(4, [[np.float64(i + 1.0)] * 2 for i in range(4)], obs_kind="dict")
     for row in table[:3]:  # process 0 (slots 0-2) takes its time over env 0's first step; process 1 answers at once
         row["delay"] = 0.0
     table[0]["delay"] = 0.5
-    ours = closing(SubprocVecEnv(fns("dict", 4), start_method="fork", envs_per_worker=3))
-    ours.env_method("load", table)
-    ours.reset()
-    _, rewards, _, _ = ours.step(np.zeros(4, dtype=np.int64))
+    ours = closing(envmanager.AsyncVectorEnv(fns("dict", 4), context="fork", envs_per_worker=3))
+    ours.call("load", table)
+    ours.reset(seed=1)
+    _, rewards, _, _, _ = ours.step(np.zeros(4, dtype=np.int64))
     assert rewards.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_a_restarted_process_keeps_the_shapes(closing) -> None:
     """A process started again holds the shapes the parent decided at the first step (it does
-    not decide again): rewards stay (n, 1), and its fresh env's plain float is refused."""
+    not decide again): rewards stay (n, 1), and its fresh env's plain float is refused. On the
+    core's batch level with restarts on, as the SB3 drop-in runs it (the drop-in's own handling
+    of a restart: test_sb3_subproc)."""
     import os
     import signal
 
-    from envmanager.sb3 import SubprocVecEnv
+    from envmanager.core.batch import BatchEnvManager
 
-    table = plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2)
-    ours = closing(SubprocVecEnv(fns("box", 2), start_method="fork", envs_per_worker=1, restart_workers=True))
-    ours.env_method("load", table)
-    ours.reset()
-    assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
-    os.kill(ours.manager.workers[1].pid, signal.SIGKILL)
-    _, rewards, dones, infos = ours.step(np.zeros(2, dtype=np.int64))  # env 1's episode cut by the restart
-    assert rewards.tolist() == [[2.0], [0.0]] and dones.tolist() == [False, True] and infos[1]["interrupted"]
-    ours.env_method("load", table, indices=[1])
-    ours.env_method("load", table, indices=[0])
-    assert ours.step(np.zeros(2, dtype=np.int64))[1].tolist() == [[1.0], [1.0]]
-    ours.env_method("load", plain_table(2, [[3.0, 3.0]] * 2), indices=[1])
+    actions = np.zeros(2, dtype=np.int64)
+    m = closing(BatchEnvManager(functools.partial(ReplayEnv, obs_kind="box"), 2, context="fork",
+                                autoreset_mode="same_step", restart_workers=True, timeout=30))
+    m.call("load", plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2))
+    m.send_reset({0: (None, None), 1: (None, None)})
+    m.receive_reset_batch()
+    m.send_batch([0, 1], actions)
+    assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+    assert m.results.reward.tolist() == [[1.0], [1.0]]  # the first step: rewards (n, 1)
+    slow = plain_table(2, [[np.array([1.0]), np.array([2.0])]] * 2)
+    slow[1]["delay"] = 30.0  # env 1's next step outlasts the test: its process is killed in it
+    m.call("load", slow)
+    m.send_batch([0, 1], actions)
+    assert m.receive_batch(1).slots.tolist() == [0]
+    os.kill(m.workers[1].pid, signal.SIGKILL)
+    cut = m.receive_batch(1)  # the restart's fresh reset
+    assert cut.slots.tolist() == [1] and cut.interrupted == {1} and m.restart_count(1) == 1
+    m.call_on([1], "load", (plain_table(2, [[np.array([5.0])]] * 2),))
+    m.send_batch([0, 1], actions)
+    assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
+    assert m.results.reward.tolist() == [[2.0], [5.0]]  # the fresh process writes (1,) rows too
+    m.call_on([1], "load", (plain_table(2, [[3.0, 3.0]] * 2),))
+    m.send_batch([0, 1], actions)
     with pytest.raises(EnvManagerError, match=r"env 1's step\(\) returned reward 3.0 .*the shape the first step gave"):
-        ours.step(np.zeros(2, dtype=np.int64))
+        m.receive_batch(2)
 
 
 def test_flags_of_shape_one_with_autoreset_disabled(closing) -> None:
