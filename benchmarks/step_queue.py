@@ -19,7 +19,7 @@ from envmanager.wire.messages import EnvironmentCommand, Stepped, encode_answer
 from envmanager.wire.step_queue import StepQueue
 
 # What a step answer carries when infos are empty and everything is in shared memory.
-ANSWER = Stepped(env_times=(1e-5,))
+ANSWER = Stepped(env_times=(1e-5,), generations=(0,))
 
 
 def _writer(kind: str, index: int, conn, queue) -> None:

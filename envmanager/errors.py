@@ -9,12 +9,16 @@ A hang or a death names the env and the call its process was in, when it was in 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "EnvManagerError",
     "WorkerError",
     "WorkerDiedError",
     "WorkerTimeoutError",
     "RestartLimitError",
+    "NodeError",
+    "NodeRestartLimitError",
     "InvalidInputError",
     "ManagerClosedError",
     "SpaceMismatchError",
@@ -108,8 +112,9 @@ class RestartLimitError(WorkerDiedError):
     ``reason`` says which limit; ``failure`` is the error that made the restart necessary;
     ``cause`` and ``remote_traceback`` are the failure's (what the env or the node raised where
     it ran, and that traceback), else ``None``; ``slot`` and ``call`` are the failure's (a
-    hang's or a death's), else ``None``. A Ray node past the limits raises one too (also a
-    ``RayNodeError`` or ``RayPlayerError``, with ``node``): one shape for every supervised unit.
+    hang's or a death's), else ``None``. A node past the limits raises one too
+    (:class:`NodeRestartLimitError`, with ``node``): one shape for every supervised unit. The
+    supervisor builds every one (``envmanager.core.supervisor``).
     """
 
     def __init__(
@@ -132,6 +137,39 @@ class RestartLimitError(WorkerDiedError):
 
     def __reduce__(self):
         return (type(self), (self.worker_id, self.reason, self.failure, self.worker_ids, self.process))
+
+
+class NodeError(EnvManagerError):
+    """A node of remote work (a Ray sampler node, a Ray node of Unity players) failed and was not
+    restarted, could not start, or raised. ``node``: its index; ``worker_ids``: its slots (the
+    trainer's worker ids); ``cause``: what it raised there, if it did (naming the slots);
+    ``remote_traceback``: that traceback. ``RayNodeError`` and ``RayPlayerError`` are its names
+    in ``envmanager.ray`` and ``envmanager.mlagents``."""
+
+    def __init__(self, node: int, worker_ids: Sequence[int], message: str, cause: BaseException | None = None,
+                 remote_traceback: str | None = None) -> None:
+        self.node, self.worker_ids, self.message = node, list(worker_ids), message
+        self.cause, self.remote_traceback = cause, remote_traceback
+        EnvManagerError.__init__(self, message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.node, self.worker_ids, self.message, self.cause, self.remote_traceback))
+
+
+class NodeRestartLimitError(NodeError, RestartLimitError):
+    """A node failed past the restart limits: the ``RestartLimitError`` a process past them raises
+    (``reason``; ``failure``: the node's fault, a :class:`NodeError`; its ``cause`` and
+    ``remote_traceback``), as a :class:`NodeError` (``node``, ``worker_ids``).
+    ``RayNodeRestartLimitError`` and ``RayPlayerRestartLimitError`` are its names there."""
+
+    def __init__(self, reason: str, failure: NodeError) -> None:
+        NodeError.__init__(self, failure.node, failure.worker_ids, f"{failure.message}; not restarted: {reason}",
+                           failure.cause, failure.remote_traceback)
+        self.reason, self.failure, self.worker_id, self.process = reason, failure, failure.worker_ids[0], None
+        self.exitcode = self.call = self.slot = None
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.failure))
 
 
 class WorkerTimeoutError(EnvManagerError, TimeoutError):

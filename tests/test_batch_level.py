@@ -48,9 +48,10 @@ def test_a_step_in_shared_memory_and_its_empty_answer_are_raw():
     assert (cmd, seq, form) == (Cmd.STEP, 7, RAW)
     assert len(data) == REQUEST_HEADER.size + 3 * 2  # the header and three uint16 indices
     assert decode_request(cmd, form, data) == Step((0, 2, 3))
-    header, payload = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5, 2e-5, 3e-5]))
-    assert NOTICE_HEADER.unpack(header)[-1] == RAW and len(payload) == 3 * 8
+    header, payload = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5, 2e-5, 3e-5], generations=(0, 2, 1)))
+    assert NOTICE_HEADER.unpack(header)[-1] == RAW and len(payload) == 3 * (8 + 4)  # a float64 time and an int32 generation each
     assert tuple(decode_answer(RAW, payload).env_times) == (1e-5, 2e-5, 3e-5)
+    assert decode_answer(RAW, payload).generations == (0, 2, 1)  # the worker's stamp
     # A non-empty info, or actions that travel with the request, need a pickle.
     header, payload = encode_answer(Cmd.STEP, 1, 7, 0.5, Stepped([1e-5], infos={0: {"a": 1}}))
     assert NOTICE_HEADER.unpack(header)[-1] == PICKLED

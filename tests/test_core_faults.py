@@ -114,7 +114,7 @@ def test_restart_during_startup(tmp_path):
         return EnvFactory()(worker_id)
 
     with SubprocessEnvManager(factory, 2, timeout=30, restart_workers=True) as m:
-        assert m.restart_policy.counts[0] == 1
+        assert m.supervisor.restart_count(0) == 1
         assert [i.worker_id for i in m.reset()] == [0, 1]
         assert m.get_attr("env_id") == [0, 1]
 
@@ -185,7 +185,7 @@ def test_restart_within_quota_reports_interrupted_episode():
         assert info.worker_id == 1
         assert info.current_result.observation[0] == 0  # a fresh episode
         assert info.previous_result is not None and info.action == 1
-        assert m.restart_policy.counts[1] == 1
+        assert m.supervisor.restart_count(1) == 1
         # The others went on; the restarted worker steps again (its new env would fail at its
         # own third step, which the rate limit would then refuse to restart).
         seen: set[int] = set()
@@ -202,7 +202,7 @@ def test_restart_beyond_quota_raises():
         with pytest.raises(RestartLimitError, match="restarts_rate_limit_n") as caught:
             step_until_error(m)
         assert caught.value.worker_id == 0
-        assert m.restart_policy.counts[0] == 1
+        assert m.supervisor.restart_count(0) == 1
 
 
 def test_restart_lifetime_limit():
@@ -213,7 +213,7 @@ def test_restart_lifetime_limit():
         m.reset()
         with pytest.raises(RestartLimitError, match="max_lifetime_restarts"):
             step_until_error(m)
-        assert m.restart_policy.counts[0] == 2
+        assert m.supervisor.restart_count(0) == 2
 
 
 def test_restart_hung_worker():
@@ -319,7 +319,7 @@ def test_restart_during_reset_answers_the_reset_with_its_seed(tmp_path):
         assert [i.worker_id for i in infos] == [0, 1]
         assert [i.interrupted for i in infos] == [False, True]
         assert [i.current_result.info["seed"] for i in infos] == [10, 11]  # the seed asked for
-        assert m.restart_policy.counts[1] == 1
+        assert m.supervisor.restart_count(1) == 1
 
 
 def test_failing_call_does_not_restart_a_healthy_worker():
@@ -328,7 +328,7 @@ def test_failing_call_does_not_restart_a_healthy_worker():
         with pytest.raises(WorkerError) as caught:
             m.get_attr("no_such_attribute")
         assert isinstance(caught.value.cause, AttributeError)
-        assert dict(m.restart_policy.counts) == {}
+        assert m.supervisor.restarts == 0
         seen = set()
         while len(seen) < 2:
             seen |= {i.worker_id for i in m.step(dict.fromkeys(m.idle_worker_ids, 1))}

@@ -7,17 +7,18 @@ from envmanager.core.restart import RestartPolicy
 
 
 def test_a_refusal_names_the_option_that_turns_restarts_on_and_the_limit_reached():
-    assert RestartPolicy().refusal(0) == "restarts are disabled (restart_workers=False)"
-    assert RestartPolicy(switch="restart_nodes").refusal(3) == "restarts are disabled (restart_nodes=False)"
+    assert RestartPolicy().refusal(0, 0) == "restarts are disabled (restart_workers=False)"
+    assert RestartPolicy(switch="restart_nodes").refusal(3, 0) == "restarts are disabled (restart_nodes=False)"
     policy = RestartPolicy(True, max_lifetime_restarts=2, rate_limit_n=-1)
-    for _ in range(2):
-        assert policy.refusal(1) is None
+    for count in range(2):  # (the counts are the supervisor's)
+        assert policy.refusal(1, count) is None
         policy.record(1)
-    assert "max_lifetime_restarts" in (policy.refusal(1) or "")
-    assert policy.refusal(0) is None  # counted per process (or node)
+    assert "max_lifetime_restarts" in (policy.refusal(1, 2) or "")
+    assert policy.refusal(0, 0) is None  # counted per process (or node)
     rated = RestartPolicy(True, max_lifetime_restarts=-1, rate_limit_n=1, rate_limit_period_s=3600)
     rated.record(0)
-    assert "restarts_rate_limit" in (rated.refusal(0) or "")
+    assert "restarts_rate_limit" in (rated.refusal(0, 1) or "")
+    assert rated.refusal(1, 1) is None  # the window is per quota too
 
 
 def test_every_manager_sampler_and_pool_takes_the_same_defaults():

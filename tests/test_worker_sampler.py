@@ -144,7 +144,7 @@ def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp
         # The env that raised is rebuilt in its process (issue 30 item 7: RLlib's granularity):
         # its episode is cut, kept and flagged; its neighbour in the process (slot 0) goes on.
         assert sampler.stats.counters["interrupted_episodes"] == 1
-        assert sampler.manager.restart_policy.counts[0] == 1  # counted against the process's quota
+        assert sampler.manager.supervisor.restart_count(0) == 1  # counted against the process's quota
         assert sampler.manager.restarts == 1 and sampler.stats.counters["worker_restarts"] == 1
         assert sampler.manager.worker_of(1).pid == pid  # not restarted
         assert [sampler.manager.generation(s) for s in range(4)] == [0, 1, 0, 0]
@@ -184,7 +184,7 @@ def test_an_env_that_cannot_be_rebuilt_takes_its_process_through_a_restart(tmp_p
         pid = sampler.manager.worker_of(1).pid
         batch = sampler.obtain_steps(30)
         assert sampler.manager.worker_of(1).pid != pid  # the rebuild failed: the process was restarted
-        assert sampler.manager.restart_policy.counts[0] == 2  # the rebuild, then the restart: one policy
+        assert sampler.manager.supervisor.restart_count(0) == 2  # the rebuild, then the restart: one policy
         assert sampler.manager.generation(0) == 1 and sampler.manager.generation(1) == 2
     made = (tmp_path / "made-1").read_text().split()
     assert made[:2] == [str(pid)] * 2 and made[2] != str(pid)  # made, remade there (raised), made in the new process

@@ -46,7 +46,7 @@ from envmanager.core.resetting import BatchResets
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotStatus
-from envmanager.core.supervisor import Supervisor
+from envmanager.core.supervisor import Decision, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
 from envmanager.wire.messages import EnvironmentCommand as Cmd
@@ -96,6 +96,7 @@ class BatchEnvManager(BatchResets, CallMethods):
         double_buffer: bool | str = False,
         info_columns: bool = False,
         caller: Caller = BATCH,
+        generations: Sequence[int] | None = None,
     ) -> None:
         self._pool: WorkerPool | None = None
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
@@ -130,15 +131,17 @@ class BatchEnvManager(BatchResets, CallMethods):
         #: process's envs) or 2 (second half).
         self.slot_lanes = lanes_of([len(spec.env_ids) for spec in specs], self.double_buffer)
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
-        self._answered_generation = [0] * n_procs  # per process: the generation its latest answer came from
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
             # Where every process has a core the workers and the parent spin, as long as their waits
             # typically take (a worker waking a blocked parent pays ~10 us in its write; a blocked
             # reader wakes tens of us after it: the bound there, performance guide).
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
-                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s)
+                                    mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
+                                    generations=None if generations is None else [int(g) for g in generations])
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
+            for r in readies:  # each env's generation, as its process answered
+                self._state.stamp(r.env_ids, r.generations)
             #: Every slot's spaces, as its env reported them.
             self.observation_spaces = [s for r in readies for s in r.observation_spaces]
             self.action_spaces = [s for r in readies for s in r.action_spaces]
@@ -263,40 +266,44 @@ class BatchEnvManager(BatchResets, CallMethods):
 
     def restart_count(self, worker_id: int) -> int:
         """How often the process hosting ``worker_id`` was restarted or had an env rebuilt
-        (quotas are per process)."""
-        return self.pool.supervisor.restart_count(int(self.slot_process[worker_id]))
+        (quotas are per process): the supervisor's count."""
+        return self.pool.supervisor.restart_count(self._slot_process_list[worker_id])
 
     def generation(self, worker_id: int) -> int:
         """How many times ``worker_id``'s env was replaced — its process restarted, or the env
-        rebuilt in place after it raised (0 until then): answers from a newer generation come
-        from a fresh env, so its episode was cut. A neighbour's rebuild leaves it unchanged."""
-        return self.pool.generation(worker_id, self._slot_process_list[worker_id])
+        rebuilt in place after it raised — as the supervisor decided (answers carry theirs)."""
+        return self.pool.supervisor.generation(worker_id)
+
+    @property
+    def answered_generations(self) -> np.ndarray:
+        """Each slot's generation as its latest answer carried it: the array ``StepBatch.generations`` is."""
+        return self._state.generations
 
     def report_failure(self, worker_id: int, error: EnvManagerError) -> EnvManagerError | None:
-        """A failure of ``worker_id``'s env that the caller found in an answer (an env update
-        or a worker-side rollout that raised inside a call), handled as one the pool finds
-        itself: its process is restarted within the restart policy (returns ``None``; the fresh
-        reset comes back ``interrupted``, as a step result), else the error to raise
-        (``RestartLimitError`` past the limits; the error itself with restarts off)."""
-        w = self.worker_of(worker_id)
-        if w.busy:
-            raise InvalidInputError(f"worker {worker_id} has a request in flight; report a failure once it answered")
-        return self.pool.report_failure(w.index, error)
+        """A failure of ``worker_id``'s env the caller found in an answer (an env update that
+        raised in a call), handled as one the pool finds itself: ``None`` if its process is
+        restarted (its fresh reset comes back ``interrupted``, as a step result), else the error
+        to raise (``RestartLimitError`` past the limits; the error itself with restarts off)."""
+        decision = self.fault([worker_id], error)
+        return decision.error if isinstance(decision, GiveUp) else None
 
     def rebuild_envs(self, worker_ids: Sequence[int], error: EnvManagerError) -> EnvManagerError | None:
         """The envs of ``worker_ids`` (one process's) raised inside a call their process answered
-        (a worker-side rollout): with restarts on and within the policy, each is to be rebuilt in
-        place — counted as a restart, its ``generation`` raised now, and remade by the caller's
-        next call there (``envmanager.worker.envs.envs_here().rebuild``) — and ``None`` is
-        returned; else as :meth:`report_failure` (the process restarted, or the error)."""
+        (a worker-side rollout): ``None`` if each is to be rebuilt in place (its ``generation``
+        raised now; remade by the caller's next call there, ``envs_here().rebuild``) or the
+        process restarted; else the error, as :meth:`report_failure`."""
+        decision = self.fault(worker_ids, error, rebuild=True)
+        return decision.error if isinstance(decision, GiveUp) else None
+
+    def fault(self, worker_ids: Sequence[int], error: EnvManagerError, rebuild: bool = False,
+              seen: dict[int, int] | None = None) -> Decision:
+        """``report_failure`` (``rebuild``: ``rebuild_envs``) returning the supervisor's decision
+        (``Restart``, ``Rebuild``, ``GiveUp``); ``seen``: the generations (slot -> generation)
+        the failure was found at: if one was replaced since, that restart is the answer."""
         slots = self.slots(worker_ids)
-        processes = {self._slot_process_list[s] for s in slots}
-        if len(processes) != 1:
-            raise InvalidInputError(f"rebuild_envs takes the envs of one process, got worker ids {slots}")
-        w = self.worker_of(slots[0])
-        if w.busy:
-            raise InvalidInputError(f"worker {slots[0]} has a request in flight; report a failure once it answered")
-        return self.pool.rebuild_in_place(w.index, slots, error)
+        if len({self._slot_process_list[s] for s in slots}) != 1:
+            raise InvalidInputError(f"a failure is reported for the envs of one process, got worker ids {slots}")
+        return self.pool.fault(self._slot_process_list[slots[0]], error, tuple(slots) if rebuild else (), seen)
 
     def first_failure(self) -> EnvManagerError | None:
         """The error of the process given up first (the one a caller saw first), or ``None``."""
@@ -359,7 +366,7 @@ class BatchEnvManager(BatchResets, CallMethods):
             if len(batch) != n:
                 raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
         entries, joined = plan.requests, None
-        if pool.supervisor.policy.counts and any(pool.workers[e[0]].boot is not None for e in entries):
+        if pool.supervisor.restarts and any(pool.workers[e[0]].boot is not None for e in entries):
             # A process on its way back from a restart: its boot answers these slots (``join_boot``).
             joined = [e for e in entries if pool.workers[e[0]].boot is not None]
             entries = [e for e in entries if pool.workers[e[0]].boot is None]
@@ -478,32 +485,18 @@ class BatchEnvManager(BatchResets, CallMethods):
     # The parent's half of every answer (steps and resets: ``envmanager.core.slots``)
 
     def _take(self, completions: list[Completion]) -> None:
-        """File what the pool delivered: call answers to the calls, the rest to the slots,
-        with the generation of the env that answered (``StepBatch.generations``)."""
-        state, answered = self._state, self._answered_generation
+        """File what the pool delivered: call answers to the calls, the rest to the slots, each
+        with the generation its worker stamped on it (``StepBatch.generations``)."""
+        state = self._state
         for c in completions:
             if c.request is not None and c.request.cmd in _CALLS:
                 self._calls.file(c)
                 continue
             state.file(c)
-            w = c.worker
-            if (c.interrupted or w.generation != answered[w.index]) and c.error is None:  # rare: a restart or rebuild
-                self._note_generation(c)
         # The step board's answers: a replaced process answers through the ring first (its fresh
         # reset, ``interrupted``), so these come from the generation the slots already have.
         for slots in self._pool.take_steps():  # type: ignore[union-attr]
             state.file_steps(slots)
-
-    def _note_generation(self, c: Completion) -> None:
-        """The slots ``c`` answers for (a restart: all of its process's) are of the generation
-        that answered: the process that sent it (``c.worker``, not the one that may have replaced
-        it since), plus each env's rebuilds (``pool.generation``'s sum at that moment)."""
-        w = c.worker
-        self._answered_generation[w.index] = w.generation
-        rebuilds = self.pool.rebuilds.counts
-        generations, as_list = self._state.generations, self._state.generation_list
-        for slot in (c.slots if c.interrupted else w.env_ids):
-            generations[slot] = as_list[slot] = w.generation + rebuilds[slot]
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
         """``worker_ids`` checked (``None``: every slot); each must be in ``range(n_env)``."""

@@ -13,7 +13,7 @@ from envmanager.wire.messages import EnvironmentRequest, RemoteException
 if TYPE_CHECKING:
     from envmanager.core.process import WorkerProcess
 
-__all__ = ["Completion", "worker_error", "refused_error", "error_slot"]
+__all__ = ["Completion", "worker_error", "refused_error"]
 
 
 class Completion:
@@ -22,8 +22,9 @@ class Completion:
     ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
     whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
     first of the requests the failure cut short) and ``lost``, all of them. ``slots``: the slots
-    the answer is for (the request's; a restart's reset: all it reset). A plain class with
-    slots, made once per answer on the hot path.
+    the answer is for (the request's; a restart's reset: all it reset), their generations in the
+    answer (``Stepped.generations``, the worker's stamp). A plain class with slots, made once per
+    answer on the hot path.
     """
 
     __slots__ = (
@@ -68,8 +69,3 @@ def refused_error(slot: int, exc: BaseException) -> WorkerError:
     ``envmanager.wire.returns``): reported as that env's failure, as if it had raised ``exc``."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return WorkerError(slot, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, exc)
-
-
-def error_slot(error: EnvManagerError, w: WorkerProcess) -> int:
-    slot = getattr(error, "worker_id", None)
-    return slot if isinstance(slot, int) and slot in w.env_ids else w.env_ids[0]

@@ -65,6 +65,8 @@ class SubprocessEnvManager(BatchEnvManager):
             worker steps one half while the parent turns the other around. Pays
             where the parent has a core of its own; ``"auto"``: on when there are more usable
             cores than worker processes (``envmanager.core.auto.choose_double_buffer``).
+        generations: each slot's generation to go on from: a manager in place of a lost one (a
+            Ray node's players) counts their restarts so far, the last one just now.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class SubprocessEnvManager(BatchEnvManager):
         daemon: bool = True,
         spin_s: float | None = None,
         double_buffer: bool | str = False,
+        generations: Sequence[int] | None = None,
     ) -> None:
         self.policy = policy
         self._last: list[StepInfo | None] = [None] * (n_env if isinstance(n_env, int) and n_env > 0 else 0)
@@ -95,7 +98,7 @@ class SubprocessEnvManager(BatchEnvManager):
             autoreset_mode=autoreset_mode, timeout=timeout, restart_workers=restart_workers,
             max_lifetime_restarts=max_lifetime_restarts, restarts_rate_limit_n=restarts_rate_limit_n,
             restarts_rate_limit_period_s=restarts_rate_limit_period_s, daemon=daemon, spin_s=spin_s,
-            double_buffer=double_buffer, caller=STEP_INFO,
+            double_buffer=double_buffer, caller=STEP_INFO, generations=generations,
         )
 
     def set_policy(self, policy: Policy | None) -> None:

@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for_ready
 from threading import get_ident
@@ -34,7 +35,6 @@ from envmanager.core.cores import CoreUse, affinity, machine_cores, own_cores
 from envmanager.core.deadline import Deadline
 from envmanager.core.platforms import default_start_method, transport_name
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
-from envmanager.core.rebuild import EnvRebuilds
 from envmanager.core.recovery import PoolRecovery
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.supervisor import Supervisor
@@ -83,19 +83,19 @@ class WorkerPool(PoolRecovery):
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
-        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0
+        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0,
+        generations: list[int] | None = None,
     ) -> None:
         self.ctx = ctx
-        #: Restart or give up after a fault, the processes given up, the per-answer deadline
-        #: (``envmanager.core.supervisor``; the clocks are the processes' ``alive_at``).
-        self.supervisor = Supervisor(restart_policy, timeout, "process")
+        #: Faults' decisions, restart counts, generations (to go on from), the processes given
+        #: up, the per-answer deadline and its clocks (``envmanager.core.supervisor``).
+        self.supervisor = Supervisor(restart_policy, timeout, [spec.env_ids for spec in specs], "process",
+                                     generations=generations)
         self.daemon = daemon
         self.workers: list[WorkerProcess] = []
         self.buffers: SharedBuffers | None = None
         #: ``(method name, args, kwargs)`` called on a restarted process's envs before its reset.
         self.replay_calls: list[tuple[str, tuple, dict]] = []
-        #: How often each slot's env was rebuilt in its process (``envmanager.core.rebuild``).
-        self.rebuilds = EnvRebuilds(sum(len(spec.env_ids) for spec in specs))
         self._seq = 0
         self._version = 0  # bumped whenever the set of watched processes may change
         self._poll_version = -1
@@ -139,18 +139,18 @@ class WorkerPool(PoolRecovery):
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
-                self.workers.append(self._start(spec))
+                self.workers.append(self._start(replace(spec, generations=self.supervisor.generations(spec.index))))
         except BaseException:  # out of processes or fds, say: end those already started
             self.close(0.0)
             raise
 
-    def _start(self, spec: WorkerSpec, boot: Boot | None = None, generation: int = 0) -> WorkerProcess:
+    def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
         assert self.queue is not None
         if self.mailboxes is not None:
             self.mailboxes.reset(spec.index)  # empty rings for the new process
         # writer None: the portable transport
-        return WorkerProcess(self.ctx, spec, self.queue.writer, daemon=self.daemon, boot=boot, file=self.file,
-                             generation=generation, mailboxes=self.mailboxes, marks=self.marks, supervisor=self.supervisor)
+        return WorkerProcess(self.ctx, spec, self.queue.writer, self.supervisor, daemon=self.daemon, boot=boot,
+                             file=self.file, mailboxes=self.mailboxes, marks=self.marks)
 
     @property
     def timeout(self) -> float:
@@ -269,7 +269,7 @@ class WorkerPool(PoolRecovery):
         if not notices:
             return
         received = monotonic()
-        workers = self.workers
+        workers, clocks = self.workers, self.supervisor.clocks
         for cmd, process, seq, posted_at, form, data in notices:
             w = workers[process]
             requests = w.requests
@@ -280,7 +280,7 @@ class WorkerPool(PoolRecovery):
                 request, sent_at = requests[0]  # the usual case: answers come in the order sent
                 del requests[0]  # (``w.answered`` inline: this runs once per answer)
                 if requests:  # the next request's clock starts now
-                    w.alive_at, w.progress_seen = received, 0
+                    clocks[process] = received
             else:
                 found = None if cmd is Cmd.CLOSED else w.answered(seq, received)
                 if found is None:
@@ -307,12 +307,9 @@ class WorkerPool(PoolRecovery):
                 else:
                     self._on_failure(w, error, completions, request)
                 continue
-            if type(answer) is Stepped and answer.failures and self.supervisor.policy.enabled:
-                # Restarts are on: an env that raised is rebuilt (or its process restarted).
-                self._env_failed(w, request, answer, Completion(w, request, answer, None, posted_at, received, sent_at),
-                                 completions)
-                continue
             completion = Completion(w, request, answer, None, posted_at, received, sent_at, False, request.slots)
+            if type(answer) is Stepped and answer.failures and self._env_failed(w, request, answer, completion, completions):
+                continue  # an env raised: rebuilt, its process restarted or given up (the supervisor's decision)
             state = w.state
             if state is ProcessState.RUNNING:
                 completions.append(completion)
@@ -352,9 +349,7 @@ class WorkerPool(PoolRecovery):
         request = EnvironmentRequest(Cmd.STEP, BOARD_SEQ, slots)
         sent = float(box.asked_at(list(slots)).min())
         completion = Completion(w, request, answer, None, posted_at, received, sent, False, slots)
-        if answer.failures and self.supervisor.policy.enabled:  # an env that raised is rebuilt
-            self._env_failed(w, request, answer, completion, completions)
-        else:
+        if not (answer.failures and self._env_failed(w, request, answer, completion, completions)):
             completions.append(completion)
 
     def _check_cores(self, now: float) -> None:
@@ -383,14 +378,17 @@ class WorkerPool(PoolRecovery):
         """Fail every process whose oldest request's clock is past the deadline (restart or
         error), and note when the next one can be due: no clock started later is due sooner."""
         completions: list[Completion] = []
-        late = self.supervisor.late
+        supervisor = self.supervisor
         for w in list(self.workers):
-            if w.busy and w.watched and late(w.clock, now):
+            clock = w.clock
+            if w.busy and w.watched and supervisor.late(clock, now):
                 cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
                 if cmd is Cmd.CALL and self.progress is not None:
                     done = self.progress(list(w.env_ids))
-                    if done != w.progress_seen:  # working, not hung: a new deadline from now
-                        w.progress_seen, w.alive_at = done, now
+                    seen = w.progress_mark[1] if w.progress_mark[0] == clock else 0  # (a call's progress starts at 0)
+                    if done != seen:  # working, not hung: a new deadline from now
+                        supervisor.start_clock(w.index, now)
+                        w.progress_mark = (now, done)
                         continue
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)

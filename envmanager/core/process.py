@@ -91,21 +91,19 @@ class WorkerProcess:
     """One worker process hosting the env slots ``spec.env_ids``."""
 
     def __init__(
-        self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, daemon: bool = True, boot: Boot | None = None,
-        file: SharedFile | None = None, generation: int = 0, mailboxes: Mailboxes | None = None,
-        marks: CallMarks | None = None, supervisor: Supervisor | None = None,
+        self, ctx: Any, spec: WorkerSpec, queue_writer: Connection | None, supervisor: Supervisor, daemon: bool = True,
+        boot: Boot | None = None, file: SharedFile | None = None, mailboxes: Mailboxes | None = None,
+        marks: CallMarks | None = None,
     ) -> None:
         """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
         portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
+        ``supervisor``: the pool's (this process's deadline clock; its error once given up);
         ``file`` is the pool's shared memory, handed to the process as it starts;
-        ``generation``: how many processes held this index before it (0, then one more per restart);
         ``mailboxes``: the pool's, if it has them (requests then go through its ring);
         ``marks``: the pool's records of which env is in which call, if it has them (cleared for
-        this process before it starts); ``supervisor``: the pool's, which keeps the error of
-        a process given up (``failure``)."""
+        this process before it starts)."""
         self.spec = spec
         self.index = spec.index
-        self.generation = generation
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
         self.mailboxes = mailboxes
@@ -128,10 +126,11 @@ class WorkerProcess:
         #: The requests in flight, oldest first, each with the time it was sent.
         self.requests: list[tuple[EnvironmentRequest, float]] = [(EnvironmentRequest(Cmd.READY, 0, self.env_ids), now)]
         #: When the oldest request's clock started (sent, the one ahead answered, or progress):
-        #: deadlines count from here.
-        self.alive_at = now
-        self.progress_seen = 0
-        self.supervisor = supervisor
+        #: deadlines count from here. The supervisor's, written here and by the pool's hot path.
+        self.supervisor, self._clocks = supervisor, supervisor.clocks
+        self._clocks[self.index] = now
+        #: ``(clock, count)``: the progress a call had made when its clock was last moved on for it.
+        self.progress_mark = (0.0, 0)
         self.exitcode: int | None = None
         self.reaped = False
         self._family: list[int] = []  # what it had started when it was interrupted
@@ -159,15 +158,11 @@ class WorkerProcess:
         """When the clock of its oldest request (or board step) in flight started: the
         deadline counts from here."""
         box = self.mailboxes
+        started = self._clocks[self.index]
         if box is None or not box.busy(self.index):
-            return self.alive_at
+            return started
         board = box.clock(self.index)
-        return min(self.alive_at, board) if self.requests else board
-
-    @property
-    def sent_at(self) -> float:
-        """When the oldest request in flight was sent."""
-        return self.requests[0][1] if self.requests else self.alive_at
+        return min(started, board) if self.requests else board
 
     def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
         """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not
@@ -177,8 +172,7 @@ class WorkerProcess:
             if entry[0].seq == seq:
                 del requests[k]
                 if requests:
-                    self.alive_at = now
-                    self.progress_seen = 0
+                    self._clocks[self.index] = now
                 return entry
         return None
 
@@ -210,8 +204,7 @@ class WorkerProcess:
         """
         now = time.monotonic() if now is None else now
         if not self.requests:
-            self.alive_at = now
-            self.progress_seen = 0
+            self._clocks[self.index] = now
         self.requests.append((request, now))
         try:
             if self.mailboxes is None:
@@ -257,9 +250,7 @@ class WorkerProcess:
     @property
     def failure(self) -> EnvManagerError | None:
         """The error raised on every use of a process given up (kept by the supervisor), else ``None``."""
-        if self.state is not ProcessState.FAILED or self.supervisor is None:
-            return None
-        return self.supervisor.failure(self.index)
+        return self.supervisor.failure(self.index) if self.state is ProcessState.FAILED else None
 
     def fail(self) -> None:
         """Give up on this process (its error is the supervisor's): kill it."""

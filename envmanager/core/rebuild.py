@@ -3,12 +3,11 @@
 
 With restarts on, an env that raised in a step or reset of a process that answered — so is
 otherwise healthy — is made again inside that process from its factory, rather than the process
-restarted (RLlib's ``restart_failed_sub_environments`` granularity). The pool decides when
-(``WorkerPool._env_failed``, in ``envmanager.core.recovery``: within the restart policy, which
-counts a rebuild as a restart); this module builds the request, splits the answer that reported
-the failure into what the other envs delivered, and keeps how often each slot's env was
-rebuilt: with its process's generation, the slot's generation (``BatchEnvManager.generation``),
-which a rebuild raises for that slot only.
+restarted (RLlib's ``restart_failed_sub_environments`` granularity). The pool's supervisor
+decides when (a rebuild is a restart in the process's count, and raises the slot's generation:
+``envmanager.core.supervisor``); this module builds the request, which tells the worker the
+rebuilt envs' new generations, and splits the answer that reported the failure into what the
+other envs delivered.
 """
 
 from __future__ import annotations
@@ -19,35 +18,26 @@ from typing import Any
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import EnvironmentRequest, Rebuild, Stepped
 
-__all__ = ["EnvRebuilds", "delivered"]
+__all__ = ["rebuild_request", "delivered"]
 
 
-class EnvRebuilds:
-    """How often each slot's env was rebuilt in its process, and the requests that do it."""
-
-    def __init__(self, n_slots: int) -> None:
-        self.counts = [0] * n_slots
-
-    def request(self, prepare: Callable[..., EnvironmentRequest], env_ids: tuple[int, ...], failed: EnvironmentRequest,
-                positions: list[int], replay_calls: Sequence[tuple[str, tuple, dict]]) -> EnvironmentRequest:
-        """The REBUILD of the envs at ``positions`` of the request ``failed`` (a STEP or RESET of
-        the process hosting ``env_ids``), on its lanes: each env made again, ``replay_calls``
-        called on it (as a restart does), reset — with the seed and options it was being reset
-        with, if it raised in a reset. Each slot's count goes up now: the next answer for it
-        comes from a fresh env."""
-        slots = tuple(failed.slots[n] for n in positions)
-        if failed.cmd is Cmd.RESET:
-            _, seeds, options = failed.message
-            asked: tuple[tuple[Any, ...], tuple[Any, ...]] = (tuple(seeds[n] for n in positions),
-                                                              tuple(options[n] for n in positions))
-        else:
-            asked = ((None,) * len(slots), (None,) * len(slots))
-        replays = tuple((name, tuple(args), dict(kwargs)) for name, args, kwargs in replay_calls)
-        message = Rebuild(tuple(env_ids.index(s) for s in slots), *asked, replays)
-        request = prepare(Cmd.REBUILD, message, slots)
-        for s in slots:
-            self.counts[s] += 1
-        return request
+def rebuild_request(prepare: Callable[..., EnvironmentRequest], env_ids: tuple[int, ...], failed: EnvironmentRequest,
+                    positions: list[int], replay_calls: Sequence[tuple[str, tuple, dict]],
+                    generations: tuple[int, ...]) -> EnvironmentRequest:
+    """The REBUILD of the envs at ``positions`` of the request ``failed`` (a STEP or RESET of
+    the process hosting ``env_ids``), on its lanes: each env made again, ``replay_calls``
+    called on it (as a restart does), reset — with the seed and options it was being reset
+    with, if it raised in a reset — and of ``generations`` from now on (the supervisor's)."""
+    slots = tuple(failed.slots[n] for n in positions)
+    if failed.cmd is Cmd.RESET:
+        _, seeds, options = failed.message
+        asked: tuple[tuple[Any, ...], tuple[Any, ...]] = (tuple(seeds[n] for n in positions),
+                                                          tuple(options[n] for n in positions))
+    else:
+        asked = ((None,) * len(slots), (None,) * len(slots))
+    replays = tuple((name, tuple(args), dict(kwargs)) for name, args, kwargs in replay_calls)
+    message = Rebuild(tuple(env_ids.index(s) for s in slots), *asked, replays, generations)
+    return prepare(Cmd.REBUILD, message, slots)
 
 
 def delivered(answer: Stepped, kept: list[int], slots: tuple[int, ...]) -> Stepped:
@@ -57,4 +47,5 @@ def delivered(answer: Stepped, kept: list[int], slots: tuple[int, ...]) -> Stepp
     infos = {s: i for s, i in answer.infos.items() if s in keep} if answer.infos else None
     return Stepped([answer.env_times[n] for n in kept], infos or None, None,
                    None if answer.observations is None else [answer.observations[n] for n in kept],
-                   None if answer.scalars is None else [answer.scalars[n] for n in kept], None)
+                   None if answer.scalars is None else [answer.scalars[n] for n in kept], None,
+                   None if answer.generations is None else tuple(answer.generations[n] for n in kept))

@@ -1,23 +1,23 @@
 """``PoolRecovery``: the failure path of :class:`~envmanager.core.pool.WorkerPool`.
 
-A process that died, hung or raised is restarted (killed, started anew, and taken through its
-boot plan: attach, the replayed calls, a reset that answers what was in flight, ``interrupted``)
-or, past the restart policy, given up with its terminal error; an env that raised in a step or
-reset of a healthy process is rebuilt there instead (``envmanager.core.rebuild``). The decisions
-are the pool's :class:`~envmanager.core.supervisor.Supervisor`'s. Kept apart from the pool's
-transport (sending, the answers' hot path, closing) so each half reads on its own; a mixin of
-``WorkerPool`` (the same object and methods, no call added to the hot path).
+Every fault of a process (it died, hung, raised, an env of it raised) is put to the pool's
+:class:`~envmanager.core.supervisor.Supervisor`; this half carries its decision out: restart (kill,
+start anew told its slots' new generations, and the boot plan: attach, the replayed calls, a
+reset that answers what was in flight, ``interrupted``), rebuild the envs that raised in it
+(``envmanager.core.rebuild``), or give up. Kept apart from the pool's transport (sending, the
+answers' hot path, closing); a mixin of ``WorkerPool`` (no call added to the hot path).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from envmanager.core.completion import Completion, error_slot, worker_error
+from envmanager.core.completion import Completion, worker_error
 from envmanager.core.process import Boot, ProcessState, WorkerProcess
-from envmanager.core.rebuild import EnvRebuilds, delivered
-from envmanager.core.supervisor import Supervisor
-from envmanager.errors import EnvManagerError, RestartLimitError, WorkerDiedError, WorkerTimeoutError
+from envmanager.core.rebuild import delivered, rebuild_request
+from envmanager.core.supervisor import Decision, Fault, GiveUp, Rebuild, Restart, Supervisor
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerTimeoutError
 from envmanager.wire.messages import Attach, Call, EnvironmentRequest, Reset, Stepped
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedBuffers
@@ -38,7 +38,6 @@ class PoolRecovery:
     workers: list[WorkerProcess]
     buffers: SharedBuffers | None
     replay_calls: list[tuple[str, tuple, dict]]
-    rebuilds: EnvRebuilds
     queue: StepQueue | PortableAnswers | None
     _version: int
 
@@ -46,24 +45,25 @@ class PoolRecovery:
         def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
             ...
 
-        def _start(self, spec: WorkerSpec, boot: Boot | None = None, generation: int = 0) -> WorkerProcess:
+        def _start(self, spec: WorkerSpec, boot: Boot | None = None) -> WorkerProcess:
             ...
 
-    def generation(self, slot: int, process: int) -> int:
-        """How often ``slot``'s env was replaced: its process restarted, or itself rebuilt."""
-        return self.workers[process].generation + self.rebuilds.counts[slot]
-
-    def report_failure(self, index: int, error: EnvManagerError) -> EnvManagerError | None:
-        """A failure of process ``index`` that its caller found in an answer (an env that raised
-        inside a call that steps the envs, say): handled as the pool handles one it finds
-        itself. Returns ``None`` when the process is being restarted (its fresh reset comes back
-        ``interrupted``), else the error to raise (``RestartLimitError`` past the limits)."""
+    def fault(self, index: int, error: EnvManagerError, envs: tuple[int, ...] = (), seen: dict[int, int] | None = None
+              ) -> Decision:
+        """A failure of process ``index`` its caller found in an answer of the generations ``seen``
+        (an env update that raised in a call; a worker-side rollout's ``envs``, to be rebuilt in
+        place and remade by the caller's own next call, ``WorkerEnvs.rebuild``): the supervisor's
+        decision, carried out — or the one taken already, if those envs were replaced since."""
         w = self.workers[index]
         if w.failure is not None:
-            return w.failure
-        completions: list[Completion] = []
-        self._on_failure(w, error, completions)
-        return next((c.error for c in completions if c.error is not None), None)
+            return GiveUp(w.failure, True)
+        decided = self.supervisor.already(index, seen or {})
+        if decided is not None:
+            return decided
+        if w.busy:
+            raise InvalidInputError(f"{w.name} has a request in flight; report a failure once it answered")
+        decision = self._decide(w, error, None, envs)
+        return decision if isinstance(decision, Rebuild) else self._carry_out(w, decision, error, [], [])
 
     def join_boot(self, index: int, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
         """A step or reset of ``slots`` (idle) asked while process ``index`` comes back from a
@@ -89,65 +89,51 @@ class PoolRecovery:
                 boot.plan.append(merged)
         boot.lost.append(EnvironmentRequest(cmd, -1, slots))
 
-    def rebuild_in_place(self, index: int, slots: list[int], error: EnvManagerError) -> EnvManagerError | None:
-        """Envs ``slots`` of process ``index`` raised inside a call the process answered (so it
-        is healthy): within the restart policy each is to be rebuilt in that process, counted as
-        a restart now, its slot's generation raised now (``None`` is returned); the caller's own
-        code in the worker remakes it before its next use (``WorkerEnvs.rebuild``, as a REBUILD
-        would). A process on its way back, or a refusal of the policy, take the process's
-        failure path instead (``report_failure``)."""
-        w = self.workers[index]
-        if w.failure is not None:
-            return w.failure
-        if w.boot is not None or self.queue is None or self.supervisor.refusal(index) is not None:
-            return self.report_failure(index, error)
-        self.supervisor.restarting(index, f"rebuilding env {', '.join(map(str, slots))} of {w.name} after: {error}")
-        for s in slots:
-            self.rebuilds.counts[s] += 1
-        return None
+    def _on_failure(self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion],
+                    request: EnvironmentRequest | None = None) -> None:
+        """``w`` failed (``request``, already out of flight, with it): restarted or given up."""
+        self._carry_out(w, self._decide(w, error, request), error, [request] if request is not None else [], completions)
 
-    def _on_failure(
-        self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion], request: EnvironmentRequest | None = None
-    ) -> None:
-        """Restart ``w`` if the policy allows; otherwise report ``error`` for every request the
-        failure cut short (``request``, already out of flight, and those still in flight)."""
+    def _decide(self, w: WorkerProcess, error: EnvManagerError, request: EnvironmentRequest | None = None,
+                envs: tuple[int, ...] = ()) -> Decision:
+        """The supervisor's decision on ``w``'s failure; ``envs`` (which raised) are rebuilt in
+        place if it serves on: alive, answering, not on its way back nor rebuilding."""
+        if self.queue is None:  # closed meanwhile by another thread: nothing is restarted
+            raise ManagerClosedError("the SubprocessEnvManager was closed")
         self._version += 1
-        lost = [request] if request is not None else []
-        if self.queue is None:  # closing: nothing is restarted
-            refused: EnvManagerError | None = error
-        else:
-            refused = self.supervisor.decide(w.index, f"restarting {w.name} after: {error}",
-                                             lambda reason: self._refused(w, reason, error))
-        restart = refused is None
-        error = refused or error
-        # (a process that could not rebuild an env is given up too: that env is gone)
-        rebuilding = request is not None and request.cmd is Cmd.REBUILD
-        gone = isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None or rebuilding
-        if restart or gone:  # the process goes: every request in flight is cut short with it
-            lost += w.cut()
-            if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
-                lost = list(w.boot.lost)
-        if restart:
-            self._restart(w, lost, error, completions)
-            return
-        if gone:  # the process is gone or stuck for good: its error, on every later use
-            error = self.supervisor.give_up(w.index, error)
-            w.fail()
-        requests: list[EnvironmentRequest | None] = [*lost] or [None]
-        for lost_request in requests:  # the same error for each (the slots file it once)
-            completions.append(Completion(w, lost_request, None, error))
+        rebuilding = request is not None and request.cmd is Cmd.REBUILD  # (an env it could not rebuild is gone)
+        serves = not (isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None
+                      or rebuilding)
+        envs = envs if serves else ()
+        what = f"rebuilding env {', '.join(map(str, envs))} of" if envs else "restarting"
+        return self.supervisor.on_fault(w.index, Fault(error, f"{what} {w.name} after: {error}", serves, envs))
 
-    def _refused(self, w: WorkerProcess, reason: str, error: EnvManagerError) -> EnvManagerError:
-        """The error of a process the policy does not restart: past the limits, ``RestartLimitError``
-        naming the slot, the process and the failure; with restarts off, the failure itself."""
-        if not self.supervisor.policy.enabled:
-            return error
-        return RestartLimitError(error_slot(error, w), reason, error, w.env_ids, w.index)
+    def _carry_out(self, w: WorkerProcess, decision: Decision, error: EnvManagerError, lost: list[EnvironmentRequest],
+                   completions: list[Completion]) -> Decision:
+        """A restart or give-up of ``w`` after ``error``: every request in flight is cut short
+        with it (``lost`` are already out of flight) and answered by the restart, or by the
+        decision's error; a process that serves on (restarts off) reports it for ``lost`` alone."""
+        if isinstance(decision, GiveUp) and not decision.given_up:
+            requests: list[EnvironmentRequest | None] = [*lost] or [None]
+            completions += [Completion(w, r, None, decision.error) for r in requests]
+            return decision
+        lost += w.cut()
+        if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
+            lost = list(w.boot.lost)
+        if isinstance(decision, Restart):
+            self._restart(w, lost, error, decision.generations, completions)
+            return decision
+        w.fail()
+        assert isinstance(decision, GiveUp)
+        requests = [*lost] or [None]
+        for lost_request in requests:  # the same error for each (the slots file it once)
+            completions.append(Completion(w, lost_request, None, decision.error))
+        return decision
 
     def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
-                 completions: list[Completion]) -> None:
-        """Replace ``w`` by a new process and plan how it comes back (see ``Boot``); the
-        supervisor recorded the restart."""
+                 generations: tuple[int, ...], completions: list[Completion]) -> None:
+        """Replace ``w`` by a new process, told its envs' ``generations``, and plan how it comes
+        back (see ``Boot``); the supervisor recorded the restart."""
         w.kill()
         attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
         startup = [r for r in lost if r.cmd in (Cmd.READY, Cmd.ATTACH)]
@@ -172,30 +158,33 @@ class PoolRecovery:
                 if r.cmd not in _ANSWERED_BY_RESET:
                     completions.append(Completion(w, r, None, error))  # its caller must know
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
-        self.workers[w.index] = self._start(w.spec, boot, w.generation + 1)
+        self.workers[w.index] = self._start(replace(w.spec, generations=generations), boot)
 
     def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
-                    completions: list[Completion]) -> None:
-        """Restarts are on and envs raised in ``request`` (``answer.failures``): rebuild them in
-        their process, which answered and so is healthy, counted as a restart by the policy
-        (``envmanager.core.rebuild``); the other envs' results stand (their episodes go on). A
-        process on its way back, a rebuild's own answer, or a refusal of the policy take the
-        process's failure path instead (restarted, or ``RestartLimitError``)."""
+                    completions: list[Completion]) -> bool:
+        """Envs raised in ``request`` (``answer.failures``): the supervisor decides. Rebuilt in
+        their process, which answered (``envmanager.core.rebuild``): the other envs' results
+        stand. Else restarted or given up; or (``False``) the process serves on and
+        ``completion`` is filed as it is (restarts off: the failures are those envs' errors)."""
         failures = answer.failures
         assert failures is not None
         error = worker_error(failures[min(failures)], w.index)
-        if request.cmd not in (Cmd.STEP, Cmd.RESET) or w.boot is not None or self.supervisor.refusal(w.index) is not None:
-            self._on_failure(w, error, completions, request)
-            return
         slots = request.slots
+        decision = self._decide(w, error, request,
+                                tuple(slots[n] for n in sorted(failures)) if request.cmd in (Cmd.STEP, Cmd.RESET) else ())
+        if isinstance(decision, GiveUp) and not decision.given_up:
+            return False
+        if not isinstance(decision, Rebuild):
+            self._carry_out(w, decision, error, [request], completions)
+            return True
         kept = [n for n in range(len(slots)) if n not in failures]
         if kept:  # the envs that delivered: their results, as if the others were not asked
             completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
             completions.append(completion)
-        rebuild = self.rebuilds.request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls)
-        self.supervisor.restarting(w.index, f"rebuilding env {', '.join(map(str, rebuild.slots))} of {w.name} after: {error}")
         w.state = ProcessState.REBUILDING
-        w.send(rebuild)
+        w.send(rebuild_request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls,
+                               decision.generations))
+        return True
 
     def _rebuilt(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
         """An answer of a process rebuilding envs: a rebuild's is those slots' fresh reset,

@@ -1,4 +1,5 @@
-"""When a failed worker may be restarted: a lifetime count and a rate, per worker (ML-Agents' rule)."""
+"""When a failed unit may be restarted: a lifetime count and a rate, per quota (ML-Agents' rule);
+the counts are the supervisor's, the rate's window of recent restarts the policy's."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ RATE_LIMIT_PERIOD_S = 60.0
 
 
 class RestartPolicy:
-    """Allow at most ``max_lifetime_restarts`` restarts of a worker, and at most
-    ``rate_limit_n`` within any ``rate_limit_period_s`` seconds. ``-1`` lifts a limit.
-    The defaults are ML-Agents': 10 per lifetime, 1 per 60 s.
+    """Allow at most ``max_lifetime_restarts`` restarts per quota (a process, a node, a player),
+    and at most ``rate_limit_n`` within any ``rate_limit_period_s`` seconds. ``-1`` lifts a
+    limit. The defaults are ML-Agents': 10 per lifetime, 1 per 60 s.
     """
 
     def __init__(
@@ -31,16 +32,16 @@ class RestartPolicy:
         self.max_lifetime_restarts = max_lifetime_restarts
         self.rate_limit_n = rate_limit_n
         self.rate_limit_period_s = rate_limit_period_s
-        self.counts: dict[int, int] = defaultdict(int)
         self._recent: dict[int, deque[float]] = defaultdict(deque)
 
-    def refusal(self, worker_index: int) -> str | None:
-        """Why a restart of this worker is not allowed now, or ``None`` if it is."""
+    def refusal(self, key: int, count: int) -> str | None:
+        """Why another restart counted against quota ``key``, restarted ``count`` times so far,
+        is not allowed now, or ``None`` if it is."""
         if not self.enabled:
             return f"restarts are disabled ({self.switch}=False)"
-        if 0 <= self.max_lifetime_restarts <= self.counts[worker_index]:
-            return f"it was already restarted {self.counts[worker_index]} times (max_lifetime_restarts)"
-        recent = self._recent[worker_index]
+        if 0 <= self.max_lifetime_restarts <= count:
+            return f"it was already restarted {count} times (max_lifetime_restarts)"
+        recent = self._recent[key]
         now = time.monotonic()
         while recent and now - recent[0] > self.rate_limit_period_s:
             recent.popleft()
@@ -51,6 +52,6 @@ class RestartPolicy:
             )
         return None
 
-    def record(self, worker_index: int) -> None:
-        self.counts[worker_index] += 1
-        self._recent[worker_index].append(time.monotonic())
+    def record(self, key: int) -> None:
+        """A restart counted against quota ``key`` now (the rate's window)."""
+        self._recent[key].append(time.monotonic())

@@ -8,7 +8,8 @@ One status per slot (``worker_id`` is a slot)::
 
 What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
 set), their non-empty infos, which were interrupted by a restart, and the errors to raise; and
-each slot's generation as of its latest answer (``generations``, kept by the batch level).
+each slot's generation as its latest answer's stamp says (``generations``; the step board's are
+of the generation their slots have: a replaced process answers through its fresh reset first).
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class SlotState:
 
     def __init__(self, n_env: int) -> None:
         self.status = np.zeros(n_env, dtype=np.uint8)
-        #: Each slot's generation as of its latest answer filed (``StepBatch.generations``).
+        #: Each slot's generation as its latest answer filed carried it (``StepBatch.generations``).
         self.generations = np.zeros(n_env, dtype=np.int64)
         self.generation_list = [0] * n_env  # the same, for per-slot Python (StepInfo): no numpy scalar per answer
+        self._stamped: dict[tuple[int, ...], tuple[int, ...]] = {}  # by an answer's slots: the generations filed
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
@@ -111,6 +113,9 @@ class SlotState:
         answer: Stepped = c.answer
         index = c.worker.index
         slots = c.slots  # a tuple, ascending (a request's slots)
+        stamp = answer.generations
+        if stamp is not None and self._stamped.get(slots) != stamp:  # rare: a restart's or rebuild's answer
+            self.stamp(slots, stamp)
         if slots and len(answer.env_times) == len(slots):  # (a restart's reset answers every slot of its process)
             rows = _rows(slots)
             self.env_time[rows], self.posted_at[rows], self.received_at[rows] = answer.env_times, c.posted_at, c.received_at
@@ -138,6 +143,12 @@ class SlotState:
             self.arrived_resets.update(slots)
         else:
             self.arrived.extend(slots)
+
+    def stamp(self, slots: tuple[int, ...], generations: tuple[int, ...]) -> None:
+        """``slots`` are of ``generations`` (the worker's stamp on their answer)."""
+        self._stamped[slots] = generations
+        for slot, generation in zip(slots, generations, strict=True):
+            self.generations[slot] = self.generation_list[slot] = generation
 
     def file_steps(self, slots: np.ndarray) -> None:
         """File the step board's answers of ``slots`` (results, infos and timings all in shared

@@ -1,143 +1,213 @@
-"""The one supervisor of remote work: what a fault of a unit leads to, and when a unit is late.
+"""The one supervisor of remote work: what a fault of a unit leads to, how often each unit and
+env was replaced, and when a unit is late.
 
-A **unit** is what runs remote work and can be replaced as a whole: a worker process of the
-core's pool (``envmanager.core.pool``), a node of the Ray sampler (``envmanager.ray.nodes``), a
-node of Unity players (``envmanager.mlagents.ray_env_manager``). Each pool is an instance of
-:class:`Supervisor` and keeps only its transport (pipes and mailboxes, or Ray actors) and its own
-start, kill and replay. The supervisor holds, in one place:
-
-- the **decision** after a fault (died, hung, raised): restart — recorded in the one
-  :class:`~envmanager.core.restart.RestartPolicy`, logged once, counted once
-  (:attr:`Supervisor.restarts`, :meth:`Supervisor.restart_count`) — or give up;
-- the **terminal error** of each unit given up (:meth:`Supervisor.give_up`): raised at once on
-  every later use (:meth:`Supervisor.check`), past the limits a ``RestartLimitError`` naming the
-  unit, with the remote traceback and the cause;
-- the **deadline** of each unit's oldest request (a clock per unit; :meth:`Supervisor.overdue`
-  names the units past it). The core pool keeps its clocks on its processes, set on the hot path
-  without a call here, and asks :meth:`Supervisor.late` only when a deadline can be due.
-
-Core only: no Ray, no processes; the pools call in on faults and for deadlines, never per answer.
+A **unit** is what can be replaced as a whole and hosts **slots** (envs): a worker process of the
+core's pool (``envmanager.core.pool``), a Ray sampler node (``envmanager.ray.nodes``), a node of
+Unity players (``envmanager.mlagents.ray_env_manager``). Each pool has one :class:`Supervisor`
+and keeps only its transport and its own start, kill and replay. The pools ask; it alone
+**decides** (:meth:`Supervisor.on_fault`: restart, rebuild the envs that raised in a unit that
+serves on, or give up, with the error built here and kept for every later use), **counts**
+(each unit's restarts, rebuilds included: the quota the one
+:class:`~envmanager.core.restart.RestartPolicy` judges; each slot's **generation**, which a
+decision hands the pool to tell the new unit or rebuilt envs, and which every answer carries
+from there) and keeps the **deadline clocks** (a list the pools' hot paths write; judged here).
+Core only: no Ray, no processes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from time import monotonic
+from typing import NamedTuple
 
 from envmanager.core.restart import RestartPolicy
-from envmanager.errors import EnvManagerError
+from envmanager.errors import EnvManagerError, NodeError, NodeRestartLimitError, RestartLimitError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "Fault", "Restart", "Rebuild", "GiveUp", "Decision"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault as its pool saw it: ``error`` (restarts off raise it), ``event`` (the log line of a
+    restart), whether the unit ``serves`` on (its envs raised, it answered), and ``envs``: those
+    envs, to be rebuilt in place (empty: a rebuild is not possible)."""
+
+    error: EnvManagerError
+    event: str
+    serves: bool = False
+    envs: tuple[int, ...] = ()
+
+
+class Restart(NamedTuple):
+    """Replace the unit; its slots' ``generations`` from now on (the new unit is told them)."""
+
+    generations: tuple[int, ...]
+
+
+class Rebuild(NamedTuple):
+    """Remake the envs of ``slots`` inside their unit; their ``generations`` from now on."""
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class GiveUp(NamedTuple):
+    """Raise ``error``; ``given_up``: the unit serves no more (its error on every later use)."""
+
+    error: EnvManagerError
+    given_up: bool
+
+
+Decision = Restart | Rebuild | GiveUp
 
 
 class Supervisor:
-    """Restart-or-give-up decisions, terminal errors and request deadlines for numbered units.
+    """Decisions, restart counts, generations, terminal errors and deadline clocks of units.
 
-    ``policy``: the one restart policy (its ``counts`` are the restart counts); ``timeout``:
-    seconds a unit's oldest request may take before the unit counts as hung; ``kind``: what a
-    unit is (``"process"``, ``"node"``), for log lines."""
+    ``units``: each unit's slots (``0..n-1`` over all units); ``timeout``: seconds a unit's
+    oldest request may take before it counts as hung; ``kind`` (``"process"``, ``"node"``): for
+    log lines; ``per_slot``: the quota is per slot, not per unit (a node of Unity players: one per
+    player, whether it restarts on its node or with it); ``generations``: each slot's to go on
+    from (units started in place of lost ones: restarted that often, the last time just now)."""
 
-    def __init__(self, policy: RestartPolicy, timeout: float, kind: str = "process") -> None:
-        self.policy = policy
-        self.timeout = float(timeout)
-        self.kind = kind
+    def __init__(self, policy: RestartPolicy, timeout: float, units: Sequence[Sequence[int]], kind: str = "process",
+                 per_slot: bool = False, generations: Sequence[int] | None = None) -> None:
+        self.policy, self.timeout, self.kind, self.per_slot = policy, float(timeout), kind, per_slot
+        self.units = [tuple(u) for u in units]
+        self._unit_of = {s: u for u, slots in enumerate(self.units) for s in slots}
+        #: Per slot: how often its env was replaced (its unit restarted, or itself rebuilt).
+        self._generations = list(generations) if generations is not None else [0] * len(self._unit_of)
+        #: Per unit: its restarts, rebuilds of its envs included (the unit's quota).
+        self._counts = [max((self._generations[s] for s in u), default=0) for u in self.units]
+        #: Restarts so far, of every unit: the one count samplers and drop-ins read (the sum, kept).
+        self.restarts = sum(self._counts)
+        for key in self._keys(range(len(self.units))):
+            if self._quota(key):
+                policy.record(key)  # restarted just now, with the unit this one replaces
         self._failures: dict[int, EnvManagerError] = {}  # unit -> its terminal error
-        self._clocks: dict[int, float] = {}  # unit -> when its oldest request's clock started
+        #: Per unit: when its oldest request's clock started (``time.monotonic``), written by the
+        #: pool as it sends and takes answers, judged only while the unit has one in flight.
+        self.clocks = [0.0] * len(self.units)
 
-    # ------------------------------------------------------------------------------------------
-    # Decisions
+    # -- decisions -------------------------------------------------------------------------------
 
-    @property
-    def restarts(self) -> int:
-        """Restarts so far, of every unit (a rebuild of an env in its process is one too)."""
-        return sum(self.policy.counts.values())
-
-    def restart_count(self, unit: int) -> int:
-        return self.policy.counts.get(unit, 0)
-
-    def refusal(self, unit: int) -> str | None:
-        """Why ``unit`` may not be restarted now (restarts off, past a limit), or ``None``."""
-        return self.policy.refusal(unit)
-
-    def decide(self, unit: int, event: str, refused: Callable[[str], EnvManagerError]) -> EnvManagerError | None:
-        """``unit`` failed: ``None`` if it is to be restarted (recorded, and ``event`` — what
-        happened and what is done, as a log line says it — logged here, once), else the error
-        to raise: ``refused(reason)``, the pool's own shape of it (``RestartLimitError`` past
-        the limits). Giving up is the caller's next step (:meth:`give_up`), as only it knows
-        whether the unit can serve on (a process whose env raised, with restarts off, can)."""
-        reason = self.refusal(unit)
+    def on_fault(self, unit: int, fault: Fault) -> Decision:
+        """``unit`` failed: restart it, rebuild ``fault.envs`` in it (it serves on), or give up,
+        within the policy. A restart or rebuild is recorded, counted and logged here, once; a
+        refusal's error is built here, and a unit that cannot serve on (or is past the limits)
+        is given up: :meth:`check` raises that error from now on."""
+        rebuild = fault.serves and bool(fault.envs)
+        keys = self._keys([unit], fault.envs if rebuild else None)
+        reason = next(filter(None, (self.policy.refusal(k, self._quota(k)) for k in keys)), None)
         if reason is not None:
-            return refused(reason)
-        self.restarting(unit, event)
+            error, given_up = self._refused(unit, fault.error, reason), not fault.serves or self.policy.enabled
+            return GiveUp(self.give_up(unit, error) if given_up else error, given_up)
+        slots = fault.envs if rebuild else self.units[unit]
+        for key in keys:
+            self.policy.record(key)
+        self._counts[unit] += 1
+        self.restarts += 1
+        for s in slots:
+            self._generations[s] += 1
+        logger.warning("%s (restart %d of %s %d)", fault.event, self._counts[unit], self.kind, unit)
+        generations = tuple(self._generations[s] for s in slots)
+        return Rebuild(slots, generations) if rebuild else Restart(generations)
+
+    def already(self, unit: int, seen: dict[int, int]) -> Restart | None:
+        """A fault found in answers of the generations ``seen`` (slot -> generation): if one of
+        those envs was replaced since, it was decided already (that restart; nothing new)."""
+        if any(self._generations[s] != g for s, g in seen.items()):
+            return Restart(self.generations(unit))
         return None
 
-    def restarting(self, unit: int, event: str) -> None:
-        """Record a restart of ``unit`` the policy allowed (``refusal`` was ``None``); log ``event``."""
-        self.policy.record(unit)
-        self._clocks.pop(unit, None)
-        logger.warning("%s (restart %d of %s %d)", event, self.policy.counts[unit], self.kind, unit)
+    def answered(self, slot: int, generation: int) -> None:
+        """An answer says ``slot``'s env is of a newer ``generation``: its unit replaced it itself
+        (a Unity player its node's core restarted, on the count its node went on from): counted."""
+        known = self._generations[slot]
+        if generation > known:
+            self._generations[slot] = generation
+            self._counts[self._unit_of[slot]] += generation - known
+            self.restarts += generation - known
+            for key in self._keys([self._unit_of[slot]], (slot,)):
+                self.policy.record(key)
+
+    def _keys(self, units: Sequence[int] | range, envs: Sequence[int] | None = None) -> list[int]:
+        """The quotas a restart of ``units`` (or a rebuild of ``envs``) counts against."""
+        return list(envs or [s for u in units for s in self.units[u]]) if self.per_slot else list(units)
+
+    def _quota(self, key: int) -> int:
+        return self._generations[key] if self.per_slot else self._counts[key]
+
+    def _refused(self, unit: int, failure: EnvManagerError, reason: str) -> EnvManagerError:
+        """A refused fault's error: with restarts off the failure itself (a node's saying it was
+        not restarted, and why); past the limits a ``RestartLimitError`` naming the unit."""
+        if isinstance(failure, NodeError):
+            if self.policy.enabled:
+                return NodeRestartLimitError(reason, failure)
+            return NodeError(failure.node, failure.worker_ids, f"{failure.message}; not restarted: {reason}",
+                             failure.cause, failure.remote_traceback)
+        if not self.policy.enabled:
+            return failure
+        slots = self.units[unit]
+        named = getattr(failure, "worker_id", None)
+        return RestartLimitError(named if named in slots else slots[0], reason, failure, slots, unit)
+
+    # -- counts and units given up ---------------------------------------------------------------
+
+    def restart_count(self, unit: int) -> int:
+        """How often ``unit`` was restarted or had an env rebuilt (its quota's count)."""
+        return self._counts[unit]
+
+    def generation(self, slot: int) -> int:
+        """How often ``slot``'s env was replaced: its unit restarted, or itself rebuilt."""
+        return self._generations[slot]
+
+    def generations(self, unit: int) -> tuple[int, ...]:
+        """The generations of ``unit``'s slots (what a unit started now is told)."""
+        return tuple(self._generations[s] for s in self.units[unit])
 
     def give_up(self, unit: int, error: EnvManagerError) -> EnvManagerError:
-        """``unit`` is given up: ``error`` is raised on every later use of it (:meth:`check`)."""
-        self._failures.setdefault(unit, error)
-        self._clocks.pop(unit, None)
-        return self._failures[unit]
+        """``unit`` is given up: its first such ``error`` is raised on every later use (returned)."""
+        return self._failures.setdefault(unit, error)
 
     def failure(self, unit: int) -> EnvManagerError | None:
         """``unit``'s terminal error, if it was given up."""
         return self._failures.get(unit)
 
     def first_failure(self) -> tuple[int, EnvManagerError] | None:
-        """The unit given up first and its error: the one a caller saw first, so the one every
-        later use raises again (``None`` while none is)."""
+        """The unit given up first and its error (the one every later use raises again)."""
         return next(iter(self._failures.items()), None)
 
     def check(self, unit: int | None = None) -> None:
-        """Raise ``unit``'s terminal error (if ``None``: the first given up's, :meth:`first_failure`)."""
-        if unit is not None:
-            failure = self._failures.get(unit)
-        else:
-            first = self.first_failure()
-            failure = first[1] if first is not None else None
+        """Raise ``unit``'s terminal error (if ``None``: the first given up's)."""
+        failure = self._failures.get(unit) if unit is not None else next(iter(self._failures.values()), None)
         if failure is not None:
             raise failure
 
-    # ------------------------------------------------------------------------------------------
-    # Deadlines: one clock per unit, for its oldest request in flight
+    # -- deadlines: one clock per unit, for its oldest request in flight --------------------------
 
-    def start_clock(self, unit: int) -> None:
-        """A request was sent to ``unit``: its clock starts unless an older request's runs."""
-        self._clocks.setdefault(unit, monotonic())
-
-    def next_clock(self, unit: int, more: bool) -> None:
-        """``unit``'s oldest request was answered: the next one's clock starts now (``more``),
-        else none runs."""
-        if more:
-            self._clocks[unit] = monotonic()
-        else:
-            self._clocks.pop(unit, None)
-
-    def stop_clock(self, unit: int) -> None:
-        self._clocks.pop(unit, None)
-
-    def left(self, unit: int) -> float:
-        """Seconds before ``unit`` is late (the whole timeout if no request of it is in flight)."""
-        started = self._clocks.get(unit)
-        return self.timeout if started is None else max(0.0, started + self.timeout - monotonic())
-
-    def soonest(self) -> float:
-        """Seconds until the first unit can be late (the whole timeout if none is waited on)."""
-        return min((self.left(u) for u in self._clocks), default=self.timeout)
-
-    def overdue(self) -> list[int]:
-        """The units whose oldest request missed the deadline, judged now."""
-        now = monotonic()
-        return sorted(u for u, started in self._clocks.items() if now >= started + self.timeout)
+    def start_clock(self, unit: int, now: float | None = None) -> None:
+        """``unit``'s oldest request in flight is a new one (sent to it idle, or the one ahead
+        of it answered): its clock starts ``now``."""
+        self.clocks[unit] = monotonic() if now is None else now
 
     def late(self, started: float, now: float) -> bool:
-        """Whether a request whose clock started at ``started`` is past the deadline at ``now``
-        (for a pool that keeps its clocks itself)."""
+        """Whether a request whose clock started at ``started`` is past the deadline at ``now``."""
         return now >= started + self.timeout
+
+    def left(self, unit: int) -> float:
+        """Seconds before ``unit`` (a request in flight) is late."""
+        return max(0.0, self.clocks[unit] + self.timeout - monotonic())
+
+    def soonest(self, units: Sequence[int]) -> float:
+        """Seconds until the first of ``units`` (requests in flight) can be late (at most the timeout)."""
+        return min((self.left(u) for u in units), default=self.timeout)
+
+    def overdue(self, units: Sequence[int]) -> list[int]:
+        """Those of ``units`` (requests in flight) whose oldest request missed the deadline, now."""
+        now = monotonic()
+        return [u for u in units if now >= self.clocks[u] + self.timeout]

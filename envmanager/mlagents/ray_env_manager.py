@@ -16,12 +16,14 @@ deadline plus :data:`RAY_MARGIN`); the driver waits until the nearest one at mos
 actor dies (node lost, actor killed) or that misses its own deadline is replaced, while the
 others keep answering, on another Ray node if there is one, with the same worker ids, the
 environment parameters, engine settings and analytics set so far, within the restart limits (per
-node, ML-Agents' rule); its players come back as interrupted resets. The deadlines, the decision
-and the nodes given up are the pool's :class:`~envmanager.core.supervisor.Supervisor`'s, as for
-the core's processes. Past the limits (:class:`RayPlayerRestartLimitError`, also a
-``RestartLimitError``), or if the replacement cannot start, :class:`RayPlayerError` names the
-node and its worker ids, and is raised again on every later use of that node. Errors of the
-players themselves name the trainer's worker ids.
+player, ML-Agents' rule, applied once: its restarts on its node and with its node are one count, its
+generation, which a replacement node goes on from and its answers bring here); its players come
+back as interrupted resets. The deadlines, the decision, the counts and the nodes given up are
+the pool's :class:`~envmanager.core.supervisor.Supervisor`'s, as for the core's processes. Past
+the limits (:class:`RayPlayerRestartLimitError`, also a ``RestartLimitError``), or if the
+replacement cannot start, :class:`RayPlayerError` names the node and its worker ids, and is
+raised again on every later use of that node. Errors of the players themselves name the
+trainer's worker ids.
 
 The env factory runs on the nodes: a build path must exist on every node. The Ray session is
 :class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
@@ -83,16 +85,12 @@ class RayPlayerPool(PlayerNodes):
         self.options = {"timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
                         "restarts_rate_limit_n": restarts_rate_limit_n,
                         "restarts_rate_limit_period_s": restarts_rate_limit_period_s}
-        #: Restart or give up after a node is lost, the nodes given up, each node's deadline.
-        self.supervisor = Supervisor(RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n,
-                                                   restarts_rate_limit_period_s), self.deadline_s, "node")
         self.replay_calls: list[tuple[str, tuple, dict]] = []
         self.nodes: list[Node] = []
         self._last: dict[int, StepInfo] = {}
         self._ready: list[StepInfo] = []
         self._resets: list[int] = []
         self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
-        self.restarts_seen: dict[int, int] = {}  # worker id -> its fresh resets after a restart
         self._closed = False
         if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
             raise InvalidInputError(f"n_nodes must be between 1 and n_env ({self.n_env}), got {n_nodes!r}")
@@ -105,6 +103,10 @@ class RayPlayerPool(PlayerNodes):
             firsts = [sum(sizes[:k]) for k in range(count)]
             self.nodes = [Node(k, self.worker_ids[firsts[k]:firsts[k] + sizes[k]], alive[k % len(alive)])
                           for k in range(count)]
+            #: What a lost node leads to (one restart quota per player: ``per_slot``), the players'
+            #: generations and each node's restarts, the nodes given up, each node's deadline clock.
+            policy = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
+            self.supervisor = Supervisor(policy, self.deadline_s, [n.ids for n in self.nodes], "node", per_slot=True)
             for node in self.nodes:  # every actor starts at once; then each is awaited
                 self._start(node, node.ray_node_id)
             for node in self.nodes:
@@ -155,8 +157,10 @@ class RayPlayerPool(PlayerNodes):
         return given_up or self._failures.get(worker_id)
 
     def restart_count(self, worker_id: int) -> int:
-        """How often the player was restarted: on its node, or with its node."""
-        return self.restarts_seen.get(worker_id, 0)
+        """How often the player's process was restarted (on its node, or with its node), as its
+        latest answer says: its generation (one env per process: the process's restart count)."""
+        last = self._last.get(worker_id)
+        return 0 if last is None else last.generation
 
     def reset(self) -> list[StepInfo]:
         """Reset every player (steps in flight are waited out, each to its node's deadline, and
@@ -167,12 +171,12 @@ class RayPlayerPool(PlayerNodes):
         for node in self.nodes:
             if node.pending is not None:
                 try:
-                    self._answer(node, node.pending, self._left(node))
+                    self._answer(node, node.pending, self.supervisor.left(node.index))
                 except NodeLost as exc:
                     lost.append((node, str(exc)))
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
-                self._settle(node)
+                node.pending = None
             node.sent.clear()
         self._ready = []
         for node, why in lost:
@@ -231,7 +235,7 @@ class RayPlayerPool(PlayerNodes):
             if node.index in by_node:
                 sent = by_node[node.index]
                 node.pending = self._submit(node, "step", sent)
-                self.supervisor.start_clock(node.index)
+                self.supervisor.start_clock(node.index)  # (one request in flight per node)
                 node.idle -= set(sent)
                 node.sent.update(sent)
 
@@ -248,19 +252,20 @@ class RayPlayerPool(PlayerNodes):
                     if len(out) >= min_count:
                         return out
                     raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
-                timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest()
+                flying = [node.index for node in pending.values()]
+                timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest(flying)
                 try:
                     done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
                     if done:  # take whatever else is in too, without waiting
                         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
                 except Exception as exc:
                     self._session.reraise(exc, "waiting for the nodes' steps")
-                hung = [self.nodes[i] for i in self.supervisor.overdue()  # judged now, before any replacement takes time
-                        if self.nodes[i].pending is not None and self.nodes[i].pending not in done]
+                hung = [self.nodes[i] for i in self.supervisor.overdue(flying)  # judged now, before any replacement
+                        if self.nodes[i].pending not in done]
                 error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]
-                    self._settle(node)
+                    node.pending = None
                     try:
                         out += self._arrived(node, self._answer(node, ref))  # in already
                     except NodeLost as lost:

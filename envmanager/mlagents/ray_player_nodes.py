@@ -3,9 +3,10 @@
 
 One :class:`Node` per node actor: started pinned to a Ray node, awaited, called (a call's
 ``(value, error)`` answer unpacked; Ray's failures as ``NodeLost`` or the session's error),
-killed; a node lost is replaced on another Ray node if there is one, within the supervisor's
-restart limits, its players coming back as interrupted resets (else given up with
-``RayPlayerError``); a node's answers become the trainer's ``StepInfo``\\ s. The pool keeps the
+killed; a node lost is replaced on another Ray node if there is one, as the supervisor decides
+(its players' restart quotas), its players coming back as interrupted resets from the
+generations it gave them (else given up with ``RayPlayerError``); a node's answers become the
+trainer's ``StepInfo``\\ s, and tell the supervisor of players their node restarted. The pool keeps the
 ``SubprocessEnvManager`` interface the ML-Agents manager uses (steps, resets, calls), its
 construction and closing. Imports Ray (extra ``ray``).
 """
@@ -19,10 +20,10 @@ from typing import Any
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepInfo
-from envmanager.core.supervisor import Supervisor
+from envmanager.core.supervisor import Fault, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError
 from envmanager.extras import requires_extra
-from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError, RayPlayerRestartLimitError
+from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import WorkerEnvFactory
 from envmanager.ray.session import RaySession
@@ -47,7 +48,7 @@ class Node:
     ids: list[int]
     ray_node_id: str
     actor: Any = None
-    pending: Any = None  # the step request in flight (its deadline: the supervisor's clock)
+    pending: Any = None  # the step request in flight (its deadline: the supervisor's clock, judged while it flies)
     idle: set[int] = field(default_factory=set)  # ids whose last step arrived, to be sent actions
     sent: dict[int, Any] = field(default_factory=dict)  # id -> the actions of its step in flight
     info: dict[str, Any] = field(default_factory=dict)
@@ -67,7 +68,6 @@ class PlayerNodes:
     supervisor: Supervisor
     replay_calls: list[tuple[str, tuple, dict]]
     nodes: list[Node]
-    restarts_seen: dict[int, int]
     _last: dict[int, StepInfo]
     _ready: list[StepInfo]
     _failures: dict[int, EnvManagerError]
@@ -102,27 +102,23 @@ class PlayerNodes:
     def _node_of(self, worker_id: int) -> Node:
         return next(n for n in self.nodes if worker_id in n.ids)
 
-    def _left(self, node: Node) -> float:
-        return self.supervisor.left(node.index)
-
-    def _settle(self, node: Node) -> None:
-        """``node`` has no step request in flight any more: no clock runs for it."""
-        node.pending = None
-        self.supervisor.stop_clock(node.index)
-
-    def _start(self, node: Node, ray_node_id: str, left_behind: Any = None) -> None:
+    def _start(self, node: Node, ray_node_id: str, left_behind: Any = None,
+               generations: tuple[int, ...] | None = None) -> None:
+        """Start ``node``'s actor on ``ray_node_id``; its players go on from ``generations``
+        (a replacement's: their restart counts so far, the supervisor's)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node.ray_node_id = ray_node_id
         self._session.check()  # a replacement after the session went would start a new one
+        options = self.options if generations is None else {**self.options, "generations": generations}
         try:
             node.actor = _Actor.options(
                 num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-            ).remote(self.worker_factory, node.ids, self.options, self.replay_calls, left_behind)
+            ).remote(self.worker_factory, node.ids, options, self.replay_calls, left_behind)
         except Exception as exc:
             self._session.reraise(exc, f"starting {node.name()}")
         node.idle, node.sent, node.info = set(node.ids), {}, {}
-        self._settle(node)
+        node.pending = None
 
     def _await_start(self, node: Node) -> None:
         """The node's ``info`` once it started; else ``RayPlayerError`` naming it (``cause``: what
@@ -143,7 +139,7 @@ class PlayerNodes:
             except Exception as exc:  # gone already
                 logger.debug("killing %s: %r", node.name(), exc)
         node.actor = None
-        self._settle(node)
+        node.pending = None
 
     def _call(self, node: Node, method: str, *args: Any) -> Any:
         """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
@@ -181,15 +177,15 @@ class PlayerNodes:
 
     def _arrived(self, node: Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
         """A node's answer as the trainer's steps: global ids (the node's), the previous result
-        and the actions sent (the driver's: the very objects the policy made)."""
+        and the actions sent (the driver's: the very objects the policy made). Each carries its
+        player's generation (a newer one than the supervisor knows: its node restarted it)."""
         out = []
         for info in infos:
             w = info.worker_id
             previous = self._last.get(w)
             cut = info.interrupted or interrupted
             action = node.sent.pop(w, None)
-            if cut:
-                self.restarts_seen[w] = self.restarts_seen.get(w, 0) + 1
+            self.supervisor.answered(w, info.generation)
             info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
                                  action=None if cut else action, interrupted=cut)
             self._last[w] = info
@@ -198,20 +194,9 @@ class PlayerNodes:
         return out
 
     def _replace(self, node: Node, why: str) -> list[StepInfo]:
-        """Start ``node``'s worker ids anew (on another Ray node if there is one), within the
-        restart limits; their fresh resets (interrupted). Else, or if the new one cannot start,
-        ``RayPlayerError`` names the node and its worker ids."""
-        reason = self.supervisor.refusal(node.index)
-        if reason:
-            self._kill(node)
-            message = f"{node.name()} was lost ({why}) and not replaced: {reason}"
-            if self.supervisor.policy.enabled:
-                failure: RayPlayerError = RayPlayerRestartLimitError(
-                    node.index, node.ids, reason, RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})"),
-                    message)
-            else:
-                failure = RayPlayerError(node.index, node.ids, message)
-            raise self.supervisor.give_up(node.index, failure)
+        """Start ``node``'s worker ids anew (on another Ray node if there is one), as the
+        supervisor decides (each player's restart quota); their fresh resets (interrupted). Else,
+        or if the new one cannot start, ``RayPlayerError`` names the node and its worker ids."""
         old, left_behind = node.ray_node_id, (node.info.get("host"), node.info.get("processes", []))
         self._kill(node)
         alive = self._alive_nodes(exclude=old)
@@ -220,18 +205,21 @@ class PlayerNodes:
             if n is not node:
                 busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
         target = min(alive, key=lambda nid: busy.get(nid, 0))
-        self.supervisor.restarting(node.index, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its "
-                                   f"players on Ray node {target} ({why})")
+        lost = RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})")
+        decision = self.supervisor.on_fault(node.index, Fault(
+            lost, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its players on Ray node {target} ({why})"))
+        if isinstance(decision, GiveUp):
+            raise decision.error
         try:
-            self._start(node, target, left_behind)
+            self._start(node, target, left_behind, decision.generations)
             self._await_start(node)
         except RayPlayerError as exc:  # the replacement could not start: given up
             self._kill(node)
             raise self.supervisor.give_up(node.index, exc) from None
         try:
             infos = self._answer(node, self._submit(node, "reset"))
-        except NodeLost as lost:
+        except NodeLost as lost_again:
             self._kill(node)
             raise self.supervisor.give_up(node.index, RayPlayerError(
-                node.index, node.ids, f"{node.name()} was lost ({why}); its replacement was lost too ({lost})")) from None
+                node.index, node.ids, f"{node.name()} was lost ({why}); its replacement was lost too ({lost_again})")) from None
         return self._arrived(node, infos, interrupted=True)

@@ -5,10 +5,12 @@ Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request
 deadline counts as hung; a node whose actor died (killed, node lost) counts as dead; a node
 whose sampler raised (what no restart of its env processes absorbed) has failed too. Each goes
 through ``NodePool.failed``, where the pool's :class:`~envmanager.core.supervisor.Supervisor`
-decides (the one restart policy, per node; it also keeps the deadlines and the nodes given up):
-killed and started again with the newest weights and every env update replayed, or
-``RayNodeError`` (past the limits also a ``RestartLimitError``: ``RayNodeRestartLimitError``).
-Every other Ray call's failure is ``RaySessionError`` (``RaySession.reraise``).
+decides (the one restart policy, per node; it also counts the restarts, each node's generation,
+keeps the deadline clocks and the nodes given up): killed and started again, told its
+generation, with the newest weights and every env update replayed, or ``RayNodeError`` (past
+the limits also a ``RestartLimitError``: ``RayNodeRestartLimitError``; both are the core's node
+errors, ``envmanager.errors``). Every other Ray call's failure is ``RaySessionError``
+(``RaySession.reraise``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Any, NoReturn
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
-from envmanager.core.supervisor import Supervisor
+from envmanager.core.supervisor import Fault, GiveUp, Supervisor
 from envmanager.core.updates import Pickled
-from envmanager.errors import EnvManagerError, ManagerClosedError, RestartLimitError
+from envmanager.errors import EnvManagerError, ManagerClosedError, NodeError, NodeRestartLimitError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
 from envmanager.ray.session import RaySession, RaySessionError
@@ -39,35 +41,12 @@ __all__ = ["NodePool", "RayNodeError", "RayNodeRestartLimitError", "RaySessionEr
 CLOSE_TIMEOUT = 10.0
 
 
-class RayNodeError(EnvManagerError):
-    """A node failed and was not restarted (restarts off, or past the limits), or could not be
-    placed; ``cause``: what its sampler raised (naming global slots), when it raised;
-    ``worker_ids``: the node's global slots (when known)."""
-
-    def __init__(self, node: int, message: str, remote_traceback: str | None = None, cause: BaseException | None = None,
-                 worker_ids: list[int] | None = None) -> None:
-        self.node = node
-        self.remote_traceback = remote_traceback
-        self.cause = cause
-        self.worker_ids = list(worker_ids or [])
-        super().__init__(message + (f"\n\nnode traceback:\n{remote_traceback}" if remote_traceback else ""))
-
-
-class RayNodeRestartLimitError(RayNodeError, RestartLimitError):
-    """A node failed past the restart limits: the ``RestartLimitError`` a process past them
-    raises (``reason``, ``failure``: the node's fault, ``worker_ids``: its global slots, ``cause``
-    and ``remote_traceback``: what its sampler raised), as a ``RayNodeError`` (``node``)."""
-
-    def __init__(self, node: int, slots: list[int], reason: str, failure: RayNodeError, message: str) -> None:
-        self.node, self.worker_ids, self.worker_id, self.process = node, list(slots), slots[0], None
-        self.reason, self.failure, self.message = reason, failure, message
-        self.cause, self.remote_traceback = failure.cause, failure.remote_traceback
-        self.exitcode = self.call = self.slot = None
-        traceback = f"\n\nnode traceback:\n{self.remote_traceback}" if self.remote_traceback else ""
-        EnvManagerError.__init__(self, message + traceback)
-
-    def __reduce__(self):
-        return (type(self), (self.node, self.worker_ids, self.reason, self.failure, self.message))
+#: A node failed and was not restarted (restarts off, or past the limits), or could not be placed:
+#: the core's node error (``node``, ``worker_ids``: its global slots, ``cause``: what its sampler
+#: raised, naming global slots, ``remote_traceback``).
+RayNodeError = NodeError
+#: A node failed past the restart limits: a ``RestartLimitError`` and a ``RayNodeError`` (the core's).
+RayNodeRestartLimitError = NodeRestartLimitError
 
 
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # Ray's stubs omit concurrency_groups
@@ -88,16 +67,16 @@ class Request:
     node: int
     kind: str  # "steps", "samples" or "episodes"
     arg: Any
-    incarnation: int
     ref: Any = None
 
 
 @dataclasses.dataclass(eq=False)
-class Fault:
-    """A node fault ``wait`` found: it died or ``hung``, or (``request``) its sampler raised ``error``."""
+class NodeFault:
+    """A node fault ``wait`` found, in the node's ``generation``: it died or ``hung``, or
+    (``request``) its sampler raised ``error``."""
 
     node: Node
-    incarnation: int
+    generation: int
     why: str
     hung: bool = False
     request: Request | None = None
@@ -114,10 +93,9 @@ class Node:
     offset: int
     n_envs: int
     actor: Any = None
-    incarnation: int = 0  # its generation: how often the supervisor restarted it (its answers carry it)
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: list[Request] = dataclasses.field(default_factory=list)  # in submission order (Ray runs them so)
-    updates_sent: int = 0  # to this incarnation: a request waits on the node until it has them all
+    updates_sent: int = 0  # to this actor: a request waits on the node until it has them all
 
     def name(self) -> str:
         where = f", host {self.info['host']}, pid {self.info['pid']}" if self.info else ""
@@ -133,23 +111,25 @@ class NodePool:
     """Ray actors for the nodes, the requests in flight, deadlines and restarts."""
 
     def __init__(self, env_factory: Callable[[int], Any], envs_per_node: list[int], policy: Any,
-                 resume: Callable[[Node], tuple[list[int | None], list[int]]],
+                 resume: Callable[[Node, int], tuple[list[int | None], list[int]]],
                  sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
                  restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
         self.start_timeout = start_timeout
-        #: Restart or give up after a node fault, the nodes given up, each node's deadline.
-        self.supervisor = Supervisor(restarts, timeout, "node")
+        #: What a node fault leads to, the restart counts and each node's generation (its
+        #: answers carry it), the nodes given up, each node's deadline clock.
+        self.supervisor = Supervisor(restarts, timeout, [[i] for i in range(len(envs_per_node))], "node")
         self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
-        #: Per node: each slot's seed if no episode used it yet, and the episodes each started so far.
+        #: Per node of a generation: each slot's seed if no episode used it yet, and the episodes
+        #: each started so far (the records then book only that generation's answers).
         self.resume = resume
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
                                "max_restarts": 0, "max_task_retries": 0}
         offsets = [sum(envs_per_node[:i]) for i in range(len(envs_per_node))]
         self.nodes = [Node(i, offsets[i], n) for i, n in enumerate(envs_per_node)]
         self.replay: Callable[[Node], None] = lambda node: None  # set by the sampler: weights and env updates
-        self._updates: list[tuple[Node, int, Any]] = []  # (node, incarnation, ref) of updates not yet confirmed
-        self._faults: list[Fault] = []  # node faults found, handled once the answers taken with them are booked
+        self._updates: list[Any] = []  # the refs of updates not yet confirmed
+        self._faults: list[NodeFault] = []  # node faults found, handled once the answers taken with them are booked
         self.closed = False
         try:
             self.session = RaySession.join(address, init_options)
@@ -174,19 +154,19 @@ class NodePool:
 
     def _start(self, node: Node) -> None:
         env_factory, policy, sampler_options = self._args
-        seeds, started = self.resume(node)
+        generation = self.supervisor.generation(node.index)
+        seeds, started = self.resume(node, generation)
         n_slots = sum(n.n_envs for n in self.nodes)
         self.check_usable()  # a restart after the session went would start a new one
         try:
             # @ray.remote made the class an actor class with .options; the stubs keep the plain class
             node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
                 node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
-                node.incarnation)
+                generation)
         except Exception as exc:
             self.ray_failed(exc, f"starting {node.name()}")
         node.info = {}
         node.queue = []
-        self.supervisor.stop_clock(node.index)
         node.updates_sent = 0
 
     def _await_started(self, nodes: list[Node]) -> None:
@@ -203,14 +183,14 @@ class NodePool:
             try:
                 node.info = ray.get(ref, timeout=deadline.left())
             except GetTimeoutError:
-                error = RayNodeError(node.index, f"{node.name()} did not start within {self.start_timeout:g} s "
-                                     f"(can the cluster meet its actor options {self._actor_options}?)")
+                error = RayNodeError(node.index, node.slots, f"{node.name()} did not start within {self.start_timeout:g} "
+                                     f"s (can the cluster meet its actor options {self._actor_options}?)")
             except RayTaskError as exc:
-                error = RayNodeError(node.index, f"{node.name()} failed to start: {exc.cause!r}", str(exc))
+                error = RayNodeError(node.index, node.slots, f"{node.name()} failed to start: {exc.cause!r}", None, str(exc))
             except RayActorError as exc:
-                error = RayNodeError(node.index, f"{node.name()} died while starting: {exc}")
+                error = RayNodeError(node.index, node.slots, f"{node.name()} died while starting: {exc}")
             except RayError as exc:  # its runtime env could not be set up, its node died, ...
-                error = RayNodeError(node.index, f"{node.name()} could not start: {type(exc).__name__}: {exc}")
+                error = RayNodeError(node.index, node.slots, f"{node.name()} could not start: {type(exc).__name__}: {exc}")
             except Exception as exc:  # the session went meanwhile
                 self.ray_failed(exc, f"waiting for {node.name()} to start")
             if error is None:
@@ -223,25 +203,24 @@ class NodePool:
     def failed(self, node: Node, why: str, error: BaseException | None = None, remote_traceback: str | None = None,
                serves: bool = False) -> list[Request]:
         """The node layer's one failure path: ``node`` died, hung, or its sampler raised
-        ``error`` (which no restart inside the node absorbed). Within the restart limits the
-        node is killed and started again; returns the requests that died with it. Else
-        ``RayNodeError`` names it, and the node is given up (killed, its error raised at once
+        ``error`` (which no restart inside the node absorbed): the supervisor decides. Restarted:
+        killed and started again; returns the requests that died with it. Else its error
+        (``RayNodeError``) is raised, and the node is given up (killed, its error raised at once
         from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
         in it was given up), as a process whose env raised does."""
         if self.closed:  # closed by another thread meanwhile: nothing is restarted
             raise ManagerClosedError("the ray sampler was closed")
-        failure = self.supervisor.decide(node.index, f"ray sampler: {node.name()} {why}; restarting it",
-                                         lambda reason: self._refused(node, why, reason, error, remote_traceback))
-        if failure is not None:
-            if not serves or self.supervisor.policy.enabled:
+        fault = RayNodeError(node.index, node.slots, f"{node.name()} {why}", error, remote_traceback)
+        decision = self.supervisor.on_fault(node.index, Fault(fault, f"ray sampler: {node.name()} {why}; restarting it",
+                                                              serves))
+        if isinstance(decision, GiveUp):
+            if decision.given_up:
                 self._kill(node)
                 node.queue = []
-                self.supervisor.give_up(node.index, failure)
-            raise failure
+            raise decision.error
         lost = node.queue
         self._kill(node)
-        node.incarnation = self.supervisor.restart_count(node.index)  # its generation: the supervisor's count
-        self._start(node)
+        self._start(node)  # told its new generation
         try:
             self._await_started([node])
         except RayNodeError as exc:
@@ -249,16 +228,6 @@ class NodePool:
             self._kill(node)
             raise
         return lost
-
-    def _refused(self, node: Node, why: str, reason: str, error: BaseException | None,
-                 remote_traceback: str | None) -> RayNodeError:
-        """The error of a node the policy does not restart: past the limits, a
-        ``RayNodeRestartLimitError``; with restarts off, ``RayNodeError``."""
-        message = f"{node.name()} {why}; not restarted: {reason}"
-        if self.supervisor.policy.enabled:
-            fault = RayNodeError(node.index, f"{node.name()} {why}", remote_traceback, error, node.slots)
-            return RayNodeRestartLimitError(node.index, node.slots, reason, fault, message)
-        return RayNodeError(node.index, message, remote_traceback, error, node.slots)
 
     def _kill(self, node: Node) -> None:
         if node.actor is not None:
@@ -280,13 +249,14 @@ class NodePool:
     def submit(self, node: Node, kind: str, arg: Any) -> Request:
         """Queue a collection call on ``node`` (Ray runs one node's calls in order)."""
         self.check_usable(node)
-        request = Request(node.index, kind, arg, node.incarnation)
+        request = Request(node.index, kind, arg)
         method = {"steps": node.actor.steps, "samples": node.actor.samples, "episodes": node.actor.exact_episodes}[kind]
         try:
             request.ref = method.remote(arg, node.updates_sent)
         except Exception as exc:
             self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
-        self.supervisor.start_clock(node.index)  # (unless an earlier request's clock runs)
+        if not node.queue:  # (else an earlier request's clock runs)
+            self.supervisor.start_clock(node.index)
         node.queue.append(request)
         return request
 
@@ -298,7 +268,7 @@ class NodePool:
         except Exception as exc:
             self.ray_failed(exc, f"sending an update to {node.name()}")
         node.updates_sent += 1
-        self._updates.append((node, node.incarnation, ref))
+        self._updates.append(ref)
 
     def check_usable(self, node: Node | None = None) -> None:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
@@ -334,7 +304,8 @@ class NodePool:
             if not pending:
                 return []
             heads = [node.queue[0].ref for node in self.nodes if node.queue]  # only they can be booked first
-            soonest = self.supervisor.soonest()
+            busy = [node.index for node in self.nodes if node.queue]
+            soonest = self.supervisor.soonest(busy)
             try:
                 ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
                 if ready:  # drain whatever else is done too, without waiting
@@ -342,8 +313,8 @@ class NodePool:
             except Exception as exc:
                 self.ray_failed(exc, "waiting for the nodes' answers")
             done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
-            late = [self.nodes[i] for i in self.supervisor.overdue()]
-            self._faults += [Fault(node, node.incarnation, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
+            late = [self.nodes[i] for i in self.supervisor.overdue(busy)]
+            self._faults += [self._fault(node, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
                              for node in late if node.queue and node.queue[0].ref not in done]
             self._take(ready, out)
         if out:
@@ -351,7 +322,7 @@ class NodePool:
         while self._faults:
             fault = self._faults.pop(0)
             node = fault.node
-            if node.incarnation != fault.incarnation or self.supervisor.failure(node.index) is not None:
+            if self.supervisor.already(node.index, {node.index: fault.generation}) or self.supervisor.failure(node.index):
                 continue  # restarted or given up meanwhile
             if fault.hung and (not node.queue or self._done(node.queue[0].ref)):
                 continue  # done meanwhile: the next wait takes it
@@ -371,31 +342,36 @@ class NodePool:
                 try:
                     answer = ray.get(request.ref, timeout=self.timeout)
                 except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
-                    self._faults.append(Fault(node, node.incarnation, f"died ({type(exc).__name__})"))
+                    self._faults.append(self._fault(node, f"died ({type(exc).__name__})"))
                     break
                 except RayTaskError as exc:  # answered with the node's error: that request is done
                     failure = exc.cause if isinstance(exc.cause, NodeFailure) else NodeFailure(exc.cause, True)
-                    self._faults.append(Fault(node, node.incarnation, f"raised during {request.kind}: {failure.error!r}",
-                                              request=request, error=failure.error, remote_traceback=str(exc),
-                                              serves=failure.serves))
+                    self._faults.append(self._fault(node, f"raised during {request.kind}: {failure.error!r}",
+                                                    request=request, error=failure.error, remote_traceback=str(exc),
+                                                    serves=failure.serves))
                     answer = None
                 except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
-                    self._faults.append(Fault(node, node.incarnation, f"failed ({type(exc).__name__}: {exc})"))
+                    self._faults.append(self._fault(node, f"failed ({type(exc).__name__}: {exc})"))
                     break
                 node.queue.pop(0)
-                self.supervisor.next_clock(node.index, bool(node.queue))
+                if node.queue:  # the next request's clock starts now
+                    self.supervisor.start_clock(node.index)
                 if answer is not None:
                     out.append((request, answer))
+
+    def _fault(self, node: Node, why: str, **what: Any) -> NodeFault:
+        """A fault of ``node`` as it is now (its generation: a later restart makes it stale)."""
+        return NodeFault(node, self.supervisor.generation(node.index), why, **what)
 
     def _check_updates(self) -> None:
         """Forget the updates whose answers are in. One that failed on its node fails the node's
         next request (the node keeps the error), so it takes the one failure path there."""
         if self._updates:
             try:
-                done = set(ray.wait([ref for _, _, ref in self._updates], num_returns=len(self._updates), timeout=0)[0])
+                done = set(ray.wait(self._updates, num_returns=len(self._updates), timeout=0)[0])
             except Exception as exc:
                 self.ray_failed(exc, "checking the updates sent")
-            self._updates = [u for u in self._updates if u[2] not in done]
+            self._updates = [ref for ref in self._updates if ref not in done]
 
     def _done(self, ref: Any) -> bool:
         try:

@@ -64,11 +64,6 @@ class SlotRecords:
             _set(record, "started", count)
             _set(record, "seed", None)
 
-    def current(self, slots: Iterable[int], generation: int | None) -> bool:
-        """Whether an answer of node ``generation`` for ``slots`` may be booked (``None``: an
-        answer that does not say, booked as before)."""
-        return generation is None or all(self.slots[s].generation == generation for s in slots)
-
     def booked(self, batch: TransitionBatch, started: Sequence[int] | None = None, offset: int = 0,
                runs_on: bool = True, generation: int | None = None) -> bool:
         """An answer's rows, and (if the node sent them) its slots' counts of episodes started,
@@ -79,8 +74,8 @@ class SlotRecords:
         slots = set(np.unique(batch.worker_ids).tolist())
         if started is not None:
             slots |= set(range(offset, offset + len(started)))
-        if not self.current(slots, generation):
-            return False
+        if generation is not None and any(self.slots[s].generation != generation for s in slots):
+            return False  # (an answer that does not say is booked as before)
         if started is not None:
             for i, count in enumerate(started):
                 self._started(offset + i, int(count))

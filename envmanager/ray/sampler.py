@@ -144,12 +144,12 @@ class RaySampler:
                 sliced = None if env is None else Pickled(tuple(_slice(env.payloads, node)))
                 self._pool.send_update(node, version, weights, sliced)
 
-    def _resume(self, node: Node) -> tuple[list[int | None], list[int]]:
+    def _resume(self, node: Node, generation: int) -> tuple[list[int | None], list[int]]:
         """What a (re)started node is built with, from the records of its slots: each seed only
         if no episode of it is known to have started (a restarted node must not replay seeded
         episodes), and the episodes started so far (so ids go on: none is ever reused). From
         now on the records book only answers of the node's generation it starts as."""
-        return self.records.resume(_slots(node), node.incarnation)
+        return self.records.resume(_slots(node), generation)
 
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
@@ -287,7 +287,8 @@ class RaySampler:
             self.stats.count("stale_answers")
             self.stats.count("dropped_steps", len(batch))
             logger.warning("ray sampler: an answer of generation %s of %s came after generation %d started; its %d "
-                           "steps are dropped", generation, node.name(), node.incarnation, len(batch))
+                           "steps are dropped", generation, node.name(), self._pool.supervisor.generation(node.index),
+                           len(batch))
             return False
         for key in COUNTERS:
             self.stats.count(key, counters.get(key, 0))

@@ -24,7 +24,6 @@ class SentFragment(NamedTuple):
     """A fragment request in flight on one process, and what the answer is read against."""
 
     call: CallRequest
-    generation: int  # of the process it went to (its restarts; an env rebuilt in it does not change it)
     policy_version: int
     env_before: list[int]  # each slot's env version when sent: that of an episode going on
     env_reached: list[int]  # ... and what episodes started in the fragment have

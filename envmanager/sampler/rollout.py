@@ -139,7 +139,6 @@ class _Slot:
         self.running = False
         self.episode = -1  # the running (or last) episode's id, as the parent gave it
         self.env_version = 0
-        self.generation: int | None = None  # of the env stepped here (the parent's count; None: not told yet)
 
 
 class _Process:
@@ -260,28 +259,29 @@ def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
     if proc.checker is None:
         proc.checker = ActionChecker(envs[0].action_space)
     states = [proc.slots.setdefault(s, _Slot()) for s in request.slots]
-    if request.generations:
-        stale = [i for i, st in enumerate(states) if st.generation is not None and st.generation != request.generations[i]]
-        if stale:
-            _rebuild(request, stale, states)
-            envs = [proc.envs[s] for s in request.slots]
-        for st, generation in zip(states, request.generations, strict=True):
-            st.generation = generation
-    return run_fragment(proc.agent[1], envs, states, arena, request, proc.checker)
+    here = envs_here()
+    assert here is not None, "a rollout runs in a worker process"
+    locals_ = tuple(here.env_ids.index(s) for s in request.slots)
+    stale = [i for i, n in enumerate(locals_) if request.generations and request.generations[i] > here.generations[n]]
+    if stale:
+        _rebuild(request, stale, states)
+        envs = [proc.envs[s] for s in request.slots]
+    out = run_fragment(proc.agent[1], envs, states, arena, request, proc.checker)
+    out["generations"] = here.stamp(locals_)  # the answer's stamp: its envs' generations
+    return out
 
 
 def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> None:
-    """Remake the envs at positions ``stale``: they raised, and the parent's pool decided to
-    rebuild them in this healthy process (``BatchEnvManager.rebuild_envs``) rather than restart
-    it. The core's worker half does it (``WorkerEnvs.rebuild``: the factory, the replayed calls,
-    a reset), so the env is replaced everywhere this process keeps it; their episodes are gone.
-    Anything raised here fails the request: the parent then restarts the process."""
+    """Remake the envs at positions ``stale``: they raised, and the parent's supervisor decided to
+    rebuild them in this healthy process (the newer generation the request brings). The core's
+    worker half does it (``WorkerEnvs.rebuild``: the factory, the replayed calls, a reset, the
+    generation), so the env is replaced everywhere this process keeps it; their episodes are
+    gone. Anything raised here fails the request: the parent then restarts the process."""
     here = envs_here()
-    if here is None:
-        raise RuntimeError("an env to rebuild outside a worker process")
+    assert here is not None
     locals_ = tuple(here.env_ids.index(request.slots[i]) for i in stale)
     none = (None,) * len(stale)
-    here.rebuild(Rebuild(locals_, none, none, request.replays))
+    here.rebuild(Rebuild(locals_, none, none, request.replays, tuple(request.generations[i] for i in stale)))
     for i in stale:
         st = states[i]
         st.obs, st.running, st.env_version = None, False, 0

@@ -23,6 +23,7 @@ import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
+from envmanager.core.supervisor import GiveUp
 from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
@@ -96,8 +97,9 @@ class Sampler:
         else:
             self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
             self._owns_manager = True
-        for slot in range(n):  # the envs as they are now (a process restarted at start-up, a manager used before)
-            self.episodes.replaced(slot, self.manager.generation(slot))
+        answered = self.manager.answered_generations
+        for slot in range(n):  # the envs as their latest answers say (a process restarted at start-up, a manager used before)
+            self.episodes.replaced(slot, int(answered[slot]))
         self._restarts_seen = self.manager.restarts  # for ``worker_restarts``: the supervisor's one count
         self.policy = policy
         self.progress = progress
@@ -265,10 +267,12 @@ class Sampler:
         starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and plan.admit(s)]
         resets = {}
         error: EnvManagerError | None = None
+        restarted: set[int] = set()  # processes a fault here restarted: their episodes are cut before they begin
+        process = m.slot_process
         for slot in starting:
             episodes.start(slot, recording=True)
-            if episodes[slot].generation != m.generation(slot):  # replaced since its last answer: nothing to start on
-                self._replaced(slot, m.generation(slot), plan)
+            if process[slot] in restarted:
+                self._replaced(slot, None, plan)
                 continue
             have = episodes[slot].env_version
             due = self.versions.env_updates.due(slot, have)
@@ -277,16 +281,17 @@ class Sampler:
                     m.call_on([slot], apply_updates, (due, have))
                 except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
                     try:
-                        self._fault([slot], exc, plan)
+                        if self._fault([slot], exc, plan):
+                            restarted.add(process[slot])
                     except EnvManagerError as final:
                         error = error or final
                     continue
             episodes.applied(slot, due.version)
             resets[slot] = (episodes.take_seed(slot), None)
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
-            if episodes[slot].generation != m.generation(slot):
+            if process[slot] in restarted:
                 del resets[slot]
-                self._replaced(slot, m.generation(slot), plan)
+                self._replaced(slot, None, plan)
         m.send_reset(resets)  # the others start all the same: the next call takes their resets
         if error is not None:
             raise error
@@ -385,9 +390,10 @@ class Sampler:
             if closed.outcome is Outcome.ENDED:
                 self.stats.count("episodes")
 
-    def _replaced(self, slot: int, generation: int, plan: Plan) -> None:
-        """The slot's env is of another ``generation`` than its record (an answer carried it, or
-        the pool says so before anything is sent): its episode is cut."""
+    def _replaced(self, slot: int, generation: int | None, plan: Plan) -> None:
+        """The slot's env is of another ``generation`` than its record (an answer carried it;
+        ``None``: the supervisor restarted its process, and its fresh reset will carry it): its
+        episode is cut."""
         m = self.manager
         cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
         if cut is not None:
@@ -397,23 +403,19 @@ class Sampler:
                 self.stats.count("worker_restarts", restarts - self._restarts_seen)
                 self._restarts_seen = restarts
 
-    def _fault(self, slots: list[int], error: EnvManagerError, plan: Plan) -> None:
-        """``error`` came from a call on ``slots`` (an env update): the pool's failure path
-        decides. Absorbed by a restart (the episodes cut), or raised (the episodes failed)."""
-        m = self.manager
-        if all(m.generation(s) == self.episodes[s].generation for s in slots) and m.failure_of(slots[0]) is None:
-            outcome = m.report_failure(slots[0], error)  # the pool had taken it for the call's own failure
-            if outcome is not None:
-                error = outcome
-        restarted = False
+    def _fault(self, slots: list[int], error: EnvManagerError, plan: Plan) -> bool:
+        """``error`` came from a call on ``slots`` (an env update): the supervisor decides (or
+        decided already, if the process failed while the call was in flight). Absorbed by a
+        restart (the episodes cut; returns ``True``), or raised (the episodes failed)."""
+        decision = self.manager.fault(slots[:1], error, seen={s: self.episodes[s].generation for s in slots})
         for s in slots:
-            if self.episodes[s].generation != m.generation(s):
-                self._replaced(s, m.generation(s), plan)
-                restarted = True
-            else:
+            if isinstance(decision, GiveUp):
                 self.episodes.close(s, Outcome.FAILED)
-        if not restarted:
-            raise error
+            else:
+                self._replaced(s, None, plan)
+        if isinstance(decision, GiveUp):
+            raise decision.error
+        return True
 
     def _failed(self, error: EnvManagerError) -> None:
         """``error`` ends the call: the episodes on the slots it names failed (counted)."""

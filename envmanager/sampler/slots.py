@@ -237,16 +237,17 @@ class EpisodeSlots:
         self._clear(record)
         return closed
 
-    def replaced(self, slot: int, generation: int) -> Closed | None:
-        """The slot's env is of ``generation`` (an answer carried it, or the pool said so before
-        anything was sent). Another generation than the record's means a fresh env: its running
-        episode is cut and closed here (``CUT``), and every env update is due again. Returns
-        the cut (``episode_id`` -1 if none was running), or ``None`` if nothing changed."""
+    def replaced(self, slot: int, generation: int | None) -> Closed | None:
+        """The slot's env is of ``generation`` (an answer or a decision carried it; ``None``: a
+        fresh one, whose next answer brings it). Another than the record's is a fresh env: its
+        running episode is cut and closed here (``CUT``), and every env update is due again.
+        Returns the cut (``episode_id`` -1 if none was running), or ``None`` if nothing changed."""
         record = self.slots[slot]
         if generation == record.generation:
             return None
         closed = self.close(slot, Outcome.CUT)
-        _set(record, "generation", generation)
+        if generation is not None:
+            _set(record, "generation", generation)
         _set(record, "env_version", 0)
         return closed
 

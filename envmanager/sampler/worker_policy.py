@@ -23,7 +23,7 @@ import logging
 import mmap
 import secrets
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -33,7 +33,8 @@ from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.completion import worker_error
 from envmanager.core.pool import get_context
-from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
+from envmanager.core.supervisor import GiveUp, Rebuild, Restart
+from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch, release_arena
@@ -311,8 +312,7 @@ class WorkerPolicySampler:
             self._arena.rows[slots] = 0
             self._arena.started[slots] = 0
         call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
-        return SentFragment(call, m.worker_of(slots[0]).generation, version, [episodes[s].env_version for s in slots],
-                            [r for r, _ in due])
+        return SentFragment(call, version, [episodes[s].env_version for s in slots], [r for r, _ in due])
 
     def _wait_any(self, pending: dict[int, SentFragment]) -> None:
         """Until one of the ``pending`` fragments is in. One clock: the pool's deadline, which
@@ -336,6 +336,7 @@ class WorkerPolicySampler:
         """Take one fragment of process ``p``: its rows out of the arena (or the answer)."""
         slots, arrays, failures = self._procs[p], answer["arrays"], answer["failures"]
         empty: dict[int, int] = {}
+        self._replaced(slots, answer["generations"])  # (the records' generations: a fresh env only if they missed it)
         for i, s in enumerate(slots):
             n = answer["rows"][i]
             if n:
@@ -351,7 +352,7 @@ class WorkerPolicySampler:
         error = None
         if failures:
             first = min(failures)
-            error = self._fault(p, sent, worker_error(failures[first], p), [slots[i] for i in sorted(failures)],
+            error = self._fault(p, worker_error(failures[first], p), [slots[i] for i in sorted(failures)],
                                 envs_raised=set(answer["env_raised"]) == set(failures))
         self._count_empty(empty, absorbed=error is None)
         return error
@@ -377,7 +378,7 @@ class WorkerPolicySampler:
             empty[s] = self._advance(s, fields, started, running, -1, want, starts)
         if self._arena is None:
             self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
-        failure = self._fault(p, sent, error, slots)
+        failure = self._fault(p, error, slots)
         self._count_empty(empty, absorbed=failure is None)
         return failure
 
@@ -402,38 +403,45 @@ class WorkerPolicySampler:
         self.episodes.advanced(s, started, running)
         return max(0, started - len(with_rows - {before}))
 
-    def _fault(self, p: int, sent: SentFragment, error: EnvManagerError, failing: list[int],
-               envs_raised: bool = False) -> EnvManagerError | None:
-        """A fault of process ``p`` through the pool's one failure path, within the restart
-        policy: envs that raised (``envs_raised``) rebuilt in place, their episodes cut, the
-        neighbours' going on; else the process restarted, every episode of it cut (``None``
-        either way). Else the error to raise (the failing slots' episodes failed; every slot's
-        if the process was given up)."""
+    def _fault(self, p: int, error: EnvManagerError, failing: list[int], envs_raised: bool = False) -> EnvManagerError | None:
+        """A fault of process ``p``, put to the supervisor (or decided already, if the process
+        failed while the fragment was in flight): envs that raised (``envs_raised``) rebuilt in
+        place, their episodes cut, the neighbours' going on; or the process restarted, every
+        episode of it cut (``None`` either way). Else the error to raise (the failing slots'
+        episodes failed; every slot's if the process was given up)."""
         m, slots = self.manager, self._procs[p]
-        same = m.worker_of(slots[0]).generation == sent.generation
-        if same and m.failure_of(slots[0]) is None and isinstance(error, WorkerError):  # found in the answer: the pool decides
-            outcome = m.rebuild_envs(failing, error) if envs_raised else m.report_failure(failing[0], error)
-            error = error if outcome is None else outcome
-        if m.worker_of(slots[0]).generation != sent.generation:
-            self._sync(p)
-            logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
-            return None
-        if any(m.generation(s) != self.episodes[s].generation for s in failing):
-            self._sync(p)
+        decision = m.fault(failing, error, envs_raised, {s: self.episodes[s].generation for s in slots})
+        if isinstance(decision, Rebuild):
+            self._replaced(decision.slots, decision.generations)
             logger.warning("worker-side sampler: %s; the env was rebuilt in its process, its cut episode kept and flagged",
                            error)
             return None
-        given_up = m.failure_of(slots[0]) is not None
-        for s in slots if given_up else failing:
+        if isinstance(decision, Restart):
+            self._replaced(slots, (None,) * len(slots))
+            logger.warning("worker-side sampler: %s; the process was restarted, its cut episodes kept and flagged", error)
+            return None
+        assert isinstance(decision, GiveUp)
+        for s in slots if decision.given_up else failing:
             self.episodes.close(s, Outcome.FAILED)
-        return error
+        return decision.error
 
     def _sync(self, p: int) -> None:
-        """Process ``p`` is a newer generation than its records: their episodes were cut."""
+        """Process ``p``'s fresh resets that came meanwhile (a restart while no fragment was in
+        flight; one on its way back is waited for): the generations they carry cut the records'
+        episodes of a replaced env."""
         m = self.manager
-        replaced = [s for s in self._procs[p] if self.episodes.replaced(s, m.generation(s)) is not None]  # (cut and closed)
-        if replaced:  # the supervisor's one count, as the Sampler reads it
-            restarts = m.restarts
+        m.wait_idle(self._procs[p])
+        if m.unreceived():
+            batch = m.receive_batch(0)
+            slots, generations = batch.slots.tolist(), batch.generations
+            assert generations is not None  # (the manager's array: every batch it hands out has it)
+            self._replaced(slots, [int(generations[s]) for s in slots])
+
+    def _replaced(self, slots: Sequence[int], generations: Sequence[int | None]) -> None:
+        """The envs of ``slots`` are of ``generations`` (an answer or a decision says so; ``None``:
+        a restart's, whose fresh reset brings it): the episodes of replaced ones are cut."""
+        if [s for s, g in zip(slots, generations, strict=True) if self.episodes.replaced(s, g) is not None]:
+            restarts = self.manager.restarts  # the supervisor's one count, as the Sampler reads it
             self.stats.count("worker_restarts", restarts - self._restarts_seen)
             self._restarts_seen = restarts
 

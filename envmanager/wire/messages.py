@@ -105,14 +105,17 @@ class Reset(NamedTuple):
 class Rebuild(NamedTuple):
     """Remake the envs at ``locals`` (they raised in ``step`` or ``reset``) from the process's
     factory, call ``calls`` on each (``(method, args, kwargs)``: what a restart replays) and
-    reset each with one seed and one options dict, as :class:`Reset` does. Sent when restarts
-    are on and the process is otherwise healthy; the parent's half is ``envmanager.core.rebuild``,
-    the worker's ``WorkerEnvs.rebuild``. If it raises, the process is restarted."""
+    reset each with one seed and one options dict, as :class:`Reset` does; ``generations``: each
+    remade env's generation from now on (the parent's supervisor decided it), as its answers say.
+    Sent when restarts are on and the process is otherwise healthy; the parent's half is
+    ``envmanager.core.rebuild``, the worker's ``WorkerEnvs.rebuild``. If it raises, the process
+    is restarted."""
 
     locals: tuple[int, ...]
     seeds: tuple[Any, ...]
     options: tuple[Any, ...]
     calls: tuple[tuple[str, tuple, dict], ...] = ()
+    generations: tuple[int, ...] = ()
 
 
 class EnvFunction(bytes):
@@ -154,7 +157,8 @@ class Ready(NamedTuple):
     """A worker's first answer: what its envs are (spaces, metadata, ...).
 
     ``order_enforced``: per env, whether stepping it before a reset raises gymnasium's
-    ``ResetNeeded`` in the env itself (an ``OrderEnforcing`` wrapper not reset yet).
+    ``ResetNeeded`` in the env itself (an ``OrderEnforcing`` wrapper not reset yet);
+    ``generations``: per env, its generation (as the process was told it at its start).
     """
 
     env_ids: tuple[int, ...]
@@ -164,6 +168,7 @@ class Ready(NamedTuple):
     render_mode: str | None
     spec: Any
     order_enforced: tuple[bool, ...] = ()
+    generations: tuple[int, ...] = ()
 
 
 class Stepped(NamedTuple):
@@ -176,7 +181,9 @@ class Stepped(NamedTuple):
     ``scalars``: each env's ``(reward, terminated, truncated)`` as it returned them (``None``: a
     reset's zeros), when those are not in shared memory either (``envmanager.wire.returns``);
     ``info_columns``: every env's info as columns, instead of ``infos``, where they fit
-    (``envmanager.wire.info_columns``).
+    (``envmanager.wire.info_columns``); ``generations``: each env's generation, stamped by the
+    worker (how often the env was replaced, as the process was told at its start and on each
+    rebuild): the answer is born with it.
     """
 
     env_times: list[float] | tuple[float, ...]
@@ -185,12 +192,13 @@ class Stepped(NamedTuple):
     observations: list[Any] | None = None
     scalars: list[tuple[Any, Any, Any] | None] | None = None
     info_columns: Any = None
+    generations: tuple[int, ...] | None = None
 
     @property
     def raw(self) -> bool:
-        """Nothing but env times: the answer travels with no pickle."""
+        """Nothing but env times and generations: the answer travels with no pickle."""
         return (not self.infos and not self.failures and self.observations is None and self.scalars is None
-                and self.info_columns is None)
+                and self.info_columns is None and self.generations is not None)
 
 
 class StepsAnswer(NamedTuple):
@@ -278,13 +286,23 @@ def decode_request(cmd: Cmd, form: int, data: bytes) -> Any:
     return pickle.loads(view) if len(view) else None
 
 
+def _raw_struct(n: int) -> struct.Struct:
+    """A raw answer's payload for ``n`` envs: each one's env time (float64), then its generation (int32)."""
+    packer = _RAW_STRUCTS.get(n)
+    if packer is None:
+        packer = _RAW_STRUCTS[n] = struct.Struct(f"<{n}d{n}i")
+    return packer
+
+
 def encode_answer(cmd: Cmd, index: int, seq: int, posted_at: float, message: Any) -> tuple[bytes, bytes]:
-    """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times is raw,
-    any other pickled as a plain tuple (a NamedTuple pickles ~1.5 µs slower, by its class)."""
+    """``(header, payload)`` for an answer; a :class:`Stepped` with nothing but env times and
+    generations is raw, any other pickled as a plain tuple (a NamedTuple pickles ~1.5 µs slower,
+    by its class)."""
     if type(message) is Stepped:
-        if not message[1] and not message[2] and message[3] is None and message[4] is None and message[5] is None:  # raw
-            times = message.env_times
-            return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), struct.pack(f"<{len(times)}d", *times)
+        if (not message[1] and not message[2] and message[3] is None and message[4] is None and message[5] is None
+                and message[6] is not None):  # raw
+            times = message[0]
+            return NOTICE_HEADER.pack(cmd, index, seq, posted_at, RAW), _raw_struct(len(times)).pack(*times, *message[6])
         message = tuple(message)
     return NOTICE_HEADER.pack(cmd, index, seq, posted_at, PICKLED), dumps(message)
 
@@ -320,16 +338,19 @@ class EnvironmentResponse(NamedTuple):
 _NOTICE_UNPACK = NOTICE_HEADER.unpack_from
 _NOTICE_SIZE = NOTICE_HEADER.size
 _new = tuple.__new__
-_TIMES_STRUCTS: dict[int, Any] = {}
+_RAW_STRUCTS: dict[int, struct.Struct] = {}
+_RAW_ANSWERS: dict[int, tuple[Any, int]] = {}  # by payload size: its unpack, the number of envs
 
 
-def _unpack_times(payload: memoryview | bytes) -> tuple[float, ...]:
-    """A raw answer's env times (one float64 per env)."""
-    n = len(payload)
-    unpack = _TIMES_STRUCTS.get(n)
-    if unpack is None:
-        unpack = _TIMES_STRUCTS[n] = struct.Struct(f"<{n // 8}d").unpack
-    return unpack(payload)
+def _decode_raw(payload: memoryview | bytes) -> Stepped:
+    """A raw answer: its envs' times and generations (``_raw_struct``)."""
+    size = len(payload)
+    known = _RAW_ANSWERS.get(size)
+    if known is None:
+        known = _RAW_ANSWERS[size] = (_raw_struct(size // 12).unpack, size // 12)
+    values = known[0](payload)
+    n = known[1]  # (a NamedTuple made with tuple.__new__: half the cost of its constructor)
+    return _new(Stepped, (values[:n], None, None, None, None, None, values[n:]))
 
 
 def decode_notice(data: bytes, offset: int = 0, end: int | None = None) -> EnvironmentResponse:
@@ -340,8 +361,8 @@ def decode_notice(data: bytes, offset: int = 0, end: int | None = None) -> Envir
 
 def decode_answer(form: int, payload: memoryview | bytes) -> Any:
     """The answer object; raises whatever unpickling raises."""
-    if form == RAW:  # (a NamedTuple made with tuple.__new__: half the cost of its constructor)
-        return _new(Stepped, (_unpack_times(payload), None, None, None, None, None))
+    if form == RAW:
+        return _decode_raw(payload)
     answer = pickle.loads(payload)
     return _new(Stepped, answer) if type(answer) is tuple else answer  # only a Stepped is a bare tuple
 

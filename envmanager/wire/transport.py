@@ -251,7 +251,7 @@ class MailboxLink(QueueLink):
                 if columns and infos and len(infos) == len(slots) > 1:
                     packed = to_columns([infos[s] for s in slots])
                     if packed is not None:
-                        stepped = _new(Stepped, (stepped[0], None, None, None, None, packed))
+                        stepped = _new(Stepped, (stepped[0], None, None, None, None, packed, stepped[6]))
         if not raw:
             answer = StepsAnswer(tuple(locals_), tuple(ordinals), stepped, schemas)
             header, payload = encode_steps_answer(index, time.monotonic(), answer)

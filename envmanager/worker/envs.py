@@ -64,11 +64,15 @@ class WorkerEnvs:
 
     Each handler takes a request message and returns its answer message. A step or reset
     goes on past an env that raises: the others deliver, the failure is reported by position.
+    Every step, reset and rebuild answer is stamped with its envs' generations (``stamp``).
     """
 
     def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
-                 info_columns: bool = False, marks: WorkerMarks | None = None) -> None:
+                 info_columns: bool = False, marks: WorkerMarks | None = None, generations: tuple[int, ...] = ()) -> None:
         self.env_ids = env_ids
+        #: Each env's generation, as the parent told it (at the start, and with each rebuild).
+        self.generations = list(generations) or [0] * len(env_ids)
+        self._stamps: dict[tuple[int, ...], tuple[int, ...]] = {}  # by a request's locals: their generations
         self.info_columns = info_columns  # the parent batches infos: columns where they fit
         self.factory = factory
         self._factory: Callable[[int], Any] | None = None  # unpickled once
@@ -89,6 +93,14 @@ class WorkerEnvs:
         self._words, self._at = self.marks.words, self.marks.at
         self._steps = [mark(s, STEP) for s in env_ids]  # by local index
         self._resets = [mark(s, RESET) for s in env_ids]
+
+    def stamp(self, locals_: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The generations of the envs at ``locals_``, as an answer carries them."""
+        key = tuple(locals_)
+        stamp = self._stamps.get(key)
+        if stamp is None:
+            stamp = self._stamps[key] = tuple(self.generations[i] for i in key)
+        return stamp
 
     def unmark(self) -> None:
         """The request is done: no env is in a call (the main loop inlines this)."""
@@ -112,6 +124,7 @@ class WorkerEnvs:
             getattr(first, "render_mode", None),
             spec,
             tuple(order_enforced(e) for e in self.envs),
+            tuple(self.generations),
         )
 
     def _make(self, slot: int) -> Any:
@@ -132,8 +145,11 @@ class WorkerEnvs:
     def rebuild(self, request: Rebuild) -> Stepped:
         """Remake the envs at ``request.locals`` (they raised): close each (best effort), make
         it again from the factory with its slot, replay ``request.calls`` on it, reset it with
-        its seed and options. Anything
-        raised here fails the whole request: the parent then restarts the process."""
+        its seed and options; it is of ``request.generations`` from now on. Anything raised
+        here fails the whole request: the parent then restarts the process."""
+        for i, generation in zip(request.locals, request.generations, strict=True):
+            self.generations[i] = generation
+        self._stamps.clear()
         out = _Answer(len(request.locals), self.buffers, "reset")
         for n, (i, seed, options) in enumerate(zip(request.locals, request.seeds, request.options, strict=True)):
             slot = self.current = self.env_ids[i]
@@ -153,7 +169,7 @@ class WorkerEnvs:
             self._words[self._at] = self._resets[i]
             obs, info = env.reset(seed=seed, options=options)
             out.add(n, slot, obs, None, info, time.perf_counter() - start)
-        return out.answer()
+        return out.answer(self.stamp(request.locals))
 
     # -- STEP and RESET ---------------------------------------------------------------------
     def step(self, request: Step, columns: bool | None = None) -> Stepped:
@@ -189,7 +205,7 @@ class WorkerEnvs:
                 out.add(n, slot, obs, scalars, info, time.perf_counter() - start)
             except Exception as exc:
                 out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "step")), time.perf_counter() - start)
-        return out.answer()
+        return out.answer(self.stamp(request.locals))
 
     def _step_shared(self, locals_: tuple[int, ...], b: shm.SharedBuffers, action: np.ndarray,
                      observation: np.ndarray, columns: bool) -> Stepped:
@@ -267,8 +283,8 @@ class WorkerEnvs:
         if columns and n > 1 and len(infos) == n and not failures and travelling is None:
             packed = to_columns([infos[s] for s in slots])
             if packed is not None:
-                return _new(Stepped, (times, None, None, None, None, packed))
-        return _new(Stepped, (times, infos or None, failures or None, None, travelling, None))
+                return _new(Stepped, (times, None, None, None, None, packed, self.stamp(locals_)))
+        return _new(Stepped, (times, infos or None, failures or None, None, travelling, None, self.stamp(locals_)))
 
     def reset(self, request: Reset) -> Stepped:
         out = _Answer(len(request.locals), self.buffers, "reset")
@@ -282,7 +298,7 @@ class WorkerEnvs:
                 out.add(n, slot, obs, None, info, time.perf_counter() - start)
             except Exception as exc:
                 out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "reset")), time.perf_counter() - start)
-        return out.answer()
+        return out.answer(self.stamp(request.locals))
 
     # -- reaching into the envs -------------------------------------------------------------
     def call(self, request: Call) -> Values:
@@ -384,8 +400,9 @@ class _Answer:
         self.times[n] = t
         self.failures[n] = failure
 
-    def answer(self) -> Stepped:
-        return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars)
+    def answer(self, generations: tuple[int, ...]) -> Stepped:
+        return Stepped(self.times, self.infos or None, self.failures or None, self.observations, self.scalars, None,
+                       generations)
 
 
 def order_enforced(env: Any) -> bool:

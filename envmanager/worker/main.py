@@ -50,7 +50,8 @@ _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (on
 class WorkerSpec:
     """Everything a worker process needs to start; picklable under every start method.
 
-    ``index`` is the process index; ``env_ids`` the env slots (public ``worker_id``s) it hosts.
+    ``index`` is the process index; ``env_ids`` the env slots (public ``worker_id``s) it hosts;
+    ``generations``: each env's generation, as the parent's supervisor counts it (answers carry it).
     """
 
     index: int
@@ -61,6 +62,7 @@ class WorkerSpec:
     spin_s: float = 0.0  # at most this many seconds spun for the next command before blocking on the pipe
     info_columns: bool = False  # the parent batches infos: send them as columns where they fit
     double_buffer: bool = False  # its envs form two lanes, answered one after the other
+    generations: tuple[int, ...] = ()  # (empty: all 0)
 
 
 #: The worker's half of every command: request message -> answer message.
@@ -106,7 +108,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), failure)
         link.post(header, payload)
 
-    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record)
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record, spec.generations)
     try:
         try:
             ready = envs.build()
@@ -169,7 +171,7 @@ def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: in
             stepped = envs.step(_new(Step, (tuple(own), None)), columns=False)
         except Exception as exc:  # (envs.step reports an env's own error per env; this is anything else)
             failure = remote_exception(envs.current, exc)
-            stepped = Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure))
+            stepped = Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure), generations=envs.stamp(own))
         envs.unmark()
         link.answer_steps(own, asked, stepped, [envs.env_ids[i] for i in own], envs.info_columns, index)
 
