@@ -26,11 +26,10 @@ from envmanager.extras import requires_extra
 from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import WorkerEnvFactory
-from envmanager.ray.session import RaySession
+from envmanager.ray.session import RAISED, RaySession, node_failure
 
 with requires_extra("ray", __name__):
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 #: The pool's log: its lines keep the logger they had before this module was split off.
 logger = logging.getLogger("envmanager.mlagents.ray_env_manager")
@@ -166,14 +165,13 @@ class PlayerNodes:
         ``NodeLost``, a node's own error is ``RayPlayerError``."""
         try:
             return ray.get(ref, timeout=self.deadline_s if timeout is None else timeout)
-        except RayTaskError as exc:
-            raise RayPlayerError(node.index, node.ids, f"{node.name()} raised: {exc}") from None
-        except (RayActorError, GetTimeoutError) as exc:
-            raise NodeLost(f"{type(exc).__name__}: {exc}") from None
-        except RayError as exc:
-            raise NodeLost(f"{type(exc).__name__}: {exc}") from None
-        except Exception as exc:  # the session went meanwhile
-            self._session.reraise(exc, f"waiting for {node.name()}")
+        except Exception as exc:
+            failure = node_failure(exc)
+            if failure is None:  # the session went meanwhile
+                self._session.reraise(exc, f"waiting for {node.name()}")
+            if failure == RAISED:
+                raise RayPlayerError(node.index, node.ids, f"{node.name()} raised: {exc}") from None
+            raise NodeLost(f"{type(exc).__name__}: {exc}") from None  # died, silent, or lost by Ray
 
     def _arrived(self, node: Node, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
         """A node's answer as the trainer's steps: global ids (the node's), the previous result

@@ -27,11 +27,10 @@ from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, ManagerClosedError, NodeError, NodeRestartLimitError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
-from envmanager.ray.session import RaySession, RaySessionError
+from envmanager.ray.session import DIED, LOST, RAISED, TIMED_OUT, RaySession, RaySessionError, node_failure
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
-    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
@@ -182,17 +181,17 @@ class NodePool:
             error = None
             try:
                 node.info = ray.get(ref, timeout=deadline.left())
-            except GetTimeoutError:
-                error = RayNodeError(node.index, node.slots, f"{node.name()} did not start within {self.start_timeout:g} "
-                                     f"s (can the cluster meet its actor options {self._actor_options}?)")
-            except RayTaskError as exc:
-                error = RayNodeError(node.index, node.slots, f"{node.name()} failed to start: {exc.cause!r}", None, str(exc))
-            except RayActorError as exc:
-                error = RayNodeError(node.index, node.slots, f"{node.name()} died while starting: {exc}")
-            except RayError as exc:  # its runtime env could not be set up, its node died, ...
-                error = RayNodeError(node.index, node.slots, f"{node.name()} could not start: {type(exc).__name__}: {exc}")
-            except Exception as exc:  # the session went meanwhile
-                self.ray_failed(exc, f"waiting for {node.name()} to start")
+            except Exception as exc:
+                failure = node_failure(exc)
+                if failure is None:  # the session went meanwhile
+                    self.ray_failed(exc, f"waiting for {node.name()} to start")
+                error = RayNodeError(node.index, node.slots, {
+                    TIMED_OUT: f"{node.name()} did not start within {self.start_timeout:g} s (can the cluster meet its "
+                               f"actor options {self._actor_options}?)",
+                    RAISED: f"{node.name()} failed to start: {getattr(exc, 'cause', None)!r}",
+                    DIED: f"{node.name()} died while starting: {exc}",
+                    LOST: f"{node.name()} could not start: {type(exc).__name__}: {exc}",  # its runtime env, its node...
+                }[failure], None, str(exc) if failure == RAISED else None)
             if error is None:
                 self.replay(node)
             elif first is None:
@@ -341,18 +340,22 @@ class NodePool:
                 request = node.queue[0]
                 try:
                     answer = ray.get(request.ref, timeout=self.timeout)
-                except (RayActorError, ObjectLostError) as exc:  # the actor died, or its node with the answer
-                    self._faults.append(self._fault(node, f"died ({type(exc).__name__})"))
-                    break
-                except RayTaskError as exc:  # answered with the node's error: that request is done
-                    failure = exc.cause if isinstance(exc.cause, NodeFailure) else NodeFailure(exc.cause, True)
+                except Exception as exc:
+                    kind = node_failure(exc)
+                    if kind is None:
+                        raise
+                    if kind != RAISED:  # the actor died, or its node with the answer, or Ray lost it another way
+                        self._faults.append(self._fault(node, f"died ({type(exc).__name__})" if kind == DIED
+                                                        else f"failed ({type(exc).__name__}: {exc})"))
+                        break
+                    # answered with the node's error: that request is done
+                    cause = getattr(exc, "cause", None)
+                    failure = (cause if isinstance(cause, NodeFailure)
+                               else NodeFailure(cause if isinstance(cause, BaseException) else exc, True))
                     self._faults.append(self._fault(node, f"raised during {request.kind}: {failure.error!r}",
                                                     request=request, error=failure.error, remote_traceback=str(exc),
                                                     serves=failure.serves))
                     answer = None
-                except RayError as exc:  # Ray lost it some other way (its worker or node died, out of memory, ...)
-                    self._faults.append(self._fault(node, f"failed ({type(exc).__name__}: {exc})"))
-                    break
                 node.queue.pop(0)
                 if node.queue:  # the next request's clock starts now
                     self.supervisor.start_clock(node.index)

@@ -33,17 +33,38 @@ from envmanager.extras import requires_extra
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
-    from ray.exceptions import RayError
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RaySession", "RaySessionError"]
+__all__ = ["RAISED", "TIMED_OUT", "DIED", "LOST", "RaySession", "RaySessionError", "node_failure"]
+
+#: What an exception of ``ray.get`` says of the actor whose answer was asked (``node_failure``):
+#: it answered with its own error; it did not answer in time; it, or the node holding its
+#: answer, is gone; Ray lost the answer another way.
+RAISED, TIMED_OUT, DIED, LOST = "raised", "timed out", "died", "lost"
 
 #: Seconds the processes a failed local ``ray.init`` left behind get to end once killed.
 KILL_TIMEOUT = 10.0
 #: Seconds a cluster's address gets to accept a connection before ``ray.init`` is tried (Ray
 #: itself retries an address where nothing listens for minutes).
 CONNECT_TIMEOUT = 10.0
+
+
+def node_failure(error: BaseException) -> str | None:
+    """The one reading of Ray's exceptions for every node pool: what ``error``, raised by
+    ``ray.get`` of an actor's answer, says of that actor (:data:`RAISED`, :data:`TIMED_OUT`,
+    :data:`DIED` or :data:`LOST`); ``None`` if it is not Ray's (the session went meanwhile, or
+    the caller's own error: ``RaySession.reraise`` says which). Each pool decides what to do."""
+    if isinstance(error, RayTaskError):
+        return RAISED
+    if isinstance(error, GetTimeoutError):
+        return TIMED_OUT
+    if isinstance(error, (RayActorError, ObjectLostError)):
+        return DIED
+    if isinstance(error, RayError):
+        return LOST
+    return None
 
 
 class RaySessionError(EnvManagerError):
