@@ -31,6 +31,7 @@ from types import ModuleType
 
 import numpy as np
 
+from benchmarks.lean_cycle import one_env_rate
 from envmanager.bench.scenarios import burn_env
 
 STEPS = 4000
@@ -47,20 +48,6 @@ def build() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def one_env_rate(cost: float, core: int, steps: int = 3000) -> float:
-    """Steps per second of one env stepped in this process on ``core``: the cycle's limit."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {core})
-    env = burn_env(cost, 0)
-    env.reset(seed=0)
-    start = time.perf_counter()
-    for k in range(steps):
-        env.step(k % 3)
-    rate = steps / (time.perf_counter() - start)
-    os.sched_setaffinity(0, before)
-    return rate
 
 
 def cycle(loop: ModuleType, cost: float) -> float:
