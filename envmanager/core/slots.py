@@ -63,7 +63,6 @@ class SlotState:
         #: Each slot's generation as its latest answer filed carried it (``StepBatch.generations``).
         self.generations = np.zeros(n_env, dtype=np.int64)
         self.generation_list = [0] * n_env  # the same, for per-slot Python (StepInfo): no numpy scalar per answer
-        self._stamped: dict[tuple[int, ...], tuple[int, ...]] = {}  # by an answer's slots: the generations filed
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
@@ -114,8 +113,10 @@ class SlotState:
         index = c.worker.index
         slots = c.slots  # a tuple, ascending (a request's slots)
         stamp = answer.generations
-        if stamp is not None and self._stamped.get(slots) != stamp:  # rare: a restart's or rebuild's answer
-            self.stamp(slots, stamp)
+        if stamp is not None:
+            known = self.generation_list
+            if any(known[s] != g for s, g in zip(slots, stamp, strict=True)):  # rare: a restart's or rebuild's answer
+                self.stamp(slots, stamp)
         if slots and len(answer.env_times) == len(slots):  # (a restart's reset answers every slot of its process)
             rows = _rows(slots)
             self.env_time[rows], self.posted_at[rows], self.received_at[rows] = answer.env_times, c.posted_at, c.received_at
@@ -146,7 +147,6 @@ class SlotState:
 
     def stamp(self, slots: tuple[int, ...], generations: tuple[int, ...]) -> None:
         """``slots`` are of ``generations`` (the worker's stamp on their answer)."""
-        self._stamped[slots] = generations
         for slot, generation in zip(slots, generations, strict=True):
             self.generations[slot] = self.generation_list[slot] = generation
 
