@@ -235,7 +235,7 @@ class Mailboxes:
         answers[words] = self._board_seen[words] = self._board_taken[words] = self._requested[words]
         del answers
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
-        self._info_rows[words, 0] = 0
+        self._info_ids[words] = 0
 
     def allow_spin(self, allowed: bool) -> None:
         """Whether the parent and the workers may spin waiting for each other (see the module
@@ -348,6 +348,7 @@ class Mailboxes:
         #: Each env's info row (by word), and the schemas the workers announced: id -> (keys, dtypes).
         self._info_rows = np.frombuffer(self._map, np.int64, n_words * INFO_WORDS, layout.block(INFOS)).reshape(n_words,
                                                                                                                  INFO_WORDS)
+        self._info_ids = self._info_rows[:, 0]  # each env's info schema (0: none)
         self._schemas: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._no_infos = bytes(8 * n_words)
 
@@ -364,7 +365,7 @@ class Mailboxes:
         if self.wake_always(now_ns):
             return processes
         state = self._worker_states[self._worker_words[processes]]  # unsigned: BUSY (-1) is the largest
-        sleepy = (state <= now_ns + MARGIN_NS).nonzero()[0]
+        sleepy = (state <= np.uint64(now_ns + MARGIN_NS)).nonzero()[0]
         return processes[sleepy] if sleepy.size else sleepy
 
     def steps_answered(self) -> np.ndarray | None:
@@ -385,20 +386,19 @@ class Mailboxes:
                 self._board_seen_bytes = self._board_taken_bytes = snapshot
                 self._last_answer[self._word_process[words]] = time.monotonic()
                 return self._word_slot[words]
-        answers = np.frombuffer(snapshot, np.int64)
-        changed = (answers != self._board_seen).nonzero()[0]
-        ordinals = answers[changed]
-        raw = ordinals == self._requested[changed]
-        words, ordinals = changed[raw], ordinals[raw]
+        # Raw answers to the latest asks, not taken yet (an answer with a notice is negated).
+        requested = self._requested
+        fresh = np.frombuffer(snapshot, np.int64) == requested
+        fresh &= self._board_taken != requested
+        words = fresh.nonzero()[0]
         if not words.size:
             return None
         unknown = self._announced(words)
         if unknown is not None:  # their info schema's notice is still on its way: they wait for it
-            words, ordinals = words[~unknown], ordinals[~unknown]
+            words = words[~unknown]
             if not words.size:
                 return None
-        self._board_seen[words] = ordinals
-        self._board_taken[words] = ordinals
+        self._board_seen[words] = self._board_taken[words] = requested[words]
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
         self._last_answer[self._word_process[words]] = time.monotonic()
         return self._word_slot[words]
@@ -406,7 +406,7 @@ class Mailboxes:
     def _announced(self, words: np.ndarray) -> np.ndarray | None:
         """Which answers at ``words`` use an info schema not announced yet (a mask), or ``None``
         if every one is announced (or none has an info)."""
-        ids = self._info_rows[words, 0]
+        ids = self._info_ids[words]
         if ids.tobytes() == self._no_infos[: 8 * ids.size]:
             return None
         first = int(ids[0])
@@ -419,8 +419,11 @@ class Mailboxes:
         """The infos of ``slots`` (their board steps answered and not asked again), read from their
         info rows: per schema, its slots, keys, one array per key and whether the envs returned
         Python scalars for it; nothing for the slots whose env returned no info."""
+        if self._info_ids.tobytes() == self._no_infos:  # no env on the board has an info (the usual case)
+            return []
+        slots = np.sort(slots)  # (blocks ascend, as answers' do)
         words = self.slot_word[slots]
-        ids = self._info_rows[words, 0]
+        ids = self._info_ids[words]
         if ids.tobytes() == self._no_infos[: 8 * ids.size]:
             return []
         if ids.tobytes() == ids[:1].tobytes() * ids.size:  # one schema (the usual case)
@@ -454,11 +457,11 @@ class Mailboxes:
         self._last_answer[p] = now
         return True
 
-    def timings(self, slot: int) -> tuple[float, float, float]:
-        """``(seconds in the env, answer posted at, step asked at)`` of ``slot``'s latest board
-        step (``time.monotonic``): valid from its answer until it is asked again."""
-        w = self.slot_word[slot]
-        return float(self._env_times[w]), float(self._answered_at[w]), float(self._asked_at[w])
+    def timings(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(seconds in the env, answer posted at, step asked at)`` of each of ``slots``' latest
+        board step (``time.monotonic``): valid from its answer until it is asked again."""
+        words = self.slot_word[slots]
+        return self._env_times[words], self._answered_at[words], self._asked_at[words]
 
     def asked_at(self, slots: list[int]) -> np.ndarray:
         """When the steps of ``slots`` were last asked (``time.monotonic``)."""
@@ -504,7 +507,7 @@ class Mailboxes:
     def close(self) -> None:
         """Unmap and close (the workers' mappings keep it alive until they end)."""
         self._words.release()
-        for name in ("_requested", "_env_times", "_answered_at", "_worker_states", "_info_rows"):  # views of the mapping
+        for name in ("_requested", "_env_times", "_answered_at", "_worker_states", "_info_rows", "_info_ids"):  # views
             setattr(self, name, None)
         try:
             self._map.close()
