@@ -9,13 +9,17 @@ the core's deadlines, clean shutdown and restarts: a player that crashes, stops 
 restarted alone (the others keep stepping), environment parameters are replayed on it, and past
 the restart limits :class:`~envmanager.RestartLimitError` is raised.
 
-The hand-off to ML-Agents' trainer (policies' actions out, ``EnvironmentStep``\\ s in, fed to
-the agent managers, episodes a restart cut) is :mod:`envmanager.mlagents.feed`, a half of the
-class (``TrainerFeed``).
+The hand-off to ML-Agents' trainer is the manager's own (its last section: it works on the
+manager's policies, agent managers and each worker's last result and specs): outward, the newest
+policies the agent managers published and their actions for every idle worker
+(:mod:`envmanager.mlagents.acting`), checked before anything is sent; inward, each worker's
+result as an ``EnvironmentStep`` (its behaviour specs and player process noted), fed to the
+agent managers; a restarted worker's unfinished episodes are cut and counted.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,7 +29,7 @@ from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S
 from envmanager.core.results import StepInfo
 from envmanager.errors import InvalidInputError, ManagerClosedError
-from envmanager.mlagents.acting import InferenceCounts
+from envmanager.mlagents.acting import InferenceCounts, choose_actions
 from envmanager.mlagents.attach import (
     AttachedUnityFactory,
     PlayerAddress,
@@ -35,19 +39,23 @@ from envmanager.mlagents.attach import (
 )
 from envmanager.mlagents.batched import BatchedCall, batched_call
 from envmanager.mlagents.checks import call_if_present, port_errors
-from envmanager.mlagents.feed import TrainerFeed
 from envmanager.mlagents.gathering import NO_GATHER, GatherWindow, gather_more
 from envmanager.mlagents.player_process import PlayerProcesses
 from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.settings import normalize_engine_config, normalize_env_parameters
-from envmanager.mlagents.steps import EnvironmentStep
+from envmanager.mlagents.steps import ActionInfo, EnvironmentStep, SentActions
 from envmanager.mlagents.trainer import (
+    cut_stats,
+    end_worker_episodes,
     environment_initialized,
+    inference_stats,
     manager_options,
     merge_worker_timers,
     training_started,
 )
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MLAgentsEnvManager"]
 
@@ -57,7 +65,7 @@ def default_context() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
-class MLAgentsEnvManager(TrainerFeed):
+class MLAgentsEnvManager:
     """Run ``n_env`` ML-Agents environments in worker processes, ML-Agents trainer style.
 
     Args:
@@ -415,3 +423,99 @@ class MLAgentsEnvManager(TrainerFeed):
         if payloads and 0 in self._healthy_worker_ids():
             with self._errors():  # replayed too: worker 0 announces itself again
                 call_replayed(self.manager, [0], "send_analytics", (payloads,))
+
+    # ------------------------------------------------------------------------------------------
+    # The hand-off to ML-Agents' trainer: actions out to the workers, steps in to the agent managers
+
+    def _pull_policies(self) -> None:
+        """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
+        for name, agent_manager in self.agent_managers.items():
+            queue = getattr(agent_manager, "policy_queue", None)
+            if queue is None:
+                continue
+            latest = None
+            while not queue.empty():
+                latest = queue.get_nowait()
+            if latest is not None:
+                self.set_policy(name, latest)
+
+    def _actions_for(self, worker_ids: list[int]) -> dict[int, SentActions]:
+        """``behavior_name -> ActionTuple`` for each idle worker, from its latest result the
+        trainer was handed, with the ActionInfos they came from (they go with the request): one
+        policy call per behaviour for all of them where it is batched, else one per worker
+        (:mod:`envmanager.mlagents.acting`). Statistics of the calls go to the agent managers.
+
+        Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
+        stepped.
+        """
+        results = {}
+        for w in worker_ids:
+            info = self._last.get(w)
+            if info is None:
+                raise InvalidInputError(f"worker {w} must be reset before it is stepped")
+            results[w] = info.current_result.observation
+        specs = {w: self._specs.get(w) or self.training_behaviors for w in worker_ids}
+        sent, served = choose_actions(results, self.policies, self._batched, specs, self.inference_counts)
+        for name, sizes in served.items():
+            agent_manager = self.agent_managers.get(name)
+            if agent_manager is not None:
+                call_if_present(agent_manager, "record_environment_stats", inference_stats(sizes), 0)
+        return sent
+
+    def _environment_step(self, info: StepInfo) -> EnvironmentStep:
+        worker_id = info.worker_id
+        result_info = info.current_result.info or {}
+        if "behavior_specs" in result_info:
+            self._specs[worker_id] = result_info["behavior_specs"]
+        if "player_process" in result_info:
+            # A reset; a new player means the old one's worker was restarted (maybe unseen, in a
+            # reset's drain): nobody will talk to the old one again.
+            self._players.note(worker_id, result_info["player_process"])
+            self._players.kill_stale()
+        self._last[worker_id] = info
+        sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
+        action_infos = {} if info.interrupted or info.previous_result is None else sent
+        return EnvironmentStep(
+            info.current_result.observation,
+            worker_id,
+            action_infos,
+            result_info.get("environment_stats", {}),
+            info.interrupted,
+        )
+
+    def _cut_episodes(self, worker_id: int) -> None:
+        """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
+        as ML-Agents drops every worker's when it resets them all); the other workers' go on.
+        Counted here, in the log and in each behaviour's trainer statistics."""
+        agents = dropped = 0
+        for agent_manager in self.agent_managers.values():
+            cut, lost = end_worker_episodes(agent_manager, worker_id)
+            if cut < 0:
+                logger.warning("worker %d restarted: every unfinished episode dropped (end_episode)", worker_id)
+                continue
+            call_if_present(agent_manager, "record_environment_stats", cut_stats(cut, lost), worker_id)
+            agents, dropped = agents + cut, dropped + lost
+        self.cut_agent_episodes += agents
+        self.dropped_experiences += dropped
+        logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
+                       worker_id, agents, dropped)
+
+    def _process_step_infos(self, step_infos: list[EnvironmentStep]) -> int:
+        for step in step_infos:
+            if step.interrupted and self.agent_managers:
+                self._cut_episodes(step.worker_id)
+            for name in step.name_behavior_ids:
+                agent_manager = self.agent_managers.get(name)
+                if agent_manager is None:
+                    if self.agent_managers:
+                        logger.warning("Agent manager was not created for behavior id %s.", name)
+                    continue
+                decision_steps, terminal_steps = step.current_all_step_result[name]
+                agent_manager.add_experiences(
+                    decision_steps,
+                    terminal_steps,
+                    step.worker_id,
+                    step.brain_name_to_action_info.get(name, ActionInfo.empty()),
+                )
+                call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
+        return len(step_infos)
