@@ -28,10 +28,10 @@ trainer's worker ids.
 The env factory runs on the nodes: a build path must exist on every node. The Ray session is
 :class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
 
-The node actors themselves (start, calls, loss and replacement: the driver's half of
-:mod:`envmanager.mlagents.ray_node`) are :mod:`envmanager.mlagents.ray_player_nodes`, the base
-class of :class:`RayPlayerPool`; this module keeps the pool's construction, its closing, and the
-core manager's interface over the nodes.
+The pool holds one :class:`~envmanager.mlagents.ray_player_nodes.PlayerNodeState` per node
+actor (the driver's record of it: started, called, sent a step, answered, killed, by its own
+methods); this module keeps the pool's construction, its closing, a lost node's replacement,
+the nodes' answers as the trainer's steps, and the core manager's interface over the nodes.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from typing import Any
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepInfo
-from envmanager.core.supervisor import Supervisor
+from envmanager.core.supervisor import Fault, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError, RayPlayerRestartLimitError
-from envmanager.mlagents.ray_player_nodes import Node, PlayerNodes
+from envmanager.mlagents.ray_player_nodes import PlayerNodeState, live_ray_nodes
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 from envmanager.ray.session import RaySession
 
@@ -66,7 +66,7 @@ RAY_MARGIN = 30.0
 RAY_START_MARGIN = 60.0
 
 
-class RayPlayerPool(PlayerNodes):
+class RayPlayerPool:
     """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes.
 
     ``n_nodes``: how many node actors share the worker ids (consecutive blocks); default one per
@@ -86,7 +86,7 @@ class RayPlayerPool(PlayerNodes):
                         "restarts_rate_limit_n": restarts_rate_limit_n,
                         "restarts_rate_limit_period_s": restarts_rate_limit_period_s}
         self.replay_calls: list[tuple[str, tuple, dict]] = []
-        self.nodes: list[Node] = []
+        self.nodes: list[PlayerNodeState] = []
         self._last: dict[int, StepInfo] = {}
         self._ready: list[StepInfo] = []
         self._resets: list[int] = []
@@ -96,21 +96,22 @@ class RayPlayerPool(PlayerNodes):
             raise InvalidInputError(f"n_nodes must be between 1 and n_env ({self.n_env}), got {n_nodes!r}")
         self._session = RaySession.join(address, ray_init)
         try:
-            alive = self._alive_nodes()
+            alive = live_ray_nodes(self._session)
             count = min(self.n_env, len(alive)) if n_nodes is None else int(n_nodes)
             per, extra = divmod(self.n_env, count)
             sizes = [per + (k < extra) for k in range(count)]
             firsts = [sum(sizes[:k]) for k in range(count)]
-            self.nodes = [Node(k, self.worker_ids[firsts[k]:firsts[k] + sizes[k]], alive[k % len(alive)])
-                          for k in range(count)]
+            blocks = [self.worker_ids[firsts[k]:firsts[k] + sizes[k]] for k in range(count)]
             #: What a lost node leads to (one restart quota per player: ``per_slot``), the players'
             #: generations and each node's restarts, the nodes given up, each node's deadline clock.
             policy = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
-            self.supervisor = Supervisor(policy, self.deadline_s, [n.ids for n in self.nodes], "node", per_slot=True)
+            self.supervisor = Supervisor(policy, self.deadline_s, blocks, "node", per_slot=True)
+            self.nodes = [PlayerNodeState(k, blocks[k], alive[k % len(alive)], self.supervisor, self._session, self.deadline_s)
+                          for k in range(count)]
             for node in self.nodes:  # every actor starts at once; then each is awaited
-                self._start(node, node.ray_node_id)
+                node.start(node.ray_node_id, self.worker_factory, self.options, self.replay_calls)
             for node in self.nodes:
-                self._await_start(node)
+                node.await_start(self.start_s)
             logger.info("players on %d Ray node actors: %s", len(self.nodes), "; ".join(n.name() for n in self.nodes))
         except BaseException:
             self.close()
@@ -167,7 +168,7 @@ class RayPlayerPool(PlayerNodes):
         dropped); a node lost meanwhile is replaced, its players' fresh resets are its resets."""
         self._check_open()
         out: list[StepInfo] = []
-        lost: list[tuple[Node, str]] = []
+        lost: list[tuple[PlayerNodeState, str]] = []
         for node in self.nodes:
             if node.pending is not None:
                 try:
@@ -176,12 +177,11 @@ class RayPlayerPool(PlayerNodes):
                     lost.append((node, str(exc)))
                 except EnvManagerError:
                     pass  # a failed step before a reset: the reset below goes on
-                node.pending = None
-            node.sent.clear()
+            node.steps_dropped()
         self._ready = []
         for node, why in lost:
             out += self._replace(node, why)
-        resetting = [(node, self._submit(node, "reset")) for node in self.nodes if all(node is not n for n, _ in lost)]
+        resetting = [(node, node.submit("reset")) for node in self.nodes if all(node is not n for n, _ in lost)]
         for node, ref in resetting:
             try:
                 out += self._arrived(node, self._answer(node, ref))
@@ -200,7 +200,7 @@ class RayPlayerPool(PlayerNodes):
         for node in self.nodes:
             ids = [w for w in self._resets if w in node.ids]
             if ids:
-                resetting.append((node, self._submit(node, "reset", ids)))
+                resetting.append((node, node.submit("reset", ids)))
         self._resets = []
         out: list[StepInfo] = []
         for node, ref in resetting:
@@ -228,16 +228,12 @@ class RayPlayerPool(PlayerNodes):
         by_node: dict[int, dict[int, Any]] = {}
         for w, action in actions.items():
             node = self._node_of(w)
-            if node.pending is not None or w not in node.idle:
+            if not node.is_idle(w):
                 raise InvalidInputError(f"worker {w} is not idle: it cannot be sent actions now")
             by_node.setdefault(node.index, {})[w] = action
         for node in self.nodes:
             if node.index in by_node:
-                sent = by_node[node.index]
-                node.pending = self._submit(node, "step", sent)
-                self.supervisor.start_clock(node.index)  # (one request in flight per node)
-                node.idle -= set(sent)
-                node.sent.update(sent)
+                node.send_step(by_node[node.index])
 
     def receive_steps(self, min_count: int = 1) -> list[StepInfo]:
         """The steps that finished: at least ``min_count`` (0: only what is in already), from
@@ -265,7 +261,7 @@ class RayPlayerPool(PlayerNodes):
                 error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]
-                    node.pending = None
+                    node.step_answered()
                     try:
                         out += self._arrived(node, self._answer(node, ref))  # in already
                     except NodeLost as lost:
@@ -293,7 +289,7 @@ class RayPlayerPool(PlayerNodes):
         finally:
             self._session.leave()
 
-    def _end(self, nodes: list[Node]) -> None:
+    def _end(self, nodes: list[PlayerNodeState]) -> None:
         try:
             closing = [(n, n.actor.close.remote()) for n in nodes if n.actor is not None]
         except Exception as exc:  # the actors are killed all the same
@@ -306,7 +302,7 @@ class RayPlayerPool(PlayerNodes):
             except Exception as exc:  # RayError, GetTimeoutError, the session gone meanwhile
                 logger.warning("%s did not close cleanly: %r", node.name(), exc)
         for node in nodes:
-            self._kill(node)
+            node.kill()
 
     def node_info(self) -> list[dict[str, Any]]:
         return [dict(n.info, index=n.index) for n in self.nodes]
@@ -317,6 +313,77 @@ class RayPlayerPool(PlayerNodes):
         if self._closed:
             raise ManagerClosedError("the Ray player pool is closed")
         self._session.check()
+
+    def _node_of(self, worker_id: int) -> PlayerNodeState:
+        return next(n for n in self.nodes if worker_id in n.ids)
+
+    def _call(self, node: PlayerNodeState, method: str, *args: Any) -> Any:
+        """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
+        the next ``step``) and the answer is ``None``."""
+        try:
+            return self._answer(node, node.submit(method, *args))
+        except NodeLost as lost:
+            self._ready += self._replace(node, str(lost))
+            return None
+
+    def _answer(self, node: PlayerNodeState, ref: Any, timeout: float | None = None) -> Any:
+        """The value of a node call that answers ``(value, error)``: ``error`` (what its players
+        raised, naming the trainer's worker ids) is noted for ``failure_of`` and raised."""
+        value, error = node.get(ref, timeout)
+        if error is not None:
+            if isinstance(error, EnvManagerError):
+                for w in getattr(error, "worker_ids", None) or []:
+                    self._failures[w] = error
+            raise error
+        return value
+
+    def _arrived(self, node: PlayerNodeState, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
+        """A node's answer as the trainer's steps: global ids (the node's), the previous result
+        and the actions sent (the driver's: the very objects the policy made). Each carries its
+        player's generation (a newer one than the supervisor knows: its node restarted it)."""
+        out = []
+        for info in infos:
+            w = info.worker_id
+            previous = self._last.get(w)
+            cut = info.interrupted or interrupted
+            action = node.arrived(w)
+            self.supervisor.answered(w, info.generation)
+            info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
+                                 action=None if cut else action, interrupted=cut)
+            self._last[w] = info
+            out.append(info)
+        return out
+
+    def _replace(self, node: PlayerNodeState, why: str) -> list[StepInfo]:
+        """Start ``node``'s worker ids anew (on another Ray node if there is one), as the
+        supervisor decides (each player's restart quota); their fresh resets (interrupted). Else,
+        or if the new one cannot start, ``RayPlayerError`` names the node and its worker ids."""
+        old, left_behind = node.ray_node_id, node.left_behind()
+        node.kill()
+        alive = live_ray_nodes(self._session, exclude=old)
+        busy: dict[str, int] = {}
+        for n in self.nodes:
+            if n is not node:
+                busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
+        target = min(alive, key=lambda nid: busy.get(nid, 0))
+        lost = RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})")
+        decision = self.supervisor.on_fault(node.index, Fault(
+            lost, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its players on Ray node {target} ({why})"))
+        if isinstance(decision, GiveUp):
+            raise decision.error
+        try:
+            node.start(target, self.worker_factory, self.options, self.replay_calls, left_behind, decision.generations)
+            node.await_start(self.start_s)
+        except RayPlayerError as exc:  # the replacement could not start: given up
+            node.kill()
+            raise self.supervisor.give_up(node.index, exc) from None
+        try:
+            infos = self._answer(node, node.submit("reset"))
+        except NodeLost as lost_again:
+            node.kill()
+            raise self.supervisor.give_up(node.index, RayPlayerError(
+                node.index, node.ids, f"{node.name()} was lost ({why}); its replacement was lost too ({lost_again})")) from None
+        return self._arrived(node, infos, interrupted=True)
 
 
 class RayMLAgentsEnvManager(MLAgentsEnvManager):
