@@ -184,7 +184,7 @@ class Sampler:
         for slot in range(self.n_workers):
             for episode, _ in plan.episodes[slot]:
                 steps += episode
-            steps += self.episodes.take_steps(slot)  # the running episode's steps so far: it goes on next call
+            steps += self.episodes[slot].take_steps()  # the running episode's steps so far: it goes on next call
         return TransitionBatch.from_steps(steps)
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
@@ -286,8 +286,8 @@ class Sampler:
                     except EnvManagerError as final:
                         error = error or final
                     continue
-            episodes.applied(slot, due.version)
-            resets[slot] = (episodes.take_seed(slot), None)
+            episodes[slot].applied(due.version)
+            resets[slot] = (episodes[slot].take_seed(), None)
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
             if process[slot] in restarted:
                 del resets[slot]
@@ -313,7 +313,7 @@ class Sampler:
             if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
                 self._replaced(slot, int(generations[slot]), plan)  # its env was replaced during the reset
             else:
-                self.episodes.ready(slot, self._read_observation(slot))
+                self.episodes[slot].ready(self._read_observation(slot))
 
     def _act(self, plan: Plan) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
@@ -344,7 +344,7 @@ class Sampler:
         sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
         version = self._acting_version
         for i, slot in enumerate(slots):
-            episodes.sent(slot, (observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
+            episodes[slot].step_sent((observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
 
     def _receive(self, plan: Plan) -> None:
         m = self.manager
@@ -368,7 +368,7 @@ class Sampler:
             terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
             self.stats.count("env_steps")
             if record.recording:
-                self.episodes.record(slot, Step(
+                record.record(Step(
                     observation, action, r.reward[slot].item(), terminated, truncated, next_obs, slot,  # (shape (1,) too)
                     record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
@@ -378,7 +378,7 @@ class Sampler:
             if terminated or truncated:
                 self._book(slot, self.episodes.close(slot, Outcome.ENDED), plan)
             else:
-                self.episodes.ready(slot, next_obs)
+                record.ready(next_obs)
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record

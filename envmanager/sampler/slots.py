@@ -15,8 +15,9 @@ every fault reaches a record through one of three events (drawn in ``docs/archit
                             flagged)
                     FAILED (an error no restart absorbed: restarts off, or past the limits)
 
-A record is closed to outside writes: its fields are read-only, and every change is one of
-``EpisodeSlots``' methods, so a cut is one step (``replaced`` closes the episode it cuts).
+A record is closed to outside writes: its fields are read-only, and every change is one of its
+own methods (Sample Factory's ``ActorState``); what numbers an episode, counts or lists it goes
+through ``EpisodeSlots``, so a cut is one step (``replaced`` closes the episode it cuts).
 
 Episode ids are the parent's, given before an episode starts: the ``k``-th episode started on
 slot ``s`` of ``n`` is ``k * n + s``, whichever process generation runs it, so no id spans two
@@ -31,7 +32,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from envmanager.errors import InvalidInputError
@@ -64,7 +65,8 @@ class Outcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class EpisodeSlot:
     """Everything about one slot's episode (see the module doc). Read it freely; it changes
-    only through :class:`EpisodeSlots`' methods (assigning a field raises)."""
+    only through its own methods (assigning a field raises). Those that number an episode or
+    count what ended are reached through :class:`EpisodeSlots`, which keeps the ids and stats."""
 
     slot: int
     seed: int | None = None  # the first reset's seed, until an episode used it
@@ -79,8 +81,77 @@ class EpisodeSlot:
     sent: tuple[Any, Any, dict[str, Any], int] | None = None  # (observation, action, agent info, policy version)
     steps: list[Step] = field(default_factory=list)
 
+    def _set(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # the record's one writer is its own methods
 
-_set = object.__setattr__  # the records' one writer is EpisodeSlots
+    def start(self, episode_id: int, recording: bool, state: EpisodeState) -> None:
+        """Episode ``episode_id`` starts here (``EpisodeSlots.start`` numbers it)."""
+        assert self.state is EpisodeState.NONE, f"slot {self.slot} already runs episode {self.episode_id}"
+        self._set(episode_id=episode_id, started=self.started + 1, state=state, recording=recording, observation=None,
+                  sent=None, steps=[])
+
+    def ready(self, observation: Any) -> None:
+        """The slot's reset or step was answered and its episode goes on: act on ``observation``."""
+        self._set(observation=observation, sent=None, state=EpisodeState.READY)
+
+    def step_sent(self, sent: tuple[Any, Any, dict[str, Any], int]) -> None:
+        """A step is in flight: ``(observation, action, agent info, policy version)``."""
+        self._set(sent=sent, state=EpisodeState.STEPPING)
+
+    def record(self, step: Step) -> None:
+        """The step answered belongs to the slot's episode, which records it."""
+        self.steps.append(step)
+
+    def take_steps(self) -> list[Step]:
+        """The running episode's steps recorded so far, handed out (it goes on recording)."""
+        steps = self.steps
+        self._set(steps=[])
+        return steps
+
+    def stop_recording(self) -> int:
+        """The running episode goes on unrecorded; returns how many steps it drops."""
+        dropped = len(self.steps)
+        self._set(recording=False, steps=[])
+        return dropped
+
+    def advanced(self, started: int, running: int) -> None:
+        """Worker-side: a fragment started ``started`` episodes here and ``running`` goes on (-1: none)."""
+        self._set(started=self.started + started)
+        if started:
+            self._set(seed=None)
+        if running >= 0:
+            self._set(state=EpisodeState.RUNNING, episode_id=running, recording=True)
+        else:
+            self._set(state=EpisodeState.NONE, recording=False)
+
+    def take_seed(self) -> int | None:
+        """The seed for the slot's next reset, used once."""
+        seed = self.seed
+        self._set(seed=None)
+        return seed
+
+    def close(self, outcome: Outcome) -> Closed:
+        """The episode is over (``EpisodeSlots.close`` counts it): its steps flagged if ``CUT``,
+        dropped if ``FAILED``."""
+        if self.state is EpisodeState.NONE:
+            return Closed(-1, [], False, outcome)
+        steps = self.steps
+        if outcome is Outcome.CUT:
+            steps = [replace(step, interrupted=True) for step in steps]
+        elif outcome is Outcome.FAILED:
+            steps = []
+        closed = Closed(self.episode_id, steps, self.recording, outcome)
+        self._set(state=EpisodeState.NONE, recording=False, observation=None, sent=None, steps=[])
+        return closed
+
+    def replaced(self, generation: int | None) -> None:
+        """A fresh env of ``generation`` (``None``: its next answer brings it): every update is due again."""
+        self._set(generation=self.generation if generation is None else generation, env_version=0)
+
+    def applied(self, version: int) -> None:
+        """The slot's env has every update up to ``version`` (the updates are the sampler's ``UpdateLog``)."""
+        self._set(env_version=max(self.env_version, version))
 
 
 class Closed(NamedTuple):
@@ -105,7 +176,8 @@ class EpisodeIds(NamedTuple):
 
 
 class EpisodeSlots:
-    """The records of ``n`` slots and the episodes cut so far: every change goes through here."""
+    """The records of ``n`` slots, their episode ids and the episodes cut so far: every change
+    that numbers, counts or lists an episode goes through here."""
 
     def __init__(self, seeds: Sequence[int | None], stats: Stats, ids: EpisodeIds = EpisodeIds()) -> None:
         self.n = len(seeds)
@@ -141,50 +213,16 @@ class EpisodeSlots:
 
     def start(self, slot: int, recording: bool, state: EpisodeState = EpisodeState.STARTING) -> int:
         """An episode starts on ``slot`` (admitted by this call when ``recording``): its id."""
-        record = self.slots[slot]
-        assert record.state is EpisodeState.NONE, f"slot {slot} already runs episode {record.episode_id}"
         episode_id = self.next_id(slot)
-        _set(record, "episode_id", episode_id)
-        _set(record, "started", record.started + 1)
-        _set(record, "state", state)
-        _set(record, "recording", recording)
-        self._clear(record)
+        self.slots[slot].start(episode_id, recording, state)
         self.stats.count("episodes_started")
         return episode_id
-
-    def ready(self, slot: int, observation: Any) -> None:
-        """The slot's reset or step was answered and its episode goes on: act on ``observation``."""
-        record = self.slots[slot]
-        _set(record, "observation", observation)
-        _set(record, "sent", None)
-        _set(record, "state", EpisodeState.READY)
-
-    def sent(self, slot: int, sent: tuple[Any, Any, dict[str, Any], int]) -> None:
-        """A step is in flight: ``(observation, action, agent info, policy version)``."""
-        record = self.slots[slot]
-        _set(record, "sent", sent)
-        _set(record, "state", EpisodeState.STEPPING)
-
-    def record(self, slot: int, step: Step) -> None:
-        """The step answered belongs to the slot's episode, which records it."""
-        self.slots[slot].steps.append(step)
-
-    def take_steps(self, slot: int) -> list[Step]:
-        """The running episode's steps recorded so far, handed out (it goes on recording)."""
-        record = self.slots[slot]
-        steps = record.steps
-        _set(record, "steps", [])
-        return steps
 
     def stop_recording(self) -> int:
         """A collection call admits its own episodes: those running go on unrecorded, and any
         steps they recorded and nobody took are dropped (counted as ``dropped_steps``). Returns
         how many were dropped."""
-        dropped = 0
-        for record in self.slots:
-            dropped += len(record.steps)
-            _set(record, "recording", False)
-            _set(record, "steps", [])
+        dropped = sum(record.stop_recording() for record in self.slots)
         if dropped:
             self.stats.count("dropped_steps", dropped)
         return dropped
@@ -192,78 +230,36 @@ class EpisodeSlots:
     def advanced(self, slot: int, started: int, running: int) -> None:
         """Worker-side: a fragment started ``started`` episodes on ``slot`` (ids in order from
         ``next_id``) and ``running`` goes on (-1: none)."""
-        record = self.slots[slot]
-        _set(record, "started", record.started + started)
+        self.slots[slot].advanced(started, running)
         if started:
-            _set(record, "seed", None)
             self.stats.count("episodes_started", started)
-        if running >= 0:
-            _set(record, "state", EpisodeState.RUNNING)
-            _set(record, "episode_id", running)
-            _set(record, "recording", True)
-        else:
-            _set(record, "state", EpisodeState.NONE)
-            _set(record, "recording", False)
-
-    def take_seed(self, slot: int) -> int | None:
-        """The seed for the slot's next reset, used once."""
-        record = self.slots[slot]
-        seed = record.seed
-        _set(record, "seed", None)
-        return seed
 
     def close(self, slot: int, outcome: Outcome) -> Closed:
         """The slot's episode is over: ``ENDED``, ``CUT`` (listed, counted), ``FAILED``
         (counted, its recorded steps dropped and counted) or ``DISCARDED``. Returns it."""
         record = self.slots[slot]
-        if record.state is EpisodeState.NONE:
-            return Closed(-1, [], False, outcome)
-        steps = record.steps
-        if outcome is Outcome.CUT:
-            for step in steps:
-                step.interrupted = True
-            self.cut_episodes.append(record.episode_id)
-            self.stats.count("interrupted_episodes")
-        elif outcome is Outcome.DISCARDED:
-            self.stats.count("discarded_episodes")
-        elif outcome is Outcome.FAILED:
-            self.stats.count("failed_episodes")
-            if steps:
-                self.stats.count("dropped_steps", len(steps))
-            steps = []
-        closed = Closed(record.episode_id, steps, record.recording, outcome)
-        _set(record, "state", EpisodeState.NONE)
-        _set(record, "recording", False)
-        self._clear(record)
-        return closed
+        if record.state is not EpisodeState.NONE:
+            if outcome is Outcome.CUT:
+                self.cut_episodes.append(record.episode_id)
+                self.stats.count("interrupted_episodes")
+            elif outcome is Outcome.DISCARDED:
+                self.stats.count("discarded_episodes")
+            elif outcome is Outcome.FAILED:
+                self.stats.count("failed_episodes")
+                if record.steps:
+                    self.stats.count("dropped_steps", len(record.steps))
+        return record.close(outcome)
 
     def replaced(self, slot: int, generation: int | None) -> Closed | None:
         """The slot's env is of ``generation`` (an answer or a decision carried it; ``None``: a
         fresh one, whose next answer brings it). Another than the record's is a fresh env: its
         running episode is cut and closed here (``CUT``), and every env update is due again.
         Returns the cut (``episode_id`` -1 if none was running), or ``None`` if nothing changed."""
-        record = self.slots[slot]
-        if generation == record.generation:
+        if generation == self.slots[slot].generation:
             return None
         closed = self.close(slot, Outcome.CUT)
-        if generation is not None:
-            _set(record, "generation", generation)
-        _set(record, "env_version", 0)
+        self.slots[slot].replaced(generation)
         return closed
-
-    @staticmethod
-    def _clear(record: EpisodeSlot) -> None:
-        _set(record, "observation", None)
-        _set(record, "sent", None)
-        _set(record, "steps", [])
-
-    # ------------------------------------------------------------------------------------------
-    # Env versions (the updates themselves are in the sampler's ``UpdateLog``)
-
-    def applied(self, slot: int, version: int) -> None:
-        """The slot's env has every update up to ``version``."""
-        record = self.slots[slot]
-        _set(record, "env_version", max(record.env_version, version))
 
 
 def failed_slots(error: BaseException) -> list[int]:

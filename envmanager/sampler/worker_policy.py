@@ -346,7 +346,7 @@ class WorkerPolicySampler:
                 out[s].append(batch)
             empty[s] = self._advance(s, fields if n else None, answer["started"][i], answer["running"][i],
                                      answer["cut"][i], want, starts)
-            self.episodes.applied(s, answer["env_version"][i])
+            self.episodes[s].applied(answer["env_version"][i])
         self.stats.count("env_steps", sum(answer["rows"]))
         self.stats.count("fragments")
         error = None
