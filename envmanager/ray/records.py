@@ -10,22 +10,21 @@ nor were cut too). So a node started again in place of a lost one never reuses a
 replays a seeded episode. Each record holds the generation of the node it resumed (how often
 the driver's supervisor restarted that node): an answer carries its node's generation, and one
 of another generation (a replaced node's) is refused whole, rows and counts, as the local
-samplers' records refuse an answer of another process generation. The records are changed only
-through :class:`SlotRecords`' methods.
+samplers' records refuse an answer of another process generation. A record changes only
+through its own methods, called by :class:`SlotRecords`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from envmanager.sampler.batches import TransitionBatch
 
 __all__ = ["SlotRecord", "SlotRecords"]
-
-_set = object.__setattr__  # the records' one writer is SlotRecords
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +36,36 @@ class SlotRecord:
     started: int = 0  # episodes the slot is known to have started: the next id is ``started * n + slot``
     running: int = -1  # the episode still running in rows handed out or buffered (-1: none)
     generation: int = 0  # of the node the slot runs on: only its answers are booked
+
+    def _set(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # the record's one writer is its own methods
+
+    def saw_started(self, count: int) -> None:
+        """The slot started at least ``count`` episodes (its first one used the seed)."""
+        if count > self.started:
+            self._set(started=count, seed=None)
+
+    def runs(self, episode: int) -> None:
+        """``episode`` runs on in rows handed out or buffered (-1: none)."""
+        self._set(running=episode)
+
+    def cut(self, episode: int, started: int) -> None:
+        """``episode`` (the slot's ``started``-th) was cut: started, no longer running."""
+        self.saw_started(started)
+        if self.running == episode:
+            self._set(running=-1)
+
+    def let_go(self) -> bool:
+        """The running episode never continues in a fragment: whether there was one."""
+        was_running = self.running >= 0
+        self._set(running=-1)
+        return was_running
+
+    def resumed(self, generation: int) -> tuple[int | None, int]:
+        """The slot now runs on a node of ``generation``: its seed and episodes started."""
+        self._set(generation=generation)
+        return self.seed, self.started
 
 
 class SlotRecords:
@@ -57,13 +86,6 @@ class SlotRecords:
     # ------------------------------------------------------------------------------------------
     # What nodes report
 
-    def _started(self, slot: int, count: int) -> None:
-        """Slot ``slot`` started at least ``count`` episodes (its first one used the seed)."""
-        record = self.slots[slot]
-        if count > record.started:
-            _set(record, "started", count)
-            _set(record, "seed", None)
-
     def booked(self, batch: TransitionBatch, started: Sequence[int] | None = None, offset: int = 0,
                runs_on: bool = True, generation: int | None = None) -> bool:
         """An answer's rows, and (if the node sent them) its slots' counts of episodes started,
@@ -78,41 +100,32 @@ class SlotRecords:
             return False  # (an answer that does not say is booked as before)
         if started is not None:
             for i, count in enumerate(started):
-                self._started(offset + i, int(count))
+                self.slots[offset + i].saw_started(int(count))
         if not len(batch):
             return True
         ends = batch.dones
         for slot in np.unique(batch.worker_ids).tolist():
             rows = np.flatnonzero(batch.worker_ids == slot)
-            self._started(slot, int(batch.episode_ids[rows].max()) // self.n + 1)
+            record = self.slots[slot]
+            record.saw_started(int(batch.episode_ids[rows].max()) // self.n + 1)
             if runs_on:
-                last = rows[-1]
-                _set(self.slots[slot], "running", -1 if ends[last] else int(batch.episode_ids[last]))
+                record.runs(-1 if ends[rows[-1]] else int(batch.episode_ids[rows[-1]]))
         return True
 
     def cut(self, episodes: Iterable[int]) -> list[int]:
         """``episodes`` were cut (inside a node, or with it): listed, known to have started (an
         episode cut before its first row too), no longer running. Returns them."""
-        out = []
-        for episode in episodes:
-            slot = episode % self.n
-            self.cut_episodes.append(episode)
-            self._started(slot, episode // self.n + 1)
-            if self.slots[slot].running == episode:
-                _set(self.slots[slot], "running", -1)
-            out.append(episode)
+        out = list(episodes)
+        self.cut_episodes += out
+        for episode in out:
+            self.slots[episode % self.n].cut(episode, episode // self.n + 1)
         return out
 
     def let_go(self, slots: Iterable[int]) -> int:
         """The running episodes of ``slots`` never continue in a fragment (an episode request
-        made them run out unrecorded, or their node failed): how many there were."""
-        count = 0
-        for slot in slots:
-            record = self.slots[slot]
-            if record.running >= 0:
-                _set(record, "running", -1)
-                count += 1
-        return count
+        made them run out unrecorded, as the local ``Sampler`` does; or their node failed): how
+        many there were."""
+        return sum(self.slots[slot].let_go() for slot in slots)
 
     # ------------------------------------------------------------------------------------------
     # What a (re)started node is built with
@@ -121,7 +134,5 @@ class SlotRecords:
         """Per slot: its seed only if no episode of it is known to have started (a restarted node
         must not replay a seeded episode), and the episodes started so far (ids go on). The
         slots now run on a node of ``generation``: only its answers are booked from now on."""
-        records = [self.slots[s] for s in slots]
-        for record in records:
-            _set(record, "generation", generation)
-        return [r.seed for r in records], [r.started for r in records]
+        resumed = [self.slots[s].resumed(generation) for s in slots]
+        return [seed for seed, _ in resumed], [started for _, started in resumed]
