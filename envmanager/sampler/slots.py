@@ -117,13 +117,9 @@ class EpisodeSlot:
 
     def advanced(self, started: int, running: int) -> None:
         """Worker-side: a fragment started ``started`` episodes here and ``running`` goes on (-1: none)."""
-        self._set(started=self.started + started)
-        if started:
-            self._set(seed=None)
-        if running >= 0:
-            self._set(state=EpisodeState.RUNNING, episode_id=running, recording=True)
-        else:
-            self._set(state=EpisodeState.NONE, recording=False)
+        runs = running >= 0
+        self._set(started=self.started + started, seed=None if started else self.seed, recording=runs,
+                  state=EpisodeState.RUNNING if runs else EpisodeState.NONE, episode_id=running if runs else self.episode_id)
 
     def take_seed(self) -> int | None:
         """The seed for the slot's next reset, used once."""
