@@ -11,13 +11,10 @@ import numpy as np
 
 from envmanager.core.calls import CallRequest
 from envmanager.sampler.batches import TransitionBatch, _stack_or_objects
-from envmanager.sampler.rollout import ARENAS, Arena
+from envmanager.sampler.rollout import ARENAS, FIELDS, Arena
 from envmanager.wire import shm
 
-__all__ = ["FIELDS", "SentFragment", "answer_rows", "arena_rows", "fragment_batch", "fill_agent_infos", "release_arena"]
-
-#: The arrays of a fragment, per slot and row.
-FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
+__all__ = ["SentFragment", "answer_rows", "arena_rows", "fragment_batch", "fill_agent_infos", "release_arena"]
 
 
 class SentFragment(NamedTuple):

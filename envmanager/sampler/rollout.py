@@ -24,7 +24,7 @@ import mmap
 import operator
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -39,10 +39,12 @@ from envmanager.wire.marks import CALL, RESET, STEP, mark
 from envmanager.wire.messages import Rebuild
 from envmanager.worker.envs import envs_here, marks_here, remote_exception
 
-__all__ = ["ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
+__all__ = ["FIELDS", "ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
 
 #: Shared mappings by token, made in the parent before its workers fork (inherited by them).
 ARENAS: dict[str, mmap.mmap] = {}
+#: The arrays of a fragment, per slot and row.
+FIELDS = ("observations", "next_observations", "actions", "rewards", "terminated", "truncated", "episodes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,8 +111,7 @@ class Arena:
     def view(self, first: int, k: int) -> Arena:
         """The rows of slots ``first .. first + k - 1`` (views, not copies)."""
         out = object.__new__(Arena)
-        for name in ("rows", "started", "observations", "next_observations", "actions", "rewards", "terminated", "truncated",
-                     "episodes"):
+        for name in ("rows", "started", *FIELDS):
             setattr(out, name, shm.tree_map(lambda a: a[first:first + k], getattr(self, name)))
         out.nbytes = self.nbytes
         return out
@@ -128,17 +129,38 @@ def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most:
 # The worker's state (per process: a fork copies the parent's, so it is keyed by pid)
 
 
+@dataclass(slots=True)
 class _Slot:
     """The worker's own state of one slot's episode: garage's worker owns its episode. The
     parent books what each fragment reports (``running``, ``cut``, ``env_version``), and
     commands the rest (admission, ids, the seed, updates, ``let_go``); it never keeps a second
-    copy to reconcile with this one."""
+    copy to reconcile with this one. Read it freely; it changes only through its methods."""
 
-    def __init__(self) -> None:
-        self.obs: Any = None
+    obs: Any = None
+    running: bool = False
+    episode: int = -1  # the running (or last) episode's id, as the parent gave it
+    env_version: int = 0
+
+    def rebuilt(self) -> None:
+        """A fresh env: no episode, no env update applied."""
+        self.obs, self.running, self.env_version = None, False, 0
+
+    def update(self, env: Any, due: Due) -> None:
+        """The env updates ``due`` applied to ``env`` (the call path's applier)."""
+        self.env_version = apply_updates(env, due, self.env_version)
+
+    def start(self, obs: Any, episode: int) -> None:
+        """Episode ``episode`` starts from the reset's ``obs``."""
+        self.obs, self.running, self.episode = obs, True, episode
+
+    def stepped(self, obs: Any, done: bool) -> None:
+        """A step of the running episode answered ``obs``; it goes on unless ``done``."""
+        self.obs, self.running = obs, self.running and not done
+
+    def stop(self) -> int:
+        """The running episode stops here (the parent let it go, or a failure ended it): its id."""
         self.running = False
-        self.episode = -1  # the running (or last) episode's id, as the parent gave it
-        self.env_version = 0
+        return self.episode
 
 
 class _Process:
@@ -178,8 +200,9 @@ class RegisteredFactory:
 # One fragment
 
 
-class RolloutRequest(NamedTuple):
-    """One fragment for one process. Per slot (in ``slots`` order): ``steps`` most rows,
+@dataclass(frozen=True, kw_only=True)
+class RolloutRequest:
+    """One fragment for one process (built by keyword). Per slot (in ``slots`` order): ``steps`` most rows,
     ``starts`` episodes that may start (-1: any), the id its next episode gets (``ids``, then
     ``+ id_stride`` for each one after), whether to let its running episode go (``let_go``: the
     parent discarded it; exact episodes start afresh), a seed for its next reset (the parent's,
@@ -197,7 +220,7 @@ class RolloutRequest(NamedTuple):
     starts: tuple[int, ...]
     ids: tuple[int, ...]
     id_stride: int
-    let_go: tuple[bool, ...]
+    let_go: tuple[bool, ...]  # what the parent's records do not run, the worker lets go
     seeds: tuple[Any, ...]
     env_updates: tuple[Due, ...]
     generations: tuple[int, ...] = ()  # each slot's env generation in the parent: a newer one is remade here first
@@ -283,8 +306,7 @@ def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> 
     none = (None,) * len(stale)
     here.rebuild(Rebuild(locals_, none, none, request.replays, tuple(request.generations[i] for i in stale)))
     for i in stale:
-        st = states[i]
-        st.obs, st.running, st.env_version = None, False, 0
+        states[i].rebuilt()
 
 
 def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest,
@@ -319,7 +341,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     seeds = list(request.seeds)  # each used once, by the first episode this fragment starts
     for i, st in enumerate(states):
         if request.let_go[i]:  # the parent discarded it (exact episodes start afresh)
-            st.running = False
+            st.stop()
 
     def ready(i: int) -> bool:
         """Whether slot ``i`` takes a step this tick (starting an episode if it may)."""
@@ -334,16 +356,16 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             due = request.env_updates[i]
             if due.updates:
                 words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
-            st.env_version = apply_updates(envs[i], due, st.env_version)  # the call path's applier
+            st.update(envs[i], due)
             words[at] = mark(request.slots[i], RESET)
-            st.obs, _ = envs[i].reset(seed=seeds[i])
+            obs, _ = envs[i].reset(seed=seeds[i])
             words[at] = 0
         except Exception as exc:
             failures[i] = remote_exception(request.slots[i], exc)
             env_raised.append(i)
             return False
-        seeds[i], st.running = None, True
-        st.episode, next_ids[i] = next_ids[i], next_ids[i] + request.id_stride
+        st.start(obs, next_ids[i])
+        seeds[i], next_ids[i] = None, next_ids[i] + request.id_stride
         versions[i][st.episode] = st.env_version
         started[i] += 1
         arena.started[i] += 1
@@ -368,7 +390,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         except _AgentFailure as failure:
             for i in active:  # the agent could not act: these episodes end here
                 failures[i] = remote_exception(request.slots[i], failure.__cause__ or failure)
-                cut[i], states[i].running = states[i].episode, False
+                cut[i] = states[i].stop()
             break
         shm.write(arena.actions, (sel, t), actions)
         done: list[int] = []
@@ -383,7 +405,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             except Exception as exc:
                 failures[i] = remote_exception(request.slots[i], exc)
                 env_raised.append(i)
-                cut[i], states[i].running = states[i].episode, False
+                cut[i] = states[i].stop()
                 continue
             done.append(i)
             if flat:
@@ -396,9 +418,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
                 slot_infos = infos[i] = [{}] * rows[i]
             if slot_infos is not None:
                 slot_infos.append(info)
-            states[i].obs = obs
-            if term or trunc:
-                states[i].running = False
+            states[i].stepped(obs, term or trunc)
         words[at] = 0  # the agent acts next: in no env's call
         if done:
             if len(done) != len(active):
@@ -428,9 +448,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     }
     if not request.shared:
         n = max(rows, default=0)
-        out["arrays"] = {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name))
-                         for name in ("observations", "next_observations", "actions", "rewards", "terminated", "truncated",
-                                      "episodes")}
+        out["arrays"] = {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name)) for name in FIELDS}
     return out
 
 
@@ -456,7 +474,8 @@ def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: 
     k = len(envs)
     arena = arena or Arena(spec, bytearray(Arena.nbytes_for(spec)))
     states = states or [_Slot() for _ in envs]
-    request = RolloutRequest(tuple(range(k)), 0, spec, True, 0, b"", (steps,) * k, (-1,) * k,
-                             tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)), k,
-                             (False,) * k, (None,) * k, (Due(0, ()),) * k)
+    request = RolloutRequest(slots=tuple(range(k)), first=0, spec=spec, shared=True, agent_version=0, agent=b"",
+                             steps=(steps,) * k, starts=(-1,) * k, id_stride=k, let_go=(False,) * k, seeds=(None,) * k,
+                             ids=tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)),
+                             env_updates=(Due(0, ()),) * k)
     return run_fragment(agent, envs, states, arena, request, ActionChecker(envs[0].action_space)), arena, states

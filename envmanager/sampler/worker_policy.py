@@ -302,12 +302,13 @@ class WorkerPolicySampler:
         version, payload = self.versions.agent()  # together: a request never pairs them wrongly
         due = [self.versions.env_updates.due(s, episodes[s].env_version) for s in slots]
         budget = tuple(min(want[s], self._spec.capacity) if want is not None else self._spec.capacity for s in slots)
+        records = [episodes[s] for s in slots]
         request = RolloutRequest(
-            tuple(slots), slots[0], self._spec, self._arena is not None, version, payload, budget,
-            tuple(starts[s] for s in slots), tuple(episodes.next_id(s) for s in slots), episodes.id_stride,
-            tuple(episodes[s].state is not RUNNING for s in slots),  # what the records do not run, the worker lets go
-            tuple(episodes[s].seed for s in slots), tuple(due), tuple(episodes[s].generation for s in slots),
-            tuple(m.pool.replay_calls))
+            slots=tuple(slots), first=slots[0], spec=self._spec, shared=self._arena is not None, agent_version=version,
+            agent=payload, steps=budget, starts=tuple(starts[s] for s in slots), ids=tuple(episodes.next_id(s) for s in slots),
+            id_stride=episodes.id_stride, let_go=tuple(r.state is not RUNNING for r in records), env_updates=tuple(due),
+            seeds=tuple(r.seed for r in records), generations=tuple(r.generation for r in records),
+            replays=tuple(m.pool.replay_calls))
         if self._arena is not None:  # a worker killed before its first row must not show old rows
             self._arena.rows[slots] = 0
             self._arena.started[slots] = 0
