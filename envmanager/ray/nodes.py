@@ -110,7 +110,7 @@ class NodePool:
     """Ray actors for the nodes, the requests in flight, deadlines and restarts."""
 
     def __init__(self, env_factory: Callable[[int], Any], envs_per_node: list[int], policy: Any,
-                 resume: Callable[[Node, int], tuple[list[int | None], list[int]]],
+                 resume: Callable[[list[int], int], tuple[list[int | None], list[int]]],
                  sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
                  restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
         self.start_timeout = start_timeout
@@ -119,8 +119,8 @@ class NodePool:
         self.supervisor = Supervisor(restarts, timeout, [[i] for i in range(len(envs_per_node))], "node")
         self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
-        #: Per node of a generation: each slot's seed if no episode used it yet, and the episodes
-        #: each started so far (the records then book only that generation's answers).
+        #: Per node's slots, of a generation (``SlotRecords.resume``): each seed if no episode used it
+        #: yet, the episodes each started so far; the records then book only that generation's answers.
         self.resume = resume
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
                                "max_restarts": 0, "max_task_retries": 0}
@@ -154,7 +154,7 @@ class NodePool:
     def _start(self, node: Node) -> None:
         env_factory, policy, sampler_options = self._args
         generation = self.supervisor.generation(node.index)
-        seeds, started = self.resume(node, generation)
+        seeds, started = self.resume(node.slots, generation)
         n_slots = sum(n.n_envs for n in self.nodes)
         self.check_usable()  # a restart after the session went would start a new one
         try:

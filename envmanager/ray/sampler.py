@@ -25,7 +25,9 @@ from envmanager.ray.node import COUNTERS
 from envmanager.ray.nodes import Node, NodePool, RayNodeError, Request
 from envmanager.ray.records import SlotRecords
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
+from envmanager.sampler.episodes import spread
 from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.sampler import exact_quotas, positive
 from envmanager.sampler.versions import Versions
 
 with requires_extra("ray", "envmanager.ray"):
@@ -81,9 +83,9 @@ class RaySampler:
                  actor_options: dict[str, Any] | None = None,
                  ray_address: str | None = None, ray_init_options: dict[str, Any] | None = None,
                  log_interval: float | None = None, **sampler_options: Any) -> None:
-        _positive("nodes", nodes)
-        _positive("fragment_steps", fragment_steps)
-        _positive("in_flight", in_flight)
+        positive("nodes", nodes)
+        positive("fragment_steps", fragment_steps)
+        positive("in_flight", in_flight)
         sizes = [envs_per_node] * nodes if isinstance(envs_per_node, (int, np.integer)) else list(envs_per_node)
         if len(sizes) != nodes or not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sizes):
             raise InvalidInputError(f"envs_per_node must be a positive int or {nodes} of them, got {envs_per_node!r}")
@@ -106,7 +108,7 @@ class RaySampler:
                                  switch="restart_nodes")
         if env_timeout is not None:
             sampler_options["timeout"] = env_timeout
-        self._pool = NodePool(env_factory, sizes, policy, self._resume, dict(sampler_options), dict(actor_options or {}),
+        self._pool = NodePool(env_factory, sizes, policy, self.records.resume, dict(sampler_options), dict(actor_options or {}),
                               float(timeout), float(start_timeout), restarts, ray_address, dict(ray_init_options or {}))
         self._pool.replay = self._replay
 
@@ -144,16 +146,9 @@ class RaySampler:
                 sliced = None if env is None else Pickled(tuple(_slice(env.payloads, node)))
                 self._pool.send_update(node, version, weights, sliced)
 
-    def _resume(self, node: Node, generation: int) -> tuple[list[int | None], list[int]]:
-        """What a (re)started node is built with, from the records of its slots: each seed only
-        if no episode of it is known to have started (a restarted node must not replay seeded
-        episodes), and the episodes started so far (so ids go on: none is ever reused). From
-        now on the records book only answers of the node's generation it starts as."""
-        return self.records.resume(_slots(node), generation)
-
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
-        ``_resume``, everything a restarted node needs again, in one place)."""
+        the records' ``resume``, everything a restarted node needs again, in one place)."""
         version, weights = self.versions.agent()
         if weights is not None:  # (None: no agent update yet, the node has the policy it was built with)
             self._pool.send_update(node, version, weights, None)
@@ -167,7 +162,7 @@ class RaySampler:
         """Exactly ``n`` transitions, in the order the nodes delivered them (each node's fragment
         in its worker order). Fragments beyond ``n`` wait for the next call, and every node keeps
         ``in_flight`` fragments under way between calls; episodes continue across calls."""
-        _positive("n", n)
+        positive("n", n)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
         while self.buffered_steps < n:
@@ -190,7 +185,7 @@ class RaySampler:
         them. With ``feed``, each batch is put into it first, and collection pauses while the
         learner has ``max_batches_waiting`` batches waiting (policy lag stays bounded)."""
         size = self.fragment_steps if fragment_steps is None else fragment_steps
-        _positive("fragment_steps", size)
+        positive("fragment_steps", size)
         yield from feed_fragments(lambda: self.obtain_steps(size), self.stats, feed, max_batches_waiting, max_fragments)
 
     @property
@@ -250,7 +245,7 @@ class RaySampler:
             return self._pool.wait()
         except RayNodeError as exc:
             node = self._pool.nodes[exc.node]
-            failed = self._forget_open(node)
+            failed = self.records.let_go(node.slots)
             if self._pool.failure(node) is not None and failed:
                 self.stats.count("failed_episodes", failed)
             raise
@@ -269,7 +264,7 @@ class RaySampler:
                 continue
             if request.kind == "steps":
                 continue
-            self._forget_open(node)
+            self.records.let_go(node.slots)  # an episode request ran them out unrecorded
             if request in asked:
                 out.append((request, None if answer is None else answer[0]))
             elif answer is not None:
@@ -308,7 +303,7 @@ class RaySampler:
         node again)."""
         self.stats.count("lost_requests")
         if request.kind == "steps":
-            self._cut([self.records[s].running for s in _slots(node) if self.records[s].running >= 0], counted=False)
+            self._cut([self.records[s].running for s in node.slots if self.records[s].running >= 0], counted=False)
 
     def _cut(self, episodes: Sequence[int], counted: bool) -> None:
         """``episodes`` were cut (by a restart inside a node, ``counted`` there, or of a node):
@@ -325,7 +320,7 @@ class RaySampler:
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes, each started during this call, until at least ``num_samples`` steps
         (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
-        _positive("num_samples", num_samples)
+        positive("num_samples", num_samples)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
         logger.debug("ray obtain_samples itr=%s num_samples=%d", itr, num_samples)
@@ -353,17 +348,13 @@ class RaySampler:
         at an episode's start, per slot (unbiased). A node lost during the call loses its whole
         answer (counted in ``lost_episodes``; the loss does not depend on episode lengths, so
         asking its replacement for the same quotas keeps the sample unbiased)."""
-        quotas = ([n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer))
-                  else list(n_eps_per_worker))
-        valid = all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas)
-        if len(quotas) != self.n_workers or not valid or not sum(quotas):
-            raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
+        quotas = exact_quotas(n_eps_per_worker, self.n_workers)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
         got: dict[int, EpisodeBatch] = {}
         outstanding = []
         for node in self._pool.nodes:
-            local = [int(q) for q in _slice(quotas, node)]
+            local = _slice(quotas, node)
             if sum(local):
                 outstanding.append(self._pool.submit(node, "episodes", local))
         while outstanding:
@@ -383,15 +374,9 @@ class RaySampler:
                         env_update: Any = None) -> EpisodeBatch:
         """``n`` episodes in all (quotas spread over the global slots before collection starts),
         or ``n`` per slot with ``per_worker=True``."""
-        _positive("n", n)
-        k = self.n_workers
-        quotas = n if per_worker else [n // k + (1 if i < n % k else 0) for i in range(k)]  # round robin, fixed up front
+        positive("n", n)
+        quotas = n if per_worker else spread(n, self.n_workers)  # round robin, fixed up front
         return self.obtain_exact_episodes(quotas, agent_update, env_update)
-
-    def _forget_open(self, node: Node) -> int:
-        """The node's running episodes never continue in a fragment (an episode request makes
-        them run out unrecorded, as the local ``Sampler`` does; or the node failed): how many."""
-        return self.records.let_go(_slots(node))
 
     def _top_up_if_streaming(self) -> None:
         if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):
@@ -446,15 +431,5 @@ class RaySampler:
         self.close()
 
 
-def _slots(node: Node) -> range:
-    """The global slots of ``node``."""
-    return range(node.offset, node.offset + node.n_envs)
-
-
 def _slice(per_slot: Sequence[Any], node: Node) -> list[Any]:
     return list(per_slot[node.offset: node.offset + node.n_envs])
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sampler", "apply_agent_update"]
+__all__ = ["Sampler", "apply_agent_update", "exact_quotas", "positive"]
 
 NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
 
@@ -151,7 +151,7 @@ class Sampler:
 
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes until at least ``num_samples`` steps (garage). ``itr`` is for logs."""
-        _positive("num_samples", num_samples)
+        positive("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
         return self._episodes(self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running)))
@@ -160,24 +160,20 @@ class Sampler:
                               env_update: Any = None) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` episodes from each slot (an int, or one per slot), each
         started during this call, in (worker, admission) order. Unbiased: see ``episodes``."""
-        quotas = ([n_eps_per_worker] * self.n_workers if isinstance(n_eps_per_worker, (int, np.integer))
-                  else list(n_eps_per_worker))
-        valid = all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas)
-        if len(quotas) != self.n_workers or not valid or not sum(quotas):
-            raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {self.n_workers} of them, not all 0")
+        quotas = exact_quotas(n_eps_per_worker, self.n_workers)
         self.update(agent_update, env_update)
-        return self._episodes(self._collect(EpisodeQuotas([int(q) for q in quotas])))
+        return self._episodes(self._collect(EpisodeQuotas(quotas)))
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n`` episodes in all (quotas spread over the slots before collection starts), or
         ``n`` per worker with ``per_worker=True``."""
-        _positive("n", n)
+        positive("n", n)
         return self.obtain_exact_episodes(n if per_worker else spread(n, self.n_workers), agent_update, env_update)
 
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
         """Exactly ``n`` transitions, in worker order; episodes still running continue in the
         next ``obtain_steps`` (same episode ids)."""
-        _positive("n", n)
+        positive("n", n)
         self.update(agent_update, env_update)
         plan = self._collect(StepCount(self.n_workers, n))
         steps: list[Step] = []
@@ -193,7 +189,7 @@ class Sampler:
         each fragment is put into the learner feed first; collection pauses while the learner
         has ``max_batches_waiting`` batches waiting (Sample Factory's back-pressure: policy lag
         stays bounded). Policy updates published meanwhile apply between steps."""
-        _positive("fragment_steps", fragment_steps)
+        positive("fragment_steps", fragment_steps)
 
         def fragment() -> TransitionBatch:
             batch = self.obtain_steps(fragment_steps)
@@ -468,6 +464,15 @@ def apply_agent_update(policy: Any, update: Any) -> Any:
     return update
 
 
-def _positive(name: str, value: Any) -> None:
+def positive(name: str, value: Any) -> None:
+    """A count asked of a sampler (the ``RaySampler``'s too): a positive int, never a bool."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+
+
+def exact_quotas(n_eps_per_worker: Any, n_workers: int) -> list[int]:
+    """The episodes asked of each slot (an int, or one per slot; the ``RaySampler``'s too)."""
+    quotas = [n_eps_per_worker] * n_workers if isinstance(n_eps_per_worker, (int, np.integer)) else list(n_eps_per_worker)
+    if len(quotas) != n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
+        raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {n_workers} of them, not all 0")
+    return [int(q) for q in quotas]
