@@ -165,10 +165,7 @@ class BatchEnvManager(BatchResets, CallMethods):
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
-            self._state.attach(self.results, self.observation_list, self.observation_space)
-            if self._pool.mailboxes is not None:  # the step board's answers: their infos and timings stay there
-                self._state.board_timings = self._pool.mailboxes.timings
-                self._state.board_infos = self._pool.mailboxes.infos
+            self._state.attach(self.results, self.observation_list, self.observation_space, self._pool.mailboxes)
             self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
             self._calls = EnvCalls(self)
         except BaseException:
@@ -375,7 +372,7 @@ class BatchEnvManager(BatchResets, CallMethods):
                 shared[slots] = batch
             else:
                 shm.write(shared, slots, batch)
-            self.status[slots] = IN_FLIGHT
+            self._state.sent(slots)
             if joined is None:
                 pool.post_steps(slots, plan.processes, time.monotonic())
                 return batch
@@ -396,7 +393,7 @@ class BatchEnvManager(BatchResets, CallMethods):
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
-        self.status[slots] = IN_FLIGHT
+        self._state.sent(slots)
         if joined is not None:
             self._join_boots(joined)
         now = time.monotonic()
@@ -426,9 +423,8 @@ class BatchEnvManager(BatchResets, CallMethods):
             self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
                           self._busy_slots, enough=lambda: bool(state.arrived), can_finish=self._any_busy)
         if state.step_errors:
-            raise state.step_errors.pop(0)
-        arrived, state.arrived = state.arrived, []
-        return state.hand_out(arrived, reset=False, columns=info_columns)
+            raise state.first_error()
+        return state.hand_out(info_columns)
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""

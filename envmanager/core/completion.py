@@ -55,6 +55,18 @@ class Completion:
         self.slots = slots
         self.lost = lost
 
+    def keep(self, answer: Any, slots: tuple[int, ...]) -> None:
+        """Only ``slots`` delivered (the others' envs raised): ``answer`` is theirs."""
+        self.answer, self.slots = answer, slots
+
+    def answering(self, lost: tuple[EnvironmentRequest, ...], interrupted: bool = True) -> None:
+        """This answer is a fresh reset (a restart's or a rebuild's) answering ``lost``, the
+        requests a failure cut short (``request``: the first); ``interrupted`` unless it is a
+        startup's answer."""
+        self.request = lost[0] if lost else None
+        self.lost = lost
+        self.interrupted = interrupted
+
     @property
     def cmd(self) -> Cmd | None:
         return None if self.request is None else self.request.cmd

@@ -113,10 +113,8 @@ class SubprocessEnvManager(BatchEnvManager):
     def _absorb(self) -> None:
         """Turn step results that arrived into StepInfos now (copies), so their slots can be
         stepped again before the caller receives them — as when a worker restarted while idle."""
-        state = self._state
-        if state.arrived and self._pool is not None:
-            arrived, state.arrived = state.arrived, []
-            self._ready += self._step_infos(state.hand_out(arrived, reset=False))
+        if self._state.arrived and self._pool is not None:  # (no wait, no error raised: ``idle_worker_ids`` asks)
+            self._ready += self._step_infos(self._state.hand_out())
 
     # ------------------------------------------------------------------------------------------
     # Stepping

@@ -318,7 +318,7 @@ class WorkerPool(PoolRecovery):
             elif state is ProcessState.REBUILDING:
                 self._rebuilt(w, completion, completions)
             else:
-                w.state = ProcessState.RUNNING
+                w.running()
                 completions.append(completion)
 
     def _board_notice(self, w: WorkerProcess, form: int, data: Any, posted_at: float, received: float,
@@ -383,13 +383,8 @@ class WorkerPool(PoolRecovery):
             clock = w.clock
             if w.busy and w.watched and supervisor.late(clock, now):
                 cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
-                if cmd is Cmd.CALL and self.progress is not None:
-                    done = self.progress(list(w.env_ids))
-                    seen = w.progress_mark[1] if w.progress_mark[0] == clock else 0  # (a call's progress starts at 0)
-                    if done != seen:  # working, not hung: a new deadline from now
-                        supervisor.start_clock(w.index, now)
-                        w.progress_mark = (now, done)
-                        continue
+                if cmd is Cmd.CALL and self.progress is not None and w.still_working(clock, self.progress(list(w.env_ids)), now):
+                    continue  # working, not hung: a new deadline from now
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)
         oldest = min((w.clock for w in self.workers if w.busy and w.watched), default=now)

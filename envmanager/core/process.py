@@ -26,9 +26,9 @@ Life cycle of a worker process (``WorkerProcess.state``)::
 
     any other state ── request_close() / kill() ──► CLOSING ──reaped──► CLOSED
 
-The pool (``envmanager.core.pool``; its failure path: ``envmanager.core.recovery``) drives the
-transitions; this class holds the state and does the process work: send, read a large answer,
-stop, kill with every descendant.
+The pool (``envmanager.core.pool``) drives the transitions through this class's methods; this
+class holds the state (and a restart's ``Boot`` plan) and does the process work: send, read a
+large answer, stop, kill with every descendant.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
 from envmanager.wire.marks import CallMarks
-from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, encode_request
+from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, Reset, encode_request
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
@@ -85,6 +85,30 @@ class Boot:
 
     def __post_init__(self) -> None:
         self.plan = list(self.all_steps)
+
+    def join(self, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
+        """A step or reset of ``slots`` asked meanwhile: the fresh reset answers them, as it answers
+        ``lost``. A reset's seeds and options go into that reset (a second reset of every env, if
+        the first was sent already), and into ``all_steps`` (should the process fail on its way up)."""
+        if reset is not None and any(v is not None for v in (*reset.seeds, *reset.options)):
+            final = self.all_steps[-1][1]
+            assert isinstance(final, Reset)  # (the plan ends with the reset of every env)
+            seeds = dict(zip(final.locals, final.seeds, strict=True))
+            options = dict(zip(final.locals, final.options, strict=True))
+            seeds.update(zip(reset.locals, reset.seeds, strict=True))
+            options.update(zip(reset.locals, reset.options, strict=True))
+            merged = (Cmd.RESET, Reset(final.locals, tuple(seeds[i] for i in final.locals),
+                                       tuple(options[i] for i in final.locals)))
+            self.all_steps[-1] = merged
+            if self.plan:  # not sent yet
+                self.plan[-1] = merged
+            else:
+                self.plan.append(merged)
+        self.lost.append(EnvironmentRequest(cmd, -1, slots))
+
+    def next(self) -> tuple[Cmd, Any] | None:
+        """The plan's next request, taken off it; ``None`` once it is done."""
+        return self.plan.pop(0) if self.plan else None
 
 
 class WorkerProcess:
@@ -186,6 +210,31 @@ class WorkerProcess:
             if slots:
                 lost.append(EnvironmentRequest(Cmd.STEP, BOARD_SEQ, tuple(sorted(slots))))
         return lost
+
+    def running(self) -> None:
+        """It answered its startup, or the last step of its boot plan (then done): RUNNING."""
+        self.boot = None
+        self.state = ProcessState.RUNNING
+
+    def rebuild(self, request: EnvironmentRequest) -> None:
+        """Send ``request``, a REBUILD of envs that raised: REBUILDING until ``rebuilt``."""
+        self.state = ProcessState.REBUILDING
+        self.send(request)
+
+    def rebuilt(self) -> None:
+        """A rebuild's answer came: RUNNING again once no rebuild is in flight."""
+        if not any(r.cmd is Cmd.REBUILD for r, _ in self.requests):
+            self.state = ProcessState.RUNNING
+
+    def still_working(self, clock: float, done: int, now: float) -> bool:
+        """Whether a call past its deadline (its ``clock``) made progress: ``done``, its count (0
+        when sent), grew since its clock was last moved on for it; if so its clock starts now."""
+        seen = self.progress_mark[1] if self.progress_mark[0] == clock else 0
+        if done == seen:
+            return False
+        self.supervisor.start_clock(self.index, now)
+        self.progress_mark = (now, done)
+        return True
 
     @property
     def watched(self) -> bool:

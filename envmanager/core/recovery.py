@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from envmanager.core.completion import Completion, worker_error
-from envmanager.core.process import Boot, ProcessState, WorkerProcess
+from envmanager.core.process import Boot, WorkerProcess
 from envmanager.core.rebuild import delivered, rebuild_request
 from envmanager.core.supervisor import Decision, Fault, GiveUp, Rebuild, Restart, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerTimeoutError
@@ -67,27 +67,11 @@ class PoolRecovery:
 
     def join_boot(self, index: int, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
         """A step or reset of ``slots`` (idle) asked while process ``index`` comes back from a
-        restart (``boot`` set): its boot's fresh reset answers them, ``interrupted``, as it
-        answers what the failure cut short. Nothing goes to the worker, which would take it
-        ahead of its plan. A reset's seeds and options go into the boot's reset (a second reset
-        of every env, if the first was sent already)."""
+        restart (``boot`` set): its boot's fresh reset answers them, ``interrupted`` (``Boot.join``).
+        Nothing goes to the worker, which would take it ahead of its plan."""
         boot = self.workers[index].boot
         assert boot is not None and not boot.startup, "only a running pool's restart is joined"
-        if reset is not None and any(v is not None for v in (*reset.seeds, *reset.options)):
-            final = boot.all_steps[-1][1]
-            assert isinstance(final, Reset)  # (a boot's plan ends with the reset of every env)
-            seeds = dict(zip(final.locals, final.seeds, strict=True))
-            options = dict(zip(final.locals, final.options, strict=True))
-            seeds.update(zip(reset.locals, reset.seeds, strict=True))
-            options.update(zip(reset.locals, reset.options, strict=True))
-            merged = (Cmd.RESET, Reset(final.locals, tuple(seeds[i] for i in final.locals),
-                                       tuple(options[i] for i in final.locals)))
-            boot.all_steps[-1] = merged  # (the plan again, should this process fail on its way up)
-            if boot.plan:  # not sent yet
-                boot.plan[-1] = merged
-            else:
-                boot.plan.append(merged)
-        boot.lost.append(EnvironmentRequest(cmd, -1, slots))
+        boot.join(cmd, slots, reset)
 
     def _on_failure(self, w: WorkerProcess, error: EnvManagerError, completions: list[Completion],
                     request: EnvironmentRequest | None = None) -> None:
@@ -179,11 +163,10 @@ class PoolRecovery:
             return True
         kept = [n for n in range(len(slots)) if n not in failures]
         if kept:  # the envs that delivered: their results, as if the others were not asked
-            completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
+            completion.keep(delivered(answer, kept, slots), tuple(slots[n] for n in kept))
             completions.append(completion)
-        w.state = ProcessState.REBUILDING
-        w.send(rebuild_request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls,
-                               decision.generations))
+        w.rebuild(rebuild_request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls,
+                                  decision.generations))
         return True
 
     def _rebuilt(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
@@ -191,25 +174,21 @@ class PoolRecovery:
         ``interrupted`` (as a restart's is for every slot of its process)."""
         request = completion.request
         if request is not None and request.cmd is Cmd.REBUILD:
-            completion.interrupted = True
-            completion.lost = (request,)
-        if not any(r.cmd is Cmd.REBUILD for r, _ in w.requests):
-            w.state = ProcessState.RUNNING
+            completion.answering((request,))
+        w.rebuilt()
         completions.append(completion)
 
     def _advance_boot(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
         """Take a replacement process through its plan (attach → replayed calls → reset)."""
         boot = w.boot
         assert boot is not None
-        if boot.plan:
-            cmd, message = boot.plan.pop(0)
+        step = boot.next()
+        if step is not None:
+            cmd, message = step
             locals_ = getattr(message, "locals", None)
             slots = w.env_ids if locals_ is None else tuple(w.env_ids[i] for i in locals_)
             w.send(self.prepare(cmd, message, slots))
             return
-        completion.interrupted = not boot.startup
-        completion.request = boot.lost[0] if boot.lost else None
-        completion.lost = tuple(boot.lost)
-        w.boot = None
-        w.state = ProcessState.RUNNING
+        completion.answering(tuple(boot.lost), not boot.startup)
+        w.running()
         completions.append(completion)

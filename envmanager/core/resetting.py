@@ -20,7 +20,7 @@ from envmanager.core.plans import reset_plan
 from envmanager.core.pool import WorkerPool
 from envmanager.core.process import WorkerProcess
 from envmanager.core.results import StepBatch
-from envmanager.core.slots import IDLE, IN_FLIGHT, NEEDS_RESET, SlotState
+from envmanager.core.slots import SlotState
 from envmanager.errors import InvalidInputError
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 
@@ -52,8 +52,7 @@ class BatchResets:
         """Let these slots be stepped before their first reset (call it before any reset): their
         envs decide what that means (gymnasium's AsyncVectorEnv steps an env without
         ``OrderEnforcing``). A slot whose env fails needs a reset as always."""
-        slots = [s for s in self.slots(worker_ids) if self.status[s] == NEEDS_RESET and s not in self._state.owed_resets]
-        self.status[slots] = IDLE
+        self._state.allow_steps(self.slots(worker_ids))
 
     def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
         """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
@@ -68,8 +67,7 @@ class BatchResets:
             outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
-        self.status[slots] = IN_FLIGHT
-        self._state.owed_resets.update(slots.tolist())
+        self._state.sent(slots, reset=True)
         for index, message, request in outgoing:
             if pool.workers[index].boot is not None:  # on its way back from a restart: its boot resets them
                 pool.join_boot(index, Cmd.RESET, request.slots, message)
@@ -87,9 +85,6 @@ class BatchResets:
         state = self._state
         self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
                       timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
-        if self._state.reset_errors:
-            raise self._state.reset_errors.pop(0)
-        done = sorted(wanted)
-        self._state.owed_resets -= wanted
-        self._state.arrived_resets -= wanted
-        return self._state.hand_out(done, reset=True)
+        if state.reset_errors:
+            raise state.first_error(reset=True)
+        return state.hand_out(resets=wanted)

@@ -30,6 +30,7 @@ from envmanager.wire.messages import Stepped
 
 if TYPE_CHECKING:
     from envmanager.core.completion import Completion
+    from envmanager.wire.mailbox import Mailboxes
 
 __all__ = ["SlotStatus", "SlotState", "NEEDS_RESET", "IDLE", "IN_FLIGHT", "ARRIVED", "IDLE_BYTES"]
 
@@ -92,9 +93,23 @@ class SlotState:
         self.observation_list: list[Any] | None = None
         self.observation_space: Any = None
 
-    def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, observation_space: Any) -> None:
-        """Where results that travel pickled are written (the parent's copy)."""
+    def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, observation_space: Any,
+               board: Mailboxes | None) -> None:
+        """Where results that travel pickled are written (the parent's copy); ``board``: the
+        mailboxes, if steps go on their step board (their answers' infos and timings stay there)."""
         self.results, self.observation_list, self.observation_space = results, observation_list, observation_space
+        if board is not None:
+            self.board_timings, self.board_infos = board.timings, board.infos
+
+    def sent(self, slots: np.ndarray, reset: bool = False) -> None:
+        """Steps (``reset``: resets, then owed) of ``slots`` were sent: IN_FLIGHT."""
+        self.status[slots] = IN_FLIGHT
+        if reset:
+            self.owed_resets.update(slots.tolist())
+
+    def allow_steps(self, slots: list[int]) -> None:
+        """``slots`` never reset (and not being reset) may be stepped: IDLE."""
+        self.status[[s for s in slots if self.status[s] == NEEDS_RESET and s not in self.owed_resets]] = IDLE
 
     # ------------------------------------------------------------------------------------------
     # Filing answers
@@ -231,9 +246,21 @@ class SlotState:
     # ------------------------------------------------------------------------------------------
     # Handing out
 
-    def hand_out(self, slots_list: list[int], reset: bool, columns: bool = False) -> StepBatch:
-        """Mark ``slots_list`` handed out and return them as a batch with what only they carry;
-        infos that came as columns stay columns with ``columns=True``, else become dicts."""
+    def first_error(self, reset: bool = False) -> EnvManagerError:
+        """The first failed step (``reset``: reset) not raised yet, taken off; the rest wait."""
+        return (self.reset_errors if reset else self.step_errors).pop(0)
+
+    def hand_out(self, columns: bool = False, resets: set[int] | None = None) -> StepBatch:
+        """Hand out the steps that arrived (in arrival order), or with ``resets`` those resets
+        (sorted; no longer owed): a batch with what only they carry; infos that came as columns
+        stay columns with ``columns=True``, else become dicts."""
+        if resets is None:
+            slots_list, self.arrived = self.arrived, []
+        else:
+            self.owed_resets -= resets
+            self.arrived_resets -= resets
+            slots_list = sorted(resets)
+        reset = resets is not None
         slots = np.array(slots_list, dtype=np.int64)
         self.status[slots] = IDLE
         infos, interrupted = self.infos, self.interrupted
