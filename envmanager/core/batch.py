@@ -16,15 +16,24 @@ again. The process-level half (requests in flight, restarts) is the pool's.
 Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
 answered on its own: the worker steps one while the parent turns the other around.
 
-The reset path is ``envmanager.core.resetting`` and the env calls ``envmanager.core.calls``,
-halves of this class (mixins): this module keeps its construction, state, the step path (the
-hot loop) and the waits.
+Resets: ``send_reset`` checks the slots and encodes every request before the first send
+(nothing half-sent), then marks the slots IN_FLIGHT and owed a reset; ``receive_reset_batch``
+waits for them and hands them out; ``allow_step_before_reset`` lets chosen slots skip their
+first reset. The worker's half is ``WorkerEnvs.reset`` (``envmanager.worker.envs``); how a
+reset splits per process is ``envmanager.core.plans``. Env calls (``call``, ``get_attr``,
+``set_attr``) are handed to ``EnvCalls`` (``envmanager.core.calls``), which keeps their answers.
+
+Why one module: the step and reset paths are one concept, the batch level's exchange with its
+slots — the same slot states (``SlotState``), the same plans per process, the same joining of
+a process on its way back from a restart, the same waits; split, the reset path stubbed five of
+the manager's attributes and methods. The env calls' state is ``EnvCalls``'; here they are
+one-line methods of the public class.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,23 +43,22 @@ from envmanager.core import waiting
 from envmanager.core.actions import ActionChecker
 from envmanager.core.arguments import check_arguments
 from envmanager.core.auto import AUTO, choose_double_buffer, choose_layout
-from envmanager.core.calls import CallMethods, EnvCalls
+from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.completion import Completion
 from envmanager.core.cores import machine_cores
 from envmanager.core.layout import BATCH, Caller
-from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, row_of
+from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, reset_plan, row_of
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import ProcessState, WorkerProcess
-from envmanager.core.resetting import BatchResets
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotStatus
 from envmanager.core.supervisor import Decision, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.wire import shm
+from envmanager.wire.messages import Call, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
-from envmanager.wire.messages import Ready, Step, lanes_of
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
 __all__ = ["BatchEnvManager", "SlotStatus"]
@@ -63,9 +71,8 @@ _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 SPIN_CAP_S = 2e-3
 
 
-class BatchEnvManager(BatchResets, CallMethods):
-    """Env slots in worker processes, stepped and received as batches (see the module doc);
-    resets: ``BatchResets`` (``envmanager.core.resetting``); env calls: ``CallMethods``.
+class BatchEnvManager:
+    """Env slots in worker processes, stepped, reset and received as batches (see the module doc).
 
     Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
     called with every slot's observation and action spaces as the workers report them, before
@@ -429,6 +436,86 @@ class BatchEnvManager(BatchResets, CallMethods):
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
         return self._state.timings(worker_id)
+
+    # ------------------------------------------------------------------------------------------
+    # Resetting (the parent's half of RESET)
+
+    def allow_step_before_reset(self, worker_ids: Sequence[int]) -> None:
+        """Let these slots be stepped before their first reset (call it before any reset): their
+        envs decide what that means (gymnasium's AsyncVectorEnv steps an env without
+        ``OrderEnforcing``). A slot whose env fails needs a reset as always."""
+        self._state.allow_steps(self.slots(worker_ids))
+
+    def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
+        """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
+        pool = self.pool
+        slots = np.array(sorted(seeds_and_options), dtype=np.int64)
+        if slots.size == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.n_env:
+            raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
+        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_local, self.status)
+        try:  # encode everything before the first send
+            outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
+        except Exception as exc:
+            raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
+        self._state.sent(slots, reset=True)
+        for index, message, request in outgoing:
+            if pool.workers[index].boot is not None:  # on its way back from a restart: its boot resets them
+                pool.join_boot(index, Cmd.RESET, request.slots, message)
+            else:
+                pool.workers[index].send(request)
+
+    def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
+        """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
+        them out, sorted by slot. Raises the first failed reset (that slot needs a new reset);
+        the others, and answers that arrive before a timeout, are kept, so a later call picks up
+        where this one stopped."""
+        state = self._state
+        wanted = set(state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
+        if not wanted <= state.owed_resets:
+            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - state.owed_resets)}")
+        self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
+                      timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
+        if state.reset_errors:
+            raise state.first_error(reset=True)
+        return state.hand_out(resets=wanted)
+
+    # ------------------------------------------------------------------------------------------
+    # Env calls (``EnvCalls`` sends them and keeps their answers)
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
+        return self._calls.call_on(None, name, args, kwargs)
+
+    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
+                kwargs: dict | None = None) -> list[Any]:
+        """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
+        be a function, run in the worker as ``name(env, *args, **kwargs)``."""
+        return self._calls.call_on(worker_ids, name, args, kwargs)
+
+    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
+        """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
+        return self._calls.get_attr(name, worker_ids)
+
+    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
+        """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
+        self._calls.set_attr(name, values, worker_ids)
+
+    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
+                  worker_ids: Sequence[int] | None = None) -> CallRequest:
+        """Send ``call`` without waiting; ``receive_call`` collects the answers."""
+        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
+
+    def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
+        """The answers to ``send_call``, in the order of its worker ids; answers that arrive
+        before a timeout are kept for the next try."""
+        return self._calls.receive(request, timeout)
+
+    def call_ready(self, request: CallRequest) -> bool:
+        """Whether every answer to ``send_call``'s ``request`` arrived (answers are taken by any
+        wait: ``wait_for(lambda: manager.call_ready(r), ...)`` waits for one of several calls)."""
+        return self._calls.ready(request)
 
     # ------------------------------------------------------------------------------------------
     # Waiting

@@ -1,6 +1,6 @@
 """Reaching into the envs: ``call``, ``get_attr``, ``set_attr`` — the parent's half of the
-CALL, GET_ATTR and SET_ATTR commands: ``EnvCalls``, a component of the batch manager, and
-``CallMethods``, the batch manager's public methods for them (a mixin of ``BatchEnvManager``)."""
+CALL, GET_ATTR and SET_ATTR commands: ``EnvCalls``, a component of the batch manager (its
+public methods for them hand their requests to it), with the answers it keeps."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 
-__all__ = ["EnvCalls", "CallRequest", "CallMethods"]
+__all__ = ["EnvCalls", "CallRequest"]
 
 
 class CallRequest:
@@ -124,42 +124,3 @@ class EnvCalls:
                    for s, value in zip(request.by_process[c.worker.index], c.answer.values, strict=True)}
         return [answers.get(s) for s in request.slots]
 
-
-class CallMethods:
-    """The batch manager's env-call methods (a mixin of ``BatchEnvManager``): each hands its
-    request to the manager's ``EnvCalls``."""
-
-    _calls: EnvCalls
-
-    def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
-        return self._calls.call_on(None, name, args, kwargs)
-
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
-                kwargs: dict | None = None) -> list[Any]:
-        """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
-        be a function, run in the worker as ``name(env, *args, **kwargs)``."""
-        return self._calls.call_on(worker_ids, name, args, kwargs)
-
-    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
-        """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
-        return self._calls.get_attr(name, worker_ids)
-
-    def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
-        """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
-        self._calls.set_attr(name, values, worker_ids)
-
-    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
-                  worker_ids: Sequence[int] | None = None) -> CallRequest:
-        """Send ``call`` without waiting; ``receive_call`` collects the answers."""
-        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
-
-    def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
-        """The answers to ``send_call``, in the order of its worker ids; answers that arrive
-        before a timeout are kept for the next try."""
-        return self._calls.receive(request, timeout)
-
-    def call_ready(self, request: CallRequest) -> bool:
-        """Whether every answer to ``send_call``'s ``request`` arrived (answers are taken by any
-        wait: ``wait_for(lambda: manager.call_ready(r), ...)`` waits for one of several calls)."""
-        return self._calls.ready(request)
