@@ -723,15 +723,15 @@ def test_a_seeded_reset_joins_the_boot_reset(sent: bool) -> None:
     boot's plan from the start (should the process fail again) carries them too."""
     from types import SimpleNamespace
 
+    from envmanager.core.pool import WorkerPool
     from envmanager.core.process import Boot
-    from envmanager.core.recovery import PoolRecovery
     from envmanager.wire.messages import EnvironmentCommand as Cmd
     from envmanager.wire.messages import Reset
 
     boot = Boot([(Cmd.ATTACH, None), (Cmd.RESET, Reset((0, 1, 2), (7, None, None), (None, None, None)))], [], False)
     if sent:
         boot.plan.clear()
-    pool = PoolRecovery.__new__(PoolRecovery)
+    pool = WorkerPool.__new__(WorkerPool)
     pool.workers = [SimpleNamespace(boot=boot)]  # type: ignore[list-item]
     pool.join_boot(0, Cmd.RESET, (11,), Reset((1,), (1234,), ({"a": 1},)))
     pool.join_boot(0, Cmd.STEP, (12,))
