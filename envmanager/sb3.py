@@ -164,8 +164,7 @@ class SubprocVecEnv(VecEnv):
         if len(actions) != self.num_envs:
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
         manager = self._running()
-        if manager.unreceived():  # results nobody asked for: a restart of an idle worker
-            self._take_cut(manager)
+        self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
         kinds = self._per_env_types
         per_slot = manager.actions.space is None or bool(kinds and isinstance(actions, kinds))
         batch = list(actions) if per_slot else actions
@@ -180,17 +179,16 @@ class SubprocVecEnv(VecEnv):
         # Refused, as send_batch refuses a process with a request in flight before it sends
         # anything: only then is in_flight() (a walk over every process) worth asking.
         manager.wait_idle()  # a worker restarted while idle is still booting
-        if manager.unreceived():
-            self._take_cut(manager)
+        self._take_cut(manager.receive_unreceived())
         manager.send_batch(self._all, batch, per_slot=per_slot)
         self.waiting = True
 
-    def _take_cut(self, manager: BatchEnvManager) -> None:
-        """Receive what a restart of an idle worker delivered: its episodes ended where we last
-        saw them (``step_wait`` reports them)."""
-        early = manager.receive_batch(0)
-        for i in early.interrupted:
-            self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
+    def _take_cut(self, early: StepBatch | None) -> None:
+        """What a restart of an idle worker delivered, if anything: its episodes ended where we
+        last saw them (``step_wait`` reports them)."""
+        if early is not None:
+            for i in early.interrupted:
+                self._cut[i] = self._interrupted_info(i, early.infos.get(i, {}))
 
     def step_wait(self) -> VecEnvStepReturn:
         if not self.waiting:

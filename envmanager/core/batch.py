@@ -433,6 +433,12 @@ class BatchEnvManager:
             raise state.first_error()
         return state.hand_out(info_columns)
 
+    def receive_unreceived(self) -> StepBatch | None:
+        """What arrived with nobody to receive it — a worker restarted while idle: its fresh
+        reset, ``interrupted`` — received now with whatever else came (``receive_batch(0)``);
+        ``None`` if nothing did (``unreceived``)."""
+        return self.receive_batch(0) if self._state.arrived else None
+
     def timings(self, worker_id: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer (see ``StepTimings``)."""
         return self._state.timings(worker_id)

@@ -215,20 +215,19 @@ class ParallelVectorEnv:
 
     def _send(self, ids: np.ndarray, batch: dict[str, np.ndarray]) -> None:
         manager = self.manager
-        if manager.unreceived():  # a process restarted while its envs were idle: their old episodes are gone
-            early = manager.receive_batch(0)  # with any step results a wait took meanwhile: all for the next recv
-            if len(early.slots):
-                self._restarted.append(early)
-                self._outstanding.difference_update(early.slots.tolist())
-                cut = set(early.slots.tolist()).intersection(ids.tolist())  # not stepping, so restarted
-                if cut:
-                    logger.warning("env(s) %s came back reset after a restart: the actions given for them are dropped",
-                                   sorted(cut))
-                keep = np.array([s not in cut for s in ids.tolist()], np.bool_)
-                ids = ids[keep]
-                batch = {name: rows[keep] for name, rows in batch.items()}
-                if not len(ids):
-                    return
+        early = manager.receive_unreceived()  # a process restarted while its envs were idle: their old episodes are gone
+        if early is not None and len(early.slots):  # with any step results a wait took meanwhile: all for the next recv
+            self._restarted.append(early)
+            self._outstanding.difference_update(early.slots.tolist())
+            cut = set(early.slots.tolist()).intersection(ids.tolist())  # not stepping, so restarted
+            if cut:
+                logger.warning("env(s) %s came back reset after a restart: the actions given for them are dropped",
+                               sorted(cut))
+            keep = np.array([s not in cut for s in ids.tolist()], np.bool_)
+            ids = ids[keep]
+            batch = {name: rows[keep] for name, rows in batch.items()}
+            if not len(ids):
+                return
         exact = manager.actions.exact(batch, len(ids))
         if exact is None:  # not the facade's layout: let the core check and convert it
             manager.send_batch(ids, batch)
