@@ -164,6 +164,7 @@ class CoreSchedule:
         self.armed: dict[int, set[str]] = {s: set() for s in range(N)}  # commands written, by slot
         self.faulted: set[int] = set()  # processes killed or hung (a restart cuts all their episodes)
         self.raised: set[int] = set()  # slots whose env raised (restarts on: that env alone is rebuilt)
+        self.rebuilding: set[int] = set()  # slots whose env raised in a step, until their fresh reset is seen
         self.killed: set[int] = set()  # processes killed (restarts off: to be given up)
         self.hangs = 0
         self.given_up: EnvManagerError | None = None
@@ -188,11 +189,19 @@ class CoreSchedule:
 
     def note_fired(self) -> None:
         """With restarts on, a command that acted is a rebuild of its env (it raised) or a
-        restart of its process (it hung)."""
+        restart of its process (it hung). A rebuild whose own reset raises restarts the process
+        (``envmanager.core.process``): the slot's neighbours are cut short too."""
         for slot in range(N):
-            if self.armed[slot] and self.fired(slot, ("step_raise", "reset_raise")):
+            if not self.armed[slot]:
+                continue
+            stepped, reset = self.fired(slot, ("step_raise",)), self.fired(slot, ("reset_raise",))
+            if stepped or reset:
                 self.raised.add(slot)
-            if self.armed[slot] and self.fired(slot, ("step_hang",)):
+            if stepped:
+                self.rebuilding.add(slot)
+            if reset and slot in self.rebuilding:
+                self.faulted.add(self.process(slot))
+            if self.fired(slot, ("step_hang",)):
                 self.faulted.add(self.process(slot))
 
     # -- what comes back ------------------------------------------------------------------------
@@ -212,6 +221,7 @@ class CoreSchedule:
             if self.sent[s] is not None:
                 assert info.action == self.sent[s], f"slot {s}: the interrupted step's action is not the one sent"
             self.sent[s], self.last[s], self.needs_reset[s] = None, obs, False
+            self.rebuilding.discard(s)
             return
         action = self.sent[s]
         assert action is not None, f"slot {s}: a result for a step that was not sent (duplicated?)"
@@ -315,6 +325,7 @@ class CoreSchedule:
             elif prev is not None and obs[NONCE] == prev[NONCE]:
                 assert obs[EPISODE] > prev[EPISODE], f"slot {s}: a reset that started no new episode"
             self.last[s], self.sent[s], self.needs_reset[s] = obs, None, False
+        self.rebuilding.clear()
         self.dirty = False
 
     def reset_failed(self) -> None:
@@ -356,11 +367,12 @@ class CoreSchedule:
         self.faulted.add(self.process(slot))
 
     def use_after_give_up(self) -> None:
-        """A process given up: every later step raises its error (at once: within its deadline)."""
+        """A process given up: every later step of its slots raises its error (at once: within
+        its deadline). (Only its slots: another slot may need a reset, which is refused first.)"""
         assert self.given_up is not None
         m = self.m
         with within(TIMEOUT + MARGIN, "a step of a given-up process"), pytest.raises(type(self.given_up)) as again:
-            m.step(dict.fromkeys(m.idle_worker_ids, 0))
+            m.step(dict.fromkeys(getattr(self.given_up, "worker_ids", m.idle_worker_ids), 0))
         named = set(getattr(again.value, "worker_ids", ())) & set(getattr(self.given_up, "worker_ids", ()))
         assert named, (again.value, self.given_up)
 
