@@ -177,8 +177,8 @@ class SubprocessEnvManager(BatchEnvManager):
         generations = self._state.generation_list  # batch.generations' rows, as ints (it is no copy: the same now)
         last, actions = self._last, self._actions
         out = []
-        timings = self._state.timings_of(batch.slots)
-        for slot, timing in zip(batch.slots.tolist(), timings, strict=True):
+        timings = self._state.timings
+        for slot in batch.slots.tolist():
             obs = obs_list[slot] if obs_list is not None else shm.read(obs_tree, slot)
             result = StepResult(obs, rewards[slot], terms[slot], truncs[slot], infos.get(slot, {}))
             fresh = slot in resets and slot not in interrupted
@@ -188,7 +188,7 @@ class SubprocessEnvManager(BatchEnvManager):
                 None if fresh or previous is None else previous.current_result,
                 result,
                 actions.pop(slot, None),
-                StepTimings(*timing),
+                StepTimings(*timings(slot)),
                 slot in interrupted,
                 generations[slot],
             )

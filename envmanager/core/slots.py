@@ -83,7 +83,7 @@ class SlotState:
         self.posted_at = np.zeros(n_env)
         self.received_at = np.zeros(n_env)
         self.on_board = np.zeros(n_env, dtype=np.bool_)
-        self.board_timings: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self.board_timings: Callable[[int], tuple[float, float, float]] | None = None
         #: Infos of the step board's answers, read from the board when handed out (they stay
         #: there until their slots are sent again, as their results do): per schema, slots, keys,
         #: columns, whether Python scalars.
@@ -317,25 +317,14 @@ class SlotState:
 
     def timings(self, slot: int) -> tuple[float, float, float]:
         """``(env, queued, round_trip)`` seconds of the slot's latest answer."""
-        return self.timings_of(np.array([slot], dtype=np.int64))[0]
-
-    def timings_of(self, slots: np.ndarray) -> list[tuple[float, float, float]]:
-        """``timings`` of each of ``slots``, read for the whole batch at once."""
-        env, posted, sent = self.env_time[slots], self.posted_at[slots], self.sent_at[slots]
-        board = self.on_board[slots]
-        if self.board_timings is not None and board.any():
-            if board.all():  # the step board's answers (the usual case)
-                env, posted, sent = self.board_timings(slots)
-            else:
-                env[board], posted[board], sent[board] = self.board_timings(slots[board])
-        received = self.received_at[slots]
-        queued, round_trip = received - posted, received - sent
-        np.maximum(queued, 0.0, out=queued)
-        np.maximum(round_trip, 0.0, out=round_trip)
-        unanswered = received == 0.0  # (never answered: no timings)
-        if unanswered.any():
-            env[unanswered] = queued[unanswered] = round_trip[unanswered] = 0.0
-        return list(zip(env.tolist(), queued.tolist(), round_trip.tolist(), strict=True))
+        received = float(self.received_at[slot])
+        if not received:
+            return 0.0, 0.0, 0.0
+        if self.on_board[slot] and self.board_timings is not None:
+            env, posted, sent = self.board_timings(slot)
+        else:
+            env, posted, sent = float(self.env_time[slot]), float(self.posted_at[slot]), float(self.sent_at[slot])
+        return env, max(0.0, received - posted), max(0.0, received - sent)
 
     def drop(self) -> list[EnvManagerError]:
         """Forget everything not handed out (``drain``): those slots count as handed out.

@@ -457,11 +457,11 @@ class Mailboxes:
         self._last_answer[p] = now
         return True
 
-    def timings(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(seconds in the env, answer posted at, step asked at)`` of each of ``slots``' latest
-        board step (``time.monotonic``): valid from its answer until it is asked again."""
-        words = self.slot_word[slots]
-        return self._env_times[words], self._answered_at[words], self._asked_at[words]
+    def timings(self, slot: int) -> tuple[float, float, float]:
+        """``(seconds in the env, answer posted at, step asked at)`` of ``slot``'s latest board
+        step (``time.monotonic``): valid from its answer until it is asked again."""
+        w = self.slot_word[slot]
+        return float(self._env_times[w]), float(self._answered_at[w]), float(self._asked_at[w])
 
     def asked_at(self, slots: list[int]) -> np.ndarray:
         """When the steps of ``slots`` were last asked (``time.monotonic``)."""
