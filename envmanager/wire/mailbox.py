@@ -343,6 +343,7 @@ class Mailboxes:
             self._board_words.append(np.array(words, np.int64))
             first = 8 * words[0] if words else 0
             self._spans.append((slice(start + first, start + first + 8 * len(own)), slice(first, first + 8 * len(own))))
+        self._slot_words = self.slot_word.tolist()  # (Python ints: a numpy index costs more for one)
         self._worker_words = np.array([layout.region(p) // 8 for p in range(len(slots))], np.int64)
         self._worker_states = np.frombuffer(self._map, np.uint64)
         #: Each env's info row (by word), and the schemas the workers announced: id -> (keys, dtypes).
@@ -364,6 +365,9 @@ class Mailboxes:
         now_ns = time.monotonic_ns()
         if self.wake_always(now_ns):
             return processes
+        if processes.size == 1:  # one process (a lane, say): its word alone, no array
+            word = self._words[self._worker_word[int(processes[0])]]
+            return processes if word != BUSY and word <= now_ns + MARGIN_NS else processes[:0]
         state = self._worker_states[self._worker_words[processes]]  # unsigned: BUSY (-1) is the largest
         sleepy = (state <= np.uint64(now_ns + MARGIN_NS)).nonzero()[0]
         return processes[sleepy] if sleepy.size else sleepy
@@ -460,7 +464,7 @@ class Mailboxes:
     def timings(self, slot: int) -> tuple[float, float, float]:
         """``(seconds in the env, answer posted at, step asked at)`` of ``slot``'s latest board
         step (``time.monotonic``): valid from its answer until it is asked again."""
-        w = self.slot_word[slot]
+        w = self._slot_words[slot]
         return float(self._env_times[w]), float(self._answered_at[w]), float(self._asked_at[w])
 
     def asked_at(self, slots: list[int]) -> np.ndarray:
