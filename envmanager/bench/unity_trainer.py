@@ -311,10 +311,13 @@ class TreeCpu:
 
         try:
             root = psutil.Process(self.pid)
-            processes = [root, *root.children(recursive=True)]
         except psutil.Error:
-            processes = []
-        for p in processes:
+            return sum(self.seen.values())
+        try:
+            below = root.children(recursive=True)
+        except psutil.Error:  # a process that went while the tree was walked: the root alone this time
+            below = []
+        for p in [root, *below]:
             try:
                 key = (p.pid, p.create_time())
             except psutil.Error:

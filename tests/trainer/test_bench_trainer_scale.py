@@ -27,7 +27,8 @@ def test_8_and_16_players_batched_and_unbatched_produce_rows(monkeypatch):
     assert sorted(result.measurements) == sorted(names)
     for name in names:
         assert result.measurements[name].env_steps[0] >= 500
-        assert result.cpu[name][0] > 0 and result.tree_cpu[name][0] >= result.cpu[name][0]
+        assert result.cpu[name][0] > 0 and result.tree_cpu[name][0] >= result.cpu[name][0], \
+            (name, result.cpu[name], result.tree_cpu[name])
     ratios = result.ratios()
     assert set(ratios) == {"vs mlagents-learn", "CPU saved x", "vs unbatched"}
     assert set(ratios["vs unbatched"]) == {"envmanager-learn 8 envs uneven", "envmanager-learn 16 envs uneven"}
