@@ -48,6 +48,7 @@ class DropInSchedule:
         self.armed: dict[int, set[str]] = {s: set() for s in range(N)}
         self.faulted: set[int] = set()  # processes killed or hung
         self.raised: set[int] = set()  # slots whose env raised (restarts on: rebuilt)
+        self.rebuilding: set[int] = set()  # slots whose env raised in a step, until their fresh reset is seen
         self.hangs = 0
         self.given_up: BaseException | None = None
         self.last: np.ndarray | None = None  # every env's last observation seen
@@ -69,10 +70,20 @@ class DropInSchedule:
         return bool(gone)
 
     def note_fired(self) -> None:
+        """A command that acted: its env raised (restarts on: rebuilt) or its process hung. A
+        rebuild whose own reset raises restarts the process (``envmanager.core.process``): the
+        slot's neighbours are cut short too."""
         for slot in range(N):
-            if self.armed[slot] and self.fired(slot, ("step_raise", "reset_raise")):
+            if not self.armed[slot]:
+                continue
+            stepped, reset = self.fired(slot, ("step_raise",)), self.fired(slot, ("reset_raise",))
+            if stepped or reset:
                 self.raised.add(slot)
-            if self.armed[slot] and self.fired(slot, ("step_hang",)):
+            if stepped:
+                self.rebuilding.add(slot)
+            if reset and slot in self.rebuilding:
+                self.faulted.add(self.process(slot))
+            if self.fired(slot, ("step_hang",)):
                 self.faulted.add(self.process(slot))
 
     def check_error(self, error: BaseException) -> None:
@@ -221,6 +232,7 @@ class SB3Schedule(DropInSchedule):
                 assert dones[i] and info["TimeLimit.truncated"] and rewards[i] == 0, (i, info)
                 assert np.array_equal(info["terminal_observation"], p), f"slot {i}: not cut where it was last seen"
                 assert o[T] == 0 and o[LAST] == -1 and o[NONCE] != p[NONCE], f"slot {i}: cut, yet {o} is no fresh env"
+                self.rebuilding.discard(i)
                 continue
             seen = info["terminal_observation"] if dones[i] else o
             assert (seen[NONCE], seen[EPISODE]) == (p[NONCE], p[EPISODE]), \
