@@ -432,8 +432,8 @@ class WorkerPolicySampler:
         episodes of a replaced env."""
         m = self.manager
         m.wait_idle(self._procs[p])
-        if m.unreceived():
-            batch = m.receive_batch(0)
+        batch = m.receive_unreceived()
+        if batch is not None:
             slots, generations = batch.slots.tolist(), batch.generations
             assert generations is not None  # (the manager's array: every batch it hands out has it)
             self._replaced(slots, [int(generations[s]) for s in slots])
