@@ -83,7 +83,7 @@ def main(cost_us: float) -> int:
         request, answer = box.layout.block(REQUESTS) // 8 + word, box.layout.block(ANSWERS) // 8 + word
         info = box.layout.block(INFOS) // 8 + word * INFO_WORDS
         worker_state = box.layout.region(0) // 8
-        wake_fd = manager.pool.workers[0].fd
+        wake_fd = manager.pool.processes[0].fd
         r = manager.results
         assert r.action is not None and r.observation is not None  # (shared memory: a Box env's)
         ordinal = words[request]

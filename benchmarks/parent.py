@@ -42,7 +42,7 @@ class StandIns:
         box = manager.pool.mailboxes
         if box is None:
             raise RuntimeError("no mailbox here (it needs x86 and the step queue; ENVMANAGER_MAILBOX=on)")
-        self.workers = manager.pool.workers
+        self.workers = manager.pool.processes
         # The stand-ins answer at once: nobody sleeps, nobody is woken (the stopped workers would
         # never read a wake-up; their pipes would fill). The pool does not look at the cores again.
         box.allow_spin(True)

@@ -48,7 +48,7 @@ def test_cheap_envs_are_packed_where_the_parent_keeps_a_core(caplog):
     cores = auto.usable_cores()
     with SubprocessEnvManager(EnvFactory(), 4 * cores, envs_per_worker="auto", double_buffer="auto", context="fork",
                               timeout=30) as m:
-        assert m.envs_per_worker * len(m.workers) >= m.n_env > m.envs_per_worker * (len(m.workers) - 1)
+        assert m.envs_per_worker * len(m.processes) >= m.n_env > m.envs_per_worker * (len(m.processes) - 1)
         infos = m.reset(seed=3)
         assert [i.current_result.observation[1] for i in infos] == list(range(4 * cores))
         done = 0
@@ -74,7 +74,7 @@ def test_expensive_even_cpu_bound_envs_are_packed_too(caplog, monkeypatch):
     with (caplog.at_level(logging.INFO, logger="envmanager.core.auto"),
           SubprocessEnvManager(EnvFactory(cpu_time=2e-3), 2 * cores, envs_per_worker="auto", context="fork", timeout=30) as m):
         assert m.envs_per_worker == 2
-        assert len(m.workers) == cores
+        assert len(m.processes) == cores
         m.reset(seed=0)
         actions = [1, 2] * cores
         infos = m.step(actions)
@@ -181,7 +181,7 @@ def test_drop_ins_default_to_auto_and_the_core_to_one_process_per_slot(caplog):
     finally:
         vec.close()
     with SubprocessEnvManager(EnvFactory(), 2 * cores, context="fork") as m:
-        assert m.envs_per_worker == 1 and len(m.workers) == 2 * cores
+        assert m.envs_per_worker == 1 and len(m.processes) == 2 * cores
 
 
 def test_nothing_is_measured_when_there_is_nothing_to_pack(caplog):

@@ -266,14 +266,14 @@ def test_report_failure_goes_through_the_restart_policy(restarts):
     with BatchEnvManager(EnvFactory(), 2, autoreset_mode="disabled", restart_workers=restarts) as m:
         m.send_reset({0: (0, None), 1: (1, None)})
         m.receive_reset_batch()
-        pid = m.worker_of(1).pid
+        pid = m.process_of(1).pid
         assert m.generation(1) == 0
         outcome = m.report_failure(1, error)
         if restarts:  # restarted: a new process, one generation on, its fresh reset an interrupted result
             assert outcome is None and m.generation(1) == 1 and m.restart_count(1) == 1
             batch = m.receive_batch(1)
             assert batch.slots.tolist() == [1] and batch.interrupted == {1}
-            assert m.worker_of(1).pid != pid
+            assert m.process_of(1).pid != pid
             # past the rate limit (1 per 60 s): refused, named, the process given up
             refused = m.report_failure(1, error)
             assert isinstance(refused, RestartLimitError) and refused.worker_id == 1 and refused.failure is error

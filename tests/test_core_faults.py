@@ -140,7 +140,7 @@ def test_worker_killed_from_outside_mid_step(tmp_path):
     with SubprocessEnvManager(factory, 2, timeout=60) as m:
         m.reset()
         m.step({0: 1, 1: 1})
-        os.kill(m.worker_of(0).pid, signal.SIGKILL)
+        os.kill(m.process_of(0).pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match=r"worker 0 died .killed by SIGKILL"):
             step_until_error(m)
 
@@ -159,7 +159,7 @@ def test_close_while_steps_are_pending(tmp_path):
     m = SubprocessEnvManager(EnvFactory(gate=gate), 3, timeout=30)
     m.reset()
     m.step({0: 1, 1: 1, 2: 1}, timeout=0.5) if False else m.send_step({0: 1, 1: 1, 2: 1})
-    pids = [w.pid for w in m.workers]
+    pids = [w.pid for w in m.processes]
     m.close(timeout=1.0)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
@@ -169,7 +169,7 @@ def test_grandchildren_are_reaped_on_close():
     m = SubprocessEnvManager(factory, 1, timeout=30)
     m.reset()
     m.step({0: 1})
-    worker = psutil.Process(m.workers[0].pid)
+    worker = psutil.Process(m.processes[0].pid)
     grandchildren = worker.children()
     assert grandchildren, "the env should have started a child process"
     worker.kill()  # the worker cannot close its env: close() must still get the grandchild
@@ -239,7 +239,7 @@ SCRIPT = textwrap.dedent(
     m = SubprocessEnvManager(EnvFactory(step_time=0.05), 2, context={context!r})
     m.reset()
     try:
-        print(" ".join(str(w.pid) for w in m.workers), flush=True)
+        print(" ".join(str(w.pid) for w in m.processes), flush=True)
         while True:
             m.step({{w: 1 for w in m.idle_worker_ids}})
     except KeyboardInterrupt:
@@ -337,7 +337,7 @@ def test_failing_call_does_not_restart_a_healthy_worker():
 def test_wait_idle_after_an_idle_worker_was_restarted():
     with SubprocessEnvManager(EnvFactory(), 2, timeout=30, restart_workers=True) as m:
         m.reset()
-        os.kill(m.worker_of(1).pid, signal.SIGKILL)
+        os.kill(m.process_of(1).pid, signal.SIGKILL)
         m.wait_idle()
         assert m.idle_worker_ids == [0, 1]
         infos = m.step({0: 1, 1: 1})
@@ -356,7 +356,7 @@ def test_hung_worker_is_killed_with_the_processes_it_started(tmp_path):
     factory = EnvFactory(per_env={0: {"fault": "grandchild_session", "fault_at": 1, "gate": gate}})
     with SubprocessEnvManager(factory, 2, timeout=2.0) as m:
         m.reset()
-        worker = psutil.Process(m.worker_of(0).pid)
+        worker = psutil.Process(m.process_of(0).pid)
         m.send_step({0: 1, 1: 1})
         deadline = time.monotonic() + 10
         while not worker.children() and time.monotonic() < deadline:
@@ -384,7 +384,7 @@ def test_an_answer_that_cannot_be_pickled_is_an_error_not_a_death():
         with pytest.raises(WorkerError, match="pickle") as caught:
             m.call_on([1], lambda env: threading.Lock())
         assert caught.value.worker_id == 1
-        assert [w.alive() for w in m.workers] == [True, True]
+        assert [w.alive() for w in m.processes] == [True, True]
         assert m.get_attr("env_id") == [0, 1]
 
 
@@ -392,7 +392,7 @@ def test_a_request_the_worker_cannot_unpickle_is_an_error_not_a_death():
     with SubprocessEnvManager(EnvFactory(), 2, timeout=30) as m:
         with pytest.raises(WorkerError, match="only exists in the parent"):
             m.set_attr("config", Unloadable())
-        assert [w.alive() for w in m.workers] == [True, True]
+        assert [w.alive() for w in m.processes] == [True, True]
         assert m.get_attr("env_id") == [0, 1]
 
 
@@ -512,7 +512,7 @@ def test_one_clock_per_request_a_hung_worker_is_hung_for_the_caller_too(caller_t
     # hung (killed, hung=True), whether the caller gave no timeout or the same one.
     with SubprocessEnvManager(faulty("hang", at=1, worker=0), 2, timeout=1.0) as m:
         m.reset()
-        pid = m.worker_of(0).pid
+        pid = m.process_of(0).pid
         m.send_step({0: 1})
         with pytest.raises(WorkerTimeoutError) as caught:
             m.receive_steps(timeout=caller_timeout)
@@ -538,7 +538,7 @@ def test_close_from_another_thread_ends_a_waiting_call(tmp_path):
     gate = str(tmp_path / "never")
     m = SubprocessEnvManager(EnvFactory(per_env={0: {"gate": gate}}), 2, timeout=600)
     m.reset()
-    pids = [w.pid for w in m.workers]
+    pids = [w.pid for w in m.processes]
     m.send_step({0: 1})
     raised: list[BaseException] = []
 
@@ -565,13 +565,13 @@ def test_an_env_that_raises_in_a_reset_of_some_slots_is_rebuilt_alone():
     with BatchEnvManager(factory, 2, envs_per_worker=2, autoreset_mode="disabled", restart_workers=True, timeout=30) as m:
         m.send_reset({0: (0, None), 1: (1, None)})
         m.receive_reset_batch()
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         m.send_reset({1: (7, None)})  # slot 1's second reset raises: its env is rebuilt in its process
         batch = m.receive_reset_batch([1])
         assert batch.slots.tolist() == [1] and batch.interrupted == {1} and m.generation(1) == 1
         assert m.results.observation[1][0] == 0
         # Slot 0 shared the process: its env was left alone, nothing of it comes back.
-        assert m.generation(0) == 0 and not m.unreceived() and m.workers[0].pid == pid
+        assert m.generation(0) == 0 and not m.unreceived() and m.processes[0].pid == pid
         assert m.get_attr("resets") == [1, 1]  # slot 0's env as it was; slot 1's fresh one reset once
         m.send_batch([0, 1], [1, 1])
         assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
@@ -586,7 +586,7 @@ def test_sigterm_while_closing_does_not_cut_the_close_short(tmp_path):
     marker = tmp_path / "closed"
     m = SubprocessEnvManager(lambda i: SignalledOnCloseEnv(str(marker)), 1, timeout=30)
     m.reset()
-    pid = m.workers[0].pid
+    pid = m.processes[0].pid
     m.close(timeout=10.0)
     assert marker.read_text() == "closed"
     assert not alive([pid], timeout=0)

@@ -49,7 +49,7 @@ def test_the_spin_permission_follows_where_the_processes_run_and_nothing_is_lost
     monkeypatch.setattr(CoreUse, "others", lambda self, pids, cores: 0.0)  # (the affinities alone: the machine may be busy)
     cores = sorted(os.sched_getaffinity(0))
     with BatchEnvManager(EnvFactory(), 2, envs_per_worker=2, timeout=30) as m:
-        box, pid = m.pool.mailboxes, m.workers[0].pid
+        box, pid = m.pool.mailboxes, m.processes[0].pid
         assert box is not None
         m.send_reset({0: (0, None), 1: (1, None)})
         m.receive_reset_batch()

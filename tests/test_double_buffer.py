@@ -118,7 +118,7 @@ def kill_with_both_halves_in_flight(m: BatchEnvManager, tmp_path) -> int:
     """Steps to process 0 whose first half blocks: both halves in flight; then SIGKILL it."""
     reset_all(m)
     m.send_batch(np.arange(4), np.ones(4, dtype=np.int64))
-    w = m.workers[0]
+    w = m.processes[0]
     assert m.waiting_worker_ids == [0, 1, 2, 3]
     os.kill(w.pid, signal.SIGKILL)
     return w.pid
@@ -137,7 +137,7 @@ def test_sigkill_with_both_halves_in_flight_restarts_and_each_slot_comes_back_on
         assert sorted(got) == [0, 1, 2, 3]  # nothing lost, nothing twice
         assert interrupted == {0, 1, 2, 3}
         assert m.results.observation[:, 0].tolist() == [0, 0, 0, 0]  # fresh episodes
-        assert m.restart_count(0) == 1 and m.generation(0) == 1 and m.workers[0].pid != old
+        assert m.restart_count(0) == 1 and m.generation(0) == 1 and m.processes[0].pid != old
         assert not m.in_flight() and not m.unreceived()
         # The fresh envs have no gate problem for slots 1-3; slot 0 is still gated: step the rest.
         m.send_batch([2, 3], [2, 2])
@@ -153,7 +153,7 @@ def test_sigkill_with_one_half_answered_and_the_other_in_flight(tmp_path):
         reset_all(m)
         m.send_batch(np.arange(4), np.ones(4, dtype=np.int64))
         wait_arrived(m, {0, 1})
-        os.kill(m.workers[0].pid, signal.SIGKILL)
+        os.kill(m.processes[0].pid, signal.SIGKILL)
         m.wait_idle()  # the restart's reset is filed while slots 0 and 1 still wait to be handed out
         got: list[int] = []
         interrupted: set[int] = set()
@@ -176,7 +176,7 @@ def test_sigkill_after_one_half_was_handed_out_cuts_its_next_episode_once(tmp_pa
         first = m.receive_batch(2)
         assert sorted(first.slots.tolist()) == [0, 1] and not first.interrupted
         assert m.results.observation[[0, 1], 0].tolist() == [1, 1]  # the real step
-        os.kill(m.workers[0].pid, signal.SIGKILL)
+        os.kill(m.processes[0].pid, signal.SIGKILL)
         events: list[tuple[int, bool]] = []
         while len(events) < 4:
             batch = m.receive_batch(1)
@@ -194,7 +194,7 @@ def test_sigkill_with_both_halves_in_flight_and_no_restarts_names_the_slots(tmp_
         while len(got) < 4:  # process 1 answers both its halves
             got += m.receive_batch(1).slots.tolist()
         assert sorted(got) == [4, 5, 6, 7]
-        os.kill(m.workers[0].pid, signal.SIGKILL)
+        os.kill(m.processes[0].pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError) as caught:
             m.receive_batch(1)
         assert caught.value.worker_ids == [0, 1, 2, 3] and "killed by SIGKILL" in str(caught.value)
@@ -246,7 +246,7 @@ def test_close_with_both_halves_in_flight_ends_everything(tmp_path):
     m = manager(EnvFactory(gate=gate))
     reset_all(m)
     m.send_batch(np.arange(N), np.ones(N, dtype=np.int64))
-    pids = [w.pid for w in m.workers]
+    pids = [w.pid for w in m.processes]
     m.close(timeout=1.0)
     for pid in pids:  # reaped: no such process (the no_leaks fixture checks shared memory and fds)
         with pytest.raises(ProcessLookupError):

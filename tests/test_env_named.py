@@ -128,7 +128,7 @@ def test_a_process_killed_between_calls_names_no_env(mailbox):
         infos = m.step(dict.fromkeys(range(4), 1))  # first-ready: wait for every answer
         while len(infos) < 4:
             infos += m.receive_steps()
-        pid = m.worker_of(3).pid
+        pid = m.process_of(3).pid
         os.kill(pid, signal.SIGKILL)  # idle: every answer is in, no request in flight
         with pytest.raises(WorkerDiedError) as caught:
             step_until_error(m)
@@ -157,14 +157,14 @@ def test_a_restarted_process_starts_with_a_clear_record_and_names_its_own_calls(
     factory = EnvFactory(per_env={3: {"fault": "segfault", "fault_at": 2}})
     with manager(factory, 4, 2, mailbox, restart_workers=True, max_lifetime_restarts=1) as m:
         m.reset()
-        pid = m.worker_of(3).pid
+        pid = m.process_of(3).pid
         deadline = time.monotonic() + 30
-        while m.worker_of(3).pid == pid and time.monotonic() < deadline:
+        while m.process_of(3).pid == pid and time.monotonic() < deadline:
             m.step(dict.fromkeys(m.idle_worker_ids, 1))
         assert m.restart_count(3) == 1
         m.wait_idle()
         assert m.pool.marks is not None and m.pool.marks.read(1) is None  # between calls (booted and idle)
-        os.kill(m.worker_of(3).pid, signal.SIGKILL)
+        os.kill(m.process_of(3).pid, signal.SIGKILL)
         with pytest.raises(RestartLimitError) as caught:
             step_until_error(m)
         assert caught.value.slot is None and caught.value.call is None

@@ -53,7 +53,7 @@ def test_an_env_that_raises_in_step_is_rebuilt_and_its_neighbour_goes_on():
     with SubprocessEnvManager(EnvFactory(per_env={1: {"fault": "raise", "fault_at": 3}}), 2, envs_per_worker=2,
                               timeout=30, restart_workers=True) as m:
         m.reset(seed=[10, 11])
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         before = step_all(m, 4)  # two steps each; env 1's third raises
         assert not any(i.interrupted for i in before)
         seen: dict[int, list] = {0: [], 1: []}
@@ -69,7 +69,7 @@ def test_an_env_that_raises_in_step_is_rebuilt_and_its_neighbour_goes_on():
         # env 1 came back fresh, flagged: a new env's reset (its first episode, step 0)
         cut = next(i for i in seen[1] if i.interrupted)
         assert cut.current_result.observation[0] == 0 and cut.current_result.observation[3] == 1
-        assert m.workers[0].pid == pid and m.restart_count(1) == 1
+        assert m.processes[0].pid == pid and m.restart_count(1) == 1
         assert m.generation(1) == 1 and m.generation(0) == 0
         assert m.get_attr("total_steps", [1]) == [0]  # the rebuilt env, not stepped yet
 
@@ -81,11 +81,11 @@ def test_an_env_that_raises_in_reset_is_rebuilt_with_its_seed():
         m.receive_reset_batch()
         m.send_batch([0, 1], [1, 1])
         m.receive_batch(2)
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         m.send_reset({0: (5, None), 1: (7, None)})  # env 1's second reset raises
         batch = m.receive_reset_batch([0, 1])
         assert batch.slots.tolist() == [0, 1] and batch.interrupted == {1}
-        assert m.workers[0].pid == pid and m.restart_count(1) == 1 and m.generation(1) == 1 and m.generation(0) == 0
+        assert m.processes[0].pid == pid and m.restart_count(1) == 1 and m.generation(1) == 1 and m.generation(0) == 0
         assert m.get_attr("resets") == [2, 1]  # env 0 reset twice; env 1 is a new env, reset once
         assert m.call_on([1], lambda env: env.unwrapped.np_random_seed) == [7]  # the seed it was asked for
 
@@ -94,14 +94,14 @@ def test_a_rebuild_that_raises_restarts_the_process(tmp_path):
     with SubprocessEnvManager(FailsOnSecondMake(str(tmp_path)), 2, envs_per_worker=2, timeout=30, restart_workers=True,
                               restarts_rate_limit_n=-1) as m:
         m.reset()
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         found = []
         deadline = time.monotonic() + DEADLINE_S
         while {i.worker_id for i in found} != {0, 1}:
             assert time.monotonic() < deadline
             found += [i for i in m.step(dict.fromkeys(m.idle_worker_ids, 1)) if i.interrupted]
         # the rebuild failed: the process was restarted, every env of it fresh
-        assert m.workers[0].pid != pid and m.restart_count(0) == 2
+        assert m.processes[0].pid != pid and m.restart_count(0) == 2
         assert all(i.current_result.observation[0] == 0 for i in found)
         assert m.generation(0) == 1 and m.generation(1) == 2
         assert int((tmp_path / "makes").read_text()) == 3
@@ -112,7 +112,7 @@ def test_rebuilds_count_against_the_restart_limits_and_name_the_slot():
     with SubprocessEnvManager(factory, 2, envs_per_worker=2, timeout=30, restart_workers=True,
                               max_lifetime_restarts=2, restarts_rate_limit_n=-1) as m:
         m.reset()
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         deadline = time.monotonic() + DEADLINE_S
         with pytest.raises(RestartLimitError) as caught:
             while True:
@@ -120,21 +120,21 @@ def test_rebuilds_count_against_the_restart_limits_and_name_the_slot():
                 m.step(dict.fromkeys(m.idle_worker_ids, 1))
         assert caught.value.worker_id == 1 and "max_lifetime_restarts" in str(caught.value)
         assert m.restart_count(0) == 2 and m.generation(1) == 2 and m.generation(0) == 0
-        assert m.workers[0].pid == pid  # never restarted: rebuilt twice, then refused
+        assert m.processes[0].pid == pid  # never restarted: rebuilt twice, then refused
 
 
 def test_restarts_off_raise_the_env_error_as_before():
     with SubprocessEnvManager(EnvFactory(per_env={1: {"fault": "raise", "fault_at": 2}}), 2, envs_per_worker=2,
                               timeout=30) as m:
         m.reset()
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         deadline = time.monotonic() + DEADLINE_S
         with pytest.raises(WorkerError) as caught:
             while True:
                 assert time.monotonic() < deadline
                 m.step(dict.fromkeys(m.idle_worker_ids, 1))
         assert caught.value.worker_id == 1 and "failed on purpose" in str(caught.value)
-        assert m.restart_count(0) == 0 and m.generation(1) == 0 and m.workers[0].pid == pid
+        assert m.restart_count(0) == 0 and m.generation(1) == 0 and m.processes[0].pid == pid
         assert m.get_attr("total_steps") == [2, 2]  # env 1 is the same env (its second step raised)
 
 
@@ -160,9 +160,9 @@ class CountingPolicy:
 def test_the_sampler_cuts_only_the_rebuilt_slots_episode(tmp_path):
     with Sampler(RaisesOnce(str(tmp_path / "raised")), 2, CountingPolicy(), envs_per_worker=2, timeout=30,
                  restart_workers=True) as sampler:
-        pid = sampler.manager.worker_of(0).pid
+        pid = sampler.manager.process_of(0).pid
         batch = sampler.obtain_steps(20)
-        assert sampler.manager.worker_of(0).pid == pid and sampler.manager.restart_count(1) == 1
+        assert sampler.manager.process_of(0).pid == pid and sampler.manager.restart_count(1) == 1
     rows0 = batch.worker_ids == 0
     rows1 = batch.worker_ids == 1
     # slot 0: one episode (id 0), never cut, its step counter counting on through the fault
@@ -190,14 +190,14 @@ def test_the_sb3_drop_in_ends_only_the_rebuilt_envs_episode():
     vec = SubprocVecEnv(fns, "fork", envs_per_worker=2, restart_workers=True, timeout=30)
     try:
         vec.reset()
-        pid = vec.manager.workers[0].pid
+        pid = vec.manager.processes[0].pid
         before, _, _, _ = vec.step(np.ones(2, dtype=np.int64))
         obs, rewards, dones, infos = vec.step(np.ones(2, dtype=np.int64))  # env 1's second step raises
         assert dones[1] and rewards[1] == 0.0 and infos[1]["interrupted"] and infos[1]["TimeLimit.truncated"]
         np.testing.assert_array_equal(infos[1]["terminal_observation"], before[1])
         assert obs[1][0] == 0  # the rebuilt env's fresh episode
         assert not dones[0] and "interrupted" not in infos[0] and obs[0][0] == 2  # env 0 went on
-        assert vec.manager.workers[0].pid == pid and vec.manager.restart_count(1) == 1
+        assert vec.manager.processes[0].pid == pid and vec.manager.restart_count(1) == 1
         assert vec.get_attr("total_steps") == [2, 0]
     finally:
         vec.close()

@@ -216,7 +216,7 @@ class EnvPoolLoop:
 
 
 def worker_pids(v: Any) -> set[int]:
-    return {w.pid for w in v._manager.workers if w.pid is not None}
+    return {w.pid for w in v._manager.processes if w.pid is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class FaultRun:
             for r in range(rounds):
                 ids = loop.recv()
                 if self.kind == "kill" and r == self.at:
-                    pid = self.v._manager.worker_of(self.slot).pid
+                    pid = self.v._manager.process_of(self.slot).pid
                     kill(pid)
                     self.killed = True
                 loop.send(ids)
@@ -505,7 +505,7 @@ class CoreRun:
         self.bound = FAULT_TIMEOUT * (1 + self.hangs) + MARGIN
 
     def seen_pids(self) -> set[int]:
-        return {w.pid for w in self.m.workers if w.pid is not None}
+        return {w.pid for w in self.m.processes if w.pid is not None}
 
     def fired(self, slot: int) -> bool:
         return slot in self.markers and os.path.exists(self.markers[slot])
@@ -595,7 +595,7 @@ class CoreRun:
             for at, slot in self.kills:
                 if at == r:
                     self.pids |= self.seen_pids()
-                    pid = self.m.worker_of(slot).pid
+                    pid = self.m.process_of(slot).pid
                     assert pid is not None
                     kill(pid)
                     self.killed.add(self.process[slot])
@@ -675,7 +675,7 @@ def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool
         m = BatchEnvManager(LoopEnvFn(per_env), 3, envs_per_worker=2, context="fork", timeout=FAULT_TIMEOUT,
                             shared_memory=shared_memory, restart_workers=True, max_lifetime_restarts=-1,
                             restarts_rate_limit_n=-1)
-    pids = {w.pid for w in m.workers if w.pid is not None}
+    pids = {w.pid for w in m.processes if w.pid is not None}
     one = np.ones(1, dtype=np.int64)
     try:
         m.send_reset({i: (i, None) for i in range(3)})
@@ -687,9 +687,9 @@ def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool
         time.sleep(0.5)  # both are in: slot 2's answer, process 0's death
         with bounded(MARGIN, "receive_batch()"):
             batch = m.receive_batch(1)
-        if batch.slots.tolist() != [2] or m.worker_of(0).state is not ProcessState.BOOTING:
-            pytest.skip(f"the premise did not hold: {batch}, process 0 {m.worker_of(0).state}")  # (a slow machine)
-        pids |= {w.pid for w in m.workers if w.pid is not None}
+        if batch.slots.tolist() != [2] or m.process_of(0).state is not ProcessState.BOOTING:
+            pytest.skip(f"the premise did not hold: {batch}, process 0 {m.process_of(0).state}")  # (a slow machine)
+        pids |= {w.pid for w in m.processes if w.pid is not None}
         fresh = [0.0, 0.0, -1.0, 1.0]
         if ask == "step":
             m.send_batch([0], one)  # idle: the loop sends it again at once
@@ -705,7 +705,7 @@ def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool
                 got = m.receive_batch(0 if not m.in_flight() else 1)
                 for s in got.slots.tolist():
                     results[s].append((m.results.observation[s].tolist(), s in got.interrupted))
-        pids |= {w.pid for w in m.workers if w.pid is not None}
+        pids |= {w.pid for w in m.processes if w.pid is not None}
         assert m.restarts == 1, f"one fault, {m.restarts} restarts"
         assert results[1] == [([0.0, 1.0, -1.0, 1.0], True)], results  # (env 1's fresh reset)
         assert results[0] == ([(fresh, True)] if ask == "step" else []), results
@@ -732,7 +732,7 @@ def test_a_seeded_reset_joins_the_boot_reset(sent: bool) -> None:
     if sent:
         boot.plan.clear()
     pool = WorkerPool.__new__(WorkerPool)
-    pool.workers = [SimpleNamespace(boot=boot)]  # type: ignore[list-item]
+    pool.processes = [SimpleNamespace(boot=boot)]  # type: ignore[list-item]
     pool.join_boot(0, Cmd.RESET, (11,), Reset((1,), (1234,), ({"a": 1},)))
     pool.join_boot(0, Cmd.STEP, (12,))
     merged = (Cmd.RESET, Reset((0, 1, 2), (7, 1234, None), (None, {"a": 1}, None)))

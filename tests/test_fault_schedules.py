@@ -156,7 +156,7 @@ class CoreSchedule:
         self.m = SubprocessEnvManager(
             ScheduleFactory(self.commands), N, envs_per_worker=k, context="fork", timeout=TIMEOUT,
             restart_workers=restarts, max_lifetime_restarts=-1, restarts_rate_limit_n=-1)
-        self.pids = {w.pid for w in self.m.workers}
+        self.pids = {w.pid for w in self.m.processes}
         self.last: list[np.ndarray | None] = [None] * N  # each slot's last observation seen
         self.sent: list[int | None] = [None] * N  # the action in flight, by slot
         self.needs_reset = [False] * N  # its env raised (restarts off)
@@ -359,7 +359,7 @@ class CoreSchedule:
             self.hangs += 1
 
     def kill_worker(self, slot: int) -> None:
-        pid = self.m.worker_of(slot).pid
+        pid = self.m.process_of(slot).pid
         assert pid is not None
         self.pids.add(pid)
         kill(pid)
@@ -381,7 +381,7 @@ class CoreSchedule:
         try:
             if self.given_up is not None:
                 self.use_after_give_up()
-            self.pids |= {w.pid for w in m.workers if w.pid is not None}
+            self.pids |= {w.pid for w in m.processes if w.pid is not None}
         finally:
             with within(TIMEOUT + MARGIN, "close()"):
                 m.close()
@@ -426,7 +426,7 @@ class SamplerSchedule:
         self.s = cls(ScheduleFactory(self.commands), N, SchedulePolicy(self.commands), seed=0, context="fork",
                      envs_per_worker=k, timeout=TIMEOUT, restart_workers=restarts, max_lifetime_restarts=-1,
                      restarts_rate_limit_n=-1)
-        self.pids = {w.pid for w in self.s.manager.workers}
+        self.pids = {w.pid for w in self.s.manager.processes}
         self.armed: dict[int | str, set[str]] = {s: set() for s in [*range(N), "policy"]}
         self.hangs = 0
         self.policy_version = self.env_version = 0
@@ -549,7 +549,7 @@ class SamplerSchedule:
             self.hangs += 1
 
     def kill_worker(self, slot: int) -> None:
-        pid = self.s.manager.worker_of(slot).pid
+        pid = self.s.manager.process_of(slot).pid
         assert pid is not None
         self.pids.add(pid)
         kill(pid)
@@ -565,7 +565,7 @@ class SamplerSchedule:
         try:
             if self.given_up is not None:
                 self.use_after_give_up()
-            self.pids |= {w.pid for w in self.s.manager.workers if w.pid is not None}
+            self.pids |= {w.pid for w in self.s.manager.processes if w.pid is not None}
         finally:
             with within(TIMEOUT + MARGIN, "close()"):
                 self.s.close()
@@ -601,6 +601,6 @@ def test_exact_episodes_all_cut_before_their_first_step_are_admitted_again(tmp_p
     with Sampler(ScheduleFactory(str(tmp_path)), 2, SchedulePolicy(str(tmp_path)), seed=0, context="fork", timeout=TIMEOUT,
              restart_workers=True, max_lifetime_restarts=-1, restarts_rate_limit_n=-1) as sampler:
         for slot in range(2):  # both processes die before the call: their first episodes are cut at the start
-            kill(sampler.manager.worker_of(slot).pid)
+            kill(sampler.manager.process_of(slot).pid)
         batch = sampler.obtain_exact_episodes(1)  # raised "every admitted episode was cut ..." before the fix
         assert batch.n_episodes == 2 and not batch.interrupted.any()

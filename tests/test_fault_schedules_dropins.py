@@ -142,7 +142,7 @@ class DropInSchedule:
             self.hangs += 1
 
     def kill_worker(self, slot: int) -> None:
-        pid = self.manager().worker_of(slot).pid
+        pid = self.manager().process_of(slot).pid
         assert pid is not None
         self.pids.add(pid)
         kill(pid)
@@ -166,7 +166,7 @@ class DropInSchedule:
                 self.use_after_give_up()
         finally:
             try:
-                self.pids |= {w.pid for w in self.manager().workers if w.pid is not None}
+                self.pids |= {w.pid for w in self.manager().processes if w.pid is not None}
             finally:
                 with within(TIMEOUT + MARGIN, "close()"):
                     self.v.close()
@@ -188,7 +188,7 @@ class SB3Schedule(DropInSchedule):
         self.restarts = restarts
         self.v = SubprocVecEnv(self.fns(), "fork", envs_per_worker=k, timeout=TIMEOUT, restart_workers=restarts,
                                max_lifetime_restarts=-1, restarts_rate_limit_n=-1)
-        self.pids = {w.pid for w in self.v.manager.workers if w.pid is not None}
+        self.pids = {w.pid for w in self.v.manager.processes if w.pid is not None}
         self.must_reset = True
         try:
             self.reset()
@@ -278,7 +278,7 @@ class GymnasiumSchedule(DropInSchedule):
         from envmanager import AsyncVectorEnv
 
         self.v = AsyncVectorEnv(self.fns(), context="fork", envs_per_worker=k, worker_timeout=TIMEOUT)
-        self.pids = {w.pid for w in self.manager().workers if w.pid is not None}
+        self.pids = {w.pid for w in self.manager().processes if w.pid is not None}
         self.must_reset = True
         try:
             self.reset(0)

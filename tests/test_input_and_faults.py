@@ -378,8 +378,8 @@ def test_env_error_keeps_sibling_result_and_only_failed_env_needs_reset():
 def test_died_error_names_every_slot_of_the_dead_process():
     with SubprocessEnvManager(EnvFactory(), 4, envs_per_worker=2, context=CTX, timeout=10) as m:
         m.reset()
-        victim = m.worker_of(2)
-        assert victim is m.worker_of(3) and victim is not m.worker_of(1)
+        victim = m.process_of(2)
+        assert victim is m.process_of(3) and victim is not m.process_of(1)
         os.kill(victim.pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError) as caught:
             step_until_error(m)
@@ -438,7 +438,7 @@ def test_close_kills_own_session_child_of_a_straggler(tmp_path):
         m.reset()
         with open(tmp_path / "player-0.pid") as f:
             player = int(f.read())
-        worker_pid = m.workers[0].pid
+        worker_pid = m.processes[0].pid
         assert not gone(player), "the env's child should be running"
         assert os.getsid(player) != os.getsid(worker_pid), "the child should be in a session of its own"
         m.close(timeout=1.0)

@@ -286,7 +286,7 @@ def test_a_worker_killed_while_the_parent_spins_is_a_death_naming_its_slot():
         m.send_reset({0: (0, None), 1: (1, None)})
         m.receive_reset_batch()
         m.send_batch(np.array([0, 1]), np.array([1, 1]))
-        pid = m.workers[0].pid
+        pid = m.processes[0].pid
         threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
         with pytest.raises(WorkerDiedError) as info:
             while True:
@@ -300,7 +300,7 @@ def test_a_worker_killed_while_the_parent_spins_is_restarted_and_its_rings_start
         m.receive_reset_batch()
         for k in range(200):
             if k == 50:
-                os.kill(m.workers[0].pid, signal.SIGKILL)
+                os.kill(m.processes[0].pid, signal.SIGKILL)
             idle = m.idle_worker_ids
             if idle:
                 m.send_batch(np.array(idle), np.ones(len(idle), dtype=np.int64))
@@ -341,7 +341,7 @@ def test_idle_workers_and_parent_end_up_blocked_not_spinning():
             m.receive_batch(0)
         box = m.pool.mailboxes
         assert box is not None
-        words = [box.layout.region(p) // 8 for p in range(len(m.workers))]
+        words = [box.layout.region(p) // 8 for p in range(len(m.processes))]
         deadline = time.monotonic() + 10
         while any(box._words[w] != SLEEPING for w in words) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -360,7 +360,7 @@ PARENT = textwrap.dedent(
     assert m.pool.mailboxes is not None
     m.send_reset({{0: (0, None), 1: (1, None)}})
     m.receive_reset_batch()
-    print(" ".join(str(w.pid) for w in m.workers), flush=True)
+    print(" ".join(str(w.pid) for w in m.processes), flush=True)
     while True:
         m.send_batch(np.array(m.idle_worker_ids), np.ones(len(m.idle_worker_ids), dtype=np.int64))
         m.receive_batch(1)

@@ -74,19 +74,19 @@ def test_a_worker_killed_from_outside_mid_episode(tmp_path):
         actions = np.zeros(2 * vec.num_agents, np.int64)
         vec.step(actions)
         vec.send(actions)
-        os.kill(vec.manager.worker_of(1).pid, signal.SIGKILL)
+        os.kill(vec.manager.process_of(1).pid, signal.SIGKILL)
         got = vec.recv(2, sort=True)
         assert got.env_ids.tolist() == [0, 1]
         assert got.restarted.tolist() == [False, True] and got.episode_start.tolist() == [False, True]
         # killed while idle: its env comes back reset from the next step, flagged
-        os.kill(vec.manager.worker_of(0).pid, signal.SIGKILL)
+        os.kill(vec.manager.process_of(0).pid, signal.SIGKILL)
         batch = vec.step(actions)
         assert batch.restarted.tolist() == [True, False] and batch.episode_start.tolist() == [True, False]
         assert batch.active.all() and not batch.episode_length[: vec.num_agents].any()
     with ParallelVectorEnv([envs.kaz] * 2, timeout=10.0) as vec:
         vec.reset(seed=0)
         vec.send(actions)
-        os.kill(vec.manager.worker_of(0).pid, signal.SIGKILL)
+        os.kill(vec.manager.process_of(0).pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match="worker 0 died"):
             vec.recv(2)
 
@@ -200,7 +200,7 @@ def test_an_env_restarted_while_idle_comes_back_once_from_recv():
     with ParallelVectorEnv([envs.spread] * 2, timeout=10.0, restart_workers=True) as vec:
         vec.reset(seed=0)
         vec.send(np.zeros(3, np.int64), env_ids=[0])
-        pid = vec.manager.worker_of(1).pid
+        pid = vec.manager.process_of(1).pid
         os.kill(pid, signal.SIGKILL)  # env 1 has nothing in flight
         dead_by = time.monotonic() + 10
         while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < dead_by:

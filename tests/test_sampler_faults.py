@@ -72,7 +72,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
     with make(variant, fault, marker, restarts=True) as sampler:
         if fault == "update_raise":
             sampler.update(env_update=update_raising_once(marker))
-        pid = sampler.manager.worker_of(FAULT_SLOT).pid
+        pid = sampler.manager.process_of(FAULT_SLOT).pid
         started = time.monotonic()
         first = collect(sampler)
         assert time.monotonic() - started < timeout_of(variant) + MARGIN
@@ -84,10 +84,10 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         # applies updates by a call, whose failure takes the process's path).
         rebuilt = fault.endswith("_raise") and (fault != "update_raise" or VARIANTS[variant][0] == "worker")
         if rebuilt:
-            assert sampler.manager.worker_of(FAULT_SLOT).pid == pid
+            assert sampler.manager.process_of(FAULT_SLOT).pid == pid
             assert all(sampler.manager.generation(s) == 0 for s in range(N) if s != FAULT_SLOT)
         else:
-            assert sampler.manager.worker_of(FAULT_SLOT).pid != pid
+            assert sampler.manager.process_of(FAULT_SLOT).pid != pid
     assert rebuilt or not alive([pid], timeout=5.0)
     assert counters["worker_restarts"] == 1 and counters.get("failed_episodes", 0) == 0
     assert len(first) == 30 * N
@@ -116,7 +116,7 @@ def test_env_fault_without_restarts_names_the_slot(variant, fault, tmp_path):
     with make(variant, fault, marker, restarts=False) as sampler:
         if fault == "update_raise":
             sampler.update(env_update=update_raising_once(marker))
-        pid = sampler.manager.worker_of(FAULT_SLOT).pid
+        pid = sampler.manager.process_of(FAULT_SLOT).pid
         started = time.monotonic()
         with pytest.raises(EnvManagerError) as caught:
             for _ in range(3):
@@ -193,7 +193,7 @@ def test_policy_fault(variant, fault, restarts, tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_close_mid_call_ends_the_call(variant, tmp_path):
     sampler = make(variant, None, str(tmp_path / "unused"), restarts=True, step_s=0.05)
-    pids = [w.pid for w in sampler.manager.workers]
+    pids = [w.pid for w in sampler.manager.processes]
     raised: list[BaseException] = []
 
     def run() -> None:

@@ -284,7 +284,7 @@ def test_restarted_worker_ends_the_episode_as_truncated(subproc):
     vec = subproc(fns(2, max_len=100), restart_workers=True, envs_per_worker=1)  # env 1 alone in its process
     vec.reset()
     before, _, _, _ = vec.step(np.zeros(2, dtype=np.int64))
-    os.kill(vec.manager.workers[1].pid, signal.SIGKILL)
+    os.kill(vec.manager.processes[1].pid, signal.SIGKILL)
     obs, rewards, dones, infos = vec.step(np.zeros(2, dtype=np.int64))
     assert dones[1] and rewards[1] == 0.0  # (env 0's random episode may end here too)
     assert infos[1]["interrupted"] and infos[1]["TimeLimit.truncated"]
@@ -315,7 +315,7 @@ def test_bogus_start_method_raises_as_multiprocessing():
 def test_default_start_method_and_ppo_smoke(opened):
     vec = opened(make_vec_env("CartPole-v1", n_envs=2, seed=0, vec_env_cls=SubprocVecEnv))
     expected = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    assert type(vec.manager.workers[0].process).__name__.lower().startswith(expected)
+    assert type(vec.manager.processes[0].process).__name__.lower().startswith(expected)
     env = VecNormalize(vec)
     model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=1, seed=0, device="cpu")
     model.learn(total_timesteps=256)

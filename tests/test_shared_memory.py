@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
         shm.SharedFile.create = classmethod(lambda cls: None)
     m = SubprocessEnvManager(EnvFactory(step_time=0.01), 4, envs_per_worker={k!r}, context={context!r})
     m.reset()
-    print(os.getpid(), m.buffers.layout.name or "-", *[w.pid for w in m.workers], flush=True)
+    print(os.getpid(), m.buffers.layout.name or "-", *[w.pid for w in m.processes], flush=True)
     while True:
         m.step({{w: 1 for w in m.idle_worker_ids}})
     """
@@ -153,7 +153,7 @@ def test_a_restarted_worker_writes_into_the_same_memory(context):
     with SubprocessEnvManager(EnvFactory(), 4, envs_per_worker=2, context=context, timeout=30, restart_workers=True) as m:
         m.reset()
         _step_all(m, 1)
-        buffers, victim = m.buffers, m.worker_of(0)
+        buffers, victim = m.buffers, m.process_of(0)
         os.kill(victim.pid, signal.SIGKILL)
         interrupted = {}
         deadline = time.monotonic() + 30
@@ -164,7 +164,7 @@ def test_a_restarted_worker_writes_into_the_same_memory(context):
         assert sorted(interrupted) == [0, 1]
         for slot, info in interrupted.items():  # the new process's fresh reset
             assert info.current_result.observation.tolist() == [0, slot, -1, 1]
-        restarted = m.worker_of(0)
+        restarted = m.process_of(0)
         assert restarted.pid != victim.pid and m.buffers is buffers
         # The new process maps the very file the parent reads (same inode), not a copy.
         stat = os.fstat(m.pool.file.fd)
@@ -197,7 +197,7 @@ def test_an_unlinked_file_in_dev_shm_where_there_is_no_memfd(context, monkeypatc
         m.reset()
         assert m.buffers.layout.name == ""
         assert _ours(set(os.listdir("/dev/shm")) - before, [os.getpid()]) == set()
-        held = _open_files(m.workers[1].pid)
+        held = _open_files(m.processes[1].pid)
         assert any(f.startswith(f"/dev/shm/envmgr_{os.getpid()}_") and f.endswith("(deleted)") for f in held)
         got = _step_all(m, 2)
         assert [got[s].current_result.observation.tolist() for s in (0, 1)] == [[1, 0, 2, 1], [1, 1, 2, 1]]

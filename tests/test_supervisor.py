@@ -38,7 +38,7 @@ def shape(error: RestartLimitError) -> tuple:
 
 
 def kill_process(m, process: int) -> None:
-    os.kill(m.workers[process].pid, signal.SIGKILL)
+    os.kill(m.processes[process].pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,11 +51,11 @@ def core_limit_error() -> tuple[RestartLimitError, int, int]:
     with SubprocessEnvManager(EnvFactory(), 4, envs_per_worker=2, timeout=30, restart_workers=True, **LIMITS) as m:
         m.reset()
         assert m.restarts == 0 and m.supervisor.failure(1) is None
-        first = m.workers[1].pid
+        first = m.processes[1].pid
         kill_process(m, 1)
         step_until(m, lambda infos: any(i.interrupted for i in infos))
         restarts, count = m.restarts, m.restart_count(2)
-        assert m.workers[1].pid != first and m.supervisor.failure(1) is None
+        assert m.processes[1].pid != first and m.supervisor.failure(1) is None
         kill_process(m, 1)
         with pytest.raises(RestartLimitError) as caught:
             step_until(m, lambda infos: False)
@@ -66,7 +66,7 @@ def core_limit_error() -> tuple[RestartLimitError, int, int]:
             with pytest.raises(RestartLimitError) as again:
                 m.step({2: 1})
             assert again.value is error
-        assert not alive([m.workers[1].pid], timeout=5.0)
+        assert not alive([m.processes[1].pid], timeout=5.0)
         assert m.restarts == restarts  # a refusal is not a restart
     return error, restarts, count
 

@@ -29,7 +29,7 @@ def test_sigterm_as_the_worker_starts_closing_does_not_skip_the_close(tmp_path, 
     marker = tmp_path / "closed"
     m = SubprocessEnvManager(lambda i: MarkerEnv(str(marker)), 1, context="fork", timeout=30)
     m.reset()
-    pid = m.workers[0].pid
+    pid = m.processes[0].pid
     m.close(timeout=10.0)
     assert marker.exists() and marker.read_text() == "closed"
     assert not alive([pid], timeout=0)

@@ -138,7 +138,7 @@ def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp
     marker, made = str(tmp_path / "raised"), tmp_path / "made"
     with WorkerPolicySampler(crashing(marker, 1, 7, "raise", str(made)), 4, ParityAgent(), seed=3, envs_per_worker=2,
                              restart_workers=True, timeout=30) as sampler:
-        pid = sampler.manager.worker_of(1).pid
+        pid = sampler.manager.process_of(1).pid
         batch = sampler.obtain_steps(30)
         assert sorted(made.read_text().split("\n")[4:-1]) == [f"{pid} 1"]  # made again, there, and nothing else
         # The env that raised is rebuilt in its process (issue 30 item 7: RLlib's granularity):
@@ -146,7 +146,7 @@ def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp
         assert sampler.stats.counters["interrupted_episodes"] == 1
         assert sampler.manager.supervisor.restart_count(0) == 1  # counted against the process's quota
         assert sampler.manager.restarts == 1 and sampler.stats.counters["worker_restarts"] == 1
-        assert sampler.manager.worker_of(1).pid == pid  # not restarted
+        assert sampler.manager.process_of(1).pid == pid  # not restarted
         assert [sampler.manager.generation(s) for s in range(4)] == [0, 1, 0, 0]
         more = sampler.obtain_steps(10)  # the rebuilt env serves on
     assert len(batch) == 120 and np.bincount(batch.worker_ids).tolist() == [30] * 4
@@ -181,9 +181,9 @@ class RemadeOnceFails:
 def test_an_env_that_cannot_be_rebuilt_takes_its_process_through_a_restart(tmp_path):
     with WorkerPolicySampler(RemadeOnceFails(str(tmp_path)), 4, ParityAgent(), seed=3, envs_per_worker=2,
                              restart_workers=True, restarts_rate_limit_n=5, timeout=30) as sampler:
-        pid = sampler.manager.worker_of(1).pid
+        pid = sampler.manager.process_of(1).pid
         batch = sampler.obtain_steps(30)
-        assert sampler.manager.worker_of(1).pid != pid  # the rebuild failed: the process was restarted
+        assert sampler.manager.process_of(1).pid != pid  # the rebuild failed: the process was restarted
         assert sampler.manager.supervisor.restart_count(0) == 2  # the rebuild, then the restart: one policy
         assert sampler.manager.generation(0) == 1 and sampler.manager.generation(1) == 2
     made = (tmp_path / "made-1").read_text().split()
@@ -219,7 +219,7 @@ def test_with_two_processes_given_up_every_call_raises_the_same_error(order):
     try:
         sampler.obtain_steps(2)
         for p in order:
-            pid = sampler.manager.workers[p].pid
+            pid = sampler.manager.processes[p].pid
             os.kill(pid, 9)
         with pytest.raises(EnvManagerError) as first:
             sampler.obtain_steps(5)

@@ -134,7 +134,7 @@ def in_processes(factory: Callable[[int], Any], n: int, k: int, seed: int, measu
         arrays = action_batches(space, n, seed)
         singles = [[space.sample() for _ in range(n)] for _ in range(len(arrays))]
         firsts = [int(s) for s in np.flatnonzero(np.r_[True, np.diff(manager.slot_process) != 0])]
-        workers = [psutil.Process(manager.worker_of(s).pid) for s in firsts]
+        workers = [psutil.Process(manager.process_of(s).pid) for s in firsts]
         # one request per process, or per lane of it when double buffered
         request_of = [(p, lane) for p, lane in zip(manager.slot_process.tolist(), manager.slot_lanes, strict=True)]
         slots = np.arange(n)

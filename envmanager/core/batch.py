@@ -146,7 +146,7 @@ class BatchEnvManager:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
                                     mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
                                     generations=None if generations is None else [int(g) for g in generations])
-            readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.workers, "startup")]
+            readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.processes, "startup")]
             for r in readies:  # each env's generation, as its process answered
                 self._state.stamp(r.env_ids, r.generations)
             #: Every slot's spaces, as its env reported them.
@@ -214,13 +214,15 @@ class BatchEnvManager:
         return self.pool.supervisor.restarts
 
     @property
-    def workers(self) -> list[WorkerProcess]:
+    def processes(self) -> list[WorkerProcess]:
         """The worker processes (a process hosts ``envs_per_worker`` slots)."""
-        return self.pool.workers
+        return self.pool.processes
 
-    def worker_of(self, worker_id: int) -> WorkerProcess:
-        """The process hosting slot ``worker_id``."""
-        return self.pool.workers[self._slot_process_list[worker_id]]
+    def process_of(self, worker_id: int) -> WorkerProcess:
+        """The process hosting slot ``worker_id`` (ML-Agents' name for a slot)."""
+        return self.pool.processes[self._slot_process_list[worker_id]]
+
+    workers, worker_of = processes, process_of  # their names before 0.3 (``worker_id`` is a slot, these are processes)
 
     @property
     def worker_ids(self) -> list[int]:
@@ -240,7 +242,7 @@ class BatchEnvManager:
 
     def in_flight(self) -> bool:
         """Whether any process has a request or a step in flight (a restart on its way back, say)."""
-        return any(w.busy for w in self.pool.workers)
+        return any(w.busy for w in self.pool.processes)
 
     def unreceived(self) -> bool:
         """Whether results arrived that nobody received yet (a restart of an idle worker)."""
@@ -257,7 +259,7 @@ class BatchEnvManager:
 
     def _booting_slots(self) -> list[int]:
         """The slots of processes coming back from a restart (each gets its fresh reset)."""
-        return [s for w in self.pool.workers if w.boot is not None for s in w.env_ids]
+        return [s for w in self.pool.processes if w.boot is not None for s in w.env_ids]
 
     @property
     def replay_calls(self) -> list[tuple[str, tuple, dict]]:
@@ -316,7 +318,7 @@ class BatchEnvManager:
 
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
         """The error of the process hosting ``worker_id`` if it failed for good, else ``None``."""
-        return self.worker_of(worker_id).failure
+        return self.process_of(worker_id).failure
 
     # ------------------------------------------------------------------------------------------
     # Stepping
@@ -343,9 +345,9 @@ class BatchEnvManager:
         plan = self._plans.get(slots)
         status = self.status[slots]
         if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
-            refuse_slots(slots, status, self.worker_of)
+            refuse_slots(slots, status, self.process_of)
         if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
-            workers = pool.workers
+            workers = pool.processes
             for index, _, _, _, _ in plan.requests:
                 if workers[index].state is _FAILED:
                     refuse_process(workers[index], slots)
@@ -370,10 +372,10 @@ class BatchEnvManager:
             if len(batch) != n:
                 raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
         entries, joined = plan.requests, None
-        if pool.supervisor.restarts and any(pool.workers[e[0]].boot is not None for e in entries):
+        if pool.supervisor.restarts and any(pool.processes[e[0]].boot is not None for e in entries):
             # A process on its way back from a restart: its boot answers these slots (``join_boot``).
-            joined = [e for e in entries if pool.workers[e[0]].boot is not None]
-            entries = [e for e in entries if pool.workers[e[0]].boot is None]
+            joined = [e for e in entries if pool.processes[e[0]].boot is not None]
+            entries = [e for e in entries if pool.processes[e[0]].boot is None]
         if board:  # one numpy operation per array, whatever the number of processes
             if type(shared) is np.ndarray:
                 shared[slots] = batch
@@ -404,7 +406,7 @@ class BatchEnvManager:
         if joined is not None:
             self._join_boots(joined)
         now = time.monotonic()
-        workers = pool.workers
+        workers = pool.processes
         for entry, request in zip(entries, requests, strict=True):
             workers[entry[0]].send(request, now)
         return batch
@@ -460,17 +462,17 @@ class BatchEnvManager:
             return
         if slots.min() < 0 or slots.max() >= self.n_env:
             raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
-        plan = reset_plan(seeds_and_options, slots.tolist(), self.worker_of, self.slot_local, self.status)
+        plan = reset_plan(seeds_and_options, slots.tolist(), self.process_of, self.slot_local, self.status)
         try:  # encode everything before the first send
             outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
         self._state.sent(slots, reset=True)
         for index, message, request in outgoing:
-            if pool.workers[index].boot is not None:  # on its way back from a restart: its boot resets them
+            if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
                 pool.join_boot(index, Cmd.RESET, request.slots, message)
             else:
-                pool.workers[index].send(request)
+                pool.processes[index].send(request)
 
     def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
@@ -536,12 +538,12 @@ class BatchEnvManager:
 
     def _busy_slots(self) -> list[int]:
         """Slots whose process has a request in flight (a restart coming back, say)."""
-        return [s for w in self.pool.workers if w.busy and w.watched for s in w.env_ids]
+        return [s for w in self.pool.processes if w.busy and w.watched for s in w.env_ids]
 
     def _any_busy(self) -> bool:
         """Whether any process that can still answer has something in flight (``_busy_slots``
         without naming them: it stops at the first)."""
-        return any(w.busy and w.watched for w in self.pool.workers)
+        return any(w.busy and w.watched for w in self.pool.processes)
 
     def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
         """Let calls that keep working outlive the deadline: ``progress(slots)`` is a count
@@ -556,7 +558,7 @@ class BatchEnvManager:
         pool = self.pool
 
         def busy() -> list[WorkerProcess]:
-            return [pool.workers[i] for i in sorted(procs) if pool.workers[i].busy]
+            return [pool.processes[i] for i in sorted(procs) if pool.processes[i].busy]
 
         self.wait_for(lambda: not busy(), timeout, "the requests in flight", lambda: [s for w in busy() for s in w.env_ids])
 
@@ -565,8 +567,8 @@ class BatchEnvManager:
         nothing stale surfaces later. Slots with dropped results count as handed out. Returns
         the dropped step and reset errors (for a caller that reports every failure)."""
         pool = self.pool
-        self.wait_for(lambda: not any(w.busy for w in pool.workers), timeout, "the in-flight steps",
-                      lambda: [s for w in pool.workers if w.busy for s in w.env_ids])
+        self.wait_for(lambda: not any(w.busy for w in pool.processes), timeout, "the in-flight steps",
+                      lambda: [s for w in pool.processes if w.busy for s in w.env_ids])
         self._calls.clear()
         return self._state.drop()
 

@@ -87,8 +87,8 @@ class EnvCalls:
         for slot in dict.fromkeys(slots):
             by_process.setdefault(int(m.slot_process[slot]), []).append(slot)
         for index in by_process:
-            if pool.workers[index].failure is not None:
-                raise pool.workers[index].failure  # type: ignore[misc]
+            if pool.processes[index].failure is not None:
+                raise pool.processes[index].failure  # type: ignore[misc]
         try:  # encode everything before the first send: nothing half-sent
             outgoing = [
                 (index, pool.prepare(cmd, message(tuple(m.slot_local[own].tolist()), own), tuple(own)))
@@ -98,11 +98,11 @@ class EnvCalls:
             raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
         m.wait_idle(slots)
         for index, _ in outgoing:  # a restart that failed meanwhile gave the process up
-            if pool.workers[index].failure is not None:
-                raise pool.workers[index].failure  # type: ignore[misc]
+            if pool.processes[index].failure is not None:
+                raise pool.processes[index].failure  # type: ignore[misc]
         for index, request in outgoing:
             self._answers.pop(index, None)
-            pool.workers[index].send(request)  # the process may have been replaced meanwhile
+            pool.processes[index].send(request)  # the process may have been replaced meanwhile
         return CallRequest(cmd, slots, by_process)
 
     def ready(self, request: CallRequest) -> bool:

@@ -13,7 +13,7 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import Reset, raw_locals
 
-__all__ = ["BatchPlans", "Plan", "Requests", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
+__all__ = ["BatchPlans", "BatchPlan", "Requests", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
 
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
@@ -25,7 +25,7 @@ _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
 Requests = list[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], list[int]], bytes]]
 
 
-class Plan(NamedTuple):
+class BatchPlan(NamedTuple):
     """How one batch of slots is sent: its ``requests`` (one per process or lane, through the
     processes' pipes or rings), and its distinct ``processes`` as an array (on the step board the
     batch is one numpy operation for all of them)."""
@@ -41,14 +41,14 @@ class BatchPlans:
                  limit: int = 1024) -> None:
         self.slot_process, self.slot_local, self.limit = slot_process, slot_local, limit
         self.slot_lanes = slot_lanes or [1] * len(slot_process)  # each slot's lane, as a mask
-        self._plans: dict[bytes, Plan] = {}
+        self._plans: dict[bytes, BatchPlan] = {}
 
-    def get(self, slots: np.ndarray) -> Plan:
+    def get(self, slots: np.ndarray) -> BatchPlan:
         """The plan for ``slots`` (int64, one axis); ``InvalidInputError`` for unknown or
         repeated slots."""
         return self._plans.get(slots.tobytes()) or self._make(slots)
 
-    def _make(self, slots: np.ndarray) -> Plan:
+    def _make(self, slots: np.ndarray) -> BatchPlan:
         listed = slots.tolist()
         n = len(self.slot_process)
         bad = [s for s in listed if not 0 <= s < n]
@@ -65,16 +65,16 @@ class BatchPlans:
             process_slots = tuple(listed[r] for r in rows)
             locals_ = tuple(self.slot_local[s] for s in process_slots)
             requests.append((index, lanes, process_slots, (locals_, rows), raw_locals(locals_)))
-        plan = Plan(requests, np.array(sorted({index for index, *_ in requests}), dtype=np.int64))
+        plan = BatchPlan(requests, np.array(sorted({index for index, *_ in requests}), dtype=np.int64))
         if len(self._plans) < self.limit:
             self._plans[slots.tobytes()] = plan
         return plan
 
 
-def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int], Any]) -> None:
+def refuse_slots(slots: np.ndarray, status: np.ndarray, process_of: Callable[[int], Any]) -> None:
     """Raise why ``slots`` (with ``status``) cannot be stepped: the first one that cannot."""
     for slot, s in zip(slots.tolist(), status.tolist(), strict=True):
-        failure = worker_of(slot).failure
+        failure = process_of(slot).failure
         if failure is not None:
             raise failure
         if s == _NEEDS_RESET:
@@ -85,14 +85,14 @@ def refuse_slots(slots: np.ndarray, status: np.ndarray, worker_of: Callable[[int
             raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
 
 
-def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int], worker_of: Callable[[int], Any],
+def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int], process_of: Callable[[int], Any],
                slot_local: np.ndarray, status: np.ndarray) -> list[tuple[int, Reset, tuple[int, ...]]]:
     """``send_reset``'s split: per process, its ``Reset`` and its slots. Raises a failed
     process's error, or ``InvalidInputError`` for a slot in flight or whose result was not
     received (its process's other slots may be busy: requests queue)."""
     by_process: dict[int, list[int]] = {}
     for slot in slots:
-        w = worker_of(slot)
+        w = process_of(slot)
         if w.failure is not None:
             raise w.failure
         if status[slot] in (_IN_FLIGHT, _ARRIVED):

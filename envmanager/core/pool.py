@@ -17,7 +17,7 @@ raised in it (``envmanager.core.rebuild``), or give up.
 
 Why one module: the transport and the failure path are one concept, the pool's processes and
 what is in flight on them. Any answer the hot path takes may be a failure, a boot's next step or
-a rebuild's end; a restart replaces a process in ``workers``, starts it as the pool starts every
+a rebuild's end; a restart replaces a process in ``processes``, starts it as the pool starts every
 process, numbers its requests in the pool's sequence and moves the set the poller watches. Split
 off, the failure path stubbed six of the pool's fields and two of its methods, and the answer
 path called into four of the failure path's.
@@ -111,7 +111,7 @@ class WorkerPool:
         self.supervisor = Supervisor(restart_policy, timeout, [spec.env_ids for spec in specs], "process",
                                      generations=generations)
         self.daemon = daemon
-        self.workers: list[WorkerProcess] = []
+        self.processes: list[WorkerProcess] = []
         self.buffers: SharedBuffers | None = None
         #: ``(method name, args, kwargs)`` called on a restarted process's envs before its reset.
         self.replay_calls: list[tuple[str, tuple, dict]] = []
@@ -158,7 +158,7 @@ class WorkerPool:
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
             for spec in specs:
-                self.workers.append(self._start(replace(spec, generations=self.supervisor.generations(spec.index))))
+                self.processes.append(self._start(replace(spec, generations=self.supervisor.generations(spec.index))))
         except BaseException:  # out of processes or fds, say: end those already started
             self.close(0.0)
             raise
@@ -204,7 +204,7 @@ class WorkerPool:
         if sleepy.size:
             for p in sleepy.tolist():
                 try:
-                    write_frame(self.workers[p].fd, WAKE)
+                    write_frame(self.processes[p].fd, WAKE)
                 except OSError:  # gone: its sentinel tells
                     pass
 
@@ -219,9 +219,9 @@ class WorkerPool:
         """Shared arrays for ``n_envs`` slots (in ``file``, or a named segment), mapped by
         every worker before this returns; a restarted worker maps them again (its ``Boot``)."""
         self.buffers = buffers = SharedBuffers.create(n_envs, observation_space, action_space, self.file)
-        for w in self.workers:
+        for w in self.processes:
             w.send(self.prepare(Cmd.ATTACH, Attach(buffers.layout)))
-        self.gather(self.workers, "shared memory")
+        self.gather(self.processes, "shared memory")
         return buffers
 
     # ------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ class WorkerPool:
             self._drain(completions)
             for fd in ended:
                 w = self._by_sentinel.get(fd)
-                if w is not None and self.workers[w.index] is w and w.watched:
+                if w is not None and self.processes[w.index] is w and w.watched:
                     self._drain(completions, everything=True)  # a worker's last words come before its death
                     self._on_failure(w, w.died(), completions)
             return completions
@@ -269,7 +269,7 @@ class WorkerPool:
         """Tell the transport what to wait on: every watched process's pipe and sentinel; kept
         between calls and redone when a process starts, fails or closes (``_version``)."""
         assert self.queue is not None
-        watched = [w for w in self.workers if w.watched]
+        watched = [w for w in self.processes if w.watched]
         self._by_sentinel = {w.sentinel: w for w in watched}
         self.queue.watch([w.conn for w in watched], list(self._by_sentinel))
         self._poll_version = self._version
@@ -288,7 +288,7 @@ class WorkerPool:
         if not notices:
             return
         received = monotonic()
-        workers, clocks = self.workers, self.supervisor.clocks
+        workers, clocks = self.processes, self.supervisor.clocks
         for cmd, process, seq, posted_at, form, data in notices:
             w = workers[process]
             requests = w.requests
@@ -379,7 +379,7 @@ class WorkerPool:
         self._next_core_check = now + CORE_CHECK_S
         if self.mailboxes is None:
             return
-        pids = [os.getpid()] + [w.pid for w in self.workers if w.pid is not None and w.watched]
+        pids = [os.getpid()] + [w.pid for w in self.processes if w.pid is not None and w.watched]
         placed = [affinity(pid) for pid in pids]
         every = frozenset(range(os.cpu_count() or 1))
         cores = frozenset().union(*(every if a is None else a for a in placed))
@@ -398,7 +398,7 @@ class WorkerPool:
         error), and note when the next one can be due: no clock started later is due sooner."""
         completions: list[Completion] = []
         supervisor = self.supervisor
-        for w in list(self.workers):
+        for w in list(self.processes):
             clock = w.clock
             if w.busy and w.watched and supervisor.late(clock, now):
                 cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
@@ -406,7 +406,7 @@ class WorkerPool:
                     continue  # working, not hung: a new deadline from now
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)
-        oldest = min((w.clock for w in self.workers if w.busy and w.watched), default=now)
+        oldest = min((w.clock for w in self.processes if w.busy and w.watched), default=now)
         self._next_deadline_check = oldest + self.timeout
         return completions
 
@@ -420,7 +420,7 @@ class WorkerPool:
         while not indices <= got.keys():
             if deadline.passed():  # name every late process, those already timed out too
                 late = sorted((indices - got.keys()) | {i for i, c in got.items() if isinstance(c.error, WorkerTimeoutError)})
-                raise WorkerTimeoutError([s for i in late for s in self.workers[i].env_ids], self.timeout, what, processes=late)
+                raise WorkerTimeoutError([s for i in late for s in self.processes[i].env_ids], self.timeout, what, processes=late)
             for c in self.wait(deadline.left()):
                 got.setdefault(c.worker.index, c)
         ordered = [got[i] for i in sorted(indices)]
@@ -442,7 +442,7 @@ class WorkerPool:
         (an env update that raised in a call; a worker-side rollout's ``envs``, to be rebuilt in
         place and remade by the caller's own next call, ``WorkerEnvs.rebuild``): the supervisor's
         decision, carried out — or the one taken already, if those envs were replaced since."""
-        w = self.workers[index]
+        w = self.processes[index]
         if w.failure is not None:
             return GiveUp(w.failure, True)
         decided = self.supervisor.already(index, seen or {})
@@ -457,7 +457,7 @@ class WorkerPool:
         """A step or reset of ``slots`` (idle) asked while process ``index`` comes back from a
         restart (``boot`` set): its boot's fresh reset answers them, ``interrupted`` (``Boot.join``).
         Nothing goes to the worker, which would take it ahead of its plan."""
-        boot = self.workers[index].boot
+        boot = self.processes[index].boot
         assert boot is not None and not boot.startup, "only a running pool's restart is joined"
         boot.join(cmd, slots, reset)
 
@@ -530,7 +530,7 @@ class WorkerPool:
                 if r.cmd not in _ANSWERED_BY_RESET:
                     completions.append(Completion(w, r, None, error))  # its caller must know
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
-        self.workers[w.index] = self._start(replace(w.spec, generations=generations), boot)
+        self.processes[w.index] = self._start(replace(w.spec, generations=generations), boot)
 
     def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
                     completions: list[Completion]) -> bool:
@@ -594,7 +594,7 @@ class WorkerPool:
         """
         self._closing = True
         self._leave_waiters()
-        workers, self.workers = self.workers, []
+        workers, self.processes = self.processes, []
         self._version += 1
         try:
             for w in workers:
@@ -643,7 +643,7 @@ class WorkerPool:
         waiter = self._waiter
         if waiter is None or waiter == threading.get_ident():
             return
-        for w in self.workers:
+        for w in self.processes:
             w.interrupt()
         deadline = Deadline(10.0)
         while self._waiter == waiter and not deadline.passed():

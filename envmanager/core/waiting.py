@@ -32,7 +32,7 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     while not done():  # (what has already come is taken by the first wait, which returns at once then)
         if can_finish is None or not can_finish():
             waiting = late()
-            workers = pool.workers
+            workers = pool.processes
             if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):
                 if enough():
                     return
@@ -49,7 +49,7 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
 
 def nothing_can_finish(pool: WorkerPool, process_of: list[int], slots: list[int], what: str) -> EnvManagerError:
     """The error for a wait that nothing in flight can end: a failed process's own error."""
-    workers = pool.workers
+    workers = pool.processes
     candidates = [workers[process_of[s]] for s in slots] or workers
     failure = next((w.failure for w in candidates if w.failure is not None), None)
     if failure is not None:

@@ -50,7 +50,7 @@ from envmanager.mlagents.env_manager import MLAgentsEnvManager
 from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError, RayPlayerRestartLimitError
 from envmanager.mlagents.ray_player_nodes import PlayerNodeState, live_ray_nodes
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
-from envmanager.ray.session import RaySession
+from envmanager.ray.session import RaySession, first_ready
 
 with requires_extra("ray", __name__):
     import ray
@@ -248,16 +248,13 @@ class RayPlayerPool:
                     if len(out) >= min_count:
                         return out
                     raise EnvManagerError("no step in flight on any Ray node: nothing to wait for")
-                flying = [node.index for node in pending.values()]
-                timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest(flying)
+                heads = {node.index: ref for ref, node in pending.items()}
+                timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest(list(heads))
                 try:
-                    done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-                    if done:  # take whatever else is in too, without waiting
-                        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                    done, late = first_ready(heads, list(pending), self.supervisor, timeout)
                 except Exception as exc:
                     self._session.reraise(exc, "waiting for the nodes' steps")
-                hung = [self.nodes[i] for i in self.supervisor.overdue(flying)  # judged now, before any replacement
-                        if self.nodes[i].pending not in done]
+                hung = [self.nodes[i] for i in late]
                 error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]

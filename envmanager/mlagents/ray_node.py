@@ -105,7 +105,7 @@ class PlayerNode:
             node_id: str | None = ray.get_runtime_context().get_node_id()
         except Exception:  # pragma: no cover - outside Ray
             node_id = None
-        workers = [w.pid for w in self.core.workers]
+        workers = [w.pid for w in self.core.processes]
         processes = [(pid, process_start_time(pid)) for pid in workers]
         processes += [p for p in self.players.current.values() if p]
         return {"ray_node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), "ids": self.ids,

@@ -20,7 +20,7 @@ from envmanager.extras import requires_extra
 from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import WorkerEnvFactory
-from envmanager.ray.session import RAISED, RaySession, node_failure
+from envmanager.ray.session import RAISED, RaySession, kill_actor, node_failure
 
 with requires_extra("ray", __name__):
     import ray
@@ -153,10 +153,6 @@ class PlayerNodeState:
         return self.sent.pop(worker_id, None)
 
     def kill(self) -> None:
-        if self.actor is not None:
-            try:
-                ray.kill(self.actor, no_restart=True)
-            except Exception as exc:  # gone already
-                logger.debug("killing %s: %r", self.name(), exc)
+        kill_actor(self.actor, self.name())
         self.actor = None
         self.pending = None

@@ -27,7 +27,17 @@ from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, ManagerClosedError, NodeError, NodeRestartLimitError
 from envmanager.extras import requires_extra
 from envmanager.ray.node import NodeFailure, SamplerNode
-from envmanager.ray.session import DIED, LOST, RAISED, TIMED_OUT, RaySession, RaySessionError, node_failure
+from envmanager.ray.session import (
+    DIED,
+    LOST,
+    RAISED,
+    TIMED_OUT,
+    RaySession,
+    RaySessionError,
+    first_ready,
+    kill_actor,
+    node_failure,
+)
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
@@ -86,15 +96,18 @@ class NodeFault:
 
 @dataclasses.dataclass
 class Node:
-    """The driver's record of one node."""
+    """The driver's record of one node, changed only through its own methods: its actor, what
+    it said of itself once started (``info``), its requests in flight in submission order (Ray
+    runs them so), the updates sent to this actor (a request waits on the node until it has
+    them all)."""
 
     index: int
     offset: int
     n_envs: int
     actor: Any = None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    queue: list[Request] = dataclasses.field(default_factory=list)  # in submission order (Ray runs them so)
-    updates_sent: int = 0  # to this actor: a request waits on the node until it has them all
+    queue: list[Request] = dataclasses.field(default_factory=list)
+    updates_sent: int = 0
 
     def name(self) -> str:
         where = f", host {self.info['host']}, pid {self.info['pid']}" if self.info else ""
@@ -104,6 +117,33 @@ class Node:
     def slots(self) -> list[int]:
         """Its global slots."""
         return list(range(self.offset, self.offset + self.n_envs))
+
+    def started(self, actor: Any) -> None:
+        """A new actor: nothing asked of it yet, nothing it said of itself."""
+        self.actor, self.info, self.queue, self.updates_sent = actor, {}, [], 0
+
+    def answered_info(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+    def asked(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def answered(self) -> None:
+        """Its oldest request answered (or answered with its error)."""
+        self.queue.pop(0)
+
+    def update_sent(self) -> None:
+        self.updates_sent += 1
+
+    def kill(self) -> list[Request]:
+        """Its actor killed for good: the requests that die with it."""
+        kill_actor(self.actor, f"ray sampler: {self.name()}")
+        return self.forget()
+
+    def forget(self) -> list[Request]:
+        """Its actor forgotten (killed, or gone with the session): the requests that die with it."""
+        lost, self.actor, self.queue = self.queue, None, []
+        return lost
 
 
 class NodePool:
@@ -159,14 +199,11 @@ class NodePool:
         self.check_usable()  # a restart after the session went would start a new one
         try:
             # @ray.remote made the class an actor class with .options; the stubs keep the plain class
-            node.actor = _NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
+            node.started(_NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
                 node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
-                generation)
+                generation))
         except Exception as exc:
             self.ray_failed(exc, f"starting {node.name()}")
-        node.info = {}
-        node.queue = []
-        node.updates_sent = 0
 
     def _await_started(self, nodes: list[Node]) -> None:
         """Each node answers ``info`` within ``start_timeout`` (an actor whose resources cannot be
@@ -180,7 +217,7 @@ class NodePool:
         for node, ref in zip(nodes, refs, strict=True):
             error = None
             try:
-                node.info = ray.get(ref, timeout=deadline.left())
+                node.answered_info(ray.get(ref, timeout=deadline.left()))
             except Exception as exc:
                 failure = node_failure(exc)
                 if failure is None:  # the session went meanwhile
@@ -214,27 +251,17 @@ class NodePool:
                                                               serves))
         if isinstance(decision, GiveUp):
             if decision.given_up:
-                self._kill(node)
-                node.queue = []
+                node.kill()
             raise decision.error
-        lost = node.queue
-        self._kill(node)
+        lost = node.kill()
         self._start(node)  # told its new generation
         try:
             self._await_started([node])
         except RayNodeError as exc:
             self.supervisor.give_up(node.index, exc)
-            self._kill(node)
+            node.kill()
             raise
         return lost
-
-    def _kill(self, node: Node) -> None:
-        if node.actor is not None:
-            try:
-                ray.kill(node.actor, no_restart=True)
-            except Exception as exc:  # already gone
-                logger.debug("ray sampler: killing %s: %r", node.name(), exc)
-            node.actor = None
 
     def ray_failed(self, error: Exception, doing: str) -> NoReturn:
         """A driver-side Ray call raised ``error``: the package's error (``RaySession.reraise``)."""
@@ -256,7 +283,7 @@ class NodePool:
             self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
         if not node.queue:  # (else an earlier request's clock runs)
             self.supervisor.start_clock(node.index)
-        node.queue.append(request)
+        node.asked(request)
         return request
 
     def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None) -> None:
@@ -266,7 +293,7 @@ class NodePool:
             ref = node.actor.update.remote(version, weights, env_updates)
         except Exception as exc:
             self.ray_failed(exc, f"sending an update to {node.name()}")
-        node.updates_sent += 1
+        node.update_sent()
         self._updates.append(ref)
 
     def check_usable(self, node: Node | None = None) -> None:
@@ -302,19 +329,13 @@ class NodePool:
             pending = [r.ref for node in self.nodes for r in node.queue]
             if not pending:
                 return []
-            heads = [node.queue[0].ref for node in self.nodes if node.queue]  # only they can be booked first
-            busy = [node.index for node in self.nodes if node.queue]
-            soonest = self.supervisor.soonest(busy)
+            heads = {node.index: node.queue[0].ref for node in self.nodes if node.queue}  # only they can be booked first
             try:
-                ready, _ = ray.wait(heads, num_returns=1, timeout=soonest)
-                if ready:  # drain whatever else is done too, without waiting
-                    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+                ready, late = first_ready(heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
             except Exception as exc:
                 self.ray_failed(exc, "waiting for the nodes' answers")
-            done = set(ready)  # hung is judged now, before any restart (which may take up to start_timeout)
-            late = [self.nodes[i] for i in self.supervisor.overdue(busy)]
-            self._faults += [self._fault(node, f"missed its {self.timeout:g} s deadline (hung)", hung=True)
-                             for node in late if node.queue and node.queue[0].ref not in done]
+            self._faults += [self._fault(self.nodes[i], f"missed its {self.timeout:g} s deadline (hung)", hung=True)
+                             for i in late]
             self._take(ready, out)
         if out:
             return out
@@ -356,7 +377,7 @@ class NodePool:
                                                     request=request, error=failure.error, remote_traceback=str(exc),
                                                     serves=failure.serves))
                     answer = None
-                node.queue.pop(0)
+                node.answered()
                 if node.queue:  # the next request's clock starts now
                     self.supervisor.start_clock(node.index)
                 if answer is not None:
@@ -404,7 +425,7 @@ class NodePool:
                 self._end_nodes()
         finally:
             for node in self.nodes:
-                node.actor, node.queue = None, []
+                node.forget()
             self._updates, self._faults = [], []
             if self.session is not None:
                 self.session.leave()
@@ -423,4 +444,4 @@ class NodePool:
         except Exception as exc:  # the actors are killed all the same
             logger.warning("ray sampler: closing the nodes: %r", exc)
         for node in live:
-            self._kill(node)
+            node.kill()

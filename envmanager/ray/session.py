@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 import psutil
 
+from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError
 from envmanager.extras import requires_extra
 
@@ -37,7 +38,8 @@ with requires_extra("ray", "envmanager.ray"):
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RAISED", "TIMED_OUT", "DIED", "LOST", "RaySession", "RaySessionError", "node_failure"]
+__all__ = ["RAISED", "TIMED_OUT", "DIED", "LOST", "RaySession", "RaySessionError", "first_ready", "kill_actor",
+           "node_failure"]
 
 #: What an exception of ``ray.get`` says of the actor whose answer was asked (``node_failure``):
 #: it answered with its own error; it did not answer in time; it, or the node holding its
@@ -65,6 +67,28 @@ def node_failure(error: BaseException) -> str | None:
     if isinstance(error, RayError):
         return LOST
     return None
+
+
+def first_ready(heads: Mapping[int, Any], refs: list[Any], supervisor: Supervisor,
+                timeout: float) -> tuple[list[Any], list[int]]:
+    """The one first-ready wait of every node pool: wait until one of ``heads`` (each busy
+    node's oldest request, by node index) is done or ``timeout`` passes, then take every ref of
+    ``refs`` done by then without waiting. Returns those and the nodes past their deadline
+    whose head is not done (hung: judged now, before any restart). Ray's exceptions pass."""
+    ready, _ = ray.wait(list(heads.values()), num_returns=1, timeout=timeout)
+    if ready:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    done = set(ready)
+    return ready, [i for i in supervisor.overdue(list(heads)) if heads[i] not in done]
+
+
+def kill_actor(actor: Any, name: str) -> None:
+    """Kill a node's actor for good (``ray.kill``, never restarted); one already gone is fine."""
+    if actor is not None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # gone already
+            logger.debug("killing %s: %r", name, exc)
 
 
 class RaySessionError(EnvManagerError):

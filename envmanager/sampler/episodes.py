@@ -1,4 +1,4 @@
-"""Collection plans: which episodes a sampler call admits, and when it is done.
+"""Collection goals: which episodes a sampler call admits, and when it is done.
 
 The rule that keeps exact-episode sampling unbiased: whether an episode counts is decided when
 it **starts** (by a quota per env slot), never by when it ends. Every admitted episode runs to
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from envmanager.sampler.batches import Step
 
-__all__ = ["Plan", "EpisodeQuotas", "SampleCount", "StepCount", "spread"]
+__all__ = ["Goal", "EpisodeQuotas", "SampleCount", "StepCount", "spread"]
 
 
 def spread(n: int, n_workers: int) -> list[int]:
@@ -22,7 +22,7 @@ def spread(n: int, n_workers: int) -> list[int]:
     return [n // n_workers + (1 if i < n % n_workers else 0) for i in range(n_workers)]
 
 
-class Plan:
+class Goal:
     """What one collection call wants. The sampler asks ``admit`` when a slot could start an
     episode, ``step_budget`` before it sends steps, and reports every recorded episode's end.
     What runs now is in the sampler's records, not here."""
@@ -56,7 +56,7 @@ class Plan:
         raise NotImplementedError
 
 
-class EpisodeQuotas(Plan):
+class EpisodeQuotas(Goal):
     """Exactly ``quotas[slot]`` episodes per slot, each started during this call."""
 
     def __init__(self, quotas: Sequence[int]) -> None:
@@ -84,7 +84,7 @@ class EpisodeQuotas(Plan):
         return sum(len(e) for e in self.episodes), sum(self.quotas), "episodes"
 
 
-class SampleCount(Plan):
+class SampleCount(Goal):
     """garage's ``obtain_samples``: whole episodes until at least ``num_samples`` steps. An
     episode is admitted while finished plus running admitted steps (``running()``: read from the
     sampler's records) stay below the target."""
@@ -114,7 +114,7 @@ class SampleCount(Plan):
         return min(self.steps, self.num_samples), self.num_samples, "steps"
 
 
-class StepCount(Plan):
+class StepCount(Goal):
     """Exactly ``n`` transitions; episodes still running at the end continue in the next call."""
 
     record_partial = True

@@ -27,7 +27,7 @@ from envmanager.core.supervisor import GiveUp
 from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
-from envmanager.sampler.episodes import EpisodeQuotas, Plan, SampleCount, StepCount, spread
+from envmanager.sampler.episodes import EpisodeQuotas, Goal, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
 from envmanager.sampler.stats import Stats
@@ -175,10 +175,10 @@ class Sampler:
         next ``obtain_steps`` (same episode ids)."""
         positive("n", n)
         self.update(agent_update, env_update)
-        plan = self._collect(StepCount(self.n_workers, n))
+        goal = self._collect(StepCount(self.n_workers, n))
         steps: list[Step] = []
         for slot in range(self.n_workers):
-            for episode, _ in plan.episodes[slot]:
+            for episode, _ in goal.episodes[slot]:
                 steps += episode
             steps += self.episodes[slot].take_steps()  # the running episode's steps so far: it goes on next call
         return TransitionBatch.from_steps(steps)
@@ -201,20 +201,20 @@ class Sampler:
     # ------------------------------------------------------------------------------------------
     # The collection loop
 
-    def _collect(self, plan: Plan) -> Plan:
-        """Step until ``plan`` is done; episodes running from before are not admitted (they run
+    def _collect(self, goal: Goal) -> Goal:
+        """Step until ``goal`` is done; episodes running from before are not admitted (they run
         out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
         its own. A call that raises drops what it recorded (counted as ``dropped_steps``), and
         the episodes still running are not recorded on (so no episode's rows have a gap)."""
         raise_given_up(self.manager, self.episodes)
-        if not plan.record_partial:
+        if not goal.record_partial:
             self._apply_agent_update()
             self.episodes.stop_recording()
-        bar = self._progress_bar(plan)
+        bar = self._progress_bar(goal)
         try:
-            self._run(plan, bar)
+            self._run(goal, bar)
         except BaseException:
-            dropped = sum(len(steps) for per_slot in plan.episodes for steps, _ in per_slot)
+            dropped = sum(len(steps) for per_slot in goal.episodes for steps, _ in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
             self.episodes.stop_recording()  # running ones go on unrecorded: no episode's rows have a gap
@@ -222,10 +222,10 @@ class Sampler:
         finally:
             if bar is not None:
                 bar.close()
-        return plan
+        return goal
 
-    def _progress_bar(self, plan: Plan) -> Any:
-        _, total, unit = plan.progress()
+    def _progress_bar(self, goal: Goal) -> Any:
+        _, total, unit = goal.progress()
         if self.progress is None or total < self.progress:
             return None
         try:
@@ -235,32 +235,32 @@ class Sampler:
             return None
         return tqdm(total=total, unit=unit, desc="sampling", leave=False)
 
-    def _run(self, plan: Plan, bar: Any) -> None:
+    def _run(self, goal: Goal, bar: Any) -> None:
         m = self.manager
-        while not plan.done():
-            if plan.record_partial:
+        while not goal.done():
+            if goal.record_partial:
                 self._apply_agent_update()
-            readmitted = plan.empty_cut
-            self._start(plan)
-            self._take_resets(plan)
-            self._act(plan)
+            readmitted = goal.empty_cut
+            self._start(goal)
+            self._take_resets(goal)
+            self._act(goal)
             if not self.episodes.in_state(STARTING, STEPPING) and not m.in_flight() and not m.unreceived():
-                if plan.done():
+                if goal.done():
                     break
-                if plan.empty_cut > readmitted:  # cut before their first step: admitted again (a restart each)
+                if goal.empty_cut > readmitted:  # cut before their first step: admitted again (a restart each)
                     continue
                 raise EnvManagerError("sampler: nothing is running and the collection is not done")
-            self._receive(plan)
+            self._receive(goal)
             self.stats.maybe_log()
             if bar is not None:
-                bar.update(plan.progress()[0] - bar.n)
+                bar.update(goal.progress()[0] - bar.n)
         while self.episodes.in_state(STEPPING) or m.unreceived():  # run-outs in flight: nothing left half-sent
-            self._receive(plan)
+            self._receive(goal)
 
-    def _start(self, plan: Plan) -> None:
+    def _start(self, goal: Goal) -> None:
         """Admitted episodes start on idle slots: env updates applied, then their resets sent."""
         m, episodes = self.manager, self.episodes
-        starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and plan.admit(s)]
+        starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and goal.admit(s)]
         resets = {}
         error: EnvManagerError | None = None
         restarted: set[int] = set()  # processes a fault here restarted: their episodes are cut before they begin
@@ -268,7 +268,7 @@ class Sampler:
         for slot in starting:
             episodes.start(slot, recording=True)
             if process[slot] in restarted:
-                self._replaced(slot, None, plan)
+                self._replaced(slot, None, goal)
                 continue
             have = episodes[slot].env_version
             due = self.versions.env_updates.due(slot, have)
@@ -277,7 +277,7 @@ class Sampler:
                     m.call_on([slot], apply_updates, (due, have))
                 except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
                     try:
-                        if self._fault([slot], exc, plan):
+                        if self._fault([slot], exc, goal):
                             restarted.add(process[slot])
                     except EnvManagerError as final:
                         error = error or final
@@ -287,12 +287,12 @@ class Sampler:
         for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
             if process[slot] in restarted:
                 del resets[slot]
-                self._replaced(slot, None, plan)
+                self._replaced(slot, None, goal)
         m.send_reset(resets)  # the others start all the same: the next call takes their resets
         if error is not None:
             raise error
 
-    def _take_resets(self, plan: Plan) -> None:
+    def _take_resets(self, goal: Goal) -> None:
         """Every reset sent: the episode is ready, or cut by a restart before its first step."""
         starting = self.episodes.in_state(STARTING)
         if not starting:
@@ -307,13 +307,13 @@ class Sampler:
         assert generations is not None  # (the manager's array: every batch it hands out has it)
         for slot in batch.slots.tolist():
             if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                self._replaced(slot, int(generations[slot]), plan)  # its env was replaced during the reset
+                self._replaced(slot, int(generations[slot]), goal)  # its env was replaced during the reset
             else:
                 self.episodes[slot].ready(self._read_observation(slot))
 
-    def _act(self, plan: Plan) -> None:
+    def _act(self, goal: Goal) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
-        the plan's budget); the actions recorded are the ones the envs get."""
+        the goal's budget); the actions recorded are the ones the envs get."""
         episodes = self.episodes
         ready = episodes.in_state(READY)
         if not ready:
@@ -322,7 +322,7 @@ class Sampler:
         ready = [s for s in ready if s in idle]
         running_out = [s for s in ready if not episodes[s].recording]
         recording = [s for s in ready if episodes[s].recording]
-        budget = plan.step_budget(sum(1 for s in episodes.in_state(STEPPING) if episodes[s].recording))
+        budget = goal.step_budget(sum(1 for s in episodes.in_state(STEPPING) if episodes[s].recording))
         slots = sorted(running_out + (recording if budget is None else recording[: max(budget, 0)]))
         if not slots:
             return
@@ -342,7 +342,7 @@ class Sampler:
         for i, slot in enumerate(slots):
             episodes[slot].step_sent((observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
 
-    def _receive(self, plan: Plan) -> None:
+    def _receive(self, goal: Goal) -> None:
         m = self.manager
         try:
             with self.stats.timer("wait"):
@@ -354,7 +354,7 @@ class Sampler:
         assert generations is not None
         for slot in batch.slots.tolist():
             if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                self._replaced(slot, int(generations[slot]), plan)  # a fresh env: the episode was cut; kept, flagged
+                self._replaced(slot, int(generations[slot]), goal)  # a fresh env: the episode was cut; kept, flagged
                 continue
             record = self.episodes[slot]
             if record.state is not STEPPING or record.sent is None:
@@ -368,38 +368,38 @@ class Sampler:
                     observation, action, r.reward[slot].item(), terminated, truncated, next_obs, slot,  # (shape (1,) too)
                     record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
                 ))
-                plan.recorded_step(slot)
+                goal.recorded_step(slot)
             else:
                 self.stats.count("discarded_steps")
             if terminated or truncated:
-                self._book(slot, self.episodes.close(slot, Outcome.ENDED), plan)
+                self._book(slot, self.episodes.close(slot, Outcome.ENDED), goal)
             else:
                 record.ready(next_obs)
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record
 
-    def _book(self, slot: int, closed: Closed, plan: Plan) -> None:
-        """An episode the record closed, booked in the plan if this call admitted it."""
+    def _book(self, slot: int, closed: Closed, goal: Goal) -> None:
+        """An episode the record closed, booked in the goal if this call admitted it."""
         if closed.recording and closed.episode_id >= 0 and closed.outcome is not Outcome.FAILED:
-            plan.finished(slot, closed.steps, closed.outcome is Outcome.CUT)
+            goal.finished(slot, closed.steps, closed.outcome is Outcome.CUT)
             if closed.outcome is Outcome.ENDED:
                 self.stats.count("episodes")
 
-    def _replaced(self, slot: int, generation: int | None, plan: Plan) -> None:
+    def _replaced(self, slot: int, generation: int | None, goal: Goal) -> None:
         """The slot's env is of another ``generation`` than its record (an answer carried it;
         ``None``: the supervisor restarted its process, and its fresh reset will carry it): its
         episode is cut."""
         m = self.manager
         cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
         if cut is not None:
-            self._book(slot, cut, plan)
+            self._book(slot, cut, goal)
             restarts = m.restarts  # process restarts and envs rebuilt in place: each once
             if restarts > self._restarts_seen:
                 self.stats.count("worker_restarts", restarts - self._restarts_seen)
                 self._restarts_seen = restarts
 
-    def _fault(self, slots: list[int], error: EnvManagerError, plan: Plan) -> bool:
+    def _fault(self, slots: list[int], error: EnvManagerError, goal: Goal) -> bool:
         """``error`` came from a call on ``slots`` (an env update): the supervisor decides (or
         decided already, if the process failed while the call was in flight). Absorbed by a
         restart (the episodes cut; returns ``True``), or raised (the episodes failed)."""
@@ -408,7 +408,7 @@ class Sampler:
             if isinstance(decision, GiveUp):
                 self.episodes.close(s, Outcome.FAILED)
             else:
-                self._replaced(s, None, plan)
+                self._replaced(s, None, goal)
         if isinstance(decision, GiveUp):
             raise decision.error
         return True
@@ -423,9 +423,9 @@ class Sampler:
         m = self.manager
         return m.observation_list[slot] if m.observation_list is not None else shm.read(m.results.observation, slot)
 
-    def _episodes(self, plan: Plan) -> EpisodeBatch:
-        episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in plan.episodes for steps, cut in per_slot if steps]
-        empty_cut = plan.empty_cut + sum(1 for per_slot in plan.episodes for steps, cut in per_slot if not steps)
+    def _episodes(self, goal: Goal) -> EpisodeBatch:
+        episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in goal.episodes for steps, cut in per_slot if steps]
+        empty_cut = goal.empty_cut + sum(1 for per_slot in goal.episodes for steps, cut in per_slot if not steps)
         if empty_cut:  # cut before their first step: nothing to hand out, but counted
             self.stats.count("empty_cut_episodes", empty_cut)
             logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step", empty_cut)

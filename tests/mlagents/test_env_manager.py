@@ -346,7 +346,7 @@ def test_player_left_by_a_worker_killed_before_a_reset_is_killed_by_the_reset(fa
         manager.reset()
         orphan = manager.player_pids[1]
         steps_until(manager, lambda got: len(by_worker(got, 1)) >= 2 and 1 in manager.manager.waiting_worker_ids)
-        os.kill(manager.manager.workers[1].pid, signal.SIGKILL)
+        os.kill(manager.manager.processes[1].pid, signal.SIGKILL)
         assert manager.reset() == 2
         assert manager.restart_counts == [0, 1] and manager.player_pids[1] != orphan
         assert process_gone(orphan, timeout=5)  # by the reset, not at close
@@ -368,7 +368,7 @@ def test_a_worker_dying_during_a_settings_change_is_restarted_with_it(fake_playe
         manager.set_policy(B, TargetPolicy(3))
         manager.reset(config={"gravity": 1.0})
         steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
-        worker = manager.manager.workers[1]
+        worker = manager.manager.processes[1]
         os.kill(worker.pid, signal.SIGSTOP)
         raised = []
 

@@ -67,7 +67,7 @@ class MLAgentsSchedule:
 
     def note_pids(self) -> None:
         self.pids |= {pid for pid in self.m.player_pids.values() if pid is not None}
-        self.pids |= {w.pid for w in self.m.manager.workers if w.pid is not None}
+        self.pids |= {w.pid for w in self.m.manager.processes if w.pid is not None}
 
     def bound(self) -> float:
         return TIMEOUT * (1 + len(self.frozen)) + MARGIN
@@ -124,7 +124,7 @@ class MLAgentsSchedule:
         self.faulted.add(w)
 
     def kill_worker(self, w: int) -> None:
-        pid = self.m.manager.worker_of(w).pid
+        pid = self.m.manager.process_of(w).pid
         assert pid is not None
         self.pids.add(pid)
         kill(pid)

@@ -97,8 +97,8 @@ def test_a_player_restarted_while_the_driver_holds_it_idle_gets_no_stale_actions
         while len(got) < 2:
             got += answered(node.step({}))
         old_player = node.players.pids[1]
-        os.kill(node.core.workers[1].pid, signal.SIGKILL)
-        assert not alive([node.core.workers[1].pid], timeout=10)
+        os.kill(node.core.processes[1].pid, signal.SIGKILL)
+        assert not alive([node.core.processes[1].pid], timeout=10)
         answered(node.call_on([0], "behavior_specs"))  # notices the death: worker 1 restarts (a slow reset)
         seen = answered(node.step({0: act(2.0), 1: act(777.0)}))  # 777: chosen for 1's old env
         deadline = time.monotonic() + 30

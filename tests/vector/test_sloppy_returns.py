@@ -532,7 +532,7 @@ def test_a_restarted_process_keeps_the_shapes(closing) -> None:
     m.call("load", slow)
     m.send_batch([0, 1], actions)
     assert m.receive_batch(1).slots.tolist() == [0]
-    os.kill(m.workers[1].pid, signal.SIGKILL)
+    os.kill(m.processes[1].pid, signal.SIGKILL)
     cut = m.receive_batch(1)  # the restart's fresh reset
     assert cut.slots.tolist() == [1] and cut.interrupted == {1} and m.restart_count(1) == 1
     m.call_on([1], "load", (plain_table(2, [[np.array([5.0])]] * 2),))
