@@ -40,7 +40,7 @@ from envmanager.mlagents.worker_env import WorkerEnvFactory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlobalIds", "PlayerNode", "Answer"]
+__all__ = ["GlobalIdsFactory", "PlayerNode", "Answer"]
 
 ReplayCall = tuple[str, tuple, dict]
 T = TypeVar("T")
@@ -48,7 +48,7 @@ T = TypeVar("T")
 Answer = tuple[T | None, BaseException | None]
 
 
-class GlobalIds:
+class GlobalIdsFactory:
     """``factory(local slot)`` -> ``worker_factory(global worker id)``: picklable."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int]) -> None:
@@ -79,7 +79,7 @@ class PlayerNode:
             _kill_left_behind(left_behind[1])
         try:
             # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
-            self.core = SubprocessEnvManager(GlobalIds(worker_factory, self.ids), len(self.ids), shared_memory=False,
+            self.core = SubprocessEnvManager(GlobalIdsFactory(worker_factory, self.ids), len(self.ids), shared_memory=False,
                                              **{"context": "forkserver", **options})
             self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"), strict=True)))
             self.core.set_replay_calls(list(replay_calls))

@@ -55,7 +55,7 @@ class NodeFailure(EnvManagerError):
         return (type(self), (self.error, self.serves))
 
 
-class GlobalIds:
+class GlobalIdsPolicy:
     """A policy as seen by a node's sampler: it gets global slot ids, and stays the user's object."""
 
     def __init__(self, policy: Any, offset: int) -> None:
@@ -91,7 +91,7 @@ class SamplerNode:
         self.offset = offset
         self.generation = generation
         options = {"context": "forkserver", **sampler_options}  # never fork a Ray worker: it runs threads
-        self.sampler = Sampler(functools.partial(_global_env, env_factory, offset), n_envs, GlobalIds(policy, offset),
+        self.sampler = Sampler(functools.partial(_global_env, env_factory, offset), n_envs, GlobalIdsPolicy(policy, offset),
                                seed=seeds, episode_ids=EpisodeIds(offset, n_slots, started), **options)
         self._reported: dict[str, int] = {}
         self._cut_reported = 0  # episodes cut by this node's sampler, told the driver so far

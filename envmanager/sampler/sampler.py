@@ -100,7 +100,7 @@ class Sampler:
         answered = self.manager.answered_generations
         for slot in range(n):  # the envs as their latest answers say (a process restarted at start-up, a manager used before)
             self.episodes.replaced(slot, int(answered[slot]))
-        self._restarts_seen = self.manager.restarts  # for ``worker_restarts``: the supervisor's one count
+        self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count, noted
         self.policy = policy
         self.progress = progress
         self.versions = Versions(n)  # the env update log and the newest policy (update() may come from a learner thread)
@@ -390,14 +390,11 @@ class Sampler:
         """The slot's env is of another ``generation`` than its record (an answer carried it;
         ``None``: the supervisor restarted its process, and its fresh reset will carry it): its
         episode is cut."""
-        m = self.manager
         cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
         if cut is not None:
             self._book(slot, cut, goal)
-            restarts = m.restarts  # process restarts and envs rebuilt in place: each once
-            if restarts > self._restarts_seen:
-                self.stats.count("worker_restarts", restarts - self._restarts_seen)
-                self._restarts_seen = restarts
+            # process restarts and envs rebuilt in place: each once
+            self.stats.count_total("worker_restarts", self.manager.restarts)
 
     def _fault(self, slots: list[int], error: EnvManagerError, goal: Goal) -> bool:
         """``error`` came from a call on ``slots`` (an env update): the supervisor decides (or

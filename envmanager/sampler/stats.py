@@ -35,6 +35,7 @@ class Stats:
         self._timers: dict[str, list[float]] = {}  # name -> [total s, count, last s]
         self._gauges: dict[str, collections.deque[tuple[float, float]]] = {}
         self._lags: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=100)
+        self._totals: dict[str, int] = {}  # name -> a running total kept elsewhere, as last seen (``count_total``)
 
     # ------------------------------------------------------------------------------------------
     # Recording
@@ -48,6 +49,14 @@ class Stats:
             events.append((now, n))
             while events and events[0][0] < now - WINDOWS[-1]:
                 events.popleft()
+
+    def count_total(self, name: str, total: int) -> None:
+        """Count what a running total kept elsewhere (the supervisor's restarts) grew by since
+        the last call; the first call only notes it."""
+        seen = self._totals.setdefault(name, total)
+        if total > seen:
+            self._totals[name] = total
+            self.count(name, total - seen)
 
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:

@@ -100,7 +100,7 @@ class WorkerPolicySampler:
         except BaseException:
             self._free_arena()
             raise
-        self._restarts_seen = self.manager.restarts  # for ``worker_restarts``: the supervisor's one count
+        self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count, noted
         try:  # the workers run: any failure from here on must reap them
             self._setup(n, int(fragment_bytes))
         except BaseException:
@@ -442,9 +442,7 @@ class WorkerPolicySampler:
         """The envs of ``slots`` are of ``generations`` (an answer or a decision says so; ``None``:
         a restart's, whose fresh reset brings it): the episodes of replaced ones are cut."""
         if [s for s, g in zip(slots, generations, strict=True) if self.episodes.replaced(s, g) is not None]:
-            restarts = self.manager.restarts  # the supervisor's one count, as the Sampler reads it
-            self.stats.count("worker_restarts", restarts - self._restarts_seen)
-            self._restarts_seen = restarts
+            self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count
 
     def _count_empty(self, empty: dict[int, int], absorbed: bool) -> None:
         for s, k in empty.items():
