@@ -1,6 +1,9 @@
 """The Unity player processes of the ML-Agents backend: shutting a ``UnityEnvironment`` down for
 good (player reaped, gRPC and pipes released), and recognising and killing a player a killed worker
-left behind (:class:`PlayerProcesses`, kept by the trainer's side and by each Ray node)."""
+left behind (:class:`PlayerProcesses`, kept by the trainer's side and by each Ray node; and
+:func:`kill_orphan_players`, for a worker killed while it launched its player, before it could
+report it: the player would otherwise connect to the next worker on its port beside that
+worker's own, and the two players' answers would mix)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,18 @@ import atexit
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PlayerIdentity", "PlayerProcesses", "shutdown_env", "player_identity", "kill_stale_player",
-           "process_start_time"]
+           "kill_orphan_players", "process_start_time"]
+
+#: The command-line flag that tells a Unity player its trainer's port (``UnityEnvironment``'s).
+PORT_FLAG = "--mlagents-port"
 
 #: ``(pid, start time)`` of a launched player, to recognise it later without mistaking a reused pid.
 PlayerIdentity = tuple[int, float | None]
@@ -129,6 +137,44 @@ def player_identity(env: Any) -> PlayerIdentity | None:
     if not isinstance(pid, int):
         return None
     return (pid, process_start_time(pid))
+
+
+def kill_orphan_players(port: int, wait_s: float = 5.0) -> list[int]:
+    """Kill the players a killed worker left behind for ``port`` (their command lines name
+    ``--mlagents-port <port>``), before a new player is launched there; their pids. Only while
+    nothing listens on the port: a live trainer's player is never touched (its trainer holds
+    the port, and ``UnityEnvironment`` raises that it is in use)."""
+    import psutil
+
+    if not _port_free(port):
+        return []
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if process.info["pid"] != os.getpid() and any(
+                arg == PORT_FLAG and cmdline[i + 1 : i + 2] == [str(port)] for i, arg in enumerate(cmdline)):
+            try:
+                process.kill()
+                found.append(process)
+            except psutil.Error:  # gone meanwhile, or not ours
+                continue
+    if found:
+        psutil.wait_procs(found, timeout=wait_s)
+        logger.warning("killed player process(es) %s left behind for port %d by a worker killed while it launched "
+                       "them", [p.pid for p in found], port)
+    return [p.pid for p in found]
+
+
+def _port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on localhost, as ``mlagents_envs``' ``check_port`` binds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if sys.platform.startswith("linux"):  # a port closed lately stays in TIME_WAIT without it
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
 
 
 def kill_stale_player(identity: PlayerIdentity | None) -> bool:

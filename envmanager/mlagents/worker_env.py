@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envmanager.errors import EnvManagerError
-from envmanager.mlagents.player_process import PlayerIdentity, player_identity, shutdown_env
+from envmanager.mlagents.player_process import PlayerIdentity, kill_orphan_players, player_identity, shutdown_env
 from envmanager.mlagents.settings import apply_env_parameter, normalize_engine_config, normalize_env_parameters
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ class UnityEnvironmentFactory:
         }
         if self.num_areas != 1:
             kwargs["num_areas"] = self.num_areas
+        if self.file_name is not None:  # a build this launches (never the Editor): none left behind for its port
+            base_port = UnityEnvironment.BASE_ENVIRONMENT_PORT if self.base_port is None else self.base_port
+            kill_orphan_players(base_port + kwargs["worker_id"])
         return UnityEnvironment(**kwargs)
 
 

@@ -10,6 +10,8 @@ player was still starting (its first episode must run with the new settings).
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import time
 
 import pytest
@@ -165,3 +167,33 @@ def test_a_change_while_a_player_restarts_reaches_its_first_episode(fake_player,
     resets = [r for r in inputs[:first_step] if r["command"] == "RESET"]
     gravity = [r["env_params"]["gravity"]["sampled"] for r in resets if "gravity" in r.get("env_params", {})]
     assert resets and gravity and gravity[-1] == 7.0, inputs[:first_step]  # its first episode: the new value
+
+
+@pytest.mark.timeout(120)
+def test_a_player_left_behind_by_a_worker_killed_while_it_started_is_killed(fake_player, tmp_path):
+    """A worker killed while its player starts (inside ``env_factory``, before a reset reported
+    the player) leaves that player running, reaching for the worker's port. The next worker on
+    that port kills it before it launches its own; else both players would talk to it and their
+    answers mix (a fault schedule, seed 54000, saw a step whose player had not got its actions).
+    The player left behind is stood in for by one started by hand for worker 0's port."""
+    config = {"behaviors": [{"agents": AGENTS, "continuous": 1, "discrete": [], "observation_shapes": [[1], [1]],
+                             "echo_actions": True, "episode_length": 0}]}
+    path = fake_player(config)
+    base_port = free_base_port(1)
+    left = subprocess.Popen([path, "--mlagents-port", str(base_port)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        manager = MLAgentsEnvManager(UnityEnvironmentFactory(path, base_port=base_port, timeout_wait=10), 1, timeout=30)
+        try:
+            assert left.wait(timeout=10) == -signal.SIGKILL  # killed before worker 0 launched its own
+            manager.set_policy(B, UniquePolicy())
+            manager.reset()
+            check = Checker()
+            run_until(manager, check, lambda: check.checked.get(0, 0) >= 10)
+            assert manager.player_pids[0] not in (None, left.pid)
+        finally:
+            manager.close()
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
