@@ -205,6 +205,7 @@ class SB3Schedule(DropInSchedule):
                 obs = self.v.reset()
         except EnvManagerError as error:
             self.check_error(error)
+            self.must_reset = True  # as after a failed step: its envs are reset again before they step
             return
         self.check_reset(obs)
         self.must_reset = False
