@@ -73,8 +73,10 @@ def test_a_worker_killed_from_outside_mid_episode(tmp_path):
         vec.reset(seed=0)
         actions = np.zeros(2 * vec.num_agents, np.int64)
         vec.step(actions)
+        pid = vec.manager.process_of(1).pid
+        os.kill(pid, signal.SIGSTOP)  # it cannot answer the step sent next: killed with the step in flight
         vec.send(actions)
-        os.kill(vec.manager.process_of(1).pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         got = vec.recv(2, sort=True)
         assert got.env_ids.tolist() == [0, 1]
         assert got.restarted.tolist() == [False, True] and got.episode_start.tolist() == [False, True]
@@ -85,8 +87,10 @@ def test_a_worker_killed_from_outside_mid_episode(tmp_path):
         assert batch.active.all() and not batch.episode_length[: vec.num_agents].any()
     with ParallelVectorEnv([envs.kaz] * 2, timeout=10.0) as vec:
         vec.reset(seed=0)
+        pid = vec.manager.process_of(0).pid
+        os.kill(pid, signal.SIGSTOP)
         vec.send(actions)
-        os.kill(vec.manager.process_of(0).pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match="worker 0 died"):
             vec.recv(2)
 
