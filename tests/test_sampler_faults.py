@@ -212,3 +212,29 @@ def test_close_mid_call_ends_the_call(variant, tmp_path):
     assert len(raised) == 1 and isinstance(raised[0], ManagerClosedError), raised
     assert not alive(pids, timeout=5.0)
     sampler.close()  # idempotent
+
+
+def test_a_death_found_while_env_updates_are_applied_cuts_that_episode_before_it_begins(tmp_path):
+    """A process dies while idle; the collection that follows admits its slot (the death not seen
+    yet), then applies a pending env update to another slot, and that call's wait finds the death
+    and restarts the process. The slot's episode is cut before it began (admitted again), not reset
+    into a process whose fresh reset is on its way ("worker 1 is busy; it cannot be reset now",
+    fault schedule seed 57000)."""
+    import os
+    import signal
+
+    import psutil
+
+    with Sampler(FaultFactory(None, str(tmp_path / "m"), 0.0), 2, FaultPolicy(None, str(tmp_path / "m")), seed=0,
+                 context="fork", timeout=TIMEOUT, restart_workers=True) as sampler:
+        sampler.obtain_exact_episodes(2)  # both slots idle, no episode running
+        sampler.update(env_update=lambda env: None)  # due on each slot before its next episode
+        pid = sampler.manager.process_of(1).pid
+        os.kill(pid, signal.SIGKILL)
+        dead_by = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < dead_by:
+            time.sleep(0.01)  # dead, not reaped: the first wait of the next call finds it
+        batch = sampler.obtain_steps(20)
+        check_rows(batch, sampler.cut_episodes, 2)
+        assert len(batch) >= 20 and sampler.manager.restart_count(1) == 1
+        assert set(batch.worker_ids.tolist()) == {0, 1}  # slot 1 went on from its fresh env

@@ -284,8 +284,11 @@ class Sampler:
                     continue
             episodes[slot].applied(due.version)
             resets[slot] = (episodes[slot].take_seed(), None)
-        for slot in list(resets):  # a neighbour's fault restarted its process meanwhile: cut before it began
-            if process[slot] in restarted:
+        # Its process restarted meanwhile (a neighbour's fault here, or a death the updates' waits
+        # found): its fresh reset is on its way, so the episode is cut before it began.
+        idle = set(m.idle_worker_ids) if resets else set()
+        for slot in list(resets):
+            if process[slot] in restarted or slot not in idle:
                 del resets[slot]
                 self._replaced(slot, None, goal)
         m.send_reset(resets)  # the others start all the same: the next call takes their resets
