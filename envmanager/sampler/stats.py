@@ -53,10 +53,12 @@ class Stats:
     def count_total(self, name: str, total: int) -> None:
         """Count what a running total kept elsewhere (the supervisor's restarts) grew by since
         the last call; the first call only notes it."""
-        seen = self._totals.setdefault(name, total)
-        if total > seen:
-            self._totals[name] = total
-            self.count(name, total - seen)
+        with self._lock:  # (the counters are thread-safe: so is what they are counted from)
+            grew = total - self._totals.setdefault(name, total)
+            if grew > 0:
+                self._totals[name] = total
+        if grew > 0:
+            self.count(name, grew)
 
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
