@@ -237,4 +237,7 @@ def test_a_death_found_while_env_updates_are_applied_cuts_that_episode_before_it
         batch = sampler.obtain_steps(20)
         check_rows(batch, sampler.cut_episodes, 2)
         assert len(batch) >= 20 and sampler.manager.restart_count(1) == 1
-        assert set(batch.worker_ids.tolist()) == {0, 1}  # slot 1 went on from its fresh env
+        after = sampler.obtain_exact_episodes(1)  # slot 1 goes on from its fresh env (it may have
+        check_rows(after, sampler.cut_episodes, 2)  # had no row in the 20 steps: its restart runs)
+        assert set(after.worker_ids.tolist()) == {0, 1} and not after.interrupted.any()
+        check_rows(TransitionBatch.concatenate([batch, after]), sampler.cut_episodes, 2, whole=False)
