@@ -53,7 +53,7 @@ from envmanager.mlagents.trainer import (
     merge_worker_timers,
     training_started,
 )
-from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
+from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory, player_ports
 
 logger = logging.getLogger(__name__)
 
@@ -154,16 +154,22 @@ class MLAgentsEnvManager:
             "restarts_rate_limit_n": restarts_rate_limit_n,
             "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
-        with self._errors():
-            self._manager = self._start_core(
-                WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
-                n_env, core_options,
-            )
+        if type(self)._start_core is MLAgentsEnvManager._start_core:  # players launched here: their ports swept at close
+            self._players = PlayerProcesses(ports=player_ports(env_factory, range(n_env)))
+        try:
+            with self._errors():
+                self._manager = self._start_core(
+                    WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
+                    n_env, core_options,
+                )
+        except BaseException:
+            self._players.kill_all()  # a worker killed while it launched its player (the core closed the rest)
+            raise
         self._closed = False
         try:
             with self._errors():
                 self._specs = dict(enumerate(self._manager.call("behavior_specs")))
-                self._players = PlayerProcesses(dict(enumerate(self._manager.get_attr("player"))))
+                self._players.started(dict(enumerate(self._manager.get_attr("player"))))
         except BaseException:
             self.close()
             raise

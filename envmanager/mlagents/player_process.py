@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -32,9 +33,16 @@ class PlayerProcesses:
     """Each worker's current player, and the players of restarted workers (their workers were
     killed: nobody will ever talk to them again, so they are killed)."""
 
-    def __init__(self, players: dict[int, PlayerIdentity | None] | None = None) -> None:
+    def __init__(self, players: dict[int, PlayerIdentity | None] | None = None, ports: Sequence[int] = ()) -> None:
         self.current: dict[int, PlayerIdentity | None] = dict(players or {})
         self.stale: list[PlayerIdentity] = []
+        #: The ports this side's workers launch players for: swept by ``kill_all`` for a player
+        #: whose worker was killed before it could report it (``kill_orphan_players``).
+        self.ports = tuple(ports)
+
+    def started(self, players: dict[int, PlayerIdentity | None]) -> None:
+        """The workers started and reported their players."""
+        self.current = dict(players)
 
     def note(self, worker_id: int, player: PlayerIdentity | None) -> None:
         """Worker ``worker_id`` reported ``player`` (with a reset): a new one replaces the old."""
@@ -51,11 +59,14 @@ class PlayerProcesses:
         self.stale = []
 
     def kill_all(self) -> None:
-        """After the workers were closed: kill any player still running (its worker was killed)."""
+        """After the workers were closed: kill any player still running (its worker was killed),
+        those no worker reported too (killed while it launched them: found by their port)."""
         for identity in [*self.current.values(), *self.stale]:
             if identity and kill_stale_player(identity):
                 logger.warning("killed player process %d left behind by its worker", identity[0])
         self.current, self.stale = {}, []
+        if self.ports:
+            kill_orphan_players(self.ports)
 
     @property
     def pids(self) -> dict[int, int | None]:
@@ -139,20 +150,21 @@ def player_identity(env: Any) -> PlayerIdentity | None:
     return (pid, process_start_time(pid))
 
 
-def kill_orphan_players(port: int, wait_s: float = 5.0) -> list[int]:
-    """Kill the players a killed worker left behind for ``port`` (their command lines name
-    ``--mlagents-port <port>``), before a new player is launched there; their pids. Only while
-    nothing listens on the port: a live trainer's player is never touched (its trainer holds
-    the port, and ``UnityEnvironment`` raises that it is in use)."""
+def kill_orphan_players(ports: Iterable[int], wait_s: float = 5.0) -> list[int]:
+    """Kill the players killed workers left behind for ``ports`` (their command lines name
+    ``--mlagents-port <port>``): before a new player is launched on a port, and once the workers
+    are closed; their pids. Only on a port nothing listens on: a live trainer's player is never
+    touched (its trainer holds the port, and ``UnityEnvironment`` raises that it is in use)."""
     import psutil
 
-    if not _port_free(port):
+    free = {str(port) for port in ports if _port_free(port)}
+    if not free:
         return []
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
         cmdline = process.info["cmdline"] or []
         if process.info["pid"] != os.getpid() and any(
-                arg == PORT_FLAG and cmdline[i + 1 : i + 2] == [str(port)] for i, arg in enumerate(cmdline)):
+                arg == PORT_FLAG and cmdline[i + 1 : i + 2] and cmdline[i + 1] in free for i, arg in enumerate(cmdline)):
             try:
                 process.kill()
                 found.append(process)
@@ -160,8 +172,8 @@ def kill_orphan_players(port: int, wait_s: float = 5.0) -> list[int]:
                 continue
     if found:
         psutil.wait_procs(found, timeout=wait_s)
-        logger.warning("killed player process(es) %s left behind for port %d by a worker killed while it launched "
-                       "them", [p.pid for p in found], port)
+        logger.warning("killed player process(es) %s left behind for port(s) %s by workers killed while they "
+                       "launched them", [p.pid for p in found], ", ".join(sorted(free)))
     return [p.pid for p in found]
 
 

@@ -36,7 +36,7 @@ from envmanager.core.results import StepInfo, StepResult
 from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.mlagents.player_process import PlayerIdentity, PlayerProcesses, kill_stale_player, process_start_time
 from envmanager.mlagents.replay import call_replayed, reset_restarted
-from envmanager.mlagents.worker_env import WorkerEnvFactory
+from envmanager.mlagents.worker_env import WorkerEnvFactory, player_ports
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PlayerNode:
         self.local = {g: i for i, g in enumerate(self.ids)}
         self.held: list[StepInfo] = []  # results taken from the core, not handed to the driver yet
         self.core: Any = None
-        self.players = PlayerProcesses()
+        self.players = PlayerProcesses(ports=player_ports(worker_factory.env_factory, self.ids))
         self.start_error: BaseException | None = None  # what the players raised when starting
         if left_behind is not None and left_behind[0] == socket.gethostname():
             _kill_left_behind(left_behind[1])
@@ -81,7 +81,7 @@ class PlayerNode:
             # a Unity player holding gRPC state must not be forked: forkserver, as MLAgentsEnvManager
             self.core = SubprocessEnvManager(GlobalIdsFactory(worker_factory, self.ids), len(self.ids), shared_memory=False,
                                              **{"context": "forkserver", **options})
-            self.players = PlayerProcesses(dict(zip(self.ids, self.core.get_attr("player"), strict=True)))
+            self.players.started(dict(zip(self.ids, self.core.get_attr("player"), strict=True)))
             self.core.set_replay_calls(list(replay_calls))
             for name, args, kwargs in replay_calls:
                 self.core.call_on(None, name, args, kwargs)

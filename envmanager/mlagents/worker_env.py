@@ -17,7 +17,7 @@ and applied by :mod:`envmanager.mlagents.settings`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -96,10 +96,28 @@ class UnityEnvironmentFactory:
         }
         if self.num_areas != 1:
             kwargs["num_areas"] = self.num_areas
-        if self.file_name is not None:  # a build this launches (never the Editor): none left behind for its port
-            base_port = UnityEnvironment.BASE_ENVIRONMENT_PORT if self.base_port is None else self.base_port
-            kill_orphan_players(base_port + kwargs["worker_id"])
+        port = self.player_port(worker_id)
+        if port is not None:  # none left behind for its port by a worker killed while it launched it
+            kill_orphan_players([port])
         return UnityEnvironment(**kwargs)
+
+    def player_port(self, worker_id: int) -> int | None:
+        """The port worker ``worker_id``'s player is launched for; ``None`` for the Editor (not
+        launched by us)."""
+        if self.file_name is None:
+            return None
+        from mlagents_envs.environment import UnityEnvironment
+
+        base_port = UnityEnvironment.BASE_ENVIRONMENT_PORT if self.base_port is None else self.base_port
+        return base_port + self.worker_id_offset + worker_id
+
+
+def player_ports(env_factory: Any, worker_ids: Iterable[int]) -> tuple[int, ...]:
+    """The ports ``env_factory`` launches players for, for ``worker_ids`` (a
+    :class:`UnityEnvironmentFactory` launching a build; none for any other factory)."""
+    if not isinstance(env_factory, UnityEnvironmentFactory):
+        return ()
+    return tuple(p for w in worker_ids if (p := env_factory.player_port(w)) is not None)
 
 
 # ---------------------------------------------------------------------------------------------
