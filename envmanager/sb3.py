@@ -94,6 +94,7 @@ class SubprocVecEnv(VecEnv):
         **manager_kwargs: Any,
     ) -> None:
         self.waiting = False
+        self._reset_failed = False  # reset() raised: step() refused until the next reset() succeeds
         self.closed = False
         self._manager: BatchEnvManager | None = None
         for fixed in ("autoreset_mode", "context", "policy", "n_env", "env_factory"):
@@ -145,11 +146,13 @@ class SubprocVecEnv(VecEnv):
         manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
         self.waiting = False
         self._cut = {}
+        self._reset_failed = True  # until every env answered its reset
         manager.send_reset(
             # As SB3's worker: options are passed only when there are some.
             {i: (self._seeds[i], self._options[i] or None) for i in range(self.num_envs)}
         )
         batch = manager.receive_reset_batch()
+        self._reset_failed = False
         self.reset_infos = [batch.infos.get(i, {}) for i in range(self.num_envs)]
         # Seeds and options are only used once
         self._reset_seeds()
@@ -164,6 +167,8 @@ class SubprocVecEnv(VecEnv):
         if len(actions) != self.num_envs:
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
         manager = self._running()
+        if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
+            raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
         self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
         kinds = self._per_env_types
         per_slot = manager.actions.space is None or bool(kinds and isinstance(actions, kinds))

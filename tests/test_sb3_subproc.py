@@ -43,6 +43,7 @@ class ToyEnv(gym.Env):
         }[obs_kind]
         self.action_space = spaces.Discrete(3) if act_kind == "discrete" else spaces.Box(-1, 1, (2,), np.float32)
         self.tag, self.steps, self.t, self.length, self.end = "none", 0, 0, 1, 0
+        self.failed_reset = False
 
     def _obs(self):
         r = self.np_random
@@ -54,6 +55,9 @@ class ToyEnv(gym.Env):
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        if (options or {}).get("fail") and not self.failed_reset:  # once: the same reset again works
+            self.failed_reset = True
+            raise RuntimeError("toy reset failure")
         self.t = int((options or {}).get("start", 0))
         self.length, self.end = int(self.np_random.integers(1, self.max_len + 1)), int(self.np_random.integers(3))
         info = {"length": self.length}
@@ -278,6 +282,23 @@ def test_env_exception_carries_traceback_and_reset_recovers(subproc):
     assert not vec.waiting
     vec.reset()  # drops whatever the other workers delivered
     assert vec.get_attr("steps", indices=3) == [2]
+
+
+def test_a_failed_reset_is_named_when_stepping_before_the_next_reset(subproc):
+    """After reset() raised (env 3's reset), step() says in SB3's terms what to do, sends nothing,
+    and the next reset() recovers (the options stay until a reset succeeds)."""
+    vec = subproc(fns(N, max_len=100))
+    vec.reset()
+    vec.set_options([{}, {}, {}, {"fail": True}])
+    with pytest.raises(WorkerError, match="toy reset failure"):
+        vec.reset()
+    steps = vec.get_attr("steps")
+    with pytest.raises(InvalidInputError, match=r"the last reset\(\) failed .*call reset\(\) again"):
+        vec.step(np.zeros(N, dtype=np.int64))
+    assert vec.get_attr("steps") == steps and not vec.waiting  # nothing was sent
+    vec.reset()
+    vec.step(np.zeros(N, dtype=np.int64))
+    assert vec.get_attr("steps") == [k + 1 for k in steps]
 
 
 def test_restarted_worker_ends_the_episode_as_truncated(subproc):
