@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import statistics
 import threading
 import time
@@ -66,7 +65,7 @@ from envmanager.core.layout import (
     best_layout,
 )
 from envmanager.core.platforms import mailbox_enabled
-from envmanager.core.process import descendants, kill_all, start
+from envmanager.core.process import descendants, kill_all, kill_group, start
 from envmanager.errors import InvalidInputError
 from envmanager.wire.mailbox import ANSWERS, BUSY, INFO_KINDS, INFO_WORDS, REQUESTS, Mailboxes, mailbox_supported
 from envmanager.wire.shm import SharedFile
@@ -400,11 +399,7 @@ def _reap(process: Any, conn: Any, answered: bool) -> None:
         process.kill()
     process.join()
     kill_all(family)
-    if hasattr(os, "killpg"):
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # anything left in its process group
-        except (ProcessLookupError, PermissionError):
-            pass
+    kill_group(process.pid)
     process.close()
 
 

@@ -172,7 +172,7 @@ class BatchEnvManager:
                 self.results = shm.SharedBuffers.private(n_env, self.observation_space if one_layout else None, None)
             #: Observations whose space has no array layout, by slot (else ``results.observation``).
             self.observation_list: list[Any] | None = [None] * n_env if self.results.observation is None else None
-            self._state.attach(self.results, self.observation_list, self.observation_space, self._pool.mailboxes)
+            self._state.attach(self.results, self.observation_list, self._pool.mailboxes)
             self.actions = ActionChecker(self.action_space if shm.array_layout(self.action_space) is not None else None)
             self._calls = EnvCalls(self)
         except BaseException:

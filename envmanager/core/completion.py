@@ -7,7 +7,6 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from envmanager.errors import EnvManagerError, WorkerError
-from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import EnvironmentRequest, RemoteException
 
 if TYPE_CHECKING:
@@ -20,8 +19,8 @@ class Completion:
     """A finished request of one worker process.
 
     ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
-    whole. ``interrupted`` marks the reset that ends a restart: it answers ``request`` (the
-    first of the requests the failure cut short) and ``lost``, all of them. ``slots``: the slots
+    whole. ``interrupted`` marks the reset that ends a restart: it answers the requests the
+    failure cut short (``request``: the first of them). ``slots``: the slots
     the answer is for (the request's; a restart's reset: all it reset), their generations in the
     answer (``Stepped.generations``, the worker's stamp). A plain class with slots, made once per
     answer on the hot path.
@@ -31,7 +30,6 @@ class Completion:
         "answer",
         "error",
         "interrupted",
-        "lost",
         "posted_at",
         "received_at",
         "request",
@@ -42,8 +40,7 @@ class Completion:
 
     def __init__(self, worker: WorkerProcess, request: EnvironmentRequest | None, answer: Any = None,
                  error: EnvManagerError | None = None, posted_at: float = 0.0, received_at: float = 0.0,
-                 sent_at: float = 0.0, interrupted: bool = False, slots: tuple[int, ...] = (),
-                 lost: tuple[EnvironmentRequest, ...] = ()) -> None:
+                 sent_at: float = 0.0, interrupted: bool = False, slots: tuple[int, ...] = ()) -> None:
         self.worker = worker
         self.request = request
         self.answer = answer
@@ -53,7 +50,6 @@ class Completion:
         self.sent_at = sent_at
         self.interrupted = interrupted
         self.slots = slots
-        self.lost = lost
 
     def keep(self, answer: Any, slots: tuple[int, ...]) -> None:
         """Only ``slots`` delivered (the others' envs raised): ``answer`` is theirs."""
@@ -64,12 +60,7 @@ class Completion:
         requests a failure cut short (``request``: the first); ``interrupted`` unless it is a
         startup's answer."""
         self.request = lost[0] if lost else None
-        self.lost = lost
         self.interrupted = interrupted
-
-    @property
-    def cmd(self) -> Cmd | None:
-        return None if self.request is None else self.request.cmd
 
 
 def worker_error(remote: RemoteException, process: int | None = None) -> WorkerError:

@@ -43,13 +43,10 @@ benchmarks.scaling --check`` compares predictions with runs.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 __all__ = ["Costs", "Caller", "Layout", "Prediction", "predict", "candidates", "best_layout", "DEFAULT_COSTS", "BATCH",
            "STEP_INFO", "VECTOR", "VECTOR_PARTIAL", "SB3", "NO_INFOS", "BOARD_INFOS", "NOTICE_INFOS"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,8 @@ This module is the StepInfo level; the batch level it is built on (``send_batch`
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from envmanager.core.arguments import seeds_for
 from envmanager.core.batch import BatchEnvManager
@@ -27,8 +24,6 @@ from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.worker.envs import NEXT_STEP
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["SubprocessEnvManager"]
 
@@ -153,10 +148,7 @@ class SubprocessEnvManager(BatchEnvManager):
             _ = self.pool  # raises if closed
             return
         self._absorb()
-        for slot in actions:
-            if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self.n_env:
-                raise InvalidInputError(f"unknown worker id {slot!r} (n_env={self.n_env})")
-        slots = sorted(actions)  # in slot order: one cached send plan per set of slots
+        slots = sorted(self.slots(list(actions)))  # checked; in slot order: one cached send plan per set of slots
         self.send_batch(slots, [actions[s] for s in slots], per_slot=True)
         self._actions.update(actions)
 

@@ -485,21 +485,17 @@ class WorkerPool:
         """A restart or give-up of ``w`` after ``error``: every request in flight is cut short
         with it (``lost`` are already out of flight) and answered by the restart, or by the
         decision's error; a process that serves on (restarts off) reports it for ``lost`` alone."""
-        if isinstance(decision, GiveUp) and not decision.given_up:
-            requests: list[EnvironmentRequest | None] = [*lost] or [None]
-            completions += [Completion(w, r, None, decision.error) for r in requests]
-            return decision
-        lost += w.cut()
-        if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
-            lost = list(w.boot.lost)
-        if isinstance(decision, Restart):
-            self._restart(w, lost, error, decision.generations, completions)
-            return decision
-        w.fail()
+        if not (isinstance(decision, GiveUp) and not decision.given_up):  # it does not serve on
+            lost += w.cut()
+            if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
+                lost = list(w.boot.lost)
+            if isinstance(decision, Restart):
+                self._restart(w, lost, error, decision.generations, completions)
+                return decision
+            w.fail()
         assert isinstance(decision, GiveUp)
-        requests = [*lost] or [None]
-        for lost_request in requests:  # the same error for each (the slots file it once)
-            completions.append(Completion(w, lost_request, None, decision.error))
+        requests: list[EnvironmentRequest | None] = [*lost] or [None]  # the same error for each (the slots file it once)
+        completions += [Completion(w, r, None, decision.error) for r in requests]
         return decision
 
     def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
@@ -616,21 +612,11 @@ class WorkerPool:
         finally:
             for w in workers:
                 w.stop(0.0) if w.alive() else w.kill()
-            if self.buffers is not None:
-                self.buffers.close()
-                self.buffers = None
-            if self.file is not None:
-                self.file.close()
-                self.file = None
-            if self.queue is not None:
-                self.queue.close()
-                self.queue = None
-            if self.mailboxes is not None:
-                self.mailboxes.close()
-                self.mailboxes = None
-            if self.marks is not None:
-                self.marks.close()
-                self.marks = None
+            for name in ("buffers", "file", "queue", "mailboxes", "marks"):  # shared memory, pipes, mappings
+                resource = getattr(self, name)
+                if resource is not None:
+                    resource.close()
+                    setattr(self, name, None)
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import logging
 import os
 import signal
 import time
@@ -55,8 +54,6 @@ from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
 from envmanager.worker.main import WorkerSpec, worker_main
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["WorkerProcess", "ProcessState", "Boot", "descendants"]
 
@@ -356,11 +353,8 @@ class WorkerProcess:
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         kill_all(family + self._family)
-        if pid is not None and hasattr(os, "killpg"):
-            try:
-                os.killpg(pid, signal.SIGKILL)  # anything left in its process group
-            except (ProcessLookupError, PermissionError):
-                pass
+        if pid is not None:
+            kill_group(pid)
         try:
             self.conn.close()
         except OSError:
@@ -392,6 +386,15 @@ def kill_all(pids: list[int]) -> None:
         try:
             psutil.Process(pid).kill()  # SIGKILL on POSIX, TerminateProcess on Windows
         except psutil.Error:  # gone already, or not ours
+            pass
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL anything left in process ``pid``'s process group (POSIX)."""
+    if hasattr(os, "killpg"):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
 
 

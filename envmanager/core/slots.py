@@ -91,13 +91,11 @@ class SlotState:
                                                             tuple[bool, ...]]]] | None = None
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
-        self.observation_space: Any = None
 
-    def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, observation_space: Any,
-               board: Mailboxes | None) -> None:
+    def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, board: Mailboxes | None) -> None:
         """Where results that travel pickled are written (the parent's copy); ``board``: the
         mailboxes, if steps go on their step board (their answers' infos and timings stay there)."""
-        self.results, self.observation_list, self.observation_space = results, observation_list, observation_space
+        self.results, self.observation_list = results, observation_list
         if board is not None:
             self.board_timings, self.board_infos = board.timings, board.infos
 

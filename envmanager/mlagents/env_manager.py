@@ -115,7 +115,6 @@ class MLAgentsEnvManager:
         batched_inference: bool | None = None,
         gather_window: GatherWindow = NO_GATHER,
     ) -> None:
-        self._closed = True
         self.batched_inference = batched_inference
         self.gather_window = gather_window
         self._batched: dict[str, BatchedCall] = {}  # behavior_name -> its policy's batched call
@@ -124,7 +123,7 @@ class MLAgentsEnvManager:
         self.cut_agent_episodes = 0  # agents whose unfinished episode a restart cut
         self.dropped_experiences = 0  # their steps not yet in a trajectory, dropped
         self._analytics: list[bytes] = []
-        self._manager: Any = None  # the core's SubprocessEnvManager (or the Ray variant's pool)
+        self._manager: Any = None  # the core's SubprocessEnvManager (or the Ray variant's pool); None: closed
         self.policies: dict[str, Any] = {}
         self.agent_managers: dict[str, Any] = {}
         self.first_step_infos: list[EnvironmentStep] = []
@@ -135,12 +134,13 @@ class MLAgentsEnvManager:
         self._specs: dict[int, dict[str, Any]] = {}
         self._last: dict[int, StepInfo] = {}  # each worker's latest result handed to the trainer
         self._held: list[StepInfo] = []  # results taken from the workers, not handed out yet
-        self._players = PlayerProcesses()
+        local = type(self)._start_core is MLAgentsEnvManager._start_core  # (not the Ray variant: players elsewhere)
+        self._players = PlayerProcesses(player_ports(env_factory, range(n_env)) if local else ())  # swept at close
         self.player_addresses: dict[int, PlayerAddress] = {}  # worker_id -> its attached player's address
-        if gather_window.seconds > 0 and type(self)._start_core is not MLAgentsEnvManager._start_core:
+        if gather_window.seconds > 0 and not local:
             raise InvalidInputError(f"{type(self).__name__} has no gather_window (MLAgentsEnvManager's own workers only)")
         if isinstance(env_factory, AttachedUnityFactory):
-            if type(self)._start_core is not MLAgentsEnvManager._start_core:
+            if not local:
                 raise InvalidInputError(f"{type(self).__name__} runs its players elsewhere: attached players "
                                         "(AttachedUnityFactory) are served from this process; use MLAgentsEnvManager")
             check_attached(env_factory, n_env)
@@ -154,8 +154,6 @@ class MLAgentsEnvManager:
             "restarts_rate_limit_n": restarts_rate_limit_n,
             "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
-        if type(self)._start_core is MLAgentsEnvManager._start_core:  # players launched here: their ports swept at close
-            self._players = PlayerProcesses(ports=player_ports(env_factory, range(n_env)))
         try:
             with self._errors():
                 self._manager = self._start_core(
@@ -165,7 +163,6 @@ class MLAgentsEnvManager:
         except BaseException:
             self._players.kill_all()  # a worker killed while it launched its player (the core closed the rest)
             raise
-        self._closed = False
         try:
             with self._errors():
                 self._specs = dict(enumerate(self._manager.call("behavior_specs")))
@@ -346,7 +343,6 @@ class MLAgentsEnvManager:
 
     def close(self) -> None:
         """Close every worker and its player; kill players a killed worker left behind."""
-        self._closed = True
         manager, self._manager = self._manager, None
         try:
             if manager is not None:
@@ -359,7 +355,7 @@ class MLAgentsEnvManager:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._manager is None
 
     @property
     def player_pids(self) -> dict[int, int | None]:
@@ -396,7 +392,7 @@ class MLAgentsEnvManager:
             yield
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._manager is None:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
 
     def _healthy_worker_ids(self) -> list[int]:
@@ -474,10 +470,7 @@ class MLAgentsEnvManager:
         if "behavior_specs" in result_info:
             self._specs[worker_id] = result_info["behavior_specs"]
         if "player_process" in result_info:
-            # A reset; a new player means the old one's worker was restarted (maybe unseen, in a
-            # reset's drain): nobody will talk to the old one again.
-            self._players.note(worker_id, result_info["player_process"])
-            self._players.kill_stale()
+            self._players.note(worker_id, result_info["player_process"])  # a reset: the player it reports
         self._last[worker_id] = info
         sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
         action_infos = {} if info.interrupted or info.previous_result is None else sent

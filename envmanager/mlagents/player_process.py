@@ -30,12 +30,11 @@ PlayerIdentity = tuple[int, float | None]
 
 
 class PlayerProcesses:
-    """Each worker's current player, and the players of restarted workers (their workers were
-    killed: nobody will ever talk to them again, so they are killed)."""
+    """Each worker's current player; a player its worker replaced (the worker was restarted:
+    nobody will ever talk to it again) is killed."""
 
-    def __init__(self, players: dict[int, PlayerIdentity | None] | None = None, ports: Sequence[int] = ()) -> None:
-        self.current: dict[int, PlayerIdentity | None] = dict(players or {})
-        self.stale: list[PlayerIdentity] = []
+    def __init__(self, ports: Sequence[int] = ()) -> None:
+        self.current: dict[int, PlayerIdentity | None] = {}
         #: The ports this side's workers launch players for: swept by ``kill_all`` for a player
         #: whose worker was killed before it could report it (``kill_orphan_players``).
         self.ports = tuple(ports)
@@ -45,26 +44,20 @@ class PlayerProcesses:
         self.current = dict(players)
 
     def note(self, worker_id: int, player: PlayerIdentity | None) -> None:
-        """Worker ``worker_id`` reported ``player`` (with a reset): a new one replaces the old."""
+        """Worker ``worker_id`` reported ``player`` (with a reset): a new one means the old one's
+        worker was restarted (maybe unseen, in a reset's drain): the old one is killed."""
         old = self.current.get(worker_id)
-        if old and old != player:
-            self.stale.append(old)
         self.current[worker_id] = player
-
-    def kill_stale(self) -> None:
-        """Kill the players of restarted workers (a reset reported a new player)."""
-        for identity in self.stale:
-            if kill_stale_player(identity):
-                logger.warning("killed player process %d left behind by a restarted worker", identity[0])
-        self.stale = []
+        if old and old != player and kill_stale_player(old):
+            logger.warning("killed player process %d left behind by a restarted worker", old[0])
 
     def kill_all(self) -> None:
         """After the workers were closed: kill any player still running (its worker was killed),
         those no worker reported too (killed while it launched them: found by their port)."""
-        for identity in [*self.current.values(), *self.stale]:
+        for identity in self.current.values():
             if identity and kill_stale_player(identity):
                 logger.warning("killed player process %d left behind by its worker", identity[0])
-        self.current, self.stale = {}, []
+        self.current = {}
         if self.ports:
             kill_orphan_players(self.ports)
 
@@ -81,11 +74,9 @@ def shutdown_env(env: Any, timeout: float = 5.0) -> None:
     never reaps it, leaves one end of its communicator's pipe open and does not wait for the gRPC
     server to stop; this does all three, with ``timeout`` in place of ``timeout_wait``.
     """
-    try:
-        from mlagents_envs.environment import UnityEnvironment
-    except ImportError:  # pragma: no cover - the subpackage needs mlagents_envs anyway
-        UnityEnvironment = None
-    if UnityEnvironment is None or not isinstance(env, UnityEnvironment):
+    from mlagents_envs.environment import UnityEnvironment  # (the subpackage needs mlagents_envs)
+
+    if not isinstance(env, UnityEnvironment):
         env.close()
         return
     proc: subprocess.Popen | None = getattr(env, "_process", None)

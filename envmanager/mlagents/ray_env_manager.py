@@ -89,7 +89,6 @@ class RayPlayerPool:
         self.nodes: list[PlayerNodeState] = []
         self._last: dict[int, StepInfo] = {}
         self._ready: list[StepInfo] = []
-        self._resets: list[int] = []
         self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
         self._closed = False
         if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
@@ -190,18 +189,17 @@ class RayPlayerPool:
         return sorted(out, key=lambda info: info.worker_id)
 
     def send_reset(self, seeds_and_options: dict[int, tuple[Any, Any]]) -> None:
-        """Reset these players (seeds and options are the players' own): done by ``receive_resets``."""
-        self._resets = sorted(seeds_and_options)
+        """Reset these players (seeds and options are the players' own): done by ``receive_resets``,
+        which asks every node at once."""
 
     def receive_resets(self, worker_ids: Sequence[int]) -> list[StepInfo]:
-        """The fresh resets of the players ``send_reset`` named (idle ones), from every node at once."""
+        """The fresh resets of ``worker_ids`` (idle players, named to ``send_reset``), from every node at once."""
         self._check_open()
         resetting = []
         for node in self.nodes:
-            ids = [w for w in self._resets if w in node.ids]
+            ids = [w for w in sorted(worker_ids) if w in node.ids]
             if ids:
                 resetting.append((node, node.submit("reset", ids)))
-        self._resets = []
         out: list[StepInfo] = []
         for node, ref in resetting:
             try:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.manager import SubprocessEnvManager
-from envmanager.core.results import StepInfo, StepResult
+from envmanager.core.results import StepInfo
 from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.mlagents.player_process import PlayerIdentity, PlayerProcesses, kill_stale_player, process_start_time
 from envmanager.mlagents.replay import call_replayed, reset_restarted
@@ -73,7 +73,7 @@ class PlayerNode:
         self.local = {g: i for i, g in enumerate(self.ids)}
         self.held: list[StepInfo] = []  # results taken from the core, not handed to the driver yet
         self.core: Any = None
-        self.players = PlayerProcesses(ports=player_ports(worker_factory.env_factory, self.ids))
+        self.players = PlayerProcesses(player_ports(worker_factory.env_factory, self.ids))
         self.start_error: BaseException | None = None  # what the players raised when starting
         if left_behind is not None and left_behind[0] == socket.gethostname():
             _kill_left_behind(left_behind[1])
@@ -133,7 +133,7 @@ class PlayerNode:
         player's fresh reset); a player with such a result, or still coming back from a restart,
         is not sent the actions (they were chosen for what the driver saw before)."""
         def run() -> list[StepInfo]:
-            self._take()
+            self.held += self.core.receive_steps(min_count=0)  # what came meanwhile (a restart's fresh reset)
             waiting = {info.worker_id for info in self.held}
             idle = set(self.core.idle_worker_ids)
             send = {}
@@ -180,10 +180,6 @@ class PlayerNode:
         except EnvManagerError as exc:  # the players' failure, as the cluster names them
             return None, with_slot_offset(exc, self.offset)
 
-    def _take(self) -> None:
-        """Results that came in meanwhile (during a call, a restart's fresh reset), without waiting."""
-        self.held += self.core.receive_steps(min_count=0)
-
     def _out(self, infos: list[StepInfo]) -> list[StepInfo]:
         """Global ids; the previous result and the actions left out (the driver has them); players
         noted here."""
@@ -192,13 +188,9 @@ class PlayerNode:
             gid = self.ids[info.worker_id]
             result_info = dict(info.current_result.info or {})
             player = result_info.pop("player_process", None)
-            if player is not None:
-                # A new player: the old one's worker was restarted (maybe unseen, in a reset's
-                # drain); it is killed here, where its pid means something.
+            if player is not None:  # killed here, where its pid means something, if it replaced one
                 self.players.note(gid, player)
-                self.players.kill_stale()
-            current = StepResult(info.current_result.observation, info.current_result.reward,
-                                 info.current_result.terminated, info.current_result.truncated, result_info)
+            current = info.current_result._replace(info=result_info)
             out.append(info._replace(worker_id=gid, previous_result=None, action=None, current_result=current))
         return out
 

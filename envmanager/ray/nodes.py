@@ -179,11 +179,6 @@ class NodePool:
             self.close()
             raise
 
-    @property
-    def timeout(self) -> float:
-        """Seconds a node's oldest request may take before the node counts as hung."""
-        return self.supervisor.timeout
-
     def failure(self, node: Node) -> EnvManagerError | None:
         """``node``'s error if it was given up (raised on every later use), else ``None``."""
         return self.supervisor.failure(node.index)
@@ -311,9 +306,6 @@ class NodePool:
         self.check_usable()
         self.supervisor.check()
 
-    def in_flight(self) -> int:
-        return sum(len(node.queue) for node in self.nodes)
-
     def wait(self) -> list[tuple[Request, Any]]:
         """Block until some node's oldest request is done (first-ready across nodes), then take
         every other answer already done, each node's in the order it was asked (``_take``).
@@ -334,7 +326,7 @@ class NodePool:
                 ready, late = first_ready(heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
             except Exception as exc:
                 self.ray_failed(exc, "waiting for the nodes' answers")
-            self._faults += [self._fault(self.nodes[i], f"missed its {self.timeout:g} s deadline (hung)", hung=True)
+            self._faults += [self._fault(self.nodes[i], f"missed its {self.supervisor.timeout:g} s deadline (hung)", hung=True)
                              for i in late]
             self._take(ready, out)
         if out:
@@ -360,7 +352,7 @@ class NodePool:
             while node.queue and node.queue[0].ref in done:
                 request = node.queue[0]
                 try:
-                    answer = ray.get(request.ref, timeout=self.timeout)
+                    answer = ray.get(request.ref, timeout=self.supervisor.timeout)
                 except Exception as exc:
                     kind = node_failure(exc)
                     if kind is None:

@@ -45,11 +45,12 @@ def _stack_or_objects(values: Sequence[Any]) -> Any:
         return out
 
 
-def _take(value: Any, index: Any) -> Any:
+def take_rows(value: Any, index: Any) -> Any:
+    """``value[index]`` of every array in a tree of dicts and tuples."""
     if isinstance(value, dict):
-        return {k: _take(v, index) for k, v in value.items()}
+        return {k: take_rows(v, index) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_take(v, index) for v in value)
+        return tuple(take_rows(v, index) for v in value)
     return value[index]
 
 
@@ -101,8 +102,9 @@ class TransitionBatch:
 
     def select(self, index: Any) -> TransitionBatch:
         """The rows ``index`` (a slice, an index array or a boolean mask), as a new batch."""
-        values = {f: _take(getattr(self, f), index) for f in ROW_FIELDS}
-        return TransitionBatch(**values, agent_infos=_take(self.agent_infos, index), env_infos=_take(self.env_infos, index))
+        values = {f: take_rows(getattr(self, f), index) for f in ROW_FIELDS}
+        infos = {"agent_infos": take_rows(self.agent_infos, index), "env_infos": take_rows(self.env_infos, index)}
+        return TransitionBatch(**values, **infos)
 
     def split(self, n: int) -> list[TransitionBatch]:
         """``n`` consecutive pieces of (nearly) equal size: minibatches."""
@@ -214,7 +216,7 @@ class EpisodeBatch(TransitionBatch):
             raise ValueError("an EpisodeBatch needs at least one episode")
         flat = TransitionBatch.concatenate(list(episodes))
         lengths = np.array([len(e) for e in episodes], dtype=np.int64)
-        last = stack_values([_take(e.next_observations, -1) for e in episodes])
+        last = stack_values([take_rows(e.next_observations, -1) for e in episodes])
         values = {f.name: getattr(flat, f.name) for f in dataclasses.fields(TransitionBatch)}
         return cls(**values, lengths=lengths, last_observations=last, episode_interrupted=np.asarray(interrupted, dtype=bool))
 

@@ -131,7 +131,6 @@ class StepCount(Goal):
         return self.n - self.recorded - in_flight
 
     def recorded_step(self, slot: int) -> None:
-        super().recorded_step(slot)
         self.recorded += 1
 
     def done(self) -> bool:

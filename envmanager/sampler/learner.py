@@ -18,8 +18,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from envmanager.core.deadline import Deadline
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import TransitionBatch
@@ -272,11 +270,6 @@ class LearnerFeed:
         if self.on_update is not None:
             self.on_update(self.version, metrics)
         self.stats.maybe_log()
-
-
-def policy_lag(version: int, batch: TransitionBatch) -> np.ndarray:
-    """Versions between ``version`` and the policy that acted, per step."""
-    return version - batch.policy_versions
 
 
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,

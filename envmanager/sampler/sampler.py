@@ -26,7 +26,7 @@ from envmanager.core.batch import BatchEnvManager
 from envmanager.core.supervisor import GiveUp
 from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import EnvManagerError, InvalidInputError
-from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values
+from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values, take_rows
 from envmanager.sampler.episodes import EpisodeQuotas, Goal, SampleCount, StepCount, spread
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
@@ -43,14 +43,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Sampler", "apply_agent_update", "exact_quotas", "positive"]
 
 NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
-
-
-def _row(value: Any, i: int) -> Any:
-    if isinstance(value, dict):
-        return {k: _row(v, i) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_row(v, i) for v in value)
-    return value[i]
 
 
 class Sampler:
@@ -343,7 +335,7 @@ class Sampler:
         sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
         version = self._acting_version
         for i, slot in enumerate(slots):
-            episodes[slot].step_sent((observations[i], _row(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
+            episodes[slot].step_sent((observations[i], take_rows(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
 
     def _receive(self, goal: Goal) -> None:
         m = self.manager

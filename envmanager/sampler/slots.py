@@ -30,7 +30,6 @@ sampler's ``UpdateLog``, ``envmanager.core.updates``).
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,8 +40,6 @@ from envmanager.sampler.stats import Stats
 
 if TYPE_CHECKING:
     from envmanager.core.batch import BatchEnvManager
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["EpisodeState", "Outcome", "EpisodeSlot", "EpisodeSlots", "EpisodeIds", "Closed", "failed_slots", "raise_given_up"]
 
