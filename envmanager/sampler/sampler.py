@@ -205,11 +205,13 @@ class Sampler:
         bar = self._progress_bar(goal)
         try:
             self._run(goal, bar)
-        except BaseException:
+        except BaseException as exc:
             dropped = sum(len(steps) for per_slot in goal.episodes for steps, _ in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
             self.episodes.stop_recording()  # running ones go on unrecorded: no episode's rows have a gap
+            if isinstance(exc, EnvManagerError):  # a process given up: the first one's error, as every later call raises
+                raise_given_up(self.manager, self.episodes)
             raise
         finally:
             if bar is not None:
