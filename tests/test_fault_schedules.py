@@ -148,14 +148,15 @@ def kill(pid: int) -> None:
 
 
 class CoreSchedule:
-    """One manager of ``N`` slots (``k`` per process), stepped first-ready through faults."""
+    """One manager of ``N`` slots (``k`` per process, in two lanes each with ``lanes``: double
+    buffered), stepped first-ready through faults."""
 
-    def __init__(self, k: int, restarts: bool) -> None:
+    def __init__(self, k: int, restarts: bool, lanes: bool = False) -> None:
         self.k, self.restarts = k, restarts
         self.commands = tempfile.mkdtemp(prefix="schedule-")
         self.m = SubprocessEnvManager(
             ScheduleFactory(self.commands), N, envs_per_worker=k, context="fork", timeout=TIMEOUT,
-            restart_workers=restarts, max_lifetime_restarts=-1, restarts_rate_limit_n=-1)
+            restart_workers=restarts, max_lifetime_restarts=-1, restarts_rate_limit_n=-1, double_buffer=lanes)
         self.pids = {w.pid for w in self.m.processes}
         self.last: list[np.ndarray | None] = [None] * N  # each slot's last observation seen
         self.sent: list[int | None] = [None] * N  # the action in flight, by slot
@@ -405,10 +406,10 @@ CORE_OPS = st.one_of(
 )
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k,lanes", [(1, False), (2, False), (4, True)], ids=["1", "2", "4-lanes"])
 @pytest.mark.parametrize("restarts", [True, False], ids=["restarts", "no-restarts"])
-def test_core_fault_schedules(k: int, restarts: bool) -> None:
-    run(lambda: CoreSchedule(k, restarts), CORE_OPS)
+def test_core_fault_schedules(k: int, lanes: bool, restarts: bool) -> None:
+    run(lambda: CoreSchedule(k, restarts, lanes), CORE_OPS)
 
 
 # ---------------------------------------------------------------------------------------------

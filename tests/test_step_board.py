@@ -31,6 +31,7 @@ from envmanager.wire.mailbox import (
     mailbox_supported,
     schema_id,
 )
+from envmanager.wire.messages import lanes_of
 
 pytestmark = pytest.mark.skipif(not mailbox_supported(), reason="the mailbox is x86 only (its store order)")
 
@@ -96,6 +97,46 @@ def test_each_step_asked_is_answered_once_with_its_slot(batches):
             assert sum(len(v) for v in answered.values()) == len(batch)
             got = taken(made)
             assert got == sorted(batch) and taken(made) == []  # once
+            idle |= set(got)
+        assert not any(made.busy(p) for p in range(3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_lanes_answered_one_at_a_time_are_each_taken_once(data):
+    """Double buffered (each process's envs in two lanes, as ``lanes_of``): batches of idle slots
+    asked, each process answering its part lane by lane, a lane whole or in pieces, some with a
+    notice, in any order, the board looked at after each answer: every step is taken exactly once,
+    for the slot asked."""
+    lanes = lanes_of([len(own) for own in SLOTS], True)
+    with board() as (made, workers):
+        idle = set(range(6))
+        for _ in range(data.draw(st.integers(1, 8))):
+            batch = [s for s in data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True)) if s in idle]
+            if not batch:
+                continue
+            ask(made, batch)
+            idle -= set(batch)
+            pieces = []  # (process, locals, ordinals): lanes, some cut in two
+            for p, w in enumerate(workers):
+                locals_, ordinals = w.steps()
+                for lane in (1, 2):
+                    own = [(i, o) for i, o in zip(locals_, ordinals, strict=True) if lanes[SLOTS[p][i]] == lane]
+                    cut = data.draw(st.integers(0, len(own))) if own else 0
+                    pieces += [(p, part) for part in (own[:cut], own[cut:]) if part]
+            got: list[int] = []
+            for n in data.draw(st.permutations(range(len(pieces)))):
+                p, part = pieces[n]
+                locals_, ordinals = [i for i, _ in part], [o for _, o in part]
+                raw = data.draw(st.booleans())
+                workers[p].write_infos(locals_, None)
+                workers[p].answer_steps(locals_, ordinals, [1e-6] * len(part), raw)
+                got += taken(made)
+                if not raw:  # its notice, as the pool takes it after the board
+                    assert made.take_notice(p, made.slot_word[[SLOTS[p][i] for i in locals_]].tolist(), ordinals,
+                                            time.monotonic())
+                    got += [SLOTS[p][i] for i in locals_]
+            assert sorted(got) == sorted(batch) and taken(made) == []  # each once
             idle |= set(got)
         assert not any(made.busy(p) for p in range(3))
 
