@@ -183,7 +183,7 @@ class RayPlayerPool:
         resetting = [(node, node.submit("reset")) for node in self.nodes if all(node is not n for n, _ in lost)]
         for node, ref in resetting:
             try:
-                out += self._arrived(node, self._answer(node, ref))
+                out += self._arrived(node, self._answer(node, ref), reset=True)
             except NodeLost as exc:
                 out += self._replace(node, str(exc))
         return sorted(out, key=lambda info: info.worker_id)
@@ -203,7 +203,7 @@ class RayPlayerPool:
         out: list[StepInfo] = []
         for node, ref in resetting:
             try:
-                out += self._arrived(node, self._answer(node, ref))
+                out += self._arrived(node, self._answer(node, ref), reset=True)
             except NodeLost as lost:  # its players come back as the replacement's resets
                 self._ready += self._replace(node, str(lost))
         return sorted(out, key=lambda info: info.worker_id)
@@ -332,10 +332,12 @@ class RayPlayerPool:
             raise error
         return value
 
-    def _arrived(self, node: PlayerNodeState, infos: list[StepInfo], interrupted: bool = False) -> list[StepInfo]:
+    def _arrived(self, node: PlayerNodeState, infos: list[StepInfo], interrupted: bool = False,
+                 reset: bool = False) -> list[StepInfo]:
         """A node's answer as the trainer's steps: global ids (the node's), the previous result
-        and the actions sent (the driver's: the very objects the policy made). Each carries its
-        player's generation (a newer one than the supervisor knows: its node restarted it)."""
+        (none for a reset, as the core's) and the actions sent (the driver's: the very objects the
+        policy made). Each carries its player's generation (a newer one than the supervisor knows:
+        its node restarted it)."""
         out = []
         for info in infos:
             w = info.worker_id
@@ -343,7 +345,7 @@ class RayPlayerPool:
             cut = info.interrupted or interrupted
             action = node.arrived(w)
             self.supervisor.answered(w, info.generation)
-            info = info._replace(previous_result=None if cut or previous is None else previous.current_result,
+            info = info._replace(previous_result=None if cut or reset or previous is None else previous.current_result,
                                  action=None if cut else action, interrupted=cut)
             self._last[w] = info
             out.append(info)

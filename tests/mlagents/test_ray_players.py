@@ -172,6 +172,9 @@ def test_a_node_lost_with_a_step_in_flight_is_replaced_by_the_reset(fake_player,
         before = dict(run.checked)
         run.check(run.manager.first_step_infos)
         run.steps_until(lambda: all(run.checked[w] >= before[w] + 2 for w in range(N_ENV)))
+        resets = run.manager.manager.reset()  # the pool's own, as the core's: nothing before a reset
+        assert sorted(info.worker_id for info in resets) == list(range(N_ENV))
+        assert all(info.previous_result is None and info.action is None for info in resets), resets
     finally:
         run.close()
 
