@@ -118,9 +118,9 @@ class SchedulePolicy:
     """Actions ``(t + slot + params) % 4``; ``params`` (the weights, ``set_param_values``) in the
     agent info; raises once per ``policy_raise`` command. Picklable (a worker-side agent too)."""
 
-    def __init__(self, commands: str) -> None:
+    def __init__(self, commands: str, params: int = 0) -> None:
         self.commands = commands
-        self.params = 0
+        self.params = params
 
     def set_param_values(self, params) -> None:
         self.params = int(params)

@@ -532,8 +532,10 @@ class SamplerSchedule:
             self.policy_version += 1
         if env:
             self.env_version += 1
-        self.s.update(agent_update=self.policy_version if policy else None,
-                      env_update=set_version(self.env_version) if env else None)
+        agent: Any = None
+        if policy:  # Sampler loads weights into its policy; WorkerPolicySampler's workers get a new agent
+            agent = self.policy_version if self.kind == "sampler" else SchedulePolicy(self.commands, self.policy_version)
+        self.s.update(agent_update=agent, env_update=set_version(self.env_version) if env else None)
 
     def env_raises(self, slot: int, kind: str) -> None:
         command(self.commands, slot, kind)
