@@ -276,6 +276,25 @@ class GreedyAgent:
         return (int(observation[0]) + self.shift) % 2, {"shift": self.shift}
 
 
+def test_a_worker_side_update_that_is_not_an_agent_is_refused_before_any_worker_gets_it():
+    """WorkerPolicySampler's workers replace their agent with an update: weights (an int, an
+    array) would fail every rollout after it (with restarts on, a restart each), so update()
+    refuses them, no version moves, and collection goes on with the agent in force."""
+    from envmanager.sampler.worker_policy import WorkerPolicySampler
+
+    with WorkerPolicySampler(kind_env, 2, GreedyAgent(), seed=8, restart_workers=True) as sampler:
+        sampler.obtain_steps(3)
+        for weights in (1, np.zeros(3)):
+            with pytest.raises(InvalidInputError, match="get_actions"):
+                sampler.update(agent_update=weights)
+        with pytest.raises(InvalidInputError, match="get_actions"):
+            sampler.obtain_steps(3, agent_update=1)
+        assert sampler.policy_version == 0
+        steps = sampler.obtain_steps(5)
+        assert len(steps) == 10 and (steps.policy_versions == 0).all()
+        assert sampler.manager.restart_count(0) == 0 and sampler.manager.restart_count(1) == 0
+
+
 def test_worker_side_policy_steps_continue_and_episodes_are_exact():
     from envmanager.sampler.worker_policy import WorkerPolicySampler
 

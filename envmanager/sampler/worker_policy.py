@@ -74,8 +74,7 @@ class WorkerPolicySampler:
 
     def __init__(self, env_factory: Callable[[int], Any], n_workers: int, agent: Any, *, seed: int | None = None,
                  fragment_bytes: int = 4 << 20, **manager_options: Any) -> None:
-        if not (hasattr(agent, "get_action") or hasattr(agent, "get_actions")):
-            raise InvalidInputError("the agent needs get_actions(observations, worker_ids) or get_action(observation)")
+        check_agent(agent)
         if not isinstance(n_workers, int) or n_workers < 1:
             raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
         if isinstance(fragment_bytes, bool) or not isinstance(fragment_bytes, (int, np.integer)) or fragment_bytes < 1:
@@ -151,8 +150,11 @@ class WorkerPolicySampler:
         """A new agent for the workers (picklable), used from the next request on; and/or an
         ``env_update`` (a picklable ``fn(env)``, or a list with one per slot) applied in the
         worker before each slot's next episode starts (a restarted worker gets every one again).
-        Returns ``(policy_version, env_version)``; an update that is not one or does not pickle
-        raises and changes no version."""
+        Returns ``(policy_version, env_version)``; an update that is not one (an agent without
+        ``get_actions`` or ``get_action``: weights, say) or does not pickle raises and changes no
+        version."""
+        if agent_update is not None:
+            check_agent(agent_update)
         return self.versions.update(agent_update, env_update, version)
 
     # ------------------------------------------------------------------------------------------
@@ -505,3 +507,9 @@ def _progress_of(ref: weakref.ref) -> Callable[[list[int]], int]:
         return 0 if sampler is None else sampler._progress(slots)
     return progress
 
+
+def check_agent(agent: Any) -> None:
+    """An agent the workers can run (refused before any worker gets it: every rollout would fail)."""
+    if not (hasattr(agent, "get_action") or hasattr(agent, "get_actions")):
+        raise InvalidInputError(f"the agent needs get_actions(observations, worker_ids) or get_action(observation), "
+                                f"got {type(agent).__name__}")
