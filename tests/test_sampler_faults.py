@@ -243,21 +243,24 @@ def test_a_death_found_while_env_updates_are_applied_cuts_that_episode_before_it
         check_rows(TransitionBatch.concatenate([batch, after]), sampler.cut_episodes, 2, whole=False)
 
 
-def _kill_own_process_on(slot: int):
-    """An env update that SIGKILLs its worker process when it runs on ``slot``'s env."""
+def _kill_own_process_on(slot: int, slow: int):
+    """An env update that SIGKILLs its worker process when it runs on ``slot``'s env, and takes
+    a second on ``slow``'s (its wait then blocks on the pipes and the processes' ends)."""
     def update(env):
         import os
         import signal
 
         if env.unwrapped.slot == slot:
             os.kill(os.getpid(), signal.SIGKILL)
+        if env.unwrapped.slot == slow:
+            time.sleep(1.0)
     return update
 
 
 def test_every_call_after_two_give_ups_raises_the_error_the_caller_saw_first(tmp_path):
     """Restarts off, two processes lost in one call: process 1 died while idle (found dead by the
-    wait of slot 0's env update: given up first), process 0 dies in slot 1's update (the error the
-    call hit). The call raises the first give-up's error, the other chained to it, and every later
+    wait of slot 0's env update, which takes a second: given up first), process 0 dies in slot 1's
+    update (the error the call hit). The call raises the first give-up's error, the other chained to it, and every later
     call raises that same one, as WorkerPolicySampler does (it raised the other one, then this one:
     fault schedule seed 58000, no-restarts-sampler-2)."""
     import os
@@ -268,7 +271,7 @@ def test_every_call_after_two_give_ups_raises_the_error_the_caller_saw_first(tmp
     with Sampler(FaultFactory(None, str(tmp_path / "m"), 0.0), N, FaultPolicy(None, str(tmp_path / "m")), seed=0,
                  envs_per_worker=2, context="fork", timeout=TIMEOUT, restart_workers=False) as sampler:
         sampler.obtain_exact_episodes(1)  # every slot idle, no episode running
-        sampler.update(env_update=_kill_own_process_on(1))  # due on each slot before its next episode
+        sampler.update(env_update=_kill_own_process_on(1, slow=0))  # due on each slot before its next episode
         pid = sampler.manager.process_of(2).pid
         os.kill(pid, signal.SIGKILL)
         dead_by = time.monotonic() + 10
