@@ -87,6 +87,30 @@ def fake_player(tmp_path):
 
 
 @pytest.fixture
+def stopped_player():
+    """``launch(path, port)``: a real player launched for ``port`` and stopped (SIGSTOP) before it
+    could connect -- a build still booting when its worker was killed; killed at teardown if it
+    still runs."""
+    import signal
+    import subprocess
+
+    launched: list[subprocess.Popen] = []
+
+    def launch(path: str, port: int) -> subprocess.Popen:
+        player = subprocess.Popen([path, "--mlagents-port", str(port)], start_new_session=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.kill(player.pid, signal.SIGSTOP)
+        launched.append(player)
+        return player
+
+    yield launch
+    for player in launched:
+        if player.poll() is None:
+            player.kill()
+            player.wait()
+
+
+@pytest.fixture
 def make_fake_env(fake_player):
     from mlagents_envs.environment import UnityEnvironment
     from mlagents_envs.exception import UnityWorkerInUseException

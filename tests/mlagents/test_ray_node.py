@@ -152,29 +152,19 @@ def test_a_setting_reaches_a_player_restarted_before_it(fake_player, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_player_no_worker_reported_is_killed_when_the_node_closes(fake_player, tmp_path):
+def test_a_player_no_worker_reported_is_killed_when_the_node_closes(fake_player, stopped_player, tmp_path):
     """As the local manager's close (test_recorded_actions): a player its worker was killed while
     launching, on global worker 3's port, is killed when the node closes, found by its port."""
-    import subprocess
-
     path = fake_player({"behaviors": [{"agents": 1, "continuous": 1, "discrete": [], "observation_shapes": [[1]],
                                        "echo_actions": True, "episode_length": 0}]})
     base_port = free_base_port(4)
     node = PlayerNode(WorkerEnvFactory(UnityEnvironmentFactory(path, base_port=base_port, timeout_wait=10)), [2, 3], OPTIONS)
-    left = None
     try:
         assert node.start_error is None
         reported = [pid for pid in node.players.pids.values() if pid is not None]
         assert len(reported) == 2
-        left = subprocess.Popen([path, "--mlagents-port", str(base_port + 3)], start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        os.kill(left.pid, signal.SIGSTOP)  # a build still booting: it never connects
+        left = stopped_player(path, base_port + 3)
     finally:
         node.close()
-    try:
-        assert alive([left.pid], timeout=10) == []  # (stopped, it cannot end by itself; here psutil reaps it)
-        assert alive(reported) == []
-    finally:
-        if left.poll() is None:
-            left.kill()
-            left.wait()
+    assert alive([left.pid], timeout=10) == []  # (stopped, it cannot end by itself; here psutil reaps it)
+    assert alive(reported) == []

@@ -10,7 +10,6 @@ player was still starting (its first episode must run with the new settings).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -201,17 +200,8 @@ def test_a_player_left_behind_by_a_worker_killed_while_it_started_is_killed(fake
             left.wait()
 
 
-def stopped_player(path, port):
-    """A real player launched for ``port`` and stopped (SIGSTOP) before it could connect: a build
-    still booting when its worker was killed."""
-    player = subprocess.Popen([path, "--mlagents-port", str(port)], start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.kill(player.pid, signal.SIGSTOP)
-    return player
-
-
 @pytest.mark.timeout(120)
-def test_a_player_no_worker_reported_is_killed_by_close(fake_player, tmp_path):
+def test_a_player_no_worker_reported_is_killed_by_close(fake_player, stopped_player, tmp_path):
     """A worker killed while it launched its player, with no worker after it on its port (the
     manager closing): ``close()`` kills that player too, found by its port, as well as the players
     the workers reported. Stood in for by a real player launched by hand for worker 1's port."""
@@ -220,17 +210,11 @@ def test_a_player_no_worker_reported_is_killed_by_close(fake_player, tmp_path):
     path = fake_player(config)
     base_port = free_base_port(2)
     manager = MLAgentsEnvManager(UnityEnvironmentFactory(path, base_port=base_port, timeout_wait=10), 2, timeout=30)
-    left = None
     try:
         reported = [pid for pid in manager.player_pids.values() if pid is not None]
         assert len(reported) == 2
         left = stopped_player(path, base_port + 1)
     finally:
         manager.close()
-    try:
-        assert alive([left.pid], timeout=10) == []  # (stopped, it cannot end by itself; here psutil reaps it)
-        assert alive(reported) == []
-    finally:
-        if left.poll() is None:
-            left.kill()
-            left.wait()
+    assert alive([left.pid], timeout=10) == []  # (stopped, it cannot end by itself; here psutil reaps it)
+    assert alive(reported) == []
