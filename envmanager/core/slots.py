@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,18 +76,15 @@ class SlotState:
         self.reset_errors: list[EnvManagerError] = []
         #: Per slot, of its latest answer: seconds in the env, and when the request was sent,
         #: the answer posted and taken (``time.monotonic``), for ``timings``; for an answer of
-        #: the step board (``on_board``) the first three are the board's (``board_timings``).
+        #: the step board (``on_board``) the first three are the board's (``board.timings``).
         self.env_time = np.zeros(n_env)
         self.sent_at = np.zeros(n_env)
         self.posted_at = np.zeros(n_env)
         self.received_at = np.zeros(n_env)
         self.on_board = np.zeros(n_env, dtype=np.bool_)
-        self.board_timings: Callable[[int], tuple[float, float, float]] | None = None
-        #: Infos of the step board's answers, read from the board when handed out (they stay
-        #: there until their slots are sent again, as their results do): per schema, slots, keys,
-        #: columns, whether Python scalars.
-        self.board_infos: Callable[[np.ndarray], list[tuple[np.ndarray, tuple[str, ...], list[np.ndarray],
-                                                            tuple[bool, ...]]]] | None = None
+        #: The step board, if steps go on it: the infos of its answers are read from it when handed
+        #: out (they stay there until their slots are sent again, as their results do).
+        self.board: Mailboxes | None = None
         self.results: shm.SharedBuffers | None = None
         self.observation_list: list[Any] | None = None
 
@@ -96,8 +92,7 @@ class SlotState:
         """Where results that travel pickled are written (the parent's copy); ``board``: the
         mailboxes, if steps go on their step board (their answers' infos and timings stay there)."""
         self.results, self.observation_list = results, observation_list
-        if board is not None:
-            self.board_timings, self.board_infos = board.timings, board.infos
+        self.board = board
 
     def sent(self, slots: np.ndarray, reset: bool = False) -> None:
         """Steps (``reset``: resets, then owed) of ``slots`` were sent: IN_FLIGHT."""
@@ -264,7 +259,7 @@ class SlotState:
         infos, interrupted = self.infos, self.interrupted
         mine = {s: infos.pop(s) for s in slots_list if s in infos} if infos else {}
         blocks = self._hand_out_columns(slots, mine, columns) if self.info_blocks else ()
-        if self.board_infos is not None and not reset:
+        if self.board is not None and self.board.infos_seen and not reset:
             on_board = slots[self.on_board[slots]]
             if on_board.size:
                 blocks += self._hand_out_board(on_board, mine, columns)
@@ -300,9 +295,9 @@ class SlotState:
 
     def _hand_out_board(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
         """The infos of the step board's answers of ``slots``: as blocks (``columns``), or into ``dicts``."""
-        assert self.board_infos is not None
+        assert self.board is not None
         out = []
-        for rows, keys, arrays, python in self.board_infos(slots):
+        for rows, keys, arrays, python in self.board.infos(slots):
             block = InfoBlock(rows, keys, arrays, python)
             if columns:
                 out.append(block)
@@ -318,8 +313,8 @@ class SlotState:
         received = float(self.received_at[slot])
         if not received:
             return 0.0, 0.0, 0.0
-        if self.on_board[slot] and self.board_timings is not None:
-            env, posted, sent = self.board_timings(slot)
+        if self.on_board[slot] and self.board is not None:
+            env, posted, sent = self.board.timings(slot)
         else:
             env, posted, sent = float(self.env_time[slot]), float(self.posted_at[slot]), float(self.sent_at[slot])
         return env, max(0.0, received - posted), max(0.0, received - sent)

@@ -55,11 +55,12 @@ that no wake-up is lost, so they are not split across files.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,15 +353,14 @@ class Mailboxes:
         self._info_ids = self._info_rows[:, 0]  # each env's info schema (0: none)
         self._schemas: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._no_infos = bytes(8 * n_words)
+        #: Whether an answer taken from the board had an info (until then ``infos`` has nothing to read).
+        self.infos_seen = False
 
     def post_steps(self, words: np.ndarray, processes: np.ndarray, now: float) -> np.ndarray:
         """Ask for a step of the envs at board ``words`` (``slot_word`` of their slots; their
         actions already in shared memory), hosted by ``processes`` (distinct); returns those
         owed a wake-up on their pipe (asleep, or spinning too briefly to see it)."""
-        requested = self._requested
-        ordinals = requested[words]
-        ordinals += 1
-        requested[words] = ordinals  # published (each word on its own: a worker takes what it sees)
+        self._requested[words] += 1  # published (the worker takes the words it sees in one copy)
         self._asked_at[words] = now
         now_ns = time.monotonic_ns()
         if self.wake_always(now_ns):
@@ -413,6 +413,7 @@ class Mailboxes:
         ids = self._info_ids[words]
         if ids.tobytes() == self._no_infos[: 8 * ids.size]:
             return None
+        self.infos_seen = True
         first = int(ids[0])
         if (first == 0 or first in self._schemas) and ids.tobytes() == ids[:1].tobytes() * ids.size:
             return None  # one schema, known (the usual case)
@@ -423,7 +424,7 @@ class Mailboxes:
         """The infos of ``slots`` (their board steps answered and not asked again), read from their
         info rows: per schema, its slots, keys, one array per key and whether the envs returned
         Python scalars for it; nothing for the slots whose env returned no info."""
-        if self._info_ids.tobytes() == self._no_infos:  # no env on the board has an info (the usual case)
+        if not self.infos_seen or self._info_ids.tobytes() == self._no_infos:  # no env on the board has an info (the usual case)
             return []
         slots = np.sort(slots)  # (blocks ascend, as answers' do)
         words = self.slot_word[slots]
@@ -576,12 +577,12 @@ class WorkerMailbox:
 
     def steps(self) -> tuple[list[int], list[int]]:
         """The envs (local indices, ascending) the board asks to step, and their ordinals."""
-        if self._map[self._asked_span] == self._served_bytes:
+        snapshot = self._map[self._asked_span]  # one copy: what the parent posted at once is taken at once
+        if snapshot == self._served_bytes:
             return [], []
-        words, served = self._words, self._served
+        served = self._served
         locals_, ordinals = [], []
-        for i, w in enumerate(self._asked):
-            ordinal = words[w]
+        for i, ordinal in enumerate(_unpacker(len(served))(snapshot)):
             if ordinal != served[i]:
                 locals_.append(i)
                 ordinals.append(ordinal)
@@ -591,13 +592,21 @@ class WorkerMailbox:
         """Publish the answers of the board steps ``locals_`` (their results already written to
         shared memory; with ``raw=False`` a notice carrying the rest was posted just before);
         returns whether the parent may be asleep (a wake-up must follow on the queue)."""
-        words, floats, served = self._words, self._floats, self._served
+        floats, served = self._floats, self._served
         now = time.monotonic()
         for i, ordinal, seconds in zip(locals_, ordinals, env_times, strict=True):
             floats[self._times[i]] = seconds
             floats[self._at[i]] = now
-            words[self._ans[i]] = ordinal if raw else -ordinal  # published
             served[i] = ordinal
+        answers = ordinals if raw else [-o for o in ordinals]
+        first, n = locals_[0], len(locals_)
+        if locals_[-1] - first == n - 1:  # a lane, or every env: its answers published in one write
+            at = self._ans[first] * 8  # (a spinning parent sees them all or none, and takes them in one answer)
+            self._map[at : at + 8 * n] = _packed(answers)
+        else:
+            words = self._words
+            for i, answer in zip(locals_, answers, strict=True):
+                words[self._ans[i]] = answer  # published
         self._served_bytes = _packed(served)  # (not the board's bytes: the parent may ask again already)
         return self._parent_may_sleep()
 
@@ -717,10 +726,14 @@ def schema_id(keys: tuple[str, ...], dtypes: tuple[str, ...]) -> int:
 
 
 def _packed(values: list[int]) -> bytes:
-    pack = _PACKERS.get(len(values))
-    if pack is None:
-        pack = _PACKERS[len(values)] = struct.Struct(f"<{len(values)}q").pack
-    return pack(*values)
+    return _struct_of(len(values)).pack(*values)
 
 
-_PACKERS: dict[int, Any] = {}
+def _unpacker(n: int) -> Callable[[bytes], tuple[int, ...]]:
+    return _struct_of(n).unpack
+
+
+@functools.cache
+def _struct_of(n: int) -> struct.Struct:
+    """``n`` words, as the board holds them."""
+    return struct.Struct(f"<{n}q")
