@@ -76,6 +76,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         started = time.monotonic()
         first = collect(sampler)
         assert time.monotonic() - started < timeout_of(variant) + MARGIN
+        empty_before = sampler.stats.counters.get("empty_cut_episodes", 0)  # (the first call's)
         second = sampler.obtain_exact_episodes(2)
         counters, cut = dict(sampler.stats.counters), list(sampler.cut_episodes)
         assert sampler.manager.restart_count(FAULT_SLOT) == 1 and sampler.manager.generation(FAULT_SLOT) == 1
@@ -96,7 +97,7 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
     check_rows(first, cut, N)
     check_rows(second, cut, N)
     check_rows(TransitionBatch.concatenate([first, second]), cut, N, whole=False)  # across calls too
-    assert second.n_episodes + counters.get("empty_cut_episodes", 0) - sum(
+    assert second.n_episodes + counters.get("empty_cut_episodes", 0) - empty_before - sum(
         1 for e in cut if e not in first.episode_ids and e not in second.episode_ids and e % N == FAULT_SLOT) <= 2 * N
     no_arena = VARIANTS[variant][0] == "worker" and VARIANTS[variant][2] != "fork"
     if no_arena and fault in ("step_kill", "step_hang"):  # the fragment's rows died with the process: counted
@@ -286,3 +287,36 @@ def test_every_call_after_two_give_ups_raises_the_error_the_caller_saw_first(tmp
                 sampler.obtain_steps(8)
             assert again.value is first.value
         assert {sampler.manager.failure_of(s) is not None for s in range(N)} == {True}  # both given up
+
+
+@pytest.mark.parametrize("call", ["obtain_steps", "obtain_samples", "obtain_exact_episodes"])
+def test_every_process_dead_while_idle_is_restarted_and_the_call_collects(call, tmp_path):
+    """Restarts on, every process killed while idle: the next call admits every slot (the deaths
+    not seen yet), its resets find the deaths, both processes restart, and all four admitted
+    episodes are cut before their first step; the call admits again and collects. Every goal counts
+    such episodes (``obtain_steps`` and ``obtain_samples`` did not, and raised "nothing is
+    running and the collection is not done": fault schedule seed 60000, restarts-sampler-2)."""
+    import os
+    import signal
+
+    import psutil
+
+    with Sampler(FaultFactory(None, str(tmp_path / "m"), 0.0), N, FaultPolicy(None, str(tmp_path / "m")), seed=0,
+                 envs_per_worker=2, context="fork", timeout=TIMEOUT, restart_workers=True) as sampler:
+        pids = [p.pid for p in sampler.manager.processes]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        dead_by = time.monotonic() + 10
+        while any(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids) and time.monotonic() < dead_by:
+            time.sleep(0.01)  # dead, not reaped: the resets of the next call find them
+        started = time.monotonic()
+        batch = {"obtain_steps": lambda: sampler.obtain_steps(8),
+                 "obtain_samples": lambda: sampler.obtain_samples(0, 8),
+                 "obtain_exact_episodes": lambda: sampler.obtain_exact_episodes(1)}[call]()
+        assert time.monotonic() - started < TIMEOUT + MARGIN
+        check_rows(batch, sampler.cut_episodes, N)
+        assert len(batch) >= 8 and not batch.interrupted.any()
+        assert [sampler.manager.restart_count(s) for s in range(N)] == [1] * N  # each process once
+        assert sampler.stats.counters["empty_cut_episodes"] == N
+        if call == "obtain_exact_episodes":
+            assert sorted(batch.worker_ids[batch.dones].tolist()) == list(range(N))  # one whole episode each

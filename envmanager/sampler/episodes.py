@@ -45,7 +45,11 @@ class Goal:
         """An admitted episode recorded a step."""
 
     def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
-        """An admitted episode ended (or was cut by a restart, ``interrupted``)."""
+        """An admitted episode ended (or was cut by a restart, ``interrupted``). One cut before
+        its first step has nothing to hand out: it is only counted (``empty_cut``)."""
+        if interrupted and not steps:
+            self.empty_cut += 1
+            return
         self.episodes[slot].append((steps, interrupted))
 
     def done(self) -> bool:
@@ -73,8 +77,6 @@ class EpisodeQuotas(Goal):
     def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
         if interrupted and not steps:  # cut before its first step: admitted again
             self.admitted[slot] -= 1
-            self.empty_cut += 1
-            return
         super().finished(slot, steps, interrupted)
 
     def done(self) -> bool:

@@ -168,6 +168,7 @@ class Sampler:
         positive("n", n)
         self.update(agent_update, env_update)
         goal = self._collect(StepCount(self.n_workers, n))
+        self._count_empty_cut(goal)
         steps: list[Step] = []
         for slot in range(self.n_workers):
             for episode, _ in goal.episodes[slot]:
@@ -417,12 +418,16 @@ class Sampler:
         m = self.manager
         return m.observation_list[slot] if m.observation_list is not None else shm.read(m.results.observation, slot)
 
+    def _count_empty_cut(self, goal: Goal) -> None:
+        """Admitted episodes cut before their first step: nothing to hand out, but counted."""
+        if goal.empty_cut:
+            self.stats.count("empty_cut_episodes", goal.empty_cut)
+            logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step",
+                           goal.empty_cut)
+
     def _episodes(self, goal: Goal) -> EpisodeBatch:
-        episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in goal.episodes for steps, cut in per_slot if steps]
-        empty_cut = goal.empty_cut + sum(1 for per_slot in goal.episodes for steps, cut in per_slot if not steps)
-        if empty_cut:  # cut before their first step: nothing to hand out, but counted
-            self.stats.count("empty_cut_episodes", empty_cut)
-            logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step", empty_cut)
+        episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in goal.episodes for steps, cut in per_slot]
+        self._count_empty_cut(goal)
         if not episodes:
             raise EnvManagerError("sampler: every admitted episode was cut by a worker restart before its first step")
         return EpisodeBatch.from_transitions([e for e, _ in episodes], [cut for _, cut in episodes])
