@@ -373,3 +373,33 @@ def test_episodes_of_a_call_that_raised_are_dropped_and_counted(tmp_path):
     assert not alive(pids)
     assert dropped >= 2 * 3 * 3  # three episodes of at least three steps from each of node 0's slots
     check_rows(TransitionBatch.concatenate(batches), [], N, whole=False)
+
+
+def test_a_round_cut_by_a_nodes_error_keeps_the_fragments_that_came(tmp_path):
+    """Wait-for-all rounds, restarts off: node 1's policy raises at its second step (its envs take
+    a second a step) after node 0's fragment came. The call raises node 1's error and keeps node
+    0's fragment; the next calls hand it out first, so node 0's episodes have every step from their
+    first. (The round dropped it while node 0's episodes went on: their first steps were lost,
+    fault schedule seed 60128.)"""
+    marker = str(tmp_path / "struck")
+    sampler = RaySampler(FaultFactory("policy_raise", marker, 1.0, slot=SLOT, slow=(2, 3)),
+                         FaultPolicy("policy_raise", marker, slot=SLOT), nodes=2, envs_per_node=2, envs_per_worker=2,
+                         fragment_steps=8, first_ready=False, seed=0, timeout=TIMEOUT, start_timeout=60.0,
+                         env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=False)
+    pids = node_trees(sampler)
+    try:
+        with pytest.raises(RayNodeError, match="policy blew up") as caught:
+            sampler.obtain_steps(8)
+        assert caught.value.node == NODE
+        kept = sampler.buffered_steps
+        batches = [sampler.obtain_steps(8) for _ in range(3)]  # node 0's kept fragment, then a round's two
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert kept == 8  # node 0's fragment
+    rows = TransitionBatch.concatenate(batches)
+    check_rows(rows, [], N, whole=False)
+    assert set(rows.worker_ids.tolist()) == set(range(N))
+    first_steps = {e: rows.next_observations[rows.episode_ids == e, 0][0] for e in np.unique(rows.episode_ids).tolist()}
+    assert set(first_steps.values()) == {1.0}, f"episodes handed out without their first steps: {first_steps}"

@@ -204,16 +204,19 @@ class RaySampler:
         return self.records.cut_episodes
 
     def _round(self) -> None:
-        """Wait-for-all: one fragment from every node, booked in node order."""
+        """Wait-for-all: one fragment from every node, booked in node order. A node's error that
+        ends the round leaves the fragments that came booked: their nodes' episodes go on."""
         requests = [self._pool.submit(node, "steps", self.fragment_steps) for node in self._pool.nodes]
         answers: dict[int, tuple[Request, Any]] = {}
-        while len(answers) < len(requests):
-            for request, answer in self._receive():
-                if request in requests:
-                    answers[request.node] = (request, answer)
-                else:  # an answer to an earlier call
-                    self._book([(request, answer)])
-        self._book([answers[i] for i in sorted(answers)])
+        try:
+            while len(answers) < len(requests):
+                for request, answer in self._receive():
+                    if request in requests:
+                        answers[request.node] = (request, answer)
+                    else:  # an answer to an earlier call
+                        self._book([(request, answer)])
+        finally:
+            self._book([answers[i] for i in sorted(answers)])
 
     def _top_up(self) -> None:
         if not self.first_ready:
