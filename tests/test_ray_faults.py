@@ -403,3 +403,34 @@ def test_a_round_cut_by_a_nodes_error_keeps_the_fragments_that_came(tmp_path):
     assert set(rows.worker_ids.tolist()) == set(range(N))
     first_steps = {e: rows.next_observations[rows.episode_ids == e, 0][0] for e in np.unique(rows.episode_ids).tolist()}
     assert set(first_steps.values()) == {1.0}, f"episodes handed out without their first steps: {first_steps}"
+
+
+def test_every_request_a_node_raised_on_before_its_restart_is_answered_lost(tmp_path):
+    """Node restarts only: slot 3's env process dies in node 1's first fragment (its envs take a
+    quarter of a second a step), and node 1's sampler, which gave the process up, raises the second
+    fragment asked of it at once; both errors are in before the driver looks again. The next call restarts
+    node 1 once, and every request that died with it is answered as lost (counted), the second
+    error's too: a request taken with an error and then skipped (its node restarted meanwhile)
+    was never answered, and an episode request lost that way left ``obtain_exact_episodes``
+    waiting with nothing in flight, without end (fault schedule seed 60225)."""
+    marker = str(tmp_path / "struck")
+    sampler = RaySampler(FaultFactory("step_kill", marker, 0.25, slot=SLOT, slow=(2, 3)), FaultPolicy(None, marker),
+                         nodes=2, envs_per_node=2, envs_per_worker=1, fragment_steps=24, first_ready=True, in_flight=2,
+                         seed=0, timeout=TIMEOUT, start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=False,
+                         restart_nodes=True)
+    pids = node_trees(sampler)
+    try:
+        first = sampler.obtain_steps(8)  # node 0's first fragment; node 1's two are still stepping
+        assert set(first.worker_ids.tolist()) <= {0, 1}
+        time.sleep(5.0)  # node 1's two requests end with its errors meanwhile (the first by its 10th step)
+        started = time.monotonic()
+        episodes = sampler.obtain_exact_episodes(1)
+        assert time.monotonic() - started < TIMEOUT + MARGIN
+        restarts, lost = sampler.restart_count(NODE), sampler.stats.counters.get("lost_requests", 0)
+        pids += node_trees(sampler)
+    finally:
+        sampler.close()
+    assert not alive(pids)
+    assert sorted(episodes.worker_ids[episodes.dones].tolist()) == list(range(N))  # one whole episode each
+    assert restarts == 1
+    assert lost == 3  # node 1's two fragments and the episode request asked of it before the restart

@@ -335,6 +335,8 @@ class NodePool:
             fault = self._faults.pop(0)
             node = fault.node
             if self.supervisor.already(node.index, {node.index: fault.generation}) or self.supervisor.failure(node.index):
+                if fault.request is not None:  # answered with an error: it died with the node all the same
+                    out.append((fault.request, None))
                 continue  # restarted or given up meanwhile
             if fault.hung and (not node.queue or self._done(node.queue[0].ref)):
                 continue  # done meanwhile: the next wait takes it
