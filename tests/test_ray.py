@@ -163,6 +163,23 @@ def test_answers_come_before_a_node_error_and_the_error_next(tmp_path):
         sampler.close()
 
 
+def test_a_wait_with_nothing_asked_of_any_node_raises_at_once():
+    """Every request answered and booked, none asked: a wait could only return nothing for ever
+    (a caller's loop on it would spin with nothing in flight), so it raises, and the sampler
+    still collects afterwards."""
+    sampler = _sampler(in_flight=1)
+    pool = sampler._pool
+    try:
+        sampler.obtain_exact_episodes(1)
+        while any(node.queue for node in pool.nodes):  # the top-ups of streaming, if any, come in
+            sampler._wait()
+        with pytest.raises(EnvManagerError, match="no node holds a request"):
+            pool.wait()
+        assert len(sampler.obtain_steps(8)) == 8
+    finally:
+        sampler.close()
+
+
 def test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them():
     """Node 1 answered one request and died in the next; the driver sees both at once. The
     answer is booked before the node restarts, so the new node numbers its episodes on from

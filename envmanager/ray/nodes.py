@@ -313,14 +313,15 @@ class NodePool:
         (died, hung, its sampler raised) is handled by the next call, once the caller has
         booked them (so a restarted node goes on from every episode they hold); a request that
         died with its node is answered ``None`` after the node was restarted, or
-        ``RayNodeError`` is raised."""
+        ``RayNodeError`` is raised. With nothing asked of any node (and no fault to handle)
+        nothing can come: ``EnvManagerError`` at once, not an empty answer to loop on."""
         self.check_usable()
         self._check_updates()
         out: list[tuple[Request, Any]] = []
         if not self._faults:
             pending = [r.ref for node in self.nodes for r in node.queue]
-            if not pending:
-                return []
+            if not pending:  # a caller waiting on this would wait for ever (or spin): its own error, at once
+                raise EnvManagerError("ray sampler: waiting for answers, but no node holds a request (nothing can finish)")
             heads = {node.index: node.queue[0].ref for node in self.nodes if node.queue}  # only they can be booked first
             try:
                 ready, late = first_ready(heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
