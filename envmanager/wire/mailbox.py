@@ -351,7 +351,7 @@ class Mailboxes:
         self._info_rows = np.frombuffer(self._map, np.int64, n_words * INFO_WORDS, layout.block(INFOS)).reshape(n_words,
                                                                                                                  INFO_WORDS)
         self._info_ids = self._info_rows[:, 0]  # each env's info schema (0: none)
-        self._schemas: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        self._schemas: dict[int, _SchemaReader] = {}
         self._no_infos = bytes(8 * n_words)
         #: Whether an answer taken from the board had an info (until then ``infos`` has nothing to read).
         self.infos_seen = False
@@ -426,23 +426,17 @@ class Mailboxes:
         Python scalars for it; nothing for the slots whose env returned no info."""
         if not self.infos_seen or self._info_ids.tobytes() == self._no_infos:  # no env on the board has an info (the usual case)
             return []
-        slots = np.sort(slots)  # (blocks ascend, as answers' do)
+        if slots.size > 1:
+            slots = np.sort(slots)  # (blocks ascend, as answers' do)
         words = self.slot_word[slots]
         ids = self._info_ids[words]
-        if ids.tobytes() == self._no_infos[: 8 * ids.size]:
+        raw = ids.tobytes()
+        if raw == self._no_infos[: len(raw)]:
             return []
-        if ids.tobytes() == ids[:1].tobytes() * ids.size:  # one schema (the usual case)
-            groups: list[tuple[int, Any]] = [(int(ids[0]), slice(None))]
-        else:
-            groups = [(schema, ids == schema) for schema in sorted(set(ids.tolist())) if schema]
-        out = []
-        for schema, which in groups:
-            keys, dtypes = self._schemas[schema]
-            values = self._info_rows[words[which], 1 : 1 + len(keys)]
-            columns = [(values[:, j].view(np.float64) if dtype in _FLOAT_DTYPES else values[:, j]).astype(_dtype(dtype))
-                       for j, dtype in enumerate(dtypes)]
-            out.append((slots[which], keys, columns, tuple(d.startswith("py:") for d in dtypes)))
-        return out
+        if raw == raw[:8] * ids.size:  # one schema (the usual case)
+            return [self._schemas[int(ids[0])].read(self._info_rows, slots, words)]
+        return [self._schemas[schema].read(self._info_rows, slots[ids == schema], words[ids == schema])
+                for schema in sorted(set(ids.tolist())) if schema]
 
     def take_notice(self, p: int, words: list[int], ordinals: list[int], now: float,
                     schemas: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = ()) -> bool:
@@ -455,7 +449,7 @@ class Mailboxes:
             if requested[w] != ordinal or taken[w] == ordinal:
                 return False
         for schema, keys, dtypes in schemas:
-            self._schemas[schema] = (keys, dtypes)
+            self._schemas[schema] = _SchemaReader(keys, dtypes)
         self._board_seen[words] = [-o for o in ordinals]
         taken[words] = ordinals
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), taken.tobytes()
@@ -716,6 +710,24 @@ class WorkerMailbox:
             self._map.close()
         except BufferError:
             pass
+
+
+class _SchemaReader:
+    """How the parent reads one announced info schema's values off the info rows: its keys, each
+    value's word (a float64 or an int64) and column dtype, and which came as Python scalars."""
+
+    def __init__(self, keys: tuple[str, ...], dtypes: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.columns = [(1 + j, dtype in _FLOAT_DTYPES, np.dtype(_dtype(dtype))) for j, dtype in enumerate(dtypes)]
+        self.python = tuple(d.startswith("py:") for d in dtypes)
+
+    def read(self, rows: np.ndarray, slots: np.ndarray,
+             words: np.ndarray) -> tuple[np.ndarray, tuple[str, ...], list[np.ndarray], tuple[bool, ...]]:
+        """``slots``' values (their info rows at ``words``), one column per key."""
+        values = rows[words]
+        columns = [(values[:, j].view(np.float64) if is_float else values[:, j]).astype(dtype)
+                   for j, is_float, dtype in self.columns]
+        return slots, self.keys, columns, self.python
 
 
 def schema_id(keys: tuple[str, ...], dtypes: tuple[str, ...]) -> int:
