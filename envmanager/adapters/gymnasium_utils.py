@@ -134,7 +134,8 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
         if block.slots[0] == 0 and block.slots[-1] == num_envs - 1:
             for key, column in zip(block.keys, block.columns, strict=True):
                 infos[key] = column if column.flags.writeable and column.base is None else column.copy()
-                infos[f"_{key}"] = np.ones(num_envs, dtype=np.bool_)
+                every = _MASKS.get((num_envs, 0, num_envs))
+                infos[f"_{key}"] = (every if every is not None else _run_mask(num_envs, 0, num_envs)).copy()
             return infos
     for block in sorted(blocks, key=lambda b: int(b.slots.min())) if len(blocks) > 1 else blocks:
         for key, column in zip(block.keys, block.columns, strict=True):
