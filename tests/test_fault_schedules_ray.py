@@ -275,13 +275,15 @@ class RaySchedule:
                       env_update=set_version(self.env_version) if env else None)
 
     def env_raises(self, slot: int, kind: str) -> None:
-        command(self.commands, slot, kind)
-        self.armed[slot].add(kind)
-        self.faulted[slot // PER_NODE].add("env_raises")
+        if kind not in self.armed[slot]:  # (one that acted may still await its report: its error stays for a later call)
+            command(self.commands, slot, kind)
+            self.armed[slot].add(kind)
+            self.faulted[slot // PER_NODE].add("env_raises")
 
     def policy_raises(self) -> None:
-        command(self.commands, "policy", "raise")
-        self.armed["policy"].add("raise")
+        if "raise" not in self.armed["policy"]:
+            command(self.commands, "policy", "raise")
+            self.armed["policy"].add("raise")
 
     def env_hangs(self, slot: int) -> None:
         if self.hangs == 0:  # one per schedule at most: each costs the deadline
