@@ -29,6 +29,15 @@ class EnvManagerError(Exception):
     """Base class of every error raised by envmanager."""
 
 
+def failed_slots(error: BaseException) -> list[int]:
+    """The slots an envmanager error names (every slot of a process given up)."""
+    ids = getattr(error, "worker_ids", None)
+    if ids:
+        return [int(s) for s in ids]
+    slot = getattr(error, "worker_id", None)
+    return [int(slot)] if isinstance(slot, int) and slot >= 0 else []
+
+
 def who(worker_id: int, slots: tuple[int, ...] | list[int] | None = None, process: int | None = None) -> str:
     """How an error names a worker: ``worker 4 (process 1, slots 4–7)``; just ``worker 3``
     when the process hosts that one slot (``envs_per_worker=1``)."""

@@ -609,3 +609,46 @@ def test_exact_episodes_all_cut_before_their_first_step_are_admitted_again(tmp_p
             kill(sampler.manager.process_of(slot).pid)
         batch = sampler.obtain_exact_episodes(1)  # raised "every admitted episode was cut ..." before the fix
         assert batch.n_episodes == 2 and not batch.interrupted.any()
+
+
+def test_two_failed_resets_in_one_answer_are_raised_one_call_each(tmp_path) -> None:
+    """Both envs of one process raise in their first reset (one answer carries both failures;
+    restarts off; seed 61300 found it with two processes answering close together): the first
+    call raises one slot's error, the next the other's (it raised "no reset was sent to
+    worker(s) [...]": the core had dropped the slot from the resets it owed when the failure was
+    filed, not when it was raised), then collection goes on. (WorkerPolicySampler resets inside
+    its workers: one fragment's answer raises its first failure, and both episodes failed.)"""
+    for slot in range(2):
+        command(str(tmp_path), slot, "reset_raise")
+    with Sampler(ScheduleFactory(str(tmp_path)), 2, SchedulePolicy(str(tmp_path)), seed=0, context="fork", timeout=TIMEOUT,
+             envs_per_worker=2, restart_workers=False) as sampler:
+        raised = []
+        for _ in range(2):
+            with within(TIMEOUT + MARGIN, "obtain_steps()"), pytest.raises(WorkerError, match="reset_raise") as error:
+                sampler.obtain_steps(4)
+            raised.append(error.value.worker_id)
+        assert sorted(raised) == [0, 1]
+        assert len(sampler.obtain_steps(4)) == 4  # (the episode begun in the call that raised runs out unrecorded)
+
+
+def test_a_failed_reset_whose_error_waits_is_raised_when_asked_for(tmp_path) -> None:
+    """The core's half of the example above: two failed resets in one answer; asking for the
+    second slot's reset after the first error raises its error (it was sent, and failed), and
+    only once both were raised is it a reset never sent."""
+    from envmanager.core.batch import BatchEnvManager
+    from envmanager.errors import InvalidInputError
+
+    for slot in range(2):
+        command(str(tmp_path), slot, "reset_raise")
+    with BatchEnvManager(ScheduleFactory(str(tmp_path)), 2, envs_per_worker=2, context="fork", timeout=TIMEOUT) as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        with pytest.raises(WorkerError) as first:
+            m.receive_reset_batch([0, 1])
+        other = 1 - first.value.worker_id
+        with pytest.raises(WorkerError) as second:
+            m.receive_reset_batch([other])
+        assert second.value.worker_id == other
+        with pytest.raises(InvalidInputError, match="no reset was sent"):
+            m.receive_reset_batch([other])
+        m.send_reset({0: (0, None), 1: (1, None)})
+        assert sorted(m.receive_reset_batch([0, 1]).slots.tolist()) == [0, 1]

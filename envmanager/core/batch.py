@@ -55,7 +55,7 @@ from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LI
 from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotStatus
 from envmanager.core.supervisor import Decision, GiveUp, Supervisor
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, failed_slots
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
@@ -481,8 +481,10 @@ class BatchEnvManager:
         where this one stopped."""
         state = self._state
         wanted = set(state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
-        if not wanted <= state.owed_resets:
-            raise InvalidInputError(f"no reset was sent to worker(s) {sorted(wanted - state.owed_resets)}")
+        if not wanted <= state.owed_resets:  # (a failed reset is no longer owed, but its error still waits to be raised)
+            unsent = wanted - state.owed_resets - {s for e in state.reset_errors for s in failed_slots(e)}
+            if unsent:
+                raise InvalidInputError(f"no reset was sent to worker(s) {sorted(unsent)}")
         self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
                       timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
         if state.reset_errors:

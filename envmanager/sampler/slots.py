@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from envmanager.errors import InvalidInputError
+from envmanager.errors import InvalidInputError, failed_slots
 from envmanager.sampler.batches import Step
 from envmanager.sampler.stats import Stats
 
@@ -253,15 +253,6 @@ class EpisodeSlots:
         closed = self.close(slot, Outcome.CUT)
         self.slots[slot].replaced(generation)
         return closed
-
-
-def failed_slots(error: BaseException) -> list[int]:
-    """The slots an envmanager error names (every slot of a process given up)."""
-    ids = getattr(error, "worker_ids", None)
-    if ids:
-        return [int(s) for s in ids]
-    slot = getattr(error, "worker_id", None)
-    return [int(slot)] if isinstance(slot, int) and slot >= 0 else []
 
 
 
