@@ -617,7 +617,8 @@ def test_two_failed_resets_in_one_answer_are_raised_one_call_each(tmp_path) -> N
     call raises one slot's error, the next the other's (it raised "no reset was sent to
     worker(s) [...]": the core had dropped the slot from the resets it owed when the failure was
     filed, not when it was raised), then collection goes on. (WorkerPolicySampler resets inside
-    its workers: one fragment's answer raises its first failure, and both episodes failed.)"""
+    its workers: one fragment's answer raises its first failure and logs the other's: the next
+    test.)"""
     for slot in range(2):
         command(str(tmp_path), slot, "reset_raise")
     with Sampler(ScheduleFactory(str(tmp_path)), 2, SchedulePolicy(str(tmp_path)), seed=0, context="fork", timeout=TIMEOUT,
@@ -652,3 +653,20 @@ def test_a_failed_reset_whose_error_waits_is_raised_when_asked_for(tmp_path) -> 
             m.receive_reset_batch([other])
         m.send_reset({0: (0, None), 1: (1, None)})
         assert sorted(m.receive_reset_batch([0, 1]).slots.tolist()) == [0, 1]
+
+
+def test_a_fragments_second_failure_is_logged_with_its_traceback(tmp_path, caplog) -> None:
+    """WorkerPolicySampler: both envs of one process fail their first reset inside one fragment
+    (restarts off). The call raises the first's error; the other's, whose episode failed with
+    it, is logged with its traceback, not dropped."""
+    for slot in range(2):
+        command(str(tmp_path), slot, "reset_raise")
+    with WorkerPolicySampler(ScheduleFactory(str(tmp_path)), 2, SchedulePolicy(str(tmp_path)), seed=0, context="fork",
+                             timeout=TIMEOUT, envs_per_worker=2, restart_workers=False) as sampler:
+        with caplog.at_level("ERROR", logger="envmanager.sampler.worker_policy"), \
+                pytest.raises(WorkerError, match="slot 0: reset_raise") as error:
+            sampler.obtain_steps(4)
+        assert error.value.worker_id == 0
+        logged = [r.getMessage() for r in caplog.records if "same fragment" in r.getMessage()]
+        assert len(logged) == 1 and "slot 1: reset_raise" in logged[0] and "Traceback" in logged[0], logged
+        assert len(sampler.obtain_steps(4)) == 2 * 4  # (steps per slot, here)

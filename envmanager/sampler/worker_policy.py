@@ -355,6 +355,9 @@ class WorkerPolicySampler:
         error = None
         if failures:
             first = min(failures)
+            for i in sorted(failures)[1:]:  # one fault decides for them all, raised (or absorbed) as the first's
+                logger.error("worker-side sampler: %s (in the same fragment as worker %d's failure)",
+                             worker_error(failures[i], p), slots[first])
             error = self._fault(p, worker_error(failures[first], p), [slots[i] for i in sorted(failures)],
                                 envs_raised=set(answer["env_raised"]) == set(failures))
         self._count_empty(empty, absorbed=error is None)
