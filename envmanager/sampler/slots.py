@@ -255,7 +255,6 @@ class EpisodeSlots:
         return closed
 
 
-
 def raise_given_up(manager: BatchEnvManager, episodes: EpisodeSlots) -> None:
     """A process the pool gave up on (past the restart limits, or dead with restarts off): its
     error, at once, on every call of a sampler -- the first one given up's, so the same error
