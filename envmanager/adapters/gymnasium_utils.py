@@ -132,10 +132,12 @@ def infos_from_columns(blocks: Sequence[InfoBlock], num_envs: int) -> dict[str, 
     if len(blocks) == 1 and len(blocks[0].slots) == num_envs:  # every env, in order (distinct slots of [0, n)): one block
         block = blocks[0]
         if block.slots[0] == 0 and block.slots[-1] == num_envs - 1:
+            every = _MASKS.get((num_envs, 0, num_envs))
+            if every is None:
+                every = _run_mask(num_envs, 0, num_envs)
             for key, column in zip(block.keys, block.columns, strict=True):
                 infos[key] = column if column.flags.writeable and column.base is None else column.copy()
-                every = _MASKS.get((num_envs, 0, num_envs))
-                infos[f"_{key}"] = (every if every is not None else _run_mask(num_envs, 0, num_envs)).copy()
+                infos[f"_{key}"] = every.copy()
             return infos
     for block in sorted(blocks, key=lambda b: int(b.slots.min())) if len(blocks) > 1 else blocks:
         for key, column in zip(block.keys, block.columns, strict=True):
