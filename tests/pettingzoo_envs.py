@@ -5,6 +5,7 @@ seeded policy that gives actions as dicts (PettingZoo's) and as the vector's arr
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from typing import Any
@@ -13,7 +14,10 @@ os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame, in this process and
 
 import numpy as np
 from gymnasium import spaces
+from pettingzoo import ParallelEnv
 from pettingzoo.utils.wrappers import BaseParallelWrapper, BaseWrapper
+
+from schedule_envs import consume, episode_length
 
 
 def pistonball() -> Any:
@@ -192,3 +196,115 @@ def spread_mask_in_info() -> Any:
     from mpe2 import simple_spread_v3
 
     return MaskInInfo(simple_spread_v3.parallel_env(N=3, max_cycles=5))
+
+
+class MaskInObservation(BaseParallelWrapper):
+    """A real env whose observations are as PettingZoo's classic games have them:
+    ``{"observation": ..., "action_mask": ...}``, the mask changing with the step."""
+
+    def __init__(self, env: Any) -> None:
+        super().__init__(env)
+        self.t = 0
+        self._spaces = {a: spaces.Dict({"observation": env.observation_space(a),
+                                        "action_mask": spaces.Box(0, 1, (int(env.action_space(a).n),), np.int8)})
+                        for a in env.possible_agents}
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self._spaces[agent]
+
+    def _with_masks(self, obs: dict) -> dict:
+        out = {}
+        for agent, o in obs.items():
+            mask = np.ones(self._spaces[agent]["action_mask"].shape, np.int8)
+            mask[self.t % mask.size] = 0
+            out[agent] = {"observation": o, "action_mask": mask}
+        return out
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.t = 0
+        obs, infos = self.env.reset(seed=seed, options=options)
+        return self._with_masks(obs), infos
+
+    def step(self, actions: dict) -> Any:
+        self.t += 1
+        obs, rew, term, trunc, infos = self.env.step(actions)
+        return self._with_masks(obs), rew, term, trunc, infos
+
+
+def spread_mask_in_observation() -> Any:
+    from mpe2 import simple_spread_v3
+
+    return MaskInObservation(simple_spread_v3.parallel_env(N=3, max_cycles=4))
+
+
+class ScheduleParallelEnv(ParallelEnv):
+    """A ``ParallelEnv`` for the randomized fault schedules (``tests/test_fault_schedules_pettingzoo.py``):
+    two agents, each observing ``[slot, agent, episode, t, last action it received, nonce]``
+    (``schedule_envs``' layout with the agent's index in place of the env version), the first
+    terminating at ``episode_length(slot, episode)`` steps, the second one step later: agents die
+    at different times. Faults on command, as ``schedule_envs.ScheduleEnv``'s."""
+
+    metadata = {"name": "schedule_v0", "is_parallelizable": True}
+    possible_agents = ["a0", "a1"]
+
+    def __init__(self, slot: int, commands: str) -> None:
+        self.slot, self.commands = slot, commands
+        self.nonce = float(secrets.randbits(40))  # exact in a float64
+        self.episode, self.t = 0, 0
+        self.last = [-1.0, -1.0]
+        self.agents: list[str] = []
+
+    OBSERVATION = spaces.Box(-np.inf, np.inf, (6,), np.float64)
+    ACTION = spaces.Discrete(4)
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self.OBSERVATION
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self.ACTION
+
+    def length(self, agent: int) -> int:
+        return episode_length(self.slot, self.episode) + agent
+
+    def _obs(self, agent: int) -> np.ndarray:
+        return np.array([self.slot, agent, self.episode, self.t, self.last[agent], self.nonce], dtype=np.float64)
+
+    def _fault(self, fault: str) -> None:
+        if consume(self.commands, self.slot, fault):
+            if fault.endswith("raise"):
+                raise RuntimeError(f"slot {self.slot}: {fault} on command")
+            time.sleep(600)  # hung: the manager's deadline kills the process
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self._fault("reset_raise")
+        self.episode += 1
+        self.t, self.last = 0, [-1.0, -1.0]
+        self.agents = list(self.possible_agents)
+        return {a: self._obs(i) for i, a in enumerate(self.agents)}, {a: {} for a in self.agents}
+
+    def step(self, actions: dict) -> Any:
+        for fault in ("step_raise", "step_hang"):
+            self._fault(fault)
+        self.t += 1
+        acting = list(self.agents)
+        obs, rewards, terminated, truncated, infos = {}, {}, {}, {}, {}
+        for a in acting:
+            i = self.possible_agents.index(a)
+            self.last[i] = float(actions[a])  # exactly what it received
+            obs[a], rewards[a] = self._obs(i), float(i)
+            terminated[a], truncated[a], infos[a] = self.t >= self.length(i), False, {}
+        self.agents = [a for a in acting if not terminated[a]]
+        return obs, rewards, terminated, truncated, infos
+
+    def close(self) -> None:
+        pass
+
+
+class ScheduleParallelFn:
+    """An ``env_fns`` entry of :class:`ScheduleParallelEnv` (a callable without arguments)."""
+
+    def __init__(self, slot: int, commands: str) -> None:
+        self.slot, self.commands = slot, commands
+
+    def __call__(self) -> ScheduleParallelEnv:
+        return ScheduleParallelEnv(self.slot, self.commands)

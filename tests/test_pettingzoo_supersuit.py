@@ -141,8 +141,12 @@ def test_mpe_spread_equals_supersuit_on_the_sb3_side():
 def test_one_env_alone_and_supersuits_own_to_vec_env_accepted():
     """``pettingzoo_env_to_vec_env`` alone is a vector env of one env's agents (started at its
     first reset); ``concat_vec_envs`` takes SuperSuit's ``MarkovVectorEnv`` as well."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     alone = pettingzoo_env_to_vec_env(pistonball())
-    assert alone.closed and alone.num_envs == 3
+    assert not alone.closed and alone.num_envs == 3
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before  # started at its first reset
     reference = ss.pettingzoo_env_to_vec_env_v1(pistonball())
     try:
         run_side_by_side(alone, reference, 10, seed=3)
@@ -324,3 +328,83 @@ def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
         venv.step(actions)  # and on it goes
     finally:
         venv.close()
+
+
+def assert_trees_equal(got, expected, what: str) -> None:
+    """Equal observations, a dict of arrays (an env's ``Dict`` space) or an array."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and set(got) == set(expected), f"{what}: keys {got!r:.80} != {list(expected)}"
+        for key in expected:
+            assert_trees_equal(got[key], expected[key], f"{what}[{key!r}]")
+        return
+    np.testing.assert_array_equal(got, expected, err_msg=what)
+    assert np.asarray(got).dtype == np.asarray(expected).dtype, what
+
+
+@pytest.mark.parametrize("base_class", ["gymnasium", "stable_baselines3"])
+def test_an_action_mask_in_the_observation_stays_in_it_as_supersuits(base_class):
+    """An env whose observations are ``{"observation", "action_mask"}`` (PettingZoo's classic
+    convention): the rows keep the mask, as the declared ``observation_space`` says, and so do
+    the terminal observations."""
+    import pettingzoo_envs
+
+    env = pettingzoo_envs.spread_mask_in_observation
+    reference = theirs(env(), 2, base_class)
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(env()), 2, num_cpus=2, base_class=base_class)
+    try:
+        assert ours.observation_space == reference.observation_space
+        if base_class == "gymnasium":
+            got, expected = ours.reset(seed=3)[0], reference.reset(seed=3)[0]
+        else:
+            ours.seed(3)
+            got, (expected, _) = ours.reset(), reference.venv.reset(seed=3)  # SuperSuit's SB3 seed() raises
+        assert_trees_equal(got, expected, "reset")
+        ends = 0
+        for t in range(9):
+            actions = np.full(ours.num_envs, (t + 2) % 5)
+            if base_class == "gymnasium":
+                got, expected = ours.step(actions), reference.step(actions)
+                infos_got, infos_expected = got[4], expected[4]
+            else:
+                got, expected = ours.step(actions), reference.step(actions)
+                infos_got, infos_expected = got[3], expected[3]
+            assert_trees_equal(got[0], expected[0], f"step {t}")
+            for row in range(ours.num_envs):
+                assert ("terminal_observation" in infos_got[row]) == ("terminal_observation" in infos_expected[row])
+                if "terminal_observation" in infos_expected[row]:
+                    ends += 1
+                    assert_trees_equal(infos_got[row]["terminal_observation"], infos_expected[row]["terminal_observation"],
+                                       f"step {t} row {row} terminal_observation")
+                    assert ours.observation_space.contains(infos_got[row]["terminal_observation"])
+            assert ours.observation_space.contains({k: v[0] for k, v in got[0].items()})
+        assert ends == 2 * 6  # both envs ended twice (max_cycles=4), 3 agents each
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_after_close_every_call_raises_and_nothing_starts():
+    """``close()`` is final, as SuperSuit's: a step or reset afterwards raises (ours:
+    ``ManagerClosedError``) and starts no process."""
+    import psutil
+
+    from envmanager.errors import ManagerClosedError
+
+    def children() -> set[int]:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+
+    before = children()  # (multiprocessing's helpers)
+    venv = concat_vec_envs(pettingzoo_env_to_vec_env(spread()), 2, num_cpus=2)
+    venv.reset(seed=0)
+    venv.close()
+    assert venv.closed
+    for call in (lambda: venv.step(np.zeros(6, np.int64)), lambda: venv.reset(seed=0), venv.render):
+        with pytest.raises(ManagerClosedError):
+            call()
+    assert venv.closed and children() == before
+    venv.close()  # again: nothing to do
+    alone = pettingzoo_env_to_vec_env(spread())  # never started: closing it is final too
+    alone.close()
+    with pytest.raises(ManagerClosedError):
+        alone.reset(seed=0)
+    assert children() == before

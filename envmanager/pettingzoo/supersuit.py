@@ -29,9 +29,10 @@ import cloudpickle
 import gymnasium
 import numpy as np
 
-from envmanager.errors import InvalidInputError
+from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
+from envmanager.pettingzoo.layout import MASK_KEY
 from envmanager.pettingzoo.vector import ParallelVectorEnv
 
 with requires_extra("pettingzoo", __name__):
@@ -90,6 +91,12 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
                     f"{env.action_space(agent)} against {self.observation_space}, {self.action_space}): one row per "
                     "agent needs one space for all (pad them, as SuperSuit's pad_observations_v0 / "
                     "pad_action_space_v0 do, or use ParallelVectorEnv, which groups agents by space)")
+        # An action mask of Discrete actions the env puts in its observations (``MASK_KEY``): the
+        # rows carry it too (the workers hand it out apart from the rest of the observation).
+        spaces: dict[str, Any] = getattr(self.observation_space, "spaces", None) or {}
+        masked = isinstance(spaces, dict) and isinstance(self.action_space, gymnasium.spaces.Discrete)
+        self._mask_space = spaces.get(MASK_KEY) if masked else None
+        self._observation_keys = tuple(spaces) if self._mask_space is not None else ()  # (in the space's order)
         self.metadata = dict(getattr(env, "metadata", None) or {})
         self.render_mode = getattr(env.unwrapped, "render_mode", None)
         self.num_agents = len(agents)
@@ -105,12 +112,15 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         #: Per row: the infos of its env's latest reset (by ``reset()`` or within a step).
         self.reset_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         self._actions: Any = None
+        self._closed = False
 
     # ------------------------------------------------------------------------------------------
 
     @property
     def vector(self) -> ParallelVectorEnv:
         """The :class:`ParallelVectorEnv` underneath (its processes started on first use)."""
+        if self._closed:
+            raise ManagerClosedError("the vector env is closed")
         if self._vector is None:
             self._vector = ParallelVectorEnv([self._copy] * self.num_vec_envs, envs_per_worker=self.envs_per_worker,
                                              agent_groups={"agents": list(self.possible_agents)}, **self._kwargs)
@@ -125,7 +135,7 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         batch = self.vector.reset(seed=seed, options=options)
         self.active = batch.active.copy()
         self.reset_infos = self._row_infos(batch)
-        return _copy(batch.observation), [dict(info) for info in self.reset_infos]
+        return self._observations(batch), [dict(info) for info in self.reset_infos]
 
     def step_async(self, actions: Any) -> None:
         self._actions = actions
@@ -143,7 +153,7 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
                                     f"envs x {self.num_agents} agents), got shape {actions.shape}")
         batch = vector.step(actions)
-        observations = _copy(batch.observation)
+        observations = self._observations(batch)
         infos = self._row_infos(batch)
         rewards = batch.reward.astype(np.float32)
         terminations, truncations = batch.terminated.copy(), batch.truncated.copy()
@@ -159,12 +169,24 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
                 infos[row]["terminal_observation"] = _row(observations, row)
             vector.send(np.zeros_like(actions[rows]), env_ids=ended)  # read by no one: the env's next step is its reset
             reset = vector.recv(len(ended), sort=True)
-            _put_rows(observations, rows, reset.observation)
+            _put_rows(observations, rows, self._observations(reset))
             self.active[rows] = reset.active
             for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):
                 infos[row].update(info)
                 self.reset_infos[row] = info
         return observations, rewards, terminations, truncations, infos
+
+    def _observations(self, batch: MultiAgentBatch) -> Any:
+        """The batch's observations (a copy) as the env's space has them: with its action mask
+        where the env puts one in (the mask of a row whose agent is not there: zeros, as the
+        rest of the row)."""
+        observations = _copy(batch.observation)
+        if self._mask_space is None:
+            return observations
+        assert batch.action_mask is not None  # (Discrete actions: the batch has masks)
+        mask = np.where(batch.present[:, None], batch.action_mask, False).astype(self._mask_space.dtype)
+        rest = observations if isinstance(observations, dict) else {"observation": observations}
+        return {key: mask if key == MASK_KEY else rest[key] for key in self._observation_keys}
 
     def _row_infos(self, batch: MultiAgentBatch) -> list[dict]:
         return [dict(infos.get(agent, {})) for infos in batch.infos for agent in self.possible_agents]
@@ -184,13 +206,15 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         return [False] * self.num_envs
 
     def close(self, **kwargs: Any) -> None:
+        """End every worker and free shared memory; every later call raises (as SuperSuit's). Idempotent."""
+        self._closed = True
         vector, self._vector = self._vector, None
         if vector is not None:
             vector.close()
 
     @property
     def closed(self) -> bool:  # type: ignore[override]
-        return self._vector is None
+        return self._closed
 
     def __del__(self) -> None:
         try:
