@@ -125,6 +125,7 @@ SLOW_BECAUSE = {
         "test_fault_schedules.py::*",
         "test_fault_schedules_dropins.py::*",
         "test_fault_schedules_ray.py::*",
+        "test_fault_schedules_pettingzoo.py::*",
         "mlagents/test_fault_schedules_mlagents.py::*",
         "test_envpool_loop.py::test_envpool_loop_*",  # its hypothesis properties; the regressions stay
         "vector/test_sloppy_returns.py::test_*_sloppy_returns_as_reference*",  # 50 examples each
