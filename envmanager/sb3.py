@@ -11,8 +11,9 @@ Switch by changing one import::
 Semantics are SB3's ``SubprocVecEnv``: a finished episode is reset at once, its last
 observation is in ``info["terminal_observation"]``, ``info["TimeLimit.truncated"]`` is
 ``truncated and not terminated`` and ``reset_infos[i]`` holds the new episode's reset info;
-``seed()``/``set_options()`` apply at the next ``reset()``. What changes is underneath:
-observations and actions travel in shared memory, every wait has a deadline, an exception
+``seed()``/``set_options()`` apply at the next ``reset()``; env ``i`` gets ``actions[i]`` as
+given (checked first, not converted). What changes is underneath: observations and actions
+travel in shared memory (actions of the space's own dtype), every wait has a deadline, an exception
 in an env arrives with the worker's traceback (``envmanager.WorkerError``), a dead worker is
 reported (``WorkerDiedError``) instead of a bare ``EOFError``, and ``close()`` reaps every
 process. Rewards come back as ``float32`` (as ``DummyVecEnv``), observations with the dtype
@@ -170,11 +171,9 @@ class SubprocVecEnv(VecEnv):
         if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
             raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
         self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
-        kinds = self._per_env_types
-        per_slot = manager.actions.space is None or bool(kinds and isinstance(actions, kinds))
-        batch = list(actions) if per_slot else actions
+        batch, per_slot, as_given = self._as_handed(manager, actions)
         try:
-            manager.send_batch(self._all, batch, per_slot=per_slot)
+            manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
         except EnvManagerError:
             if not manager.in_flight():
                 raise
@@ -185,8 +184,24 @@ class SubprocVecEnv(VecEnv):
         # anything: only then is in_flight() (a walk over every process) worth asking.
         manager.wait_idle()  # a worker restarted while idle is still booting
         self._take_cut(manager.receive_unreceived())
-        manager.send_batch(self._all, batch, per_slot=per_slot)
+        manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
         self.waiting = True
+
+    def _as_handed(self, manager: BatchEnvManager, actions: Any) -> tuple[Any, bool, bool]:
+        """``send_batch``'s ``(actions, per_slot, as_given)`` for a batch of actions: checked
+        (bad input reaches no env), then env ``i`` gets ``actions[i]`` as SB3's workers get it —
+        through shared memory when the batch is of the space's own dtype and shape (what SB3's
+        algorithms give), else each row as it is (a float64 row for a float32 ``Box``, a Python
+        ``int`` from a list), not converted."""
+        checker = manager.actions
+        kinds = self._per_env_types
+        if checker.space is None or (kinds and isinstance(actions, kinds)):
+            return list(actions), True, False  # one action per env (Dict / Tuple spaces): stacked and checked
+        checked = checker.batch(actions, self._all)
+        if type(actions) is np.ndarray and type(checked) is np.ndarray and checked.dtype == actions.dtype \
+                and checked.shape == actions.shape:
+            return checked, False, True  # (as given: already checked)
+        return list(actions), True, True
 
     def _take_cut(self, early: StepBatch | None) -> None:
         """What a restart of an idle worker delivered, if anything: its episodes ended where we

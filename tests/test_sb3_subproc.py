@@ -272,6 +272,61 @@ def test_bad_use_is_rejected_before_anything_is_sent(subproc):
     vec.step(np.zeros(N, dtype=np.int64))  # nothing got out of step
 
 
+class ActionRecorder(gym.Env):
+    """Reports, in its info, the type, dtype and value of the action it received."""
+
+    observation_space = spaces.Box(-np.inf, np.inf, (1,), np.float64)
+
+    def __init__(self, act_kind="box"):
+        self.action_space = spaces.Discrete(3) if act_kind == "discrete" else spaces.Box(-2, 2, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1), {}
+
+    def step(self, action):
+        got = {"type": type(action).__name__, "dtype": str(getattr(action, "dtype", None)),
+               "value": np.asarray(action).tolist()}
+        return np.zeros(1), 0.0, False, False, got
+
+
+@pytest.mark.parametrize("act_kind,actions", [
+    ("box", np.array([[0.1], [-1.3], [1.7], [0.0]])),  # float64 rows for a float32 Box
+    ("box", np.array([[0.1], [-1.3], [1.7], [0.0]], np.float32)),  # the space's own dtype (shared memory)
+    ("discrete", np.array([0, 2, 1, 2], np.int32)),
+    ("discrete", np.array([0, 2, 1, 2])),
+    ("discrete", [0, 2, 1, 2]),
+])
+def test_each_env_gets_its_action_as_given_as_sb3s(subproc, dummy, act_kind, actions):
+    """SB3 hands env ``i`` ``actions[i]`` unconverted (``DummyVecEnv`` and ``SubprocVecEnv``
+    alike): so does ours, checked first, whatever the layout."""
+    for options in ({}, {"envs_per_worker": 2}, {"shared_memory": False}):
+        make = [functools.partial(ActionRecorder, act_kind)] * N
+        vec, ref = subproc(make, **options), dummy(make)
+        vec.reset()
+        ref.reset()
+        got, expected = vec.step(actions)[3], ref.step(actions)[3]
+        assert got == expected, options
+
+
+def test_float64_actions_give_sb3s_trajectories():
+    """Pendulum with float64 actions: the env computes with them as given (SB3's trajectory to
+    the last bit, not one of actions rounded to float32 first)."""
+    make = [lambda: gym.make("Pendulum-v1")] * 2
+    actions = np.random.default_rng(0).uniform(-2, 2, (60, 2, 1))
+    out = []
+    for vec in (SubprocVecEnv(make, "fork"), DummyVecEnv(make)):
+        try:
+            vec.seed(0)
+            vec.reset()
+            for a in actions:
+                obs = vec.step(a)[0]
+            out.append(obs)
+        finally:
+            vec.close()
+    np.testing.assert_array_equal(out[0], out[1])
+
+
 def test_env_exception_carries_traceback_and_reset_recovers(subproc):
     vec = subproc(fns(3, max_len=100, fail_at=2) + fns(1, max_len=100))
     vec.reset()
