@@ -196,7 +196,7 @@ class WorkerEnvs:
                     words[at] = self._steps[i]
                     obs, reward, terminated, truncated, info = env.step(action)
                     if (terminated or truncated) and mode == SAME_STEP:
-                        final = {"final_obs": obs, "final_info": info}
+                        final = {"final_info": info, "final_obs": obs}  # (AsyncVectorEnv's order)
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}
@@ -250,7 +250,7 @@ class WorkerEnvs:
                     # A copy of an array row: the env may keep its action.
                     obs, reward, term, trunc, info = env.step(action[slot].copy() if rows_are_arrays else action[slot])
                     if (term or trunc) and same_step:
-                        final = {"final_obs": obs, "final_info": info}
+                        final = {"final_info": info, "final_obs": obs}  # (AsyncVectorEnv's order)
                         words[at] = self._resets[i]
                         obs, info = env.reset()
                         info = {**final, **info}

@@ -107,6 +107,19 @@ def test_explicit_reset_after_episode_end(make_async, make_sync, mode, shared_me
 # --------------------------------------------------------------------------- constructor, attributes
 
 
+def test_same_step_infos_in_async_vector_envs_key_order(make_async):
+    """An env that ended in a same-step autoreset: its ``final_info`` comes before its
+    ``final_obs`` in the infos, as ``AsyncVectorEnv``'s worker builds them (``SyncVectorEnv``
+    the other way round)."""
+    vec = make_async([lambda: gymnasium.make("CartPole-v1")] * 2, autoreset_mode=AutoresetMode.SAME_STEP)
+    vec.reset(seed=0)
+    for _ in range(200):  # one action always: CartPole falls within a few dozen steps
+        infos = vec.step(np.zeros(2, np.int64))[4]
+        if "final_obs" in infos:
+            break
+    assert list(infos) == ["final_info", "_final_info", "final_obs", "_final_obs"]
+
+
 def test_constructor_signature_matches_gymnasium(impl):
     ours = inspect.signature(impl).parameters
     theirs = inspect.signature(gymnasium.vector.AsyncVectorEnv).parameters
