@@ -44,6 +44,7 @@ from envmanager.extras import requires_extra
 from envmanager.wire.shm import tree_map
 
 with requires_extra("sb3", __name__):
+    from stable_baselines3.common.vec_env import subproc_vec_env
     from stable_baselines3.common.vec_env.base_vec_env import (
         VecEnv,
         VecEnvIndices,
@@ -355,6 +356,11 @@ class SubprocVecEnv(VecEnv):
             self._manager.close()
         self.waiting = False
         self.closed = True
+
+
+# SB3 branches on ``isinstance(venv, SubprocVecEnv)`` (``VecVideoRecorder`` takes the env's own
+# metadata, its ``render_fps``, only for its vec envs): ours is one to such checks.
+subproc_vec_env.SubprocVecEnv.register(SubprocVecEnv)
 
 
 # ----------------------------------------------------------------------------------------------

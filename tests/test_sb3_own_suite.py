@@ -1,4 +1,5 @@
-"""SB3's own ``tests/test_vec_envs.py``, run against ``envmanager.sb3.SubprocVecEnv``.
+"""SB3's own ``tests/test_vec_envs.py`` (and its other SubprocVecEnv cases that add to it),
+run against ``envmanager.sb3.SubprocVecEnv``.
 
 Drop-in means SB3's own suite is the standard. The installed SB3 version's sdist is downloaded
 with pip (cached under ``.sb3-sdist/`` in the repo, gitignored), its vec-env test module is
@@ -9,6 +10,7 @@ they test SB3, not us). Skips only when SB3 is missing or the sdist cannot be ha
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -25,6 +27,16 @@ import envmanager  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".sb3-sdist"
 SUITE = "test_vec_envs.py"
+#: SB3's other tests that build a SubprocVecEnv, those that add what SUITE does not check (real
+#: training with Dict observations and their terminal observations, HER's env_method calls,
+#: make_vec_env's options); the rest of them repeat these paths.
+MORE = [
+    "test_dict_env.py::test_multiprocessing[A2C]",
+    "test_dict_env.py::test_multiprocessing[SAC]",
+    "test_her.py::test_multiprocessing[False-DQN]",
+    "test_utils.py::test_custom_vec_env",
+    "test_utils.py::test_make_vec_env[RecordEpisodeStatistics-SubprocVecEnv-2-<lambda>]",
+]
 
 CONFTEST = '''
 import stable_baselines3.common.vec_env as vec_env
@@ -79,10 +91,16 @@ def test_sb3_own_vec_env_suite_passes_with_our_subproc_vec_env(tmp_path: Path) -
     suite = _extract_tests(_sdist(sb3.__version__), tmp_path)
     (suite.parent / "conftest.py").write_text(CONFTEST)
     ours = str(Path(envmanager.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ours, os.environ.get("PYTHONPATH")) if p))
+    paths = [ours, os.environ.get("PYTHONPATH")]
+    if importlib.util.find_spec("ale_py") is None:  # test_utils imports it (the worker re-imports test_utils)
+        (tmp_path / "stubs" / "ale_py").mkdir(parents=True)
+        (tmp_path / "stubs" / "ale_py" / "__init__.py").write_text("")
+        paths.append(str(tmp_path / "stubs"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         "-W", "ignore::DeprecationWarning", "-k", "not DummyVecEnv", str(suite)],
+         "-W", "ignore::DeprecationWarning", "-k", "not DummyVecEnv", str(suite),
+         *(str(suite.parent / more) for more in MORE)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     out = done.stdout + done.stderr

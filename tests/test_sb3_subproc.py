@@ -259,6 +259,30 @@ def test_render_and_get_images(subproc, dummy):
         assert no_render.get_images() == [None, None]
 
 
+def test_sb3s_own_isinstance_checks_see_a_subprocvecenv(subproc, monkeypatch, tmp_path):
+    """SB3 branches on ``isinstance(venv, SubprocVecEnv)``: ``VecVideoRecorder`` takes the env's
+    own metadata (its ``render_fps``) only for its vec envs. Ours is one to such checks, so a
+    recording runs at the env's frame rate as with SB3's class (it fell back to 30 fps)."""
+    import sys
+    import types
+
+    from stable_baselines3.common.vec_env import SubprocVecEnv as SB3SubprocVecEnv
+    from stable_baselines3.common.vec_env import VecVideoRecorder
+
+    monkeypatch.setitem(sys.modules, "moviepy", types.ModuleType("moviepy"))  # (only imported, nothing recorded)
+    env_fns = [lambda: gym.make("CartPole-v1", render_mode="rgb_array")] * 2
+    ours = subproc(env_fns)
+    assert isinstance(ours, SB3SubprocVecEnv)
+    reference = SB3SubprocVecEnv(env_fns, "fork")
+    try:
+        fps = [VecVideoRecorder(vec, str(tmp_path), lambda step: False).frames_per_sec for vec in (ours, reference)]
+    finally:
+        reference.close()
+        for remote in reference.remotes:  # (SB3 leaves its pipes to the collector)
+            remote.close()
+    assert fps == [50, 50]  # CartPole's render_fps, as with SB3's class (ours was 30: the fallback)
+
+
 def test_bad_use_is_rejected_before_anything_is_sent(subproc):
     vec = subproc(fns())
     vec.reset()
