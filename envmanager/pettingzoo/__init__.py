@@ -24,6 +24,7 @@ from envmanager.pettingzoo.layout import AgentGroup, AgentLayout
 from envmanager.pettingzoo.sampler import ActingAgents, AgentSample, MultiAgentSampler
 from envmanager.pettingzoo.supersuit import (
     PettingZooVecEnv,
+    UnsupportedEnvError,
     concat_vec_envs,
     concat_vec_envs_v1,
     pettingzoo_env_to_vec_env,
@@ -33,5 +34,5 @@ from envmanager.pettingzoo.vector import ParallelVectorEnv
 
 __all__ = ["ParallelVectorEnv", "MultiAgentSampler", "AgentSample", "ActingAgents",
            "MultiAgentBatch", "GroupBatch", "AgentStep", "AgentGroup", "AgentLayout",
-           "PettingZooVecEnv", "concat_vec_envs", "concat_vec_envs_v1", "pettingzoo_env_to_vec_env",
+           "PettingZooVecEnv", "UnsupportedEnvError", "concat_vec_envs", "concat_vec_envs_v1", "pettingzoo_env_to_vec_env",
            "pettingzoo_env_to_vec_env_v1"]

@@ -38,10 +38,16 @@ from envmanager.pettingzoo.vector import ParallelVectorEnv
 with requires_extra("pettingzoo", __name__):
     from pettingzoo.utils.env import ParallelEnv
 
-__all__ = ["PettingZooVecEnv", "concat_vec_envs", "concat_vec_envs_v1", "pettingzoo_env_to_vec_env",
-           "pettingzoo_env_to_vec_env_v1"]
+__all__ = ["PettingZooVecEnv", "UnsupportedEnvError", "concat_vec_envs", "concat_vec_envs_v1",
+           "pettingzoo_env_to_vec_env", "pettingzoo_env_to_vec_env_v1"]
 
 BASE_CLASSES = ("gymnasium", "stable_baselines3")
+
+
+class UnsupportedEnvError(InvalidInputError, AssertionError):
+    """An env that SuperSuit's wrappers refuse with an ``assert`` (not a ``ParallelEnv``, no
+    ``possible_agents``, agents with different spaces): an :class:`~envmanager.InvalidInputError`
+    and an ``AssertionError``, so code written against SuperSuit still catches it."""
 
 
 class _EnvCopy:
@@ -86,7 +92,7 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         self.action_space = env.action_space(agents[0])
         for agent in agents:
             if env.observation_space(agent) != self.observation_space or env.action_space(agent) != self.action_space:
-                raise InvalidInputError(
+                raise UnsupportedEnvError(
                     f"agent {agent!r} has other spaces than {agents[0]!r} ({env.observation_space(agent)}, "
                     f"{env.action_space(agent)} against {self.observation_space}, {self.action_space}): one row per "
                     "agent needs one space for all (pad them, as SuperSuit's pad_observations_v0 / "
@@ -266,11 +272,11 @@ def pettingzoo_env_to_vec_env(parallel_env: Any) -> PettingZooVecEnv:
     Used alone it runs the env in one worker process, started at its first ``reset``. Agents may
     die (no ``black_death`` needed); all agents must share one observation and action space."""
     if not isinstance(parallel_env, ParallelEnv):
-        raise InvalidInputError(
+        raise UnsupportedEnvError(
             f"pettingzoo_env_to_vec_env takes a PettingZoo ParallelEnv, got {type(parallel_env).__name__} (an AEC env "
             "converts with pettingzoo.utils.conversions.aec_to_parallel, or run it with ParallelVectorEnv)")
     if not getattr(parallel_env, "possible_agents", None):
-        raise InvalidInputError("the env passed to pettingzoo_env_to_vec_env must have possible_agents")
+        raise UnsupportedEnvError("the env passed to pettingzoo_env_to_vec_env must have possible_agents")
     return PettingZooVecEnv(parallel_env, 1)
 
 
