@@ -71,8 +71,9 @@ from envmanager.wire.messages import (
     Reset,
     Stepped,
     decode_answer,
-    decode_steps_answer,
+    decode_steps_rest,
     encode_request,
+    open_steps_answer,
 )
 from envmanager.wire.messages import (
     EnvironmentCommand as Cmd,
@@ -240,9 +241,14 @@ class WorkerPool:
             if now >= self._next_core_check:
                 self._check_cores(now)
             if now >= self._next_deadline_check:
-                overdue = self._check_deadlines(now)
-                if overdue:
-                    return overdue
+                # What has come is taken first: an answer the caller looks for late (a long
+                # learner step between send and receive) is not the worker's delay.
+                answered = len(self._steps_answered)
+                completions: list[Completion] = []
+                self._drain(completions, everything=True)
+                completions += self._check_deadlines(now)
+                if completions or len(self._steps_answered) > answered:
+                    return completions
             # Wake up in time to notice the first process to miss its deadline.
             timeout = min(timeout, self._next_deadline_check - now)
             if self._poll_version != self._version:
@@ -250,7 +256,7 @@ class WorkerPool:
             ended = queue.wait(timeout)
             if self._closing:  # closed by another thread meanwhile: its workers' ends woke us
                 raise ManagerClosedError("the SubprocessEnvManager was closed while waiting for its workers")
-            completions: list[Completion] = []
+            completions = []
             self._drain(completions)
             for fd in ended:
                 w = self._by_sentinel.get(fd)
@@ -347,6 +353,8 @@ class WorkerPool:
         replaced process, or steps taken out of flight) are dropped."""
         box = self.mailboxes
         assert box is not None
+        if posted_at < w.started_at:  # posted by the process this one replaced: stale (its payload is on the old pipe)
+            return
         if form == ON_PIPE:
             try:
                 data = w.read_large_answer(self.timeout)
@@ -354,18 +362,26 @@ class WorkerPool:
                 self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
                 return
         try:
-            locals_, ordinals, answer, schemas = decode_steps_answer(data)
-        except Exception as exc:  # e.g. an info of a class the parent cannot import
-            what = f"its answer to STEP could not be unpickled here: {exc!r}"
-            self._on_failure(w, WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "",
-                                            exc, w.index), completions)
+            locals_, ordinals, rest = open_steps_answer(data)
+        except Exception as exc:  # a notice that is not one: which steps it answers is unknown
+            self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
             return
         slots = tuple(w.env_ids[i] for i in locals_)
+        error: WorkerError | None = None
+        try:
+            answer, schemas = decode_steps_rest(rest)
+        except Exception as exc:  # e.g. an info of a class the parent cannot import: the steps fail, as a request's
+            what = f"its answer to STEP could not be unpickled here: {exc!r}"
+            error = WorkerError(slots[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, w.index)
+            schemas = ()
         if not w.watched or not box.take_notice(w.index, box.slot_word[list(slots)].tolist(), list(ordinals), received,
                                                 schemas):
             return
         self.answers += len(slots)
         request = EnvironmentRequest(Cmd.STEP, BOARD_SEQ, slots)
+        if error is not None:
+            completions.append(Completion(w, request, None, error))
+            return
         sent = float(box.asked_at(list(slots)).min())
         completion = Completion(w, request, answer, None, posted_at, received, sent, False, slots)
         if not (answer.failures and self._env_failed(w, request, answer, completion, completions)):
@@ -526,7 +542,13 @@ class WorkerPool:
                 if r.cmd not in _ANSWERED_BY_RESET:
                     completions.append(Completion(w, r, None, error))  # its caller must know
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
-        self.processes[w.index] = self._start(replace(w.spec, generations=generations), boot)
+        try:
+            self.processes[w.index] = self._start(replace(w.spec, generations=generations), boot)
+        except OSError as exc:  # no process to be had (fork: out of memory or processes): given up
+            given_up = self.supervisor.give_up(w.index, w.died(f"; its restart could not start a process: {exc!r}"))
+            w.fail()
+            cut: list[EnvironmentRequest | None] = [*boot.lost] or [None]
+            completions += [Completion(w, r, None, given_up) for r in cut]
 
     def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
                     completions: list[Completion]) -> bool:

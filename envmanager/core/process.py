@@ -132,6 +132,7 @@ class WorkerProcess:
         self.marks = marks
         if marks is not None:
             marks.reset(spec.index)
+        self.started_at = time.monotonic()  # no answer of this process is posted before this
         self.process = ctx.Process(target=worker_main,
                                    args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
@@ -303,6 +304,8 @@ class WorkerProcess:
         self.state = ProcessState.FAILED
         self.cut()
         self.kill()
+        if self.mailboxes is not None:
+            self.mailboxes.retire(self.index)
 
     def request_close(self) -> None:
         """Ask the worker to close its envs and exit; from now on its exit is expected."""

@@ -236,7 +236,14 @@ class Mailboxes:
         answers[words] = self._board_seen[words] = self._board_taken[words] = self._requested[words]
         del answers
         self._board_seen_bytes, self._board_taken_bytes = self._board_seen.tobytes(), self._board_taken.tobytes()
-        self._info_ids[words] = 0
+
+    def retire(self, p: int) -> None:
+        """Process ``p`` was given up and is dead: its answer words as the parent took them, so no
+        word it left behind looks like an answer waiting (``waiting``)."""
+        words = self._board_words[p]
+        answers = np.frombuffer(self._map, np.int64, len(self._board_seen), self.layout.block(ANSWERS))
+        answers[words] = self._board_seen[words]
+        del answers
 
     def allow_spin(self, allowed: bool) -> None:
         """Whether the parent and the workers may spin waiting for each other (see the module

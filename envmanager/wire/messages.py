@@ -313,15 +313,23 @@ BOARD_SEQ = 0
 
 def encode_steps_answer(index: int, posted_at: float, answer: StepsAnswer) -> tuple[bytes, bytes]:
     """``(header, payload)`` of a :class:`StepsAnswer` notice: a STEP with :data:`BOARD_SEQ`,
-    its payload the bare tuples (see ``encode_answer``)."""
+    its payload the envs and ordinals, then the rest pickled apart (see ``open_steps_answer``)."""
     locals_, ordinals, stepped, schemas = answer
     return (NOTICE_HEADER.pack(Cmd.STEP, index, BOARD_SEQ, posted_at, PICKLED),
-            dumps((locals_, ordinals, tuple(stepped), schemas)))
+            dumps((locals_, ordinals, dumps((tuple(stepped), schemas)))))
 
 
-def decode_steps_answer(payload: memoryview | bytes) -> StepsAnswer:
-    locals_, ordinals, stepped, schemas = pickle.loads(payload)
-    return _new(StepsAnswer, (locals_, ordinals, _new(Stepped, stepped), schemas))
+def open_steps_answer(payload: memoryview | bytes) -> tuple[tuple[int, ...], tuple[int, ...], bytes]:
+    """A :class:`StepsAnswer` notice's envs and ordinals, and its rest still pickled: the parent
+    takes the steps even where the rest cannot be unpickled here (an info of a class it cannot
+    import), failing them then."""
+    return pickle.loads(payload)
+
+
+def decode_steps_rest(rest: bytes) -> tuple[Stepped, tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...]]:
+    """A :class:`StepsAnswer`'s results and info schemas; raises whatever unpickling raises."""
+    stepped, schemas = pickle.loads(rest)
+    return _new(Stepped, stepped), schemas
 
 
 class EnvironmentResponse(NamedTuple):

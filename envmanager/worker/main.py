@@ -170,10 +170,19 @@ def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: in
         try:  # infos as dicts: the board's info rows take them, or a notice (as columns if they fit)
             stepped = envs.step(_new(Step, (tuple(own), None)), columns=False)
         except Exception as exc:  # (envs.step reports an env's own error per env; this is anything else)
-            failure = remote_exception(envs.current, exc)
-            stepped = Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure), generations=envs.stamp(own))
+            stepped = _failed(envs, own, exc)
         envs.unmark()
-        link.answer_steps(own, asked, stepped, [envs.env_ids[i] for i in own], envs.info_columns, index)
+        slots = [envs.env_ids[i] for i in own]
+        try:
+            link.answer_steps(own, asked, stepped, slots, envs.info_columns, index)
+        except Exception as exc:  # a notice that does not pickle (an info holding a lock): its steps fail, as post()'s
+            link.answer_steps(own, asked, _failed(envs, own, exc), slots, envs.info_columns, index)
+
+
+def _failed(envs: WorkerEnvs, own: list[int], exc: Exception) -> Stepped:
+    """The answer of board steps ``own`` that failed together with ``exc`` (and its traceback)."""
+    failure = remote_exception(envs.current, exc)
+    return Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure), generations=envs.stamp(own))
 
 
 def _default_fatal_signals() -> None:
