@@ -72,8 +72,8 @@ class StandIns:
                 schemas = fake.write_infos(locals_, [{"t": self.t}] * len(locals_))
                 if schemas:  # the schema's first use: announced in a notice
                     stepped = Stepped(times, {int(i): {"t": self.t} for i in locals_})
-                    header, payload = encode_steps_answer(p, 0.0, StepsAnswer(tuple(locals_), tuple(ordinals), stepped,
-                                                                              tuple(schemas)))
+                    answer = StepsAnswer(tuple(locals_), tuple(ordinals), stepped, tuple(schemas))
+                    header, payload = encode_steps_answer(p, time.monotonic(), answer)
                     fake.post(header + payload)
                     raw = False
             fake.answer_steps(locals_, ordinals, times, raw)
