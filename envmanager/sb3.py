@@ -96,6 +96,7 @@ class SubprocVecEnv(VecEnv):
         **manager_kwargs: Any,
     ) -> None:
         self.waiting = False
+        self._got: tuple[np.ndarray, dict[int, dict], set[int]] | None = None  # a step_wait's progress: pending, infos, cut
         self._reset_failed = False  # reset() raised: step() refused until the next reset() succeeds
         self.closed = False
         self._manager: BatchEnvManager | None = None
@@ -146,7 +147,7 @@ class SubprocVecEnv(VecEnv):
     def reset(self) -> VecEnvObs:
         manager = self.manager
         manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
-        self.waiting = False
+        self.waiting, self._got = False, None
         self._cut = {}
         self._reset_failed = True  # until every env answered its reset
         manager.send_reset(
@@ -169,6 +170,9 @@ class SubprocVecEnv(VecEnv):
         if len(actions) != self.num_envs:
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
         manager = self._running()
+        if self.waiting:  # a step_wait() interrupted (Ctrl-C), or step_async() twice: its results would be dropped unseen
+            raise InvalidInputError("step_async() while a step is pending: call step_wait() for its results "
+                                    "(or reset() to drop it)")
         if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
             raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
         self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
@@ -217,13 +221,20 @@ class SubprocVecEnv(VecEnv):
         manager = self._running()
         n = self.num_envs
         try:
-            batch = manager.receive_batch(n)  # every env, as a rule in one batch
-            infos, interrupted = batch.infos, batch.interrupted
-            if len(batch.slots) != n:
-                infos, interrupted = self._receive_rest(manager, batch)
-        finally:
-            # After a failure the envs must be reset (reset() drops the other results).
-            self.waiting = False
+            if self._got is None:
+                batch = manager.receive_batch(n)  # every env, as a rule in one batch
+                infos, interrupted = batch.infos, batch.interrupted
+                if len(batch.slots) != n:
+                    self._got = (np.ones(n, dtype=np.bool_), {}, set())
+                    self._keep(batch)
+            if self._got is not None:  # (a fault's path, or a step_wait interrupted before)
+                infos, interrupted = self._receive_rest(manager)
+        except EnvManagerError:
+            # After a failure the envs must be reset (reset() drops the other results). A Ctrl-C
+            # (KeyboardInterrupt) leaves the step pending: step_wait() goes on with it.
+            self.waiting, self._got = False, None
+            raise
+        self.waiting, self._got = False, None
         r = manager.results
         obs = self._observations(manager)
         rewards = r.reward.astype(np.float32)
@@ -249,17 +260,21 @@ class SubprocVecEnv(VecEnv):
         self._last_obs = obs
         return obs, rewards, dones, step_infos
 
-    def _receive_rest(self, manager: BatchEnvManager, first: StepBatch) -> tuple[dict[int, dict], frozenset[int]]:
-        """The envs missing from ``first``, batch by batch (a fault's path)."""
-        pending = np.ones(self.num_envs, dtype=np.bool_)
-        pending[first.slots] = False
-        infos, interrupted = dict(first.infos), set(first.interrupted)
+    def _keep(self, batch: StepBatch) -> None:
+        """What a batch brought, kept on ``_got`` until every env came (a Ctrl-C loses nothing)."""
+        assert self._got is not None
+        pending, infos, interrupted = self._got
+        pending[batch.slots] = False
+        infos.update(batch.infos)
+        interrupted |= batch.interrupted
+
+    def _receive_rest(self, manager: BatchEnvManager) -> tuple[dict[int, dict], frozenset[int]]:
+        """The envs still missing (``_got``), batch by batch (a fault's path)."""
+        assert self._got is not None
+        pending, infos, interrupted = self._got
         while pending.any():
-            batch = manager.receive_batch(int(pending.sum()))
-            pending[batch.slots] = False
-            infos.update(batch.infos)
-            interrupted |= batch.interrupted
-        return infos, frozenset(interrupted)
+            self._keep(manager.receive_batch(int(pending.sum())))
+        return dict(infos), frozenset(interrupted)
 
     def _report_cut(self, infos: dict[int, dict], interrupted: Collection[int], rewards: np.ndarray,
                     dones: np.ndarray, step_infos: list[dict]) -> None:

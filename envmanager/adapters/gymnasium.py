@@ -48,7 +48,7 @@ from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.layout import VECTOR, VECTOR_PARTIAL
 from envmanager.core.slots import NEEDS_RESET
-from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError
+from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
 from envmanager.wire.shm import tree_map
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,8 @@ class AsyncVectorEnv(VectorEnv):
         self._step_columns: list = []  # infos that came as columns (``InfoBlock``s)
         self._call: Any = None
         self._partial = PartialBatches()  # send / recv's state
+        self._copied: np.ndarray | None = None  # copy-ahead rows of the step in progress (kept across step_wait calls)
+        self._stale = False  # an abandoned call left steps in flight: drained before the next call
 
     def _start(self, fns: list[Callable[[], gym.Env]], envs_per_worker: int | str, worker_timeout: float,
                double_buffer: bool | str, parent: _ParentEnv | None) -> BatchEnvManager:
@@ -224,10 +226,13 @@ class AsyncVectorEnv(VectorEnv):
                 f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."  # type: ignore[arg-type]
             ) from None
         self._assert_default("reset_async")
+        self._drain_stale(manager)
         ids = self._all
         if options is not None and "reset_mask" in options:
             ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
-        if self._partial.pending():  # partial batches: envs still stepping are dropped
+        if self._partial.pending() and ids.size < self.num_envs:  # a masked reset: the other envs step on
+            self._partial.reset_some(manager, ids.tolist())
+        elif self._partial.pending():  # partial batches: envs still stepping are dropped
             for error in manager.drain():  # their errors too: said here, not lost
                 logger.warning("reset() dropped a step no recv() returned, which failed: %s", error)
             self._partial.clear()
@@ -258,7 +263,7 @@ class AsyncVectorEnv(VectorEnv):
                 if self._reset_waves:
                     self._send_reset_wave(manager)
         except EnvManagerError as exc:
-            raise_as_gymnasium("reset_wait", timeout, exc, self._abandon)
+            raise_as_gymnasium("reset_wait", timeout, exc, lambda: self._abandon(deadline))
         self._state = AsyncState.DEFAULT
         dicts, self._reset_infos = self._reset_infos, {}
         infos = batched_infos(dicts, (), self.num_envs, self._add_info, "reset") if dicts else {}
@@ -293,6 +298,8 @@ class AsyncVectorEnv(VectorEnv):
         if manager is None or self.closed or self._state is not AsyncState.DEFAULT:  # (one test on the hot path)
             manager = self._running()
             self._assert_default("step_async")
+        if self._stale:
+            self._drain_stale(manager)
         self._step_infos, self._step_columns = {}, []
         handed = self._hand_over(manager, actions, self._all)
         if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
@@ -357,7 +364,9 @@ class AsyncVectorEnv(VectorEnv):
                 raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.",
                                        AsyncState.WAITING_STEP.value)
         deadline = None if timeout is None else Deadline(timeout)
-        copied = np.empty_like(manager.results.observation) if self._copy_ahead else None
+        copied = self._copied
+        if copied is None and self._copy_ahead:  # kept on self: a step_wait that times out or is interrupted goes on later
+            copied = self._copied = np.empty_like(manager.results.observation)
         # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
         # counts: the performance guide's "Function calls per env-step").
         try:
@@ -383,8 +392,9 @@ class AsyncVectorEnv(VectorEnv):
                 if self._queued:  # max_concurrency: start queued envs as others finish
                     self._send_queued(manager)
         except EnvManagerError as exc:
-            raise_as_gymnasium("step_wait", timeout, exc, self._abandon)
+            raise_as_gymnasium("step_wait", timeout, exc, lambda: self._abandon(deadline))
         self._state = AsyncState.DEFAULT
+        self._copied = None
         r = manager.results
         dicts, columns = self._step_infos, self._step_columns
         self._step_infos, self._step_columns, self._actions = {}, [], None
@@ -392,22 +402,43 @@ class AsyncVectorEnv(VectorEnv):
         observations = copied if copied is not None else self._observations_of(None)
         return observations, r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
-    def _abandon(self) -> list[EnvManagerError]:
+    def _abandon(self, deadline: Deadline | None = None) -> list[EnvManagerError]:
         """After a failure (``gymnasium_failures``): drop what is in flight so nothing stale surfaces later; return the
-        errors of the other envs that failed meanwhile."""
+        errors of the other envs that failed meanwhile. The state is cleared first (a Ctrl-C in the drain leaves
+        nothing half-done); the drain is bounded by the caller's ``deadline``: what it could not wait out is
+        drained at the start of the next call (``_stale``)."""
         assert self._manager is not None
-        dropped: list[EnvManagerError] = []
-        try:
-            dropped = self._manager.drain()
-        except EnvManagerError:
-            logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         self._stepping[:] = False
         self._left = 0
         self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
         self._reset_waves, self._reset_infos = [], {}
         self._partial.clear()
+        self._copied = None
         self._state = AsyncState.DEFAULT
+        self._stale = True
+        dropped: list[EnvManagerError] = []
+        try:
+            dropped = self._manager.drain(None if deadline is None else deadline.left())
+            self._stale = False
+        except WorkerTimeoutError as exc:
+            if exc.hung:
+                logger.warning("could not drain in-flight steps after a failure", exc_info=True)
+        except EnvManagerError:
+            logger.warning("could not drain in-flight steps after a failure", exc_info=True)
         return dropped
+
+    def _drain_stale(self, manager: BatchEnvManager) -> None:
+        """Steps an abandoned call left in flight: waited out and dropped (their errors said here)."""
+        if self._stale:
+            for error in manager.drain():
+                logger.warning("a step abandoned after a failure failed too: %s", error)
+            self._stale = False
+
+    def _end_call(self) -> list[EnvManagerError]:
+        """A call that failed: nothing else was in flight with it (``call_async`` waited the steps out and
+        keeps their results for ``recv``), so only the call ends."""
+        self._call, self._state = None, AsyncState.DEFAULT
+        return []
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         self.call_async(name, *args, **kwargs)
@@ -416,6 +447,7 @@ class AsyncVectorEnv(VectorEnv):
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         manager = self._running()
         self._assert_default("call_async")
+        self._drain_stale(manager)
         if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
             raise ValueError(f"Trying to call function `{name}` with `call`, use `{name}` directly instead.")
         self._call = manager.send_call(name, args, kwargs)
@@ -428,7 +460,7 @@ class AsyncVectorEnv(VectorEnv):
         try:
             results = manager.receive_call(self._call, timeout)
         except EnvManagerError as exc:
-            raise_as_gymnasium("call_wait", timeout, exc, self._abandon)
+            raise_as_gymnasium("call_wait", timeout, exc, self._end_call)
         self._state = AsyncState.DEFAULT
         return tuple(results)
 

@@ -5,6 +5,7 @@ returned yet, and what arrived beyond the batches returned so far."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,10 @@ from envmanager.adapters.gymnasium_errors import raise_as_gymnasium
 from envmanager.adapters.gymnasium_utils import AsyncState, env_ids_checked, partial_infos
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import InfoBlock, StepBatch
-from envmanager.errors import EnvManagerError
+from envmanager.core.slots import IN_FLIGHT
+from envmanager.errors import EnvManagerError, failed_slots
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from envmanager.adapters.gymnasium import AsyncVectorEnv
@@ -44,6 +48,41 @@ class PartialBatches:
         self.outstanding.clear()
         self.received, self.received_infos, self.received_columns = [], {}, []
 
+    def reset_some(self, manager: Any, ids: list[int]) -> None:
+        """Before a masked reset: the steps of ``ids`` still in flight are waited out and dropped (with what
+        arrived for them); what arrived for the other envs stays for ``recv``, and their steps stay in flight."""
+        masked = set(ids)
+        busy = sorted(masked & self.outstanding)
+        if busy:
+            manager.wait_for(lambda: not (manager.status[busy] == IN_FLIGHT).any(), None, "the steps of the envs to reset",
+                             lambda: [s for s in busy if manager.status[s] == IN_FLIGHT])
+        while True:
+            try:
+                got = manager.receive_batch(0, info_columns=True)
+            except EnvManagerError as error:
+                if set(failed_slots(error)) <= masked:
+                    logger.warning("reset() dropped a step no recv() returned, which failed: %s", error)
+                    continue
+                raise
+            break
+        self.received += got.slots.tolist()
+        if got.infos:
+            self.received_infos.update(got.infos)
+        if got.info_columns:
+            self.received_columns += got.info_columns
+        self.outstanding -= masked
+        self.received = [s for s in self.received if s not in masked]
+        for s in masked:
+            self.received_infos.pop(s, None)
+        kept = []
+        for block in self.received_columns:
+            rows = [n for n, s in enumerate(block.slots.tolist()) if s not in masked]
+            if len(rows) == len(block.slots):
+                kept.append(block)
+            elif rows:
+                kept.append(block._replace(slots=block.slots[rows], columns=[c[rows] for c in block.columns]))
+        self.received_columns = kept
+
     def send(self, env: AsyncVectorEnv, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Queue one step for each env in ``env_ids`` (default: all), ``actions`` row by row.
 
@@ -55,6 +94,8 @@ class PartialBatches:
             manager = env._running()
         if env._state is not AsyncState.DEFAULT:
             env._assert_default("send")
+        if env._stale:
+            env._drain_stale(manager)
         if env_ids is None:
             ids, listed = env._all, env._all_list
         else:
@@ -89,7 +130,7 @@ class PartialBatches:
                     if got.info_columns:
                         self.received_columns += got.info_columns
             except EnvManagerError as exc:
-                raise_as_gymnasium("recv", timeout, exc, env._abandon)
+                raise_as_gymnasium("recv", timeout, exc, lambda: env._abandon(deadline))
         if len(received) == size:  # the usual case: what arrived is one batch
             listed, self.received = received, []
             # the slots of the one answer that made it (int64, the core's own copy), else a new array

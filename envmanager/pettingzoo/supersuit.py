@@ -175,6 +175,14 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
                 infos[row]["terminal_observation"] = _row(observations, row)
             vector.send(np.zeros_like(actions[rows]), env_ids=ended)  # read by no one: the env's next step is its reset
             reset = vector.recv(len(ended), sort=True)
+            # (a restart meanwhile resets the other envs of that process too: they come back here, their
+            # episodes cut short after this step, whose observations are their last)
+            rows = (reset.env_ids[:, None] * n + np.arange(n)).reshape(-1)
+            cut = rows[~np.isin(rows // n, ended)]
+            if cut.size:
+                truncations[cut] = True
+                for row in cut[batch.present[cut]]:
+                    infos[row]["terminal_observation"] = _row(observations, row)
             _put_rows(observations, rows, self._observations(reset))
             self.active[rows] = reset.active
             for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):

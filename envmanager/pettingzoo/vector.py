@@ -179,10 +179,16 @@ class ParallelVectorEnv:
         self._restarted.clear()
         count = sum(len(b.slots) for b in taken)
         deadline = None if timeout is None else Deadline(timeout)
-        while count < min_envs:
-            got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
-            taken.append(got)
-            count += len(got.slots)
+        try:
+            while count < min_envs:
+                got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
+                taken.append(got)
+                count += len(got.slots)
+        except BaseException:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
+            self._restarted[:0] = taken
+            for b in taken:
+                self._outstanding.difference_update(b.slots.tolist())
+            raise
         ids = np.concatenate([b.slots for b in taken]) if len(taken) > 1 else taken[0].slots
         self._outstanding.difference_update(ids.tolist())
         merged = StepBatch(ids, {k: v for b in taken for k, v in b.infos.items()},
