@@ -31,6 +31,7 @@ do not commute.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -121,12 +122,31 @@ class UpdateLog:
             return Due(max(have, len(self._entries)), updates)
 
 
+#: In a worker: how far an env got through updates when one of them raised (env -> every version
+#: below the one that raised is applied). The caller's version stays what it was, so the next
+#: ``apply`` on the same env object goes on from here instead of running the earlier ones again
+#: (``fn(env)`` updates need not be idempotent). A rebuilt or restarted env is another object.
+_REACHED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
 def apply(env: Any, due: Due | Sequence[Any], have: int) -> int:
     """Run in the worker: each update of ``due`` newer than ``have`` on ``env``, in order;
     returns the version the env then has. An update that raises propagates (the caller's
-    failure path decides; the env's version is then what it was)."""
+    failure path decides; the env's version is then what it was, and the updates before the
+    one that raised are not run again on this env object)."""
     version, updates = due
+    try:
+        have = max(have, _REACHED.pop(env, 0))
+    except TypeError:  # (an env that cannot be weakly referenced)
+        pass
     for v, payload in updates:
         if v > have:
-            cloudpickle.loads(payload)(env)
+            try:
+                cloudpickle.loads(payload)(env)
+            except BaseException:
+                try:
+                    _REACHED[env] = v - 1
+                except TypeError:
+                    pass
+                raise
     return max(have, version)

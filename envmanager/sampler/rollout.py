@@ -168,7 +168,7 @@ class _Process:
         self.pid = os.getpid()
         self.envs: dict[int, Any] = {}
         self.slots: dict[int, _Slot] = {}
-        self.agent: tuple[int, Any] | None = None
+        self.agent: tuple[bytes, Any] | None = None  # the payload it was unpickled from, and the agent
         self.arena: tuple[ArenaSpec, int, Arena, bool] | None = None
         self.checker: ActionChecker | None = None
 
@@ -267,8 +267,10 @@ def _rows(actions: Any) -> Any:
 def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
     """Run in a worker (a CALL on its first slot): one fragment of every slot of the process."""
     proc = _process()
-    if proc.agent is None or proc.agent[0] != request.agent_version:
-        proc.agent = (request.agent_version, cloudpickle.loads(request.agent))
+    # Keyed by the payload, not the version number: an update may be given a number a worker
+    # already holds (``update(..., version=v)`` from a second learner feed), and must act all the same.
+    if proc.agent is None or proc.agent[0] != request.agent:
+        proc.agent = (request.agent, cloudpickle.loads(request.agent))
     k = len(request.slots)
     if proc.arena is None or proc.arena[:2] != (request.spec, request.first) or proc.arena[3] != request.shared:
         if request.shared:

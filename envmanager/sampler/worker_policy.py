@@ -174,8 +174,12 @@ class WorkerPolicySampler:
         if not isinstance(n_eps_per_worker, (int, np.integer)) or n_eps_per_worker < 1:
             raise InvalidInputError(f"n_eps_per_worker must be a positive int, got {n_eps_per_worker!r}")
         self.update(agent_update, env_update)
+        return self._exact([int(n_eps_per_worker)] * self.n_workers)
+
+    def _exact(self, quotas: list[int]) -> EpisodeBatch:
+        """``quotas[slot]`` whole episodes from each slot, each started by this call."""
         episodes, cut = [], []
-        for per_slot in self._collect(None, [int(n_eps_per_worker)] * self.n_workers):
+        for per_slot in self._collect(None, quotas):
             if not per_slot:
                 continue
             rows = TransitionBatch.concatenate(per_slot)
@@ -196,8 +200,14 @@ class WorkerPolicySampler:
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
         rounds: list[EpisodeBatch] = []
-        while sum(len(r) for r in rounds) < num_samples:
-            rounds.append(self.obtain_exact_episodes(1))
+        try:
+            while sum(len(r) for r in rounds) < num_samples:
+                rounds.append(self.obtain_exact_episodes(1))
+        except BaseException:  # the rounds already in are dropped with the call: counted
+            dropped = sum(len(r) for r in rounds)
+            if dropped:
+                self.stats.count("dropped_steps", dropped)
+            raise
         return rounds[0] if len(rounds) == 1 else EpisodeBatch.concatenate(rounds)  # type: ignore[return-value]
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
@@ -209,19 +219,8 @@ class WorkerPolicySampler:
             raise InvalidInputError(f"n must be a positive int, got {n!r}")
         if per_worker:
             return self.obtain_exact_episodes(n, agent_update, env_update)
-        quotas = spread(int(n), self.n_workers)
-        batch = self.obtain_exact_episodes(max(quotas), agent_update, env_update)
-        taken = [0] * self.n_workers
-        keep = []
-        for i, episode in enumerate(batch.split_episodes()):
-            slot = int(episode.worker_ids[0])
-            if taken[slot] < quotas[slot]:
-                taken[slot] += 1
-                keep.append(i)
-        if len(keep) == batch.n_episodes:
-            return batch
-        kept = [batch.episode(i) for i in keep]
-        return EpisodeBatch.concatenate(kept)  # type: ignore[return-value]
+        self.update(agent_update, env_update)
+        return self._exact(spread(int(n), self.n_workers))  # a slot of quota 0 starts none
 
     def stream(self, steps_per_worker: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
@@ -248,6 +247,9 @@ class WorkerPolicySampler:
         starts = list(quotas) if quotas is not None else [-1] * self.n_workers
         out: list[list[TransitionBatch]] = [[] for _ in range(self.n_workers)]
         cut_before = len(episodes.cut_episodes)
+        # Whole episodes: the agent in force when the call starts acts every piece of them (each
+        # episode has one policy version); steps: the newest agent from each request on.
+        agent = self.versions.agent() if quotas is not None else None
         pending: dict[int, SentFragment] = {}
         error: EnvManagerError | None = None
         self._recovered = []
@@ -261,7 +263,7 @@ class WorkerPolicySampler:
         try:
             for p in self._procs:
                 if work(p):
-                    pending[p] = self._send(p, want if steps is not None else None, starts)
+                    pending[p] = self._send(p, want if steps is not None else None, starts, agent)
             with self.stats.timer("collect"):
                 while pending:
                     self._wait_any(pending)
@@ -275,7 +277,7 @@ class WorkerPolicySampler:
                             failure = self._file(p, sent, answer, out, want, starts)
                         error = error or failure
                         if error is None and work(p):
-                            pending[p] = self._send(p, want if steps is not None else None, starts)
+                            pending[p] = self._send(p, want if steps is not None else None, starts, agent)
             if error is not None:
                 raise_given_up(m, episodes)  # a process given up: the first one's error, as every later call raises
                 raise error
@@ -296,12 +298,13 @@ class WorkerPolicySampler:
         self._recovered = []
         return out
 
-    def _send(self, p: int, want: list[int] | None, starts: list[int]) -> SentFragment:
-        """The next fragment request for process ``p``: what each slot's record says."""
+    def _send(self, p: int, want: list[int] | None, starts: list[int], agent: tuple[int, Any] | None = None) -> SentFragment:
+        """The next fragment request for process ``p``: what each slot's record says (``agent``:
+        the version and agent to send; default the newest)."""
         m, episodes = self.manager, self.episodes
         self._sync(p)
         slots = self._procs[p]
-        version, payload = self.versions.agent()  # together: a request never pairs them wrongly
+        version, payload = agent or self.versions.agent()  # together: a request never pairs them wrongly
         due = [self.versions.env_updates.due(s, episodes[s].env_version) for s in slots]
         budget = tuple(min(want[s], self._spec.capacity) if want is not None else self._spec.capacity for s in slots)
         records = [episodes[s] for s in slots]
