@@ -86,12 +86,14 @@ def test_an_exact_episode_has_one_policy_version():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["sampler", "worker"])
 def test_obtain_samples_that_raises_counts_every_row_it_drops(kind, tmp_path):
-    # episodes of 4 steps, 2 slots: rounds of 8 rows; slot 1 raises at its 10th step (round 3)
+    # episodes of 4 steps, 2 slots: WorkerPolicySampler collects rounds of 8 rows; slot 1 raises at
+    # its 10th step (round 3). Far more samples are asked than come before it: the call raises
+    # whichever env runs ahead.
     factory = CountFactory(length=4, raise_at=10, marker=str(tmp_path / "struck"))
     cls = Sampler if kind == "sampler" else WorkerPolicySampler
     with cls(factory, 2, ZeroPolicy(), seed=0, timeout=2, restart_workers=False) as s:
         with pytest.raises(WorkerError):
-            s.obtain_samples(0, 24)
+            s.obtain_samples(0, 10_000)
         c = s.stats.counters
         # every step of a call that raised was dropped: each one counted
         assert c["dropped_steps"] == c["env_steps"], dict(c)
