@@ -20,12 +20,24 @@ from gymnasium.vector import AutoresetMode
 from dropin_envs import Make, PZEnv
 from envmanager import AsyncVectorEnv
 from envmanager.errors import InvalidInputError, WorkerTimeoutError
-from envmanager.pettingzoo import ParallelVectorEnv, concat_vec_envs_v1, pettingzoo_env_to_vec_env_v1
-from envmanager.sb3 import SubprocVecEnv
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # as Ctrl-C in the calling process
+
+
+def _sb3():
+    pytest.importorskip("stable_baselines3")
+    from envmanager.sb3 import SubprocVecEnv
+
+    return SubprocVecEnv
+
+
+def _pettingzoo():
+    pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
+    import envmanager.pettingzoo
+
+    return envmanager.pettingzoo
 
 
 # -- gym copy ahead timeout
@@ -172,7 +184,7 @@ def test_masked_reset_keeps_other_envs_steps_in_flight():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("then", ["step_wait", "step"])
 def test_interrupted_step_is_not_lost(then):
-    venv = SubprocVecEnv([Make("CountEnv", env_id=0, step_time=1.0, episode_length=2)], envs_per_worker=1, timeout=20)
+    venv = _sb3()([Make("CountEnv", env_id=0, step_time=1.0, episode_length=2)], envs_per_worker=1, timeout=20)
     old = signal.signal(signal.SIGALRM, _interrupt)
     try:
         obs = venv.reset()
@@ -209,7 +221,7 @@ def test_recv_timeout_keeps_results_set_aside_by_send():
            Make("PZEnv", env_id=1, step_time=1.0),
            Make("PZEnv", env_id=2, step_time=2.0),
            Make("PZEnv", env_id=3, step_time=[0.0, 3.0])]  # fast first step, then slow
-    v = ParallelVectorEnv(fns, envs_per_worker=1, timeout=20, restart_workers=True, context="fork")
+    v = _pettingzoo().ParallelVectorEnv(fns, envs_per_worker=1, timeout=20, restart_workers=True, context="fork")
     try:
         v.reset(seed=0)
         v.send(np.ones(8, np.int64))
@@ -235,7 +247,7 @@ def test_recv_timeout_keeps_results_set_aside_by_send():
 def test_recv_after_a_failed_step_keeps_the_other_envs_results(tmp_path):
     fns = [Make("PZEnv", env_id=i, fault="raise" if i == 1 else None, fault_at=1, marker=str(tmp_path / "m"))
            for i in range(3)]
-    v = ParallelVectorEnv(fns, envs_per_worker=1, timeout=20)
+    v = _pettingzoo().ParallelVectorEnv(fns, envs_per_worker=1, timeout=20)
     try:
         v.reset(seed=0)
         with pytest.raises(Exception, match="fails on purpose"):
@@ -254,7 +266,8 @@ def test_recv_after_a_failed_step_keeps_the_other_envs_results(tmp_path):
 def test_restart_during_in_step_reset_is_reported(tmp_path):
     # seeds 0, 1: env 0's episodes last 2 steps, env 1's 3; the 2nd reset of any copy kills its process (once)
     env = PZEnv(length_by_seed=True, fault="kill_reset", fault_at=2, marker=str(tmp_path / "m"))
-    venv = concat_vec_envs_v1(pettingzoo_env_to_vec_env_v1(env), 2, num_cpus=1, restart_workers=True,
+    pz = _pettingzoo()
+    venv = pz.concat_vec_envs_v1(pz.pettingzoo_env_to_vec_env_v1(env), 2, num_cpus=1, restart_workers=True,
                               context="fork", timeout=10)
     try:
         assert venv.envs_per_worker == 2

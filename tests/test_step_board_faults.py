@@ -26,8 +26,15 @@ pytestmark = pytest.mark.skipif(not mailbox_supported(), reason="the mailbox is 
 
 @pytest.fixture(params=["on", "off"])
 def mailbox(request, monkeypatch):
+    monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")  # the board is the step queue's (a leg forces the portable one)
     monkeypatch.setenv("ENVMANAGER_MAILBOX", request.param)
     return request.param
+
+
+@pytest.fixture
+def board(monkeypatch):
+    monkeypatch.setenv("ENVMANAGER_TRANSPORT", "step_queue")
+    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
 
 
 class InfoEnv(gym.Env):
@@ -87,11 +94,10 @@ def test_an_answer_that_came_in_time_is_taken_when_the_caller_looks_late(mailbox
         m.close()
 
 
-def test_a_notice_of_the_replaced_process_is_not_read_from_the_replacements_pipe(monkeypatch):
+def test_a_notice_of_the_replaced_process_is_not_read_from_the_replacements_pipe(board):
     # A board notice whose payload went on the old process's own pipe (too big for one atomic
     # write), still queued when the process was replaced: stale, dropped unread. Reading the new
     # process's pipe for it would block, then fail the healthy replacement.
-    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
     m = BatchEnvManager(EnvFactory(per_env={0: {"fault": "sigkill", "fault_at": 2}}), 1, timeout=10.0,
                         restart_workers=True)
     try:
@@ -114,10 +120,9 @@ def test_a_notice_of_the_replaced_process_is_not_read_from_the_replacements_pipe
         m.close()
 
 
-def test_a_process_given_up_with_a_board_step_in_flight_leaves_nothing_waiting(monkeypatch):
+def test_a_process_given_up_with_a_board_step_in_flight_leaves_nothing_waiting(board):
     # Restarts off: process 0 dies in a board step and is given up. What its answer words were
     # left at must not read as an answer waiting, or every later wait returns at once (a spin).
-    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
     m = BatchEnvManager(EnvFactory(per_env={0: {"fault": "sigkill", "fault_at": 1}}), 2, timeout=10.0,
                         restart_workers=False)
     try:
@@ -182,10 +187,9 @@ def test_an_answer_that_does_not_unpickle_here_fails_its_step_and_leaves_nothing
         m.close()
 
 
-def test_an_answer_taken_in_the_wait_that_restarts_its_process_keeps_its_info(monkeypatch):
+def test_an_answer_taken_in_the_wait_that_restarts_its_process_keeps_its_info(board):
     # Two lanes of one process: lane 1 (slot 0) answers on the board with its info in the info
     # rows, lane 2 (slot 1) kills the process. Slot 0's answer is its own step, with its info.
-    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
     m = BatchEnvManager(EnvFactory(per_env={1: {"fault": "sigkill", "fault_at": 3}}), 2, envs_per_worker=2,
                         double_buffer=True, timeout=10.0, restart_workers=True)
     try:
@@ -208,11 +212,10 @@ def test_an_answer_taken_in_the_wait_that_restarts_its_process_keeps_its_info(mo
         m.close()
 
 
-def test_a_restart_that_cannot_start_a_process_gives_it_up_and_loses_no_answer(monkeypatch):
+def test_a_restart_that_cannot_start_a_process_gives_it_up_and_loses_no_answer(board, monkeypatch):
     # Out of memory or processes when a restart forks: the process is given up with an error
     # naming it and the cause; answers of other processes taken in the same wait are kept.
     # (The failed fork is injected: it cannot be caused here without starving the machine.)
-    monkeypatch.setenv("ENVMANAGER_MAILBOX", "on")
     m = BatchEnvManager(EnvFactory(per_env={0: {"fault": "sigkill", "fault_at": 1}}), 2, timeout=10.0,
                         restart_workers=True)
     try:
