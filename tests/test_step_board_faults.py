@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from envmanager.core.batch import BatchEnvManager
-from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerError
+from envmanager.errors import WorkerDiedError, WorkerError
 from envmanager.testing.envs import EnvFactory
 from envmanager.wire.mailbox import mailbox_supported
 from envmanager.wire.messages import ON_PIPE
@@ -144,37 +144,22 @@ def test_a_process_given_up_with_a_board_step_in_flight_leaves_nothing_waiting(b
         m.close()
 
 
-def test_an_info_that_does_not_pickle_fails_its_step_not_the_process(mailbox):
-    # As on the pipe path: the step raises the pickling error naming the env, with the worker's
-    # traceback; the process serves on (a reset, then steps).
-    m = BatchEnvManager(lock_info_env, 1, timeout=10.0, restart_workers=False)
+@pytest.mark.parametrize("make, words", [(lock_info_env, "cannot pickle"),  # in the worker
+                                         (unimportable_info_env, "could not be unpickled here")],  # in the parent
+                         ids=["not-pickled", "not-unpickled"])
+def test_an_answer_that_does_not_pickle_or_unpickle_fails_its_step_not_the_process(mailbox, make, words):
+    # As on the pipe path: the step raises the error naming the env (not a death); its steps are
+    # out of flight, and the process, alive and serving, is not judged hung later (the caller
+    # looks again past the deadline): a reset, then steps.
+    m = BatchEnvManager(make, 1, timeout=1.0, restart_workers=False)
     try:
         reset_all(m, 1)
         m.send_batch([0], np.array([1]))
         m.receive_batch()
         m.send_batch([0], np.array([1]))
-        with pytest.raises(WorkerError) as raised:
+        with pytest.raises(WorkerError, match=words) as raised:
             m.receive_batch()
-        assert not isinstance(raised.value, WorkerDiedError) and "pickle" in str(raised.value)
-        assert raised.value.worker_id == 0 and m.pool.processes[0].alive() and m.restarts == 0
-        reset_all(m, 1)
-        m.send_batch([0], np.array([2]))
-        assert m.receive_batch().slots.tolist() == [0] and m.results.observation[0][:2].tolist() == [1, 2]
-    finally:
-        m.close()
-
-
-def test_an_answer_that_does_not_unpickle_here_fails_its_step_and_leaves_nothing_in_flight(mailbox):
-    # As on the pipe path: the step raises naming the env; its steps are out of flight, and the
-    # process, alive and serving, is not judged hung later (the caller looks again past the deadline).
-    m = BatchEnvManager(unimportable_info_env, 1, timeout=1.0, restart_workers=False)
-    try:
-        reset_all(m, 1)
-        m.send_batch([0], np.array([1]))
-        m.receive_batch()
-        m.send_batch([0], np.array([1]))
-        with pytest.raises(EnvManagerError, match="could not be unpickled here"):
-            m.receive_batch()
+        assert not isinstance(raised.value, WorkerDiedError) and raised.value.worker_id == 0
         assert not m.in_flight()
         if m.pool.mailboxes is not None:
             assert not m.pool.mailboxes.waiting()
