@@ -296,7 +296,9 @@ def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_r
             sampler.update(agent_update=lock, env_update=set_bonus(3.0))
         assert (sampler.policy_version, sampler.env_version) == (0, 1)
         sampler.obtain_exact_episodes(1)  # (no episode left running on either node)
+        killed = sampler.node_info()[1]["pid"]
         sampler.kill_node(1)
+        assert not alive([killed], timeout=60)  # gone before the next call (ray.kill returns before)
         restarted = sampler.obtain_exact_episodes(2)
         assert sampler.restart_count(1) == 1
         assert sampler.update(env_update=set_bonus(2.0)) == (0, 2)

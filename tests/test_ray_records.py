@@ -37,10 +37,11 @@ def test_an_episode_cut_before_its_first_row_on_a_lost_node_never_has_its_id_aga
         first = sampler.obtain_steps(2)  # one round: a fragment from each node
         assert 3 in sampler.cut_episodes and 3 not in first.worker_ids.tolist()
         assert sampler.records[3].started == 1 and sampler.records[3].seed is None
-        actor = sampler._pool.nodes[1].actor
+        pid = sampler.node_info()[1]["pid"]
         sampler.kill_node(1)
-        with pytest.raises(ray.exceptions.RayActorError):  # gone (ray.kill returns before it is)
-            ray.get(actor.info.remote(), timeout=60)
+        # Gone before the next call (ray.kill returns before it is; a method called at once may
+        # still be served by the actor, as CI once saw).
+        assert not alive([pid], timeout=60)
         batch = sampler.obtain_exact_episodes([0, 0, 1, 1])  # asked of node 1's replacement
         assert sampler.restart_count(1) == 1
         pids = node_pids(sampler)
