@@ -2,7 +2,7 @@
 out or is interrupted (Ctrl-C) and is called again, an env that raises while another still
 steps, a failed ``get_attr`` between partial batches, a masked reset while other envs step, a
 Ctrl-C in SB3's ``step()``, a ``recv`` that times out or raises after taking results, a restart
-inside SuperSuit's in-step reset. Each checks the data: what was answered is handed out once,
+inside SuperSuit's in-step reset, a step to an env whose process died. Each checks the data: what was answered is handed out once,
 as its own step, and nothing is lost.
 """
 
@@ -19,7 +19,7 @@ from gymnasium.vector import AutoresetMode
 
 from dropin_envs import Make, PZEnv
 from envmanager import AsyncVectorEnv
-from envmanager.errors import InvalidInputError, WorkerTimeoutError
+from envmanager.errors import InvalidInputError, WorkerDiedError, WorkerTimeoutError
 
 
 def _interrupt(signum, frame):
@@ -154,6 +154,31 @@ def test_failed_get_attr_keeps_partial_steps_in_flight():
         envs.close(terminate=True)
 
 
+# -- gym a process given up
+
+@pytest.mark.timeout(60)
+def test_an_env_whose_process_died_raises_that_death_on_every_later_call():
+    """gymnasium's own class restarts nothing; after a worker died, stepping its env (all envs
+    at once, or EnvPool's ``send``) raises the death that ``reset()`` raises, not ``ResetNeeded``,
+    which would send the user to a reset that cannot help. The other env serves on."""
+    fns = [Make("CountEnv", env_id=i, fault="kill" if i == 0 else None, fault_at=1) for i in range(2)]
+    envs = AsyncVectorEnv(fns, envs_per_worker=1, worker_timeout=20, batch_size=1)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(WorkerDiedError) as died:
+            envs.step(np.zeros(2, dtype=np.int64))
+        for call in (lambda: envs.step(np.zeros(2, dtype=np.int64)), lambda: envs.send(np.zeros(1, np.int64), [0]),
+                     lambda: envs.reset(seed=1)):
+            with pytest.raises(WorkerDiedError) as again:
+                call()
+            assert again.value is died.value
+        envs.send(np.zeros(1, dtype=np.int64), [1])
+        obs, *_, infos = envs.recv(timeout=10)
+        assert infos["env_id"].tolist() == [1] and obs[0, 0] == 1.0
+    finally:
+        envs.close(terminate=True)
+
+
 # -- gym partial masked reset
 
 @pytest.mark.timeout(60)
@@ -239,6 +264,28 @@ def test_recv_timeout_keeps_results_set_aside_by_send():
             except InvalidInputError as exc:
                 pytest.fail(f"recv returned only {got}, then: {exc}. Envs 0 (restarted), 1 and 2 were lost")
         assert sorted(got) == [0, 1, 2, 3]
+    finally:
+        v.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_to_an_env_whose_process_died_raises_that_death():
+    """Its step was never answered; no ``recv()`` can return it: a later ``step`` or ``send``
+    raises the death (as ``reset()`` does), not "a result recv() has not returned yet"."""
+    fns = [Make("PZEnv", env_id=i, fault="kill" if i == 0 else None, fault_at=1) for i in range(2)]
+    v = _pettingzoo().ParallelVectorEnv(fns, envs_per_worker=1, timeout=20)
+    try:
+        v.reset(seed=0)
+        with pytest.raises(WorkerDiedError) as died:
+            v.step(np.ones(4, np.int64))
+        for call in (lambda: v.step(np.ones(4, np.int64)), lambda: v.send(np.ones(2, np.int64), [0])):
+            with pytest.raises(WorkerDiedError) as again:
+                call()
+            assert again.value is died.value
+        assert v.recv(1, timeout=10).env_ids.tolist() == [1]  # env 1's step, kept
+        with pytest.raises(WorkerDiedError) as again:
+            v.reset()
+        assert again.value is died.value
     finally:
         v.close()
 

@@ -318,7 +318,12 @@ class AsyncVectorEnv(VectorEnv):
         handed = self._actions_in.hand_over(actions, ids.size)  # iterate()'s errors, as gymnasium's
         # gymnasium's env says so when stepped; we say it before sending. ``status`` is one byte
         # per slot: ``in`` on its bytes (0.2 us), not numpy's ``in`` on the array (2 us).
-        if NEEDS_RESET in (manager.status if ids is self._all else manager.status[ids]).tobytes():
+        status = manager.status if ids is self._all else manager.status[ids]
+        if NEEDS_RESET in status.tobytes():
+            for slot in ids[status == NEEDS_RESET].tolist():  # a process given up: its error, as reset() raises
+                failure = manager.failure_of(slot)
+                if failure is not None:
+                    raise failure
             raise ResetNeeded("Cannot call env.step() before calling env.reset()")
         return handed
 

@@ -216,6 +216,10 @@ class ParallelVectorEnv:
             return ids
         busy = self._outstanding.union(*(b.slots.tolist() for b in self._restarted)).intersection(ids.tolist())
         if busy:
+            for slot in sorted(busy):  # one whose process was given up: its error (no recv() can help)
+                failure = self.manager.failure_of(slot)
+                if failure is not None:
+                    raise failure
             raise InvalidInputError(f"env(s) {sorted(busy)} were sent a step whose result recv() has not returned yet")
         return ids
 
