@@ -76,7 +76,7 @@ def test_results_of_other_workers_are_kept_when_one_raises():
     with SubprocessEnvManager(factory, 2, timeout=30) as m:
         m.reset()
         m.send_step({0: 1, 1: 1})
-        time.sleep(0.3)  # let both answers reach the queue, so one pump takes both
+        m.wait_idle(timeout=30)  # both answers in (kept, not raised): the error and the result come out together
         with pytest.raises(WorkerError):
             m.step({})
         # Worker 1's result is not lost with the error: the next call returns it.
@@ -409,6 +409,7 @@ def test_a_wait_that_times_out_loses_no_result(tmp_path):
     with SubprocessEnvManager(EnvFactory(per_env={1: {"gate": gate}}), 2, timeout=30) as m:
         m.reset()
         m.send_step({0: 1, 1: 1})
+        m.wait_idle([0], timeout=30)  # (worker 0 answered: the short wait below is slot 1's alone)
         with pytest.raises(WorkerTimeoutError) as caught:
             m.wait_idle(timeout=0.3)
         assert caught.value.hung is False and caught.value.worker_ids == [1]

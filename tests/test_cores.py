@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -71,24 +72,31 @@ def test_the_spin_permission_follows_where_the_processes_run_and_nothing_is_lost
 
 def test_core_use_counts_other_programs_not_ours():
     """A process of ours burning a core is ours; the same burn in a process not named is another
-    program's: about one core's worth (the kernel counts in 10 ms ticks; the machine may carry
-    other load, so only the difference between the two is asserted)."""
+    program's. Two looks over one window, one naming the burner ours and one not, differ by the
+    burner's own share of a core, whatever else the machine carries (the kernel counts in 10 ms
+    ticks: a loose tolerance)."""
 
     cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
-    burn = "import time\nend = time.monotonic() + 1.2\nwhile time.monotonic() < end: pass\n"
-    figures = {}
-    for ours in (True, False):
-        hog = subprocess.Popen([sys.executable, "-c", burn])
-        try:
-            use = CoreUse()
-            pids = [os.getpid()] + ([hog.pid] if ours else [])
-            assert use.others(pids, cores) is None  # one sample: no figure yet
-            time.sleep(0.8)
-            figures[ours] = use.others(pids, cores)
-        finally:
-            hog.wait(10)
+    burn = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+    hog = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        burner = psutil.Process(hog.pid)
+        looks = {True: CoreUse(), False: CoreUse()}
+        pids = {True: [os.getpid(), hog.pid], False: [os.getpid()]}
+        time.sleep(0.3)  # (past the interpreter's start)
+        before, began = burner.cpu_times(), time.monotonic()
+        assert all(use.others(pids[ours], cores) is None for ours, use in looks.items())  # one sample: no figure yet
+        time.sleep(1.0)
+        figures = {ours: use.others(pids[ours], cores) for ours, use in looks.items()}
+        after, ended = burner.cpu_times(), time.monotonic()
+    finally:
+        hog.kill()
+        hog.wait(10)
+    share = (after.user + after.system - before.user - before.system) / (ended - began)
+    if share < 0.3:
+        pytest.skip(f"the burner hardly ran ({share:.2f} of a core): the machine is too loaded to tell")
     assert figures[True] is not None and figures[False] is not None
-    assert figures[False] - figures[True] > 0.5, figures
+    assert abs(figures[False] - figures[True] - share) < 0.15, (figures, share)
 
 
 @pytest.mark.skipif(not mailbox_supported() or not hasattr(os, "sched_setaffinity"), reason="the mailbox and affinities")

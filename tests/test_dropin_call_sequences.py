@@ -243,8 +243,8 @@ def test_interrupted_step_is_not_lost(then):
 @pytest.mark.timeout(90)
 def test_recv_timeout_keeps_results_set_aside_by_send():
     fns = [Make("PZEnv", env_id=0),
-           Make("PZEnv", env_id=1, step_time=1.0),
-           Make("PZEnv", env_id=2, step_time=2.0),
+           Make("PZEnv", env_id=1, step_time=2.5),  # (slow enough that envs 0 and 3 come first on a loaded machine)
+           Make("PZEnv", env_id=2, step_time=3.0),
            Make("PZEnv", env_id=3, step_time=[0.0, 3.0])]  # fast first step, then slow
     v = _pettingzoo().ParallelVectorEnv(fns, envs_per_worker=1, timeout=20, restart_workers=True, context="fork")
     try:

@@ -282,7 +282,7 @@ def test_steps_through_the_mailbox_match_the_envs_stepped_in_process(n, epw):
 
 
 def test_a_worker_killed_while_the_parent_spins_is_a_death_naming_its_slot():
-    with _manager(2, 2, factory=EnvFactory(step_time=0.2)) as m:
+    with _manager(2, 2, factory=EnvFactory(step_time=2.0)) as m:  # (long: the kill lands mid-step on a loaded machine too)
         m.send_reset({0: (0, None), 1: (1, None)})
         m.receive_reset_batch()
         m.send_batch(np.array([0, 1]), np.array([1, 1]))

@@ -123,7 +123,9 @@ def test_a_slow_restart_does_not_make_a_healthy_node_hung(tmp_path):
     sampler = RaySampler(factory, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, in_flight=1, seed=0, timeout=3.0)
     try:
         sampler.obtain_steps(16)
+        killed = sampler.node_info()[0]["pid"]
         sampler.kill_node(0)
+        assert not alive([killed], timeout=60)  # gone before the next call (ray.kill returns before)
         batches = [sampler.obtain_steps(16) for _ in range(4)]
         assert sampler.restart_count(0) == 1
         assert sampler.restart_count(1) == 0, "a healthy node was killed as hung"
@@ -189,7 +191,9 @@ def test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them():
     try:
         first = pool.submit(pool.nodes[1], "steps", 32)
         ray.wait([first.ref], timeout=60)
+        killed = sampler.node_info()[1]["pid"]
         sampler.kill_node(1)
+        assert not alive([killed], timeout=60)  # gone before the next request (ray.kill returns before)
         second = pool.submit(pool.nodes[1], "steps", 32)
         ray.wait([second.ref], timeout=60)
         sampler._wait()
@@ -347,7 +351,9 @@ def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
                          start_timeout=60.0)
     try:
         before = [sampler.obtain_steps(64) for _ in range(2)]
+        killed = sampler.node_info()[0]["pid"]
         sampler.kill_node(0)
+        assert not alive([killed], timeout=60)  # gone before the next call (ray.kill returns before)
         after = [sampler.obtain_steps(64) for _ in range(6)]
         assert sampler.restart_count(0) == 1
     finally:

@@ -246,7 +246,7 @@ def test_a_death_found_while_env_updates_are_applied_cuts_that_episode_before_it
 
 def _kill_own_process_on(slot: int, slow: int):
     """An env update that SIGKILLs its worker process when it runs on ``slot``'s env, and takes
-    a second on ``slow``'s (its wait then blocks on the pipes and the processes' ends)."""
+    three seconds on ``slow``'s (its wait then blocks on the pipes and the processes' ends)."""
     def update(env):
         import os
         import signal
@@ -254,13 +254,13 @@ def _kill_own_process_on(slot: int, slow: int):
         if env.unwrapped.slot == slot:
             os.kill(os.getpid(), signal.SIGKILL)
         if env.unwrapped.slot == slow:
-            time.sleep(1.0)
+            time.sleep(3.0)  # (room for a loaded machine's parent to see the other death first)
     return update
 
 
 def test_every_call_after_two_give_ups_raises_the_error_the_caller_saw_first(tmp_path):
     """Restarts off, two processes lost in one call: process 1 died while idle (found dead by the
-    wait of slot 0's env update, which takes a second: given up first), process 0 dies in slot 1's
+    wait of slot 0's env update, which takes seconds: given up first), process 0 dies in slot 1's
     update (the error the call hit). The call raises the first give-up's error, the other chained to it, and every later
     call raises that same one, as WorkerPolicySampler does (it raised the other one, then this one:
     fault schedule seed 58000, no-restarts-sampler-2)."""
