@@ -591,3 +591,35 @@ def test_sigterm_while_closing_does_not_cut_the_close_short(tmp_path):
     m.close(timeout=10.0)
     assert marker.read_text() == "closed"
     assert not alive([pid], timeout=0)
+
+
+def test_a_restart_whose_replayed_call_raises_failed_and_is_tried_again_within_the_limits():
+    """A setting every restart replays (ML-Agents' env parameters) raises in the new process: that
+    restart failed. It is tried again within the limits, then the limit's error names the slot
+    and carries the call's error: not a process left on its way back for good, its slot never
+    served and no deadline running. The other process serves on."""
+    from envmanager.core.batch import BatchEnvManager
+
+    m = BatchEnvManager(EnvFactory(), 2, timeout=30, restart_workers=True, max_lifetime_restarts=2,
+                        restarts_rate_limit_n=-1)
+    try:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        m.set_replay_calls([("no_such_setting", (), {})])
+        first = m.process_of(0).pid
+        os.kill(first, signal.SIGKILL)
+        assert not alive([first])
+        m.send_batch([1], [1])
+        assert m.receive_batch(1, timeout=30).slots.tolist() == [1]
+        with pytest.raises(RestartLimitError, match="max_lifetime_restarts") as caught:
+            m.send_batch([0], [1])
+            for _ in range(10):  # each failed restart is a wait of its own, at most
+                m.receive_batch(1, timeout=30)
+        assert caught.value.worker_id == 0 and m.restart_count(0) == 2
+        assert "no_such_setting" in str(caught.value) or "no_such_setting" in str(caught.value.__cause__)
+        m.send_batch([1], [2])
+        assert m.receive_batch(1, timeout=30).slots.tolist() == [1] and m.results.observation[1][2] == 2
+        pids = [w.pid for w in m.processes]
+    finally:
+        m.close()
+    assert not alive(pids)

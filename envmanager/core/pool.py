@@ -327,10 +327,12 @@ class WorkerPool:
                 continue
             if cmd is Cmd.ENV_FAILED:
                 error = worker_error(answer, w.index)
-                if request.cmd in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):  # the envs are fine
-                    completions.append(Completion(w, request, None, error))
-                else:
+                if request.cmd not in (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR):
                     self._on_failure(w, error, completions, request)
+                elif w.state is ProcessState.BOOTING:  # a call its restart replays raised: the restart failed
+                    self._on_failure(w, error, completions)
+                else:  # the envs are fine: the caller gets the error
+                    completions.append(Completion(w, request, None, error))
                 continue
             completion = Completion(w, request, answer, None, posted_at, received, sent_at, False, request.slots)
             if type(answer) is Stepped and answer.failures and self._env_failed(w, request, answer, completion, completions):
