@@ -34,8 +34,9 @@ def call_replayed(manager: Any, worker_ids: Sequence[int] | None, name: str, arg
 
 def reset_restarted(manager: Any, held: list[StepInfo]) -> list[StepInfo]:
     """``held`` (results taken, not handed on yet) and what else came in, with every restarted
-    worker's fresh reset among them made again (:func:`replace_reset`)."""
-    held = held + manager.receive_steps(min_count=0)
+    worker's fresh reset among them made again (:func:`replace_reset`). What came in is added to
+    the caller's ``held`` itself: if the reset raises, the caller still has it."""
+    held += manager.receive_steps(min_count=0)
     stale = sorted({info.worker_id for info in held if info.interrupted})
     if not stale:
         return held

@@ -5,6 +5,7 @@ applied to the side channels in the worker (:func:`apply_env_parameter`)."""
 from __future__ import annotations
 
 import numbers
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,9 +50,20 @@ def normalize_env_parameters(config: Mapping[str, Any] | None) -> dict[str, Any]
     return out
 
 
+def _wire(kind: str, what: str, value: Any) -> Any:
+    """``value`` if the side channels can encode it (``kind``: struct's ``"f"`` float32 or ``"i"``
+    int32, as ``OutgoingMessage`` writes it), else ``InvalidInputError`` (before anything is sent)."""
+    try:
+        struct.pack("<" + kind, value)
+    except (struct.error, OverflowError) as exc:
+        raise InvalidInputError(f"{what}: {value!r} does not fit the side channel's "
+                                f"{'float32' if kind == 'f' else 'int32'} ({exc})") from None
+    return value
+
+
 def _normalize_value(key: str, value: Any) -> Any:
     if isinstance(value, numbers.Real):
-        return float(value)
+        return _wire("f", f"environment parameter {key!r}", float(value))
     if callable(getattr(value, "apply", None)):
         return value
     if not isinstance(value, Mapping):
@@ -69,14 +81,16 @@ def _normalize_value(key: str, value: Any) -> Any:
     if missing:
         raise InvalidInputError(f"environment parameter {key!r}: the {kind} sampler needs {missing}")
     try:
+        what = f"environment parameter {key!r}"
         if kind == "constant":
-            return float(params["value"])
-        seed = int(params.get("seed", 0))
+            return _wire("f", what, float(params["value"]))
+        seed = _wire("i", f"{what} seed", int(params.get("seed", 0)))
         if kind == "multirangeuniform":
-            intervals = [(float(lo), float(hi)) for lo, hi in params["intervals"]]
+            intervals = [(_wire("f", what, float(lo)), _wire("f", what, float(hi))) for lo, hi in params["intervals"]]
             return {"sampler_type": kind, "intervals": intervals, "seed": seed}
         a, b = SAMPLERS[kind]
-        return {"sampler_type": kind, a: float(params[a]), b: float(params[b]), "seed": seed}
+        return {"sampler_type": kind, a: _wire("f", what, float(params[a])), b: _wire("f", what, float(params[b])),
+                "seed": seed}
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"environment parameter {key!r}: bad sampler parameters ({exc})") from None
 
@@ -120,8 +134,10 @@ def normalize_engine_config(config: Any = None, **fields: Any) -> dict[str, Any]
             continue
         try:
             out[name] = ENGINE_FIELDS[name](value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise InvalidInputError(f"engine config {name}={value!r} is not a {ENGINE_FIELDS[name].__name__}") from None
+    for name, value in out.items():
+        _wire("f" if ENGINE_FIELDS[name] is float else "i", f"engine config {name}", value)
     if ("width" in out) != ("height" in out):
         raise InvalidInputError("engine config: width and height must be set together")
     return out

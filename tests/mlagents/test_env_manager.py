@@ -231,7 +231,14 @@ def test_env_parameters_and_engine_settings_reach_players_and_come_back(fake_pla
             manager.set_env_parameters({"gravity": "heavy"})
         with pytest.raises(InvalidInputError, match="width and height"):
             manager.set_engine_config(width=10)
-        assert manager.env_parameters["gravity"] == 9.5
+        replayed = manager.manager.replay_calls
+        for bad in ({"gravity": 1e39}, {"mass": {**sampler, "sampler_parameters": {"min_value": 1, "max_value": 2,
+                                                                                    "seed": 2**40}}}):
+            with pytest.raises(InvalidInputError, match="side channel"):  # (a float32, an int32 on the wire)
+                manager.set_env_parameters(bad)
+        with pytest.raises(InvalidInputError, match="side channel"):
+            manager.set_engine_config(time_scale=1e39)
+        assert manager.env_parameters["gravity"] == 9.5 and manager.manager.replay_calls == replayed  # nothing kept
 
         manager.set_env_parameters({"reward_scale": 3.0})
         manager.set_engine_config(time_scale=20)
@@ -395,6 +402,37 @@ def test_a_worker_dying_during_a_settings_change_is_restarted_with_it(fake_playe
         manager.close()
 
 
+@pytest.mark.timeout(120)
+def test_results_taken_before_a_re_reset_that_raises_are_kept():
+    """A settings change re-resets a worker restarted before it (its fresh reset had the old
+    settings), after taking what came in meanwhile: another worker's step among it. When that
+    reset raises (past the restart limits here), what was taken stays in the caller's list, for
+    the next ``get_steps``: no step lost, none stepped again on an older observation. (The core's
+    own workers stand in for the players: the replay helper is the core's.)"""
+    import os
+    import signal
+
+    from envmanager import SubprocessEnvManager
+    from envmanager.mlagents.replay import reset_restarted
+    from envmanager.testing.envs import EnvFactory
+    from process_helpers import alive
+
+    factory = EnvFactory(per_env={0: {"fault": "raise_reset", "fault_at": 2}})  # a restarted env's second reset
+    with SubprocessEnvManager(factory, 2, timeout=30, restart_workers=True, max_lifetime_restarts=1,
+                              restarts_rate_limit_n=-1) as m:
+        m.reset()
+        dead = m.process_of(0).pid
+        os.kill(dead, signal.SIGKILL)
+        assert not alive([dead])
+        m.send_step({1: 1})
+        m.wait_idle(timeout=30)  # worker 0 restarted (its fresh reset in), worker 1's step in: both kept
+        held: list = []
+        with pytest.raises(EnvManagerError):
+            reset_restarted(m, held)
+        assert sorted((info.worker_id, info.interrupted) for info in held) == [(0, True), (1, False)]
+        assert held[[i.worker_id for i in held].index(1)].current_result.observation[0] == 1  # its step
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
@@ -433,7 +471,13 @@ def test_parameter_and_engine_config_checks():
         "width": 80, "height": 80, "quality_level": 1, "time_scale": 20.0, "target_frame_rate": -1,
         "capture_frame_rate": 60}
     assert normalize_engine_config(None, time_scale=5) == {"time_scale": 5.0}
-    for bad in ({"height": 3}, {"speed": 1}, {"quality_level": "high"}):
+    for bad in ({"x": 1e39}, {"x": {"sampler_type": "uniform", "min_value": -1e39, "max_value": 1}},
+                {"x": {"sampler_type": "gaussian", "mean": 0, "st_dev": 1, "seed": 2**31}},
+                {"x": {"sampler_type": "multirange_uniform", "intervals": [[1, 1e40]]}}):
+        with pytest.raises(InvalidInputError, match="side channel"):  # what the worker could not encode
+            normalize_env_parameters(bad)
+    for bad in ({"height": 3}, {"speed": 1}, {"quality_level": "high"}, {"time_scale": 1e39},
+                {"width": 2**31, "height": 1}):
         with pytest.raises(InvalidInputError):
             normalize_engine_config(bad)
     assert ActionInfo.empty() == ([], [], {}, []) and EnvironmentStep.empty(3) == ({}, 3, {}, {}, False)
