@@ -241,6 +241,9 @@ class RayPlayerPool:
         out, self._ready = self._ready, []
         try:
             while True:
+                for node in self.nodes:  # players in flight on a node that answered none (an error): collect them
+                    if node.pending is None and node.sent and not node.idle and self.supervisor.failure(node.index) is None:
+                        node.send_step({})
                 pending = {node.pending: node for node in self.nodes if node.pending is not None}
                 if not pending:
                     if len(out) >= min_count:
@@ -329,6 +332,7 @@ class RayPlayerPool:
             if isinstance(error, EnvManagerError):
                 for w in getattr(error, "worker_ids", None) or []:
                     self._failures[w] = error
+                    node.sent.pop(w, None)  # no step of it to wait for
             raise error
         return value
 

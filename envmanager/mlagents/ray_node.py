@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from envmanager.core.deadline import Deadline
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepInfo
-from envmanager.errors import EnvManagerError, with_slot_offset
+from envmanager.errors import EnvManagerError, failed_slots, with_slot_offset
 from envmanager.mlagents.player_process import PlayerIdentity, PlayerProcesses, kill_stale_player, process_start_time
 from envmanager.mlagents.replay import call_replayed, reset_restarted
 from envmanager.mlagents.worker_env import WorkerEnvFactory, player_ports
@@ -133,16 +133,23 @@ class PlayerNode:
         player's fresh reset); a player with such a result, or still coming back from a restart,
         is not sent the actions (they were chosen for what the driver saw before)."""
         def run() -> list[StepInfo]:
-            self.held += self.core.receive_steps(min_count=0)  # what came meanwhile (a restart's fresh reset)
+            failed: EnvManagerError | None = None
+            try:
+                self.held += self.core.receive_steps(min_count=0)  # what came meanwhile (a restart's fresh reset)
+            except EnvManagerError as exc:  # raised below, once the other players have their actions
+                failed = exc
+            named = set(failed_slots(failed)) if failed is not None else set()
             waiting = {info.worker_id for info in self.held}
             idle = set(self.core.idle_worker_ids)
             send = {}
             for g, action in actions.items():
                 i = self.local[g]
-                if i in idle and i not in waiting and self.core.failure_of(i) is None:
+                if i in idle and i not in waiting and i not in named and self.core.failure_of(i) is None:
                     send[i] = action
             if send:
                 self.core.send_step(send)
+            if failed is not None:  # what came stays held: the driver's next request takes it
+                raise failed
             out, self.held = self.held, []
             return self._out(out or self.core.receive_steps(timeout))
 

@@ -182,7 +182,8 @@ def test_a_node_lost_with_a_step_in_flight_is_replaced_by_the_reset(fake_player,
 @pytest.mark.timeout(120)
 def test_errors_name_the_trainers_worker_ids(fake_player, tmp_path):
     """Worker 3's player (node 1's second) stops past its limits: the error names worker 3, the
-    run's other players were served until then with nothing lost."""
+    run's other players were served until then with nothing lost — and after it, worker 2 too,
+    its node-mate, whose step was in flight on the node that raised."""
     crash = ("--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0")
     run = Run(fake_player, tmp_path, extra={3: crash}, max_lifetime_restarts=0).start()
     try:
@@ -192,6 +193,9 @@ def test_errors_name_the_trainers_worker_ids(fake_player, tmp_path):
         assert error.worker_id == 3 and error.worker_ids == [3] and str(error).startswith("worker 3 "), error
         assert "max_lifetime_restarts" in str(error) and run.checked[3] == 3
         assert run.manager.manager.failure_of(3) is error
+        before = dict(run.checked)
+        run.steps_until(lambda: all(run.checked[w] >= before[w] + 3 for w in (0, 1, 2)))
+        assert run.checked[3] == 3 and run.manager.manager.failure_of(2) is None
     finally:
         run.close()
     run.no_step_lost()
