@@ -87,3 +87,10 @@ def set_bonus(value):
     def update(env):
         env.unwrapped.bonus = value
     return update
+
+
+def add_bonus(value):
+    """An env update that adds to the bonus: one applied twice shows in the env's state."""
+    def update(env):
+        env.unwrapped.bonus += value
+    return update

@@ -5,6 +5,7 @@ fault matrix is ``test_ray_faults.py``)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from ray_helpers import (  # noqa: E402
     seed_env,
     slow_restart_factory,
 )
-from sampler_envs import RandomPolicy, kind_env, set_bonus, true_lengths  # noqa: E402
+from sampler_envs import RandomPolicy, add_bonus, kind_env, set_bonus, true_lengths  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -314,6 +315,78 @@ def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_r
     for batch, version, bonus in ((restarted, 1, 1.0), (after, 2, 2.0)):
         assert set(batch.worker_ids.tolist()) == {0, 1, 2, 3}  # both nodes, the restarted one too
         assert (batch.env_versions == version).all() and (batch.observations[:, 2] == bonus).all()
+
+
+@pytest.mark.timeout(300)
+def test_updates_from_a_learner_thread_while_the_driver_collects():
+    """``update`` from another thread (``LearnerFeed``'s ``on_update``) while ``obtain_steps``
+    runs: neither call fails (Ray's own ``AssertionError`` reached the driver, the list of update
+    refs it waited on growing under it), and afterwards every node acts with the newest agent."""
+    sampler = RaySampler(kind_env, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, seed=0, timeout=60.0,
+                         start_timeout=60.0)
+    stop, raised, sent = threading.Event(), [], [0]
+
+    def learner() -> None:
+        try:
+            while not stop.is_set() and sent[0] < 2000:
+                sampler.update(agent_update=sent[0] + 1)
+                sent[0] += 1
+        except BaseException as exc:  # (reported below)
+            raised.append(exc)
+
+    thread = threading.Thread(target=learner)
+    try:
+        thread.start()
+        try:
+            for _ in range(60):
+                sampler.obtain_steps(16)
+        finally:
+            stop.set()
+            thread.join(60)
+        assert not raised, raised
+        batch = sampler.obtain_exact_episodes(1)
+        assert set(batch.policy_versions.tolist()) == {sampler.policy_version} == {sent[0]}
+    finally:
+        sampler.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_update_from_a_learner_thread_while_a_node_restarts_is_applied_there_once(tmp_path):
+    """Node 0 is lost and restarts slowly; an env update from another thread comes meanwhile. The
+    new node gets every env update once, in order (the replay and the update sent to it both
+    applied it: its env state and version ran ahead of the driver's)."""
+    sampler = RaySampler(slow_restart_factory(str(tmp_path / "built"), 5.0, 0.0), IdPolicy(), nodes=2, envs_per_node=1,
+                         fragment_steps=8, seed=0, timeout=60.0, start_timeout=60.0)
+    raised: list[BaseException] = []
+
+    def learner() -> None:
+        try:
+            give_up = time.monotonic() + 60  # (a bound on the loop, not a timing assertion)
+            while sampler.restart_count(0) < 1 and time.monotonic() < give_up:
+                time.sleep(0.01)
+            time.sleep(0.5)  # node 0's replacement is being built (5 s)
+            sampler.update(env_update=add_bonus(1.0))
+        except BaseException as exc:  # (reported below)
+            raised.append(exc)
+
+    try:
+        assert sampler.update(env_update=add_bonus(1.0)) == (0, 1)
+        sampler.obtain_exact_episodes(1)
+        killed = sampler.node_info()[0]["pid"]
+        sampler.kill_node(0)
+        assert not alive([killed], timeout=60)
+        thread = threading.Thread(target=learner)
+        thread.start()
+        sampler.obtain_exact_episodes(1)  # node 0 restarted in it
+        thread.join(60)
+        assert not raised and sampler.restart_count(0) == 1 and sampler.env_version == 2
+        batch = sampler.obtain_exact_episodes(2)
+        for slot in (0, 1):
+            rows = batch.worker_ids == slot
+            assert set(batch.env_versions[rows].tolist()) == {2}, slot
+            assert set(batch.observations[rows, 2].tolist()) == {2.0}, f"slot {slot}'s bonus: each update once"
+    finally:
+        sampler.close()
 
 
 def test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first():

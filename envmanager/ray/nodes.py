@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -108,6 +109,7 @@ class Node:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: list[Request] = dataclasses.field(default_factory=list)
     updates_sent: int = 0
+    replayed: bool = False  # the newest weights and every env update were sent to this actor
 
     def name(self) -> str:
         where = f", host {self.info['host']}, pid {self.info['pid']}" if self.info else ""
@@ -142,8 +144,14 @@ class Node:
 
     def forget(self) -> list[Request]:
         """Its actor forgotten (killed, or gone with the session): the requests that die with it."""
+        self.replayed = False  # (first: an update that sees the actor sees it not replayed)
         lost, self.actor, self.queue = self.queue, None, []
         return lost
+
+    def caught_up(self) -> None:
+        """Its replay was sent (the newest weights, every env update): later updates go to it
+        as they come; before, they are left to the replay (``NodePool.send_update``)."""
+        self.replayed = True
 
 
 class NodePool:
@@ -166,9 +174,12 @@ class NodePool:
                                "max_restarts": 0, "max_task_retries": 0}
         offsets = [sum(envs_per_node[:i]) for i in range(len(envs_per_node))]
         self.nodes = [Node(i, offsets[i], n) for i, n in enumerate(envs_per_node)]
-        self.replay: Callable[[Node], None] = lambda node: None  # set by the sampler: weights and env updates
+        self.replay: Callable[[Node], None] = Node.caught_up  # set by the sampler: weights and env updates
         self._updates: list[Any] = []  # the refs of updates not yet confirmed
         self._faults: list[NodeFault] = []  # node faults found, handled once the answers taken with them are booked
+        #: Updates may come from a learner thread: actors swapped, updates sent and their refs kept under it.
+        self._lock = threading.RLock()
+        self._start_deadlines: dict[int, Deadline] = {}  # per node: when its (last) start is past start_timeout
         self.closed = False
         try:
             self.session = RaySession.join(address, init_options)
@@ -197,6 +208,7 @@ class NodePool:
             node.started(_NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
                 node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
                 generation))
+            self._start_deadlines[node.index] = Deadline(self.start_timeout)
         except Exception as exc:
             self.ray_failed(exc, f"starting {node.name()}")
 
@@ -248,8 +260,9 @@ class NodePool:
             if decision.given_up:
                 node.kill()
             raise decision.error
-        lost = node.kill()
-        self._start(node)  # told its new generation
+        with self._lock:
+            lost = node.kill()
+            self._start(node)  # told its new generation
         try:
             self._await_started([node])
         except RayNodeError as exc:
@@ -271,25 +284,30 @@ class NodePool:
         """Queue a collection call on ``node`` (Ray runs one node's calls in order)."""
         self.check_usable(node)
         request = Request(node.index, kind, arg)
-        method = {"steps": node.actor.steps, "samples": node.actor.samples, "episodes": node.actor.exact_episodes}[kind]
-        try:
-            request.ref = method.remote(arg, node.updates_sent)
-        except Exception as exc:
-            self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
+        with self._lock:
+            method = {"steps": node.actor.steps, "samples": node.actor.samples, "episodes": node.actor.exact_episodes}[kind]
+            try:
+                request.ref = method.remote(arg, node.updates_sent)
+            except Exception as exc:
+                self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
         if not node.queue:  # (else an earlier request's clock runs)
             self.supervisor.start_clock(node.index)
         node.asked(request)
         return request
 
-    def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None) -> None:
+    def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None,
+                    replay: bool = False) -> None:
         """Send an update without waiting; its answer is checked later (``wait``)."""
         self.check_usable(node)
-        try:
-            ref = node.actor.update.remote(version, weights, env_updates)
-        except Exception as exc:
-            self.ray_failed(exc, f"sending an update to {node.name()}")
-        node.update_sent()
-        self._updates.append(ref)
+        with self._lock:
+            if node.actor is None or not (replay or node.replayed):  # being (re)started: its replay brings it everything
+                return
+            try:
+                ref = node.actor.update.remote(version, weights, env_updates)
+            except Exception as exc:
+                self.ray_failed(exc, f"sending an update to {node.name()}")
+            node.update_sent()
+            self._updates.append(ref)
 
     def check_usable(self, node: Node | None = None) -> None:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
@@ -332,7 +350,7 @@ class NodePool:
             self._take(ready, out)
         if out:
             return out
-        while self._faults:
+        while self._faults and not out:  # answers of one fault go back (to be booked) before the next is handled
             fault = self._faults.pop(0)
             node = fault.node
             if self.supervisor.already(node.index, {node.index: fault.generation}) or self.supervisor.failure(node.index):
@@ -385,12 +403,15 @@ class NodePool:
     def _check_updates(self) -> None:
         """Forget the updates whose answers are in. One that failed on its node fails the node's
         next request (the node keeps the error), so it takes the one failure path there."""
-        if self._updates:
+        with self._lock:
+            refs = list(self._updates)  # (a learner thread may append meanwhile)
+        if refs:
             try:
-                done = set(ray.wait(self._updates, num_returns=len(self._updates), timeout=0)[0])
+                done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
             except Exception as exc:
                 self.ray_failed(exc, "checking the updates sent")
-            self._updates = [ref for ref in self._updates if ref not in done]
+            with self._lock:
+                self._updates = [ref for ref in self._updates if ref not in done]
 
     def _done(self, ref: Any) -> bool:
         try:
@@ -434,8 +455,9 @@ class NodePool:
             deadline = Deadline(CLOSE_TIMEOUT)
             if started:
                 ray.wait(started, num_returns=len(started), timeout=deadline.left())
-            if starting:  # not started within start_timeout: maybe never placed, so no longer than that
-                ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), self.start_timeout))
+            if starting:  # maybe never placed: no longer than what is left of their start_timeout
+                left = max(self._start_deadlines[node.index].left() for node in live if not node.info)
+                ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), left))
         except Exception as exc:  # the actors are killed all the same
             logger.warning("ray sampler: closing the nodes: %r", exc)
         for node in live:

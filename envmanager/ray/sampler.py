@@ -142,18 +142,22 @@ class RaySampler:
     def _publish(self, version: int | None, weights: Any, env: Pickled | None) -> None:
         """An update to every node not given up (whose error every collection call raises)."""
         for node in self._pool.nodes:
-            if self._pool.failure(node) is None:
+            if self._pool.failure(node) is None:  # (one not replayed yet gets it with its replay: send_update)
                 sliced = None if env is None else Pickled(tuple(_slice(env.payloads, node)))
                 self._pool.send_update(node, version, weights, sliced)
 
     def _replay(self, node: Node) -> None:
         """A (re)started node gets the newest weights and every env update, in order (with
-        the records' ``resume``, everything a restarted node needs again, in one place)."""
-        version, weights = self.versions.agent()
-        if weights is not None:  # (None: no agent update yet, the node has the policy it was built with)
-            self._pool.send_update(node, version, weights, None)
-        for entry in self.versions.env_updates.since(0):
-            self._pool.send_update(node, None, None, entry.sliced(node.offset, node.offset + node.n_envs))
+        the records' ``resume``, everything a restarted node needs again, in one place). Under
+        the versions' lock: an update from another thread is recorded before (and so replayed)
+        or published after (to the node, replayed by then), never both or neither."""
+        with self.versions.locked():
+            version, weights = self.versions.agent()
+            if weights is not None:  # (None: no agent update yet, the node has the policy it was built with)
+                self._pool.send_update(node, version, weights, None, replay=True)
+            for entry in self.versions.env_updates.since(0):
+                self._pool.send_update(node, None, None, entry.sliced(node.offset, node.offset + node.n_envs), replay=True)
+            node.caught_up()
 
     # ------------------------------------------------------------------------------------------
     # Steps: fragments, first-ready across nodes

@@ -35,7 +35,7 @@ class Versions:
         self.env_updates = UpdateLog(n_slots)
         self._prepare = prepare
         self._publish = publish
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a Ray replay holds it while it reads (``locked``)
         self._agent_version = 0
         self._agent: Any = agent  # the newest agent, prepared (version 0: the one the sampler began with)
         self._fresh = False  # an agent update not taken yet (``take_agent``)
@@ -67,6 +67,10 @@ class Versions:
             if env is not None:
                 self.env_updates.append(env)
             return self._agent_version, self.env_updates.version
+
+    def locked(self) -> threading.RLock:
+        """The lock ``update`` publishes and records under: held, no update is half done."""
+        return self._lock
 
     def agent(self) -> tuple[int, Any]:
         """The newest agent's version and its prepared form (version 0: what the sampler was
