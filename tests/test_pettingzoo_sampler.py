@@ -348,3 +348,35 @@ def test_a_policy_update_reaches_its_group(where):
         sampler.update(agent_update=3)  # one value: every group
         last = sampler.obtain_exact_episodes(1)
         assert all((last[g].actions == 3).all() for g in groups)
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_bad_policies_and_policy_updates_are_refused_before_anything_acts(where):
+    """A group without a policy, a policy that is neither callable nor has ``get_actions``, an
+    update naming a group that does not exist (it was taken as one update for every group) —
+    refused with ``InvalidInputError`` before any env is stepped with them. An update refused for
+    its env update loads no weights either (they went out with the next accepted update)."""
+    groups = {"first": ["agent_0"], "rest": ["agent_1", "agent_2"]}
+    for bad in (None, {"first": Constant(1), "rest": None}, {"first": Constant(1), "rest": "Constant(2)"}):
+        with pytest.raises(InvalidInputError, match="policy of group"):
+            MultiAgentSampler([envs.spread], bad, agent_groups=groups, seed=0, **WHERE[where])
+    with MultiAgentSampler([envs.spread], {"first": Constant(1), "rest": Constant(2)}, agent_groups=groups, seed=0,
+                           **WHERE[where]) as sampler:
+        with pytest.raises(InvalidInputError, match="typo"):
+            sampler.update(agent_update={"rest": 4, "typo": 5})
+        with pytest.raises(InvalidInputError):
+            sampler.update(agent_update={"rest": 3}, env_update="not a function")
+        batch = sampler.obtain_exact_episodes(1)
+        assert (batch["first"].actions == 1).all() and (batch["rest"].actions == 2).all()
+        assert sampler.update(agent_update={"first": 4}) == (1, 0)
+        batch = sampler.obtain_exact_episodes(1)
+        assert (batch["first"].actions == 4).all() and (batch["rest"].actions == 2).all()
+        assert sampler.stats.counters.get("worker_restarts", 0) == 0
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_a_fractional_action_for_a_discrete_space_is_refused_not_truncated(where):
+    with (MultiAgentSampler([envs.spread], lambda obs, acting: np.full(len(acting.agents), 2.7), seed=0,
+                            **WHERE[where]) as sampler,
+          pytest.raises((InvalidInputError, WorkerError), match="integer")):
+        sampler.obtain_steps(1)

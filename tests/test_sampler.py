@@ -227,6 +227,22 @@ def test_env_raising_with_restarts_cuts_the_episode_and_collection_goes_on(tmp_p
     assert not batch.interrupted[batch.worker_ids == 1].any()
 
 
+@pytest.mark.parametrize("crash", ["raise", "exit"])
+def test_an_episode_cut_after_a_call_handed_out_its_steps_is_not_counted_as_cut_before_its_first(tmp_path, crash):
+    marker = str(tmp_path / "crashed")
+
+    def factory(worker_id):
+        return KindEnv(crash_marker=marker, crash_at=3, crash=crash)
+
+    with Sampler(factory, 1, RandomPolicy(), seed=0, restart_workers=True, timeout=30) as sampler:
+        first = sampler.obtain_steps(2)  # episode 0's first two steps, handed out
+        sampler.obtain_steps(2)  # its third step fails: cut, then episode 1
+        counters = dict(sampler.stats.counters)
+        cut = list(sampler.cut_episodes)
+    assert first.episode_ids.tolist() == [0, 0] and 0 in cut
+    assert counters["interrupted_episodes"] == 1 and counters.get("empty_cut_episodes", 0) == 0
+
+
 def test_core_does_not_import_the_sampler():
     import subprocess
     import sys

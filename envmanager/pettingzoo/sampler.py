@@ -12,6 +12,7 @@ the env steps turned into per-agent rows per group (``envmanager.pettingzoo.agen
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from envmanager.core.actions import ActionChecker
 from envmanager.errors import InvalidInputError
 from envmanager.pettingzoo.agents import AgentRows, agent_episode_id
 from envmanager.pettingzoo.facade import FacadeFactory
@@ -60,18 +62,31 @@ class GroupPolicies:
             self.policies = dict(policies)
         else:
             self.policies = dict.fromkeys(names, policies)
+        for name, policy in self.policies.items():
+            _check_policy(name, policy)
         self.layout = layout
         self.episodes = episodes  # the parent-side sampler's records (each slot's env episode id); None in a worker
         self._fill = {g.name: _valid_rows(g) for g in layout.groups}
+        self._checkers = {g.name: ActionChecker(g.action_space) for g in layout.groups}
+
+    def per_group(self, update: Any) -> dict[str, Any]:
+        """An ``agent_update`` as ``{group: update}``: a dict naming groups is by group (every key
+        must be a group: a misspelt one is refused, not taken as one update for every group)."""
+        names = [g.name for g in self.layout.groups]
+        if isinstance(update, Mapping) and update and set(update) & set(names):
+            unknown = sorted(map(str, set(update) - set(names)))
+            if unknown:
+                raise InvalidInputError(f"agent_update names groups {unknown} that do not exist (groups: {names})")
+            return dict(update)
+        return dict.fromkeys(names, update)
 
     def set_param_values(self, update: Any) -> None:
         """An ``agent_update``: ``{group: update}`` for some groups, or one update for every
         group (each applied as the ``Sampler`` applies one: weights loaded, or a new policy)."""
-        names = [g.name for g in self.layout.groups]
-        by_group = isinstance(update, Mapping) and update and set(update) <= set(names)
-        per_group = update if by_group else dict.fromkeys(names, update)
-        for name, value in per_group.items():
-            self.policies[name] = apply_agent_update(self.policies[name], value)
+        for name, value in self.per_group(update).items():
+            policy = apply_agent_update(self.policies[name], value)
+            _check_policy(name, policy)
+            self.policies[name] = policy
 
     def get_actions(self, observations: dict[str, Any], worker_ids: np.ndarray) -> dict[str, np.ndarray]:
         active = np.asarray(observations["active"]) != 0  # (envs, agents)
@@ -97,8 +112,8 @@ class GroupPolicies:
                     raise InvalidInputError(f"the policy of group {g.name!r} returned {chosen.shape[:1] or 'no'} rows "
                                             f"for {len(env_at)} acting agents")
                 try:
-                    actions[env_at, row_at] = chosen
-                except (ValueError, TypeError) as exc:
+                    actions[env_at, row_at] = self._checkers[g.name].batch(chosen, agents)  # as the core checks
+                except (ValueError, TypeError, InvalidInputError) as exc:
                     raise InvalidInputError(f"the actions of group {g.name!r} do not fit {g.action_space}: {exc}") from None
             out[g.name] = actions
         return out
@@ -196,9 +211,17 @@ class MultiAgentSampler:
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """The sampler's ``update``; ``agent_update``: ``{group: update}`` or one for every
         group (weights loaded, or a new policy; see ``GroupPolicies.set_param_values``)."""
+        if agent_update is not None:
+            by_group = self._policies.per_group(agent_update)  # refused before anything is recorded
+            for name, value in by_group.items():  # a new policy (not weights loaded into one) must be a policy
+                current = self._policies.policies[name]
+                if not (hasattr(current, "set_param_values") or hasattr(current, "load_state_dict")):
+                    _check_policy(name, value)
         if agent_update is not None and isinstance(self.sampler, WorkerPolicySampler):  # the workers get them all, pickled
-            policies = GroupPolicies(self.layout, dict(self._policies.policies), None)
-            policies.set_param_values(agent_update)
+            # copies of those loaded in place: an update refused below leaves the policies as they were
+            policies = GroupPolicies(self.layout, {k: copy.deepcopy(v) if k in by_group else v
+                                                   for k, v in self._policies.policies.items()}, None)
+            policies.set_param_values(by_group)
             versions = self.sampler.update(policies, env_update, version)
             self._policies = policies
             return versions
@@ -285,6 +308,12 @@ class _NotYet:
 
     def get_actions(self, observations: Any, worker_ids: Any) -> Any:
         raise RuntimeError("the multi-agent sampler's policies were never set")
+
+
+def _check_policy(group: str, policy: Any) -> None:
+    if not (hasattr(policy, "get_actions") or callable(policy)):
+        raise InvalidInputError(f"the policy of group {group!r} needs get_actions(observations, acting) or must be "
+                                f"callable, got {type(policy).__name__}")
 
 
 def _valid_rows(g: AgentGroup) -> np.ndarray:

@@ -380,6 +380,8 @@ class Sampler:
     def _book(self, slot: int, closed: Closed, goal: Goal) -> None:
         """An episode the record closed, booked in the goal if this call admitted it."""
         if closed.recording and closed.episode_id >= 0 and closed.outcome is not Outcome.FAILED:
+            if closed.outcome is Outcome.CUT and not closed.steps and closed.taken:
+                return  # cut after an earlier call handed its steps out: not one cut before its first step
             goal.finished(slot, closed.steps, closed.outcome is Outcome.CUT)
             if closed.outcome is Outcome.ENDED:
                 self.stats.count("episodes")

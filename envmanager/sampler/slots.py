@@ -77,6 +77,7 @@ class EpisodeSlot:
     observation: Any = None
     sent: tuple[Any, Any, dict[str, Any], int] | None = None  # (observation, action, agent info, policy version)
     steps: list[Step] = field(default_factory=list)
+    taken: int = 0  # steps of the running episode already handed out (``take_steps``)
 
     def _set(self, **fields: Any) -> None:
         for name, value in fields.items():
@@ -86,7 +87,7 @@ class EpisodeSlot:
         """Episode ``episode_id`` starts here (``EpisodeSlots.start`` numbers it)."""
         assert self.state is EpisodeState.NONE, f"slot {self.slot} already runs episode {self.episode_id}"
         self._set(episode_id=episode_id, started=self.started + 1, state=state, recording=recording, observation=None,
-                  sent=None, steps=[])
+                  sent=None, steps=[], taken=0)
 
     def ready(self, observation: Any) -> None:
         """The slot's reset or step was answered and its episode goes on: act on ``observation``."""
@@ -103,7 +104,7 @@ class EpisodeSlot:
     def take_steps(self) -> list[Step]:
         """The running episode's steps recorded so far, handed out (it goes on recording)."""
         steps = self.steps
-        self._set(steps=[])
+        self._set(steps=[], taken=self.taken + len(steps))
         return steps
 
     def stop_recording(self) -> int:
@@ -129,12 +130,13 @@ class EpisodeSlot:
         dropped if ``FAILED``."""
         if self.state is EpisodeState.NONE:
             return Closed(-1, [], False, outcome)
+        taken = self.taken
         steps = self.steps
         if outcome is Outcome.CUT:
             steps = [replace(step, interrupted=True) for step in steps]
         elif outcome is Outcome.FAILED:
             steps = []
-        closed = Closed(self.episode_id, steps, self.recording, outcome)
+        closed = Closed(self.episode_id, steps, self.recording, outcome, taken)
         self._set(state=EpisodeState.NONE, recording=False, observation=None, sent=None, steps=[])
         return closed
 
@@ -155,6 +157,7 @@ class Closed(NamedTuple):
     steps: list[Step]
     recording: bool
     outcome: Outcome
+    taken: int = 0  # steps an earlier call already handed out (obtain_steps)
 
 
 class EpisodeIds(NamedTuple):
