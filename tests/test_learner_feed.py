@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from envmanager.errors import InvalidInputError
 from envmanager.sampler import LearnerError, LearnerFeed, LearnerStarvedError, Sampler, Stats, TransitionBatch
 from envmanager.sampler.batches import Step
 from sampler_envs import RandomPolicy, kind_env
@@ -92,7 +93,43 @@ def test_stale_steps_dropped_or_masked_and_counted():
             assert len(kept[0]) == 3 and kept[0].policy_versions.tolist() == [3, 3, 2]
         else:
             assert kept[0].valid.tolist() == [True, True, False, False, False, True]
+            assert mixed.valid.all()  # the caller's batch (a stream yielded it) as it was
         assert feed.stats.stats()["policy_lag_max"] == 2
+        assert feed.stats.counters["steps_learned"] == 3  # the masked steps were not learned from
+
+
+def test_minibatches_are_never_empty():
+    sizes: list[int] = []
+    feed = LearnerFeed(lambda b: sizes.append(len(b)) or {}, num_minibatches=4)
+    feed.put(batch_of(3))
+    feed.put(batch_of(6))
+    feed.drain(timeout=30)
+    feed.stop()
+    assert sizes == [1, 1, 1, 1, 2, 1, 2]  # three rows: three minibatches of one (not one empty)
+
+
+def test_bad_settings_are_refused_before_anything_runs():
+    for bad in ({"starve_timeout": 0}, {"starve_timeout": float("nan")}, {"put_timeout": float("inf")},
+                {"put_timeout": -1}, {"max_policy_lag": -1}):
+        with pytest.raises(InvalidInputError):
+            LearnerFeed(lambda b: {}, **bad)
+    for never in (None, float("inf")):  # no starve check
+        feed = LearnerFeed(lambda b: {}, starve_timeout=never)
+        feed.put(batch_of(1))
+        feed.drain(timeout=30)
+        assert feed.alive
+        feed.stop()
+    calls: list[int] = []
+    with Sampler(kind_env, 1, RandomPolicy(), seed=0) as sampler:
+        feed = LearnerFeed(lambda b: {})
+        try:
+            for bad in ({"max_batches_waiting": 0}, {"max_fragments": -3}):
+                with pytest.raises(InvalidInputError):
+                    next(sampler.stream(4, feed, **{"max_batches_waiting": 2, **bad}))
+            calls.append(sampler.stats.counters.get("env_steps", 0))
+        finally:
+            feed.stop()
+    assert calls == [0]  # nothing was stepped for them
 
 
 def test_stream_feeds_the_learner_and_new_weights_reach_the_sampler():

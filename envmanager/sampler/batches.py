@@ -107,7 +107,9 @@ class TransitionBatch:
         return TransitionBatch(**values, **infos)
 
     def split(self, n: int) -> list[TransitionBatch]:
-        """``n`` consecutive pieces of (nearly) equal size: minibatches."""
+        """``n`` consecutive pieces of (nearly) equal size: minibatches (fewer, none empty, when
+        the batch has fewer than ``n`` rows)."""
+        n = max(1, min(n, len(self)))
         bounds = np.linspace(0, len(self), n + 1).astype(int)
         return [self.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
 

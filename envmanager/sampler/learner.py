@@ -12,7 +12,9 @@ in ``on_update``, or a queue empty for ``starve_timeout`` is re-raised in the ca
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import math
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -48,7 +50,8 @@ class LearnerFeed:
             update is one pass over one buffered batch, round robin, and a batch leaves the buffer
             after ``num_passes``; a new batch joins as soon as one waits and there is room. Unlike
             RLlib's, the buffer never blocks on an empty queue while it still has passes to make.
-        starve_timeout: seconds the queue may stay empty before that is an error.
+        starve_timeout: seconds the queue may stay empty before that is an error (``None`` or
+            ``inf``: never).
         max_policy_lag: steps acted by a policy more than this many versions old are ``stale``.
         stale: ``"drop"`` them or ``"mask"`` them (``batch.valid`` false).
         on_update: ``on_update(version, metrics)`` after each batch, in the learner thread.
@@ -56,13 +59,21 @@ class LearnerFeed:
     """
 
     def __init__(self, learn_fn: Callable[[TransitionBatch], dict[str, Any]], queue_size: int = 2, num_passes: int = 1,
-                 num_minibatches: int = 1, starve_timeout: float = 60.0, max_policy_lag: int | None = None,
+                 num_minibatches: int = 1, starve_timeout: float | None = 60.0, max_policy_lag: int | None = None,
                  stale: str = "drop", on_update: Callable[[int, dict[str, Any]], Any] | None = None,
                  put_timeout: float = 600.0, log_interval: float | None = None, buffer_size: int = 1) -> None:
         if queue_size < 1 or num_passes < 1 or num_minibatches < 1 or buffer_size < 1:
             raise InvalidInputError("queue_size, num_passes, num_minibatches and buffer_size must be at least 1")
         if stale not in ("drop", "mask"):
             raise InvalidInputError(f"stale must be 'drop' or 'mask', got {stale!r}")
+        if starve_timeout is not None and not starve_timeout > 0:
+            raise InvalidInputError(f"starve_timeout must be positive seconds, or None for never, got {starve_timeout!r}")
+        if not 0 < put_timeout < math.inf:
+            raise InvalidInputError(f"put_timeout must be positive seconds, got {put_timeout!r}")
+        if max_policy_lag is not None and max_policy_lag < 0:
+            raise InvalidInputError(f"max_policy_lag must be at least 0 (or None), got {max_policy_lag!r}")
+        if starve_timeout == math.inf:
+            starve_timeout = None
         self.learn_fn, self.on_update = learn_fn, on_update
         self.queue_size, self.num_passes, self.num_minibatches = queue_size, num_passes, num_minibatches
         self.starve_timeout, self.max_policy_lag, self.stale = starve_timeout, max_policy_lag, stale
@@ -225,8 +236,11 @@ class LearnerFeed:
 
     def _next_batch(self) -> TransitionBatch | None:
         with self.stats.timer("dequeue"), self._cond:
-            deadline = Deadline(self.starve_timeout)
+            deadline = None if self.starve_timeout is None else Deadline(self.starve_timeout)
             while not self._queue and not self._stopping:
+                if deadline is None:
+                    self._cond.wait()  # (told to stop, or a batch: notified)
+                    continue
                 if deadline.passed():
                     raise LearnerStarvedError(f"the learner's queue stayed empty for {self.starve_timeout:g} s")
                 self._cond.wait(deadline.left())
@@ -248,8 +262,8 @@ class LearnerFeed:
                 self.stats.count("stale_steps", n_stale)
                 if self.stale == "drop":
                     batch = batch.select(~stale)
-                else:
-                    batch.valid = batch.valid & ~stale
+                else:  # (a copy: the caller's batch, which a stream yielded, stays as it was)
+                    batch = dataclasses.replace(batch, valid=batch.valid & ~stale)
         if len(batch) == 0:
             self.stats.count("dropped_batches")
             return None
@@ -262,11 +276,12 @@ class LearnerFeed:
             for _ in range(passes):
                 for minibatch in batch.split(self.num_minibatches) if self.num_minibatches > 1 else [batch]:
                     metrics = self.learn_fn(minibatch) or {}
-        self.stats.count("steps_learned", len(batch))
+        learned = int(batch.valid.sum())  # (not the steps masked as stale)
+        self.stats.count("steps_learned", learned)
         self.stats.count("updates")
         with self._cond:
             self.version += 1
-            self._results.append((len(batch), metrics))
+            self._results.append((learned, metrics))
         if self.on_update is not None:
             self.on_update(self.version, metrics)
         self.stats.maybe_log()
@@ -277,6 +292,10 @@ def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: Le
     """The loop of every sampler's ``stream``: while the learner has ``max_batches_waiting``
     batches waiting, wait (Sample Factory's back-pressure: policy lag stays bounded); then
     collect one fragment with ``obtain``, put it into ``feed``, and yield it."""
+    if max_batches_waiting < 1:
+        raise InvalidInputError(f"max_batches_waiting must be at least 1, got {max_batches_waiting!r}")
+    if max_fragments is not None and max_fragments < 1:
+        raise InvalidInputError(f"max_fragments must be at least 1 (or None: no end), got {max_fragments!r}")
     count = 0
     while max_fragments is None or count < max_fragments:
         if feed is not None:
