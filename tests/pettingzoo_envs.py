@@ -58,6 +58,11 @@ def spread() -> Any:
     return simple_spread_v3.parallel_env(N=3, max_cycles=40)
 
 
+def short_episodes(env: Any) -> None:
+    """An env update: the MPE env (reached through its wrappers) truncates after 3 cycles."""
+    env.unwrapped.max_cycles = 3
+
+
 def tictactoe() -> Any:
     from pettingzoo.classic import tictactoe_v3
 

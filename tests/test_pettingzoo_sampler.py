@@ -351,6 +351,20 @@ def test_a_policy_update_reaches_its_group(where):
 
 
 @pytest.mark.parametrize("where", ["parent", "workers"])
+def test_an_env_update_reaches_the_pettingzoo_env(where):
+    """``update(env_update=fn)``: ``fn`` gets the PettingZoo env ``env_fns`` made (it got the
+    facade hosting it, where setting an attribute changed nothing, the rows stamped all the same)."""
+    with MultiAgentSampler([envs.spread] * 2, spread_policy, seed=0, **WHERE[where]) as sampler:
+        assert sampler.update(env_update=envs.short_episodes) == (0, 1)
+        batch = sampler.obtain_exact_episodes(1)
+        for g in batch.groups.values():
+            assert (g.env_versions == 1).all()
+            _, lengths = np.unique(g.episode_ids, return_counts=True)
+            assert set(lengths.tolist()) == {3}, "episodes of 3 cycles after the update"
+            assert g.truncated[g.dones].all()
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
 def test_bad_policies_and_policy_updates_are_refused_before_anything_acts(where):
     """A group without a policy, a policy that is neither callable nor has ``get_actions``, an
     update naming a group that does not exist (it was taken as one update for every group) —

@@ -269,6 +269,17 @@ def _zero_row(block: Any, row: int) -> None:
         block[row] = 0
 
 
+class OnPettingZooEnv:
+    """An env update ``fn(env)`` for the PettingZoo env (as :func:`call_env` reaches it), run
+    in a worker on the facade that hosts it: the core's updates get the slot's env, the facade."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, facade: AgentFacade) -> Any:
+        return self.fn(facade.env)
+
+
 def call_env(facade: AgentFacade, name: str, args: tuple, kwargs: dict) -> Any:
     """Run in a worker: ``env.<name>(*args, **kwargs)`` on the PettingZoo env (``unwrapped``
     reaches through PettingZoo's wrappers), or its value when not callable."""

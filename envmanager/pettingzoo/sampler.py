@@ -23,7 +23,7 @@ import numpy as np
 from envmanager.core.actions import ActionChecker
 from envmanager.errors import InvalidInputError
 from envmanager.pettingzoo.agents import AgentRows, agent_episode_id
-from envmanager.pettingzoo.facade import FacadeFactory
+from envmanager.pettingzoo.facade import FacadeFactory, OnPettingZooEnv
 from envmanager.pettingzoo.layout import MASK_KEY, AgentGroup, AgentLayout, check_group_options, one_layout, stacked_action_space
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.sampler import Sampler, apply_agent_update
@@ -210,7 +210,10 @@ class MultiAgentSampler:
 
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """The sampler's ``update``; ``agent_update``: ``{group: update}`` or one for every
-        group (weights loaded, or a new policy; see ``GroupPolicies.set_param_values``)."""
+        group (weights loaded, or a new policy; see ``GroupPolicies.set_param_values``);
+        ``env_update``: ``fn(env)`` (or one per env slot) gets the PettingZoo env ``env_fns``
+        made (as converted from AEC, where it was: as ``ParallelVectorEnv.call``)."""
+        env_update = _on_pettingzoo_envs(env_update)
         if agent_update is not None:
             by_group = self._policies.per_group(agent_update)  # refused before anything is recorded
             for name, value in by_group.items():  # a new policy (not weights loaded into one) must be a policy
@@ -308,6 +311,14 @@ class _NotYet:
 
     def get_actions(self, observations: Any, worker_ids: Any) -> Any:
         raise RuntimeError("the multi-agent sampler's policies were never set")
+
+
+def _on_pettingzoo_envs(env_update: Any) -> Any:
+    """``env_update`` with each function run on the PettingZoo env, not the facade hosting it
+    (anything else left as it is, for the sampler's own check to refuse)."""
+    if isinstance(env_update, (list, tuple)):
+        return [OnPettingZooEnv(u) if callable(u) else u for u in env_update]
+    return OnPettingZooEnv(env_update) if callable(env_update) else env_update
 
 
 def _check_policy(group: str, policy: Any) -> None:
