@@ -376,6 +376,32 @@ def test_a_fragment_longer_than_the_deadline_is_not_hung_while_it_writes_rows():
     check_no_gap_no_repeat(batch)
 
 
+def first_step_hangs(worker_id: int) -> KindEnv:
+    return KindEnv(hang_at=1)  # its reset is done, then its first step sleeps a minute
+
+
+def test_a_fragment_that_stops_is_hung_a_deadline_after_its_last_progress():
+    # The pool's looks are made here with made-up times (nothing waits for them). The fragment's
+    # reset is its progress, then it hangs. A look a quarter of the deadline in sees that progress
+    # and moves its clock there; past the deadline from then it is hung. (It was hung a deadline
+    # after the first look past the deadline, which saw the reset: up to twice the deadline.)
+    import time
+
+    with WorkerPolicySampler(first_step_hangs, 1, ParityAgent(), seed=1, timeout=100.0, context="fork") as sampler:
+        pool, process = sampler.manager.pool, sampler.manager.processes[0]
+        sampler._send(0, [5], [-1])
+        sent_at = process.clock
+        give_up = time.monotonic() + 60  # (a bound on the loop, not a timing assertion)
+        while sampler._progress([0]) == 0 and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert sampler._progress([0]) == 1  # its episode started
+        assert pool._check_deadlines(sent_at + 25.0) == [] and process.clock == sent_at + 25.0
+        assert pool._check_deadlines(sent_at + 110.0) == []  # no progress since, but not a deadline yet
+        failed = pool._check_deadlines(sent_at + 126.0)
+        assert [type(c.error) for c in failed] == [WorkerTimeoutError]
+        assert failed[0].error.hung and failed[0].error.worker_ids == [0]
+
+
 def test_a_fragment_that_stops_writing_rows_is_hung():
     # slot 1 hangs on its 5th step: no row for a whole deadline, so it is called hung (and named)
     with (WorkerPolicySampler(hanging_env, 2, ParityAgent(), seed=1, timeout=2.0, context="fork") as sampler,

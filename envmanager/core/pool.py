@@ -413,19 +413,28 @@ class WorkerPool:
 
     def _check_deadlines(self, now: float) -> list[Completion]:
         """Fail every process whose oldest request's clock is past the deadline (restart or
-        error), and note when the next one can be due: no clock started later is due sooner."""
+        error), and note when the next one can be due: no clock started later is due sooner.
+        A call whose progress is counted (``progress``) has its clock moved on when the count
+        grew since the last look; while one is in flight the looks come every quarter of the
+        deadline, so one that stops is hung at most a quarter past the deadline from its last
+        progress (not a whole deadline past the look that saw it)."""
         completions: list[Completion] = []
         supervisor = self.supervisor
+        counted = False
         for w in list(self.processes):
-            clock = w.clock
-            if w.busy and w.watched and supervisor.late(clock, now):
-                cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
-                if cmd is Cmd.CALL and self.progress is not None and w.still_working(clock, self.progress(list(w.env_ids)), now):
-                    continue  # working, not hung: a new deadline from now
+            if not (w.busy and w.watched):
+                continue
+            cmd = w.request.cmd if w.request is not None else Cmd.STEP  # (board steps)
+            if cmd is Cmd.CALL and self.progress is not None:
+                counted = True
+                w.progressed(self.progress(list(w.env_ids)), now)  # working, not hung: its clock from now
+            if supervisor.late(w.clock, now):
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)
         oldest = min((w.clock for w in self.processes if w.busy and w.watched), default=now)
         self._next_deadline_check = oldest + self.timeout
+        if counted:
+            self._next_deadline_check = min(self._next_deadline_check, now + self.timeout / 4)
         return completions
 
     def gather(self, workers: Iterable[WorkerProcess], what: str) -> list[Completion]:

@@ -224,10 +224,10 @@ class WorkerProcess:
         if not any(r.cmd is Cmd.REBUILD for r, _ in self.requests):
             self.state = ProcessState.RUNNING
 
-    def still_working(self, clock: float, done: int, now: float) -> bool:
-        """Whether a call past its deadline (its ``clock``) made progress: ``done``, its count (0
-        when sent), grew since its clock was last moved on for it; if so its clock starts now."""
-        seen = self.progress_mark[1] if self.progress_mark[0] == clock else 0
+    def progressed(self, done: int, now: float) -> bool:
+        """Whether the call in flight made progress: ``done``, its count (0 when sent), grew
+        since its clock was last moved on for it; if so its clock starts ``now``."""
+        seen = self.progress_mark[1] if self.progress_mark[0] == self.clock else 0
         if done == seen:
             return False
         self.supervisor.start_clock(self.index, now)
