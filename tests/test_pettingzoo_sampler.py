@@ -362,6 +362,8 @@ def test_an_env_update_reaches_the_pettingzoo_env(where):
             _, lengths = np.unique(g.episode_ids, return_counts=True)
             assert set(lengths.tolist()) == {3}, "episodes of 3 cycles after the update"
             assert g.truncated[g.dones].all()
+        ends = batch.env_steps.dones  # the env's own episode: cut short by max_cycles, not terminated
+        assert ends.sum() == 2 and batch.env_steps.truncated[ends].all() and not batch.env_steps.terminated.any()
 
 
 @pytest.mark.parametrize("where", ["parent", "workers"])

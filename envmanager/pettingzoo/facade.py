@@ -131,7 +131,9 @@ class AgentFacade(gymnasium.Env):
         if done:
             self._active = []
             out["active"][:] = 0
-        return out, float(out["reward"].sum()), done, False, self._infos(infos)
+        # The env's episode was cut short (truncated) when its last agents were only truncated.
+        truncated = done and any(truncations.values()) and not any(terminations.values())
+        return out, float(out["reward"].sum()), done and not truncated, truncated, self._infos(infos)
 
     def render(self) -> Any:
         return self.env.render()

@@ -252,7 +252,8 @@ class ParallelVectorEnv:
         restarted = np.array([s in got.interrupted for s in ids.tolist()], np.bool_)
         if starts is None:
             starts = self._ended[ids] | restarted
-        ends = manager.results.terminated[ids].astype(np.bool_)
+        results = manager.results
+        ends = (results.terminated[ids] | results.truncated[ids]).astype(np.bool_)  # (its last agents truncated: truncated)
         batch = gather(self.layout, obs, ids, starts, ends, restarted, [got.infos.get(s, {}) for s in ids.tolist()])
         self._active[ids] = batch.active.reshape(len(ids), -1)
         self._ended[ids] = ends
