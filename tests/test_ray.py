@@ -317,6 +317,26 @@ def test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_r
         assert (batch.env_versions == version).all() and (batch.observations[:, 2] == bonus).all()
 
 
+def test_evaluations_between_training_calls_do_not_stock_ever_more_fragments():
+    """Training with ``obtain_steps`` (three fragments) and an evaluation by exact episodes in
+    turn: each evaluation books the fragments queued for streaming. Queueing a whole round more
+    after it stocked one more round per evaluation: the buffer, and the age of the rows handed
+    out, grew without end. It stays under two rounds."""
+    sampler = RaySampler(kind_env, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, in_flight=2, seed=0,
+                         timeout=60.0, start_timeout=60.0)
+    round_ = 2 * 16 * 2  # in_flight fragments of every node
+    try:
+        held = []
+        for _ in range(12):
+            for _ in range(3):
+                sampler.obtain_steps(16)
+            sampler.obtain_exact_episodes(1)
+            held.append(sampler.buffered_steps)
+    finally:
+        sampler.close()
+    assert max(held) < 2 * round_, held
+
+
 @pytest.mark.timeout(300)
 def test_updates_from_a_learner_thread_while_the_driver_collects():
     """``update`` from another thread (``LearnerFeed``'s ``on_update``) while ``obtain_steps``

@@ -322,6 +322,7 @@ def _on_pettingzoo_envs(env_update: Any) -> Any:
 
 
 def _check_policy(group: str, policy: Any) -> None:
+    """Refuse what cannot act for ``group`` (``None``, a misspelt name...) before anything runs."""
     if not (hasattr(policy, "get_actions") or callable(policy)):
         raise InvalidInputError(f"the policy of group {group!r} needs get_actions(observations, acting) or must be "
                                 f"callable, got {type(policy).__name__}")

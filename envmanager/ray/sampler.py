@@ -176,7 +176,7 @@ class RaySampler:
             else:
                 self._round()
         batch = self._take(n)
-        self._top_up()
+        self._top_up(ahead=True)
         lags = self.policy_version - batch.policy_versions
         self.stats.lag(lags)
         self.stats.count("steps_handed_out", len(batch))
@@ -222,8 +222,12 @@ class RaySampler:
         finally:
             self._book([answers[i] for i in sorted(answers)])
 
-    def _top_up(self) -> None:
-        if not self.first_ready:
+    def _top_up(self, ahead: bool = False) -> None:
+        """Keep ``in_flight`` step fragments queued on each node (first-ready streaming).
+        ``ahead`` (for the next call, not this one): not while the buffer holds a whole round of
+        them already — an episodes call books the fragments queued before it, and queueing more
+        then would stock one more round per such call (rows ever older, the buffer ever larger)."""
+        if not self.first_ready or (ahead and self.buffered_steps >= self.in_flight * self.fragment_steps * self.n_nodes):
             return
         for node in self._pool.nodes:
             if self._pool.failure(node) is None and all(r.kind == "steps" for r in node.queue):
@@ -387,7 +391,7 @@ class RaySampler:
 
     def _top_up_if_streaming(self) -> None:
         if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):
-            self._top_up()
+            self._top_up(ahead=True)
 
     def _merge(self, batches: list[tuple[int, EpisodeBatch]]) -> EpisodeBatch:
         """Episodes in (worker, admission) order: by global slot, then in the order they came."""
