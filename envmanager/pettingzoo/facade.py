@@ -30,7 +30,7 @@ with requires_extra("pettingzoo", __name__):
     from pettingzoo import AECEnv
     from pettingzoo.utils.conversions import aec_to_parallel, turn_based_aec_to_parallel
 
-__all__ = ["AgentFacade", "FacadeFactory", "as_parallel", "call_env"]
+__all__ = ["AgentFacade", "FacadeFactory", "OnPettingZooEnv", "as_parallel", "call_env"]
 
 logger = logging.getLogger(__name__)
 
