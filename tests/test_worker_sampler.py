@@ -126,7 +126,7 @@ def test_exact_episodes_with_a_killed_worker_fill_their_admissions(tmp_path):
                              timeout=30) as sampler:
         batch = sampler.obtain_exact_episodes(3)
         counters = dict(sampler.stats.counters)
-    assert batch.n_episodes + counters.get("empty_cut_episodes", 0) == 6  # cut ones count: none replaced
+    assert batch.n_episodes == 6  # a cut one fills its admission; one cut before its first step is given another
     assert batch.episode_interrupted.sum() >= 1 and counters["interrupted_episodes"] >= 1
     for episode in batch.split_episodes():
         assert episode.observations[0, 0] == 0  # started in this call
@@ -311,9 +311,10 @@ def test_fragment_bytes_too_small_for_one_row_is_refused_and_the_workers_reaped(
         WorkerPolicySampler(kind_env, 2, ParityAgent(), fragment_bytes=0)  # refused before any worker starts
 
 
-def test_env_raising_on_the_first_step_of_an_episode_is_counted_not_silently_dropped(tmp_path):
+def test_env_raising_on_the_first_step_of_an_episode_is_counted_and_its_admission_given_back(tmp_path):
     # Slot 0's second episode starts in the same fragment as its first and its env raises on
-    # that episode's first step: no row carries it, yet it used an admission -- it is counted.
+    # that episode's first step: no row carries it -- it is counted, and (nothing of it seen, the
+    # cut not depending on its length) another episode is admitted in its place, as the Sampler does.
     marker = str(tmp_path / "raised")
     first = true_lengths(5, 0, 1)[0]
     with WorkerPolicySampler(crashing(marker, 0, first + 1, "raise"), 2, ParityAgent(), seed=5, restart_workers=True,
@@ -322,9 +323,24 @@ def test_env_raising_on_the_first_step_of_an_episode_is_counted_not_silently_dro
         counters = dict(sampler.stats.counters)
     assert os.path.exists(marker)
     starts = batch.worker_ids[batch.starts]
-    assert (starts == 0).sum() == 2 and (starts == 1).sum() == 3
+    assert (starts == 0).sum() == 3 and (starts == 1).sum() == 3
     assert counters["empty_cut_episodes"] == 1 and counters["interrupted_episodes"] == 1
     assert not batch.episode_interrupted.any()  # the episodes that have rows are whole
+    check_no_gap_no_repeat(batch)
+
+
+@pytest.mark.parametrize("crash", ["raise", "sigkill"])
+def test_exact_episodes_whose_every_admitted_episode_was_cut_before_its_first_step_go_on(tmp_path, crash):
+    # One slot; its env fails on the first step of its first episode (once), restarts on: the
+    # call gives that admission back and returns a whole episode (it raised "every admitted
+    # episode was cut before its first step": fault schedule seed 62700).
+    marker = str(tmp_path / "crashed")
+    with WorkerPolicySampler(crashing(marker, 0, 1, crash), 1, ParityAgent(), seed=5, restart_workers=True,
+                             timeout=30) as sampler:
+        batch = sampler.obtain_exact_episodes(1)
+        counters = dict(sampler.stats.counters)
+    assert os.path.exists(marker) and batch.n_episodes == 1 and not batch.episode_interrupted.any()
+    assert counters["empty_cut_episodes"] == 1
     check_no_gap_no_repeat(batch)
 
 

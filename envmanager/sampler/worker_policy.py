@@ -177,9 +177,22 @@ class WorkerPolicySampler:
         return self._exact([int(n_eps_per_worker)] * self.n_workers)
 
     def _exact(self, quotas: list[int]) -> EpisodeBatch:
-        """``quotas[slot]`` whole episodes from each slot, each started by this call."""
+        """``quotas[slot]`` whole episodes from each slot, each started by this call. An episode
+        cut before its first step (a restart) showed nothing and its cut does not depend on its
+        length: its admission is given back, and another episode started in its place (as the
+        ``Sampler`` does)."""
+        collected: list[list[TransitionBatch]] = [[] for _ in quotas]
+        short = quotas
+        while any(short):
+            empty_before = self.stats.counters.get("empty_cut_episodes", 0)
+            for s, chunks in enumerate(self._collect(None, short)):
+                collected[s] += chunks
+            if self.stats.counters.get("empty_cut_episodes", 0) == empty_before:
+                break
+            have = [len({e for c in chunks for e in c.episode_ids.tolist()}) for chunks in collected]
+            short = [max(0, q - h) for q, h in zip(quotas, have, strict=True)]
         episodes, cut = [], []
-        for per_slot in self._collect(None, quotas):
+        for per_slot in collected:
             if not per_slot:
                 continue
             rows = TransitionBatch.concatenate(per_slot)
@@ -456,7 +469,7 @@ class WorkerPolicySampler:
         for s, k in empty.items():
             if not k:
                 continue
-            if absorbed:  # no row can carry the flag: counted (an exact-episodes quota is short by them)
+            if absorbed:  # no row can carry the flag: counted (an exact-episodes call admits another)
                 self.stats.count("interrupted_episodes", k)
                 self.stats.count("empty_cut_episodes", k)
                 logger.warning("worker-side sampler: %d admitted episode(s) on worker %d cut before their first step", k, s)
