@@ -424,8 +424,9 @@ def test_results_taken_before_a_re_reset_that_raises_are_kept():
         dead = m.process_of(0).pid
         os.kill(dead, signal.SIGKILL)
         assert not alive([dead])
-        m.send_step({1: 1})
+        m.send_step({0: 1, 1: 1})  # worker 0's step is cut: its restart's fresh reset answers it
         m.wait_idle(timeout=30)  # worker 0 restarted (its fresh reset in), worker 1's step in: both kept
+        assert m.restart_count(0) == 1
         held: list = []
         with pytest.raises(EnvManagerError):
             reset_restarted(m, held)
