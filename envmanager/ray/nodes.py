@@ -109,6 +109,7 @@ class Node:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     queue: list[Request] = dataclasses.field(default_factory=list)
     updates_sent: int = 0
+    start_deadline: Deadline = dataclasses.field(default_factory=lambda: Deadline(0.0))  # its actor's, to be up
     replayed: bool = False  # the newest weights and every env update were sent to this actor
 
     def name(self) -> str:
@@ -120,9 +121,11 @@ class Node:
         """Its global slots."""
         return list(range(self.offset, self.offset + self.n_envs))
 
-    def started(self, actor: Any) -> None:
-        """A new actor: nothing asked of it yet, nothing it said of itself."""
+    def started(self, actor: Any, start_timeout: float) -> None:
+        """A new actor: nothing asked of it yet, nothing it said of itself; it must be up within
+        ``start_timeout`` (``start_deadline``)."""
         self.actor, self.info, self.queue, self.updates_sent = actor, {}, [], 0
+        self.start_deadline = Deadline(start_timeout)
 
     def answered_info(self, info: dict[str, Any]) -> None:
         self.info = info
@@ -179,7 +182,6 @@ class NodePool:
         self._faults: list[NodeFault] = []  # node faults found, handled once the answers taken with them are booked
         #: Updates may come from a learner thread: actors swapped, updates sent and their refs kept under it.
         self._lock = threading.RLock()
-        self._start_deadlines: dict[int, Deadline] = {}  # per node: when its (last) start is past start_timeout
         self.closed = False
         try:
             self.session = RaySession.join(address, init_options)
@@ -207,8 +209,7 @@ class NodePool:
             # @ray.remote made the class an actor class with .options; the stubs keep the plain class
             node.started(_NodeActor.options(**self._actor_options).remote(  # type: ignore[attr-defined]
                 node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
-                generation))
-            self._start_deadlines[node.index] = Deadline(self.start_timeout)
+                generation), self.start_timeout)
         except Exception as exc:
             self.ray_failed(exc, f"starting {node.name()}")
 
@@ -456,7 +457,7 @@ class NodePool:
             if started:
                 ray.wait(started, num_returns=len(started), timeout=deadline.left())
             if starting:  # maybe never placed: no longer than what is left of their start_timeout
-                left = max(self._start_deadlines[node.index].left() for node in live if not node.info)
+                left = max(node.start_deadline.left() for node in live if not node.info)
                 ray.wait(starting, num_returns=len(starting), timeout=min(deadline.left(), left))
         except Exception as exc:  # the actors are killed all the same
             logger.warning("ray sampler: closing the nodes: %r", exc)
