@@ -100,6 +100,20 @@ def test_a_slot_whose_result_was_not_received_cannot_be_sent_again():
         assert sorted(m.receive_batch(2).slots.tolist()) == [0, 1]
 
 
+@pytest.mark.parametrize("slots", [[0.5], [True], np.array([[0, 1]]), ["0"], 1])
+def test_slot_ids_that_are_not_integers_on_one_axis_are_refused(slots):
+    """A float, bool or string id would name another slot (0.5 -> 0, True -> 1), a 2-d array a
+    flattened batch: refused before any worker hears of it, in resets too."""
+    with BatchEnvManager(EnvFactory(), 2, context="fork") as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        with pytest.raises(InvalidInputError, match="integers on one axis"):
+            m.send_batch(slots, np.array([1, 1][: np.size(slots)]))
+        with pytest.raises(InvalidInputError, match="unknown worker id"):
+            m.send_reset({1.5: (0, None)})
+        assert not m.in_flight() and m.get_attr("total_steps") == [0, 0]
+
+
 def test_partial_batches_of_one_process_step_only_the_slots_asked_for():
     with BatchEnvManager(EnvFactory(), 4, envs_per_worker=4, context="fork") as m:
         m.send_reset(dict.fromkeys(range(4), (None, None)))

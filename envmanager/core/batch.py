@@ -47,7 +47,7 @@ from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.completion import Completion
 from envmanager.core.cores import machine_cores
 from envmanager.core.layout import BATCH, Caller
-from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, reset_plan, row_of
+from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, reset_plan, row_of, slot_array
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import ProcessState, WorkerProcess
@@ -338,7 +338,7 @@ class BatchEnvManager:
         """
         pool = self.pool
         if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
-            slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+            slots = slot_array(slots)
         n = slots.size
         if n == 0:
             return
@@ -457,11 +457,9 @@ class BatchEnvManager:
     def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
         """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
         pool = self.pool
-        slots = np.array(sorted(seeds_and_options), dtype=np.int64)
+        slots = np.array(sorted(self.slots(list(seeds_and_options))), dtype=np.int64)
         if slots.size == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.n_env:
-            raise InvalidInputError(f"unknown worker id in {slots.tolist()} (n_env={self.n_env})")
         plan = reset_plan(seeds_and_options, slots.tolist(), self.process_of, self.slot_local, self.status)
         try:  # encode everything before the first send
             outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]

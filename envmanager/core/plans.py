@@ -71,6 +71,15 @@ class BatchPlans:
         return plan
 
 
+def slot_array(slots: Any) -> np.ndarray:
+    """``slots`` as int64 on one axis; ``InvalidInputError`` for anything but integers (a float
+    or bool id would silently name another slot)."""
+    array = np.asarray(slots)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidInputError(f"worker ids must be integers on one axis, got {slots!r}")
+    return array.astype(np.int64, copy=False)
+
+
 def refuse_slots(slots: np.ndarray, status: np.ndarray, process_of: Callable[[int], Any]) -> None:
     """Raise why ``slots`` (with ``status``) cannot be stepped: the first one that cannot."""
     for slot, s in zip(slots.tolist(), status.tolist(), strict=True):
