@@ -237,6 +237,24 @@ def test_bad_input_is_rejected_before_any_worker_hears_of_it():
         assert total_steps(m) == [1, 1]
 
 
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), "30", True, 0])
+def test_a_worker_deadline_that_is_not_a_positive_finite_number_is_refused(timeout):
+    """NaN never passes (a hung worker would hang the caller); inf is no deadline at all."""
+    with pytest.raises(InvalidInputError, match="positive, finite"):
+        make_manager(1, timeout=timeout)
+
+
+def test_a_wait_s_own_timeout_is_checked_and_inf_means_the_deadline_alone():
+    with make_manager(2, factory=EnvFactory(step_time=0.3)) as m:
+        m.reset()
+        m.send_batch([0, 1], np.array([1, 1]))
+        for bad in (float("nan"), "1"):
+            with pytest.raises(InvalidInputError, match="number of seconds or None"):
+                m.receive_batch(2, timeout=bad)
+        assert sorted(m.receive_batch(2, timeout=float("inf")).slots.tolist()) == [0, 1]  # nothing lost
+        assert total_steps(m) == [1, 1]
+
+
 def test_unpicklable_factory_is_rejected_before_any_worker_starts():
     import threading
 

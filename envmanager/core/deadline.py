@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
+from numbers import Real
+
+from envmanager.errors import InvalidInputError
 
 
 class Deadline:
@@ -20,3 +24,14 @@ class Deadline:
 
     def passed(self) -> bool:
         return time.monotonic() >= self.at
+
+
+def caller_timeout(timeout: object) -> float | None:
+    """A caller's ``timeout`` checked: ``None`` or ``inf`` (no bound of the caller's own: the
+    pool's per-answer deadline still ends the wait), else its seconds (0 or less: look once).
+    ``InvalidInputError`` for NaN and anything not a number."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, Real) or isinstance(timeout, bool) or math.isnan(timeout):
+        raise InvalidInputError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    return None if timeout == math.inf else float(timeout)

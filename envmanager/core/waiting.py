@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from envmanager.core.completion import Completion
-from envmanager.core.deadline import Deadline
+from envmanager.core.deadline import Deadline, caller_timeout
 from envmanager.core.pool import WorkerPool
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerTimeoutError
 
@@ -26,8 +26,10 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     ``WorkerTimeoutError(hung=True)`` raised by the caller). A ``timeout`` of the caller's own
     bounds the wait too: at its end a process past the pool's deadline is hung all the same;
     for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight
-    and what arrived meanwhile is kept. ``can_finish()``, if given, says more cheaply than
-    ``late()`` whether anything in flight can still make it done (asked on every turn)."""
+    and what arrived meanwhile is kept (``inf``: as ``None``; NaN or no number: refused).
+    ``can_finish()``, if given, says more cheaply than ``late()`` whether anything in flight can
+    still make it done (asked on every turn)."""
+    timeout = caller_timeout(timeout)
     deadline = None if timeout is None else Deadline(timeout)
     while not done():  # (what has already come is taken by the first wait, which returns at once then)
         if can_finish is None or not can_finish():
