@@ -97,6 +97,19 @@ class FaultFactory:
         return FaultEnv(worker_id, fault, self.marker, step_s)
 
 
+class FailsToMakeOnce:
+    """``FaultFactory(None)``, but once ``armed`` exists, making slot ``slot``'s env raises once
+    (``struck`` marks it): the next start of its process or node fails."""
+
+    def __init__(self, armed: str, struck: str, slot: int = FAULT_SLOT) -> None:
+        self.armed, self.struck, self.slot = armed, struck, slot
+
+    def __call__(self, worker_id: int) -> FaultEnv:
+        if worker_id == self.slot and os.path.exists(self.armed) and strike(self.struck):
+            raise RuntimeError("the env could not be made")
+        return FaultFactory(None, self.struck)(worker_id)
+
+
 class FaultPolicy:
     """Actions ``t % 3``; once, when it acts for slot ``slot`` at its episode step 2, does its
     fault. Picklable (a worker-side agent too); weights (``set_param_values``) show in the

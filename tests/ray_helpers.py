@@ -87,6 +87,8 @@ def node_trees(sampler) -> list[int]:
     and the actor's forkserver)."""
     pids = []
     for info in sampler.node_info():
+        if not info:  # a node whose last start failed
+            continue
         try:
             below = psutil.Process(info["pid"]).children(recursive=True)
         except psutil.Error:
@@ -97,7 +99,7 @@ def node_trees(sampler) -> list[int]:
 
 def node_pids(sampler) -> list[int]:
     """Every node actor's pid and its env worker pids."""
-    return [pid for info in sampler.node_info() for pid in [info["pid"], *info["worker_pids"]]]
+    return [pid for info in sampler.node_info() if info for pid in [info["pid"], *info["worker_pids"]]]
 
 
 def _helper(p: psutil.Process) -> bool:

@@ -17,6 +17,7 @@ listed), that every call returns within its deadline, and that no process is lef
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -28,7 +29,16 @@ ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip in
 from envmanager.errors import InvalidInputError, ManagerClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.sampler import TransitionBatch  # noqa: E402
-from fault_envs import ENV_FAULTS, POLICY_FAULTS, FaultFactory, FaultPolicy, check_rows, pid_of, update_raising_once  # noqa: E402
+from fault_envs import (  # noqa: E402
+    ENV_FAULTS,
+    POLICY_FAULTS,
+    FailsToMakeOnce,
+    FaultFactory,
+    FaultPolicy,
+    check_rows,
+    pid_of,
+    update_raising_once,
+)
 from ray_helpers import alive, node_trees, ray_session  # noqa: E402,F401
 
 N, NODE, SLOT = 4, 1, 3  # two nodes of two slots (one env process each); the fault strikes slot 3, on node 1
@@ -299,6 +309,33 @@ def test_node_fault(fault, mode, tmp_path):
         assert (last.agent_infos["params"] == 5).all()
         assert stats["lost_requests"] >= 1 and stats["interrupted_episodes"] >= len(cut) >= 1
         assert all(e % N in (2, 3) for e in cut)
+
+
+@pytest.mark.parametrize("limit", [2, 1])
+def test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limits(limit, tmp_path):
+    armed, struck = tmp_path / "armed", str(tmp_path / "struck")
+    sampler = RaySampler(FailsToMakeOnce(str(armed), struck, SLOT), FaultPolicy(None, struck, slot=SLOT), nodes=2,
+                         envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=TIMEOUT,
+                         start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True,
+                         max_lifetime_restarts=limit, restarts_rate_limit_n=-1)
+    run = Run(sampler)
+    try:
+        run()
+        old = sampler.node_info()[NODE]
+        armed.touch()
+        sampler.kill_node(NODE)
+        if limit == 2:  # the kill's restart fails to start, the next one serves
+            run.until(lambda: sampler.restart_count(NODE) == 2, after=2)
+            assert sampler.node_info()[NODE]["pid"] != old["pid"]
+        else:  # no restart left for the failed start: the node is given up, its start's error named
+            error = run.raises()
+            assert "restart" in str(error) and "could not be made" in repr(error.__dict__), error
+            run.raises_at_once(error)
+        assert os.path.exists(struck), "the restarted node's start never failed"
+        restarts = sampler.restart_count(NODE)
+    finally:
+        run.close()
+    assert restarts == limit
 
 
 # ---------------------------------------------------------------------------------------------

@@ -248,29 +248,30 @@ class NodePool:
                serves: bool = False) -> list[Request]:
         """The node layer's one failure path: ``node`` died, hung, or its sampler raised
         ``error`` (which no restart inside the node absorbed): the supervisor decides. Restarted:
-        killed and started again; returns the requests that died with it. Else its error
+        killed and started again (a new actor that does not start is a fault of its own, restarted
+        again within the limits); returns the requests that died with it. Else its error
         (``RayNodeError``) is raised, and the node is given up (killed, its error raised at once
         from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
         in it was given up), as a process whose env raised does."""
         if self.closed:  # closed by another thread meanwhile: nothing is restarted
             raise ManagerClosedError("the ray sampler was closed")
         fault = RayNodeError(node.index, node.slots, f"{node.name()} {why}", error, remote_traceback)
-        decision = self.supervisor.on_fault(node.index, Fault(fault, f"ray sampler: {node.name()} {why}; restarting it",
-                                                              serves))
-        if isinstance(decision, GiveUp):
-            if decision.given_up:
-                node.kill()
-            raise decision.error
-        with self._lock:
-            lost = node.kill()
-            self._start(node)  # told its new generation
-        try:
-            self._await_started([node])
-        except RayNodeError as exc:
-            self.supervisor.give_up(node.index, exc)
-            node.kill()
-            raise
-        return lost
+        lost: list[Request] = []
+        while True:  # a restart whose new actor does not start is a fault of its own, decided alike
+            decision = self.supervisor.on_fault(node.index, Fault(fault, f"ray sampler: {fault.message}; restarting it",
+                                                                  serves))
+            if isinstance(decision, GiveUp):
+                if decision.given_up:
+                    node.kill()
+                raise decision.error
+            with self._lock:
+                lost += node.kill()
+                self._start(node)  # told its new generation
+            try:
+                self._await_started([node])
+                return lost
+            except RayNodeError as exc:
+                fault, serves = exc, False
 
     def ray_failed(self, error: Exception, doing: str) -> NoReturn:
         """A driver-side Ray call raised ``error``: the package's error (``RaySession.reraise``)."""
