@@ -416,6 +416,10 @@ def test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first():
         RaySampler(kind_env, IdPolicy(), nodes=2, envs_per_node=[1, 2, 3])
     with pytest.raises(InvalidInputError):
         RaySampler(kind_env, IdPolicy(), fragment_steps=0)
+    for deadline in ("timeout", "start_timeout", "env_timeout"):  # NaN never passes; inf is none at all
+        for bad in (float("nan"), float("inf"), 0, "60"):
+            with pytest.raises(InvalidInputError, match=f"{deadline} must be a positive, finite"):
+                RaySampler(kind_env, IdPolicy(), nodes=1, **{deadline: bad})
     # no node has the resource: nothing can start, so a short deadline shows the error as well
     with pytest.raises(RayNodeError, match=r"node 0 .*did not start within 0\.5 s"):
         RaySampler(kind_env, IdPolicy(), nodes=1, start_timeout=0.5, actor_options={"resources": {"no-such-thing": 1}})

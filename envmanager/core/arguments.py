@@ -3,15 +3,14 @@ worker), and the seeds a ``reset(seed=...)`` gives each slot."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from numbers import Real
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
 from envmanager.core.auto import AUTO
+from envmanager.core.deadline import positive_seconds
 from envmanager.errors import InvalidInputError
 from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
 
@@ -31,8 +30,7 @@ def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_work
         raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
     if envs_per_worker != AUTO and not _positive_int(envs_per_worker):
         raise InvalidInputError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}")
-    if not isinstance(timeout, Real) or isinstance(timeout, bool) or not 0 < float(timeout) < math.inf:
-        raise InvalidInputError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    positive_seconds("timeout", timeout)
     modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}
     mode = modes.get(str(getattr(autoreset_mode, "value", autoreset_mode)).lower().replace("_", ""), "")
     if not mode:

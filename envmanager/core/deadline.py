@@ -35,3 +35,11 @@ def caller_timeout(timeout: object) -> float | None:
     if not isinstance(timeout, Real) or isinstance(timeout, bool) or math.isnan(timeout):
         raise InvalidInputError(f"timeout must be a number of seconds or None, got {timeout!r}")
     return None if timeout == math.inf else float(timeout)
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """A deadline argument checked: a positive, finite number of seconds (NaN would never pass,
+    ``inf`` is no deadline), else ``InvalidInputError`` naming ``name``."""
+    if not isinstance(value, Real) or isinstance(value, bool) or not 0 < float(value) < math.inf:
+        raise InvalidInputError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from envmanager.core.deadline import positive_seconds
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.mlagents.addresses import AddressInUseError, PlayerAddress, check_listenable
 from envmanager.mlagents.worker_env import UnityPortInUseError
@@ -72,8 +73,7 @@ class AttachedUnityFactory:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "addresses", parse_addresses(self.addresses))
-        if not isinstance(self.timeout_wait, (int, float)) or self.timeout_wait <= 0:
-            raise InvalidInputError(f"timeout_wait must be a positive number of seconds, got {self.timeout_wait!r}")
+        positive_seconds("timeout_wait", self.timeout_wait)
 
     @classmethod
     def from_run_options(cls, addresses: str | Sequence[Any], run_options: Any) -> AttachedUnityFactory:

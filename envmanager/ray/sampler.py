@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envmanager.core.deadline import positive_seconds
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.updates import Pickled
 from envmanager.errors import EnvManagerError, InvalidInputError
@@ -89,8 +90,10 @@ class RaySampler:
         sizes = [envs_per_node] * nodes if isinstance(envs_per_node, (int, np.integer)) else list(envs_per_node)
         if len(sizes) != nodes or not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sizes):
             raise InvalidInputError(f"envs_per_node must be a positive int or {nodes} of them, got {envs_per_node!r}")
-        if timeout is None or timeout <= 0 or start_timeout is None or start_timeout <= 0:
-            raise InvalidInputError("timeout and start_timeout must be positive numbers of seconds")
+        positive_seconds("timeout", timeout)
+        positive_seconds("start_timeout", start_timeout)
+        if env_timeout is not None:
+            positive_seconds("env_timeout", env_timeout)
         self.n_nodes = nodes
         self.n_workers = sum(sizes)
         self.fragment_steps = int(fragment_steps)

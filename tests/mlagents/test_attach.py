@@ -224,6 +224,9 @@ def test_bad_input_is_rejected_before_anything_starts(tmp_path):
     base = free_base_port(3)
     with pytest.raises(InvalidInputError, match="2 player addresses for 3 envs"):
         MLAgentsEnvManager(AttachedUnityFactory(parse_addresses(f"127.0.0.1:{base},127.0.0.1:{base + 1}")), 3)
+    for bad in (float("nan"), float("inf"), 0, "10"):  # NaN would never pass; inf is no deadline
+        with pytest.raises(InvalidInputError, match="timeout_wait must be a positive, finite"):
+            MLAgentsEnvManager.attached([f"127.0.0.1:{base}"], timeout_wait=bad, timeout=30)
     with pytest.raises(InvalidInputError, match=r"cannot listen there"):
         MLAgentsEnvManager.attached([f"192.0.2.1:{base}"], timeout_wait=10, timeout=30)  # TEST-NET-1: not ours
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
