@@ -131,6 +131,9 @@ def test_obtain_episodes_spreads_quotas_and_per_worker_lists():
         assert per.worker_ids[per.starts].tolist() == [0, 0, 1, 1, 2, 2]
         with pytest.raises(InvalidInputError):
             sampler.obtain_exact_episodes([1, 1])
+        for bad in (1.5, None, True, [1, True, 1]):  # (a TypeError, or True taken as one episode)
+            with pytest.raises(InvalidInputError, match="n_eps_per_worker"):
+                sampler.obtain_exact_episodes(bad)
         with pytest.raises(InvalidInputError):
             sampler.obtain_steps(0)
 

@@ -259,9 +259,11 @@ def test_bad_input_is_refused():
     with pytest.raises(EnvManagerError, match="get_actions"):
         WorkerPolicySampler(kind_env, 2, object())
     with WorkerPolicySampler(kind_env, 1, ParityAgent()) as sampler:
-        for bad in (0, -1, 1.5, "3"):
+        for bad in (0, -1, 1.5, "3", True, None):  # (True would be one step)
             with pytest.raises(EnvManagerError, match="steps_per_worker"):
                 sampler.obtain_steps(bad)
+            with pytest.raises(EnvManagerError, match="n_eps_per_worker"):
+                sampler.obtain_exact_episodes(bad)
         with pytest.raises(EnvManagerError, match="env_update"):
             sampler.update(env_update=[set_bonus(1.0), set_bonus(2.0)])
         assert len(sampler.obtain_steps(2)) == 2  # still usable

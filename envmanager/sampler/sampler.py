@@ -16,7 +16,7 @@ the manager's restart policy, or its error names the slot and process.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -473,7 +473,8 @@ def positive(name: str, value: Any) -> None:
 
 def exact_quotas(n_eps_per_worker: Any, n_workers: int) -> list[int]:
     """The episodes asked of each slot (an int, or one per slot; the ``RaySampler``'s too)."""
-    quotas = [n_eps_per_worker] * n_workers if isinstance(n_eps_per_worker, (int, np.integer)) else list(n_eps_per_worker)
-    if len(quotas) != n_workers or not all(isinstance(q, (int, np.integer)) and q >= 0 for q in quotas) or not sum(quotas):
+    quotas = list(n_eps_per_worker) if isinstance(n_eps_per_worker, Iterable) else [n_eps_per_worker] * n_workers
+    if len(quotas) != n_workers or not all(isinstance(q, (int, np.integer)) and not isinstance(q, bool) and q >= 0
+                                           for q in quotas) or not sum(quotas):
         raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {n_workers} of them, not all 0")
     return [int(q) for q in quotas]
