@@ -64,6 +64,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # NaN, 0, negative (inf: no limit)
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def output_problem(args: argparse.Namespace) -> str | None:
     """Why ``--json``/``--plot`` could not be written after the run, or ``None``.
 
@@ -75,6 +95,8 @@ def output_problem(args: argparse.Namespace) -> str | None:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 return f"{option} {path}: no such directory {folder}"
+            if os.path.isdir(path) or path.endswith(os.sep):
+                return f"{option} {path}: a directory; give a file name"
     if args.plot:
         why = plot_unavailable()
         if why:
@@ -93,7 +115,8 @@ def _scenario(name: str, args: argparse.Namespace) -> Scenario:
     scenario = SCENARIOS[name]
     if args.num_envs is not None and scenario.group == "scale":
         scenario = scale(name, args.num_envs)
-    return pinned(scenario) if args.pin else scenario
+    # sampler, ray, unity-trainer: measured by modules of their own that do not pin (pettingzoo pins itself)
+    return pinned(scenario) if args.pin and scenario.kind in ("gym", "unity", "pettingzoo") else scenario
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -219,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"envs of the scale scenarios (default: {SCALE_PER_CORE} x the usable cores, "
                    f"{SCALE_PER_CORE * cores()} here)")
     b.add_argument("--repeats", type=_positive, default=3, help="timed repeats per backend (default: 3)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the action sequences (default: 0)")
+    b.add_argument("--seed", type=_seed, default=0, help="seed of the action sequences (default: 0)")
     b.add_argument("--json", metavar="PATH", help="write every measurement to this JSON file")
     b.add_argument("--plot", metavar="PATH", help=f"write a PNG bar chart (needs matplotlib: {PLOT_EXTRA})")
     b.add_argument("--pin", action="store_true",
@@ -242,10 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-envs", type=_positive, default=8, help="how many envs the advice is for (default: 8)")
     c.add_argument("--start-method", nargs="+", choices=["fork", "forkserver", "spawn"], default=None,
                    help="start methods to check (default: every one available here)")
-    c.add_argument("--seed", type=int, default=0, help="seed of reset and of the sampled actions (default: 0)")
+    c.add_argument("--seed", type=_seed, default=0, help="seed of reset and of the sampled actions (default: 0)")
     c.add_argument("--steps", type=_positive, default=64, help="sampled actions per run (default: 64)")
-    c.add_argument("--deadline", type=float, default=5.0, help="seconds a reset or step may take (default: 5)")
-    c.add_argument("--time-limit", type=float, default=50.0, help="seconds for the whole check (default: 50)")
+    c.add_argument("--deadline", type=_seconds, default=5.0, help="seconds a reset or step may take (default: 5)")
+    c.add_argument("--time-limit", type=_seconds, default=50.0, help="seconds for the whole check (default: 50)")
     c.add_argument("--no-advice", action="store_true", help="report problems only; measure nothing")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")

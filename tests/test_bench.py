@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from envmanager import cli
-from envmanager.bench import BACKENDS, SCENARIOS, run_scenario
+from envmanager.bench import BACKENDS, SCENARIOS, Measurement, run_scenario
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -366,3 +366,28 @@ def test_unity_trainer_run_deadline_stops_a_silent_trainer(tmp_path, monkeypatch
     pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 2 and not alive(pids, timeout=5)
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid in pids]
+
+
+def test_bad_outputs_seeds_and_pins_are_refused_or_left_out_before_running(tmp_path, monkeypatch, capsys):
+    """A folder given as --json/--plot, or a negative seed, used to fail only after the whole run
+    (or in the middle of it); --pin pins only what it can, and gives a limit only to CPU-bound envs."""
+    monkeypatch.setattr(cli, "run_benchmark", lambda *a, **k: pytest.fail("the benchmark ran"))
+    for path in (str(tmp_path), str(tmp_path) + os.sep):
+        assert cli.main(["bench", "--json", path]) == 2
+        assert "a directory; give a file name" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--seed", "-1"])
+    assert exc.value.code == 2 and "must be at least 0" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["bench", "--pin"])
+    uneven, cartpole, sampler = (cli._scenario(name, args) for name in ("uneven", "cartpole", "sampler"))
+    assert uneven.pin and not uneven.measure_limit  # sleeping envs: one core's rate is no limit
+    assert cartpole.pin and cartpole.measure_limit
+    assert not sampler.pin and sampler.name == "sampler"  # its module never pins: not labelled so
+
+
+def test_work_per_answer_is_not_read_when_a_preempted_spin_exceeds_the_cpu():
+    m = Measurement("envmanager-db", "cartpole", 8)
+    m.answers, m.parent_cpu_s, m.parent_spin_s = [1000, 1000], [0.2, 0.2], [0.1, 0.05]
+    assert m.work_per_answer == pytest.approx(0.125e-3)
+    m.parent_spin_s = [0.1, 0.285]  # wall time of a spin the machine preempted
+    assert m.work_per_answer is None

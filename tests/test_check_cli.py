@@ -10,6 +10,8 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 from envmanager import cli
 
 TESTS = Path(__file__).parent
@@ -80,3 +82,22 @@ def test_the_fixture_and_the_marker_fail_a_test_with_the_report(tmp_path):
     assert "FAILED test_envs.py::test_float64" in out.stdout and "observation-dtype" in out.stdout
     assert "FAILED test_envs.py::test_marked_raising" in out.stdout and "env-raises" in out.stdout
     assert "the body runs only if" not in out.stdout
+
+
+def test_a_target_whose_module_raises_on_import_and_bad_numbers_exit_2(tmp_path, capsys, monkeypatch):
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["check", "raises_on_import:make", "--no-advice"]) == 2
+    err = capsys.readouterr().err
+    assert "importing 'raises_on_import' raised RuntimeError: boom at import" in err
+    for argv in (["--seed", "-1"], ["--deadline", "0"], ["--deadline", "nan"], ["--time-limit", "-5"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["check", "CartPole-v1", "--no-advice", *argv])
+        assert exc.value.code == 2, argv
+
+
+def test_a_check_the_time_limit_ended_before_any_worker_ran_is_not_ok(capsys):
+    """It printed "No problems found." and exited 0 with every start method skipped."""
+    assert cli.main(["check", "CartPole-v1", "--time-limit", "0.5", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "Nothing was checked" in out and "No problems found" not in out

@@ -111,8 +111,12 @@ class Measurement:
     @property
     def work_per_answer(self) -> float | None:
         """The parent's CPU seconds per answer without its spinning: what it costs a parent whose
-        answers are always ready (saturated), the figure that caps a many-core machine."""
+        answers are always ready (saturated), the figure that caps a many-core machine. ``None``
+        where a repeat's spin (wall time, preemption included) exceeds its CPU: a loaded machine
+        preempted the spinner, and the difference would say nothing."""
         if not self.answers or len(self.parent_spin_s) != len(self.parent_cpu_s):
+            return None
+        if any(s > c for c, s in zip(self.parent_cpu_s, self.parent_spin_s, strict=True)):
             return None
         return float(statistics.median((c - s) / a for c, s, a in zip(self.parent_cpu_s, self.parent_spin_s, self.answers,
                                                                       strict=True)))

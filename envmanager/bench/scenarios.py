@@ -233,7 +233,9 @@ def pinned(scenario: Scenario) -> Scenario:
     if scenario.pin:
         return scenario
     group = "pinned" if scenario.group == "sweep" else scenario.group  # its curve: the pinned one
-    return replace(scenario, name=f"{scenario.name}+pin", pin=True, measure_limit=True, group=group)
+    # a limit only for envs that burn CPU (CartPole's and the CPU-burning ones): sleeping envs have none
+    limit = scenario.measure_limit or scenario.gym_id is not None
+    return replace(scenario, name=f"{scenario.name}+pin", pin=True, measure_limit=limit, group=group)
 
 
 def _pettingzoo() -> list[Scenario]:

@@ -109,6 +109,7 @@ def check(
             if run.stopped in ("hangs", "died"):
                 report.notes.append(f"the remaining start methods were skipped: the env {run.stopped} in a {method} worker")
                 break
+        report.ran = bool(runs)  # (every start method skipped: nothing was checked)
         runner.judge_probes(runs, report)
         tick("this process")
         here: list[Any] = []

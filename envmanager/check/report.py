@@ -27,7 +27,7 @@ PROBLEMS = {
     "delivery-fails": "the env steps, but its result cannot reach the parent",
     "env-raises": "reset or step raises",
     "exception-not-picklable": "an exception the env raises cannot be pickled",
-    "hangs": "reset, step or close does not return within the deadline",
+    "hangs": "reset, step or close does not return within its deadline",
     "worker-died": "the worker process died while the env ran",
     "leaks-processes": "close() leaves processes running",
     "leaks-threads": "close() leaves threads running",
@@ -89,7 +89,8 @@ class Advice:
 
 @dataclass
 class Report:
-    """What ``envmanager.check.check`` found. ``ok``: no problem."""
+    """What ``envmanager.check.check`` found. ``ok``: no problem, and the env ran in a worker
+    (``ran``: false when the time limit ended the check before any start method ran it)."""
 
     target: str
     start_methods: list[str]
@@ -97,10 +98,11 @@ class Report:
     notes: list[str] = field(default_factory=list)
     advice: Advice | None = None
     seconds: float = 0.0
+    ran: bool = True
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return self.ran and not self.problems
 
     @property
     def problem_ids(self) -> list[str]:
@@ -132,6 +134,8 @@ class Report:
                  f"{self.seconds:.1f} s)", ""]
         if self.ok:
             lines.append("No problems found.")
+        elif not self.ran and not self.problems:
+            lines.append("Nothing was checked: the env ran in no worker before the time limit (see the notes).")
         for n, problem in enumerate(self.problems, 1):
             where = f" [{', '.join(problem.start_methods)}]" if problem.start_methods else ""
             lines.append(f"Problem {n}: {problem.id}{where}: {problem.title}")

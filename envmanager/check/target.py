@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,9 @@ def resolve(target: str | Callable[..., Any]) -> EnvFactory | GymId:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise TargetError(f"{target}: cannot import {module_name!r}: {exc}") from exc
+        except Exception as exc:  # the module itself raised (or does not compile): its traceback, as a usage error
+            where = "".join(traceback.format_exception(exc)[-4:]).rstrip()
+            raise TargetError(f"{target}: importing {module_name!r} raised {type(exc).__name__}: {exc}\n{where}") from exc
         obj: Any = module
         try:
             for part in attr.split("."):
