@@ -363,6 +363,50 @@ def test_env_exception_carries_traceback_and_reset_recovers(subproc):
     assert vec.get_attr("steps", indices=3) == [2]
 
 
+class SeedOnlyReset(gym.Env):
+    """An env as older code writes it: ``reset(seed=None)`` with no ``options``."""
+
+    observation_space, action_space = spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)
+
+    def reset(self, seed=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full(2, self.np_random.uniform(-1, 1), np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(2, np.float32), 1.0, self.t >= 3, False, {}
+
+
+class StepWithoutAction(SeedOnlyReset):
+    def step(self):  # forgot the action: the call itself raises, before anything is returned
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def test_an_env_whose_reset_takes_no_options_runs_as_in_sb3s(subproc, dummy):
+    """SB3's workers pass ``options`` only when there are some; ours always passed them."""
+    vec, ref = subproc([SeedOnlyReset] * 2, envs_per_worker=2), dummy([SeedOnlyReset] * 2)
+    for v in (vec, ref):
+        v.seed(3)
+    np.testing.assert_array_equal(vec.reset(), ref.reset())
+    for _ in range(4):
+        got, want = vec.step(np.array([0, 1])), ref.step(np.array([0, 1]))
+        for a, b in zip(got[:3], want[:3], strict=True):
+            np.testing.assert_array_equal(a, b)
+    vec.set_options({"x": 1})  # options given: they are passed, and this env refuses them as in SB3
+    with pytest.raises(WorkerError, match="unexpected keyword argument 'options'"):
+        vec.reset()
+
+
+def test_an_exception_of_the_env_call_itself_is_not_called_a_bad_return(subproc):
+    vec = subproc([StepWithoutAction] * 2)
+    vec.reset()
+    with pytest.raises(WorkerError) as caught:
+        vec.step(np.array([0, 1]))
+    assert "takes 1 positional argument but 2 were given" in str(caught.value)
+    assert "cannot take" not in str(caught.value)  # it was "step() returned what the vector env cannot take"
+
+
 def test_a_failed_reset_is_named_when_stepping_before_the_next_reset(subproc):
     """After reset() raised (env 3's reset), step() says in SB3's terms what to do, sends nothing,
     and the next reset() recovers (the options stay until a reset succeeds)."""

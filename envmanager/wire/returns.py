@@ -67,6 +67,11 @@ def refused_here(exc: BaseException, slot: int, call: str) -> BaseException:
     tb = exc.__traceback__
     if tb is None or tb.tb_next is not None:
         return exc
+    # Only the worker's own handling (unpacking, a flag's truth): an exception of the call itself
+    # (a native env's, or a signature the worker's call does not fit) is the env's own.
+    if not isinstance(exc, (TypeError, ValueError)) or not any(
+            text in str(exc) for text in ("unpack", "truth value", "not iterable")):
+        return exc
     values = tb.tb_frame.f_locals
     shown = "what"
     if "truth value" in str(exc):  # ``terminated or truncated``: the flags were returned (the worker's names)

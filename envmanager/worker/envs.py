@@ -167,7 +167,8 @@ class WorkerEnvs:
                 if callable(attr):
                     attr(*args, **kwargs)
             self._words[self._at] = self._resets[i]
-            obs, info = env.reset(seed=seed, options=options)
+            # As SB3's worker: options only when there are some (an env's reset may take only seed)
+            obs, info = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
             out.add(n, slot, obs, None, info, time.perf_counter() - start)
         return out.answer(self.stamp(request.locals))
 
@@ -293,7 +294,8 @@ class WorkerEnvs:
             start = time.perf_counter()
             try:
                 self._words[self._at] = self._resets[i]
-                obs, info = self.envs[i].reset(seed=seed, options=options)
+                env = self.envs[i]  # (options only when there are some, as SB3's worker)
+                obs, info = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
                 self.autoreset[i] = False
                 out.add(n, slot, obs, None, info, time.perf_counter() - start)
             except Exception as exc:
