@@ -48,7 +48,7 @@ __all__ = ["main", "env_manager_factory", "using_env_manager"]
 
 INSTALL_HINT = (
     'ML-Agents\' trainer is needed: pip install --ignore-requires-python "envmanager[mlagents-trainer]" '
-    "(mlagents 1.1.0 declares Python <= 3.10.12 and wants a torch <= 2.8; see the README's \"Train with ML-Agents\")"
+    "(mlagents 1.1.0 declares Python <= 3.10.12 and wants a torch <= 2.8; see docs/guide/mlagents.md, \"Train with ML-Agents\")"
 )
 
 
