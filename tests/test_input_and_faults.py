@@ -7,10 +7,12 @@ unchanged, and a valid step still works (and executes exactly one env step).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import gymnasium as gym
@@ -369,6 +371,42 @@ def test_env_error_keeps_sibling_result_and_only_failed_env_needs_reset():
         assert got[0].current_result.observation[0] == 6 and got[0].current_result.observation[3] == 1
         assert got[1].current_result.observation[0] == 1
         assert m.get_attr("resets") == [1, 2]
+
+
+class ExitingEnv(ControlledEnv):
+    """Env 1 calls ``sys.exit(4)`` (a pygame-style "window closed") or raises KeyboardInterrupt at
+    its third step."""
+
+    def __init__(self, env_id, how):
+        super().__init__(env_id)
+        self.how = how
+
+    def step(self, action):
+        if self.env_id == 1 and self.total_steps == 2:
+            self.total_steps += 1
+            if self.how == "exit":
+                sys.exit(4)
+            raise KeyboardInterrupt
+        return super().step(action)
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_an_envs_sys_exit_or_keyboard_interrupt_is_its_error_and_the_process_serves_on(how):
+    """They ended the worker quietly: "died (exit code 0)", no exception, no traceback."""
+    with SubprocessEnvManager(functools.partial(ExitingEnv, how=how), 2, envs_per_worker=2, context=CTX, timeout=10) as m:
+        m.reset()
+        pid = m.processes[0].pid
+        step_all(m, {0: 1, 1: 1})
+        step_all(m, {0: 1, 1: 1})
+        with pytest.raises(WorkerError) as caught:
+            step_all(m, {0: 1, 1: 1})
+        err = caught.value
+        assert err.worker_ids == [1] and err.exc_type == ("builtins.SystemExit" if how == "exit" else "builtins.KeyboardInterrupt")
+        assert ("sys.exit(4)" if how == "exit" else "raise KeyboardInterrupt") in err.remote_traceback
+        assert [i.worker_id for i in m.receive_steps(timeout=10)] == [0]  # the sibling's step is not lost
+        m.reset()
+        assert step_all(m, {0: 1, 1: 1})[1].current_result.observation[0] == 1
+        assert m.processes[0].pid == pid and m.get_attr("total_steps") == [4, 4]
 
 
 # ----------------------------------------------------------------------------------------------

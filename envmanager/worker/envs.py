@@ -59,6 +59,16 @@ def marks_here() -> WorkerMarks:
     return _here
 
 
+class Stopped(SystemExit):
+    """The worker was told to stop (SIGTERM: the parent, or the watch on it): it closes its envs
+    and exits. Any other ``SystemExit`` or ``KeyboardInterrupt`` is an env's, reported as its error."""
+
+
+#: What an env's call may raise that is reported as its error (the worker serves on): an env's
+#: ``sys.exit()`` or ``KeyboardInterrupt`` too, never the worker's own ``Stopped``.
+ENV_RAISES = (Exception, KeyboardInterrupt, SystemExit)
+
+
 class WorkerEnvs:
     """The envs of one worker process (slots ``env_ids``), with gymnasium's autoreset rules.
 
@@ -204,7 +214,9 @@ class WorkerEnvs:
                     scalars = (reward, terminated, truncated)
                 self.autoreset[i] = bool(terminated or truncated)
                 out.add(n, slot, obs, scalars, info, time.perf_counter() - start)
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:
                 out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "step")), time.perf_counter() - start)
         return out.answer(self.stamp(request.locals))
 
@@ -257,7 +269,9 @@ class WorkerEnvs:
                         info = {**final, **info}
                     fresh = False
                 autoreset[i] = bool(term or trunc)
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:
                 self.current = slot
                 failures[k] = remote_exception(slot, returns.refused_here(exc, slot, "step"))
             else:
@@ -272,7 +286,9 @@ class WorkerEnvs:
                         rewards[slot], terminated[slot], truncated[slot] = reward, term, trunc
                     else:
                         layout.put(slot, reward, term, trunc)
-                except Exception as exc:
+                except Stopped:
+                    raise
+                except ENV_RAISES as exc:
                     self.current = slot
                     failures[k] = remote_exception(slot, exc)
                 else:
@@ -298,7 +314,9 @@ class WorkerEnvs:
                 obs, info = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
                 self.autoreset[i] = False
                 out.add(n, slot, obs, None, info, time.perf_counter() - start)
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:
                 out.failed(n, remote_exception(slot, returns.refused_here(exc, slot, "reset")), time.perf_counter() - start)
         return out.answer(self.stamp(request.locals))
 

@@ -37,7 +37,7 @@ from envmanager.wire.messages import (
 )
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.transport import MailboxLink, link_for
-from envmanager.worker.envs import WorkerEnvs, remote_exception
+from envmanager.worker.envs import ENV_RAISES, Stopped, WorkerEnvs, remote_exception
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
@@ -112,7 +112,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     try:
         try:
             ready = envs.build()
-        except Exception as exc:
+        except Stopped:
+            raise
+        except ENV_RAISES as exc:
             post(Cmd.ENV_FAILED, 0, remote_exception(envs.current, exc))
             return
         finally:
@@ -129,11 +131,13 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
                 break
             try:
                 answer = HANDLERS[cmd](envs, decode_request(cmd, form, data))
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:  # an env's sys.exit() or KeyboardInterrupt too: its error, not our exit
                 cmd, answer = Cmd.ENV_FAILED, remote_exception(envs.current, exc)
             words[at] = 0  # in no env's call (``envs.unmark``, inline: once per request)
             post(cmd, seq, answer)
-    except (KeyboardInterrupt, SystemExit, EOFError, BrokenPipeError):
+    except (Stopped, EOFError, BrokenPipeError):
         pass  # parent gone or asked us to stop: fall through to cleanup
     finally:
         # Closing now: a SIGTERM (the parent interrupting a step it saw as busy, which may have
@@ -145,7 +149,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             try:
                 _ignore_sigterm()
                 break
-            except SystemExit:
+            except Stopped:
                 pass
         envs.close()
         try:
@@ -169,7 +173,9 @@ def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: in
     for own, asked in groups:
         try:  # infos as dicts: the board's info rows take them, or a notice (as columns if they fit)
             stepped = envs.step(_new(Step, (tuple(own), None)), columns=False)
-        except Exception as exc:  # (envs.step reports an env's own error per env; this is anything else)
+        except Stopped:
+            raise
+        except ENV_RAISES as exc:  # (envs.step reports an env's own error per env; this is anything else)
             stepped = _failed(envs, own, exc)
         envs.unmark()
         slots = [envs.env_ids[i] for i in own]
@@ -179,7 +185,7 @@ def serve_steps(envs: WorkerEnvs, link: MailboxLink, lanes: list[int], index: in
             link.answer_steps(own, asked, _failed(envs, own, exc), slots, envs.info_columns, index)
 
 
-def _failed(envs: WorkerEnvs, own: list[int], exc: Exception) -> Stepped:
+def _failed(envs: WorkerEnvs, own: list[int], exc: BaseException) -> Stepped:
     """The answer of board steps ``own`` that failed together with ``exc`` (and its traceback)."""
     failure = remote_exception(envs.current, exc)
     return Stepped([0.0] * len(own), None, dict.fromkeys(range(len(own)), failure), generations=envs.stamp(own))
@@ -218,7 +224,7 @@ def _ignore_sigterm() -> None:
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    raise Stopped(128 + signum)
 
 
 def watch_parent(parent_pid: int, ppid_at_start: int) -> None:
