@@ -192,6 +192,7 @@ class AsyncVectorEnv(VectorEnv):
             double_buffer=double_buffer,
             info_columns=True,  # gymnasium batches infos: a few numpy operations per key, not _add_info per env
             caller=VECTOR if self.batch_size == self.num_envs else VECTOR_PARTIAL,
+            inherit_factory=True,  # under fork env_fns are not pickled, as gymnasium's are not
         )
 
     def _take_spaces(self, observation_spaces: list[Space], action_spaces: list[Space]) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
 from envmanager.core.auto import AUTO
 from envmanager.core.deadline import positive_seconds
 from envmanager.errors import InvalidInputError
+from envmanager.wire import factory as packed_factory
 from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
 
 __all__ = ["check_arguments", "seeds_for"]
@@ -22,10 +22,11 @@ def _positive_int(value: Any) -> bool:
 
 
 def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_worker: Any, timeout: Any,
-                    autoreset_mode: Any) -> tuple[bytes, str]:
-    """Raise ``InvalidInputError`` for a bad argument; return the pickled factory and the
-    autoreset mode's canonical name (``"next_step"`` and gymnasium's ``AutoresetMode.NEXT_STEP``
-    alike)."""
+                    autoreset_mode: Any, inherit_factory: bool = False) -> tuple[bytes, str]:
+    """Raise ``InvalidInputError`` for a bad argument; return the factory as it travels to the
+    workers (pickled, or with ``inherit_factory`` a key forked workers inherit: ``wire.factory``)
+    and the autoreset mode's canonical name (``"next_step"`` and gymnasium's
+    ``AutoresetMode.NEXT_STEP`` alike)."""
     if not _positive_int(n_env):
         raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
     if envs_per_worker != AUTO and not _positive_int(envs_per_worker):
@@ -35,8 +36,10 @@ def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_work
     mode = modes.get(str(getattr(autoreset_mode, "value", autoreset_mode)).lower().replace("_", ""), "")
     if not mode:
         raise InvalidInputError(f"unknown autoreset_mode {autoreset_mode!r}")
+    if inherit_factory and not callable(env_factory):
+        raise InvalidInputError(f"env_factory must be callable, got {env_factory!r}")
     try:
-        factory = cloudpickle.dumps(env_factory)
+        factory = packed_factory.pack(env_factory, inherit_factory)
     except Exception as exc:
         raise InvalidInputError(f"env_factory cannot be pickled: {exc!r}") from exc
     return factory, mode

@@ -67,6 +67,7 @@ from envmanager.core.layout import (
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.process import descendants, kill_all, kill_group, start
 from envmanager.errors import InvalidInputError
+from envmanager.wire import factory as packed_factory
 from envmanager.wire.mailbox import ANSWERS, BUSY, INFO_KINDS, INFO_WORDS, REQUESTS, Mailboxes, mailbox_supported
 from envmanager.wire.shm import SharedFile
 
@@ -204,7 +205,7 @@ def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
     threading.Thread(target=watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
     env = None
     try:
-        env = cloudpickle.loads(factory)(0)
+        env = packed_factory.load(factory)(0)
         conn.send(_BUILT)
         answer: StepCost | str = step_cost(env)
     except BaseException as exc:  # the parent falls back to 1

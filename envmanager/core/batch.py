@@ -56,6 +56,7 @@ from envmanager.core.results import StepBatch
 from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotStatus
 from envmanager.core.supervisor import Decision, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, failed_slots
+from envmanager.wire import factory as packed_factory
 from envmanager.wire import shm
 from envmanager.wire.messages import Call, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
@@ -80,7 +81,9 @@ class BatchEnvManager:
     and messages about spaces come before the core's); and ``info_columns``: the caller batches
     infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
     making a dict per env from columns costs more than unpickling the dicts, so only then); and
-    ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``).
+    ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``);
+    and ``inherit_factory``: under ``fork`` the workers inherit ``env_factory`` instead of
+    unpickling it, as gymnasium's ``AsyncVectorEnv`` does (``envmanager.wire.factory``).
     """
 
     def __init__(
@@ -104,10 +107,13 @@ class BatchEnvManager:
         info_columns: bool = False,
         caller: Caller = BATCH,
         generations: Sequence[int] | None = None,
+        inherit_factory: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
-        factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode)
         ctx = get_context(context)
+        factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode,
+                                        inherit_factory and ctx.get_start_method() == "fork")
+        self._packed_factory = factory  # forgotten at close (``wire.factory``)
 
         self.n_env = n_env = int(n_env)
         if envs_per_worker == AUTO:  # one env stepped in a throwaway process, within deadlines; the model's best
@@ -607,6 +613,7 @@ class BatchEnvManager:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close(timeout)
+        packed_factory.forget(getattr(self, "_packed_factory", b""))
         results = getattr(self, "results", None)
         if results is not None:
             results.close()

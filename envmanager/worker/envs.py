@@ -15,6 +15,7 @@ import numpy as np
 from gymnasium import Wrapper
 from gymnasium.wrappers import OrderEnforcing
 
+from envmanager.wire import factory as packed_factory
 from envmanager.wire import returns, shm
 from envmanager.wire.info_columns import to_columns
 from envmanager.wire.marks import CALL, CLOSE, FACTORY, GET_ATTR, RESET, SET_ATTR, STEP, WorkerMarks, mark
@@ -139,7 +140,7 @@ class WorkerEnvs:
 
     def _make(self, slot: int) -> Any:
         """One env from the user's factory, checked (marked as in ``env_factory``)."""
-        make: Callable[[int], Any] = self._factory if self._factory is not None else cloudpickle.loads(self.factory)
+        make: Callable[[int], Any] = self._factory if self._factory is not None else packed_factory.load(self.factory)
         self._factory = make
         self.current = slot
         self._words[self._at] = mark(slot, FACTORY)

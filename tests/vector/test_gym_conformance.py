@@ -524,3 +524,31 @@ def test_partial_batches_return_ready_envs_first(make_async, gates):
     assert sorted(returned) == [0, 1, 2, 3]
     assert pool.sent == [4, 4, 1, 1]
     assert vec.get_attr("step_count") == tuple(pool.sent)
+
+
+def _made_holding(lock, data, make):
+    """An env fn closing over what does not pickle (a lock: a trainer's ``self``, a logger) and
+    over data (a dataset): the env reads the data when it is made."""
+    with lock:
+        env = make()
+    env.data_sum = float(data.sum())
+    return env
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_env_fns_are_inherited_not_pickled_under_fork(make_async, make_sync):
+    """gymnasium never pickles its env fns under fork: one closing over a lock works, and a
+    dataset it holds is the parent's, shared copy-on-write rather than copied into each worker."""
+    import functools
+    import threading
+
+    from envmanager.wire import factory
+
+    kept = len(factory._INHERITED)
+    lock, data = threading.Lock(), np.arange(10.0)
+    fns = [functools.partial(_made_holding, lock, data, f) for f in env_fns(N, fixed_len=3)]
+    vec = make_async(fns, context="fork")
+    run_lockstep(vec, make_sync(fns), steps=8)
+    assert list(vec.get_attr("data_sum")) == [45.0] * N
+    vec.close()
+    assert len(factory._INHERITED) == kept  # the drop-in forgot it when it closed
