@@ -118,6 +118,7 @@ class SubprocVecEnv(VecEnv):
             timeout=timeout,
             double_buffer=double_buffer,
             caller=SB3,
+            options_if_given=True,  # as SB3's workers: an env written reset(self, seed=None) runs
             **manager_kwargs,
         )
         try:

@@ -97,15 +97,15 @@ class FaultFactory:
         return FaultEnv(worker_id, fault, self.marker, step_s)
 
 
-class FailsToMakeOnce:
-    """``FaultFactory(None)``, but once ``armed`` exists, making slot ``slot``'s env raises once
-    (``struck`` marks it): the next start of its process or node fails."""
+class FailsToMake:
+    """``FaultFactory(None)``, but once ``armed`` exists, making slot ``slot``'s env raises: once
+    (``struck`` marks it: the next start of its process or node fails), or every time."""
 
-    def __init__(self, armed: str, struck: str, slot: int = FAULT_SLOT) -> None:
-        self.armed, self.struck, self.slot = armed, struck, slot
+    def __init__(self, armed: str, struck: str, slot: int = FAULT_SLOT, once: bool = True) -> None:
+        self.armed, self.struck, self.slot, self.once = armed, struck, slot, once
 
     def __call__(self, worker_id: int) -> FaultEnv:
-        if worker_id == self.slot and os.path.exists(self.armed) and strike(self.struck):
+        if worker_id == self.slot and os.path.exists(self.armed) and (strike(self.struck) or not self.once):
             raise RuntimeError("the env could not be made")
         return FaultFactory(None, self.struck)(worker_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import gymnasium as gym
@@ -44,6 +45,10 @@ class KindEnv(gym.Env):
             open(self.crash_marker, "w").close()
             if self.crash == "raise":
                 raise RuntimeError("env blew up")
+            if self.crash == "sys_exit":  # a pygame-style "window closed"
+                sys.exit(4)
+            if self.crash == "interrupt":
+                raise KeyboardInterrupt
             if self.crash == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)

@@ -401,7 +401,8 @@ def test_an_envs_sys_exit_or_keyboard_interrupt_is_its_error_and_the_process_ser
         with pytest.raises(WorkerError) as caught:
             step_all(m, {0: 1, 1: 1})
         err = caught.value
-        assert err.worker_ids == [1] and err.exc_type == ("builtins.SystemExit" if how == "exit" else "builtins.KeyboardInterrupt")
+        raised = "builtins.SystemExit" if how == "exit" else "builtins.KeyboardInterrupt"
+        assert err.worker_ids == [1] and err.exc_type == raised
         assert ("sys.exit(4)" if how == "exit" else "raise KeyboardInterrupt") in err.remote_traceback
         assert [i.worker_id for i in m.receive_steps(timeout=10)] == [0]  # the sibling's step is not lost
         m.reset()

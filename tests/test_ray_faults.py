@@ -32,7 +32,7 @@ from envmanager.sampler import TransitionBatch  # noqa: E402
 from fault_envs import (  # noqa: E402
     ENV_FAULTS,
     POLICY_FAULTS,
-    FailsToMakeOnce,
+    FailsToMake,
     FaultFactory,
     FaultPolicy,
     check_rows,
@@ -314,7 +314,7 @@ def test_node_fault(fault, mode, tmp_path):
 @pytest.mark.parametrize("limit", [2, 1])
 def test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limits(limit, tmp_path):
     armed, struck = tmp_path / "armed", str(tmp_path / "struck")
-    sampler = RaySampler(FailsToMakeOnce(str(armed), struck, SLOT), FaultPolicy(None, struck, slot=SLOT), nodes=2,
+    sampler = RaySampler(FailsToMake(str(armed), struck, SLOT), FaultPolicy(None, struck, slot=SLOT), nodes=2,
                          envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=TIMEOUT,
                          start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True,
                          max_lifetime_restarts=limit, restarts_rate_limit_n=-1)
@@ -336,6 +336,27 @@ def test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limi
     finally:
         run.close()
     assert restarts == limit
+
+
+def test_a_node_that_never_starts_again_is_given_up_at_the_deadline_with_the_limits_lifted(tmp_path):
+    """No limit ends the restarts of a node whose every start fails: the request deadline does
+    (the call returned only once the env could be made again)."""
+    armed, struck = tmp_path / "armed", str(tmp_path / "struck")
+    sampler = RaySampler(FailsToMake(str(armed), struck, SLOT, once=False), FaultPolicy(None, struck, slot=SLOT), nodes=2,
+                         envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=HANG, start_timeout=60.0,
+                         env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True, max_lifetime_restarts=-1,
+                         restarts_rate_limit_n=-1)
+    run = Run(sampler, timeout=HANG + 60.0)  # one start may take start_timeout past the deadline
+    try:
+        run()
+        armed.touch()
+        sampler.kill_node(NODE)
+        error = run.raises()
+        assert "could not be made" in repr(error.__dict__), error
+        assert sampler.restart_count(NODE) >= 2  # restarted again while the deadline allowed
+        run.raises_at_once(error)
+    finally:
+        run.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,9 +134,10 @@ def test_exact_episodes_with_a_killed_worker_fill_their_admissions(tmp_path):
     check_no_gap_no_repeat(batch)
 
 
-def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp_path):
+@pytest.mark.parametrize("crash", ["raise", "sys_exit", "interrupt"])  # an env's sys.exit() / KeyboardInterrupt too
+def test_env_raising_mid_fragment_is_rebuilt_in_place_and_collection_goes_on(tmp_path, crash):
     marker, made = str(tmp_path / "raised"), tmp_path / "made"
-    with WorkerPolicySampler(crashing(marker, 1, 7, "raise", str(made)), 4, ParityAgent(), seed=3, envs_per_worker=2,
+    with WorkerPolicySampler(crashing(marker, 1, 7, crash, str(made)), 4, ParityAgent(), seed=3, envs_per_worker=2,
                              restart_workers=True, timeout=30) as sampler:
         pid = sampler.manager.process_of(1).pid
         batch = sampler.obtain_steps(30)

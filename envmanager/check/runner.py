@@ -93,8 +93,9 @@ def check_travel(factory: Any, label: str, report: Report) -> bytes | None:
         fn = getattr(factory, "fn", factory)
         chain = describe(fn, label) or f"{label}: {type(exc).__name__}: {exc}"
         report.add("cannot-travel", [f"pickling the factory failed: {chain}",
-                                     "envmanager pickles the factory for every worker (under fork too), so "
-                                     "nothing else could be checked"], fixes.CANNOT_TRAVEL)
+                                     "envmanager pickles the factory for every worker (under fork too; the "
+                                     "gymnasium drop-in's workers inherit it under fork), so nothing else "
+                                     "could be checked"], fixes.CANNOT_TRAVEL)
         return None
 
 

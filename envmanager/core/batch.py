@@ -83,7 +83,9 @@ class BatchEnvManager:
     making a dict per env from columns costs more than unpickling the dicts, so only then); and
     ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``);
     and ``inherit_factory``: under ``fork`` the workers inherit ``env_factory`` instead of
-    unpickling it, as gymnasium's ``AsyncVectorEnv`` does (``envmanager.wire.factory``).
+    unpickling it, as gymnasium's ``AsyncVectorEnv`` does (``envmanager.wire.factory``); and
+    ``options_if_given``: envs are reset with ``options=`` only when there are some, as SB3's
+    workers do (gymnasium's always pass them).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class BatchEnvManager:
         caller: Caller = BATCH,
         generations: Sequence[int] | None = None,
         inherit_factory: bool = False,
+        options_if_given: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
         ctx = get_context(context)
@@ -134,7 +137,8 @@ class BatchEnvManager:
         if spin_s is None:  # spinning only pays where every process (and the parent) can have a core: the
             # machine's count decides here, where each process may run decides while they run (WorkerPool)
             spin_s = SPIN_CAP_S if n_procs + 1 <= machine_cores() else 0.0
-        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer)
+        specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer,
+                           options_if_given)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])

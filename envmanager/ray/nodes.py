@@ -249,15 +249,17 @@ class NodePool:
         """The node layer's one failure path: ``node`` died, hung, or its sampler raised
         ``error`` (which no restart inside the node absorbed): the supervisor decides. Restarted:
         killed and started again (a new actor that does not start is a fault of its own, restarted
-        again within the limits); returns the requests that died with it. Else its error
+        again within the limits, for no longer than the request deadline ``timeout``: the caller's
+        call returns); returns the requests that died with it. Else its error
         (``RayNodeError``) is raised, and the node is given up (killed, its error raised at once
         from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
         in it was given up), as a process whose env raised does."""
-        if self.closed:  # closed by another thread meanwhile: nothing is restarted
-            raise ManagerClosedError("the ray sampler was closed")
         fault = RayNodeError(node.index, node.slots, f"{node.name()} {why}", error, remote_traceback)
         lost: list[Request] = []
+        retrying = Deadline(self.supervisor.timeout)  # even with the limits lifted, the call returns
         while True:  # a restart whose new actor does not start is a fault of its own, decided alike
+            if self.closed:  # closed by another thread meanwhile: nothing is restarted
+                raise ManagerClosedError("the ray sampler was closed")
             decision = self.supervisor.on_fault(node.index, Fault(fault, f"ray sampler: {fault.message}; restarting it",
                                                                   serves))
             if isinstance(decision, GiveUp):
@@ -271,6 +273,10 @@ class NodePool:
                 self._await_started([node])
                 return lost
             except RayNodeError as exc:
+                if retrying.passed():
+                    self.supervisor.give_up(node.index, exc)
+                    node.kill()
+                    raise
                 fault, serves = exc, False
 
     def ray_failed(self, error: Exception, doing: str) -> NoReturn:

@@ -37,7 +37,7 @@ from envmanager.sampler.batches import stack_values
 from envmanager.wire import shm
 from envmanager.wire.marks import CALL, RESET, STEP, mark
 from envmanager.wire.messages import Rebuild
-from envmanager.worker.envs import envs_here, marks_here, remote_exception
+from envmanager.worker.envs import ENV_RAISES, Stopped, envs_here, marks_here, remote_exception
 
 __all__ = ["FIELDS", "ArenaSpec", "Arena", "RegisteredFactory", "RolloutRequest", "rollout", "run_local", "capacity_for"]
 
@@ -362,7 +362,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             words[at] = mark(request.slots[i], RESET)
             obs, _ = envs[i].reset(seed=seeds[i])
             words[at] = 0
-        except Exception as exc:
+        except Stopped:
+            raise
+        except ENV_RAISES as exc:  # an env's sys.exit() or KeyboardInterrupt too: its error
             failures[i] = remote_exception(request.slots[i], exc)
             env_raised.append(i)
             return False
@@ -404,7 +406,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             try:
                 words[at] = step_marks[i]
                 obs, reward, term, trunc, info = envs[i].step(per_env[j])
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:
                 failures[i] = remote_exception(request.slots[i], exc)
                 env_raised.append(i)
                 cut[i] = states[i].stop()

@@ -79,8 +79,12 @@ class WorkerEnvs:
     """
 
     def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
-                 info_columns: bool = False, marks: WorkerMarks | None = None, generations: tuple[int, ...] = ()) -> None:
+                 info_columns: bool = False, marks: WorkerMarks | None = None, generations: tuple[int, ...] = (),
+                 options_if_given: bool = False) -> None:
         self.env_ids = env_ids
+        #: Reset with ``options=`` only when there are some, as SB3's workers (an env written
+        #: ``reset(self, seed=None)`` runs there); gymnasium's always pass them.
+        self.options_if_given = options_if_given
         #: Each env's generation, as the parent told it (at the start, and with each rebuild).
         self.generations = list(generations) or [0] * len(env_ids)
         self._stamps: dict[tuple[int, ...], tuple[int, ...]] = {}  # by a request's locals: their generations
@@ -138,6 +142,11 @@ class WorkerEnvs:
             tuple(self.generations),
         )
 
+    def _reset(self, env: Any, seed: Any, options: Any) -> Any:
+        if options is None and self.options_if_given:
+            return env.reset(seed=seed)
+        return env.reset(seed=seed, options=options)
+
     def _make(self, slot: int) -> Any:
         """One env from the user's factory, checked (marked as in ``env_factory``)."""
         make: Callable[[int], Any] = self._factory if self._factory is not None else packed_factory.load(self.factory)
@@ -179,7 +188,7 @@ class WorkerEnvs:
                     attr(*args, **kwargs)
             self._words[self._at] = self._resets[i]
             # As SB3's worker: options only when there are some (an env's reset may take only seed)
-            obs, info = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
+            obs, info = self._reset(env, seed, options)
             out.add(n, slot, obs, None, info, time.perf_counter() - start)
         return out.answer(self.stamp(request.locals))
 
@@ -312,7 +321,7 @@ class WorkerEnvs:
             try:
                 self._words[self._at] = self._resets[i]
                 env = self.envs[i]  # (options only when there are some, as SB3's worker)
-                obs, info = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
+                obs, info = self._reset(env, seed, options)
                 self.autoreset[i] = False
                 out.add(n, slot, obs, None, info, time.perf_counter() - start)
             except Stopped:

@@ -63,6 +63,7 @@ class WorkerSpec:
     info_columns: bool = False  # the parent batches infos: send them as columns where they fit
     double_buffer: bool = False  # its envs form two lanes, answered one after the other
     generations: tuple[int, ...] = ()  # (empty: all 0)
+    options_if_given: bool = False  # reset(seed=) without options= when they are None (SB3's workers)
 
 
 #: The worker's half of every command: request message -> answer message.
@@ -108,7 +109,8 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             header, payload = encode_answer(Cmd.ENV_FAILED, spec.index, seq, time.monotonic(), failure)
         link.post(header, payload)
 
-    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record, spec.generations)
+    envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record, spec.generations,
+                      spec.options_if_given)
     try:
         try:
             ready = envs.build()

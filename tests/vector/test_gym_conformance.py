@@ -552,3 +552,23 @@ def test_env_fns_are_inherited_not_pickled_under_fork(make_async, make_sync):
     assert list(vec.get_attr("data_sum")) == [45.0] * N
     vec.close()
     assert len(factory._INHERITED) == kept  # the drop-in forgot it when it closed
+
+
+class _OptionsRequired(gymnasium.Env):
+    """``reset(self, *, seed=None, options)``: gymnasium's vector envs always pass ``options=``."""
+
+    observation_space = gymnasium.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options):
+        super().reset(seed=seed)
+        return np.full(2, self.np_random.uniform(-1, 1), np.float32), {"options": options}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 1.0, False, False, {}
+
+
+def test_reset_always_passes_options_even_when_none(make_async, make_sync):
+    vec, ref = make_async([_OptionsRequired] * N), make_sync([_OptionsRequired] * N)
+    assert_tree_equal(vec.reset(seed=3), ref.reset(seed=3), "reset without options")
+    assert_tree_equal(vec.reset(seed=4, options={"a": 1}), ref.reset(seed=4, options={"a": 1}), "reset with options")
