@@ -469,6 +469,30 @@ class HangingCloseEnv(ControlledEnv):
         time.sleep(30)
 
 
+class LeakyCloseEnv(HangingCloseEnv):
+    """Its ``close()`` returns at once and leaves its own-session child running (a buggy env)."""
+
+    def close(self) -> None:
+        pass
+
+
+def test_close_kills_the_own_session_child_an_env_s_close_left_running(tmp_path):
+    pid_dir = str(tmp_path)
+    m = SubprocessEnvManager(lambda i: LeakyCloseEnv(i, pid_dir), 2, envs_per_worker=2, context=CTX, timeout=10)
+    players = []
+    try:
+        m.reset()
+        players = [int((tmp_path / f"player-{i}.pid").read_text()) for i in range(2)]
+        assert not any(gone(p) for p in players), "the envs' children should be running"
+        m.close()
+        assert all(wait_gone(p) for p in players), "a child the env's close() left outlived close()"
+    finally:
+        m.close(timeout=0.0)
+        for p in players:
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_close_kills_own_session_child_of_a_straggler(tmp_path):
     pid_dir = str(tmp_path)
     m = SubprocessEnvManager(lambda i: HangingCloseEnv(i, pid_dir), 1, context=CTX, timeout=10)

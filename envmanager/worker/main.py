@@ -154,6 +154,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             except Stopped:
                 pass
         envs.close()
+        _end_left_behind()
         try:
             header, payload = encode_answer(Cmd.CLOSED, spec.index, -1, time.monotonic(), None)
             link.farewell(header + payload)
@@ -216,6 +217,22 @@ def _default_fatal_signals() -> None:
                 faulthandler.enable(file=2)  # the process's stderr
             except Exception:
                 pass
+
+
+def _end_left_behind() -> None:
+    """Kill what the envs started and their ``close()`` left running: a simulator in a session of
+    its own is out of the parent's reach once this process is gone. (multiprocessing's own
+    helpers end by themselves when we do.)"""
+    try:
+        left = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in left:
+        try:
+            if "multiprocessing" not in " ".join(child.cmdline()):
+                child.kill()
+        except psutil.Error:  # gone meanwhile
+            pass
 
 
 def _ignore_sigterm() -> None:
