@@ -221,15 +221,15 @@ def _default_fatal_signals() -> None:
 
 def _end_left_behind() -> None:
     """Kill what the envs started and their ``close()`` left running: a simulator in a session of
-    its own is out of the parent's reach once this process is gone. (multiprocessing's own
-    helpers end by themselves when we do.)"""
+    its own is out of the parent's reach once this process is gone. multiprocessing's resource
+    tracker is spared: it ends by itself when we do, unlinking what it tracks."""
     try:
         left = psutil.Process().children(recursive=True)
     except psutil.Error:
         return
     for child in left:
         try:
-            if "multiprocessing" not in " ".join(child.cmdline()):
+            if "resource_tracker" not in " ".join(child.cmdline()):
                 child.kill()
         except psutil.Error:  # gone meanwhile
             pass
