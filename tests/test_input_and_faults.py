@@ -513,6 +513,93 @@ def test_close_kills_own_session_child_of_a_straggler(tmp_path):
             os.kill(player, signal.SIGKILL)
 
 
+class SimulatorEnv(ControlledEnv):
+    """Starts a simulator in a session of its own each time it is made (as mlagents starts Unity
+    players), its pid in a file of its own; action 2 raises (the env is then rebuilt)."""
+
+    def __init__(self, env_id: int, pid_dir: str) -> None:
+        super().__init__(env_id)
+        self.player = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+        path = os.path.join(pid_dir, f"player-{env_id}-{self.player.pid}.pid")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(self.player.pid))
+        os.replace(path + ".tmp", path)
+
+    def step(self, action):
+        if action == 2:
+            raise RuntimeError("the simulator went away")
+        return super().step(action)
+
+    def close(self) -> None:
+        self.player.kill()
+        self.player.wait()
+
+
+def players_of(tmp_path, env_id: int) -> list[int]:
+    return sorted(int(f.read_text()) for f in tmp_path.glob(f"player-{env_id}-*.pid"))
+
+
+def test_a_crashed_worker_s_own_session_simulator_is_killed(tmp_path):
+    """A worker that dies by itself never closes its envs, and once it is gone its simulators in
+    sessions of their own can no longer be found below it: they are killed all the same."""
+    pid_dir = str(tmp_path)
+    m = SubprocessEnvManager(lambda i: SimulatorEnv(i, pid_dir), 2, context=CTX, timeout=10)
+    players: list[int] = []
+    try:
+        m.reset()
+        players = players_of(tmp_path, 0) + players_of(tmp_path, 1)
+        assert len(players) == 2 and not any(gone(p) for p in players)
+        os.kill(m.processes[1].pid, signal.SIGKILL)  # a native env's crash
+        with pytest.raises(WorkerDiedError) as caught:
+            step_until_error(m)
+        assert caught.value.worker_ids == [1]
+        assert wait_gone(players[1]), "the dead worker's simulator outlived it"
+        assert not gone(players[0]), "the other worker's simulator was killed"
+        m.close()
+        assert wait_gone(players[0])
+    finally:
+        m.close(timeout=0.0)
+        for p in players_of(tmp_path, 0) + players_of(tmp_path, 1):
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_restarted_worker_s_simulators_are_killed_those_of_rebuilt_envs_too(tmp_path):
+    """Restarts on: an env that raised is rebuilt in its process (a new simulator); the process
+    then crashes and is restarted. Every simulator of the dead process is gone, its replacement's
+    runs, and close() ends it."""
+    pid_dir = str(tmp_path)
+    m = SubprocessEnvManager(lambda i: SimulatorEnv(i, pid_dir), 1, context=CTX, timeout=10, restart_workers=True,
+                             restarts_rate_limit_n=5)
+    try:
+        m.reset()
+        first, pid = players_of(tmp_path, 0), m.processes[0].pid
+        infos = m.step({0: 2})
+        while not infos:
+            infos = m.receive_steps(timeout=10)
+        assert infos[0].interrupted, "the env that raised should have been rebuilt"
+        assert m.processes[0].pid == pid, "an env that raised is rebuilt in place, not its process restarted"
+        rebuilt = [p for p in players_of(tmp_path, 0) if p not in first]
+        assert len(rebuilt) == 1 and wait_gone(first[0]) and not gone(rebuilt[0])
+        os.kill(m.processes[0].pid, signal.SIGKILL)
+        restarted = []
+        for _ in range(200):
+            restarted = [i for i in m.step(dict.fromkeys(m.idle_worker_ids, 1)) if i.interrupted]
+            if restarted:
+                break
+        assert restarted and m.processes[0].pid != pid
+        assert wait_gone(rebuilt[0]), "the rebuilt env's simulator outlived its process"
+        replacement = [p for p in players_of(tmp_path, 0) if p not in first + rebuilt]
+        assert len(replacement) == 1 and not gone(replacement[0])
+        m.close()
+        assert wait_gone(replacement[0])
+    finally:
+        m.close(timeout=0.0)
+        for p in players_of(tmp_path, 0):
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------------------------
 # 9. An env error in a process hosting several slots names the process
 

@@ -11,12 +11,13 @@ import textwrap
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 
 from envmanager import SubprocessEnvManager
 from envmanager.core import platforms
-from envmanager.core.process import descendants
 from envmanager.testing.envs import EnvFactory
+from envmanager.worker.family import family
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,22 +96,22 @@ def _big_payload(env: gym.Env, size: int) -> bytes:
     return bytes(size)
 
 
-def test_descendants_finds_a_grandchild():
-    """Process trees come from psutil: a child's own child is found."""
+def test_family_finds_a_grandchild():
+    """Process trees come from psutil: a child's own child is found, with its start time."""
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "print(p.pid, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())
-        assert grandchild in descendants(child.pid)
-        assert descendants(os.getpid()) and child.pid in descendants(os.getpid())
+        assert family(child.pid)[grandchild] == psutil.Process(grandchild).create_time()
+        assert child.pid in family() and child.pid in family(os.getpid())
     finally:
-        for pid in descendants(child.pid):
+        for pid in family(child.pid):
             os.kill(pid, 9)
         child.kill()
         child.wait()
         child.stdout.close()
-    assert descendants(child.pid) == []  # gone: nothing below it
+    assert family(child.pid) == {}  # gone: nothing below it
 
 
 def test_imports_and_steps_without_fcntl_and_poll():

@@ -65,11 +65,12 @@ from envmanager.core.layout import (
     best_layout,
 )
 from envmanager.core.platforms import mailbox_enabled
-from envmanager.core.process import descendants, kill_all, kill_group, start
+from envmanager.core.process import kill_group, start
 from envmanager.errors import InvalidInputError
 from envmanager.wire import factory as packed_factory
 from envmanager.wire.mailbox import ANSWERS, BUSY, INFO_KINDS, INFO_WORDS, REQUESTS, Mailboxes, mailbox_supported
 from envmanager.wire.shm import SharedFile
+from envmanager.worker.family import family, kill_family
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ def _reap(process: Any, conn: Any, answered: bool) -> None:
     if process.pid is None:  # never started
         conn.close()
         return
-    family = descendants(process.pid)
+    started = family(process.pid)
     try:
         if answered:
             conn.send(None)  # go: close the env and exit
@@ -395,11 +396,11 @@ def _reap(process: Any, conn: Any, answered: bool) -> None:
         pass
     conn.close()
     process.join(CLOSE_GRACE_S if answered else 0.0)
-    family += descendants(process.pid)
+    started.update(family(process.pid))
     if process.is_alive():
         process.kill()
     process.join()
-    kill_all(family)
+    kill_family(started)
     kill_group(process.pid)
     process.close()
 

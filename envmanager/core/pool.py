@@ -334,6 +334,8 @@ class WorkerPool:
                 else:  # the envs are fine: the caller gets the error
                     completions.append(Completion(w, request, None, error))
                 continue
+            if request.cmd is Cmd.READY:  # the processes its envs started: killed with it, even once it died by itself
+                w.family.update(answer.family)
             completion = Completion(w, request, answer, None, posted_at, received, sent_at, False, request.slots)
             if type(answer) is Stepped and answer.failures and self._env_failed(w, request, answer, completion, completions):
                 continue  # an env raised: rebuilt, its process restarted or given up (the supervisor's decision)
@@ -592,6 +594,7 @@ class WorkerPool:
         request = completion.request
         if request is not None and request.cmd is Cmd.REBUILD:
             completion.answering((request,))
+            w.look_for_family()  # the rebuilt envs' own processes (a new simulator)
         w.rebuilt()
         completions.append(completion)
 

@@ -43,8 +43,6 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-import psutil
-
 from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
@@ -53,9 +51,10 @@ from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, Reset, encod
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
+from envmanager.worker.family import family, kill_family
 from envmanager.worker.main import WorkerSpec, worker_main
 
-__all__ = ["WorkerProcess", "ProcessState", "Boot", "descendants"]
+__all__ = ["WorkerProcess", "ProcessState", "Boot"]
 
 
 class ProcessState(enum.Enum):
@@ -155,7 +154,9 @@ class WorkerProcess:
         self.progress_mark = (0.0, 0)
         self.exitcode: int | None = None
         self.reaped = False
-        self._family: list[int] = []  # what it had started when it was interrupted
+        #: The processes its envs started, pid -> start time: from its READY, looked up again after
+        #: a rebuild and when it is interrupted; killed with it, even once it has died by itself.
+        self.family: dict[int, float] = {}
 
     def __repr__(self) -> str:
         return f"<WorkerProcess {self.name} pid={self.pid} {self.state.value}>"
@@ -333,14 +334,19 @@ class WorkerProcess:
             return
         self.interrupt()
         self.process.join(grace)
-        kill_all(self._family)
+        kill_family(self.family)
 
     def interrupt(self) -> None:
         """SIGTERM now, noting first the processes it started: once it has ended, those in a
         session of their own can no longer be found, and ``kill`` must still reach them."""
         if self.alive():
-            self._family = descendants(self.pid) if self.pid is not None else []
+            self.look_for_family()
             self.process.terminate()
+
+    def look_for_family(self) -> None:
+        """Note the processes its envs started that run now (a rebuild's new simulator, say)."""
+        if self.pid is not None:
+            self.family.update(family(self.pid))
 
     def kill(self) -> None:
         """SIGKILL the worker and every process it started (even in another session, as
@@ -350,12 +356,12 @@ class WorkerProcess:
         if self.watched:
             self.state = ProcessState.CLOSING
         pid = self.pid
-        family = descendants(pid) if pid is not None and self.process.is_alive() else []
         if self.process.is_alive():
+            self.look_for_family()
             self.process.kill()
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
-        kill_all(family + self._family)
+        kill_family(self.family)
         if pid is not None:
             kill_group(pid)
         try:
@@ -384,14 +390,6 @@ def start(process: Any) -> None:
         gc.unfreeze()
 
 
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            psutil.Process(pid).kill()  # SIGKILL on POSIX, TerminateProcess on Windows
-        except psutil.Error:  # gone already, or not ours
-            pass
-
-
 def kill_group(pid: int) -> None:
     """SIGKILL anything left in process ``pid``'s process group (POSIX)."""
     if hasattr(os, "killpg"):
@@ -399,12 +397,3 @@ def kill_group(pid: int) -> None:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children, their children, ...), found with ``psutil`` on
-    every platform; ``[]`` if ``pid`` is gone."""
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:  # gone meanwhile, or not ours to look at
-        return []

@@ -158,7 +158,9 @@ class Ready(NamedTuple):
 
     ``order_enforced``: per env, whether stepping it before a reset raises gymnasium's
     ``ResetNeeded`` in the env itself (an ``OrderEnforcing`` wrapper not reset yet);
-    ``generations``: per env, its generation (as the process was told it at its start).
+    ``generations``: per env, its generation (as the process was told it at its start);
+    ``family``: the processes its envs started, ``(pid, start time)`` each (killed with the
+    worker even once it has died by itself: ``envmanager.worker.family``).
     """
 
     env_ids: tuple[int, ...]
@@ -169,6 +171,7 @@ class Ready(NamedTuple):
     spec: Any
     order_enforced: tuple[bool, ...] = ()
     generations: tuple[int, ...] = ()
+    family: tuple[tuple[int, float], ...] = ()
 
 
 class Stepped(NamedTuple):

@@ -38,6 +38,7 @@ from envmanager.wire.messages import (
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.transport import MailboxLink, link_for
 from envmanager.worker.envs import ENV_RAISES, Stopped, WorkerEnvs, remote_exception
+from envmanager.worker.family import family, kill_family
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
@@ -121,7 +122,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
             return
         finally:
             envs.unmark()
-        post(Cmd.READY, 0, ready)
+        post(Cmd.READY, 0, ready._replace(family=tuple(family().items())))
         lanes = lanes_of([len(spec.env_ids)], spec.double_buffer)
         while True:
             data = link.read()  # spins first where the worker has a core of its own (spec.spin_s)
@@ -221,18 +222,8 @@ def _default_fatal_signals() -> None:
 
 def _end_left_behind() -> None:
     """Kill what the envs started and their ``close()`` left running: a simulator in a session of
-    its own is out of the parent's reach once this process is gone. multiprocessing's resource
-    tracker is spared: it ends by itself when we do, unlinking what it tracks."""
-    try:
-        left = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for child in left:
-        try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                child.kill()
-        except psutil.Error:  # gone meanwhile
-            pass
+    its own is out of the parent's reach once this process is gone."""
+    kill_family(family())
 
 
 def _ignore_sigterm() -> None:

@@ -1,0 +1,44 @@
+"""The processes a worker's envs start (simulators: Unity players, CARLA servers), found and
+killed by pid and start time.
+
+Once a worker is gone, a simulator it started in a session of its own is no longer below it nor
+in its process group: only a record kept while the worker lived still finds it. The start time
+tells the process recorded from a later one given the same pid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import psutil
+
+__all__ = ["family", "kill_family"]
+
+
+def family(pid: int | None = None) -> dict[int, float]:
+    """The processes below ``pid`` (this process by default), by pid, with their start times;
+    ``{}`` if ``pid`` is gone. multiprocessing's resource tracker is not one of them: it ends by
+    itself once its users have, unlinking what it tracks."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # gone meanwhile, or not ours to look at
+        return {}
+    found = {}
+    for child in below:
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                found[child.pid] = child.create_time()
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def kill_family(processes: Mapping[int, float]) -> None:
+    """SIGKILL each of ``processes`` (``family``'s record) still running with its start time."""
+    for pid, born in processes.items():
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == born:
+                process.kill()  # SIGKILL on POSIX, TerminateProcess on Windows
+        except psutil.Error:  # gone, or not ours
+            pass
