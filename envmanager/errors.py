@@ -189,12 +189,12 @@ class WorkerTimeoutError(EnvManagerError, TimeoutError):
     after which the request is still in flight and a later wait may still get its answer.
     ``call`` is the call (``"step"``, ...) the env ``slot`` (then also ``worker_id``) of a hung
     process was in; both ``None`` when it was between its envs' calls, when several processes
-    are late, or where no record is kept.
+    are late, or where no record is kept. ``hint``: a likely cause, ending the message.
     """
 
     def __init__(
         self, worker_ids: list[int], timeout: float, what: str = "a result", hung: bool = True,
-        processes: list[int] | None = None, slot: int | None = None, call: str | None = None,
+        processes: list[int] | None = None, slot: int | None = None, call: str | None = None, hint: str = "",
     ) -> None:
         self.worker_ids = list(worker_ids)
         self.processes = sorted(set(processes)) if processes else []
@@ -205,17 +205,20 @@ class WorkerTimeoutError(EnvManagerError, TimeoutError):
         self.slot: int | None = slot if known else None
         self.call: str | None = call if known else None
         self.worker_id = self.slot if self.slot is not None else self.worker_ids[0] if self.worker_ids else -1
+        self.hint = hint
         if self.slot is not None:  # one process, and the env it hung in
             process = self.processes[0] if len(self.processes) == 1 else None
-            super().__init__(f"{who(self.slot, self.worker_ids, process)} hung in {call}(): "
-                             f"did not deliver {what} within {timeout:g} s")
-            return
-        where = f" (process{'es' if len(self.processes) > 1 else ''} {', '.join(map(str, self.processes))})" if (
-            self.processes and self.processes != self.worker_ids) else ""
-        super().__init__(f"worker(s) {self.worker_ids}{where} did not deliver {what} within {timeout:g} s")
+            message = (f"{who(self.slot, self.worker_ids, process)} hung in {call}(): "
+                       f"did not deliver {what} within {timeout:g} s")
+        else:
+            where = f" (process{'es' if len(self.processes) > 1 else ''} {', '.join(map(str, self.processes))})" if (
+                self.processes and self.processes != self.worker_ids) else ""
+            message = f"worker(s) {self.worker_ids}{where} did not deliver {what} within {timeout:g} s"
+        super().__init__(f"{message}. {hint}" if hint else message)
 
     def __reduce__(self):
-        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung, self.processes, self.slot, self.call))
+        return (type(self), (self.worker_ids, self.timeout, self.what, self.hung, self.processes, self.slot, self.call,
+                             self.hint))
 
 
 class InvalidInputError(EnvManagerError, ValueError):
@@ -261,7 +264,8 @@ def with_slot_offset(error: BaseException, offset: int) -> BaseException:
                           error.process)
     elif isinstance(error, WorkerTimeoutError):
         slot = None if error.slot is None else error.slot + offset
-        out = WorkerTimeoutError(shift, error.timeout, error.what, error.hung, error.processes, slot, error.call)
+        out = WorkerTimeoutError(shift, error.timeout, error.what, error.hung, error.processes, slot, error.call,
+                                 error.hint)
     else:
         return error
     out.__traceback__ = error.__traceback__

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import re
 import signal
 import time
@@ -278,3 +279,36 @@ def test_the_samplers_name_the_env(kind, fault, mailbox, tmp_path):
         assert (caught.value.slot, caught.value.call) == (FAULT_SLOT, call)
         assert f"worker {FAULT_SLOT} (process 0, slots 0–1)" in str(caught.value)
         assert f" in {call}()" in str(caught.value)
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_a_hang_in_a_worker_forked_from_threads_says_so(context):
+    """Forked from a process running threads (as torch's pool runs once used), a worker whose
+    env calls into such a library can hang: the error says how it was started and what avoids
+    it. A worker not forked gets no such hint."""
+    import threading
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # a thread pool's worker, in the parent
+    other.start()
+    try:
+        factory = EnvFactory(per_env={1: {"fault": "hang", "fault_at": 1}})
+        with SubprocessEnvManager(factory, 2, context=context, timeout=5.0) as m:  # (forkserver starts slowly)
+            m.reset()
+            with pytest.raises(WorkerTimeoutError) as caught:
+                step_until_error(m)
+    finally:
+        stop.set()
+        other.join()
+    err = caught.value
+    assert (err.slot, err.call) == (1, "step")
+    assert str(err).startswith("worker 1 hung in step(): did not deliver an answer to STEP within")
+    forked = re.search(r"forked from a process running (\d+) threads.*context='forkserver' or 'spawn'", str(err))
+    assert (forked is not None) == (context == "fork"), str(err)
+    if forked:
+        assert int(forked.group(1)) >= 2 and err.hint in str(err)
+    else:
+        assert err.hint == ""
+    copy = pickle.loads(pickle.dumps(err))
+    assert str(copy) == str(err) and copy.hint == err.hint
+    assert with_slot_offset(err, 10).hint == err.hint  # (as a Ray node's error reaches its caller)

@@ -43,6 +43,8 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
+
 from envmanager.core.supervisor import Supervisor
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerTimeoutError, who
 from envmanager.wire.mailbox import Mailboxes
@@ -135,6 +137,9 @@ class WorkerProcess:
         self.process = ctx.Process(target=worker_main,
                                    args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
+        #: The threads this process ran when it forked the worker (0: not forked): a library's
+        #: thread pool (torch's, OpenMP's) is not in the child, and a call into it may hang there.
+        self.forked_threads = psutil.Process().num_threads() if ctx.get_start_method() == "fork" else 0
         start(self.process)
         child_conn.close()
         self.pid = self.process.pid
@@ -283,7 +288,12 @@ class WorkerProcess:
     def hung(self, timeout: float, what: str) -> WorkerTimeoutError:
         """The error of a process that missed its deadline, naming the env and call it is in."""
         slot, call = self.inside() or (None, None)
-        return WorkerTimeoutError(list(self.env_ids), timeout, what, processes=[self.index], slot=slot, call=call)
+        hint = "" if self.forked_threads < 2 else (
+            f"It was forked from a process running {self.forked_threads} threads: an env calling a library whose "
+            "thread pool had started there (torch, OpenMP, gRPC) can hang in a forked worker; "
+            "context='forkserver' or 'spawn' starts workers without them")
+        return WorkerTimeoutError(list(self.env_ids), timeout, what, processes=[self.index], slot=slot, call=call,
+                                  hint=hint)
 
     def wait_exitcode(self, timeout: float = 2.0) -> int | None:
         """The exit code of a process that is ending (a core dump can delay it a little)."""
