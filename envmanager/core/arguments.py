@@ -14,11 +14,18 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire import factory as packed_factory
 from envmanager.worker.envs import DISABLED, NEXT_STEP, SAME_STEP
 
-__all__ = ["check_arguments", "seeds_for"]
+__all__ = ["check_arguments", "seeds_for", "is_count", "positive_count"]
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 1)
+def is_count(value: Any, least: int = 0) -> bool:
+    """Whether ``value`` is an int (numpy's too, never a bool) of at least ``least``."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= least)
+
+
+def positive_count(name: str, value: Any) -> None:
+    """Refuse ``value`` (``InvalidInputError``) unless it is an int of at least 1 (``is_count``)."""
+    if not is_count(value, 1):
+        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_worker: Any, timeout: Any,
@@ -27,9 +34,8 @@ def check_arguments(env_factory: Callable[[int], Any], n_env: Any, envs_per_work
     workers (pickled, or with ``inherit_factory`` a key forked workers inherit: ``wire.factory``)
     and the autoreset mode's canonical name (``"next_step"`` and gymnasium's
     ``AutoresetMode.NEXT_STEP`` alike)."""
-    if not _positive_int(n_env):
-        raise InvalidInputError(f"n_env must be a positive int, got {n_env!r}")
-    if envs_per_worker != AUTO and not _positive_int(envs_per_worker):
+    positive_count("n_env", n_env)
+    if envs_per_worker != AUTO and not is_count(envs_per_worker, 1):
         raise InvalidInputError(f"envs_per_worker must be a positive int or 'auto', got {envs_per_worker!r}")
     positive_seconds("timeout", timeout)
     modes = {m.replace("_", ""): m for m in (NEXT_STEP, SAME_STEP, DISABLED)}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envmanager.core.arguments import positive_count
 from envmanager.core.deadline import positive_seconds
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.updates import Pickled
@@ -28,7 +29,7 @@ from envmanager.ray.records import SlotRecords
 from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.learner import feed_fragments
-from envmanager.sampler.sampler import exact_quotas, positive
+from envmanager.sampler.sampler import exact_quotas
 from envmanager.sampler.versions import Versions
 
 with requires_extra("ray", "envmanager.ray"):
@@ -84,9 +85,9 @@ class RaySampler:
                  actor_options: dict[str, Any] | None = None,
                  ray_address: str | None = None, ray_init_options: dict[str, Any] | None = None,
                  log_interval: float | None = None, **sampler_options: Any) -> None:
-        positive("nodes", nodes)
-        positive("fragment_steps", fragment_steps)
-        positive("in_flight", in_flight)
+        positive_count("nodes", nodes)
+        positive_count("fragment_steps", fragment_steps)
+        positive_count("in_flight", in_flight)
         sizes = [envs_per_node] * nodes if isinstance(envs_per_node, (int, np.integer)) else list(envs_per_node)
         if len(sizes) != nodes or not all(isinstance(n, (int, np.integer)) and n >= 1 for n in sizes):
             raise InvalidInputError(f"envs_per_node must be a positive int or {nodes} of them, got {envs_per_node!r}")
@@ -169,7 +170,7 @@ class RaySampler:
         """Exactly ``n`` transitions, in the order the nodes delivered them (each node's fragment
         in its worker order). Fragments beyond ``n`` wait for the next call, and every node keeps
         ``in_flight`` fragments under way between calls; episodes continue across calls."""
-        positive("n", n)
+        positive_count("n", n)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
         while self.buffered_steps < n:
@@ -192,7 +193,7 @@ class RaySampler:
         them. With ``feed``, each batch is put into it first, and collection pauses while the
         learner has ``max_batches_waiting`` batches waiting (policy lag stays bounded)."""
         size = self.fragment_steps if fragment_steps is None else fragment_steps
-        positive("fragment_steps", size)
+        positive_count("fragment_steps", size)
         yield from feed_fragments(lambda: self.obtain_steps(size), self.stats, feed, max_batches_waiting, max_fragments)
 
     @property
@@ -334,7 +335,7 @@ class RaySampler:
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes, each started during this call, until at least ``num_samples`` steps
         (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
-        positive("num_samples", num_samples)
+        positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
         logger.debug("ray obtain_samples itr=%s num_samples=%d", itr, num_samples)
@@ -388,7 +389,7 @@ class RaySampler:
                         env_update: Any = None) -> EpisodeBatch:
         """``n`` episodes in all (quotas spread over the global slots before collection starts),
         or ``n`` per slot with ``per_worker=True``."""
-        positive("n", n)
+        positive_count("n", n)
         quotas = n if per_worker else spread(n, self.n_workers)  # round robin, fixed up front
         return self.obtain_exact_episodes(quotas, agent_update, env_update)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envmanager.core.arguments import seeds_for
+from envmanager.core.arguments import is_count, positive_count, seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.supervisor import GiveUp
 from envmanager.core.updates import apply as apply_updates
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sampler", "apply_agent_update", "exact_quotas", "positive"]
+__all__ = ["Sampler", "apply_agent_update", "exact_quotas"]
 
 NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
 
@@ -143,7 +143,7 @@ class Sampler:
 
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes until at least ``num_samples`` steps (garage). ``itr`` is for logs."""
-        positive("num_samples", num_samples)
+        positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
         return self._episodes(self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running)))
@@ -159,13 +159,13 @@ class Sampler:
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n`` episodes in all (quotas spread over the slots before collection starts), or
         ``n`` per worker with ``per_worker=True``."""
-        positive("n", n)
+        positive_count("n", n)
         return self.obtain_exact_episodes(n if per_worker else spread(n, self.n_workers), agent_update, env_update)
 
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
         """Exactly ``n`` transitions, in worker order; episodes still running continue in the
         next ``obtain_steps`` (same episode ids)."""
-        positive("n", n)
+        positive_count("n", n)
         self.update(agent_update, env_update)
         goal = self._collect(StepCount(self.n_workers, n))
         self._count_empty_cut(goal)
@@ -182,7 +182,7 @@ class Sampler:
         each fragment is put into the learner feed first; collection pauses while the learner
         has ``max_batches_waiting`` batches waiting (Sample Factory's back-pressure: policy lag
         stays bounded). Policy updates published meanwhile apply between steps."""
-        positive("fragment_steps", fragment_steps)
+        positive_count("fragment_steps", fragment_steps)
 
         def fragment() -> TransitionBatch:
             batch = self.obtain_steps(fragment_steps)
@@ -465,16 +465,9 @@ def apply_agent_update(policy: Any, update: Any) -> Any:
     return update
 
 
-def positive(name: str, value: Any) -> None:
-    """A count asked of a sampler (the ``RaySampler``'s too): a positive int, never a bool."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
-
-
 def exact_quotas(n_eps_per_worker: Any, n_workers: int) -> list[int]:
     """The episodes asked of each slot (an int, or one per slot; the ``RaySampler``'s too)."""
     quotas = list(n_eps_per_worker) if isinstance(n_eps_per_worker, Iterable) else [n_eps_per_worker] * n_workers
-    if len(quotas) != n_workers or not all(isinstance(q, (int, np.integer)) and not isinstance(q, bool) and q >= 0
-                                           for q in quotas) or not sum(quotas):
+    if len(quotas) != n_workers or not all(is_count(q) for q in quotas) or not sum(quotas):
         raise InvalidInputError(f"n_eps_per_worker must be a non-negative int or {n_workers} of them, not all 0")
     return [int(q) for q in quotas]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import numpy as np
 
-from envmanager.core.arguments import seeds_for
+from envmanager.core.arguments import positive_count, seeds_for
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.completion import worker_error
 from envmanager.core.pool import get_context
@@ -40,7 +40,6 @@ from envmanager.sampler.episodes import spread
 from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch, release_arena
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
-from envmanager.sampler.sampler import positive
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_given_up
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
@@ -76,8 +75,8 @@ class WorkerPolicySampler:
     def __init__(self, env_factory: Callable[[int], Any], n_workers: int, agent: Any, *, seed: int | None = None,
                  fragment_bytes: int = 4 << 20, **manager_options: Any) -> None:
         check_agent(agent)
-        positive("n_workers", n_workers)
-        positive("fragment_bytes", fragment_bytes)
+        positive_count("n_workers", n_workers)
+        positive_count("fragment_bytes", fragment_bytes)
         self.n_workers = n = n_workers
         self.stats = Stats("worker-sampler")
         #: One record per slot: the episode it runs (see ``envmanager.sampler.slots``).
@@ -161,7 +160,7 @@ class WorkerPolicySampler:
 
     def obtain_steps(self, steps_per_worker: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
         """``steps_per_worker`` steps from every slot, in worker order; episodes continue."""
-        positive("steps_per_worker", steps_per_worker)
+        positive_count("steps_per_worker", steps_per_worker)
         self.update(agent_update, env_update)
         chunks = self._collect([int(steps_per_worker)] * self.n_workers, None)
         return TransitionBatch.concatenate([c for per_slot in chunks for c in per_slot])
@@ -169,7 +168,7 @@ class WorkerPolicySampler:
     def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n_eps_per_worker`` whole episodes from every slot, each started by this call (a
         running episode is abandoned, counted as ``discarded_episodes``), in worker order."""
-        positive("n_eps_per_worker", n_eps_per_worker)
+        positive_count("n_eps_per_worker", n_eps_per_worker)
         self.update(agent_update, env_update)
         return self._exact([int(n_eps_per_worker)] * self.n_workers)
 
@@ -205,7 +204,7 @@ class WorkerPolicySampler:
         """Whole episodes until at least ``num_samples`` steps (garage's ``obtain_samples``):
         rounds of one episode from every slot, each started by its round, so no slot's short
         episodes crowd out another's. ``itr`` is for logs."""
-        positive("num_samples", num_samples)
+        positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
         rounds: list[EpisodeBatch] = []
@@ -224,7 +223,7 @@ class WorkerPolicySampler:
         ``Sampler.obtain_episodes``). In all: quotas spread over the slots before collection
         (``spread``); slots with the smaller quota give their first episodes only, chosen by
         admission order, never by length, so the sample stays unbiased."""
-        positive("n", n)
+        positive_count("n", n)
         if per_worker:
             return self.obtain_exact_episodes(n, agent_update, env_update)
         self.update(agent_update, env_update)
