@@ -40,6 +40,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from envmanager.core.arguments import is_count
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LIMIT_PERIOD_S, RestartPolicy
 from envmanager.core.results import StepInfo
@@ -91,7 +92,7 @@ class RayPlayerPool:
         self._ready: list[StepInfo] = []
         self._failures: dict[int, EnvManagerError] = {}  # worker id -> what its node's players raised for it
         self._closed = False
-        if n_nodes is not None and not 1 <= int(n_nodes) <= self.n_env:
+        if n_nodes is not None and not (is_count(n_nodes, 1) and n_nodes <= self.n_env):
             raise InvalidInputError(f"n_nodes must be between 1 and n_env ({self.n_env}), got {n_nodes!r}")
         self._session = RaySession.join(address, ray_init)
         try:

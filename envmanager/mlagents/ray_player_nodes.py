@@ -20,7 +20,7 @@ from envmanager.extras import requires_extra
 from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError
 from envmanager.mlagents.ray_node import PlayerNode
 from envmanager.mlagents.worker_env import WorkerEnvFactory
-from envmanager.ray.session import RAISED, RaySession, kill_actor, node_failure
+from envmanager.ray.session import RAISED, RaySession, RaySessionError, kill_actor, node_failure
 
 with requires_extra("ray", __name__):
     import ray
@@ -34,19 +34,21 @@ _Actor = ray.remote(PlayerNode)
 
 
 def live_ray_nodes(session: RaySession, exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
-    """Ids of the cluster's live nodes but ``exclude`` (the head's first), waiting up to
-    ``wait_s`` for one; if none, every live node."""
+    """Ids of the cluster's live nodes but ``exclude`` (the head's first); ``exclude`` alone if it
+    is the only one alive (a single-node cluster: no other is coming); if no node is alive,
+    waiting up to ``wait_s`` for one."""
     deadline = Deadline(wait_s)
     try:
         while True:
             every = [n for n in ray.nodes() if n.get("Alive")]
-            nodes = [n for n in every if n["NodeID"] != exclude]
+            nodes = [n for n in every if n["NodeID"] != exclude] or every
             if nodes or deadline.passed():
                 break
             time.sleep(0.2)
     except Exception as exc:
         session.reraise(exc, "listing the cluster's nodes")
-    nodes = nodes or every
+    if not nodes:
+        raise RaySessionError(f"no node of the Ray cluster is alive (waited {wait_s:g} s for one)")
     nodes.sort(key=lambda n: (not n.get("Resources", {}).get("node:__internal_head__"), n["NodeID"]))
     return [n["NodeID"] for n in nodes]
 

@@ -327,3 +327,31 @@ def ours_running():
         if "PlayerNode" in cmdline or "fake_unity" in cmdline:
             out.append(p.pid)
     return alive(out, timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_node_s_ray_node_is_used_again_when_it_is_the_only_one_alive():
+    """The replacement of a node actor that died on a single-node cluster goes on that node at
+    once (no other is coming): it was waited for as long as ``wait_s``, 10 s per replacement."""
+    from envmanager.mlagents.ray_player_nodes import live_ray_nodes
+    from envmanager.ray.session import RaySession
+
+    session = RaySession.join(None, None)
+    try:
+        only = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        assert len(only) == 1
+        assert live_ray_nodes(session, exclude=only[0], wait_s=600) == only  # (past the test's own timeout if waited)
+        assert live_ray_nodes(session, exclude="another", wait_s=600) == only
+    finally:
+        session.leave()
+
+
+@pytest.mark.parametrize("n_nodes", [0, 1.5, "2", True, N_ENV + 1])
+def test_a_bad_node_count_is_refused_before_anything_starts(fake_player, tmp_path, n_nodes):
+    from envmanager.errors import InvalidInputError
+
+    path = fake_player({"record": str(tmp_path / "players.jsonl"), "behaviors": [{"agents": 1}]})
+    with pytest.raises(InvalidInputError, match="n_nodes must be"):
+        RayMLAgentsEnvManager(UnityEnvironmentFactory(path, base_port=free_base_port(N_ENV), timeout_wait=10), N_ENV,
+                              n_nodes=n_nodes, timeout=30)
+    assert not (tmp_path / "players.jsonl").exists() and ours_running() == []
