@@ -242,6 +242,78 @@ def spread_mask_in_observation() -> Any:
     return MaskInObservation(simple_spread_v3.parallel_env(N=3, max_cycles=4))
 
 
+class MaskWithMultiDiscrete(ParallelEnv):
+    """Observations ``{"observation", "action_mask"}`` but ``MultiDiscrete`` actions (a mask per
+    sub-action's choices): the mask is an ordinary part of the observation here."""
+
+    metadata = {"name": "mask_with_multidiscrete"}
+    possible_agents = ["a_0", "a_1"]
+    render_mode = None
+    _obs_space = spaces.Dict({"observation": spaces.Box(-10, 10, (3,), np.float32),
+                              "action_mask": spaces.Box(0, 1, (5,), np.int8)})
+    _act_space = spaces.MultiDiscrete([3, 2])
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self._obs_space
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self._act_space
+
+    def _obs(self, k: int, action: Any = (0, 0)) -> dict:
+        mask = np.ones(5, np.int8)
+        mask[self.t % 5] = 0
+        return {"observation": np.array([self.t, k, int(np.sum(action))], np.float32), "action_mask": mask}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.t = 0
+        self.agents = list(self.possible_agents)
+        return {a: self._obs(k) for k, a in enumerate(self.agents)}, {a: {} for a in self.agents}
+
+    def step(self, actions: dict) -> Any:
+        self.t += 1
+        over = self.t >= 3
+        out = ({a: self._obs(k, actions[a]) for k, a in enumerate(self.agents)},
+               {a: float(np.sum(actions[a])) for a in self.agents}, dict.fromkeys(self.agents, False),
+               dict.fromkeys(self.agents, over), {a: {} for a in self.agents})
+        if over:
+            self.agents = []
+        return out
+
+
+class Joiner(ParallelEnv):
+    """``late`` appears at the first step with a bonus of 10 before it has acted, then both earn
+    their action + 1 a step; the episode is truncated after three steps."""
+
+    metadata = {"name": "joiner"}
+    possible_agents = ["early", "late"]
+    render_mode = None
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return spaces.Box(-1, 10, (1,), np.float32)
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return spaces.Discrete(2)
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.t = 0
+        self.agents = ["early"]
+        return {"early": np.zeros(1, np.float32)}, {"early": {}}
+
+    def step(self, actions: dict) -> Any:
+        assert set(actions) == set(self.agents), (actions, self.agents)
+        self.t += 1
+        rew = {a: float(actions[a]) + 1.0 for a in self.agents}
+        if self.t == 1:
+            self.agents = ["early", "late"]
+            rew["late"] = 10.0  # paid as it appears
+        over = self.t >= 3
+        out = ({a: np.full(1, self.t, np.float32) for a in self.agents}, rew, dict.fromkeys(self.agents, False),
+               dict.fromkeys(self.agents, over), {a: {} for a in self.agents})
+        if over:
+            self.agents = []
+        return out
+
+
 class ScheduleParallelEnv(ParallelEnv):
     """A ``ParallelEnv`` for the randomized fault schedules (``tests/test_fault_schedules_pettingzoo.py``):
     two agents, each observing ``[slot, agent, episode, t, last action it received, nonce]``

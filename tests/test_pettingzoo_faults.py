@@ -49,6 +49,29 @@ def test_a_fault_mid_episode_names_the_slot(tmp_path, how, error):
             assert "the env blew up mid-episode" in str(caught) and "Traceback" in str(caught)
 
 
+@pytest.mark.parametrize("dicts", [False, True])
+def test_after_an_env_raised_nothing_is_left_in_flight_and_a_reset_recovers(tmp_path, dicts):
+    """Restarts off, env 1 raised in ``step()``: nothing of that step is left in flight, so the
+    next ``step()`` is refused as the core refuses a failed env's (it must be reset; it said a
+    step was in flight that ``recv()`` had not returned), and after ``reset()`` both envs step."""
+    with ParallelVectorEnv(fns(tmp_path, "raise"), envs_per_worker=2, timeout=5.0) as vec:
+        batch = vec.reset(seed=0)
+
+        def step():
+            if dicts:
+                return vec.step_dicts([dict.fromkeys(vec.possible_agents, 0)] * batch.num_envs)
+            return vec.step(zeros(vec, batch))
+
+        with pytest.raises(WorkerError, match="the env blew up mid-episode"):
+            for _ in range(AT + 1):
+                batch = step()
+        with pytest.raises(InvalidInputError, match="must be reset before it is stepped"):
+            step()
+        batch = vec.reset(seed=1)
+        batch = step()
+        assert batch.active.all() and batch.episode_length.tolist() == [1] * (2 * vec.num_agents)
+
+
 @pytest.mark.parametrize("how", ["raise", "kill", "hang"])
 def test_with_restarts_the_env_comes_back_reset_and_flagged(tmp_path, how):
     with ParallelVectorEnv(fns(tmp_path, how), envs_per_worker=2, timeout=2.0, restart_workers=True) as vec:

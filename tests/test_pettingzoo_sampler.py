@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -53,7 +54,9 @@ def action_spaces(make) -> list:
 def reference(make, turn_based: bool, seed: int, episodes: list[dict[int, list[dict]]], names) -> list[dict]:
     """Each episode of one slot replayed here in order (the first reset seeded, then the env's
     RNG goes on), each agent given the actions its rows recorded; the per-agent transitions, in
-    the order closed: what the sampler should have handed out."""
+    the order closed: what the sampler should have handed out. A reward an agent gets while it
+    has no transition open (before its first action; in turn-based games while it waits) goes to
+    its next transition, as PettingZoo's AEC API gives an agent its reward since it last acted."""
     env = make()
     par = turn_based_aec_to_parallel(env) if turn_based else env
     out = []
@@ -61,6 +64,7 @@ def reference(make, turn_based: bool, seed: int, episodes: list[dict[int, list[d
         queues = {a: list(r) for a, r in rows.items()}
         obs, _ = par.reset(seed=seed if k == 0 else None)
         open_: dict[str, dict] = {}
+        pending: dict[str, float] = defaultdict(float)
         t = 0
         while par.agents:
             acting = [par.aec_env.agent_selection] if turn_based else list(par.agents)
@@ -70,9 +74,12 @@ def reference(make, turn_based: bool, seed: int, episodes: list[dict[int, list[d
                 action = np.asarray(row["action"])
                 actions[a] = action.item() if action.ndim == 0 else action
                 open_[a] = {"episode": k, "t": t, "agent": names.index(a), "observation": _obs(obs[a]), "mask": _mask(obs[a]),
-                            "action": row["action"], "reward": 0.0}
+                            "action": row["action"], "reward": pending.pop(a, 0.0)}
             obs, rew, term, trunc, _ = par.step(actions)
             nxt = [par.aec_env.agent_selection] if turn_based and par.agents else list(par.agents)
+            for a, r in rew.items():
+                if a not in open_:
+                    pending[a] += float(r)
             for a in list(open_):
                 open_[a]["reward"] += float(rew.get(a, 0.0))
                 if a in obs and (a in nxt or term.get(a) or trunc.get(a)):
@@ -396,3 +403,43 @@ def test_a_fractional_action_for_a_discrete_space_is_refused_not_truncated(where
                             **WHERE[where]) as sampler,
           pytest.raises((InvalidInputError, WorkerError), match="integer")):
         sampler.obtain_steps(1)
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_a_bad_action_is_named_by_its_env_slot_and_agent(where):
+    """One action out of its space, env slot 1's ``agent_2``: the error names that slot and agent
+    (it named "worker 5", the agent's row among the acting agents, a worker that does not exist)."""
+
+    def bad(observations: Any, acting: ActingAgents) -> np.ndarray:
+        actions = np.zeros(len(acting.agents), np.int64)
+        actions[(acting.worker_ids == 1) & (acting.agents == 2)] = 9
+        return actions
+
+    with (MultiAgentSampler([envs.spread] * 2, bad, seed=0, **WHERE[where]) as sampler,
+          pytest.raises((InvalidInputError, WorkerError)) as caught):
+        sampler.obtain_steps(2)
+    message = str(caught.value)
+    assert re.search(r"agent 'agent_2' \(row [25] of the policy's answer\): action for worker 1: value \[?9\]? is outside "
+                     r"Discrete\(5\)", message), message
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+def test_a_reward_before_an_agent_s_first_action_is_in_its_first_row(where):
+    """An agent that appears rewarded has that reward in its first transition: its rows add up to
+    what the env paid it, as PettingZoo's AEC API hands an agent its reward since it last acted
+    (it was in no row)."""
+
+    def ones(observations: Any, acting: ActingAgents) -> np.ndarray:
+        return np.ones(len(acting.agents), np.int64)
+
+    with MultiAgentSampler([envs.Joiner] * 2, ones, seed=0, **WHERE[where]) as sampler:
+        sample = sampler.obtain_exact_episodes(2)
+    rows = rows_of(sample, sampler)
+    assert len(rows) == 4  # 2 slots x 2 episodes
+    for (slot, episode), got in rows.items():
+        paid = defaultdict(float)
+        for r in got:
+            paid[sampler.possible_agents[r["agent"]]] += r["reward"]
+        assert paid == {"early": 6.0, "late": 14.0}, (slot, episode, got)
+        late = [r for r in got if sampler.possible_agents[r["agent"]] == "late"]
+        assert [r["reward"] for r in late] == [12.0, 2.0]  # the bonus with its first action's own reward

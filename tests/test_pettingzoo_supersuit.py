@@ -385,6 +385,30 @@ def test_an_action_mask_in_the_observation_stays_in_it_as_supersuits(base_class)
         reference.close()
 
 
+def test_a_mask_key_with_other_than_discrete_actions_is_an_ordinary_observation_key():
+    """Masks are carried for ``Discrete`` actions only; with ``MultiDiscrete`` ones an
+    ``action_mask`` key is part of the observation like any other, as in SuperSuit (it failed
+    in the worker at the first reset, looking for a mask array never made)."""
+    import pettingzoo_envs
+
+    env = pettingzoo_envs.MaskWithMultiDiscrete
+    reference = theirs(env(), 2)
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(env()), 2, num_cpus=2)
+    try:
+        assert ours.observation_space == reference.observation_space
+        assert_trees_equal(ours.reset(seed=1)[0], reference.reset(seed=1)[0], "reset")
+        rng = np.random.default_rng(0)
+        for t in range(7):
+            actions = np.stack([rng.integers(0, 3, 4), rng.integers(0, 2, 4)], axis=1)
+            got, expected = ours.step(actions), reference.step(actions)
+            assert_trees_equal(got[0], expected[0], f"step {t}")
+            np.testing.assert_array_equal(got[1], expected[1])
+            np.testing.assert_array_equal(got[3], expected[3])
+    finally:
+        ours.close()
+        reference.close()
+
+
 def test_after_close_every_call_raises_and_nothing_starts():
     """``close()`` is final, as SuperSuit's: a step or reset afterwards raises (ours:
     ``ManagerClosedError``) and starts no process."""

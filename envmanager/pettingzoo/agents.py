@@ -59,6 +59,9 @@ class _Episode:
 
     env_episode_id: int
     open: dict[int, _Open] = field(default_factory=dict)
+    #: Rewards paid to an agent while it had no open transition (before its first action: it
+    #: appeared with a reward, or an opponent moved first): added to its next transition.
+    pending: dict[int, float] = field(default_factory=dict)
 
 
 class AgentRows:
@@ -120,7 +123,8 @@ class AgentRows:
                 info: dict[str, Any] = {"agent": a, "env_episode_id": episode_id}
                 if MASK_KEY in block:
                     info[MASK_KEY] = block[MASK_KEY][t, j].astype(np.bool_)
-                step = Step(_at(block["observation"], t, j), _at(env.actions[g.name], t, j), 0.0, False, False, None,
+                step = Step(_at(block["observation"], t, j), _at(env.actions[g.name], t, j),
+                            episode.pending.pop(a, 0.0), False, False, None,
                             slot, agent_episode_id(episode_id, a, n), int(env.policy_versions[t]),
                             int(env.env_versions[t]), info, {}, interrupted)
                 episode.open[a] = o = _Open(g, j, a, step)
@@ -134,6 +138,9 @@ class AgentRows:
     def _result(episode: _Episode, nxt: Any, t: int, interrupted: bool) -> None:
         """Step ``t``'s result: rewards added to the open transitions; those whose agent acts
         again or is done close with its observation there."""
+        for a in np.flatnonzero(nxt["present"][t]).tolist():
+            if a not in episode.open and nxt["reward"][t, a]:
+                episode.pending[a] = episode.pending.get(a, 0.0) + float(nxt["reward"][t, a])
         for a, o in list(episode.open.items()):
             step = o.step
             step.reward += float(nxt["reward"][t, a])

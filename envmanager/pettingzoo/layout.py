@@ -173,7 +173,9 @@ def _checked_map(group_map: Mapping[str, Sequence[str]], agents: tuple[str, ...]
 def _group(name: str, agents: tuple[str, ...], slots: tuple[int, ...], obs: Any, act: Any) -> AgentGroup:
     if not isinstance(act, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
         raise TypeError(f"agent {agents[0]!r}: action space {act} is not supported (Box, Discrete, MultiDiscrete, MultiBinary)")
-    in_obs = isinstance(obs, spaces.Dict) and MASK_KEY in obs.spaces
+    # An action mask in the observation is taken out only for Discrete actions (the ones masks are
+    # carried for); with other actions it stays an ordinary part of the observation.
+    in_obs = isinstance(obs, spaces.Dict) and MASK_KEY in obs.spaces and isinstance(act, spaces.Discrete)
     if in_obs:
         rest = {k: v for k, v in obs.spaces.items() if k != MASK_KEY}
         obs = rest["observation"] if set(rest) == {"observation"} else spaces.Dict(rest)

@@ -111,12 +111,24 @@ class GroupPolicies:
                 if chosen.shape[:1] != (len(env_at),):
                     raise InvalidInputError(f"the policy of group {g.name!r} returned {chosen.shape[:1] or 'no'} rows "
                                             f"for {len(env_at)} acting agents")
+                checker = self._checkers[g.name]
                 try:
-                    actions[env_at, row_at] = self._checkers[g.name].batch(chosen, agents)  # as the core checks
-                except (ValueError, TypeError, InvalidInputError) as exc:
-                    raise InvalidInputError(f"the actions of group {g.name!r} do not fit {g.action_space}: {exc}") from None
+                    actions[env_at, row_at] = checker.batch(chosen, agents)  # as the core checks
+                except (ValueError, TypeError, InvalidInputError):
+                    raise InvalidInputError(f"the actions of group {g.name!r} do not fit {g.action_space}: "
+                                            f"{_first_refused(checker, chosen, acting, self.layout.possible_agents)}") from None
             out[g.name] = actions
         return out
+
+
+def _first_refused(checker: ActionChecker, chosen: np.ndarray, acting: ActingAgents, names: Sequence[str]) -> str:
+    """The first row of a policy's answer its group's checker refuses, named by env slot and agent."""
+    for r, (slot, agent) in enumerate(zip(acting.worker_ids.tolist(), acting.agents.tolist(), strict=True)):
+        try:
+            checker.batch(chosen[r:r + 1], [slot])
+        except (ValueError, TypeError, InvalidInputError) as exc:
+            return f"agent {names[agent]!r} (row {r} of the policy's answer): {exc}"
+    return "the rows together"  # each row fits alone
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch
-from envmanager.errors import InvalidInputError, ManagerClosedError, SpaceMismatchError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
 from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
 from envmanager.pettingzoo.facade import FacadeFactory, call_env
@@ -145,12 +145,31 @@ class ParallelVectorEnv:
     def step(self, actions: Any, timeout: float | None = None) -> MultiAgentBatch:
         """Step every env with ``actions`` (see :meth:`send`) and wait for all; returns every env, in order."""
         self.send(actions)
-        return self.recv(self.num_envs, timeout=timeout, sort=True)
+        return self._recv_all(timeout)
+
+    def _recv_all(self, timeout: float | None) -> MultiAgentBatch:
+        """The lockstep ``recv`` of every env; on a failure what else is in flight is abandoned
+        (waited out and dropped, as the gymnasium drop-in does), so the next ``step`` or ``reset``
+        starts clean instead of finding envs still marked as stepping. Past the caller's own
+        ``timeout`` the steps stay in flight, for a later ``recv`` (``WorkerTimeoutError.hung``)."""
+        try:
+            return self.recv(self.num_envs, timeout=timeout, sort=True)
+        except EnvManagerError as exc:
+            if isinstance(exc, WorkerTimeoutError) and not exc.hung:
+                raise
+            self._outstanding.clear()
+            self._restarted.clear()
+            try:
+                for error in self.manager.drain(timeout):
+                    logger.warning("a step abandoned after a failure failed too: %s", error)
+            except EnvManagerError:
+                logger.warning("could not drain the in-flight steps after a failure", exc_info=True)
+            raise
 
     def step_dicts(self, actions: Sequence[Mapping[str, Any]], timeout: float | None = None) -> MultiAgentBatch:
         """:meth:`step` with one dict ``{agent: action}`` per env, for its active agents exactly."""
         self.send_dicts(actions)
-        return self.recv(self.num_envs, timeout=timeout, sort=True)
+        return self._recv_all(timeout)
 
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Queue a step of the envs ``env_ids`` (default: all). ``actions``: with one group an
