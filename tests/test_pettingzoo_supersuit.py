@@ -274,8 +274,14 @@ def test_bad_input_is_refused_clearly_and_loses_nothing():
         concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 2, base_class="stable_baselines")
     with pytest.raises(InvalidInputError, match="num_vec_envs"):
         concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 0)
-    with pytest.raises(InvalidInputError, match="num_cpus"):
-        concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 1, num_cpus=-1)
+    for bad in (1.5, True):
+        with pytest.raises(InvalidInputError, match="num_vec_envs"):
+            concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), bad)
+    for bad in (-1, 1.5, None):
+        with pytest.raises(InvalidInputError, match="num_cpus"):
+            concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 1, num_cpus=bad)
+    with pytest.raises(InvalidInputError, match="envs_per_worker is num_cpus's split"):  # (a bare TypeError)
+        concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 2, num_cpus=1, envs_per_worker=2)
     venv = concat_vec_envs(pettingzoo_env_to_vec_env(pistonball()), 2)
     reference = theirs(pistonball(), 2)
     try:

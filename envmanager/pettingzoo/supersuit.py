@@ -29,6 +29,7 @@ import cloudpickle
 import gymnasium
 import numpy as np
 
+from envmanager.core.arguments import is_count, positive_count
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
@@ -82,10 +83,11 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
     def __init__(self, env: Any, num_vec_envs: int, num_cpus: int = 0, **kwargs: Any) -> None:
         self._vector: ParallelVectorEnv | None = None
         self.par_env = env
-        if isinstance(num_vec_envs, bool) or not isinstance(num_vec_envs, (int, np.integer)) or num_vec_envs < 1:
-            raise InvalidInputError(f"num_vec_envs must be a positive int, got {num_vec_envs!r}")
-        if isinstance(num_cpus, bool) or not isinstance(num_cpus, (int, np.integer)) or num_cpus < 0:
+        positive_count("num_vec_envs", num_vec_envs)
+        if not is_count(num_cpus):
             raise InvalidInputError(f"num_cpus must be an int >= 0, got {num_cpus!r}")
+        if "envs_per_worker" in kwargs:
+            raise InvalidInputError("envs_per_worker is num_cpus's split here, as in SuperSuit: pass num_cpus")
         agents = list(env.possible_agents)
         self.possible_agents = tuple(agents)
         self.observation_space = env.observation_space(agents[0])
