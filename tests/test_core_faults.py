@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -10,11 +11,13 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 
 from envmanager import (
     InvalidInputError,
+    ManagerClosedError,
     RestartLimitError,
     SubprocessEnvManager,
     WorkerDiedError,
@@ -623,3 +626,98 @@ def test_a_restart_whose_replayed_call_raises_failed_and_is_tried_again_within_t
     finally:
         m.close()
     assert not alive(pids)
+
+
+def test_the_gymnasium_drop_in_closed_from_another_thread_mid_step_raises_manager_closed(tmp_path):
+    """As the core's: the step under way raises ``ManagerClosedError`` (it raised a bare
+    ``AssertionError`` from the drop-in's clean-up, the closed error only chained to it)."""
+    from envmanager import AsyncVectorEnv
+
+    gate = str(tmp_path / "never")
+    envs = AsyncVectorEnv([functools.partial(ControlledEnv, i, gate=gate if i == 0 else None) for i in range(2)],
+                          worker_timeout=600)
+    envs.reset(seed=0)
+    pids = [w.pid for w in envs._manager.processes]
+    closer = threading.Timer(0.3, envs.close)
+    closer.start()
+    try:
+        with pytest.raises(ManagerClosedError):
+            envs.step(np.ones(2, np.int64))
+    finally:
+        closer.join(30)
+        envs.close()
+    assert not alive(pids, timeout=5.0)
+
+
+class _SlowClose(ControlledEnv):
+    def close(self) -> None:
+        time.sleep(30)  # a simulator taking its time to shut down
+
+
+def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(monkeypatch):
+    """Ctrl-C while the envs close, and again while close() ends the workers by force (a user
+    pressing it twice): the next close() (or the one at exit) still ends every worker; it did
+    nothing, the pool already forgotten, and the workers ran on."""
+    import envmanager.core.pool as pool_module
+    from envmanager.core.process import WorkerProcess
+
+    m = SubprocessEnvManager(lambda i: _SlowClose(i), 3, timeout=30)
+    m.reset()
+    pids = [w.pid for w in m.processes]
+    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
+    presses = []
+
+    def first_ctrl_c(*args):
+        if not presses:
+            presses.append("wait")
+            raise KeyboardInterrupt
+        return waited(*args)
+
+    def second_ctrl_c(self, timeout):
+        if len(presses) == 1:
+            presses.append("stop")
+            raise KeyboardInterrupt
+        return stop(self, timeout)
+
+    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
+    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        m.close()
+    assert presses == ["wait", "stop"] and m.closed
+    with pytest.raises(ManagerClosedError):
+        m.step({0: 1})
+    m.close(timeout=1.0)
+    assert not alive(pids, timeout=5.0), "a close cut short left workers running"
+    m.close()  # and again: nothing left to do
+
+
+_FORKS_AFTER_START = """
+import os, sys
+import numpy as np
+from envmanager import SubprocessEnvManager
+from envmanager.testing.envs import EnvFactory
+
+if __name__ == "__main__":
+    m = SubprocessEnvManager(EnvFactory(), 2, context="fork", timeout=10)
+    m.reset()
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a helper forked with os.fork, ending normally: its exit handlers run
+    os.waitpid(pid, 0)
+    infos = m.step({0: 1, 1: 1})
+    while len(infos) < 2:
+        infos += m.receive_steps(timeout=10)
+    print("stepped", sorted(i.worker_id for i in infos), flush=True)
+    m.close()
+"""
+
+
+def test_a_child_forked_with_os_fork_leaves_the_workers_to_the_parent(tmp_path):
+    """multiprocessing's exit handler, run in a child made with ``os.fork``, SIGTERMed every
+    daemonic worker it inherited the records of: the parent's next step found them dead. The
+    child's own exit handlers no longer touch the parent's workers."""
+    script = tmp_path / "forks.py"
+    script.write_text(_FORKS_AFTER_START)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "stepped [0, 1]" in done.stdout, done.stderr
+    assert "Traceback" not in done.stderr and "AssertionError" not in done.stderr, done.stderr

@@ -50,23 +50,28 @@ def test_a_fault_mid_episode_names_the_slot(tmp_path, how, error):
 
 
 @pytest.mark.parametrize("dicts", [False, True])
-def test_after_an_env_raised_nothing_is_left_in_flight_and_a_reset_recovers(tmp_path, dicts):
-    """Restarts off, env 1 raised in ``step()``: nothing of that step is left in flight, so the
-    next ``step()`` is refused as the core refuses a failed env's (it must be reset; it said a
-    step was in flight that ``recv()`` had not returned), and after ``reset()`` both envs step."""
+def test_an_env_that_raised_is_not_left_in_flight(tmp_path, dicts):
+    """Restarts off, env 1 raised in ``step()``: its step never comes, so it is no longer counted
+    as in flight (every later step said so, and no ``recv()`` could return it). Env 0's result
+    is still there for ``recv()``; then a step of env 1 is refused as the core refuses a failed
+    env's (it must be reset), and after ``reset()`` both envs step."""
     with ParallelVectorEnv(fns(tmp_path, "raise"), envs_per_worker=2, timeout=5.0) as vec:
         batch = vec.reset(seed=0)
 
-        def step():
+        def step(ids=None):
+            n = batch.num_envs if ids is None else len(ids)
             if dicts:
-                return vec.step_dicts([dict.fromkeys(vec.possible_agents, 0)] * batch.num_envs)
-            return vec.step(zeros(vec, batch))
+                vec.send_dicts([dict.fromkeys(vec.possible_agents, 0)] * n, ids)
+            else:
+                vec.send(np.zeros(n * vec.num_agents, np.int64), ids)
+            return vec.recv(n, sort=True)
 
         with pytest.raises(WorkerError, match="the env blew up mid-episode"):
             for _ in range(AT + 1):
                 batch = step()
-        with pytest.raises(InvalidInputError, match="must be reset before it is stepped"):
-            step()
+        assert vec.recv(1, timeout=10).env_ids.tolist() == [0]  # env 0's step, kept
+        with pytest.raises(InvalidInputError, match="worker 1 must be reset before it is stepped"):
+            step([1])
         batch = vec.reset(seed=1)
         batch = step()
         assert batch.active.all() and batch.episode_length.tolist() == [1] * (2 * vec.num_agents)

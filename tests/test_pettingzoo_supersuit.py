@@ -326,6 +326,12 @@ def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
         if not restart:
             with pytest.raises(WorkerError, match="the env blew up"):
                 venv.step(actions)
+            # Nothing of that step is left in flight (this vector env has no recv): the env that
+            # raised must be reset, as the core says; it said a step was in flight recv() had not returned.
+            with pytest.raises(InvalidInputError, match="must be reset before it is stepped"):
+                venv.step(actions)
+            venv.reset(seed=1)
+            assert venv.step(actions)[0].shape[0] == 6
             return
         _, rewards, terms, truncs, infos = venv.step(actions)
         failed = [i for i in range(2) if truncs[i * 3]]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any
@@ -175,6 +176,7 @@ class AsyncVectorEnv(VectorEnv):
         self._partial = PartialBatches()  # send / recv's state
         self._copied: np.ndarray | None = None  # copy-ahead rows of the step in progress (kept across step_wait calls)
         self._stale = False  # an abandoned call left steps in flight: drained before the next call
+        self._pending_by: int | None = None  # the thread that made the pending call (``_state``)
 
     def _start(self, fns: list[Callable[[], gym.Env]], envs_per_worker: int | str, worker_timeout: float,
                double_buffer: bool | str, parent: _ParentEnv | None) -> BatchEnvManager:
@@ -244,7 +246,7 @@ class AsyncVectorEnv(VectorEnv):
         self._reset_sent = (seeds, options)
         self._reset_infos = {}
         self._send_reset_wave(manager)
-        self._state = AsyncState.WAITING_RESET
+        self._state, self._pending_by = AsyncState.WAITING_RESET, threading.get_ident()
 
     def _send_reset_wave(self, manager: BatchEnvManager) -> None:
         seeds, options = self._reset_sent
@@ -309,7 +311,7 @@ class AsyncVectorEnv(VectorEnv):
         else:  # checked whole, then sent as room frees up
             self._actions, self._queued = handed.kept(), list(range(self.num_envs))
             self._send_queued(manager)
-        self._state = AsyncState.WAITING_STEP
+        self._state, self._pending_by = AsyncState.WAITING_STEP, threading.get_ident()
 
     def _hand_over(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> HandedActions:
         """What each env in ``ids`` gets, as gymnasium hands it over; everything that would be
@@ -413,7 +415,6 @@ class AsyncVectorEnv(VectorEnv):
         errors of the other envs that failed meanwhile. The state is cleared first (a Ctrl-C in the drain leaves
         nothing half-done); the drain is bounded by the caller's ``deadline``: what it could not wait out is
         drained at the start of the next call (``_stale``)."""
-        assert self._manager is not None
         self._stepping[:] = False
         self._left = 0
         self._queued, self._actions, self._step_infos, self._step_columns = [], None, {}, []
@@ -421,6 +422,8 @@ class AsyncVectorEnv(VectorEnv):
         self._partial.clear()
         self._copied = None
         self._state = AsyncState.DEFAULT
+        if self._manager is None:  # closed meanwhile (close() from another thread): nothing left to drain
+            return []
         self._stale = True
         dropped: list[EnvManagerError] = []
         try:
@@ -457,7 +460,7 @@ class AsyncVectorEnv(VectorEnv):
         if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
             raise ValueError(f"Trying to call function `{name}` with `call`, use `{name}` directly instead.")
         self._call = manager.send_call(name, args, kwargs)
-        self._state = AsyncState.WAITING_CALL
+        self._state, self._pending_by = AsyncState.WAITING_CALL, threading.get_ident()
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         manager = self._running()
@@ -511,21 +514,25 @@ class AsyncVectorEnv(VectorEnv):
     # Lifetime
 
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
-        manager, self._manager = self._manager, None
+        manager = self._manager
         if manager is None:
             return
+        if manager.closed:  # a close cut short (a second Ctrl-C): finish it, nothing to wait for
+            self._state = AsyncState.DEFAULT
         if self._state != AsyncState.DEFAULT:  # gymnasium's warning, a UserWarning
             gym_logger.warn(f"Calling `close` while waiting for a pending call to `{self._state.value}` to complete.")
+        if self._state != AsyncState.DEFAULT and self._pending_by != threading.get_ident():
+            terminate = True  # another thread's call, under way there: it ends with ManagerClosedError
         if self._state != AsyncState.DEFAULT and not terminate:
             wait = {AsyncState.WAITING_STEP: "step_wait", AsyncState.WAITING_RESET: "reset_wait",
                     AsyncState.WAITING_CALL: "call_wait"}[self._state]
-            self._manager = manager
             try:
                 getattr(self, wait)(timeout)
             except (multiprocessing.TimeoutError, Exception):
                 terminate = True
-            self._manager = None
+        # ``_manager`` is dropped only once closed: a close cut short (Ctrl-C) is finished by the next close()
         manager.close(timeout=0.0 if terminate else (10.0 if timeout is None else timeout))
+        self._manager = None
 
     def _running(self) -> BatchEnvManager:
         if self.closed or self._manager is None:

@@ -194,13 +194,14 @@ class BatchEnvManager:
 
     @property
     def pool(self) -> WorkerPool:
-        if self._pool is None or self._pool.queue is None:
+        pool = self._pool
+        if pool is None or pool.closed:
             raise ManagerClosedError("the SubprocessEnvManager is closed")
-        return self._pool
+        return pool
 
     @property
     def closed(self) -> bool:
-        return self._pool is None or self._pool.queue is None
+        return self._pool is None or self._pool.closed
 
     @property
     def buffers(self) -> shm.SharedBuffers | None:
@@ -614,9 +615,10 @@ class BatchEnvManager:
 
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
-        pool, self._pool = self._pool, None
+        pool = self._pool
         if pool is not None:
-            pool.close(timeout)
+            pool.close(timeout)  # a close cut short (Ctrl-C) leaves ``_pool`` set: the next close() finishes it
+            self._pool = None
         packed_factory.forget(getattr(self, "_packed_factory", b""))
         results = getattr(self, "results", None)
         if results is not None:

@@ -124,7 +124,10 @@ class WorkerPool:
         self._next_core_check = 0.0  # when to look again where the processes may run (the spin permission)
         self._core_use = CoreUse()  # how busy other programs keep those cores
         self._crowded = False  # whether they kept too many busy at the last look
+        self._owner = os.getpid()  # a process forked from this one (os.fork) must not end our workers
+        _POOLS.add(self)
         self._closing = False
+        self._unreaped: list[WorkerProcess] = []  # a close's workers, until every one is reaped
         self._waiter: int | None = None  # the thread inside ``wait``, if one is
         #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
         #: bench divides the parent's CPU time by it.
@@ -225,6 +228,11 @@ class WorkerPool:
         self.gather(self.processes, "shared memory")
         return buffers
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` began (one cut short, by a second Ctrl-C say, is finished by the next)."""
+        return self._closing or self.queue is None
+
     # ------------------------------------------------------------------------------------------
     # Receiving
 
@@ -232,11 +240,13 @@ class WorkerPool:
         """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
         or failed. Restarts, stale answers and large payloads are handled here. Raises
         ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
-        queue = self.queue
-        if queue is None or self._closing:
-            raise ManagerClosedError("the SubprocessEnvManager was closed")
-        self._waiter = get_ident()  # one thread waits at a time (the pool is not shared for waiting)
+        # One thread waits at a time (the pool is not shared for waiting). Said before the look at
+        # ``_closing``: a ``close`` of another thread sees us waiting, or we see it closing.
+        self._waiter = get_ident()
         try:
+            queue = self.queue
+            if queue is None or self._closing:  # (``closed``, inline)
+                raise ManagerClosedError("the SubprocessEnvManager was closed")
             now = monotonic()
             if now >= self._next_core_check:
                 self._check_cores(now)
@@ -624,9 +634,16 @@ class WorkerPool:
         Stragglers are killed with every process they started, and all are reaped. A call of
         another thread waiting on the workers meanwhile raises ``ManagerClosedError``.
         """
+        if os.getpid() != self._owner:  # a copy in a process forked from ours: its workers are not this one's
+            self.processes, self._unreaped, self._closing = [], [], True
+            return
         self._closing = True
         self._leave_waiters()
-        workers, self.processes = self.processes, []
+        # Workers not yet reaped stay listed in ``_unreaped`` until they are: a close cut short (a
+        # second Ctrl-C while the envs close) is finished by the next close(), at exit or by ``__del__``.
+        asked = [w for w in self._unreaped if not w.reaped]  # asked by a close cut short: given no more time
+        workers = self._unreaped = asked + self.processes
+        self.processes = []
         self._version += 1
         try:
             for w in workers:
@@ -637,17 +654,19 @@ class WorkerPool:
             deadline = Deadline(timeout)
             if self.queue is not None:  # from now on: the closing workers' farewells
                 self.queue.watch([w.conn for w in workers], [])
-            while any(w.alive() for w in workers) and not deadline.passed():
+            fresh = workers[len(asked):]
+            while any(w.alive() for w in fresh) and not deadline.passed():
                 if self.queue is not None:  # keep the queue flowing so no worker blocks on it
                     while self.queue.take(everything=True) and not deadline.passed():
                         pass
-                wait_for_ready([w.sentinel for w in workers if w.alive()], min(0.05, deadline.left()))
-            late = [w.name + _in(w.inside()) for w in workers if w.alive()]
+                wait_for_ready([w.sentinel for w in fresh if w.alive()], min(0.05, deadline.left()))
+            late = [w.name + _in(w.inside()) for w in fresh if w.alive()]
             if late and timeout > 0:
                 logger.warning("%s did not close within %.1f s; terminating", ", ".join(late), timeout)
         finally:
             for w in workers:
                 w.stop(0.0) if w.alive() else w.kill()
+            self._unreaped = []
             for name in ("buffers", "file", "queue", "mailboxes", "marks"):  # shared memory, pipes, mappings
                 resource = getattr(self, name)
                 if resource is not None:
@@ -675,6 +694,26 @@ class WorkerPool:
 def _in(inside: tuple[int, str] | None) -> str:
     """`` (worker 3 in close())``: where a process is, for a log line."""
     return "" if inside is None else f" (worker {inside[0]} in {inside[1]}())"
+
+
+#: Every pool alive in this process, for ``_forget_after_fork``.
+_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    """In a child forked from this process with ``os.fork`` (not a multiprocessing child: those
+    start with no children): multiprocessing's own exit handler would SIGTERM every daemonic
+    process it inherited the records of, our workers among them. They are the parent's: forget them."""
+    children = getattr(mp.process, "_children", None)
+    if children is None:
+        return
+    for pool in list(_POOLS):
+        for w in pool.processes + pool._unreaped:
+            children.discard(w.process)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:

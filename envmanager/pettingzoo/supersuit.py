@@ -22,6 +22,7 @@ kept (``reset_infos`` on the SB3 side), ``seed()`` works, and errors name the en
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -30,7 +31,7 @@ import gymnasium
 import numpy as np
 
 from envmanager.core.arguments import is_count, positive_count
-from envmanager.errors import InvalidInputError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
 from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
 from envmanager.pettingzoo.layout import MASK_KEY
@@ -38,6 +39,8 @@ from envmanager.pettingzoo.vector import ParallelVectorEnv
 
 with requires_extra("pettingzoo", __name__):
     from pettingzoo.utils.env import ParallelEnv
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PettingZooVecEnv", "UnsupportedEnvError", "concat_vec_envs", "concat_vec_envs_v1",
            "pettingzoo_env_to_vec_env", "pettingzoo_env_to_vec_env_v1"]
@@ -160,7 +163,15 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         if actions.shape[:1] != (self.num_envs,):
             raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
                                     f"envs x {self.num_agents} agents), got shape {actions.shape}")
-        batch = vector.step(actions)
+        try:
+            batch = vector.step(actions)
+        except EnvManagerError:  # nothing of this step stays in flight: SuperSuit's vector env has no recv
+            try:
+                for error in vector.drop_in_flight():
+                    logger.warning("a step dropped after a failure failed too: %s", error)
+            except EnvManagerError:
+                logger.warning("could not drop the steps in flight after a failure", exc_info=True)
+            raise
         observations = self._observations(batch)
         infos = self._row_infos(batch)
         rewards = batch.reward.astype(np.float32)

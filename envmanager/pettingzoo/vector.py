@@ -18,7 +18,14 @@ import numpy as np
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.deadline import Deadline
 from envmanager.core.results import StepBatch
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, SpaceMismatchError, WorkerTimeoutError
+from envmanager.errors import (
+    EnvManagerError,
+    InvalidInputError,
+    ManagerClosedError,
+    SpaceMismatchError,
+    WorkerError,
+    failed_slots,
+)
 from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
 from envmanager.pettingzoo.facade import FacadeFactory, call_env
@@ -134,42 +141,30 @@ class ParallelVectorEnv:
         flight are dropped. Returns every env, in order."""
         manager = self.manager
         seeds = _seeds(seed, self.num_envs)
-        manager.drain()
-        self._outstanding.clear()
-        self._restarted.clear()
+        self.drop_in_flight()
         manager.send_reset({i: (seeds[i], options) for i in range(self.num_envs)})
         got = manager.receive_reset_batch()
         self._known[:] = True
         return self._hand_out(got.slots, got, starts=np.ones(len(got.slots), np.bool_))
 
+    def drop_in_flight(self) -> list[EnvManagerError]:
+        """Wait out every step in flight and drop every result not received, and the errors of
+        those that failed (returned): what ``reset`` does first, and a caller with no ``recv``
+        of its own does after a failed step (the SuperSuit drop-in)."""
+        dropped = self.manager.drain()
+        self._outstanding.clear()
+        self._restarted.clear()
+        return dropped
+
     def step(self, actions: Any, timeout: float | None = None) -> MultiAgentBatch:
         """Step every env with ``actions`` (see :meth:`send`) and wait for all; returns every env, in order."""
         self.send(actions)
-        return self._recv_all(timeout)
-
-    def _recv_all(self, timeout: float | None) -> MultiAgentBatch:
-        """The lockstep ``recv`` of every env; on a failure what else is in flight is abandoned
-        (waited out and dropped, as the gymnasium drop-in does), so the next ``step`` or ``reset``
-        starts clean instead of finding envs still marked as stepping. Past the caller's own
-        ``timeout`` the steps stay in flight, for a later ``recv`` (``WorkerTimeoutError.hung``)."""
-        try:
-            return self.recv(self.num_envs, timeout=timeout, sort=True)
-        except EnvManagerError as exc:
-            if isinstance(exc, WorkerTimeoutError) and not exc.hung:
-                raise
-            self._outstanding.clear()
-            self._restarted.clear()
-            try:
-                for error in self.manager.drain(timeout):
-                    logger.warning("a step abandoned after a failure failed too: %s", error)
-            except EnvManagerError:
-                logger.warning("could not drain the in-flight steps after a failure", exc_info=True)
-            raise
+        return self.recv(self.num_envs, timeout=timeout, sort=True)
 
     def step_dicts(self, actions: Sequence[Mapping[str, Any]], timeout: float | None = None) -> MultiAgentBatch:
         """:meth:`step` with one dict ``{agent: action}`` per env, for its active agents exactly."""
         self.send_dicts(actions)
-        return self._recv_all(timeout)
+        return self.recv(self.num_envs, timeout=timeout, sort=True)
 
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Queue a step of the envs ``env_ids`` (default: all). ``actions``: with one group an
@@ -203,10 +198,12 @@ class ParallelVectorEnv:
                 got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
                 taken.append(got)
                 count += len(got.slots)
-        except BaseException:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
+        except BaseException as exc:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
             self._restarted[:0] = taken
             for b in taken:
                 self._outstanding.difference_update(b.slots.tolist())
+            if isinstance(exc, WorkerError):  # its env raised: that step never comes (the env must be reset)
+                self._outstanding.difference_update(failed_slots(exc))
             raise
         ids = np.concatenate([b.slots for b in taken]) if len(taken) > 1 else taken[0].slots
         self._outstanding.difference_update(ids.tolist())
