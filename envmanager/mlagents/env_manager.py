@@ -60,6 +60,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["MLAgentsEnvManager"]
 
 
+def _mlagents_log_level() -> int | None:
+    """The log level ML-Agents' trainer set (``--debug``: DEBUG, else INFO), which ML-Agents'
+    ``SubprocessEnvManager`` hands its workers: ``None`` if it set none."""
+    try:
+        from mlagents_envs import logging_util
+    except ImportError:
+        return None
+    level = getattr(logging_util, "_log_level", logging.NOTSET)
+    return None if level == logging.NOTSET else int(level)
+
+
 def default_context() -> str:
     """``forkserver`` where available, else ``spawn``: never fork a parent that may hold gRPC state."""
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
@@ -114,6 +125,7 @@ class MLAgentsEnvManager:
         training_analytics: bool = False,
         batched_inference: bool | None = None,
         gather_window: GatherWindow = NO_GATHER,
+        log_level: int | None = None,
     ) -> None:
         self.batched_inference = batched_inference
         self.gather_window = gather_window
@@ -157,7 +169,8 @@ class MLAgentsEnvManager:
         try:
             with self._errors():
                 self._manager = self._start_core(
-                    WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics),
+                    WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics,
+                                     log_level=log_level),
                     n_env, core_options,
                 )
         except BaseException:
@@ -183,7 +196,8 @@ class MLAgentsEnvManager:
         ``n_env`` defaults to its ``env_settings.num_envs``. Worker 0's player gets ML-Agents'
         training analytics. ``overrides`` replace any constructor argument (``timeout=...``).
         """
-        options: dict[str, Any] = {**manager_options(run_options), "training_analytics": True, **overrides}
+        options: dict[str, Any] = {**manager_options(run_options), "training_analytics": True,
+                                   "log_level": _mlagents_log_level(), **overrides}
         manager = cls(env_factory, run_options.env_settings.num_envs if n_env is None else n_env, **options)
         try:
             manager.run_options = run_options

@@ -36,6 +36,7 @@ workers (it imports ``__main__``, this console script) stays light.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -99,6 +100,49 @@ def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str],
     cut = argv.index("--env-args") if "--env-args" in argv else len(argv)
     ours, rest = _own_parser().parse_known_args(argv[:cut])
     return ours, rest + argv[cut:], "-h" in rest or "--help" in rest
+
+
+class FailedStartup:
+    """What ``run_training`` gets when the env manager could not start (Ctrl-C while the players
+    launched, a player that failed at startup). ML-Agents' own ``SubprocessEnvManager`` starts its
+    players in the background, so such a failure reaches the trainer at its first ``reset``, inside
+    ``TrainerController.start_learning`` ("Learning was interrupted"; exit 0 on Ctrl-C, 1 on an
+    error) and ``run_training``'s ``finally`` (``configuration.yaml``, ``timers.json``,
+    ``training_status.json`` written): it is raised here at the first ``reset``. Nothing to close."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+        self.first_step_infos: list[Any] = []
+
+    def reset(self, config: Any = None) -> int:
+        error, self.error = self.error, None
+        raise error if error is not None else RuntimeError("the env manager did not start")
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"the env manager did not start ({name})")
+
+
+def deferring_startup_errors(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory``, with an error while the manager starts handed over at its first ``reset``
+    (``FailedStartup``); a player's failure as a Unity error, as the manager's later ones."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return factory(*args, **kwargs)
+        except (KeyboardInterrupt, Exception) as exc:
+            from envmanager.errors import EnvManagerError, InvalidInputError
+            from envmanager.mlagents.checks import as_unity_error
+
+            error: BaseException = exc
+            if isinstance(exc, EnvManagerError) and not isinstance(exc, InvalidInputError):
+                error = as_unity_error(exc)
+            return FailedStartup(error)
+
+    return build
 
 
 def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto",
@@ -232,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     factory = env_manager_factory(ours.ray_address, ours.batched_inference, ours.env_addresses,
                                   gather if gather.seconds > 0 else None)
-    with using_env_manager(learn, factory):
+    with using_env_manager(learn, deferring_startup_errors(factory)):
         learn.run_cli(options)
     return 0
 

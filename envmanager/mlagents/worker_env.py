@@ -132,8 +132,13 @@ class WorkerEnvFactory:
     engine_config: dict[str, Any] | None = None
     close_timeout: float = 5.0
     training_analytics: bool = False
+    log_level: int | None = None  # mlagents_envs' log level in the worker (as ML-Agents' workers set it)
 
     def __call__(self, worker_id: int) -> MLAgentsWorkerEnv:
+        if self.log_level is not None:
+            from mlagents_envs import logging_util
+
+            logging_util.set_log_level(self.log_level)
         return MLAgentsWorkerEnv(self.env_factory, worker_id, self.engine_config, self.close_timeout,
                                  self.training_analytics)
 

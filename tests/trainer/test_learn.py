@@ -67,6 +67,8 @@ def test_trains_to_the_end(trained):
     timers = json.loads((run.results / run.run_id / "run_logs" / "timers.json").read_text())
     workers = find_timer(timers, "workers")
     assert workers and workers["children"]["worker_root"]["children"]["UnityEnvironment.step"]["count"] > 100
+    # the workers log at ML-Agents' level, as its own workers do (mlagents_envs' INFO lines were lost)
+    assert "Connected new brain" in log, log[-3000:]
 
 
 def find_timer(node, name):
@@ -239,6 +241,26 @@ def test_past_the_restart_limits_the_run_ends_as_on_a_unity_failure(tmp_path):
     check_clean_exit(run)
 
 
+def test_a_player_failing_at_startup_ends_the_run_as_in_mlagents(tmp_path):
+    """Players that fail as they start: the failure reaches the trainer at its first reset, as
+    ML-Agents' own manager hands it over. The trainer says the learning was interrupted, writes
+    its configuration and run logs, and exits 1 with the error; nothing is left running. Before,
+    it was raised while the env manager was made, outside the trainer's own handling."""
+    run = TrainerRun(tmp_path, trainer_config(300), player={"crash_on_start": True},
+                     extra_args=["--timeout-wait=10", "--max-lifetime-restarts=0"])
+    run.killed = set()
+    try:
+        run.start()
+        assert run.wait() == 1, run.log_text()[-3000:]
+    finally:
+        run.kill()
+    log = run.log_text()
+    assert "Learning was interrupted" in log, log[-3000:]
+    assert (run.results / run.run_id / "configuration.yaml").exists()
+    assert (run.results / run.run_id / "run_logs" / "timers.json").exists()
+    check_clean_exit(run)
+
+
 def test_batched_inference_switch(tmp_path, monkeypatch):
     """``--batched-inference`` (auto by default, on, off) reaches the env manager ML-Agents'
     ``run_training`` builds; a bad value is refused by the parser; ML-Agents' options pass on."""
@@ -261,7 +283,7 @@ def test_batched_inference_switch(tmp_path, monkeypatch):
     config.write_text(yaml.safe_dump(trainer_config(100)))
     assert learn.main([str(config), "--env=player", "--batched-inference=off"]) == 0
     (factory,) = built  # what run_training would have called, during the run
-    assert factory.keywords == {"batched_inference": False}
+    assert factory.__wrapped__.keywords == {"batched_inference": False}  # (wrapped: startup errors deferred)
 
 
 def test_gather_window_switch(tmp_path, monkeypatch, capsys):
@@ -280,9 +302,9 @@ def test_gather_window_switch(tmp_path, monkeypatch, capsys):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(trainer_config(100)))
     assert learn.main([str(config), "--env=player", "--gather-window-ms=20", "--gather-share", "0.5"]) == 0
-    assert built.pop().keywords == {"batched_inference": None, "gather_window": GatherWindow(0.02, 0.5)}
+    assert built.pop().__wrapped__.keywords == {"batched_inference": None, "gather_window": GatherWindow(0.02, 0.5)}
     assert learn.main([str(config), "--env=player"]) == 0
-    assert built.pop().keywords == {"batched_inference": None}
+    assert built.pop().__wrapped__.keywords == {"batched_inference": None}
     for bad in (["--gather-window-ms=20", "--gather-share=0"], ["--gather-window-ms=-5"],
                 ["--gather-window-ms=20", "--ray-address=auto"]):
         assert learn.main([str(config), "--env=player", *bad]) == 2

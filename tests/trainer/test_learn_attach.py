@@ -129,7 +129,8 @@ def test_bad_env_addresses_are_refused_before_anything_starts(tmp_path, monkeypa
     assert runs == []  # ML-Agents' run never started
     assert learn.main([str(config), two, "--env-args", "--num-envs=5"]) == 0  # the count from the addresses
     assert "--env-args ignored" in capsys.readouterr().err
-    (factory,) = runs  # what run_training would have called
+    (factory,) = runs  # what run_training would have called (wrapped: startup errors deferred)
+    factory = factory.__wrapped__
     assert factory.func is learn.attached_env_manager
     assert factory.args == (f"127.0.0.1:{base},127.0.0.1:{base + 1}",)
     assert factory.keywords == {"batched_inference": None}
