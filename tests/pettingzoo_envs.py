@@ -117,6 +117,21 @@ class FailingOnce(BaseParallelWrapper):
         return self.env.step(actions)
 
 
+class FailingSecondReset(BaseParallelWrapper):
+    """A real env whose second reset raises, once (in the SuperSuit drop-in: the reset within
+    the step that ended its first episode)."""
+
+    def __init__(self, env: Any, marker: str) -> None:
+        super().__init__(env)
+        self.marker, self.resets = marker, 0
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.resets += 1
+        if self.resets == 2 and strike(self.marker):
+            raise RuntimeError("the reset blew up")
+        return self.env.reset(seed=seed, options=options)
+
+
 class Failing:
     """``env_fns[i]``: ``make()``, wrapped in :class:`FailingOnce`."""
 

@@ -281,13 +281,20 @@ def test_the_samplers_name_the_env(kind, fault, mailbox, tmp_path):
         assert f" in {call}()" in str(caught.value)
 
 
-@pytest.mark.parametrize("context", ["fork", "forkserver"])
-def test_a_hang_in_a_worker_forked_from_threads_says_so(context):
-    """Forked from a process running threads (as torch's pool runs once used), a worker whose
-    env calls into such a library can hang: the error says how it was started and what avoids
-    it. A worker not forked gets no such hint."""
+@pytest.mark.parametrize("context,library", [("fork", "grpc"), ("fork", None), ("forkserver", "grpc")])
+def test_a_hang_in_a_worker_forked_from_threads_says_so(context, library, monkeypatch):
+    """Forked from a process running threads with a library loaded whose pool hangs a forked
+    child (gRPC's, torch's), a worker whose env calls into it can hang: the error says how it
+    was started and what avoids it. Without such a library (numpy's OpenBLAS threads alone,
+    always there), or not forked, no hint."""
     import threading
 
+    import envmanager.core.process as process
+
+    if library is None:
+        monkeypatch.setattr(process, "FORK_UNSAFE", ("no_such_library",))
+    else:
+        pytest.importorskip(library)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # a thread pool's worker, in the parent
     other.start()
@@ -303,12 +310,36 @@ def test_a_hang_in_a_worker_forked_from_threads_says_so(context):
     err = caught.value
     assert (err.slot, err.call) == (1, "step")
     assert str(err).startswith("worker 1 hung in step(): did not deliver an answer to STEP within")
-    forked = re.search(r"forked from a process running (\d+) threads.*context='forkserver' or 'spawn'", str(err))
-    assert (forked is not None) == (context == "fork"), str(err)
+    hinted = context == "fork" and library is not None
+    forked = re.search(r"forked from a process running threads, with (.*) loaded.*context='forkserver' or 'spawn'",
+                       str(err))
+    assert (forked is not None) == hinted, str(err)
     if forked:
-        assert int(forked.group(1)) >= 2 and err.hint in str(err)
+        assert library in forked.group(1) and err.hint in str(err)
     else:
         assert err.hint == ""
     copy = pickle.loads(pickle.dumps(err))
     assert str(copy) == str(err) and copy.hint == err.hint
     assert with_slot_offset(err, 10).hint == err.hint  # (as a Ray node's error reaches its caller)
+
+
+def _builds_forever(worker_id):
+    time.sleep(60)  # as an env whose construction calls into a pool that is not in the forked child
+
+
+def test_a_startup_hang_of_several_forked_workers_carries_the_hint():
+    """Every forked worker hangs while it builds its env (the likeliest torch case): the one
+    error naming them all carries the hint too."""
+    import threading
+
+    pytest.importorskip("grpc")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        with pytest.raises(WorkerTimeoutError) as caught:
+            SubprocessEnvManager(_builds_forever, 2, context="fork", timeout=1.5)
+    finally:
+        stop.set()
+        other.join()
+    assert caught.value.worker_ids == [0, 1] and "grpc" in caught.value.hint and caught.value.hint in str(caught.value)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pettingzoo", minversion="1.24")  # mlagents-envs 1.1.0 pins 1.15
 ss = pytest.importorskip("supersuit")
 
-from envmanager.errors import InvalidInputError  # noqa: E402
+from envmanager.errors import InvalidInputError, WorkerError  # noqa: E402
 from envmanager.pettingzoo import (  # noqa: E402
     PettingZooVecEnv,
     concat_vec_envs,
@@ -316,7 +316,6 @@ def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
     """Without restarts, the error names the env; with them, its rows come back as a reset,
     truncated, the other env's untouched."""
     import pettingzoo_envs
-    from envmanager.errors import WorkerError
 
     env = pettingzoo_envs.FailingOnce(pistonball(max_cycles=50), "raise", 1, str(tmp_path / "struck"))
     venv = concat_vec_envs(pettingzoo_env_to_vec_env(env), 2, num_cpus=2, timeout=20, restart_workers=restart)
@@ -340,6 +339,28 @@ def test_an_env_that_raises_is_named_or_restarted(tmp_path, restart):
         assert not rewards[rows].any() and all("terminal_observation" not in info for info in infos[rows])
         assert venv.active.all()
         venv.step(actions)  # and on it goes
+    finally:
+        venv.close()
+
+
+def test_a_reset_that_raises_within_a_step_leaves_nothing_in_flight(tmp_path):
+    """An env's reset within the step that ended its episode raises (restarts off): the step
+    raises it, and nothing of that step is left in flight (it said the other env had a step
+    recv() had not returned, which a user of this vector env cannot call); after reset() all steps."""
+    import pettingzoo_envs
+
+    env = pettingzoo_envs.FailingSecondReset(pistonball(max_cycles=2), str(tmp_path / "struck"))
+    venv = concat_vec_envs(pettingzoo_env_to_vec_env(env), 2, num_cpus=2, timeout=20)
+    try:
+        venv.reset(seed=0)
+        actions = np.zeros((6, 1), np.float32)
+        with pytest.raises(WorkerError, match="the reset blew up"):
+            for _ in range(3):
+                venv.step(actions)
+        with pytest.raises(InvalidInputError, match="must be reset before it is stepped"):
+            venv.step(actions)
+        venv.reset(seed=1)
+        assert venv.step(actions)[0].shape[0] == 6
     finally:
         venv.close()
 

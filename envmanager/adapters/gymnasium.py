@@ -422,7 +422,7 @@ class AsyncVectorEnv(VectorEnv):
         self._partial.clear()
         self._copied = None
         self._state = AsyncState.DEFAULT
-        if self._manager is None:  # closed meanwhile (close() from another thread): nothing left to drain
+        if self._manager is None or self._manager.closed:  # closed meanwhile (close() from another thread)
             return []
         self._stale = True
         dropped: list[EnvManagerError] = []

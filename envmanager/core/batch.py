@@ -32,6 +32,7 @@ one-line methods of the public class.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,6 +114,7 @@ class BatchEnvManager:
         options_if_given: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
+        self._made_in = os.getpid()  # a copy in a child forked with os.fork ends nothing of ours (``close``)
         ctx = get_context(context)
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode,
                                         inherit_factory and ctx.get_start_method() == "fork")
@@ -616,6 +618,11 @@ class BatchEnvManager:
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
         pool = self._pool
+        if os.getpid() != getattr(self, "_made_in", os.getpid()):  # a copy in a child forked with os.fork
+            if pool is not None:
+                pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
+            self._pool = None
+            return
         if pool is not None:
             pool.close(timeout)  # a close cut short (Ctrl-C) leaves ``_pool`` set: the next close() finishes it
             self._pool = None

@@ -229,6 +229,11 @@ class WorkerPool:
         return buffers
 
     @property
+    def owned(self) -> bool:
+        """Whether this process made the pool (not a copy of it in a child forked with ``os.fork``)."""
+        return os.getpid() == self._owner
+
+    @property
     def closed(self) -> bool:
         """Whether ``close()`` began (one cut short, by a second Ctrl-C say, is finished by the next)."""
         return self._closing or self.queue is None
@@ -459,14 +464,16 @@ class WorkerPool:
         while not indices <= got.keys():
             if deadline.passed():  # name every late process, those already timed out too
                 late = sorted((indices - got.keys()) | {i for i, c in got.items() if isinstance(c.error, WorkerTimeoutError)})
-                raise WorkerTimeoutError([s for i in late for s in self.processes[i].env_ids], self.timeout, what, processes=late)
+                raise WorkerTimeoutError([s for i in late for s in self.processes[i].env_ids], self.timeout, what, processes=late,
+                                         hint=self.processes[late[0]].hang_hint())
             for c in self.wait(deadline.left()):
                 got.setdefault(c.worker.index, c)
         ordered = [got[i] for i in sorted(indices)]
         timeouts = [c for c in ordered if isinstance(c.error, WorkerTimeoutError)]
         if len(timeouts) > 1:
             slots = [s for c in timeouts for s in c.error.worker_ids]  # type: ignore[union-attr]
-            raise WorkerTimeoutError(slots, self.timeout, timeouts[0].error.what, processes=[c.worker.index for c in timeouts])  # type: ignore[union-attr]
+            raise WorkerTimeoutError(slots, self.timeout, timeouts[0].error.what, processes=[c.worker.index for c in timeouts],  # type: ignore[union-attr]
+                                     hint=timeouts[0].worker.hang_hint())
         for c in ordered:
             if c.error is not None:
                 raise c.error
@@ -634,7 +641,7 @@ class WorkerPool:
         Stragglers are killed with every process they started, and all are reaped. A call of
         another thread waiting on the workers meanwhile raises ``ManagerClosedError``.
         """
-        if os.getpid() != self._owner:  # a copy in a process forked from ours: its workers are not this one's
+        if not self.owned:  # a copy in a process forked from ours: its workers are not this one's
             self.processes, self._unreaped, self._closing = [], [], True
             return
         self._closing = True

@@ -37,6 +37,7 @@ import enum
 import gc
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -137,9 +138,9 @@ class WorkerProcess:
         self.process = ctx.Process(target=worker_main,
                                    args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
-        #: The threads this process ran when it forked the worker (0: not forked): a library's
-        #: thread pool (torch's, OpenMP's) is not in the child, and a call into it may hang there.
-        self.forked_threads = psutil.Process().num_threads() if ctx.get_start_method() == "fork" else 0
+        #: Forked from this process while it ran threads of a library known to hang in a forked
+        #: child (its pool is not there): the library's name, else "" (``hung``'s hint).
+        self.forked_from = forked_from() if ctx.get_start_method() == "fork" else ""
         start(self.process)
         child_conn.close()
         self.pid = self.process.pid
@@ -288,12 +289,16 @@ class WorkerProcess:
     def hung(self, timeout: float, what: str) -> WorkerTimeoutError:
         """The error of a process that missed its deadline, naming the env and call it is in."""
         slot, call = self.inside() or (None, None)
-        hint = "" if self.forked_threads < 2 else (
-            f"It was forked from a process running {self.forked_threads} threads: an env calling a library whose "
-            "thread pool had started there (torch, OpenMP, gRPC) can hang in a forked worker; "
-            "context='forkserver' or 'spawn' starts workers without them")
         return WorkerTimeoutError(list(self.env_ids), timeout, what, processes=[self.index], slot=slot, call=call,
-                                  hint=hint)
+                                  hint=self.hang_hint())
+
+    def hang_hint(self) -> str:
+        """A likely cause of a hang: forked while this process ran a fork-unsafe library's threads."""
+        if not self.forked_from:
+            return ""
+        return (f"It was forked from a process running threads, with {self.forked_from} loaded: an env calling a "
+                "library whose thread pool had started there can hang in a forked worker; context='forkserver' or "
+                "'spawn' starts workers without them")
 
     def wait_exitcode(self, timeout: float = 2.0) -> int | None:
         """The exit code of a process that is ending (a core dump can delay it a little)."""
@@ -398,6 +403,19 @@ def start(process: Any) -> None:
         process.start()
     finally:
         gc.unfreeze()
+
+
+#: Libraries whose threads, once started, can hang a forked child that uses them (torch's
+#: OpenMP pool, gRPC's); numpy's OpenBLAS pool, always there, is fork-safe.
+FORK_UNSAFE = ("torch", "grpc", "tensorflow", "jax")
+
+
+def forked_from() -> str:
+    """The fork-unsafe libraries (``FORK_UNSAFE``) this process has loaded, if it runs threads."""
+    loaded = [name for name in FORK_UNSAFE if name in sys.modules]
+    if not loaded or psutil.Process().num_threads() < 2:
+        return ""
+    return " and ".join(loaded)
 
 
 def kill_group(pid: int) -> None:

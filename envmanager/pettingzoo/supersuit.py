@@ -164,7 +164,7 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
                                     f"envs x {self.num_agents} agents), got shape {actions.shape}")
         try:
-            batch = vector.step(actions)
+            return self._step(vector, actions)
         except EnvManagerError:  # nothing of this step stays in flight: SuperSuit's vector env has no recv
             try:
                 for error in vector.drop_in_flight():
@@ -172,6 +172,11 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             except EnvManagerError:
                 logger.warning("could not drop the steps in flight after a failure", exc_info=True)
             raise
+
+    def _step(self, vector: ParallelVectorEnv, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray,
+                                                                              list[dict]]:
+        """``step``: every env stepped, those whose episode ended reset within it, as SuperSuit's."""
+        batch = vector.step(actions)
         observations = self._observations(batch)
         infos = self._row_infos(batch)
         rewards = batch.reward.astype(np.float32)

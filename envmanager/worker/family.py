@@ -14,6 +14,10 @@ import psutil
 
 __all__ = ["family", "kill_family"]
 
+#: Start times as read in two processes differ where the clock was stepped in between (psutil
+#: derives them from the boot time, cached per process on some platforms): within this, the same.
+START_TOLERANCE_S = 2.0
+
 
 def family(pid: int | None = None) -> dict[int, float]:
     """The processes below ``pid`` (this process by default), by pid, with their start times;
@@ -26,10 +30,15 @@ def family(pid: int | None = None) -> dict[int, float]:
     found = {}
     for child in below:
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                found[child.pid] = child.create_time()
+            born = child.create_time()
         except psutil.Error:  # gone meanwhile
+            continue
+        try:
+            if "resource_tracker" in " ".join(child.cmdline()):
+                continue
+        except psutil.Error:  # its command line not ours to read: one of the envs' all the same
             pass
+        found[child.pid] = born
     return found
 
 
@@ -38,7 +47,7 @@ def kill_family(processes: Mapping[int, float]) -> None:
     for pid, born in processes.items():
         try:
             process = psutil.Process(pid)
-            if process.create_time() == born:
+            if abs(process.create_time() - born) < START_TOLERANCE_S:
                 process.kill()  # SIGKILL on POSIX, TerminateProcess on Windows
         except psutil.Error:  # gone, or not ours
             pass
