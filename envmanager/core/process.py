@@ -384,8 +384,8 @@ class WorkerProcess:
         except OSError:
             pass
         if self.exitcode is not None:
+            self.reaped = True  # first: a Ctrl-C in close() must not leave a closed process looked at
             self.process.close()  # releases the sentinel fd now, not at garbage collection
-            self.reaped = True
             if self.state is ProcessState.CLOSING:
                 self.state = ProcessState.CLOSED
 
