@@ -618,7 +618,7 @@ class BatchEnvManager:
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
         pool = self._pool
-        if os.getpid() != getattr(self, "_made_in", os.getpid()):  # a copy in a child forked with os.fork
+        if os.getpid() != self._made_in:  # a copy in a child forked with os.fork
             if pool is not None:
                 pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
             self._pool = None
