@@ -329,6 +329,54 @@ class Joiner(ParallelEnv):
         return out
 
 
+class Respawner(ParallelEnv):
+    """``a`` terminates at the second step and comes back under the same name at the third (a
+    new life, as a unit respawns in some games), which PettingZoo does not allow; ``b`` acts
+    throughout. Each observes ``[its life, steps in this life]``; truncated after five steps."""
+
+    metadata = {"name": "respawner", "is_parallelizable": True}
+    possible_agents = ["a", "b"]
+    render_mode = None
+    OBSERVATION, ACTION = spaces.Box(0, 10, (2,), np.float32), spaces.Discrete(2)
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self.OBSERVATION
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self.ACTION
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.t, self.life, self.age = 0, {"a": 0, "b": 0}, {"a": 0, "b": 0}
+        self.agents = list(self.possible_agents)
+        return {a: self._obs(a) for a in self.agents}, {a: {} for a in self.agents}
+
+    def _obs(self, agent: str) -> np.ndarray:
+        return np.array([self.life[agent], self.age[agent]], np.float32)
+
+    def step(self, actions: dict) -> Any:
+        assert set(actions) == set(self.agents), (actions, self.agents)
+        self.t += 1
+        for a in self.agents:
+            self.age[a] += 1
+        out = ({a: self._obs(a) for a in self.agents}, dict.fromkeys(self.agents, 1.0),
+               {a: a == "a" and self.t == 2 for a in self.agents}, dict.fromkeys(self.agents, self.t >= 5),
+               {a: {} for a in self.agents})
+        self.agents = [a for a in self.agents if not (out[2][a] or out[3][a])]
+        if self.t == 3:  # back, a new life under the same name
+            self.life["a"], self.age["a"] = 1, 0
+            self.agents.insert(0, "a")
+            for k, v in zip(out, (self._obs("a"), 0.0, False, False, {}), strict=True):
+                k["a"] = v
+        return out
+
+
+def respawner_aec() -> Any:
+    """:class:`Respawner` as an AEC env (PettingZoo's conversion): its agents take turns."""
+    from pettingzoo.utils.conversions import parallel_to_aec
+
+    return parallel_to_aec(Respawner())
+
+
 class ScheduleParallelEnv(ParallelEnv):
     """A ``ParallelEnv`` for the randomized fault schedules (``tests/test_fault_schedules_pettingzoo.py``):
     two agents, each observing ``[slot, agent, episode, t, last action it received, nonce]``

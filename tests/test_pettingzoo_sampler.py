@@ -443,3 +443,18 @@ def test_a_reward_before_an_agent_s_first_action_is_in_its_first_row(where):
         assert paid == {"early": 6.0, "late": 14.0}, (slot, episode, got)
         late = [r for r in got if sampler.possible_agents[r["agent"]] == "late"]
         assert [r["reward"] for r in late] == [12.0, 2.0]  # the bonus with its first action's own reward
+
+
+@pytest.mark.parametrize("where", ["parent", "workers"])
+@pytest.mark.parametrize("make,turn_based", [(envs.Respawner, None), (envs.respawner_aec, True)])
+def test_an_agent_back_after_its_end_is_refused_not_joined_to_its_ended_episode(make, turn_based, where):
+    """PettingZoo forbids an agent back in an episode after it ended ("Generate a new agent with
+    a new name", its API tests): its new life's rows would carry the ended episode's agent id (the
+    id is per env episode and agent slot), one agent episode with a terminal row inside. The env
+    is refused, naming the agent, before any such row is handed out."""
+    def zeros(observations: Any, acting: ActingAgents) -> np.ndarray:
+        return np.zeros(len(acting.agents), np.int64)
+
+    with (MultiAgentSampler([make] * 2, zeros, seed=0, turn_based=turn_based, **WHERE[where]) as sampler,
+          pytest.raises(WorkerError, match=r"agents \['a'\] alive after they were terminated")):
+        sampler.obtain_exact_episodes(1)

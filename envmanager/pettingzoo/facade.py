@@ -75,6 +75,8 @@ class AgentFacade(gymnasium.Env):
         self._where = {a: (k, row) for k, g in enumerate(self.layout.groups) for row, a in enumerate(g.agents)}
         self._returns = np.zeros(self.layout.num_agents, np.float64)
         self._lengths = np.zeros(self.layout.num_agents, np.int64)
+        # Per agent slot: a result of this episode ended it (terminated or truncated).
+        self._ended = np.zeros(self.layout.num_agents, np.bool_)
         self._active: list[str] = []
         # The one result this facade hands out, rewritten in place each step (the core copies it
         # into shared memory, or pickles it, before the env is stepped again).
@@ -99,6 +101,7 @@ class AgentFacade(gymnasium.Env):
         observations, infos = self.env.reset(seed=seed, options=options)
         self._returns[:] = 0.0
         self._lengths[:] = 0
+        self._ended[:] = False
         out = self._fill(observations, infos or {}, None, None, None)
         return out, self._infos(infos)
 
@@ -120,10 +123,13 @@ class AgentFacade(gymnasium.Env):
         observations, rewards, terminations, truncations, infos = self.env.step(actions)
         self._lengths[acted] += 1
         out = self._fill(observations, infos or {}, rewards, terminations, truncations)
+        ends = any(terminations.values()) or any(truncations.values())
+        if ends or self._ended.any():
+            self._track_ends(out)
         # Over when no agent is left, or (an env that keeps done agents listed) every agent of the
         # result is done and no other agent is listed.
         done = not self._active
-        if not done and (any(terminations.values()) or any(truncations.values())):
+        if not done and ends:
             present = out["present"] == 1
             ended = (out["terminated"] | out["truncated"]) == 1
             done = bool(present.any() and ended[present].all()
@@ -140,6 +146,19 @@ class AgentFacade(gymnasium.Env):
 
     def close(self) -> None:
         self.env.close()
+
+    def _track_ends(self, out: dict[str, Any]) -> None:
+        """Note the agents this result ends; refuse one that ended earlier in the episode and is
+        back, live: PettingZoo forbids it (its API tests: "agents cannot resurect! Generate a new
+        agent with a new name"), and its new life would join the old one (its agent episode id,
+        return and length are per episode)."""
+        ended = (out["terminated"] | out["truncated"]) == 1
+        back = self._ended & (out["present"] == 1) & ~ended
+        if back.any():
+            names = [self.layout.possible_agents[i] for i in np.flatnonzero(back)]
+            raise ValueError(f"the env returned agents {names} alive after they were terminated or truncated in "
+                             f"this episode; PettingZoo does not allow an agent back: give its new life a new name")
+        self._ended |= ended
 
     # -- arrays ---------------------------------------------------------------------------------
     def _indices(self, agents: tuple[str, ...]) -> Any:
