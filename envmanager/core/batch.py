@@ -58,7 +58,8 @@ from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotSt
 from envmanager.core.supervisor import Decision, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, failed_slots
 from envmanager.wire import factory as packed_factory
-from envmanager.wire import shm
+from envmanager.wire import interrupts, shm
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import Call, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
@@ -155,6 +156,7 @@ class BatchEnvManager:
             # Where every process has a core the workers and the parent spin, as long as their waits
             # typically take (a worker waking a blocked parent pays ~10 us in its write; a blocked
             # reader wakes tens of us after it: the bound there, performance guide).
+            interrupts.install()  # a Ctrl-C in the middle of a send or a receive waits for its end
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
                                     mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
                                     generations=None if generations is None else [int(g) for g in generations])
@@ -389,23 +391,14 @@ class BatchEnvManager:
             # A process on its way back from a restart: its boot answers these slots (``join_boot``).
             joined = [e for e in entries if pool.processes[e[0]].boot is not None]
             entries = [e for e in entries if pool.processes[e[0]].boot is None]
-        if board:  # one numpy operation per array, whatever the number of processes
+        requests = []
+        if board or (shared is not None and not pickled):  # one numpy operation per array, whatever the number of processes
             if type(shared) is np.ndarray:
                 shared[slots] = batch
             else:
                 shm.write(shared, slots, batch)
-            self._state.sent(slots)
-            if joined is None:
-                pool.post_steps(slots, plan.processes, time.monotonic())
-                return batch
-            self._join_boots(joined)
-            if entries:
-                posted = np.array([s for e in entries for s in e[2]], dtype=np.int64)
-                pool.post_steps(posted, np.array([e[0] for e in entries], dtype=np.int64), time.monotonic())
-            return batch
-        if shared is not None and not pickled:
-            requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in entries]
-            shm.write(shared, slots, batch)
+            if not board:
+                requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in entries]
         else:
             try:  # encode everything before the first send: nothing half-sent
                 requests = [
@@ -415,13 +408,20 @@ class BatchEnvManager:
                 ]
             except Exception as exc:
                 raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
-        self._state.sent(slots)
-        if joined is not None:
-            self._join_boots(joined)
-        now = time.monotonic()
-        workers = pool.processes
-        for entry, request in zip(entries, requests, strict=True):
-            workers[entry[0]].send(request, now)
+        with DEFERRED:  # from the first slot marked in flight to the last request sent a Ctrl-C waits
+            self._state.sent(slots)
+            if joined is not None:
+                self._join_boots(joined)
+            now = time.monotonic()
+            if not board:
+                workers = pool.processes
+                for entry, request in zip(entries, requests, strict=True):
+                    workers[entry[0]].send(request, now)
+            elif joined is None:
+                pool.post_steps(slots, plan.processes, now)
+            elif entries:
+                posted = np.array([s for e in entries for s in e[2]], dtype=np.int64)
+                pool.post_steps(posted, np.array([e[0] for e in entries], dtype=np.int64), now)
         return batch
 
     def _join_boots(self, entries: Any) -> None:
@@ -440,13 +440,15 @@ class BatchEnvManager:
         it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
         too (see ``wait_for``)."""
         state = self._state
-        self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
-        if len(state.arrived) < min_count and not state.step_errors:
-            self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout, "a step result",
-                          self._busy_slots, enough=lambda: bool(state.arrived), can_finish=self._any_busy)
-        if state.step_errors:
-            raise state.first_error()
-        return state.hand_out(info_columns)
+        with DEFERRED:  # a Ctrl-C between taking answers and handing them out waits (``interrupts``)
+            self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
+            if len(state.arrived) < min_count and not state.step_errors:
+                self.wait_for(lambda: len(state.arrived) >= min_count or bool(state.step_errors), timeout,
+                              "a step result", self._busy_slots, enough=lambda: bool(state.arrived),
+                              can_finish=self._any_busy)
+            if state.step_errors:
+                raise state.first_error()
+            return state.hand_out(info_columns)
 
     def receive_unreceived(self) -> StepBatch | None:
         """What arrived with nobody to receive it — a worker restarted while idle: its fresh
@@ -478,12 +480,13 @@ class BatchEnvManager:
             outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
         except Exception as exc:
             raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
-        self._state.sent(slots, reset=True)
-        for index, message, request in outgoing:
-            if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
-                pool.join_boot(index, Cmd.RESET, request.slots, message)
-            else:
-                pool.processes[index].send(request)
+        with DEFERRED:  # a Ctrl-C waits for every reset to be sent
+            self._state.sent(slots, reset=True)
+            for index, message, request in outgoing:
+                if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
+                    pool.join_boot(index, Cmd.RESET, request.slots, message)
+                else:
+                    pool.processes[index].send(request)
 
     def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand
@@ -496,11 +499,12 @@ class BatchEnvManager:
             unsent = wanted - state.owed_resets - {s for e in state.reset_errors for s in failed_slots(e)}
             if unsent:
                 raise InvalidInputError(f"no reset was sent to worker(s) {sorted(unsent)}")
-        self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
-                      timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
-        if state.reset_errors:
-            raise state.first_error(reset=True)
-        return state.hand_out(resets=wanted)
+        with DEFERRED:  # a Ctrl-C between taking answers and handing them out waits (``interrupts``)
+            self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
+                          timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
+            if state.reset_errors:
+                raise state.first_error(reset=True)
+            return state.hand_out(resets=wanted)
 
     # ------------------------------------------------------------------------------------------
     # Env calls (``EnvCalls`` sends them and keeps their answers)

@@ -13,6 +13,7 @@ import numpy as np
 from envmanager.core.completion import Completion
 from envmanager.core.pool import WorkerPool
 from envmanager.errors import InvalidInputError
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 
@@ -100,9 +101,10 @@ class EnvCalls:
         for index, _ in outgoing:  # a restart that failed meanwhile gave the process up
             if pool.processes[index].failure is not None:
                 raise pool.processes[index].failure  # type: ignore[misc]
-        for index, request in outgoing:
-            self._answers.pop(index, None)
-            pool.processes[index].send(request)  # the process may have been replaced meanwhile
+        with DEFERRED:  # a Ctrl-C waits for every request to be sent
+            for index, request in outgoing:
+                self._answers.pop(index, None)
+                pool.processes[index].send(request)  # the process may have been replaced meanwhile
         return CallRequest(cmd, slots, by_process)
 
     def ready(self, request: CallRequest) -> bool:
@@ -113,14 +115,15 @@ class EnvCalls:
         """The answers to ``send``, in the order of its worker ids. Answers that arrive before
         a timeout are kept: calling again picks up where this call stopped."""
         m = self.manager
-        wanted = set(request.by_process)
-        m.wait_for(lambda: wanted <= self._answers.keys(), timeout, f"{request.cmd.name.lower()} results",
-                   lambda: [s for i in sorted(wanted - self._answers.keys()) for s in request.by_process[i]])
-        completions = [self._answers.pop(i) for i in sorted(wanted)]
-        for c in completions:
-            if c.error is not None:
-                raise c.error
-        answers = {s: value for c in completions
-                   for s, value in zip(request.by_process[c.worker.index], c.answer.values, strict=True)}
-        return [answers.get(s) for s in request.slots]
+        with DEFERRED:  # a Ctrl-C between taking the answers and returning them waits
+            wanted = set(request.by_process)
+            m.wait_for(lambda: wanted <= self._answers.keys(), timeout, f"{request.cmd.name.lower()} results",
+                       lambda: [s for i in sorted(wanted - self._answers.keys()) for s in request.by_process[i]])
+            completions = [self._answers.pop(i) for i in sorted(wanted)]
+            for c in completions:
+                if c.error is not None:
+                    raise c.error
+            answers = {s: value for c in completions
+                       for s, value in zip(request.by_process[c.worker.index], c.answer.values, strict=True)}
+            return [answers.get(s) for s in request.slots]
 

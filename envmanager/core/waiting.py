@@ -9,6 +9,7 @@ from envmanager.core.completion import Completion
 from envmanager.core.deadline import Deadline, caller_timeout
 from envmanager.core.pool import WorkerPool
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerTimeoutError
+from envmanager.wire.interrupts import DEFERRED
 
 __all__ = ["wait_for"]
 
@@ -40,13 +41,15 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
                     return
                 raise nothing_can_finish(pool, process_of, waiting, what)
         if deadline is not None and deadline.passed():
-            take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
+            with DEFERRED:  # (a Ctrl-C between taking answers and filing them would lose them)
+                take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
             if done():
                 return
             still = late()
             raise WorkerTimeoutError(still, float(timeout), what, hung=False,  # type: ignore[arg-type]
                                      processes=sorted({process_of[s] for s in still}))
-        take(pool.wait(pool.timeout if deadline is None else deadline.left()))
+        with DEFERRED:  # (its blocking wait stays interruptible: ``interrupts.blocking``)
+            take(pool.wait(pool.timeout if deadline is None else deadline.left()))
 
 
 def nothing_can_finish(pool: WorkerPool, process_of: list[int], slots: list[int], what: str) -> EnvManagerError:

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envmanager.wire.interrupts import blocking
 from envmanager.wire.mailbox import MARGIN_NS, Mailboxes
 from envmanager.wire.messages import EnvironmentResponse, decode_notice, on_pipe_notice
 from envmanager.wire.spin import SpinPolicy
@@ -96,7 +97,7 @@ class StepQueue:
         if events or timeout <= 0:
             return self._ended(events)
         if self.spin is None:
-            return self._ended(self._poller.poll(_ms(timeout)))
+            return self._ended(blocking(self._poller.poll, _ms(timeout)))
         return self._spin_then_block(timeout)
 
     def _spin_then_block(self, timeout: float) -> list[int]:
@@ -136,7 +137,7 @@ class StepQueue:
             if box is not None:
                 box.parent_sleeping()
             if box is None or not box.waiting():  # the last look after saying SLEEPING: then block
-                events = poll(_ms(left))
+                events = blocking(poll, _ms(left))
             found = bool(events) or (box is not None and box.waiting())
         if box is not None:
             box.parent_busy()

@@ -25,6 +25,7 @@ from multiprocessing.connection import wait as wait_for_ready
 from typing import Any, cast
 
 from envmanager.wire.info_columns import to_columns
+from envmanager.wire.interrupts import blocking
 from envmanager.wire.mailbox import MARGIN_NS, WAKE, WorkerMailbox
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import (
@@ -69,7 +70,7 @@ class PortableAnswers:
 
     def wait(self, timeout: float) -> list[int]:
         """Block up to ``timeout`` s until an answer or a process end; the ended sentinels."""
-        ready = wait_for_ready([*self._open(), *self._sentinels], max(0.0, timeout))
+        ready = blocking(wait_for_ready, [*self._open(), *self._sentinels], max(0.0, timeout))
         # Sentinels are ints (fds, or handles on Windows, where pipes are not ``Connection``s).
         self._ready = [cast(Connection, r) for r in ready if not isinstance(r, int)]  # not ints: our pipes
         return [r for r in ready if isinstance(r, int)]
