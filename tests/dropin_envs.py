@@ -39,11 +39,11 @@ class CountEnv(gym.Env):
     """obs = [env_id, t, episode, total_steps]; fault once (marker file) at total step fault_at.
 
     fault: None | 'raise' | 'raise_reset' | 'kill' | 'hang'; marker: path created when the fault fires
-    (so a rebuilt/restarted env does not fault again)."""
+    (so a rebuilt/restarted env does not fault again); close_s: seconds its close() takes."""
 
     def __init__(self, env_id=0, step_time=0.0, fault=None, fault_at=1, marker=None, episode_length=10**6,
-                 hang_s=30.0):
-        self.env_id, self.step_time = env_id, step_time
+                 hang_s=30.0, close_s=0.0):
+        self.env_id, self.step_time, self.close_s = env_id, step_time, close_s
         self.fault, self.fault_at, self.marker = fault, fault_at, marker
         self.episode_length, self.hang_s = episode_length, hang_s
         self.observation_space = spaces.Box(-1e9, 1e9, (4,), np.float64)
@@ -91,6 +91,9 @@ class CountEnv(gym.Env):
         done = self.t >= self.episode_length
         return self._obs(), float(action), done, False, {"t": self.t}
 
+    def close(self):
+        time.sleep(self.close_s)  # a simulator taking its time to shut down
+
 
 class Make:
     """Picklable env_fn: Make(cls_name, **kwargs)()."""
@@ -110,12 +113,13 @@ except ImportError:  # pragma: no cover
 
 class PZEnv(ParallelEnv):
     """Two agents a, b; obs per agent [env_id, t, episode, total]; episode of `episode_length`
-    steps; fault once (marker) in step at total step fault_at: raise / kill / hang."""
+    steps; fault once (marker) in step at total step fault_at: raise / kill / hang; close_s:
+    seconds its close() takes."""
     metadata = {"name": "pz_h", "render_modes": []}
 
     def __init__(self, env_id=0, step_time=0.0, fault=None, fault_at=1, marker=None, episode_length=10**6, hang_s=30.0,
-                 length_by_seed=False):
-        self.length_by_seed = length_by_seed
+                 length_by_seed=False, close_s=0.0):
+        self.length_by_seed, self.close_s = length_by_seed, close_s
         self.possible_agents = ["a", "b"]
         self.agents = []
         self.env_id, self.step_time, self.episode_length = env_id, step_time, episode_length
@@ -165,4 +169,4 @@ class PZEnv(ParallelEnv):
         return None
 
     def close(self):
-        pass
+        time.sleep(self.close_s)

@@ -693,6 +693,50 @@ def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(monkeypatch):
     m.close()  # and again: nothing left to do
 
 
+def test_a_close_from_another_thread_meanwhile_waits_for_the_first(monkeypatch):
+    """Two threads closing at once: the second waits for the first, then finds nothing left.
+    It ended the workers and closed the pipes under the first, which raised a bare
+    ``ValueError: process object is closed`` or ``OSError: Bad file descriptor`` (the step
+    queue's pipe read after the other had closed it)."""
+    import envmanager.core.pool as pool_module
+
+    m = SubprocessEnvManager(lambda i: _SlowClose(i), 2, timeout=30)
+    m.reset()
+    pids = [w.pid for w in m.processes]
+    waited = pool_module.wait_for_ready
+    first_waits, go_on = threading.Event(), threading.Event()
+    errors = []
+
+    def paused(*args):  # the first close, held while its envs close
+        if threading.current_thread() is first:
+            first_waits.set()
+            go_on.wait(10)
+        return waited(*args)
+
+    def close(timeout):
+        try:
+            m.close(timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    monkeypatch.setattr(pool_module, "wait_for_ready", paused)
+    first = threading.Thread(target=close, args=(1.0,))
+    second = threading.Thread(target=close, args=(10.0,))
+    first.start()
+    try:
+        assert first_waits.wait(10)
+        second.start()
+        second.join(1.0)
+        assert second.is_alive(), "the second close() returned while the first was still closing"
+    finally:
+        go_on.set()
+        first.join(30)
+        second.join(30)
+        m.close()
+    assert not errors, errors
+    assert not alive(pids, timeout=5.0)
+
+
 _FORKS_AFTER_START = """
 import os, sys
 import numpy as np

@@ -20,6 +20,7 @@ from gymnasium.vector import AutoresetMode
 from dropin_envs import Make, PZEnv
 from envmanager import AsyncVectorEnv
 from envmanager.errors import InvalidInputError, WorkerDiedError, WorkerTimeoutError
+from process_helpers import alive
 
 
 def _interrupt(signum, frame):
@@ -328,3 +329,66 @@ def test_restart_during_in_step_reset_is_reported(tmp_path):
             assert infos[row]["terminal_observation"][1] == 2.0
     finally:
         venv.close()
+
+
+# -- close cut short by a second Ctrl-C
+
+def _slow_to_close(dropin):
+    """``dropin`` on 2 envs whose close() takes 30 s, reset, and its core manager."""
+    if dropin == "AsyncVectorEnv":
+        envs = AsyncVectorEnv([Make("CountEnv", env_id=i, close_s=30) for i in range(2)], envs_per_worker=1)
+        envs.reset(seed=0)
+        return envs, envs._manager
+    if dropin == "SubprocVecEnv":
+        envs = _sb3()([Make("CountEnv", env_id=i, close_s=30) for i in range(2)], envs_per_worker=1)
+        envs.reset()
+        return envs, envs._manager
+    pz = _pettingzoo()
+    if dropin == "ParallelVectorEnv":
+        envs = pz.ParallelVectorEnv([Make("PZEnv", env_id=i, close_s=30) for i in range(2)])
+        envs.reset(seed=0)
+        return envs, envs.manager
+    envs = pz.concat_vec_envs_v1(pz.pettingzoo_env_to_vec_env_v1(PZEnv(close_s=30)), 2, num_cpus=2)
+    envs.reset(seed=0)
+    return envs, envs.vector.manager
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dropin", ["AsyncVectorEnv", "SubprocVecEnv", "ParallelVectorEnv", "PettingZooVecEnv"])
+def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(dropin, monkeypatch):
+    """As the core's (``test_core_faults.py``): Ctrl-C while the envs close, and again while
+    close() ends the workers by force; the drop-in's next close() ends every worker. The
+    PettingZoo drop-ins dropped their manager as their close() began: the next one did nothing
+    and the workers ran on (until the manager was collected, or exit)."""
+    import envmanager.core.pool as pool_module
+    from envmanager.core.process import WorkerProcess
+
+    envs, manager = _slow_to_close(dropin)  # (the manager held here: its __del__ is not what should end them)
+    pids = [w.pid for w in manager.processes]
+    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
+    presses = []
+
+    def first_ctrl_c(*args):
+        if not presses:
+            presses.append("wait")
+            raise KeyboardInterrupt
+        return waited(*args)
+
+    def second_ctrl_c(self, timeout):
+        if len(presses) == 1:
+            presses.append("stop")
+            raise KeyboardInterrupt
+        return stop(self, timeout)
+
+    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
+    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            envs.close()
+        assert presses == ["wait", "stop"] and manager.closed
+        envs.close()
+        assert not alive(pids, timeout=5.0), "a close cut short left workers running"
+        assert envs.closed
+        envs.close()  # and again: nothing left to do
+    finally:
+        manager.close(timeout=0.0)

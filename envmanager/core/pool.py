@@ -129,6 +129,7 @@ class WorkerPool:
         self._closing = False
         self._unreaped: list[WorkerProcess] = []  # a close's workers, until every one is reaped
         self._waiter: int | None = None  # the thread inside ``wait``, if one is
+        self._close_lock = threading.RLock()  # one close() at a time (``close``)
         #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
         #: bench divides the parent's CPU time by it.
         self.answers = 0
@@ -639,11 +640,17 @@ class WorkerPool:
         Idle workers are asked to close their envs and get ``timeout`` seconds for it; a worker
         still busy with a step is interrupted at once (SIGTERM, it still closes its envs).
         Stragglers are killed with every process they started, and all are reaped. A call of
-        another thread waiting on the workers meanwhile raises ``ManagerClosedError``.
+        another thread waiting on the workers meanwhile raises ``ManagerClosedError``; another
+        thread's ``close()`` waits for this one to end (two at once raced for the processes and
+        used pipes the other had closed).
         """
         if not self.owned:  # a copy in a process forked from ours: its workers are not this one's
             self.processes, self._unreaped, self._closing = [], [], True
             return
+        with self._close_lock:  # (re-entrant: a signal handler's close() in this thread goes on as before)
+            self._close(timeout)
+
+    def _close(self, timeout: float) -> None:
         self._closing = True
         self._leave_waiters()
         # Workers not yet reaped stay listed in ``_unreaped`` until they are: a close cut short (a

@@ -357,10 +357,11 @@ class MLAgentsEnvManager:
 
     def close(self) -> None:
         """Close every worker and its player; kill players a killed worker left behind."""
-        manager, self._manager = self._manager, None
+        manager = self._manager
         try:
             if manager is not None:
                 manager.close()
+                self._manager = None  # only once closed: a close cut short (Ctrl-C) is finished by the next close()
         finally:
             self._players.kill_all()
 

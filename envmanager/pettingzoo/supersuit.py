@@ -240,9 +240,10 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
     def close(self, **kwargs: Any) -> None:
         """End every worker and free shared memory; every later call raises (as SuperSuit's). Idempotent."""
         self._closed = True
-        vector, self._vector = self._vector, None
+        vector = self._vector
         if vector is not None:
             vector.close()
+            self._vector = None  # only once closed: a close cut short (Ctrl-C) is finished by the next close()
 
     @property
     def closed(self) -> bool:  # type: ignore[override]

@@ -294,9 +294,10 @@ class ParallelVectorEnv:
 
     def close(self) -> None:
         """End every worker and free shared memory. Idempotent."""
-        manager, self._manager = self._manager, None
+        manager = self._manager
         if manager is not None:
             manager.close()
+            self._manager = None  # only once closed: a close cut short (Ctrl-C) is finished by the next close()
 
     def __enter__(self) -> ParallelVectorEnv:
         return self

@@ -60,12 +60,31 @@ def per_worker(base: UnityEnvironmentFactory, extra_args: dict) -> object:
     return make
 
 
-def start(fake_player, config, n_env, *, extra_args=None, timeout_wait=10, **kwargs):
-    """An MLAgentsEnvManager on fake players at a free base port (retried if the port is taken)."""
+def slow_to_close(base: UnityEnvironmentFactory) -> object:
+    """A user factory whose envs take 30 s to close (a player slow to quit; a closure, as ``per_worker``)."""
+
+    def make(worker_id, side_channels):
+        env = base(worker_id, side_channels)
+        close = env._close
+
+        def slow(*args, **kwargs):
+            time.sleep(30)
+            return close(*args, **kwargs)
+
+        env._close = slow
+        return env
+
+    return make
+
+
+def start(fake_player, config, n_env, *, extra_args=None, timeout_wait=10, wrap=None, **kwargs):
+    """An MLAgentsEnvManager on fake players at a free base port (retried if the port is taken);
+    ``wrap(factory)``: the factory it is given."""
     path = fake_player(config)
     for attempt in range(3):
         base = UnityEnvironmentFactory(path, base_port=free_base_port(n_env), timeout_wait=timeout_wait)
         factory = per_worker(base, extra_args) if extra_args else base
+        factory = wrap(factory) if wrap is not None else factory
         try:
             return MLAgentsEnvManager(factory, n_env, **{"timeout": 30, **kwargs})
         except UnityPortInUseError:
@@ -448,6 +467,47 @@ def test_port_in_use_is_a_clear_error(fake_player):
     assert (err.port, err.base_port, err.worker_id) == (base + 1, base, 1)
     assert f"port {base + 1} (base_port {base} + worker_id 1) is in use" in str(err)
     assert "pass a different base_port or worker_id offset" in str(err)
+
+
+@pytest.mark.timeout(120)
+def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(fake_player, monkeypatch, process_gone):
+    """As the core's (``test_core_faults.py``): Ctrl-C while the players close, and again while
+    close() ends the workers by force; the next close() ends every worker. It dropped the core
+    manager as its close() began: the next one did nothing and the workers ran on."""
+    import envmanager.core.pool as pool_module
+    from envmanager.core.process import WorkerProcess
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2, wrap=slow_to_close)
+    core = manager.manager  # (held here: its __del__ is not what should end them)
+    pids = [w.pid for w in core.processes]
+    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
+    presses = []
+
+    def first_ctrl_c(*args):
+        if not presses:
+            presses.append("wait")
+            raise KeyboardInterrupt
+        return waited(*args)
+
+    def second_ctrl_c(self, timeout):
+        if len(presses) == 1:
+            presses.append("stop")
+            raise KeyboardInterrupt
+        return stop(self, timeout)
+
+    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
+    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager.close()
+        assert presses == ["wait", "stop"] and core.closed
+        with pytest.raises(ManagerClosedError):
+            manager.get_steps()
+        manager.close()
+        assert all(process_gone(pid, timeout=5.0) for pid in pids), "a close cut short left workers running"
+        assert manager.closed
+    finally:
+        core.close(timeout=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
