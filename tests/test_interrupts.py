@@ -36,6 +36,7 @@ PROGRAM = textwrap.dedent(
     n = {n_env}
     m = SubprocessEnvManager(EnvFactory(), n, envs_per_worker={per_worker}, timeout=30)
     m.reset()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a notebook puts it back for each cell
     counted = [0] * n  # each slot's steps received, read off its observation (the env counts them)
     problems, interrupts = [], 0
 

@@ -58,7 +58,7 @@ from envmanager.core.slots import IDLE, IDLE_BYTES, IN_FLIGHT, SlotState, SlotSt
 from envmanager.core.supervisor import Decision, GiveUp, Supervisor
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, failed_slots
 from envmanager.wire import factory as packed_factory
-from envmanager.wire import interrupts, shm
+from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import Call, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
@@ -156,7 +156,6 @@ class BatchEnvManager:
             # Where every process has a core the workers and the parent spin, as long as their waits
             # typically take (a worker waking a blocked parent pays ~10 us in its write; a blocked
             # reader wakes tens of us after it: the bound there, performance guide).
-            interrupts.install()  # a Ctrl-C in the middle of a send or a receive waits for its end
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
                                     mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
                                     generations=None if generations is None else [int(g) for g in generations])

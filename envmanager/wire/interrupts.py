@@ -9,24 +9,29 @@ half-done: on entering the next section, or in its blocking wait (``blocking``, 
 nothing yet and stays interruptible). A Ctrl-C pressed again a second later inside the same section
 is raised at once: the way out of one that does not end.
 
-Only where SIGINT has Python's default handler when a manager is made (``install``): a program
-with a handler of its own keeps it. Outside sections the handler raises as Python's does.
+Only where SIGINT has Python's default handler: a section takes it over then (a notebook puts the
+default back for each cell), and a program with a handler of its own keeps it. Outside sections
+the handler raises as Python's does.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["install", "DEFERRED", "blocking"]
+__all__ = ["DEFERRED", "blocking"]
 
 _T = TypeVar("_T")
 
+# signal.getsignal's C half: the Python one converts to an enum, 2 us (100x) on every section.
+_getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
+_DEFAULT = signal.default_int_handler
 _main = threading.main_thread().ident  # the only thread Python raises KeyboardInterrupt in
 _depth = 0  # sections the main thread is in
 _pending = False  # a Ctrl-C came inside one
@@ -48,12 +53,11 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def install() -> None:
-    """Take SIGINT over from Python's default handler (nothing changes outside sections)."""
+def _take_over() -> None:
+    """Put ``_on_sigint`` in Python's default handler's place (which it acts as, outside sections)."""
     try:
-        if threading.get_ident() == _main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
-    except (ValueError, OSError, AttributeError):  # no signals here (an embedded interpreter, say)
+        signal.signal(signal.SIGINT, _on_sigint)
+    except (ValueError, OSError):  # no signals here (an embedded interpreter, say)
         pass
 
 
@@ -66,9 +70,12 @@ class _Deferred:
     def __enter__(self) -> None:
         global _depth, _pending
         if threading.get_ident() == _main:
-            if _pending and not _depth:
-                _pending = False
-                raise KeyboardInterrupt
+            if not _depth:
+                if _pending:
+                    _pending = False
+                    raise KeyboardInterrupt
+                if _getsignal(signal.SIGINT) is _DEFAULT:  # (again after a notebook cell put it back)
+                    _take_over()
             _depth += 1
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
