@@ -41,6 +41,7 @@ from envmanager.core.layout import SB3
 from envmanager.core.results import StepBatch
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerError
 from envmanager.extras import requires_extra
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.shm import tree_map
 
 with requires_extra("sb3", __name__):
@@ -147,22 +148,23 @@ class SubprocVecEnv(VecEnv):
 
     def reset(self) -> VecEnvObs:
         manager = self.manager
-        manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
-        self.waiting, self._got = False, None
-        self._cut = {}
-        self._reset_failed = True  # until every env answered its reset
-        manager.send_reset(
-            # As SB3's worker: options are passed only when there are some.
-            {i: (self._seeds[i], self._options[i] or None) for i in range(self.num_envs)}
-        )
-        batch = manager.receive_reset_batch()
-        self._reset_failed = False
-        self.reset_infos = [batch.infos.get(i, {}) for i in range(self.num_envs)]
-        # Seeds and options are only used once
-        self._reset_seeds()
-        self._reset_options()
-        self._last_obs = self._observations(manager)
-        return self._last_obs
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
+            self.waiting, self._got = False, None
+            self._cut = {}
+            self._reset_failed = True  # until every env answered its reset
+            manager.send_reset(
+                # As SB3's worker: options are passed only when there are some.
+                {i: (self._seeds[i], self._options[i] or None) for i in range(self.num_envs)}
+            )
+            batch = manager.receive_reset_batch()
+            self._reset_failed = False
+            self.reset_infos = [batch.infos.get(i, {}) for i in range(self.num_envs)]
+            # Seeds and options are only used once
+            self._reset_seeds()
+            self._reset_options()
+            self._last_obs = self._observations(manager)
+            return self._last_obs
 
     # step_async and step_wait run once per step: per-env Python only for envs that ended or
     # returned an info, numpy on whole arrays otherwise (a call counts: performance guide).
@@ -176,22 +178,23 @@ class SubprocVecEnv(VecEnv):
                                     "(or reset() to drop it)")
         if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
             raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
-        self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
-        batch, per_slot, as_given = self._as_handed(manager, actions)
-        try:
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
+            batch, per_slot, as_given = self._as_handed(manager, actions)
+            try:
+                manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
+            except EnvManagerError:
+                if not manager.in_flight():
+                    raise
+            else:
+                self.waiting = True
+                return
+            # Refused, as send_batch refuses a process with a request in flight before it sends
+            # anything: only then is in_flight() (a walk over every process) worth asking.
+            manager.wait_idle()  # a worker restarted while idle is still booting
+            self._take_cut(manager.receive_unreceived())
             manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
-        except EnvManagerError:
-            if not manager.in_flight():
-                raise
-        else:
             self.waiting = True
-            return
-        # Refused, as send_batch refuses a process with a request in flight before it sends
-        # anything: only then is in_flight() (a walk over every process) worth asking.
-        manager.wait_idle()  # a worker restarted while idle is still booting
-        self._take_cut(manager.receive_unreceived())
-        manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
-        self.waiting = True
 
     def _as_handed(self, manager: BatchEnvManager, actions: Any) -> tuple[Any, bool, bool]:
         """``send_batch``'s ``(actions, per_slot, as_given)`` for a batch of actions: checked
@@ -220,46 +223,47 @@ class SubprocVecEnv(VecEnv):
         if not self.waiting:
             raise InvalidInputError("step_wait() without a step_async() before it")
         manager = self._running()
-        n = self.num_envs
-        try:
-            if self._got is None:
-                batch = manager.receive_batch(n)  # every env, as a rule in one batch
-                infos, interrupted = batch.infos, batch.interrupted
-                if len(batch.slots) != n:
-                    self._got = (np.ones(n, dtype=np.bool_), {}, set())
-                    self._keep(batch)
-            if self._got is not None:  # (a fault's path, or a step_wait interrupted before)
-                infos, interrupted = self._receive_rest(manager)
-        except EnvManagerError:
-            # After a failure the envs must be reset (reset() drops the other results). A Ctrl-C
-            # (KeyboardInterrupt) leaves the step pending: step_wait() goes on with it.
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            n = self.num_envs
+            try:
+                if self._got is None:
+                    batch = manager.receive_batch(n)  # every env, as a rule in one batch
+                    infos, interrupted = batch.infos, batch.interrupted
+                    if len(batch.slots) != n:
+                        self._got = (np.ones(n, dtype=np.bool_), {}, set())
+                        self._keep(batch)
+                if self._got is not None:  # (a fault's path, or a step_wait interrupted before)
+                    infos, interrupted = self._receive_rest(manager)
+            except EnvManagerError:
+                # After a failure the envs must be reset (reset() drops the other results). A Ctrl-C
+                # (KeyboardInterrupt) leaves the step pending: step_wait() goes on with it.
+                self.waiting, self._got = False, None
+                raise
             self.waiting, self._got = False, None
-            raise
-        self.waiting, self._got = False, None
-        r = manager.results
-        obs = self._observations(manager)
-        rewards = r.reward.astype(np.float32)
-        dones = r.terminated | r.truncated
-        time_limit = r.truncated & ~r.terminated
-        if time_limit.ndim > 1:  # flags of shape (1,) (returns.ScalarLayout): one truth per env, as SB3's
-            time_limit = time_limit.reshape(n, -1).any(axis=1)
-        time_limit = time_limit.tolist()
-        step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
-        for i, info in infos.items():
-            # An env that ended was reset in its step: its info holds final_obs and final_info (the
-            # worker judged ``terminated or truncated`` as SB3's does: a list [False] is true there).
-            if "final_info" in info and "final_obs" in info:
-                info = dict(info)
-                terminal = info.pop("final_obs")
-                step_info = info.pop("final_info")
-                self.reset_infos[i] = info  # what is left is the reset's info
-                step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
-            else:
-                step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
-        if interrupted or self._cut:
-            self._report_cut(infos, interrupted, rewards, dones, step_infos)
-        self._last_obs = obs
-        return obs, rewards, dones, step_infos
+            r = manager.results
+            obs = self._observations(manager)
+            rewards = r.reward.astype(np.float32)
+            dones = r.terminated | r.truncated
+            time_limit = r.truncated & ~r.terminated
+            if time_limit.ndim > 1:  # flags of shape (1,) (returns.ScalarLayout): one truth per env, as SB3's
+                time_limit = time_limit.reshape(n, -1).any(axis=1)
+            time_limit = time_limit.tolist()
+            step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
+            for i, info in infos.items():
+                # An env that ended was reset in its step: its info holds final_obs and final_info (the
+                # worker judged ``terminated or truncated`` as SB3's does: a list [False] is true there).
+                if "final_info" in info and "final_obs" in info:
+                    info = dict(info)
+                    terminal = info.pop("final_obs")
+                    step_info = info.pop("final_info")
+                    self.reset_infos[i] = info  # what is left is the reset's info
+                    step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
+                else:
+                    step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
+            if interrupted or self._cut:
+                self._report_cut(infos, interrupted, rewards, dones, step_infos)
+            self._last_obs = obs
+            return obs, rewards, dones, step_infos
 
     def _keep(self, batch: StepBatch) -> None:
         """What a batch brought, kept on ``_got`` until every env came (a Ctrl-C loses nothing)."""

@@ -80,7 +80,11 @@ PROGRAM = textwrap.dedent(
         except Exception as exc:
             problems.append(repr(exc))
     stop.set()
-    presser.join()
+    while presser.is_alive():  # (a Ctrl-C held back to the end of the last call comes a moment after it)
+        try:
+            presser.join()
+        except KeyboardInterrupt:
+            pass
     for _ in range(3):  # a Ctrl-C still on its way, or held back
         try:
             time.sleep(0.05)
@@ -170,7 +174,11 @@ DROPIN = textwrap.dedent(
             except Exception as exc:
                 problems.append(repr(exc))
         stop.set()
-        presser.join()
+        while presser.is_alive():  # (a Ctrl-C held back to the end of the last call comes a moment after it)
+            try:
+                presser.join()
+            except KeyboardInterrupt:
+                pass
         for _ in range(3):  # a Ctrl-C still on its way, or held back
             try:
                 time.sleep(0.05)
@@ -207,3 +215,170 @@ def test_caught_ctrl_c_leaves_the_dropins_in_step(kind, tmp_path):
     assert proc.returncode == 0, proc.stderr
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome == {"problems": [], "interrupts": 1000}, proc.stderr[-2000:]
+
+
+# Ctrl-Cs from another process (a terminal's land anywhere in time; a thread of the program's own can send only
+# while it holds the GIL, so its Ctrl-Cs land almost only where the main thread releases it: in waits and writes).
+# They reach envmanager's handler only inside the library's calls (``Guard``): one the program would take in its
+# own code is dropped, so a result lost or doubled is the library's. Each returned result is checked against the
+# one before it (not read back from shared memory, which would hide a result handed to nobody).
+GUARDED = textwrap.dedent(
+    """
+    import faulthandler, json, os, random, signal, subprocess, sys, tempfile, time
+    faulthandler.dump_traceback_later(100)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    import numpy as np
+    import envmanager.wire.interrupts as interrupts
+
+    PRESSER = "import os, random, signal, sys, time\\n" \\
+        "pid, stop, rng = int(sys.argv[1]), sys.argv[2], random.Random(0)\\n" \\
+        "while not os.path.exists(stop):\\n" \\
+        "    time.sleep(rng.uniform(0.0001, 0.002))\\n" \\
+        "    try: os.kill(pid, signal.SIGINT)\\n" \\
+        "    except ProcessLookupError: break\\n"
+
+    class Guard:
+        def __init__(self):
+            self.inside = False
+            signal.signal(signal.SIGINT, self.handler)
+        def handler(self, signum, frame):
+            if self.inside:
+                return interrupts._on_sigint(signum, frame)
+        def call(self, f, *a):  # (plain calls: CPython checks for signals after f(*a) returns, not after f(x))
+            self.inside = True
+            try:
+                if len(a) == 0:
+                    return f()
+                if len(a) == 1:
+                    return f(a[0])
+                return f(a[0], a[1])
+            finally:
+                self.inside = False
+
+    def main():
+        kind, n = {kind!r}, 4
+        if kind == "core":
+            from envmanager import SubprocessEnvManager
+            from envmanager.testing.envs import EnvFactory
+            m = SubprocessEnvManager(EnvFactory(), n, envs_per_worker=2, timeout=30)
+            m.reset()
+            step = lambda: m.step([1] * n, 30)
+            counts = lambda got: [(i.worker_id, int(i.current_result.observation[0])) for i in got]
+            close = m.close
+        else:
+            from dropin_envs import Make
+            fns = [Make("CountEnv", env_id=i) for i in range(n)]
+            if kind == "gymnasium":
+                from envmanager import AsyncVectorEnv
+                envs = AsyncVectorEnv(fns, envs_per_worker=1)
+                envs.reset(seed=0)
+            else:
+                from envmanager.sb3 import SubprocVecEnv
+                envs = SubprocVecEnv(fns, envs_per_worker=1)
+                envs.reset()
+            actions = np.ones(n, dtype=np.int64)
+            def step():
+                try:
+                    return envs.step(actions)
+                except Exception as exc:
+                    if "pending" not in str(exc):
+                        raise
+                return envs.step_wait()  # the step a Ctrl-C left pending
+            counts = lambda got: list(enumerate(got[0][:, 3].astype(int).tolist()))
+            close = envs.close
+        guard = Guard()
+        stop = tempfile.mktemp()
+        presser = subprocess.Popen([sys.executable, "-c", PRESSER, str(os.getpid()), stop])
+        seen, problems, caught = [0] * n, [], 0
+        while caught < {interrupts} and len(problems) < 5:
+            try:
+                got = guard.call(step)
+            except KeyboardInterrupt:
+                caught += 1
+                continue
+            except Exception as exc:
+                problems.append(repr(exc))
+                continue
+            for slot, count in counts(got):  # (the program's own work: outside the guard)
+                if count != seen[slot] + 1:
+                    problems.append(f"env {{slot}}: step {{count}} after step {{seen[slot]}}")
+                seen[slot] = count
+        open(stop, "w").close()
+        presser.wait()
+        time.sleep(0.05)
+        close()
+        print(json.dumps({{"problems": problems, "interrupts": caught}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["core", "gymnasium", "sb3"])
+def test_ctrl_c_anywhere_in_a_call_loses_no_result(kind, tmp_path):
+    if kind == "sb3":
+        pytest.importorskip("stable_baselines3")
+    program = tmp_path / "program.py"
+    program.write_text(GUARDED.format(repo=REPO, tests=os.path.join(REPO, "tests"), kind=kind, interrupts=200))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=240,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome == {"problems": [], "interrupts": 200}, proc.stderr[-2000:]
+
+
+HELD = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, {repo!r})
+    from envmanager import SubprocessEnvManager
+    from envmanager.core.slots import SlotState
+    from envmanager.testing.envs import EnvFactory
+
+    m = SubprocessEnvManager(EnvFactory(), 2)
+    m.reset()
+    if {notebook!r}:  # ipykernel: its handler (SIG_IGN) back after the cell that made the manager, Python's before the next
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    hand_out = SlotState.hand_out
+    pressed = []
+
+    def pressing(self, *args, **kwargs):  # Ctrl-C while the answers are handed out (held back there)
+        if not pressed:
+            pressed.append(time.monotonic())
+            signal.raise_signal(signal.SIGINT)
+        return hand_out(self, *args, **kwargs)
+
+    SlotState.hand_out = pressing
+    outcome = {{}}
+    try:
+        outcome["results"] = len(m.step([1, 1])) > 0  # (as soon as one finished)
+    except KeyboardInterrupt:
+        outcome["results"] = "lost: raised in the call"
+    SlotState.hand_out = hand_out
+    try:
+        while time.monotonic() - pressed[0] < 30.0:  # a learner's update, no call to the manager
+            sum(range(1000))
+        outcome["raised"] = "never (or at the next call)"
+    except KeyboardInterrupt:
+        outcome["raised"] = "during the update"
+    m.close()
+    print(json.dumps(outcome))
+    """
+)
+
+
+@pytest.mark.parametrize("notebook", [False, True])
+def test_a_ctrl_c_held_back_comes_once_the_call_returned(notebook):
+    """Not at the manager's next call (after the learner's update, or never if the program ends there); in a
+    notebook's later cells too."""
+    proc = subprocess.run([sys.executable, "-c", HELD.format(repo=REPO, notebook=notebook)], capture_output=True,
+                          text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome == {"results": True, "raised": "during the update"}, proc.stderr[-2000:]

@@ -50,6 +50,7 @@ from envmanager.core.deadline import Deadline
 from envmanager.core.layout import VECTOR, VECTOR_PARTIAL
 from envmanager.core.slots import NEEDS_RESET
 from envmanager.errors import EnvManagerError, InvalidInputError, WorkerError, WorkerTimeoutError
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.shm import tree_map
 
 logger = logging.getLogger(__name__)
@@ -229,24 +230,25 @@ class AsyncVectorEnv(VectorEnv):
                 f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."  # type: ignore[arg-type]
             ) from None
         self._assert_default("reset_async")
-        self._drain_stale(manager)
-        ids = self._all
-        if options is not None and "reset_mask" in options:
-            ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
-        if self._partial.pending() and ids.size < self.num_envs:  # a masked reset: the other envs step on
-            self._partial.reset_some(manager, ids.tolist())
-        elif self._partial.pending():  # partial batches: envs still stepping are dropped
-            for error in manager.drain():  # their errors too: said here, not lost
-                logger.warning("reset() dropped a step no recv() returned, which failed: %s", error)
-            self._partial.clear()
-        ids = ids.tolist()
-        limit = self.max_concurrency or self.num_envs
-        # With max_concurrency, envs reset in waves of that many.
-        self._reset_waves = [ids[k : k + limit] for k in range(0, len(ids), limit)]
-        self._reset_sent = (seeds, options)
-        self._reset_infos = {}
-        self._send_reset_wave(manager)
-        self._state, self._pending_by = AsyncState.WAITING_RESET, threading.get_ident()
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self._drain_stale(manager)
+            ids = self._all
+            if options is not None and "reset_mask" in options:
+                ids = np.flatnonzero(check_reset_mask(options.pop("reset_mask"), self.num_envs))
+            if self._partial.pending() and ids.size < self.num_envs:  # a masked reset: the other envs step on
+                self._partial.reset_some(manager, ids.tolist())
+            elif self._partial.pending():  # partial batches: envs still stepping are dropped
+                for error in manager.drain():  # their errors too: said here, not lost
+                    logger.warning("reset() dropped a step no recv() returned, which failed: %s", error)
+                self._partial.clear()
+            ids = ids.tolist()
+            limit = self.max_concurrency or self.num_envs
+            # With max_concurrency, envs reset in waves of that many.
+            self._reset_waves = [ids[k : k + limit] for k in range(0, len(ids), limit)]
+            self._reset_sent = (seeds, options)
+            self._reset_infos = {}
+            self._send_reset_wave(manager)
+            self._state, self._pending_by = AsyncState.WAITING_RESET, threading.get_ident()
 
     def _send_reset_wave(self, manager: BatchEnvManager) -> None:
         seeds, options = self._reset_sent
@@ -257,20 +259,21 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
                                    AsyncState.WAITING_RESET.value)
-        deadline = None if timeout is None else Deadline(timeout)
-        try:
-            while self._reset_waves:
-                batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
-                self._reset_infos.update(batch.infos)
-                self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
-                if self._reset_waves:
-                    self._send_reset_wave(manager)
-        except EnvManagerError as exc:
-            raise_as_gymnasium("reset_wait", timeout, exc, lambda: self._abandon(deadline))
-        self._state = AsyncState.DEFAULT
-        dicts, self._reset_infos = self._reset_infos, {}
-        infos = batched_infos(dicts, (), self.num_envs, self._add_info, "reset") if dicts else {}
-        return self._observations_of(None), infos
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            deadline = None if timeout is None else Deadline(timeout)
+            try:
+                while self._reset_waves:
+                    batch = manager.receive_reset_batch(self._reset_waves[0], None if deadline is None else deadline.left())
+                    self._reset_infos.update(batch.infos)
+                    self._reset_waves.pop(0)  # only once received: a timeout leaves it to wait for again
+                    if self._reset_waves:
+                        self._send_reset_wave(manager)
+            except EnvManagerError as exc:
+                raise_as_gymnasium("reset_wait", timeout, exc, lambda: self._abandon(deadline))
+            self._state = AsyncState.DEFAULT
+            dicts, self._reset_infos = self._reset_infos, {}
+            infos = batched_infos(dicts, (), self.num_envs, self._add_info, "reset") if dicts else {}
+            return self._observations_of(None), infos
 
     def _observations_of(self, ids: np.ndarray | None) -> Any:
         """The batched observations of every env (``ids=None``) or of ``ids``, in that order."""
@@ -301,17 +304,18 @@ class AsyncVectorEnv(VectorEnv):
         if manager is None or self.closed or self._state is not AsyncState.DEFAULT:  # (one test on the hot path)
             manager = self._running()
             self._assert_default("step_async")
-        if self._stale:
-            self._drain_stale(manager)
-        self._step_infos, self._step_columns = {}, []
-        handed = self._hand_over(manager, actions, self._all)
-        if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
-            self._send(manager, self._all, handed)
-            self._left = self.num_envs
-        else:  # checked whole, then sent as room frees up
-            self._actions, self._queued = handed.kept(), list(range(self.num_envs))
-            self._send_queued(manager)
-        self._state, self._pending_by = AsyncState.WAITING_STEP, threading.get_ident()
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            if self._stale:
+                self._drain_stale(manager)
+            self._step_infos, self._step_columns = {}, []
+            handed = self._hand_over(manager, actions, self._all)
+            if self.max_concurrency is None or self.max_concurrency >= self.num_envs:
+                self._send(manager, self._all, handed)
+                self._left = self.num_envs
+            else:  # checked whole, then sent as room frees up
+                self._actions, self._queued = handed.kept(), list(range(self.num_envs))
+                self._send_queued(manager)
+            self._state, self._pending_by = AsyncState.WAITING_STEP, threading.get_ident()
 
     def _hand_over(self, manager: BatchEnvManager, actions: Any, ids: np.ndarray) -> HandedActions:
         """What each env in ``ids`` gets, as gymnasium hands it over; everything that would be
@@ -371,44 +375,45 @@ class AsyncVectorEnv(VectorEnv):
             if self._state != AsyncState.WAITING_STEP:
                 raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.",
                                        AsyncState.WAITING_STEP.value)
-        deadline = None if timeout is None else Deadline(timeout)
-        copied = self._copied
-        if copied is None and self._copy_ahead:  # kept on self: a step_wait that times out or is interrupted goes on later
-            copied = self._copied = np.empty_like(manager.results.observation)
-        # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
-        # counts: the performance guide's "Function calls per env-step").
-        try:
-            while self._left or self._queued:
-                wanted = 1 if self._queued or copied is not None else self._left
-                batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
-                slots = batch.slots
-                if copied is not None:  # while the others still step
-                    observation: np.ndarray = manager.results.observation  # type: ignore[assignment]
-                    for slot in slots.tolist():
-                        copied[slot] = observation[slot]
-                if self._actions is None:
-                    # Every env was sent at once, so each was idle with nothing unreceived
-                    # (send_batch refuses any other): a batch holds envs of this step only, each once.
-                    self._left -= slots.size
-                else:  # max_concurrency: an env sent by ``send()`` may come back meanwhile
-                    self._left -= int(np.count_nonzero(self._stepping[slots]))
-                    self._stepping[slots] = False
-                if batch.infos:
-                    self._step_infos.update(batch.infos)
-                if batch.info_columns:
-                    self._step_columns += batch.info_columns
-                if self._queued:  # max_concurrency: start queued envs as others finish
-                    self._send_queued(manager)
-        except EnvManagerError as exc:
-            raise_as_gymnasium("step_wait", timeout, exc, lambda: self._abandon(deadline))
-        self._state = AsyncState.DEFAULT
-        self._copied = None
-        r = manager.results
-        dicts, columns = self._step_infos, self._step_columns
-        self._step_infos, self._step_columns, self._actions = {}, [], None
-        infos = batched_infos(dicts, columns, self.num_envs, self._add_info) if dicts or columns else {}
-        observations = copied if copied is not None else self._observations_of(None)
-        return observations, r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            deadline = None if timeout is None else Deadline(timeout)
+            copied = self._copied
+            if copied is None and self._copy_ahead:  # kept on self: a step_wait that times out or is interrupted goes on later
+                copied = self._copied = np.empty_like(manager.results.observation)
+            # The loop tests a count, not numpy reductions of ``_stepping`` (3 calls each; a call
+            # counts: the performance guide's "Function calls per env-step").
+            try:
+                while self._left or self._queued:
+                    wanted = 1 if self._queued or copied is not None else self._left
+                    batch = manager.receive_batch(wanted, None if deadline is None else deadline.left(), info_columns=True)
+                    slots = batch.slots
+                    if copied is not None:  # while the others still step
+                        observation: np.ndarray = manager.results.observation  # type: ignore[assignment]
+                        for slot in slots.tolist():
+                            copied[slot] = observation[slot]
+                    if self._actions is None:
+                        # Every env was sent at once, so each was idle with nothing unreceived
+                        # (send_batch refuses any other): a batch holds envs of this step only, each once.
+                        self._left -= slots.size
+                    else:  # max_concurrency: an env sent by ``send()`` may come back meanwhile
+                        self._left -= int(np.count_nonzero(self._stepping[slots]))
+                        self._stepping[slots] = False
+                    if batch.infos:
+                        self._step_infos.update(batch.infos)
+                    if batch.info_columns:
+                        self._step_columns += batch.info_columns
+                    if self._queued:  # max_concurrency: start queued envs as others finish
+                        self._send_queued(manager)
+            except EnvManagerError as exc:
+                raise_as_gymnasium("step_wait", timeout, exc, lambda: self._abandon(deadline))
+            self._state = AsyncState.DEFAULT
+            self._copied = None
+            r = manager.results
+            dicts, columns = self._step_infos, self._step_columns
+            self._step_infos, self._step_columns, self._actions = {}, [], None
+            infos = batched_infos(dicts, columns, self.num_envs, self._add_info) if dicts or columns else {}
+            observations = copied if copied is not None else self._observations_of(None)
+            return observations, r.reward.copy(), r.terminated.copy(), r.truncated.copy(), infos
 
     def _abandon(self, deadline: Deadline | None = None) -> list[EnvManagerError]:
         """After a failure (``gymnasium_failures``): drop what is in flight so nothing stale surfaces later; return the
@@ -459,19 +464,21 @@ class AsyncVectorEnv(VectorEnv):
         self._drain_stale(manager)
         if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
             raise ValueError(f"Trying to call function `{name}` with `call`, use `{name}` directly instead.")
-        self._call = manager.send_call(name, args, kwargs)
-        self._state, self._pending_by = AsyncState.WAITING_CALL, threading.get_ident()
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self._call = manager.send_call(name, args, kwargs)
+            self._state, self._pending_by = AsyncState.WAITING_CALL, threading.get_ident()
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        try:
-            results = manager.receive_call(self._call, timeout)
-        except EnvManagerError as exc:
-            raise_as_gymnasium("call_wait", timeout, exc, self._end_call)
-        self._state = AsyncState.DEFAULT
-        return tuple(results)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            try:
+                results = manager.receive_call(self._call, timeout)
+            except EnvManagerError as exc:
+                raise_as_gymnasium("call_wait", timeout, exc, self._end_call)
+            self._state = AsyncState.DEFAULT
+            return tuple(results)
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         return self.call(name)

@@ -18,6 +18,7 @@ from envmanager.core.deadline import Deadline
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.core.slots import IN_FLIGHT
 from envmanager.errors import EnvManagerError, failed_slots
+from envmanager.wire.interrupts import DEFERRED
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,9 @@ class PartialBatches:
         if not outstanding.isdisjoint(listed):
             raise ValueError(f"env(s) {sorted(outstanding.intersection(listed))} were sent a step whose result was "
                              "not received yet")
-        env._send(manager, ids, env._hand_over(manager, actions, ids))
-        outstanding.update(listed)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            env._send(manager, ids, env._hand_over(manager, actions, ids))
+            outstanding.update(listed)
 
     def recv(self, env: AsyncVectorEnv, timeout: float | None = None) -> tuple[Any, ...]:
         """The first ``batch_size`` envs to finish: ``(obs, rewards, terminations, truncations,
@@ -116,37 +118,38 @@ class PartialBatches:
         size = env.batch_size
         if len(self.outstanding) < size:
             raise NoAsyncCallError(f"`recv` needs {size} envs in flight, only {len(self.outstanding)} were sent", "recv")
-        received = self.received
-        got: StepBatch | None = None
-        if len(received) < size:
-            deadline = None if timeout is None else Deadline(timeout)
-            try:
-                while len(received) < size:  # one wait for what is missing, not one per answer
-                    got = manager.receive_batch(size - len(received), None if deadline is None else deadline.left(),
-                                                info_columns=True)
-                    received += got.slots.tolist()
-                    if got.infos:
-                        self.received_infos.update(got.infos)
-                    if got.info_columns:
-                        self.received_columns += got.info_columns
-            except EnvManagerError as exc:
-                raise_as_gymnasium("recv", timeout, exc, lambda: env._abandon(deadline))
-        if len(received) == size:  # the usual case: what arrived is one batch
-            listed, self.received = received, []
-            # the slots of the one answer that made it (int64, the core's own copy), else a new array
-            ids = got.slots if got is not None and len(got.slots) == size else np.array(listed, dtype=np.int64)
-        else:
-            listed, self.received = received[:size], received[size:]
-            ids = np.array(listed, dtype=np.int64)
-        self.outstanding.difference_update(listed)
-        infos = self._infos(env, listed) if self.received_infos or self.received_columns else {}
-        infos["env_id"] = ids
-        r = manager.results
-        if manager.observation_list is None and type(r.observation) is np.ndarray:  # one array (Box, Discrete, ...)
-            obs = r.observation.take(ids, axis=0)  # obs[ids]'s rows, in a quarter of its time for 2+ axes
-        else:
-            obs = env._observations_of(ids)
-        return obs, r.reward[ids], r.terminated[ids], r.truncated[ids], infos
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            received = self.received
+            got: StepBatch | None = None
+            if len(received) < size:
+                deadline = None if timeout is None else Deadline(timeout)
+                try:
+                    while len(received) < size:  # one wait for what is missing, not one per answer
+                        got = manager.receive_batch(size - len(received), None if deadline is None else deadline.left(),
+                                                    info_columns=True)
+                        received += got.slots.tolist()
+                        if got.infos:
+                            self.received_infos.update(got.infos)
+                        if got.info_columns:
+                            self.received_columns += got.info_columns
+                except EnvManagerError as exc:
+                    raise_as_gymnasium("recv", timeout, exc, lambda: env._abandon(deadline))
+            if len(received) == size:  # the usual case: what arrived is one batch
+                listed, self.received = received, []
+                # the slots of the one answer that made it (int64, the core's own copy), else a new array
+                ids = got.slots if got is not None and len(got.slots) == size else np.array(listed, dtype=np.int64)
+            else:
+                listed, self.received = received[:size], received[size:]
+                ids = np.array(listed, dtype=np.int64)
+            self.outstanding.difference_update(listed)
+            infos = self._infos(env, listed) if self.received_infos or self.received_columns else {}
+            infos["env_id"] = ids
+            r = manager.results
+            if manager.observation_list is None and type(r.observation) is np.ndarray:  # one array (Box, Discrete, ...)
+                obs = r.observation.take(ids, axis=0)  # obs[ids]'s rows, in a quarter of its time for 2+ axes
+            else:
+                obs = env._observations_of(ids)
+            return obs, r.reward[ids], r.terminated[ids], r.truncated[ids], infos
 
     def _infos(self, env: AsyncVectorEnv, listed: list[int]) -> dict[str, Any]:
         """gymnasium's batched infos of the envs ``listed`` (row ``k``: env ``listed[k]``) from

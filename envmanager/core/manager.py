@@ -23,6 +23,7 @@ from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LI
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.worker.envs import NEXT_STEP
 
 __all__ = ["SubprocessEnvManager"]
@@ -109,7 +110,8 @@ class SubprocessEnvManager(BatchEnvManager):
         """Turn step results that arrived into StepInfos now (copies), so their slots can be
         stepped again before the caller receives them — as when a worker restarted while idle."""
         if self._state.arrived and self._pool is not None:  # (no wait, no error raised: ``idle_worker_ids`` asks)
-            self._ready += self._step_infos(self._state.hand_out())
+            with DEFERRED:  # a Ctrl-C between handing them out and keeping them waits (``interrupts``)
+                self._ready += self._step_infos(self._state.hand_out())
 
     # ------------------------------------------------------------------------------------------
     # Stepping
@@ -147,18 +149,20 @@ class SubprocessEnvManager(BatchEnvManager):
         if not actions:
             _ = self.pool  # raises if closed
             return
-        self._absorb()
-        slots = sorted(self.slots(list(actions)))  # checked; in slot order: one cached send plan per set of slots
-        self.send_batch(slots, [actions[s] for s in slots], per_slot=True)
-        self._actions.update(actions)
+        with DEFERRED:  # a Ctrl-C between sending and noting the actions waits (``interrupts``)
+            self._absorb()
+            slots = sorted(self.slots(list(actions)))  # checked; in slot order: one cached send plan per set of slots
+            self.send_batch(slots, [actions[s] for s in slots], per_slot=True)
+            self._actions.update(actions)
 
     def receive_steps(self, timeout: float | None = None, min_count: int = 1) -> list[StepInfo]:
         """Wait (bounded by ``timeout``, default the manager's) until ``min_count`` steps finished,
         take whatever else finished, and return them. Raises the first failed step."""
-        self._absorb()
-        batch = self.receive_batch(max(0, min_count - len(self._ready)), timeout)
-        out, self._ready = self._ready + self._step_infos(batch), []
-        return out
+        with DEFERRED:  # a Ctrl-C between taking the batch and returning its StepInfos waits (``interrupts``)
+            self._absorb()
+            batch = self.receive_batch(max(0, min_count - len(self._ready)), timeout)
+            out, self._ready = self._ready + self._step_infos(batch), []
+            return out
 
     def _step_infos(self, batch: StepBatch) -> list[StepInfo]:
         """StepInfos for a batch: the per-env objects of this level, read from the results."""
@@ -200,9 +204,10 @@ class SubprocessEnvManager(BatchEnvManager):
         list with one seed per slot, or ``None``.
         """
         seeds = seeds_for(seed, self.n_env)
-        self.drop_in_flight(timeout)
-        self.send_reset({slot: (seeds[slot], options) for slot in range(self.n_env)})
-        return self.receive_resets(None, timeout)
+        with DEFERRED:  # (its waits stay interruptible; a reset() cut short is called again)
+            self.drop_in_flight(timeout)
+            self.send_reset({slot: (seeds[slot], options) for slot in range(self.n_env)})
+            return self.receive_resets(None, timeout)
 
     def drop_in_flight(self, timeout: float | None = None) -> None:
         """Wait out every request in flight and drop the results, errors included."""
@@ -213,7 +218,8 @@ class SubprocessEnvManager(BatchEnvManager):
     def receive_resets(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> list[StepInfo]:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight); their
         StepInfos sorted by worker id. Answers that arrive before a timeout are kept."""
-        batch = self.receive_reset_batch(worker_ids, timeout)
-        for slot in batch.slots.tolist():
-            self._actions.pop(slot, None)
-        return self._step_infos(batch)
+        with DEFERRED:  # a Ctrl-C between taking the resets and returning their StepInfos waits
+            batch = self.receive_reset_batch(worker_ids, timeout)
+            for slot in batch.slots.tolist():
+                self._actions.pop(slot, None)
+            return self._step_infos(batch)

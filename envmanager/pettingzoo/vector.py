@@ -30,6 +30,7 @@ from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
 from envmanager.pettingzoo.facade import FacadeFactory, call_env
 from envmanager.pettingzoo.layout import AgentGroup, AgentLayout, check_group_options, one_layout
+from envmanager.wire.interrupts import DEFERRED
 
 __all__ = ["ParallelVectorEnv"]
 
@@ -141,11 +142,12 @@ class ParallelVectorEnv:
         flight are dropped. Returns every env, in order."""
         manager = self.manager
         seeds = _seeds(seed, self.num_envs)
-        self.drop_in_flight()
-        manager.send_reset({i: (seeds[i], options) for i in range(self.num_envs)})
-        got = manager.receive_reset_batch()
-        self._known[:] = True
-        return self._hand_out(got.slots, got, starts=np.ones(len(got.slots), np.bool_))
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self.drop_in_flight()
+            manager.send_reset({i: (seeds[i], options) for i in range(self.num_envs)})
+            got = manager.receive_reset_batch()
+            self._known[:] = True
+            return self._hand_out(got.slots, got, starts=np.ones(len(got.slots), np.bool_))
 
     def drop_in_flight(self) -> list[EnvManagerError]:
         """Wait out every step in flight and drop every result not received, and the errors of
@@ -173,14 +175,16 @@ class ParallelVectorEnv:
         before anything is sent."""
         ids = self._ids(env_ids)
         batch = self._actions.from_arrays(actions, ids, self._active[ids])
-        self._send(ids, batch)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self._send(ids, batch)
 
     def send_dicts(self, actions: Sequence[Mapping[str, Any]], env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """:meth:`send` with one dict ``{agent: action}`` per env: exactly its active agents.
         An unknown name, an agent that is not active, a missing agent: ``InvalidInputError``."""
         ids = self._ids(env_ids)
         batch = self._actions.from_dicts(actions, ids, self._active[ids])
-        self._send(ids, batch)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            self._send(ids, batch)
 
     def recv(self, min_envs: int = 1, timeout: float | None = None, sort: bool = False) -> MultiAgentBatch:
         """Wait until at least ``min_envs`` envs sent a step finished, take whatever else finished,
@@ -189,30 +193,31 @@ class ParallelVectorEnv:
         manager = self.manager
         if not 1 <= min_envs <= len(self._outstanding) + sum(len(b.slots) for b in self._restarted):
             raise InvalidInputError(f"recv({min_envs}) with {len(self._outstanding)} env(s) stepping")
-        taken = list(self._restarted)
-        self._restarted.clear()
-        count = sum(len(b.slots) for b in taken)
-        deadline = None if timeout is None else Deadline(timeout)
-        try:
-            while count < min_envs:
-                got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
-                taken.append(got)
-                count += len(got.slots)
-        except BaseException as exc:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
-            self._restarted[:0] = taken
-            for b in taken:
-                self._outstanding.difference_update(b.slots.tolist())
-            if isinstance(exc, WorkerError):  # its env raised: that step never comes (the env must be reset)
-                self._outstanding.difference_update(failed_slots(exc))
-            raise
-        ids = np.concatenate([b.slots for b in taken]) if len(taken) > 1 else taken[0].slots
-        self._outstanding.difference_update(ids.tolist())
-        merged = StepBatch(ids, {k: v for b in taken for k, v in b.infos.items()},
-                           frozenset().union(*(b.interrupted for b in taken)), frozenset().union(*(b.resets for b in taken)),
-                           generations=taken[-1].generations)  # (one array, the manager's: valid for every batch taken)
-        if sort:
-            ids = np.sort(ids)
-        return self._hand_out(ids, merged)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            taken = list(self._restarted)
+            self._restarted.clear()
+            count = sum(len(b.slots) for b in taken)
+            deadline = None if timeout is None else Deadline(timeout)
+            try:
+                while count < min_envs:
+                    got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
+                    taken.append(got)
+                    count += len(got.slots)
+            except BaseException as exc:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
+                self._restarted[:0] = taken
+                for b in taken:
+                    self._outstanding.difference_update(b.slots.tolist())
+                if isinstance(exc, WorkerError):  # its env raised: that step never comes (the env must be reset)
+                    self._outstanding.difference_update(failed_slots(exc))
+                raise
+            ids = np.concatenate([b.slots for b in taken]) if len(taken) > 1 else taken[0].slots
+            self._outstanding.difference_update(ids.tolist())
+            merged = StepBatch(ids, {k: v for b in taken for k, v in b.infos.items()},
+                               frozenset().union(*(b.interrupted for b in taken)), frozenset().union(*(b.resets for b in taken)),
+                               generations=taken[-1].generations)  # (one array, the manager's: valid for every batch taken)
+            if sort:
+                ids = np.sort(ids)
+            return self._hand_out(ids, merged)
 
     # ------------------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeSt
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.worker.envs import DISABLED
 
 if TYPE_CHECKING:
@@ -254,39 +255,48 @@ class Sampler:
 
     def _start(self, goal: Goal) -> None:
         """Admitted episodes start on idle slots: env updates applied, then their resets sent."""
-        m, episodes = self.manager, self.episodes
-        starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and goal.admit(s)]
-        resets = {}
-        error: EnvManagerError | None = None
-        restarted: set[int] = set()  # processes a fault here restarted: their episodes are cut before they begin
-        process = m.slot_process
-        for slot in starting:
-            episodes.start(slot, recording=True)
-            if process[slot] in restarted:
-                self._replaced(slot, None, goal)
-                continue
-            have = episodes[slot].env_version
-            due = self.versions.env_updates.due(slot, have)
-            if due.updates:
-                try:
-                    m.call_on([slot], apply_updates, (due, have))
-                except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
-                    try:
-                        if self._fault([slot], exc, goal):
-                            restarted.add(process[slot])
-                    except EnvManagerError as final:
-                        error = error or final
-                    continue
-            episodes[slot].applied(due.version)
-            resets[slot] = (episodes[slot].take_seed(), None)
-        # Its process restarted meanwhile (a neighbour's fault here, or a death the updates' waits
-        # found): its fresh reset is on its way, so the episode is cut before it began.
-        idle = set(m.idle_worker_ids) if resets else set()
-        for slot in list(resets):
-            if process[slot] in restarted or slot not in idle:
-                del resets[slot]
-                self._replaced(slot, None, goal)
-        m.send_reset(resets)  # the others start all the same: the next call takes their resets
+        with DEFERRED:  # (the updates' waits stay interruptible: a Ctrl-C there lets the episodes started here go)
+            m, episodes = self.manager, self.episodes
+            starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and goal.admit(s)]
+            started: list[int] = []
+            try:
+                resets = {}
+                error: EnvManagerError | None = None
+                restarted: set[int] = set()  # processes a fault here restarted: their episodes are cut before they begin
+                process = m.slot_process
+                for slot in starting:
+                    episodes.start(slot, recording=True)
+                    started.append(slot)
+                    if process[slot] in restarted:
+                        self._replaced(slot, None, goal)
+                        continue
+                    have = episodes[slot].env_version
+                    due = self.versions.env_updates.due(slot, have)
+                    if due.updates:
+                        try:
+                            m.call_on([slot], apply_updates, (due, have))
+                        except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
+                            try:
+                                if self._fault([slot], exc, goal):
+                                    restarted.add(process[slot])
+                            except EnvManagerError as final:
+                                error = error or final
+                            continue
+                    episodes[slot].applied(due.version)
+                    resets[slot] = (episodes[slot].take_seed(), None)
+                # Its process restarted meanwhile (a neighbour's fault here, or a death the updates' waits
+                # found): its fresh reset is on its way, so the episode is cut before it began.
+                idle = set(m.idle_worker_ids) if resets else set()
+                for slot in list(resets):
+                    if process[slot] in restarted or slot not in idle:
+                        del resets[slot]
+                        self._replaced(slot, None, goal)
+                m.send_reset(resets)  # the others start all the same: the next call takes their resets
+            except BaseException:  # nothing sent: the episodes started here never began (not left STARTING)
+                for slot in started:
+                    if episodes[slot].state is STARTING:
+                        episodes.close(slot, Outcome.DISCARDED)
+                raise
         if error is not None:
             raise error
 
@@ -295,19 +305,20 @@ class Sampler:
         starting = self.episodes.in_state(STARTING)
         if not starting:
             return
-        m = self.manager
-        try:
-            batch = m.receive_reset_batch(starting)
-        except EnvManagerError as exc:
-            self._failed(exc)
-            raise
-        generations = batch.generations
-        assert generations is not None  # (the manager's array: every batch it hands out has it)
-        for slot in batch.slots.tolist():
-            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                self._replaced(slot, int(generations[slot]), goal)  # its env was replaced during the reset
-            else:
-                self.episodes[slot].ready(self._read_observation(slot))
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            m = self.manager
+            try:
+                batch = m.receive_reset_batch(starting)
+            except EnvManagerError as exc:
+                self._failed(exc)
+                raise
+            generations = batch.generations
+            assert generations is not None  # (the manager's array: every batch it hands out has it)
+            for slot in batch.slots.tolist():
+                if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                    self._replaced(slot, int(generations[slot]), goal)  # its env was replaced during the reset
+                else:
+                    self.episodes[slot].ready(self._read_observation(slot))
 
     def _act(self, goal: Goal) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
@@ -335,44 +346,47 @@ class Sampler:
         for key, value in agent_infos.items():
             if len(value) != len(slots):
                 raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(slots)} workers")
-        sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
-        version = self._acting_version
-        for i, slot in enumerate(slots):
-            episodes[slot].step_sent((observations[i], take_rows(sent, i), {k: v[i] for k, v in agent_infos.items()}, version))
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
+            version = self._acting_version
+            for i, slot in enumerate(slots):
+                info = {k: v[i] for k, v in agent_infos.items()}
+                episodes[slot].step_sent((observations[i], take_rows(sent, i), info, version))
 
     def _receive(self, goal: Goal) -> None:
-        m = self.manager
-        try:
-            with self.stats.timer("wait"):
-                batch = m.receive_batch(1)
-        except EnvManagerError as exc:
-            self._failed(exc)
-            raise
-        r, generations = m.results, batch.generations
-        assert generations is not None
-        for slot in batch.slots.tolist():
-            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                self._replaced(slot, int(generations[slot]), goal)  # a fresh env: the episode was cut; kept, flagged
-                continue
-            record = self.episodes[slot]
-            if record.state is not STEPPING or record.sent is None:
-                continue
-            observation, action, agent_info, version = record.sent
-            next_obs = self._read_observation(slot)
-            terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
-            self.stats.count("env_steps")
-            if record.recording:
-                record.record(Step(
-                    observation, action, r.reward[slot].item(), terminated, truncated, next_obs, slot,  # (shape (1,) too)
-                    record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
-                ))
-                goal.recorded_step(slot)
-            else:
-                self.stats.count("discarded_steps")
-            if terminated or truncated:
-                self._book(slot, self.episodes.close(slot, Outcome.ENDED), goal)
-            else:
-                record.ready(next_obs)
+        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+            m = self.manager
+            try:
+                with self.stats.timer("wait"):
+                    batch = m.receive_batch(1)
+            except EnvManagerError as exc:
+                self._failed(exc)
+                raise
+            r, generations = m.results, batch.generations
+            assert generations is not None
+            for slot in batch.slots.tolist():
+                if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                    self._replaced(slot, int(generations[slot]), goal)  # a fresh env: the episode was cut; kept, flagged
+                    continue
+                record = self.episodes[slot]
+                if record.state is not STEPPING or record.sent is None:
+                    continue
+                observation, action, agent_info, version = record.sent
+                next_obs = self._read_observation(slot)
+                terminated, truncated = bool(r.terminated[slot]), bool(r.truncated[slot])
+                self.stats.count("env_steps")
+                if record.recording:
+                    record.record(Step(
+                        observation, action, r.reward[slot].item(), terminated, truncated, next_obs, slot,  # (shape (1,) too)
+                        record.episode_id, version, record.env_version, agent_info, batch.infos.get(slot, {}),
+                    ))
+                    goal.recorded_step(slot)
+                else:
+                    self.stats.count("discarded_steps")
+                if terminated or truncated:
+                    self._book(slot, self.episodes.close(slot, Outcome.ENDED), goal)
+                else:
+                    record.ready(next_obs)
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record
