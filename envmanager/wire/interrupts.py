@@ -66,10 +66,9 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
         _redelivery_due = False
         if not _pending:  # raised meanwhile, at a section's entry or in a wait
             return
-        if _depth or _at_exit(frame):  # still held: the section's entry, wait or end sends it on
-            if not _depth:
-                _redeliver_later()
-            return
+        if _depth or _at_exit(frame):  # still held: sent again a moment later (or raised at a section's entry
+            _redeliver_later()  # or wait before that); the section's end cannot be relied on to: this may be
+            return  # ``_redeliver_later``'s own start, which is no section
         _pending = False
         raise KeyboardInterrupt
     if _depth or _at_exit(frame):
