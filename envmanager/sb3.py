@@ -148,7 +148,7 @@ class SubprocVecEnv(VecEnv):
 
     def reset(self) -> VecEnvObs:
         manager = self.manager
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             manager.drain()  # a step still in flight is cancelled, as VecEnv.reset says
             self.waiting, self._got = False, None
             self._cut = {}
@@ -178,7 +178,7 @@ class SubprocVecEnv(VecEnv):
                                     "(or reset() to drop it)")
         if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
             raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
             batch, per_slot, as_given = self._as_handed(manager, actions)
             try:
@@ -223,7 +223,7 @@ class SubprocVecEnv(VecEnv):
         if not self.waiting:
             raise InvalidInputError("step_wait() without a step_async() before it")
         manager = self._running()
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             n = self.num_envs
             try:
                 if self._got is None:

@@ -382,3 +382,60 @@ def test_a_ctrl_c_held_back_comes_once_the_call_returned(notebook):
     assert proc.returncode == 0, proc.stderr
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome == {"results": True, "raised": "during the update"}, proc.stderr[-2000:]
+
+
+BETWEEN_CELLS = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.path.insert(0, {repo!r})
+    from envmanager import SubprocessEnvManager
+    from envmanager.core.slots import SlotState
+    from envmanager.testing.envs import EnvFactory
+    from envmanager.wire import interrupts
+
+    m = SubprocessEnvManager(EnvFactory(), 2)
+    m.reset()
+    hand_out = SlotState.hand_out
+
+    def pressing(self, *args, **kwargs):  # Ctrl-C while the answers are handed out, at the end of the cell
+        SlotState.hand_out = hand_out
+        signal.raise_signal(signal.SIGINT)
+        return hand_out(self, *args, **kwargs)
+
+    SlotState.hand_out = pressing
+    m.step([1, 1])
+    signal.signal(signal.SIGINT, {between!s})  # the cell ends: the program's handler (ipykernel's: ignored)
+    until = time.monotonic() + 30
+    while interrupts._redelivery_due and time.monotonic() < until:  # the press comes between cells
+        time.sleep(0.01)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the next cell
+    outcome = {{}}
+    try:
+        m.step([1, 1])
+        outcome["next call"] = "fine"
+    except KeyboardInterrupt:
+        outcome["next call"] = "KeyboardInterrupt (the press of the cell before)"
+    signal.raise_signal(signal.SIGINT)  # a press in the program's own code
+    try:
+        time.sleep(1.0)
+        outcome["later press"] = "swallowed"
+    except KeyboardInterrupt:
+        outcome["later press"] = "raised"
+    m.close()
+    print(json.dumps(outcome))
+    """
+)
+
+
+@pytest.mark.parametrize("between", ["signal.SIG_IGN", "lambda signum, frame: None"])
+def test_a_ctrl_c_held_back_goes_to_the_handler_in_place_when_it_comes(between):
+    """A notebook's cell ending (or the program's own handler put in place) while a Ctrl-C is
+    held: the press is theirs. It came back at the next cell's first call, and swallowed the
+    cell's next real Ctrl-C."""
+    proc = subprocess.run([sys.executable, "-c", BETWEEN_CELLS.format(repo=REPO, between=between)],
+                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome == {"next call": "fine", "later press": "raised"}, proc.stderr[-2000:]

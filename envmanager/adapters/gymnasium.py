@@ -230,7 +230,7 @@ class AsyncVectorEnv(VectorEnv):
                 f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seed)}."  # type: ignore[arg-type]
             ) from None
         self._assert_default("reset_async")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._drain_stale(manager)
             ids = self._all
             if options is not None and "reset_mask" in options:
@@ -259,7 +259,7 @@ class AsyncVectorEnv(VectorEnv):
         if self._state != AsyncState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.",
                                    AsyncState.WAITING_RESET.value)
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             deadline = None if timeout is None else Deadline(timeout)
             try:
                 while self._reset_waves:
@@ -304,7 +304,7 @@ class AsyncVectorEnv(VectorEnv):
         if manager is None or self.closed or self._state is not AsyncState.DEFAULT:  # (one test on the hot path)
             manager = self._running()
             self._assert_default("step_async")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             if self._stale:
                 self._drain_stale(manager)
             self._step_infos, self._step_columns = {}, []
@@ -375,7 +375,7 @@ class AsyncVectorEnv(VectorEnv):
             if self._state != AsyncState.WAITING_STEP:
                 raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.",
                                        AsyncState.WAITING_STEP.value)
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             deadline = None if timeout is None else Deadline(timeout)
             copied = self._copied
             if copied is None and self._copy_ahead:  # kept on self: a step_wait that times out or is interrupted goes on later
@@ -464,7 +464,7 @@ class AsyncVectorEnv(VectorEnv):
         self._drain_stale(manager)
         if name in ("reset", "step", "close", "_setattr", "_check_spaces"):
             raise ValueError(f"Trying to call function `{name}` with `call`, use `{name}` directly instead.")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._call = manager.send_call(name, args, kwargs)
             self._state, self._pending_by = AsyncState.WAITING_CALL, threading.get_ident()
 
@@ -472,7 +472,7 @@ class AsyncVectorEnv(VectorEnv):
         manager = self._running()
         if self._state != AsyncState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", AsyncState.WAITING_CALL.value)
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             try:
                 results = manager.receive_call(self._call, timeout)
             except EnvManagerError as exc:

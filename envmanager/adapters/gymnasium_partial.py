@@ -105,7 +105,7 @@ class PartialBatches:
         if not outstanding.isdisjoint(listed):
             raise ValueError(f"env(s) {sorted(outstanding.intersection(listed))} were sent a step whose result was "
                              "not received yet")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             env._send(manager, ids, env._hand_over(manager, actions, ids))
             outstanding.update(listed)
 
@@ -118,7 +118,7 @@ class PartialBatches:
         size = env.batch_size
         if len(self.outstanding) < size:
             raise NoAsyncCallError(f"`recv` needs {size} envs in flight, only {len(self.outstanding)} were sent", "recv")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             received = self.received
             got: StepBatch | None = None
             if len(received) < size:

@@ -142,7 +142,7 @@ class ParallelVectorEnv:
         flight are dropped. Returns every env, in order."""
         manager = self.manager
         seeds = _seeds(seed, self.num_envs)
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self.drop_in_flight()
             manager.send_reset({i: (seeds[i], options) for i in range(self.num_envs)})
             got = manager.receive_reset_batch()
@@ -175,7 +175,7 @@ class ParallelVectorEnv:
         before anything is sent."""
         ids = self._ids(env_ids)
         batch = self._actions.from_arrays(actions, ids, self._active[ids])
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._send(ids, batch)
 
     def send_dicts(self, actions: Sequence[Mapping[str, Any]], env_ids: Sequence[int] | np.ndarray | None = None) -> None:
@@ -183,7 +183,7 @@ class ParallelVectorEnv:
         An unknown name, an agent that is not active, a missing agent: ``InvalidInputError``."""
         ids = self._ids(env_ids)
         batch = self._actions.from_dicts(actions, ids, self._active[ids])
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._send(ids, batch)
 
     def recv(self, min_envs: int = 1, timeout: float | None = None, sort: bool = False) -> MultiAgentBatch:
@@ -193,7 +193,7 @@ class ParallelVectorEnv:
         manager = self.manager
         if not 1 <= min_envs <= len(self._outstanding) + sum(len(b.slots) for b in self._restarted):
             raise InvalidInputError(f"recv({min_envs}) with {len(self._outstanding)} env(s) stepping")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             taken = list(self._restarted)
             self._restarted.clear()
             count = sum(len(b.slots) for b in taken)

@@ -291,12 +291,12 @@ class Sampler:
                     if process[slot] in restarted or slot not in idle:
                         del resets[slot]
                         self._replaced(slot, None, goal)
-                m.send_reset(resets)  # the others start all the same: the next call takes their resets
-            except BaseException:  # nothing sent: the episodes started here never began (not left STARTING)
+            except BaseException:  # (a Ctrl-C in the updates' waits) nothing sent: the episodes never began
                 for slot in started:
                     if episodes[slot].state is STARTING:
                         episodes.close(slot, Outcome.DISCARDED)
                 raise
+            m.send_reset(resets)  # the others start all the same: the next call takes their resets
         if error is not None:
             raise error
 
@@ -305,7 +305,7 @@ class Sampler:
         starting = self.episodes.in_state(STARTING)
         if not starting:
             return
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             m = self.manager
             try:
                 batch = m.receive_reset_batch(starting)
@@ -346,7 +346,7 @@ class Sampler:
         for key, value in agent_infos.items():
             if len(value) != len(slots):
                 raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(slots)} workers")
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
             version = self._acting_version
             for i, slot in enumerate(slots):
@@ -354,7 +354,7 @@ class Sampler:
                 episodes[slot].step_sent((observations[i], take_rows(sent, i), info, version))
 
     def _receive(self, goal: Goal) -> None:
-        with DEFERRED:  # a Ctrl-C between the manager's call and this state's waits (``interrupts``)
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             m = self.manager
             try:
                 with self.stats.timer("wait"):

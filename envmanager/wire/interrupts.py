@@ -6,23 +6,24 @@ healthy worker is later called hung); raised in the middle of a batch's sends, s
 in flight that no worker was asked to step; raised while a batch is handed out, it is handed to
 nobody. Inside ``DEFERRED`` (``with DEFERRED:``) a Ctrl-C is noted, and raised where nothing is
 half-done: on entering the next section, or in its blocking wait (``blocking``, which has taken
-nothing yet and stays interruptible). A Ctrl-C pressed again a second later inside the same section
+nothing yet and stays interruptible), or, once the call has returned, sent to the main thread
+again (``REDELIVER_S`` later): a program that does not call the manager for a while (a learner's
+update), or ends, still gets it.
+
+One Python handles just after a call's last section ended (``GRACE_S``) is held too: CPython
+looks for signals right after a ``with``'s ``__exit__`` returns (3.10: after every call returns),
+before the call's answer is its caller's. A Ctrl-C pressed again a second later inside a section
 is raised at once: the way out of one that does not end.
 
-One still held when the outermost section ends is sent again to the main thread a moment later
-(``REDELIVER_S``), once the section's caller has its answer: a program that does not call the
-manager again for a while (a learner's update), or ever (it ends), still gets its
-``KeyboardInterrupt`` then, not at its next call or never. So is one that Python handles right
-at the end of the outermost ``with`` (the check it makes after ``__exit__`` returns, where the
-section's answer is not handed out yet).
-
-Only where SIGINT has Python's default handler: the outermost section takes it over then
-(again after a notebook put the default back for a cell), and a program with a handler of its
-own keeps it. Outside sections the handler raises as Python's does.
+Only where SIGINT has Python's default handler: the outermost section takes it over then (again
+after a notebook put the default back for a cell), and a program with a handler of its own keeps
+it. Outside sections the handler raises as Python's does; but ``asyncio.run`` and trio, which set
+their own Ctrl-C handling only over Python's default, no longer find it once a manager was used.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
@@ -36,77 +37,89 @@ __all__ = ["DEFERRED", "blocking"]
 
 _T = TypeVar("_T")
 
+#: A Ctrl-C held this long inside one section means it is stuck: the next press is raised at once.
+STUCK_S = 1.0
+#: A Ctrl-C Python handles this soon after a call's last section ended is held too.
+GRACE_S = 0.01
+#: A Ctrl-C still held when a call's last section ended is sent to the main thread again this much later.
+REDELIVER_S = 0.01
+
 _main = threading.main_thread().ident  # the only thread Python raises KeyboardInterrupt in
 _depth = 0  # sections the main thread is in
-_pending = False  # a Ctrl-C came inside one
-_held_since = 0.0  # when (``time.monotonic()``)
-_exit_at: tuple[Any, int, int] | None = None  # the ``with`` that ended the outermost section: (code, frame id, f_lasti)
-_redelivery_due = False  # a held Ctrl-C is being sent again to the main thread (``_redeliver_later``)
+_ended_at = 0.0  # when the last outermost one ended (``time.perf_counter()``)
+_pending = False  # a Ctrl-C is held
+_held_since = 0.0  # since when (``time.monotonic()``)
+_redelivery_due = False  # it is being sent to the main thread again (``_redeliver_later``)
 
-# signal.getsignal's C half: the Python one makes an enum of it, 2 us (100x) on every section.
+# signal.getsignal's C half: the Python one makes an enum of it, 2 us (100x) on every call.
 _getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
 _SIGINT, _default = int(signal.SIGINT), signal.default_int_handler
 
-#: A section that held a Ctrl-C back this long is stuck: the next one is raised at once.
-STUCK_S = 1.0
-#: A Ctrl-C still held when the outermost section ends is sent to the main thread again this much later.
-REDELIVER_S = 0.001
 
-
-def _at_exit(frame: FrameType | None) -> bool:
-    """Whether Python handles a signal at the end of the ``with`` that just ended the outermost section
-    (its check after ``__exit__`` returns), where the section's answer is not handed out yet."""
-    at = _exit_at
-    return at is not None and frame is not None and frame.f_code is at[0] and id(frame) == at[1] and frame.f_lasti == at[2]
+def _held() -> bool:
+    """Whether a Ctrl-C must wait now: inside a section, or just after one (``GRACE_S``)."""
+    return bool(_depth) or time.perf_counter() - _ended_at < GRACE_S
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global _pending, _held_since, _redelivery_due
-    if _redelivery_due:  # our own signal (a press that came with it is the same Ctrl-C)
+    if _redelivery_due:  # ours, sent again (a press that came with it is the same Ctrl-C)
         _redelivery_due = False
         if not _pending:  # raised meanwhile, at a section's entry or in a wait
             return
-        if _depth or _at_exit(frame):  # still held: sent again a moment later (or raised at a section's entry
-            _redeliver_later()  # or wait before that); the section's end cannot be relied on to: this may be
-            return  # ``_redeliver_later``'s own start, which is no section
+        if _held():  # still: sent once more (not left to the section's end: this may be our own timer's start)
+            _redeliver_later()
+            return
         _pending = False
         raise KeyboardInterrupt
-    if _depth or _at_exit(frame):
+    if _held():
         if not _pending:
             _pending, _held_since = True, time.monotonic()
-            if not _depth:  # held at the end of the outermost section: nothing else would raise it
+            if not _depth:  # after the call's last section: nothing else would raise it
                 _redeliver_later()
             return
-        if time.monotonic() - _held_since < STUCK_S:
+        # Pressed again: at once if a section held the first one this long (the way out of a stuck
+        # one), but never in this module's own code, which would leave ``_depth`` wrong.
+        if time.monotonic() - _held_since < STUCK_S or (frame is not None and frame.f_code in _OWN_CODE):
             return
     _pending = False
     raise KeyboardInterrupt
 
 
 def _redeliver_later() -> None:
-    """SIGINT to the main thread again in ``REDELIVER_S``, from a timer thread (Python runs signal
-    handlers in the main thread; a real signal ends a ``sleep`` there too)."""
+    """SIGINT to the main thread again in ``REDELIVER_S``, from a timer thread (a real signal ends
+    a blocking wait there too)."""
     global _redelivery_due, _depth
-    main = _main
-    if _redelivery_due or main is None:
+    if _redelivery_due:
         return
     _redelivery_due = True
-
-    def send() -> None:
-        try:
-            signal.pthread_kill(main, signal.SIGINT)
-        except (OSError, ValueError, AttributeError):  # the main thread is gone (the interpreter is ending)
-            pass
-
-    timer = threading.Timer(REDELIVER_S, send)
+    timer = threading.Timer(REDELIVER_S, _send_again, (_main,))
     timer.daemon = True
-    _depth += 1  # (``start`` waits for the thread: a Ctrl-C meanwhile is held, not raised here)
+    _depth += 1  # (``start`` waits for the thread to run: a Ctrl-C meanwhile is held, not raised in here)
     try:
         timer.start()
-    except RuntimeError:  # no new thread (the interpreter is ending): held to the next section, as before
+    except RuntimeError:  # no new thread (the interpreter is ending): held to the next section
         _redelivery_due = False
     finally:
         _depth -= 1
+
+
+def _send_again(main: int | None) -> None:
+    """The timer's half of ``_redeliver_later``. Where SIGINT is no longer ours (a notebook between
+    cells, a handler of the program's own), the press goes to whoever has it now."""
+    global _pending, _redelivery_due
+    if not _pending:  # raised meanwhile
+        _redelivery_due = False
+        return
+    if _getsignal(_SIGINT) is not _on_sigint:
+        _pending = _redelivery_due = False
+    try:
+        if main is not None and hasattr(signal, "pthread_kill"):
+            signal.pthread_kill(main, signal.SIGINT)
+        else:  # Windows: Python's handler runs all the same (a wait is not cut short)
+            _thread.interrupt_main()
+    except (OSError, ValueError, RuntimeError):  # the main thread is gone (the interpreter is ending)
+        pass
 
 
 def _take_over() -> None:
@@ -124,10 +137,9 @@ class _Deferred:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        global _depth, _pending, _exit_at
+        global _depth, _pending
         if threading.get_ident() == _main:
             if not _depth:
-                _exit_at = None
                 if _pending:
                     _pending = False
                     raise KeyboardInterrupt
@@ -136,18 +148,17 @@ class _Deferred:
             _depth += 1
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _depth, _exit_at
+        global _depth, _ended_at
         if _depth and threading.get_ident() == _main:
             if _depth == 1:
-                if _pending:  # held to the end of the outermost section: sent again once it has ended
-                    _redeliver_later()
-                if kind is None:  # it hands out its answer: a Ctrl-C Python handles at the end of its
-                    caller = sys._getframe(1)  # ``with`` is still held (``_at_exit``)
-                    _exit_at = (caller.f_code, id(caller), caller.f_lasti)
+                _ended_at = time.perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
             _depth -= 1
+            if not _depth and _pending:  # held to the end of the call: sent again once it has returned
+                _redeliver_later()
 
 
 DEFERRED = _Deferred()
+_OWN_CODE = frozenset({_Deferred.__enter__.__code__, _Deferred.__exit__.__code__, _redeliver_later.__code__})
 
 
 def blocking(wait: Callable[..., _T], *args: Any) -> _T:
@@ -168,8 +179,8 @@ def blocking(wait: Callable[..., _T], *args: Any) -> _T:
 
 def _after_fork() -> None:
     """A forked child starts outside every section, its forking thread its main thread."""
-    global _main, _depth, _pending, _exit_at, _redelivery_due
-    _main, _depth, _pending, _exit_at, _redelivery_due = threading.get_ident(), 0, False, None, False
+    global _main, _depth, _ended_at, _pending, _redelivery_due
+    _main, _depth, _ended_at, _pending, _redelivery_due = threading.get_ident(), 0, 0.0, False, False
 
 
 if hasattr(os, "register_at_fork"):
