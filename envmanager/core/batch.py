@@ -32,7 +32,6 @@ one-line methods of the public class.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -115,7 +114,6 @@ class BatchEnvManager:
         options_if_given: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
-        self._made_in = os.getpid()  # a copy in a child forked with os.fork ends nothing of ours (``close``)
         ctx = get_context(context)
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode,
                                         inherit_factory and ctx.get_start_method() == "fork")
@@ -621,9 +619,8 @@ class BatchEnvManager:
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
         pool = self._pool
-        if os.getpid() != self._made_in:  # a copy in a child forked with os.fork
-            if pool is not None:
-                pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
+        if pool is not None and not pool.owned:  # a copy in a child forked with os.fork
+            pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
             self._pool = None
             return
         if pool is not None:
