@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import psutil
 
@@ -21,3 +22,29 @@ def alive(pids: list[int], timeout: float = 15.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def ctrl_c_twice_in_close(monkeypatch: Any) -> list[str]:
+    """Make the next close() meet Ctrl-C twice, as a user pressing it twice: once while it waits
+    for the envs to close, again while it ends the workers by force. Returns the presses made."""
+    import envmanager.core.pool as pool_module
+    from envmanager.core.process import WorkerProcess
+
+    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
+    presses: list[str] = []
+
+    def first_ctrl_c(*args: Any) -> Any:
+        if not presses:
+            presses.append("wait")
+            raise KeyboardInterrupt
+        return waited(*args)
+
+    def second_ctrl_c(self: WorkerProcess, timeout: float) -> Any:
+        if len(presses) == 1:
+            presses.append("stop")
+            raise KeyboardInterrupt
+        return stop(self, timeout)
+
+    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
+    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    return presses

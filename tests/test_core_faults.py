@@ -25,7 +25,7 @@ from envmanager import (
     WorkerTimeoutError,
 )
 from envmanager.testing.envs import ControlledEnv, EnvFactory
-from process_helpers import alive
+from process_helpers import alive, ctrl_c_twice_in_close
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -660,29 +660,10 @@ def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(monkeypatch):
     """Ctrl-C while the envs close, and again while close() ends the workers by force (a user
     pressing it twice): the next close() (or the one at exit) still ends every worker; it did
     nothing, the pool already forgotten, and the workers ran on."""
-    import envmanager.core.pool as pool_module
-    from envmanager.core.process import WorkerProcess
-
     m = SubprocessEnvManager(lambda i: _SlowClose(i), 3, timeout=30)
     m.reset()
     pids = [w.pid for w in m.processes]
-    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
-    presses = []
-
-    def first_ctrl_c(*args):
-        if not presses:
-            presses.append("wait")
-            raise KeyboardInterrupt
-        return waited(*args)
-
-    def second_ctrl_c(self, timeout):
-        if len(presses) == 1:
-            presses.append("stop")
-            raise KeyboardInterrupt
-        return stop(self, timeout)
-
-    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
-    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    presses = ctrl_c_twice_in_close(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         m.close()
     assert presses == ["wait", "stop"] and m.closed

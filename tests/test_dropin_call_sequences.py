@@ -20,7 +20,7 @@ from gymnasium.vector import AutoresetMode
 from dropin_envs import Make, PZEnv
 from envmanager import AsyncVectorEnv
 from envmanager.errors import InvalidInputError, WorkerDiedError, WorkerTimeoutError
-from process_helpers import alive
+from process_helpers import alive, ctrl_c_twice_in_close
 
 
 def _interrupt(signum, frame):
@@ -360,28 +360,9 @@ def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(dropin, monke
     close() ends the workers by force; the drop-in's next close() ends every worker. The
     PettingZoo drop-ins dropped their manager as their close() began: the next one did nothing
     and the workers ran on (until the manager was collected, or exit)."""
-    import envmanager.core.pool as pool_module
-    from envmanager.core.process import WorkerProcess
-
     envs, manager = _slow_to_close(dropin)  # (the manager held here: its __del__ is not what should end them)
     pids = [w.pid for w in manager.processes]
-    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
-    presses = []
-
-    def first_ctrl_c(*args):
-        if not presses:
-            presses.append("wait")
-            raise KeyboardInterrupt
-        return waited(*args)
-
-    def second_ctrl_c(self, timeout):
-        if len(presses) == 1:
-            presses.append("stop")
-            raise KeyboardInterrupt
-        return stop(self, timeout)
-
-    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
-    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    presses = ctrl_c_twice_in_close(monkeypatch)
     try:
         with pytest.raises(KeyboardInterrupt):
             envs.close()

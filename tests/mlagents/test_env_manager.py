@@ -26,6 +26,7 @@ from envmanager.mlagents import (  # noqa: E402
     normalize_env_parameters,
 )
 from envmanager.testing.fake_unity import free_base_port  # noqa: E402
+from process_helpers import ctrl_c_twice_in_close  # noqa: E402
 
 B = "FakeBehavior?team=0"
 WALKER, PICKER = "Walker?team=0", "Picker?team=1"
@@ -474,29 +475,10 @@ def test_a_close_cut_short_by_ctrl_c_twice_is_finished_by_the_next(fake_player, 
     """As the core's (``test_core_faults.py``): Ctrl-C while the players close, and again while
     close() ends the workers by force; the next close() ends every worker. It dropped the core
     manager as its close() began: the next one did nothing and the workers ran on."""
-    import envmanager.core.pool as pool_module
-    from envmanager.core.process import WorkerProcess
-
     manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2, wrap=slow_to_close)
     core = manager.manager  # (held here: its __del__ is not what should end them)
     pids = [w.pid for w in core.processes]
-    waited, stop = pool_module.wait_for_ready, WorkerProcess.stop
-    presses = []
-
-    def first_ctrl_c(*args):
-        if not presses:
-            presses.append("wait")
-            raise KeyboardInterrupt
-        return waited(*args)
-
-    def second_ctrl_c(self, timeout):
-        if len(presses) == 1:
-            presses.append("stop")
-            raise KeyboardInterrupt
-        return stop(self, timeout)
-
-    monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
-    monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)
+    presses = ctrl_c_twice_in_close(monkeypatch)
     try:
         with pytest.raises(KeyboardInterrupt):
             manager.close()
