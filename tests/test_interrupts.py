@@ -20,18 +20,27 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def run(template: str, tmp_path, env=None, timeout=240, **values) -> tuple[dict, str]:
+    """Run a program of its own (a file: SB3's default start method imports the main module); its
+    outcome, the last line it printed, and the end of its stderr."""
+    program = tmp_path / "program.py"
+    program.write_text(template.format(repo=REPO, tests=os.path.join(REPO, "tests"), **values))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, env=env, timeout=timeout,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr[-2000:]
+
 PROGRAM = textwrap.dedent(
     """
-    import faulthandler, json, os, random, signal, sys, threading, time
-    faulthandler.dump_traceback_later(100)  # a program still running then shows where it is (stderr)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})  # as started from a terminal
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, {repo!r})
+    import json, signal, sys
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import Presser, as_from_a_terminal
+    as_from_a_terminal()
     import numpy as np
     from envmanager import SubprocessEnvManager
     from envmanager.core.slots import IN_FLIGHT
     from envmanager.testing.envs import EnvFactory
-    from envmanager.wire.interrupts import DEFERRED
 
     n = {n_env}
     m = SubprocessEnvManager(EnvFactory(), n, envs_per_worker={per_worker}, timeout=30)
@@ -50,17 +59,7 @@ PROGRAM = textwrap.dedent(
             elif c != counted[s]:
                 problems.append(f"slot {{s}}: step {{c}} received after step {{counted[s]}}")
 
-    stop = threading.Event()
-    rng = random.Random({seed})
-
-    def press_ctrl_c():
-        while not stop.is_set():
-            time.sleep(rng.uniform(0.0001, 0.002))
-            if not stop.is_set():
-                os.kill(os.getpid(), signal.SIGINT)
-
-    presser = threading.Thread(target=press_ctrl_c, daemon=True)
-    presser.start()
+    presser = Presser({seed})
     check = False
     while interrupts < {interrupts} and not problems:
         try:
@@ -79,19 +78,7 @@ PROGRAM = textwrap.dedent(
             check = True
         except Exception as exc:
             problems.append(repr(exc))
-    stop.set()
-    while presser.is_alive():  # (a Ctrl-C held back to the end of the last call comes a moment after it)
-        try:
-            presser.join()
-        except KeyboardInterrupt:
-            pass
-    for _ in range(3):  # a Ctrl-C still on its way, or held back
-        try:
-            time.sleep(0.05)
-            with DEFERRED:
-                pass
-        except KeyboardInterrupt:
-            pass
+    presser.stop()
     if not problems:
         while m.waiting_worker_ids:
             m.receive_batch(timeout=30)
@@ -109,29 +96,23 @@ PROGRAM = textwrap.dedent(
     ("transport", "per_worker"),
     [("step_queue", 1), ("step_queue", 2), ("board", 2), ("portable", 1)],
 )
-def test_caught_ctrl_c_loses_nothing(transport, per_worker):
+def test_caught_ctrl_c_loses_nothing(transport, per_worker, tmp_path):
     env = {**os.environ, "ENVMANAGER_TRANSPORT": "step_queue" if transport == "board" else transport,
            "ENVMANAGER_MAILBOX": "on" if transport == "board" else "off"}
-    program = PROGRAM.format(repo=REPO, n_env=4, per_worker=per_worker, seed=per_worker, interrupts=400)
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=240,
-                          start_new_session=True)
-    assert proc.returncode == 0, proc.stderr
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome["problems"] == [], (outcome, proc.stderr[-2000:])
+    outcome, stderr = run(PROGRAM, tmp_path, env, n_env=4, per_worker=per_worker, seed=per_worker, interrupts=400)
+    assert outcome["problems"] == [], (outcome, stderr)
     assert outcome["interrupts"] == 400
     assert outcome["received"] > 0
 
 
 DROPIN = textwrap.dedent(
     """
-    import faulthandler, json, os, random, signal, sys, threading, time
-    faulthandler.dump_traceback_later(100)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import json, sys
     sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import Presser, as_from_a_terminal
+    as_from_a_terminal()
     import numpy as np
     from dropin_envs import Make
-    from envmanager.wire.interrupts import DEFERRED
 
     def main():
         fns = [Make("CountEnv", env_id=i) for i in range(4)]
@@ -145,17 +126,7 @@ DROPIN = textwrap.dedent(
             from envmanager.sb3 import SubprocVecEnv
             envs = SubprocVecEnv(fns, envs_per_worker=1)
             envs.reset()
-        stop = threading.Event()
-        rng = random.Random(0)
-
-        def press_ctrl_c():
-            while not stop.is_set():
-                time.sleep(rng.uniform(0.0001, 0.002))
-                if not stop.is_set():
-                    os.kill(os.getpid(), signal.SIGINT)
-
-        presser = threading.Thread(target=press_ctrl_c, daemon=True)
-        presser.start()
+        presser = Presser(0)
         problems, interrupts, pending = [], 0, False
         actions = np.ones(4, dtype=np.int64)
         while interrupts < {interrupts} and not problems:
@@ -173,19 +144,7 @@ DROPIN = textwrap.dedent(
                 pending = True
             except Exception as exc:
                 problems.append(repr(exc))
-        stop.set()
-        while presser.is_alive():  # (a Ctrl-C held back to the end of the last call comes a moment after it)
-            try:
-                presser.join()
-            except KeyboardInterrupt:
-                pass
-        for _ in range(3):  # a Ctrl-C still on its way, or held back
-            try:
-                time.sleep(0.05)
-                with DEFERRED:
-                    pass
-            except KeyboardInterrupt:
-                pass
+        presser.stop()
         if not problems:
             try:
                 envs.step(actions)
@@ -208,13 +167,8 @@ DROPIN = textwrap.dedent(
 def test_caught_ctrl_c_leaves_the_dropins_in_step(kind, tmp_path):
     if kind == "sb3":
         pytest.importorskip("stable_baselines3")
-    program = tmp_path / "program.py"  # (SB3's default start method imports the main module)
-    program.write_text(DROPIN.format(repo=REPO, tests=os.path.join(REPO, "tests"), kind=kind, interrupts=1000))
-    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=240,
-                          start_new_session=True)
-    assert proc.returncode == 0, proc.stderr
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome == {"problems": [], "interrupts": 1000}, proc.stderr[-2000:]
+    outcome, stderr = run(DROPIN, tmp_path, kind=kind, interrupts=1000)
+    assert outcome == {"problems": [], "interrupts": 1000}, stderr
 
 
 # Ctrl-Cs from another process (a terminal's land anywhere in time; a thread of the program's own can send only
@@ -224,11 +178,10 @@ def test_caught_ctrl_c_leaves_the_dropins_in_step(kind, tmp_path):
 # one before it (not read back from shared memory, which would hide a result handed to nobody).
 GUARDED = textwrap.dedent(
     """
-    import faulthandler, json, os, random, signal, subprocess, sys, tempfile, time
-    faulthandler.dump_traceback_later(100)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import json, os, signal, subprocess, sys, tempfile, time
     sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import as_from_a_terminal
+    as_from_a_terminal()
     import numpy as np
     import envmanager.wire.interrupts as interrupts
 
@@ -321,21 +274,16 @@ GUARDED = textwrap.dedent(
 def test_ctrl_c_anywhere_in_a_call_loses_no_result(kind, tmp_path):
     if kind == "sb3":
         pytest.importorskip("stable_baselines3")
-    program = tmp_path / "program.py"
-    program.write_text(GUARDED.format(repo=REPO, tests=os.path.join(REPO, "tests"), kind=kind, interrupts=200))
-    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=240,
-                          start_new_session=True)
-    assert proc.returncode == 0, proc.stderr
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome == {"problems": [], "interrupts": 200}, proc.stderr[-2000:]
+    outcome, stderr = run(GUARDED, tmp_path, kind=kind, interrupts=200)
+    assert outcome == {"problems": [], "interrupts": 200}, stderr
 
 
 HELD = textwrap.dedent(
     """
     import json, signal, sys, time
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, {repo!r})
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import as_from_a_terminal
+    as_from_a_terminal()
     from envmanager import SubprocessEnvManager
     from envmanager.core.slots import SlotState
     from envmanager.testing.envs import EnvFactory
@@ -374,22 +322,19 @@ HELD = textwrap.dedent(
 
 
 @pytest.mark.parametrize("notebook", [False, True])
-def test_a_ctrl_c_held_back_comes_once_the_call_returned(notebook):
+def test_a_ctrl_c_held_back_comes_once_the_call_returned(notebook, tmp_path):
     """Not at the manager's next call (after the learner's update, or never if the program ends there); in a
     notebook's later cells too."""
-    proc = subprocess.run([sys.executable, "-c", HELD.format(repo=REPO, notebook=notebook)], capture_output=True,
-                          text=True, timeout=120, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome == {"results": True, "raised": "during the update"}, proc.stderr[-2000:]
+    outcome, stderr = run(HELD, tmp_path, timeout=120, notebook=notebook)
+    assert outcome == {"results": True, "raised": "during the update"}, stderr
 
 
 BETWEEN_CELLS = textwrap.dedent(
     """
     import json, signal, sys, time
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.path.insert(0, {repo!r})
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import as_from_a_terminal
+    as_from_a_terminal()
     from envmanager import SubprocessEnvManager
     from envmanager.core.slots import SlotState
     from envmanager.testing.envs import EnvFactory
@@ -430,12 +375,9 @@ BETWEEN_CELLS = textwrap.dedent(
 
 
 @pytest.mark.parametrize("between", ["signal.SIG_IGN", "lambda signum, frame: None"])
-def test_a_ctrl_c_held_back_goes_to_the_handler_in_place_when_it_comes(between):
+def test_a_ctrl_c_held_back_goes_to_the_handler_in_place_when_it_comes(between, tmp_path):
     """A notebook's cell ending (or the program's own handler put in place) while a Ctrl-C is
     held: the press is theirs. It came back at the next cell's first call, and swallowed the
     cell's next real Ctrl-C."""
-    proc = subprocess.run([sys.executable, "-c", BETWEEN_CELLS.format(repo=REPO, between=between)],
-                          capture_output=True, text=True, timeout=120, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome == {"next call": "fine", "later press": "raised"}, proc.stderr[-2000:]
+    outcome, stderr = run(BETWEEN_CELLS, tmp_path, timeout=120, between=between)
+    assert outcome == {"next call": "fine", "later press": "raised"}, stderr
