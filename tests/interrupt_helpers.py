@@ -22,9 +22,11 @@ def as_from_a_terminal() -> None:
 
 
 class Presser:
-    """A thread sending this process SIGINT every 0.1-2 ms (at random, from ``seed``) until ``stop``."""
+    """A thread sending this process SIGINT every 0.1 ms to ``most_s`` (at random, from ``seed``)
+    until ``stop``."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, most_s: float = 0.002) -> None:
+        self._most_s = most_s
         self._stop = threading.Event()
         self._rng = random.Random(seed)
         self._thread = threading.Thread(target=self._press, daemon=True)
@@ -32,7 +34,7 @@ class Presser:
 
     def _press(self) -> None:
         while not self._stop.is_set():
-            time.sleep(self._rng.uniform(0.0001, 0.002))
+            time.sleep(self._rng.uniform(0.0001, self._most_s))
             if not self._stop.is_set():
                 os.kill(os.getpid(), signal.SIGINT)
 

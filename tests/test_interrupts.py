@@ -5,7 +5,8 @@ Each case runs a program of its own (its SIGINT handler and Ctrl-Cs stay there):
 it SIGINTs every fraction of a millisecond while its main thread steps envs that count their
 steps, catching every ``KeyboardInterrupt`` and carrying on. With the batch API every step an env
 took must reach the program exactly once; the drop-ins must go on in step with their envs, an
-interrupted step left pending as gymnasium's and SB3's leave it.
+interrupted step left pending as gymnasium's and SB3's leave it; the samplers must return each
+episode's steps once each, in order.
 """
 
 from __future__ import annotations
@@ -381,3 +382,68 @@ def test_a_ctrl_c_held_back_goes_to_the_handler_in_place_when_it_comes(between, 
     cell's next real Ctrl-C."""
     outcome, stderr = run(BETWEEN_CELLS, tmp_path, timeout=120, between=between)
     assert outcome == {"next call": "fine", "later press": "raised"}, stderr
+
+
+SAMPLER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import Presser, as_from_a_terminal
+    as_from_a_terminal()
+    from sampler_envs import RandomPolicy, kind_env
+
+    def main():
+        kind, mode, n = {kind!r}, {mode!r}, 4
+        if kind == "Sampler":
+            from envmanager.sampler import Sampler
+            sampler = Sampler(kind_env, n, RandomPolicy(), seed=1, timeout=30)
+            want = 7
+        else:
+            from envmanager.sampler import WorkerPolicySampler
+            from test_worker_sampler import ParityAgent
+            sampler = WorkerPolicySampler(kind_env, n, ParityAgent(), seed=1, envs_per_worker=2, fragment_bytes=2048,
+                                          timeout=30)
+            want = 7 * n  # (steps per worker)
+        presser = Presser(2, 0.002 if mode == "steps" else 0.02)  # (episodes take longer than a few ms)
+        seen = {{}}  # (worker, episode id) -> the steps returned so far (the env's t counts them)
+        problems, caught = [], 0
+        while caught < {interrupts} and len(problems) < 5:
+            try:
+                batch = sampler.obtain_steps(7) if mode == "steps" else sampler.obtain_episodes(3)
+            except KeyboardInterrupt:
+                caught += 1
+                continue
+            except Exception as exc:
+                problems.append(repr(exc))
+                continue
+            if mode == "steps" and len(batch) != want:
+                problems.append(f"{{len(batch)}} steps for {{want}}")
+            if mode == "episodes" and not batch.dones[batch.lengths.cumsum() - 1].all():
+                problems.append("an episode returned unfinished")
+            rows = zip(batch.worker_ids.tolist(), batch.episode_ids.tolist(), batch.observations[:, 0].tolist(),
+                       batch.next_observations[:, 0].tolist())
+            for w, e, t, t_next in rows:  # each episode's steps once each, in order, from its first
+                steps = seen.setdefault((w, e), [])
+                if t != len(steps) or t_next != t + 1:
+                    problems.append(f"worker {{w}} episode {{e}}: step {{t}} -> {{t_next}} after {{len(steps)}} steps")
+                steps.append(t)
+        presser.stop()
+        sampler.close()
+        print(json.dumps({{"problems": problems, "interrupts": caught, "steps": sum(map(len, seen.values()))}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("Sampler", "steps"), ("Sampler", "episodes"),
+                                             ("WorkerPolicySampler", "steps")])
+def test_caught_ctrl_c_loses_no_sampled_step(kind, mode, tmp_path):
+    """Transitions across calls (episodes go on from one to the next), or whole episodes: each
+    episode's steps come back once each, in order; a call cut short returns nothing, and the next
+    goes on. The Sampler's records and the manager's went out of step ("no reset was sent")."""
+    interrupts = 200 if mode == "steps" else 100
+    outcome, stderr = run(SAMPLER, tmp_path, kind=kind, mode=mode, interrupts=interrupts)
+    assert outcome["problems"] == [] and outcome["interrupts"] == interrupts, (outcome, stderr)
+    assert outcome["steps"] > 0
