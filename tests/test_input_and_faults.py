@@ -515,15 +515,26 @@ def test_close_kills_own_session_child_of_a_straggler(tmp_path):
 
 class SimulatorEnv(ControlledEnv):
     """Starts a simulator in a session of its own each time it is made (as mlagents starts Unity
-    players), its pid in a file of its own; action 2 raises (the env is then rebuilt)."""
+    players), or at its first reset (``at_reset``: as MineRL starts Minecraft), its pid in a file
+    of its own; action 2 raises (the env is then rebuilt)."""
 
-    def __init__(self, env_id: int, pid_dir: str) -> None:
+    def __init__(self, env_id: int, pid_dir: str, at_reset: bool = False) -> None:
         super().__init__(env_id)
+        self.pid_dir, self.player = pid_dir, None
+        if not at_reset:
+            self._start()
+
+    def _start(self) -> None:
         self.player = subprocess.Popen(["sleep", "3600"], start_new_session=True)
-        path = os.path.join(pid_dir, f"player-{env_id}-{self.player.pid}.pid")
+        path = os.path.join(self.pid_dir, f"player-{self.env_id}-{self.player.pid}.pid")
         with open(path + ".tmp", "w") as f:
             f.write(str(self.player.pid))
         os.replace(path + ".tmp", path)
+
+    def reset(self, *, seed=None, options=None):
+        if self.player is None:
+            self._start()
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         if action == 2:
@@ -531,19 +542,22 @@ class SimulatorEnv(ControlledEnv):
         return super().step(action)
 
     def close(self) -> None:
-        self.player.kill()
-        self.player.wait()
+        if self.player is not None:
+            self.player.kill()
+            self.player.wait()
 
 
 def players_of(tmp_path, env_id: int) -> list[int]:
     return sorted(int(f.read_text()) for f in tmp_path.glob(f"player-{env_id}-*.pid"))
 
 
-def test_a_crashed_worker_s_own_session_simulator_is_killed(tmp_path):
+@pytest.mark.parametrize("at_reset", [False, True])
+def test_a_crashed_worker_s_own_session_simulator_is_killed(tmp_path, at_reset):
     """A worker that dies by itself never closes its envs, and once it is gone its simulators in
-    sessions of their own can no longer be found below it: they are killed all the same."""
+    sessions of their own can no longer be found below it: they are killed all the same. One
+    started at the first reset, after the worker said it was ready, outlived it."""
     pid_dir = str(tmp_path)
-    m = SubprocessEnvManager(lambda i: SimulatorEnv(i, pid_dir), 2, context=CTX, timeout=10)
+    m = SubprocessEnvManager(lambda i: SimulatorEnv(i, pid_dir, at_reset), 2, context=CTX, timeout=10)
     players: list[int] = []
     try:
         m.reset()

@@ -54,7 +54,7 @@ from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, Reset, encod
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
-from envmanager.worker.family import family, kill_family
+from envmanager.worker.family import family, kill_family, marked
 from envmanager.worker.main import WorkerSpec, worker_main
 
 __all__ = ["WorkerProcess", "ProcessState", "Boot"]
@@ -374,6 +374,10 @@ class WorkerProcess:
         if self.process.is_alive():
             self.look_for_family()
             self.process.kill()
+        elif pid is not None and self.process.exitcode != 0:
+            # Died by itself: what its envs started since its READY (a simulator a reset started) is no
+            # longer below it, but carries its mark. (A worker that closed killed its envs' processes itself.)
+            self.family.update(marked(self.spec.parent_pid, pid))
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         kill_family(self.family)

@@ -2,17 +2,23 @@
 killed by pid and start time.
 
 Once a worker is gone, a simulator it started in a session of its own is no longer below it nor
-in its process group: only a record kept while the worker lived still finds it. The start time
-tells the process recorded from a later one given the same pid.
+in its process group: a record kept while the worker lived still finds it, and so does the mark
+the worker puts in its environment, which the programs its envs start inherit (a simulator
+started at a reset, after the worker's record was taken). The start time tells the process
+recorded from a later one given the same pid.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import psutil
 
-__all__ = ["family", "kill_family"]
+__all__ = ["family", "kill_family", "mark", "marked"]
+
+#: The environment variable that marks what a worker's envs start: ``<parent pid>:<worker pid>``.
+MARK = "ENVMANAGER_WORKER"
 
 #: Start times as read in two processes differ where the clock was stepped in between (psutil
 #: derives them from the boot time, cached per process on some platforms): within this, the same.
@@ -39,6 +45,24 @@ def family(pid: int | None = None) -> dict[int, float]:
         except psutil.Error:  # its command line not ours to read: one of the envs' all the same
             pass
         found[child.pid] = born
+    return found
+
+
+def mark(parent_pid: int) -> None:
+    """Mark this worker's environment: the programs its envs start carry the mark."""
+    os.environ[MARK] = f"{parent_pid}:{os.getpid()}"
+
+
+def marked(parent_pid: int, pid: int) -> dict[int, float]:
+    """The processes (ours to read) carrying the mark of worker ``pid`` of ``parent_pid``, by pid,
+    with their start times: one scan of every process, for a worker that died by itself."""
+    want, found = f"{parent_pid}:{pid}", {}
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARK) == want:
+                found[process.pid] = process.create_time()
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
     return found
 
 

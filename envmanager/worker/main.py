@@ -38,7 +38,7 @@ from envmanager.wire.messages import (
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.transport import MailboxLink, link_for
 from envmanager.worker.envs import ENV_RAISES, Stopped, WorkerEnvs, remote_exception
-from envmanager.worker.family import family, kill_family
+from envmanager.worker.family import family, kill_family, mark
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
@@ -89,6 +89,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         os.setpgid(0, 0)
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
+    mark(spec.parent_pid)  # what the envs start carries it: found once this process is gone (``family``)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     _default_fatal_signals()
     threading.Thread(target=watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
