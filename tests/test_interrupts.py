@@ -447,3 +447,59 @@ def test_caught_ctrl_c_loses_no_sampled_step(kind, mode, tmp_path):
     outcome, stderr = run(SAMPLER, tmp_path, kind=kind, mode=mode, interrupts=interrupts)
     assert outcome["problems"] == [] and outcome["interrupts"] == interrupts, (outcome, stderr)
     assert outcome["steps"] > 0
+
+
+RAY_SAMPLER = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    os.environ["RAY_USAGE_STATS_ENABLED"], os.environ["RAY_AUTH_MODE"] = "0", "disabled"
+    from interrupt_helpers import Presser, as_from_a_terminal
+    import ray
+    from ray_helpers import pickle_by_value
+    from sampler_envs import RandomPolicy, kind_env
+    from envmanager.ray import RaySampler
+
+    def main():
+        pickle_by_value()
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="rayt"), log_to_driver=False)
+        as_from_a_terminal()
+        sampler = RaySampler(kind_env, RandomPolicy(), nodes=2, envs_per_node=2, fragment_steps=16, seed=1, timeout=30.0,
+                             start_timeout=60.0)
+        presser = Presser(3)
+        seen, problems, caught = {{}}, [], 0
+        while caught < {interrupts} and len(problems) < 5:
+            try:
+                batch = sampler.obtain_steps(20)
+            except KeyboardInterrupt:
+                caught += 1
+                continue
+            except Exception as exc:
+                problems.append(repr(exc))
+                continue
+            rows = zip(batch.worker_ids.tolist(), batch.episode_ids.tolist(), batch.observations[:, 0].tolist(),
+                       batch.next_observations[:, 0].tolist())
+            for w, e, t, t_next in rows:  # each episode's steps once each, in order, from its first
+                steps = seen.setdefault((w, e), [])
+                if t != len(steps) or t_next != t + 1:
+                    problems.append(f"worker {{w}} episode {{e}}: step {{t}} -> {{t_next}} after {{len(steps)}} steps")
+                steps.append(t)
+        presser.stop()
+        sampler.close()
+        ray.shutdown()
+        print(json.dumps({{"problems": problems, "interrupts": caught, "steps": sum(map(len, seen.values()))}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_caught_ctrl_c_loses_no_step_of_the_ray_sampler(tmp_path):
+    """As the local samplers' (transitions across calls): the fragments a call had taken from the
+    nodes were lost with it (the next call's episodes went on from their middle, within 25 presses)."""
+    pytest.importorskip("ray")
+    outcome, stderr = run(RAY_SAMPLER, tmp_path, interrupts=100)
+    assert outcome["problems"] == [] and outcome["interrupts"] == 100, (outcome, stderr)
+    assert outcome["steps"] > 0

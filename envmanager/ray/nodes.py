@@ -39,6 +39,7 @@ from envmanager.ray.session import (
     kill_actor,
     node_failure,
 )
+from envmanager.wire.interrupts import blocking
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
@@ -350,7 +351,7 @@ class NodePool:
                 raise EnvManagerError("ray sampler: waiting for answers, but no node holds a request (nothing can finish)")
             heads = {node.index: node.queue[0].ref for node in self.nodes if node.queue}  # only they can be booked first
             try:
-                ready, late = first_ready(heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
+                ready, late = blocking(first_ready, heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
             except Exception as exc:
                 self.ray_failed(exc, "waiting for the nodes' answers")
             self._faults += [self._fault(self.nodes[i], f"missed its {self.supervisor.timeout:g} s deadline (hung)", hung=True)

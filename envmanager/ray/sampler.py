@@ -31,6 +31,7 @@ from envmanager.sampler.episodes import spread
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.sampler import exact_quotas
 from envmanager.sampler.versions import Versions
+from envmanager.wire.interrupts import deferred
 
 with requires_extra("ray", "envmanager.ray"):
     import ray
@@ -127,6 +128,7 @@ class RaySampler:
     def env_version(self) -> int:
         return self.versions.env_version
 
+    @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """A new policy (one ``ray.put``, sent to every node without waiting) and/or env update
         (a picklable ``fn(env)`` or one per global slot, applied at each slot's next episode
@@ -166,6 +168,7 @@ class RaySampler:
     # ------------------------------------------------------------------------------------------
     # Steps: fragments, first-ready across nodes
 
+    @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
         """Exactly ``n`` transitions, in the order the nodes delivered them (each node's fragment
         in its worker order). Fragments beyond ``n`` wait for the next call, and every node keeps
@@ -332,6 +335,7 @@ class RaySampler:
     # ------------------------------------------------------------------------------------------
     # Whole episodes
 
+    @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes, each started during this call, until at least ``num_samples`` steps
         (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
@@ -356,6 +360,7 @@ class RaySampler:
         self._top_up_if_streaming()
         return self._merge(got)
 
+    @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` episodes from each global slot (an int, or one per slot),

@@ -24,6 +24,7 @@ their own Ctrl-C handling only over Python's default, no longer find it once a m
 from __future__ import annotations
 
 import _thread
+import functools
 import os
 import signal
 import sys
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["DEFERRED", "blocking"]
+__all__ = ["DEFERRED", "blocking", "deferred"]
 
 _T = TypeVar("_T")
 
@@ -159,6 +160,17 @@ class _Deferred:
 
 DEFERRED = _Deferred()
 _OWN_CODE = frozenset({_Deferred.__enter__.__code__, _Deferred.__exit__.__code__, _redeliver_later.__code__})
+
+
+def deferred(call: Callable[..., _T]) -> Callable[..., _T]:
+    """``call`` made one section: a Ctrl-C is raised in its blocking waits or once it returned."""
+
+    @functools.wraps(call)
+    def in_section(*args: Any, **kwargs: Any) -> _T:
+        with DEFERRED:
+            return call(*args, **kwargs)
+
+    return in_section
 
 
 def blocking(wait: Callable[..., _T], *args: Any) -> _T:
