@@ -503,3 +503,108 @@ def test_caught_ctrl_c_loses_no_step_of_the_ray_sampler(tmp_path):
     outcome, stderr = run(RAY_SAMPLER, tmp_path, interrupts=100)
     assert outcome["problems"] == [] and outcome["interrupts"] == 100, (outcome, stderr)
     assert outcome["steps"] > 0
+
+
+
+# PettingZoo's layers, on envs whose agents say where they are (``pettingzoo_envs.ScheduleParallelEnv``, read by
+# ``interrupt_helpers.EnvRows``): each result handed out is checked against the one before it. Each layer's work
+# after the core's last section (its batch handed out) is made slower than the grace that holds a Ctrl-C there
+# (``interrupt_helpers.slowed``, on every third call), as a large batch's is: its own sections must hold it.
+VECTOR = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import EnvRows, Presser, as_from_a_terminal, slowed
+    as_from_a_terminal()
+    from envmanager.errors import InvalidInputError
+    from envmanager.pettingzoo import ParallelVectorEnv, vector
+    from pettingzoo_envs import ScheduleParallelFn
+
+    slowed(vector, "gather")  # the batch handed out
+
+    def main():
+        n, agents, lockstep = 4, EnvRows.AGENTS, {lockstep!r}
+        v = ParallelVectorEnv([ScheduleParallelFn(i, tempfile.mkdtemp()) for i in range(n)], envs_per_worker={per_worker},
+                              timeout=30)
+        problems, interrupts = [], 0
+        envs = EnvRows(v.reset(seed=0).observation.reshape(n, agents, -1), problems)
+        busy = set()  # envs sent a step whose result was not taken (as far as the program knows)
+
+        def take(batch):
+            k = len(batch.env_ids)
+            obs, present = batch.observation.reshape(k, agents, -1), batch.present.reshape(k, agents)
+            active, terminated = batch.active.reshape(k, agents), batch.terminated.reshape(k, agents)
+            for row, i in enumerate(batch.env_ids.tolist()):
+                if batch.restarted[row] or batch.episode_end[row] == active[row].any():
+                    problems.append(f"env {{i}}: restarted {{batch.restarted[row]}}, episode_end "
+                                    f"{{batch.episode_end[row]}}, active {{active[row].tolist()}}")
+                envs.take(i, obs[row], present[row], terminated[row], bool(batch.episode_start[row]))
+                busy.discard(i)
+
+        def pending(exc):  # the refusal that says a step was sent whose result recv() has not returned
+            if "recv() has not returned" not in str(exc):
+                raise exc
+
+        presser = Presser({seed})
+        got = None
+        while interrupts < {interrupts} and not problems:
+            try:
+                if got is not None:  # (again, if a Ctrl-C cut it short)
+                    take(got)
+                    got = None
+                idle = [i for i in range(n) if i not in busy]
+                if lockstep and busy:  # the step a Ctrl-C cut short
+                    got = v.recv(n, sort=True)
+                elif lockstep:
+                    got = v.step(envs.actions(idle))
+                else:  # EnvPool's: the idle envs sent a step, the first to finish received
+                    try:
+                        v.send(envs.actions(idle), env_ids=idle)
+                        busy.update(idle)
+                    except InvalidInputError as exc:  # some still stepping (a Ctrl-C came after their send returned)
+                        pending(exc)
+                    got = v.recv(1)
+            except KeyboardInterrupt:
+                interrupts += 1
+            except InvalidInputError as exc:
+                try:
+                    pending(exc)
+                    busy.update(range(n))
+                except InvalidInputError:
+                    problems.append(repr(exc))
+            except Exception as exc:
+                problems.append(repr(exc))
+        presser.stop()
+        try:
+            if not problems:
+                if got is not None:
+                    take(got)
+                while busy:
+                    take(v.recv(1))
+                while True:  # a step of every env, once those stepping that the program did not know of are in
+                    try:
+                        take(v.step(envs.actions(list(range(n)))))
+                        break
+                    except InvalidInputError as exc:
+                        pending(exc)
+                        take(v.recv(1))
+                envs.in_step_with(v.call("episode"), v.call("t"))
+        except Exception as exc:
+            problems.append(repr(exc))
+        v.close()
+        print(json.dumps({{"problems": problems[:5], "interrupts": interrupts, "taken": envs.taken}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize(("lockstep", "per_worker"), [(True, 1), (False, 2)])
+def test_caught_ctrl_c_leaves_parallel_vector_env_in_step(lockstep, per_worker, tmp_path):
+    """Lockstep ``step()`` (a step cut short is refused as pending, then received), and EnvPool's
+    ``send`` / ``recv(1)``: every env's results reach the program once, in order."""
+    pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
+    outcome, stderr = run(VECTOR, tmp_path, lockstep=lockstep, per_worker=per_worker, seed=per_worker, interrupts=600)
+    assert outcome["problems"] == [], (outcome, stderr)
+    assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
