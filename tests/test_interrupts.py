@@ -608,3 +608,125 @@ def test_caught_ctrl_c_leaves_parallel_vector_env_in_step(lockstep, per_worker, 
     outcome, stderr = run(VECTOR, tmp_path, lockstep=lockstep, per_worker=per_worker, seed=per_worker, interrupts=600)
     assert outcome["problems"] == [], (outcome, stderr)
     assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
+
+
+# What the ``MultiAgentSampler`` hands out, per agent episode (its rows say which env episode and step they are):
+# each agent's steps consecutive from its episode's first, each action the policy's, one episode id per agent of
+# one env episode; ``obtain_episodes``' episodes whole, each handed out once. A call a Ctrl-C cut short hands out
+# nothing and the episodes it was recording are not recorded on (an agent episode's rows stop, with no gap). The
+# same of the ``Sampler`` alone, on ``schedule_envs.ScheduleEnv`` (one agent).
+SAMPLER = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import Presser, as_from_a_terminal, slowed
+    as_from_a_terminal()
+    import numpy as np
+    from envmanager.sampler import Sampler, TransitionBatch
+    from schedule_envs import ScheduleFactory, episode_length
+
+    multi_agent = {multi_agent!r}
+    slowed(TransitionBatch, "from_steps")  # the sampler's steps handed out (and the per-agent ones)
+    if multi_agent:
+        from envmanager.pettingzoo import MultiAgentSampler, agents
+        from pettingzoo_envs import ScheduleParallelFn
+        slowed(agents.AgentRows, "rows")  # the env steps into per-agent rows
+        SLOT, AGENT, EPISODE, T, LAST, NONCE = range(6)
+    else:  # the Sampler alone, on ``schedule_envs.ScheduleEnv`` (one agent)
+        SLOT, EPISODE, T, LAST, NONCE, AGENT = 0, 1, 2, 3, 4, None
+
+    def agent(o):
+        return 0 if AGENT is None else int(o[AGENT])
+
+    def policy(observations, acting):  # from the rows alone, so what an agent received can be checked
+        return np.array([(o[T] + o[SLOT] + agent(o)) % 4 for o in observations], np.int64)
+
+    def main():
+        n, steps, per_call = 4, {kind!r} == "steps", {per_call}
+        if multi_agent:
+            s = MultiAgentSampler([ScheduleParallelFn(i, tempfile.mkdtemp()) for i in range(n)], policy, seed=0,
+                                  policy_in_workers={in_workers!r}, envs_per_worker=2, timeout=30)
+        else:
+            s = Sampler(ScheduleFactory(tempfile.mkdtemp()), n, policy, seed=0, envs_per_worker=2, timeout=30)
+        problems, interrupts = [], 0
+        # Per agent episode id: its env episode (slot, agent, episode, nonce), its last step handed out and whether
+        # it ended; and the number of the last sample taken. One store: a check cut short is done again as a whole.
+        state = ({{}}, 0)
+
+        def take(number, sample):
+            seen, last = state
+            if number == last:
+                return state  # taken already
+            seen, now = dict(seen), {{}}
+            env_steps = sample.env_steps if multi_agent else sample
+            if steps and len(env_steps) != per_call * (n if {in_workers!r} else 1):  # (in the workers: per slot)
+                problems.append(f"obtain_steps({{per_call}}) handed out {{len(env_steps)}} env steps")
+            for batch in sample.groups.values() if multi_agent else [sample]:
+                obs, nxt = batch.observations, batch.next_observations
+                for r, eid in enumerate(batch.episode_ids.tolist()):
+                    o, x, a = obs[r], nxt[r], int(batch.actions[r])
+                    who = (int(o[SLOT]), agent(o), int(o[EPISODE]), float(o[NONCE]))
+                    what = f"agent episode {{eid}} (slot, agent, episode {{who[:3]}}): step {{int(o[T])}}"
+                    known, t, ended = seen.get(eid, (who, -1, False))
+                    if known != who:
+                        problems.append(f"{{what}}: the id of another agent episode, {{known[:3]}}")
+                    elif ended or (not steps and eid in seen and eid not in now):
+                        problems.append(f"{{what}}: handed out again")
+                    elif o[T] != t + 1:
+                        problems.append(f"{{what}} after step {{t}}: a step lost, doubled or out of order")
+                    elif a != (o[T] + o[SLOT] + agent(o)) % 4 or x[LAST] != a or x[T] != o[T] + 1:
+                        problems.append(f"{{what}}: action {{a}}, the agent received {{x[LAST]}} at step {{x[T]}}")
+                    elif batch.terminated[r] != (x[T] >= episode_length(who[0], who[2]) + who[1]) or batch.truncated[r]:
+                        problems.append(f"{{what}}: terminated {{batch.terminated[r]}}, truncated {{batch.truncated[r]}}")
+                    elif batch.interrupted[r]:
+                        problems.append(f"{{what}}: interrupted, yet no worker restarted")
+                    seen[eid] = now[eid] = (who, int(o[T]), bool(batch.terminated[r]))
+            if not steps:
+                problems.extend(f"agent episode {{eid}} {{who[:3]}}: handed out up to step {{t}} only"
+                                for eid, (who, t, ended) in now.items() if not ended)
+            return seen, number
+
+        def obtain():
+            return s.obtain_steps(per_call) if steps else s.obtain_episodes(per_call)
+
+        presser = Presser({seed})
+        got, number = None, 0
+        while interrupts < {interrupts} and not problems:
+            try:
+                if got is not None:  # (again, if a Ctrl-C cut it short)
+                    state = take(*got)
+                    got = None
+                number += 1
+                got = (number, obtain())
+            except KeyboardInterrupt:
+                interrupts += 1
+            except Exception as exc:
+                problems.append(repr(exc))
+        presser.stop()
+        try:
+            if not problems:
+                if got is not None:
+                    state = take(*got)
+                state = take(number + 1, obtain())
+        except Exception as exc:
+            problems.append(repr(exc))
+        s.close()
+        print(json.dumps({{"problems": problems[:5], "interrupts": interrupts, "agent_episodes": len(state[0])}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize(("multi_agent", "in_workers", "kind", "per_call"), [(False, False, "steps", 2)])
+def test_caught_ctrl_c_leaves_the_samplers_in_step(multi_agent, in_workers, kind, per_call, tmp_path):
+    """``MultiAgentSampler.obtain_steps`` (episodes going on from call to call), with the policy
+    in the parent and in the workers, and ``obtain_episodes``; the ``Sampler`` under it alone."""
+    if multi_agent:
+        pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
+    interrupts = 1000 if multi_agent else 600
+    outcome, stderr = run(SAMPLER, tmp_path, multi_agent=multi_agent, in_workers=in_workers, kind=kind,
+                          per_call=per_call, seed=4, interrupts=interrupts)
+    assert outcome["problems"] == [], (outcome, stderr)
+    assert outcome["interrupts"] == interrupts and outcome["agent_episodes"] > 0, outcome

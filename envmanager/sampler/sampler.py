@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Sampler", "apply_agent_update", "exact_quotas"]
+
+_T = TypeVar("_T")
 
 NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
 
@@ -147,7 +149,7 @@ class Sampler:
         positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
-        return self._episodes(self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running)))
+        return self._collect(SampleCount(self.n_workers, num_samples, self.episodes.recorded_running), self._episodes)
 
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
@@ -155,7 +157,7 @@ class Sampler:
         started during this call, in (worker, admission) order. Unbiased: see ``episodes``."""
         quotas = exact_quotas(n_eps_per_worker, self.n_workers)
         self.update(agent_update, env_update)
-        return self._episodes(self._collect(EpisodeQuotas(quotas)))
+        return self._collect(EpisodeQuotas(quotas), self._episodes)
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n`` episodes in all (quotas spread over the slots before collection starts), or
@@ -168,14 +170,7 @@ class Sampler:
         next ``obtain_steps`` (same episode ids)."""
         positive_count("n", n)
         self.update(agent_update, env_update)
-        goal = self._collect(StepCount(self.n_workers, n))
-        self._count_empty_cut(goal)
-        steps: list[Step] = []
-        for slot in range(self.n_workers):
-            for episode, _ in goal.episodes[slot]:
-                steps += episode
-            steps += self.episodes[slot].take_steps()  # the running episode's steps so far: it goes on next call
-        return TransitionBatch.from_steps(steps)
+        return self._collect(StepCount(self.n_workers, n), self._steps)
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
@@ -195,18 +190,26 @@ class Sampler:
     # ------------------------------------------------------------------------------------------
     # The collection loop
 
-    def _collect(self, goal: Goal) -> Goal:
-        """Step until ``goal`` is done; episodes running from before are not admitted (they run
-        out unrecorded, counted as ``discarded_steps``), except that ``obtain_steps`` continues
-        its own. A call that raises drops what it recorded (counted as ``dropped_steps``), and
-        the episodes still running are not recorded on (so no episode's rows have a gap)."""
+    def _collect(self, goal: Goal, hand_out: Callable[[Goal], _T]) -> _T:
+        """Step until ``goal`` is done, and return ``hand_out(goal)``; episodes running from
+        before are not admitted (they run out unrecorded, counted as ``discarded_steps``), except
+        that ``obtain_steps`` continues its own. A call that raises drops what it recorded
+        (counted as ``dropped_steps``), and the episodes still running are not recorded on (so no
+        episode's rows have a gap). A Ctrl-C waits while the steps are handed out: they leave
+        the records whole (``interrupts``)."""
         raise_given_up(self.manager, self.episodes)
         if not goal.record_partial:
             self._apply_agent_update()
             self.episodes.stop_recording()
         bar = self._progress_bar(goal)
         try:
-            self._run(goal, bar)
+            try:
+                self._run(goal, bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            with DEFERRED:  # (a Ctrl-C before it is raised as in the collection; in it, held until they are out)
+                return hand_out(goal)
         except BaseException as exc:
             dropped = sum(len(steps) for per_slot in goal.episodes for steps, _ in per_slot)
             if dropped:
@@ -215,10 +218,6 @@ class Sampler:
             if isinstance(exc, EnvManagerError):  # a process given up: the first one's error, as every later call raises
                 raise_given_up(self.manager, self.episodes)
             raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return goal
 
     def _progress_bar(self, goal: Goal) -> Any:
         _, total, unit = goal.progress()
@@ -440,6 +439,17 @@ class Sampler:
             self.stats.count("empty_cut_episodes", goal.empty_cut)
             logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step",
                            goal.empty_cut)
+
+    def _steps(self, goal: Goal) -> TransitionBatch:
+        """What ``obtain_steps`` hands out: the steps recorded, in worker order (the running
+        episodes' so far: they go on into the next call)."""
+        self._count_empty_cut(goal)
+        steps: list[Step] = []
+        for slot in range(self.n_workers):
+            for episode, _ in goal.episodes[slot]:
+                steps += episode
+            steps += self.episodes[slot].take_steps()  # the running episode's steps so far: it goes on next call
+        return TransitionBatch.from_steps(steps)
 
     def _episodes(self, goal: Goal) -> EpisodeBatch:
         episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in goal.episodes for steps, cut in per_slot]
