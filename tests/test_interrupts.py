@@ -719,7 +719,9 @@ SAMPLER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("multi_agent", "in_workers", "kind", "per_call"), [(False, False, "steps", 2)])
+@pytest.mark.parametrize(("multi_agent", "in_workers", "kind", "per_call"),
+                         [(True, False, "steps", 2), (True, False, "episodes", 1), (True, True, "steps", 2),
+                          (False, False, "steps", 2)])
 def test_caught_ctrl_c_leaves_the_samplers_in_step(multi_agent, in_workers, kind, per_call, tmp_path):
     """``MultiAgentSampler.obtain_steps`` (episodes going on from call to call), with the policy
     in the parent and in the workers, and ``obtain_episodes``; the ``Sampler`` under it alone."""

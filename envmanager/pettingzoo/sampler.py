@@ -16,7 +16,7 @@ import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -27,12 +27,15 @@ from envmanager.pettingzoo.facade import FacadeFactory, OnPettingZooEnv
 from envmanager.pettingzoo.layout import MASK_KEY, AgentGroup, AgentLayout, check_group_options, one_layout, stacked_action_space
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.sampler import Sampler, apply_agent_update
-from envmanager.sampler.slots import EpisodeSlots
+from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome
 from envmanager.sampler.worker_policy import WorkerPolicySampler
+from envmanager.wire.interrupts import DEFERRED
 
 __all__ = ["MultiAgentSampler", "AgentSample", "ActingAgents", "GroupPolicies"]
 
 logger = logging.getLogger(__name__)
+
+_Batch = TypeVar("_Batch", TransitionBatch, EpisodeBatch)
 
 
 class ActingAgents(NamedTuple):
@@ -248,19 +251,43 @@ class MultiAgentSampler:
         """``n`` env steps (``n`` per slot with the policy in the workers), in env slot order,
         as per-agent transitions, per group."""
         self.update(agent_update, env_update)
-        return self._transitions(self.sampler.obtain_steps(n))
+        return self._hand_out(lambda: self.sampler.obtain_steps(n), self._transitions)
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None,
                         env_update: Any = None) -> AgentSample:
         """``n`` env episodes (or ``n`` per env slot), as per-agent episodes, per group."""
         self.update(agent_update, env_update)
-        return self._episodes(self.sampler.obtain_episodes(n, per_worker))
+        return self._hand_out(lambda: self.sampler.obtain_episodes(n, per_worker), self._episodes)
 
     def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None,
                               env_update: Any = None) -> AgentSample:
         """Exactly ``n_eps_per_worker`` env episodes from each slot (unbiased: the sampler's)."""
         self.update(agent_update, env_update)
-        return self._episodes(self.sampler.obtain_exact_episodes(n_eps_per_worker))
+        return self._hand_out(lambda: self.sampler.obtain_exact_episodes(n_eps_per_worker), self._episodes)
+
+    def _hand_out(self, collect: Callable[[], _Batch], rows: Callable[[_Batch], AgentSample]) -> AgentSample:
+        """``rows(collect())``: the sampler's env steps turned into per-agent rows in a section of
+        their own, so a Ctrl-C never leaves the transitions kept open (``AgentRows``) apart from
+        the sampler's records (``interrupts``). One raised after the sampler handed its steps out,
+        before they are rows (held while it handed them out, it is raised on entering the
+        section), drops them as the sampler drops a call's steps when it raises: its episodes
+        running are not recorded on (the worker-side sampler lets them go), so no agent's rows
+        have a gap; the transitions they left open go at the next call (``_settle``)."""
+        batch: _Batch | None = None
+        try:
+            batch = collect()
+            with DEFERRED:
+                return rows(batch)
+        except KeyboardInterrupt:  # (raised in the collection, the sampler has done this already)
+            if batch is not None and len(batch):
+                self.stats.count("dropped_steps", len(batch))
+            episodes = self.sampler.episodes
+            if isinstance(self.sampler, Sampler):
+                episodes.stop_recording()
+            else:
+                for slot in episodes.in_state(EpisodeState.RUNNING):
+                    episodes.close(slot, Outcome.DISCARDED)
+            raise
 
     def _transitions(self, env: TransitionBatch) -> AgentSample:
         self._settle(env)
