@@ -440,6 +440,16 @@ class ScheduleParallelEnv(ParallelEnv):
         pass
 
 
+class SeededScheduleParallelEnv(ScheduleParallelEnv):
+    """:class:`ScheduleParallelEnv` for the SuperSuit drop-in, whose envs are copies of one env: a seeded reset
+    makes it slot ``seed`` (``reset(seed=0)`` gives env ``i`` seed ``i``), with a nonce of its own."""
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        if seed is not None:
+            self.slot, self.nonce = int(seed), float(secrets.randbits(40))
+        return super().reset(seed=seed, options=options)
+
+
 class ScheduleParallelFn:
     """An ``env_fns`` entry of :class:`ScheduleParallelEnv` (a callable without arguments)."""
 

@@ -610,6 +610,103 @@ def test_caught_ctrl_c_leaves_parallel_vector_env_in_step(lockstep, per_worker, 
     assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
 
 
+# The SuperSuit drop-in (one row per agent, an env reset within the step that ended it, its agents' last
+# observations in ``infos[row]["terminal_observation"]``): a step a Ctrl-C cut short is pending, as SB3's, and
+# ``step_wait()`` returns it. Its envs are copies of one env: a seeded reset gives each its slot.
+SUPERSUIT = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import EnvRows, Presser, as_from_a_terminal, slowed
+    as_from_a_terminal()
+    import numpy as np
+    from envmanager.errors import InvalidInputError
+    from envmanager.pettingzoo import PettingZooVecEnv, concat_vec_envs, pettingzoo_env_to_vec_env, vector
+    from pettingzoo_envs import SeededScheduleParallelEnv
+
+    slowed(vector, "gather")  # the vector's batch handed out
+    slowed(PettingZooVecEnv, "_observations")  # the drop-in's rows
+
+    def main():
+        n, agents, NONCE, sb3 = 4, EnvRows.AGENTS, EnvRows.NONCE, {base_class!r} == "stable_baselines3"
+        envs = concat_vec_envs(pettingzoo_env_to_vec_env(SeededScheduleParallelEnv(0, tempfile.mkdtemp())), n,
+                               num_cpus=2, base_class={base_class!r}, timeout=30)
+        problems, interrupts = [], 0
+        first = envs.reset(seed=0)  # env i: seed i, so slot i
+        rows = EnvRows((first if sb3 else first[0]).reshape(n, agents, -1), problems)
+
+        def take(got):
+            obs, infos = got[0].reshape(n, agents, -1), got[-1]
+            terminated = got[2].reshape(n, agents)  # (SB3's dones: none is truncated here)
+            for i in range(n):
+                o = obs[i]
+                last = [infos[i * agents + a].get("terminal_observation") for a in range(agents)]
+                if all(x is None for x in last):
+                    rows.take(i, o, o[:, NONCE] != 0, terminated[i])  # (a row of an agent not there: zeros)
+                elif not (o == rows.state[i][0]).all():  # (else its step and the reset after it are taken already)
+                    # its episode ended in this step, and it was reset within it: the step, then the reset
+                    there = np.array([x is not None for x in last])
+                    rows.take(i, np.array([x if x is not None else o[a] for a, x in enumerate(last)]), there, terminated[i])
+                    rows.take(i, o, np.ones(agents, bool), np.zeros(agents, bool))
+
+        def pending(exc):  # the refusal that says a step is pending
+            if "pending" not in str(exc):
+                raise exc
+
+        presser = Presser({seed})
+        got, cut = None, False
+        while interrupts < {interrupts} and not problems:
+            try:
+                if got is not None:  # (again, if a Ctrl-C cut it short)
+                    take(got)
+                    got = None
+                if cut:  # the step a Ctrl-C cut short
+                    got, cut = envs.step_wait(), False
+                else:
+                    got = envs.step(rows.actions(list(range(n))))
+            except KeyboardInterrupt:
+                interrupts += 1
+            except InvalidInputError as exc:
+                try:
+                    pending(exc)
+                    cut = True
+                except InvalidInputError:
+                    problems.append(repr(exc))
+            except Exception as exc:
+                problems.append(repr(exc))
+        presser.stop()
+        try:
+            if not problems:
+                if got is not None:
+                    take(got)
+                for _ in range(2):  # the step a Ctrl-C cut short, if one did, then a step of every env
+                    try:
+                        take(envs.step(rows.actions(list(range(n)))))
+                    except InvalidInputError as exc:
+                        pending(exc)
+                        take(envs.step_wait())
+                rows.in_step_with(envs.get_attr("episode")[::agents], envs.get_attr("t")[::agents])
+        except Exception as exc:
+            problems.append(repr(exc))
+        envs.close()
+        print(json.dumps({{"problems": problems[:5], "interrupts": interrupts, "taken": rows.taken}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize("base_class", ["gymnasium", "stable_baselines3"])
+def test_caught_ctrl_c_leaves_the_supersuit_dropin_in_step(base_class, tmp_path):
+    pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
+    if base_class == "stable_baselines3":
+        pytest.importorskip("stable_baselines3")
+    outcome, stderr = run(SUPERSUIT, tmp_path, base_class=base_class, seed=3, interrupts=600)
+    assert outcome["problems"] == [], (outcome, stderr)
+    assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
+
+
 # What the ``MultiAgentSampler`` hands out, per agent episode (its rows say which env episode and step they are):
 # each agent's steps consecutive from its episode's first, each action the policy's, one episode id per agent of
 # one env episode; ``obtain_episodes``' episodes whole, each handed out once. A call a Ctrl-C cut short hands out

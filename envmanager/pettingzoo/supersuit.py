@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -36,6 +37,7 @@ from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
 from envmanager.pettingzoo.layout import MASK_KEY
 from envmanager.pettingzoo.vector import ParallelVectorEnv
+from envmanager.wire.interrupts import DEFERRED
 
 with requires_extra("pettingzoo", __name__):
     from pettingzoo.utils.env import ParallelEnv
@@ -81,6 +83,10 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
 
     With ``restart_workers=True`` an env whose process was restarted comes back as a reset, its
     rows ``truncated`` (the episode was cut short; it has no terminal observation).
+
+    A step cut short by a Ctrl-C the program catches stays pending (as SB3's ``step_async`` /
+    ``step_wait`` leave it): ``step_wait()`` returns its results, none lost; ``step()`` or
+    ``step_async()`` meanwhile raises ``InvalidInputError``, and ``reset()`` drops it.
     """
 
     def __init__(self, env: Any, num_vec_envs: int, num_cpus: int = 0, **kwargs: Any) -> None:
@@ -123,6 +129,7 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         #: Per row: the infos of its env's latest reset (by ``reset()`` or within a step).
         self.reset_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         self._actions: Any = None
+        self._pending: _Step | None = None  # a step a Ctrl-C cut short, where it was
         self._closed = False
 
     # ------------------------------------------------------------------------------------------
@@ -143,15 +150,21 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         """Reset every env (env ``i`` with ``seed + i``); returns the observations and one info per row."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise InvalidInputError(f"seed must be an int or None, got {seed!r:.80}")
-        batch = self.vector.reset(seed=seed, options=options)
-        self.active = batch.active.copy()
-        self.reset_infos = self._row_infos(batch)
-        return self._observations(batch), [dict(info) for info in self.reset_infos]
+        vector = self.vector
+        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the vector (``interrupts``)
+            self._pending = None  # (dropped with what is in flight)
+            batch = vector.reset(seed=seed, options=options)
+            self.active = batch.active.copy()
+            self.reset_infos = self._row_infos(batch)
+            return self._observations(batch), [dict(info) for info in self.reset_infos]
 
     def step_async(self, actions: Any) -> None:
+        self._refuse_pending("step_async")
         self._actions = actions
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        if self._pending is not None:  # the step a Ctrl-C cut short
+            return self._go_on(self.vector)
         actions, self._actions = self._actions, None
         if actions is None:
             raise InvalidInputError("step_wait() without step_async(actions)")
@@ -159,13 +172,28 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:  # type: ignore[override]
         vector = self.vector
+        self._refuse_pending("step")
         actions = np.asarray(actions)
         if actions.shape[:1] != (self.num_envs,):
             raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
                                     f"envs x {self.num_agents} agents), got shape {actions.shape}")
+        with DEFERRED:  # sent and noted together (a Ctrl-C waits, ``interrupts``)
+            self._guarded(vector, vector.send, actions)
+            self._pending = _Step(actions)
+        return self._go_on(vector)
+
+    def _refuse_pending(self, call: str) -> None:
+        if self._pending is not None:  # a Ctrl-C cut a step short: its results would be dropped unseen
+            raise InvalidInputError(f"{call}() while a step is pending: call step_wait() for its results "
+                                    "(or reset() to drop it)")
+
+    def _guarded(self, vector: ParallelVectorEnv, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``; after a failure nothing of the step stays in flight (nor
+        pending): SuperSuit's vector env has no recv."""
         try:
-            return self._step(vector, actions)
-        except EnvManagerError:  # nothing of this step stays in flight: SuperSuit's vector env has no recv
+            return call(*args, **kwargs)
+        except EnvManagerError:
+            self._pending = None
             try:
                 for error in vector.drop_in_flight():
                     logger.warning("a step dropped after a failure failed too: %s", error)
@@ -173,10 +201,24 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
                 logger.warning("could not drop the steps in flight after a failure", exc_info=True)
             raise
 
-    def _step(self, vector: ParallelVectorEnv, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray,
-                                                                              list[dict]]:
-        """``step``: every env stepped, those whose episode ended reset within it, as SuperSuit's."""
-        batch = vector.step(actions)
+    def _go_on(self, vector: ParallelVectorEnv) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        """The pending step, from where it was: every env's result, then the resets of those whose
+        episode ended (sent as the results came). A Ctrl-C in a wait leaves it pending there; elsewhere
+        it waits until what this keeps agrees with the vector (``interrupts``)."""
+        step = self._pending
+        assert step is not None
+        with DEFERRED:
+            if step.results is None:
+                self._stepped(vector, step, self._guarded(vector, vector.recv, self.num_vec_envs, sort=True))
+            if step.ended.size:
+                self._reset_within(step, self._guarded(vector, vector.recv, len(step.ended), sort=True))
+            self._pending = None
+            assert step.results is not None
+            return step.results
+
+    def _stepped(self, vector: ParallelVectorEnv, step: _Step, batch: MultiAgentBatch) -> None:
+        """Every env's result of ``step``: SuperSuit's, less the resets of the envs whose episode
+        ended, which are sent (SuperSuit resets them within the step)."""
         observations = self._observations(batch)
         infos = self._row_infos(batch)
         rewards = batch.reward.astype(np.float32)
@@ -191,22 +233,30 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             rows = (ended[:, None] * n + np.arange(n)).reshape(-1)
             for row in rows[batch.present[rows]]:
                 infos[row]["terminal_observation"] = _row(observations, row)
-            vector.send(np.zeros_like(actions[rows]), env_ids=ended)  # read by no one: the env's next step is its reset
-            reset = vector.recv(len(ended), sort=True)
-            # (a restart meanwhile resets the other envs of that process too: they come back here, their
-            # episodes cut short after this step, whose observations are their last)
-            rows = (reset.env_ids[:, None] * n + np.arange(n)).reshape(-1)
-            cut = rows[~np.isin(rows // n, ended)]
-            if cut.size:
-                truncations[cut] = True
-                for row in cut[batch.present[cut]]:
-                    infos[row]["terminal_observation"] = _row(observations, row)
-            _put_rows(observations, rows, self._observations(reset))
-            self.active[rows] = reset.active
-            for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):
-                infos[row].update(info)
-                self.reset_infos[row] = info
-        return observations, rewards, terminations, truncations, infos
+            # read by no one: the env's next step is its reset
+            self._guarded(vector, vector.send, np.zeros_like(step.actions[rows]), env_ids=ended)
+        step.batch, step.ended = batch, ended
+        step.results = observations, rewards, terminations, truncations, infos
+
+    def _reset_within(self, step: _Step, reset: MultiAgentBatch) -> None:
+        """The resets of the envs whose episode ended in ``step``, into its results."""
+        assert step.results is not None and step.batch is not None
+        observations, _, _, truncations, infos = step.results
+        n, batch = self.num_agents, step.batch
+        # (a restart meanwhile resets the other envs of that process too: they come back here, their
+        # episodes cut short after this step, whose observations are their last)
+        rows = (reset.env_ids[:, None] * n + np.arange(n)).reshape(-1)
+        cut = rows[~np.isin(rows // n, step.ended)]
+        if cut.size:
+            truncations[cut] = True
+            for row in cut[batch.present[cut]]:
+                infos[row]["terminal_observation"] = _row(observations, row)
+        _put_rows(observations, rows, self._observations(reset))
+        self.active[rows] = reset.active
+        for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):
+            infos[row].update(info)
+            self.reset_infos[row] = info
+        step.ended = step.ended[:0]
 
     def _observations(self, batch: MultiAgentBatch) -> Any:
         """The batch's observations (a copy) as the env's space has them: with its action mask
@@ -254,6 +304,18 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             self.close()
         except Exception:
             pass
+
+
+@dataclass
+class _Step:
+    """A step under way: its actions (sent), then every env's result (``results``, SuperSuit's
+    five, and the ``batch`` they came from) and the envs whose episode ended there (``ended``:
+    their resets sent and not yet taken)."""
+
+    actions: np.ndarray
+    results: tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]] | None = None
+    batch: MultiAgentBatch | None = None
+    ended: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def _copy(tree: Any) -> Any:
