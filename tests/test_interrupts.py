@@ -384,71 +384,6 @@ def test_a_ctrl_c_held_back_goes_to_the_handler_in_place_when_it_comes(between, 
     assert outcome == {"next call": "fine", "later press": "raised"}, stderr
 
 
-SAMPLER = textwrap.dedent(
-    """
-    import json, sys
-    sys.path[:0] = [{repo!r}, {tests!r}]
-    from interrupt_helpers import Presser, as_from_a_terminal
-    as_from_a_terminal()
-    from sampler_envs import RandomPolicy, kind_env
-
-    def main():
-        kind, mode, n = {kind!r}, {mode!r}, 4
-        if kind == "Sampler":
-            from envmanager.sampler import Sampler
-            sampler = Sampler(kind_env, n, RandomPolicy(), seed=1, timeout=30)
-            want = 7
-        else:
-            from envmanager.sampler import WorkerPolicySampler
-            from test_worker_sampler import ParityAgent
-            sampler = WorkerPolicySampler(kind_env, n, ParityAgent(), seed=1, envs_per_worker=2, fragment_bytes=2048,
-                                          timeout=30)
-            want = 7 * n  # (steps per worker)
-        presser = Presser(2, 0.002 if mode == "steps" else 0.02)  # (episodes take longer than a few ms)
-        seen = {{}}  # (worker, episode id) -> the steps returned so far (the env's t counts them)
-        problems, caught = [], 0
-        while caught < {interrupts} and len(problems) < 5:
-            try:
-                batch = sampler.obtain_steps(7) if mode == "steps" else sampler.obtain_episodes(3)
-            except KeyboardInterrupt:
-                caught += 1
-                continue
-            except Exception as exc:
-                problems.append(repr(exc))
-                continue
-            if mode == "steps" and len(batch) != want:
-                problems.append(f"{{len(batch)}} steps for {{want}}")
-            if mode == "episodes" and not batch.dones[batch.lengths.cumsum() - 1].all():
-                problems.append("an episode returned unfinished")
-            rows = zip(batch.worker_ids.tolist(), batch.episode_ids.tolist(), batch.observations[:, 0].tolist(),
-                       batch.next_observations[:, 0].tolist())
-            for w, e, t, t_next in rows:  # each episode's steps once each, in order, from its first
-                steps = seen.setdefault((w, e), [])
-                if t != len(steps) or t_next != t + 1:
-                    problems.append(f"worker {{w}} episode {{e}}: step {{t}} -> {{t_next}} after {{len(steps)}} steps")
-                steps.append(t)
-        presser.stop()
-        sampler.close()
-        print(json.dumps({{"problems": problems, "interrupts": caught, "steps": sum(map(len, seen.values()))}}))
-
-    if __name__ == "__main__":
-        main()
-    """
-)
-
-
-@pytest.mark.parametrize(("kind", "mode"), [("Sampler", "steps"), ("Sampler", "episodes"),
-                                             ("WorkerPolicySampler", "steps")])
-def test_caught_ctrl_c_loses_no_sampled_step(kind, mode, tmp_path):
-    """Transitions across calls (episodes go on from one to the next), or whole episodes: each
-    episode's steps come back once each, in order; a call cut short returns nothing, and the next
-    goes on. The Sampler's records and the manager's went out of step ("no reset was sent")."""
-    interrupts = 200 if mode == "steps" else 100
-    outcome, stderr = run(SAMPLER, tmp_path, kind=kind, mode=mode, interrupts=interrupts)
-    assert outcome["problems"] == [] and outcome["interrupts"] == interrupts, (outcome, stderr)
-    assert outcome["steps"] > 0
-
-
 RAY_SAMPLER = textwrap.dedent(
     """
     import json, os, sys, tempfile
@@ -719,11 +654,12 @@ SAMPLER = textwrap.dedent(
     from interrupt_helpers import Presser, as_from_a_terminal, slowed
     as_from_a_terminal()
     import numpy as np
-    from envmanager.sampler import Sampler, TransitionBatch
+    from envmanager.sampler import Sampler, TransitionBatch, WorkerPolicySampler
     from schedule_envs import ScheduleFactory, episode_length
 
     multi_agent = {multi_agent!r}
     slowed(TransitionBatch, "from_steps")  # the sampler's steps handed out (and the per-agent ones)
+    slowed(TransitionBatch, "concatenate")  # (the WorkerPolicySampler's)
     if multi_agent:
         from envmanager.pettingzoo import MultiAgentSampler, agents
         from pettingzoo_envs import ScheduleParallelFn
@@ -738,11 +674,16 @@ SAMPLER = textwrap.dedent(
     def policy(observations, acting):  # from the rows alone, so what an agent received can be checked
         return np.array([(o[T] + o[SLOT] + agent(o)) % 4 for o in observations], np.int64)
 
+    class Agent:  # the policy as the WorkerPolicySampler's workers run it
+        get_actions = staticmethod(policy)
+
     def main():
         n, steps, per_call = 4, {kind!r} == "steps", {per_call}
         if multi_agent:
             s = MultiAgentSampler([ScheduleParallelFn(i, tempfile.mkdtemp()) for i in range(n)], policy, seed=0,
                                   policy_in_workers={in_workers!r}, envs_per_worker=2, timeout=30)
+        elif {in_workers!r}:  # the WorkerPolicySampler alone
+            s = WorkerPolicySampler(ScheduleFactory(tempfile.mkdtemp()), n, Agent(), seed=0, envs_per_worker=2, timeout=30)
         else:
             s = Sampler(ScheduleFactory(tempfile.mkdtemp()), n, policy, seed=0, envs_per_worker=2, timeout=30)
         problems, interrupts = [], 0
@@ -818,10 +759,11 @@ SAMPLER = textwrap.dedent(
 
 @pytest.mark.parametrize(("multi_agent", "in_workers", "kind", "per_call"),
                          [(True, False, "steps", 2), (True, False, "episodes", 1), (True, True, "steps", 2),
-                          (False, False, "steps", 2)])
+                          (False, False, "steps", 2), (False, False, "episodes", 1), (False, True, "steps", 2)])
 def test_caught_ctrl_c_leaves_the_samplers_in_step(multi_agent, in_workers, kind, per_call, tmp_path):
     """``MultiAgentSampler.obtain_steps`` (episodes going on from call to call), with the policy
-    in the parent and in the workers, and ``obtain_episodes``; the ``Sampler`` under it alone."""
+    in the parent and in the workers, and ``obtain_episodes``; the ``Sampler`` and the
+    ``WorkerPolicySampler`` under it alone."""
     if multi_agent:
         pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
     interrupts = 1000 if multi_agent else 600

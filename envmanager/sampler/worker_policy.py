@@ -24,7 +24,7 @@ import mmap
 import secrets
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -44,6 +44,7 @@ from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import Versions
 from envmanager.wire import shm
+from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import EnvFunction
 from envmanager.worker.envs import DISABLED
 
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from envmanager.sampler.learner import LearnerFeed
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 __all__ = ["WorkerPolicySampler"]
 
@@ -162,8 +165,8 @@ class WorkerPolicySampler:
         """``steps_per_worker`` steps from every slot, in worker order; episodes continue."""
         positive_count("steps_per_worker", steps_per_worker)
         self.update(agent_update, env_update)
-        chunks = self._collect([int(steps_per_worker)] * self.n_workers, None)
-        return TransitionBatch.concatenate([c for per_slot in chunks for c in per_slot])
+        return self._collect([int(steps_per_worker)] * self.n_workers, None,
+                             lambda chunks: TransitionBatch.concatenate([c for per_slot in chunks for c in per_slot]))
 
     def obtain_exact_episodes(self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """``n_eps_per_worker`` whole episodes from every slot, each started by this call (a
@@ -181,7 +184,7 @@ class WorkerPolicySampler:
         short = quotas
         while any(short):
             empty_before = self.stats.counters.get("empty_cut_episodes", 0)
-            for s, chunks in enumerate(self._collect(None, short)):
+            for s, chunks in enumerate(self._collect(None, short, list)):
                 collected[s] += chunks
             if self.stats.counters.get("empty_cut_episodes", 0) == empty_before:
                 break
@@ -238,11 +241,13 @@ class WorkerPolicySampler:
         yield from feed_fragments(lambda: self.obtain_steps(steps_per_worker), self.stats, feed,
                                   max_batches_waiting, max_fragments)
 
-    def _collect(self, steps: list[int] | None, quotas: list[int] | None) -> list[list[TransitionBatch]]:
+    def _collect(self, steps: list[int] | None, quotas: list[int] | None,
+                 hand_out: Callable[[list[list[TransitionBatch]]], _T]) -> _T:
         """Fragments until every slot has its ``steps`` rows (or ``quotas`` episodes, each run to
-        its end), per slot in order. First-ready: each process is sent its next piece as soon
-        as its last one is in. A call that raises drops its rows (counted as ``dropped_steps``)
-        and lets the episodes running go (``discarded_episodes``): none has a gap in its rows."""
+        its end), per slot in order, given to ``hand_out``. First-ready: each process is sent its
+        next piece as soon as its last one is in. A call that raises drops its rows (counted as
+        ``dropped_steps``) and lets the episodes running go (``discarded_episodes``): none has a
+        gap in its rows."""
         m, episodes = self.manager, self.episodes
         raise_given_up(m, episodes)
         for p in self._procs:
@@ -288,14 +293,19 @@ class WorkerPolicySampler:
             if error is not None:
                 raise_given_up(m, episodes)  # a process given up: the first one's error, as every later call raises
                 raise error
-        except BaseException:  # returned or raised: what was collected is dropped, what runs let go (no gaps)
+            with DEFERRED:  # a Ctrl-C waits until the rows are handed out: they leave the records whole
+                return hand_out(self._finished(out, cut_before))
+        except BaseException:  # raised: what was collected is dropped, what runs let go (no gaps)
             dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
             for s in episodes.in_state(RUNNING):
                 episodes.close(s, Outcome.DISCARDED)
             raise
-        cut = episodes.cut_episodes[cut_before:]
+
+    def _finished(self, out: list[list[TransitionBatch]], cut_before: int) -> list[list[TransitionBatch]]:
+        """The rows collected, those of episodes cut meanwhile flagged, agent infos filled in."""
+        cut = self.episodes.cut_episodes[cut_before:]
         if cut:
             for per_slot in out:
                 for chunk in per_slot:
