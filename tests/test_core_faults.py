@@ -752,6 +752,7 @@ if __name__ == "__main__":
     pid = os.fork()
     if pid == 0:
         m.close()  # a helper forked with os.fork leaving the same with-block
+        m.close()  # (again: idempotent, as __del__'s; the owner's part of close() is not this child's either)
         os._exit(0)
     os.waitpid(pid, 0)
     os.kill(m.processes[0].pid, signal.SIGKILL)

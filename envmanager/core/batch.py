@@ -621,8 +621,7 @@ class BatchEnvManager:
         pool = self._pool
         if pool is not None and not pool.owned:  # a copy in a child forked with os.fork
             pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
-            self._pool = None
-            return
+            return  # (``_pool`` kept: a later close() in this child comes here again, not to the owner's part)
         if pool is not None:
             pool.close(timeout)  # a close cut short (Ctrl-C) leaves ``_pool`` set: the next close() finishes it
             self._pool = None
