@@ -36,10 +36,11 @@ from __future__ import annotations
 import enum
 import gc
 import os
+import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
@@ -125,7 +126,7 @@ class WorkerProcess:
         ``mailboxes``: the pool's, if it has them (requests then go through its ring);
         ``marks``: the pool's records of which env is in which call, if it has them (cleared for
         this process before it starts)."""
-        self.spec = spec
+        self.spec = spec = replace(spec, nonce=secrets.token_hex(8))  # this start's own mark (``family.mark``)
         self.index = spec.index
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
@@ -377,7 +378,7 @@ class WorkerProcess:
         elif pid is not None and self.process.exitcode != 0:
             # Died by itself: what its envs started since its READY (a simulator a reset started) is no
             # longer below it, but carries its mark. (A worker that closed killed its envs' processes itself.)
-            self.family.update(marked(self.spec.parent_pid, pid))
+            self.family.update(marked(self.spec.parent_pid, pid, self.spec.nonce))
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         kill_family(self.family)

@@ -17,7 +17,8 @@ import psutil
 
 __all__ = ["family", "kill_family", "mark", "marked"]
 
-#: The environment variable that marks what a worker's envs start: ``<parent pid>:<worker pid>``.
+#: The environment variable that marks what a worker's envs start: ``<parent pid>:<worker pid>:<nonce>``
+#: (the nonce: that start's own, so a later worker given the same pid does not carry the same mark).
 MARK = "ENVMANAGER_WORKER"
 
 #: Start times as read in two processes differ where the clock was stepped in between (psutil
@@ -48,15 +49,16 @@ def family(pid: int | None = None) -> dict[int, float]:
     return found
 
 
-def mark(parent_pid: int) -> None:
+def mark(parent_pid: int, nonce: str) -> None:
     """Mark this worker's environment: the programs its envs start carry the mark."""
-    os.environ[MARK] = f"{parent_pid}:{os.getpid()}"
+    os.environ[MARK] = f"{parent_pid}:{os.getpid()}:{nonce}"
 
 
-def marked(parent_pid: int, pid: int) -> dict[int, float]:
-    """The processes (ours to read) carrying the mark of worker ``pid`` of ``parent_pid``, by pid,
-    with their start times: one scan of every process, for a worker that died by itself."""
-    want, found = f"{parent_pid}:{pid}", {}
+def marked(parent_pid: int, pid: int, nonce: str) -> dict[int, float]:
+    """The processes (ours to read) carrying the mark of worker ``pid`` of ``parent_pid`` started
+    with ``nonce``, by pid, with their start times: one scan of every process, for a worker that
+    died by itself."""
+    want, found = f"{parent_pid}:{pid}:{nonce}", {}
     for process in psutil.process_iter():
         try:
             if process.environ().get(MARK) == want:
