@@ -578,21 +578,21 @@ def test_a_crashed_worker_s_own_session_simulator_is_killed(tmp_path, at_reset):
                 os.kill(p, signal.SIGKILL)
 
 
-def test_the_mark_of_a_dead_worker_is_no_later_worker_s_given_its_pid():
+def test_the_tag_of_a_dead_worker_is_no_later_worker_s_given_its_pid():
     """A worker's pid reused by a later worker (another manager's, or a restart) once the first
-    was reaped: the later one's simulators carry a mark of their own, and the scan for the dead
-    worker's mark leaves them alone (it killed them, matching ``<parent pid>:<worker pid>``)."""
-    from envmanager.worker.family import MARK, marked
+    was reaped: the later one's simulators carry a tag of their own, and the scan for the dead
+    worker's tag leaves them alone (it killed them, matching ``<parent pid>:<worker pid>``)."""
+    from envmanager.worker.family import TAG, tagged
 
     parent, pid = os.getpid(), 4242
-    later = subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, MARK: f"{parent}:{pid}:later"})
+    later = subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, TAG: f"{parent}:{pid}:later"})
     try:
         for _ in range(100):  # (its environment is readable once it has exec'd)
-            if MARK in psutil.Process(later.pid).environ():
+            if TAG in psutil.Process(later.pid).environ():
                 break
             time.sleep(0.01)
-        assert later.pid in marked(parent, pid, "later")
-        assert later.pid not in marked(parent, pid, "dead")
+        assert later.pid in tagged(parent, pid, "later")
+        assert later.pid not in tagged(parent, pid, "dead")
     finally:
         later.kill()
         later.wait()

@@ -55,7 +55,7 @@ from envmanager.wire.messages import BOARD_SEQ, EnvironmentRequest, Reset, encod
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.step_queue import read_message, write_frame
-from envmanager.worker.family import family, kill_family, marked
+from envmanager.worker.family import family, kill_family, tagged
 from envmanager.worker.main import WorkerSpec, worker_main
 
 __all__ = ["WorkerProcess", "ProcessState", "Boot"]
@@ -126,7 +126,7 @@ class WorkerProcess:
         ``mailboxes``: the pool's, if it has them (requests then go through its ring);
         ``marks``: the pool's records of which env is in which call, if it has them (cleared for
         this process before it starts)."""
-        self.spec = spec = replace(spec, nonce=secrets.token_hex(8))  # this start's own mark (``family.mark``)
+        self.spec = spec = replace(spec, nonce=secrets.token_hex(8))  # this start's own tag (``family.tag``)
         self.index = spec.index
         self.env_ids = spec.env_ids
         self.conn, child_conn = ctx.Pipe()
@@ -377,8 +377,8 @@ class WorkerProcess:
             self.process.kill()
         elif pid is not None and self.process.exitcode != 0:
             # Died by itself: what its envs started since its READY (a simulator a reset started) is no
-            # longer below it, but carries its mark. (A worker that closed killed its envs' processes itself.)
-            self.family.update(marked(self.spec.parent_pid, pid, self.spec.nonce))
+            # longer below it, but carries its tag. (A worker that closed killed its envs' processes itself.)
+            self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce))
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         kill_family(self.family)

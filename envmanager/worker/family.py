@@ -2,7 +2,7 @@
 killed by pid and start time.
 
 Once a worker is gone, a simulator it started in a session of its own is no longer below it nor
-in its process group: a record kept while the worker lived still finds it, and so does the mark
+in its process group: a record kept while the worker lived still finds it, and so does the tag
 the worker puts in its environment, which the programs its envs start inherit (a simulator
 started at a reset, after the worker's record was taken). The start time tells the process
 recorded from a later one given the same pid.
@@ -15,11 +15,11 @@ from collections.abc import Mapping
 
 import psutil
 
-__all__ = ["family", "kill_family", "mark", "marked"]
+__all__ = ["family", "kill_family", "tag", "tagged"]
 
-#: The environment variable that marks what a worker's envs start: ``<parent pid>:<worker pid>:<nonce>``
-#: (the nonce: that start's own, so a later worker given the same pid does not carry the same mark).
-MARK = "ENVMANAGER_WORKER"
+#: The environment variable that tags what a worker's envs start: ``<parent pid>:<worker pid>:<nonce>``
+#: (the nonce: that start's own, so a later worker given the same pid does not carry the same tag).
+TAG = "ENVMANAGER_WORKER"
 
 #: Start times as read in two processes differ where the clock was stepped in between (psutil
 #: derives them from the boot time, cached per process on some platforms): within this, the same.
@@ -49,19 +49,19 @@ def family(pid: int | None = None) -> dict[int, float]:
     return found
 
 
-def mark(parent_pid: int, nonce: str) -> None:
-    """Mark this worker's environment: the programs its envs start carry the mark."""
-    os.environ[MARK] = f"{parent_pid}:{os.getpid()}:{nonce}"
+def tag(parent_pid: int, nonce: str) -> None:
+    """Tag this worker's environment: the programs its envs start carry the tag."""
+    os.environ[TAG] = f"{parent_pid}:{os.getpid()}:{nonce}"
 
 
-def marked(parent_pid: int, pid: int, nonce: str) -> dict[int, float]:
-    """The processes (ours to read) carrying the mark of worker ``pid`` of ``parent_pid`` started
+def tagged(parent_pid: int, pid: int, nonce: str) -> dict[int, float]:
+    """The processes (ours to read) carrying the tag of worker ``pid`` of ``parent_pid`` started
     with ``nonce``, by pid, with their start times: one scan of every process, for a worker that
     died by itself."""
     want, found = f"{parent_pid}:{pid}:{nonce}", {}
     for process in psutil.process_iter():
         try:
-            if process.environ().get(MARK) == want:
+            if process.environ().get(TAG) == want:
                 found[process.pid] = process.create_time()
         except psutil.Error:  # gone meanwhile, or not ours to read
             pass

@@ -38,7 +38,7 @@ from envmanager.wire.messages import (
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.transport import MailboxLink, link_for
 from envmanager.worker.envs import ENV_RAISES, Stopped, WorkerEnvs, remote_exception
-from envmanager.worker.family import family, kill_family, mark
+from envmanager.worker.family import family, kill_family, tag
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
@@ -65,7 +65,7 @@ class WorkerSpec:
     double_buffer: bool = False  # its envs form two lanes, answered one after the other
     generations: tuple[int, ...] = ()  # (empty: all 0)
     options_if_given: bool = False  # reset(seed=) without options= when they are None (SB3's workers)
-    nonce: str = ""  # this start's own (``WorkerProcess``): its mark is no other process's, a later one given its pid
+    nonce: str = ""  # this start's own (``WorkerProcess``): its tag is no other process's, a later one given its pid
 
 
 #: The worker's half of every command: request message -> answer message.
@@ -90,7 +90,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         os.setpgid(0, 0)
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
-    mark(spec.parent_pid, spec.nonce)  # what the envs start carries it: found once this process is gone (``family``)
+    tag(spec.parent_pid, spec.nonce)  # what the envs start carries it: found once this process is gone (``family``)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     _default_fatal_signals()
     threading.Thread(target=watch_parent, args=(spec.parent_pid, os.getppid()), daemon=True).start()
