@@ -27,7 +27,7 @@ from envmanager.pettingzoo.facade import FacadeFactory, OnPettingZooEnv
 from envmanager.pettingzoo.layout import MASK_KEY, AgentGroup, AgentLayout, check_group_options, one_layout, stacked_action_space
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.sampler import Sampler, apply_agent_update
-from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome
+from envmanager.sampler.slots import EpisodeSlots
 from envmanager.sampler.worker_policy import WorkerPolicySampler
 from envmanager.wire.interrupts import DEFERRED
 
@@ -281,12 +281,7 @@ class MultiAgentSampler:
         except KeyboardInterrupt:  # (raised in the collection, the sampler has done this already)
             if batch is not None and len(batch):
                 self.stats.count("dropped_steps", len(batch))
-            episodes = self.sampler.episodes
-            if isinstance(self.sampler, Sampler):
-                episodes.stop_recording()
-            else:
-                for slot in episodes.in_state(EpisodeState.RUNNING):
-                    episodes.close(slot, Outcome.DISCARDED)
+            self.sampler.let_running_go()
             raise
 
     def _transitions(self, env: TransitionBatch) -> AgentSample:

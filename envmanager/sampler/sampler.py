@@ -214,10 +214,15 @@ class Sampler:
             dropped = sum(len(steps) for per_slot in goal.episodes for steps, _ in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
-            self.episodes.stop_recording()  # running ones go on unrecorded: no episode's rows have a gap
+            self.let_running_go()
             if isinstance(exc, EnvManagerError):  # a process given up: the first one's error, as every later call raises
                 raise_given_up(self.manager, self.episodes)
             raise
+
+    def let_running_go(self) -> None:
+        """After a call that raised: the episodes running go on unrecorded, so no episode's rows
+        have a gap (their steps recorded are dropped, counted)."""
+        self.episodes.stop_recording()
 
     def _progress_bar(self, goal: Goal) -> Any:
         _, total, unit = goal.progress()

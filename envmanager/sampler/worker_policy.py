@@ -184,7 +184,7 @@ class WorkerPolicySampler:
         short = quotas
         while any(short):
             empty_before = self.stats.counters.get("empty_cut_episodes", 0)
-            for s, chunks in enumerate(self._collect(None, short, list)):
+            for s, chunks in enumerate(self._collect(None, short, list)):  # (whole episodes: one lost is lost whole)
                 collected[s] += chunks
             if self.stats.counters.get("empty_cut_episodes", 0) == empty_before:
                 break
@@ -299,9 +299,14 @@ class WorkerPolicySampler:
             dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
-            for s in episodes.in_state(RUNNING):
-                episodes.close(s, Outcome.DISCARDED)
+            self.let_running_go()
             raise
+
+    def let_running_go(self) -> None:
+        """After a call that raised: the episodes running are let go (``discarded_episodes``), so
+        no episode's rows have a gap."""
+        for s in self.episodes.in_state(RUNNING):
+            self.episodes.close(s, Outcome.DISCARDED)
 
     def _finished(self, out: list[list[TransitionBatch]], cut_before: int) -> list[list[TransitionBatch]]:
         """The rows collected, those of episodes cut meanwhile flagged, agent infos filled in."""
