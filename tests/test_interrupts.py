@@ -540,9 +540,9 @@ def test_caught_ctrl_c_leaves_parallel_vector_env_in_step(lockstep, per_worker, 
     """Lockstep ``step()`` (a step cut short is refused as pending, then received), and EnvPool's
     ``send`` / ``recv(1)``: every env's results reach the program once, in order."""
     pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
-    outcome, stderr = run(VECTOR, tmp_path, lockstep=lockstep, per_worker=per_worker, seed=per_worker, interrupts=600)
+    outcome, stderr = run(VECTOR, tmp_path, lockstep=lockstep, per_worker=per_worker, seed=per_worker, interrupts=300)
     assert outcome["problems"] == [], (outcome, stderr)
-    assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
+    assert outcome["interrupts"] == 300 and outcome["taken"] > 0, outcome
 
 
 # The SuperSuit drop-in (one row per agent, an env reset within the step that ended it, its agents' last
@@ -637,9 +637,9 @@ def test_caught_ctrl_c_leaves_the_supersuit_dropin_in_step(base_class, tmp_path)
     pytest.importorskip("pettingzoo", minversion="1.24")  # (mlagents-envs 1.1.0 pins 1.15)
     if base_class == "stable_baselines3":
         pytest.importorskip("stable_baselines3")
-    outcome, stderr = run(SUPERSUIT, tmp_path, base_class=base_class, seed=3, interrupts=600)
+    outcome, stderr = run(SUPERSUIT, tmp_path, base_class=base_class, seed=3, interrupts=300)
     assert outcome["problems"] == [], (outcome, stderr)
-    assert outcome["interrupts"] == 600 and outcome["taken"] > 0, outcome
+    assert outcome["interrupts"] == 300 and outcome["taken"] > 0, outcome
 
 
 # What the ``MultiAgentSampler`` hands out, per agent episode (its rows say which env episode and step they are):
