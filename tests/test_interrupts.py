@@ -771,3 +771,104 @@ def test_caught_ctrl_c_leaves_the_samplers_in_step(multi_agent, in_workers, kind
                           per_call=per_call, seed=4, interrupts=interrupts)
     assert outcome["problems"] == [], (outcome, stderr)
     assert outcome["interrupts"] == interrupts and outcome["agent_episodes"] > 0, outcome
+
+
+# ML-Agents: fake players echo the action they received; the policy notes which step each action was chosen from.
+# Each step handed out must answer an action chosen from the worker's step handed out before it (none lost, doubled
+# or out of order), and the agent manager must get each reset's steps once. The manager's work after the core's last
+# section (each result made a step, the trainer's add_experiences) is slower than the grace on every third call.
+MLAGENTS = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    os.environ["RAY_USAGE_STATS_ENABLED"], os.environ["RAY_AUTH_MODE"] = "0", "disabled"
+    from interrupt_helpers import Presser, as_from_a_terminal, slowed
+    import numpy as np
+    from mlagents_envs.base_env import ActionTuple
+    from envmanager.mlagents import ActionInfo, MLAgentsEnvManager, UnityEnvironmentFactory
+    from envmanager.testing.fake_unity import free_base_port, write_launcher
+
+    B, N = "FakeBehavior?team=0", 2
+    slowed(MLAgentsEnvManager, "_environment_step")
+
+    class Policy:
+        def __init__(self):
+            self.calls, self.chosen_from = 0, {{}}  # action -> the echo of the step it was chosen from
+
+        def get_action(self, decision_steps, worker_id):
+            self.calls += 1
+            action = np.float32(100_000 * worker_id + self.calls)
+            self.chosen_from[float(action)] = float(decision_steps.obs[1][0, 0])
+            return ActionInfo.for_steps(decision_steps, ActionTuple(continuous=np.full((1, 1), action)), {{}})
+
+    class AgentManager:
+        def __init__(self):
+            self.added = []
+
+        def add_experiences(self, decision_steps, terminal_steps, worker_id, action_info):
+            self.added.append((worker_id, float(decision_steps.obs[1][0, 0])))
+
+    slowed(AgentManager, "add_experiences")
+
+    def main():
+        tmp = tempfile.mkdtemp()
+        path = write_launcher(tmp, {{"step_latency": 0.001, "behaviors": [{{"agents": 1, "continuous": 1, "discrete": [],
+            "observation_shapes": [[1], [1]], "echo_actions": True, "episode_length": 0}}]}}, "fakeplayer")
+        factory = UnityEnvironmentFactory(path, base_port=free_base_port(N), timeout_wait=10)
+        if {ray!r}:
+            import ray
+            from envmanager.mlagents import RayMLAgentsEnvManager
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="rayt"), log_to_driver=False)
+            m = RayMLAgentsEnvManager(factory, N, n_nodes=2, timeout=30)
+        else:
+            m = MLAgentsEnvManager(factory, N, timeout=30)
+        as_from_a_terminal()
+        policy, agent_manager = Policy(), AgentManager()
+        m.set_policy(B, policy)
+        m.set_agent_manager(B, agent_manager)
+        problems, interrupts, steps = [], 0, 0
+
+        def retried(call):  # as a program that goes on after a Ctrl-C it caught
+            nonlocal interrupts
+            while True:
+                try:
+                    return call()
+                except KeyboardInterrupt:
+                    interrupts += 1
+
+        presser = Presser({seed})
+        while interrupts < {interrupts} and not problems:
+            before = len(agent_manager.added)
+            retried(m.reset)
+            last = dict.fromkeys(range(N), 0.0)  # the echo of each worker's last step handed out (a reset's: 0)
+            for _ in range(20):
+                for step in retried(m.get_steps):
+                    w, info = step.worker_id, step.brain_name_to_action_info[B]
+                    echo, sent = float(step.current_all_step_result[B][0].obs[1][0, 0]), float(info.env_action.continuous[0, 0])
+                    if echo != sent or policy.chosen_from[echo] != last[w]:
+                        problems.append(f"worker {{w}}: a step answering {{sent}}, the player got {{echo}}, chosen from the "
+                                        f"step echoing {{policy.chosen_from.get(echo)}}; the one handed out before: {{last[w]}}")
+                    last[w], steps = echo, steps + 1
+            resets = sorted(w for w, echo in agent_manager.added[before:] if echo == 0.0)
+            if resets != list(range(N)):
+                problems.append(f"the agent manager got the reset steps of workers {{resets}}")
+        presser.stop()
+        m.close()
+        print(json.dumps({{"problems": problems[:5], "interrupts": interrupts, "steps": steps}}))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.parametrize("on_ray", [False, True])
+def test_caught_ctrl_c_leaves_the_mlagents_manager_in_step(on_ray, tmp_path):
+    """``get_steps`` lost the steps it had taken (the policy then acted on a step the trainer
+    never saw, within 10 presses), and ``reset``'s steps reached the agent managers twice."""
+    pytest.importorskip("mlagents_envs")
+    if on_ray:
+        pytest.importorskip("ray")
+    outcome, stderr = run(MLAGENTS, tmp_path, ray=on_ray, seed=5, interrupts=300)
+    assert outcome["problems"] == [], (outcome, stderr)
+    assert outcome["interrupts"] >= 300 and outcome["steps"] > 0, outcome

@@ -54,6 +54,7 @@ from envmanager.mlagents.trainer import (
     training_started,
 )
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory, player_ports
+from envmanager.wire.interrupts import deferred
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ class MLAgentsEnvManager:
             merged.update(self._specs[worker_id])
         return merged
 
+    @deferred  # (as get_steps)
     def reset(self, config: Mapping[str, Any] | None = None) -> int:
         """Apply ``config`` (environment parameters), reset every env; returns their number.
 
@@ -316,6 +318,7 @@ class MLAgentsEnvManager:
         self._engine_overrides.update(values)
         self._set_everywhere("set_engine_config", values)
 
+    @deferred  # a Ctrl-C waits for a wait of the core's, or for the steps returned (``wire.interrupts``)
     def get_steps(self) -> list[EnvironmentStep]:
         """Step every idle worker with the policies' actions; return the finished workers' steps.
 
@@ -347,10 +350,12 @@ class MLAgentsEnvManager:
         merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
         return steps
 
+    @deferred  # (each step to every agent manager, or none)
     def process_steps(self, new_step_infos: list[EnvironmentStep]) -> int:
         """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""
         return self._process_step_infos(new_step_infos)
 
+    @deferred  # (no Ctrl-C between the two)
     def advance(self) -> int:
         """``process_steps(get_steps())`` (ML-Agents' older single call)."""
         return self.process_steps(self.get_steps())

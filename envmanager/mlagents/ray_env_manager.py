@@ -52,6 +52,7 @@ from envmanager.mlagents.ray_errors import NodeLost, RayPlayerError, RayPlayerRe
 from envmanager.mlagents.ray_player_nodes import PlayerNodeState, live_ray_nodes
 from envmanager.mlagents.worker_env import EnvFactory, WorkerEnvFactory
 from envmanager.ray.session import RaySession, first_ready
+from envmanager.wire.interrupts import blocking
 
 with requires_extra("ray", __name__):
     import ray
@@ -253,7 +254,7 @@ class RayPlayerPool:
                 heads = {node.index: ref for ref, node in pending.items()}
                 timeout = 0.0 if len(out) >= min_count else self.supervisor.soonest(list(heads))
                 try:
-                    done, late = first_ready(heads, list(pending), self.supervisor, timeout)
+                    done, late = blocking(first_ready, heads, list(pending), self.supervisor, timeout)  # (interruptible)
                 except Exception as exc:
                     self._session.reraise(exc, "waiting for the nodes' steps")
                 hung = [self.nodes[i] for i in late]
