@@ -11,6 +11,7 @@ from envmanager.adapters.gymnasium import AsyncVectorEnv
 from envmanager.core.manager import SubprocessEnvManager
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import (
+    ConcurrentCallError,
     EnvManagerError,
     InvalidInputError,
     ManagerClosedError,
@@ -44,6 +45,7 @@ __all__ = [
     "NodeError",
     "NodeRestartLimitError",
     "InvalidInputError",
+    "ConcurrentCallError",
     "ManagerClosedError",
     "SpaceMismatchError",
 ]

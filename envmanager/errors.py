@@ -233,6 +233,36 @@ class ManagerClosedError(EnvManagerError, RuntimeError):
     """The manager was used after ``close()``."""
 
 
+class ConcurrentCallError(EnvManagerError, RuntimeError):
+    """A thread waited for a manager's workers while another thread was waiting for them.
+
+    A manager, and a drop-in built on it, serves one thread at a time, as gymnasium's
+    ``AsyncVectorEnv`` and SB3's ``SubprocVecEnv`` do (they interleave two threads' calls
+    unchecked). The second wait is refused before it takes anything: the other thread's call
+    goes on unharmed. ``thread``: the name of the thread waiting; ``caller``: the refused one's.
+    Calls one after the other from different threads are fine, and ``close()`` from another
+    thread ends a wait under way (``ManagerClosedError`` there).
+    """
+
+    def __init__(self, thread: str, caller: str) -> None:
+        self.thread, self.caller = thread, caller
+        super().__init__(
+            f"thread {caller!r} waited for the manager's workers while thread {thread!r} waits for them: a manager "
+            "serves one thread at a time. Refused before anything was taken; the call in the other thread goes on. "
+            "Use the manager from one thread, or hold a lock of your own around every call to it."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.thread, self.caller))
+
+
+def thread_name(ident: int | None) -> str:
+    """The name of the thread with ``threading.get_ident()`` ``ident`` (for an error's words)."""
+    import threading
+
+    return next((t.name for t in threading.enumerate() if t.ident == ident), f"thread {ident}")
+
+
 def describe_exitcode(exitcode: int | None) -> str:
     """A readable account of a process exit code, naming the signal if there was one."""
     import signal

@@ -562,6 +562,60 @@ def test_close_from_another_thread_ends_a_waiting_call(tmp_path):
     assert not alive(pids, timeout=5.0)
 
 
+@pytest.mark.timeout(120)
+def test_a_second_thread_s_wait_is_refused_while_one_waits_and_takes_nothing(tmp_path):
+    """A thread waits in ``step()`` (its envs held at a gate); the main thread's calls that wait
+    meanwhile (a logging thread's ``get_attr``, a second stepper's ``receive_steps``, a reset)
+    each raise ``ConcurrentCallError`` naming the waiting thread, before anything is sent or
+    taken: they raised a bare ``RuntimeError: concurrent poll() invocation`` from the shared
+    poller (or took the other thread's answers). The waiting step gets each answer once."""
+    from envmanager import ConcurrentCallError
+
+    gate = tmp_path / "gate"
+    m = SubprocessEnvManager(EnvFactory(gate=str(gate)), 2, timeout=60)
+    got: list = []
+    raised: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            got.extend(m.step({0: 1, 1: 1}))
+            while len(got) < 2:  # (first-ready: the other one may come in a second call)
+                got.extend(m.receive_steps(timeout=60))
+        except BaseException as exc:
+            raised.append(exc)
+
+    stepper = threading.Thread(target=steps, name="stepper", daemon=True)
+    try:
+        m.reset(seed=0)  # (the gate holds steps only)
+        stepper.start()
+        deadline = time.monotonic() + 30
+        while m.pool._waiting.get(0) != stepper.ident:  # (inside its wait)
+            assert time.monotonic() < deadline, "the stepper did not wait"
+            time.sleep(0.005)
+        for call in (lambda: m.get_attr("total_steps"), lambda: m.call_on([1], "render"),
+                     lambda: m.receive_steps(timeout=5), lambda: m.receive_batch(1, timeout=5),
+                     lambda: m.reset(seed=1), lambda: m.drain(timeout=5)):
+            with pytest.raises(ConcurrentCallError) as caught:
+                call()
+            assert (caught.value.thread, caught.value.caller) == ("stepper", threading.current_thread().name)
+            assert isinstance(caught.value, RuntimeError) and "'stepper' waits" in str(caught.value)
+        assert m.waiting_worker_ids == [0, 1] and not got and not raised  # nothing sent, nothing taken
+        gate.touch()
+        stepper.join(60)
+        assert not stepper.is_alive() and not raised, raised
+        assert sorted(info.worker_id for info in got) == [0, 1]  # each answer once, to the step sent
+        assert all(info.current_result.observation[0] == 1.0 for info in got)
+        assert m.get_attr("total_steps") == [1, 1]  # the stepper is out: the main thread's calls work
+        again = m.step({0: 2, 1: 2})
+        while len(again) < 2:
+            again += m.receive_steps(timeout=30)
+        assert m.get_attr("total_steps") == [2, 2] and not m.unreceived()
+    finally:
+        gate.touch()
+        stepper.join(60)
+        m.close()
+
+
 def test_an_env_that_raises_in_a_reset_of_some_slots_is_rebuilt_alone():
     from envmanager.core.batch import BatchEnvManager
 

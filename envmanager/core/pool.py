@@ -51,12 +51,14 @@ from envmanager.core.rebuild import delivered, rebuild_request
 from envmanager.core.restart import RestartPolicy
 from envmanager.core.supervisor import Decision, Fault, GiveUp, Rebuild, Restart, Supervisor
 from envmanager.errors import (
+    ConcurrentCallError,
     EnvManagerError,
     InvalidInputError,
     ManagerClosedError,
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
+    thread_name,
 )
 from envmanager.wire.mailbox import WAKE, Mailboxes
 from envmanager.wire.marks import CallMarks
@@ -128,7 +130,9 @@ class WorkerPool:
         _POOLS.add(self)
         self._closing = False
         self._unreaped: list[WorkerProcess] = []  # a close's workers, until every one is reaped
-        self._waiter: int | None = None  # the thread inside ``wait``, if one is
+        #: ``{0: thread}`` while a thread is inside ``wait`` (``threading.get_ident()``): claimed with
+        #: ``setdefault``, so a second thread's wait is refused (the poller serves one thread).
+        self._waiting: dict[int, int] = {}
         self._close_lock = threading.RLock()  # one close() at a time (``close``)
         #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
         #: bench divides the parent's CPU time by it.
@@ -246,9 +250,11 @@ class WorkerPool:
         """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
         or failed. Restarts, stale answers and large payloads are handled here. Raises
         ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
-        # One thread waits at a time (the pool is not shared for waiting). Said before the look at
-        # ``_closing``: a ``close`` of another thread sees us waiting, or we see it closing.
-        self._waiter = get_ident()
+        # One thread waits at a time: another thread's wait is refused before it takes anything. Said
+        # before the look at ``_closing``: a ``close`` of another thread sees us waiting, or we see it closing.
+        me = get_ident()
+        if self._waiting.setdefault(0, me) != me:
+            raise ConcurrentCallError(thread_name(self._waiting.get(0)), threading.current_thread().name)
         try:
             queue = self.queue
             if queue is None or self._closing:  # (``closed``, inline)
@@ -280,8 +286,8 @@ class WorkerPool:
                     self._drain(completions, everything=True)  # a worker's last words come before its death
                     self._on_failure(w, w.died(), completions)
             return completions
-        finally:
-            self._waiter = None
+        finally:  # (a Ctrl-C before the ``try`` leaves the claim to the main thread: its next wait is its own)
+            del self._waiting[0]
 
     def spun_s(self) -> float:
         """Seconds this parent spent spinning in its waits (its CPU taken by waiting)."""
@@ -695,13 +701,13 @@ class WorkerPool:
         """Closing while another thread waits on the workers: end them now (SIGTERM: they still
         close their envs), which wakes that thread; it raises ``ManagerClosedError`` and leaves
         before anything is freed (bounded)."""
-        waiter = self._waiter
+        waiter = self._waiting.get(0)
         if waiter is None or waiter == threading.get_ident():
             return
         for w in self.processes:
             w.interrupt()
         deadline = Deadline(10.0)
-        while self._waiter == waiter and not deadline.passed():
+        while self._waiting.get(0) == waiter and not deadline.passed():
             time.sleep(0.005)
 
 
