@@ -43,6 +43,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.extras import requires_extra
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.shm import tree_map
+from envmanager.worker.envs import RESET_INFO
 
 with requires_extra("sb3", __name__):
     from stable_baselines3.common.vec_env import subproc_vec_env
@@ -120,6 +121,7 @@ class SubprocVecEnv(VecEnv):
             double_buffer=double_buffer,
             caller=SB3,
             options_if_given=True,  # as SB3's workers: an env written reset(self, seed=None) runs
+            reset_info_apart=True,  # as SB3's workers: the step's info and the reset's, whatever keys they hold
             **manager_kwargs,
         )
         try:
@@ -250,14 +252,13 @@ class SubprocVecEnv(VecEnv):
             time_limit = time_limit.tolist()
             step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
             for i, info in infos.items():
-                # An env that ended was reset in its step: its info holds final_obs and final_info (the
-                # worker judged ``terminated or truncated`` as SB3's does: a list [False] is true there).
-                if "final_info" in info and "final_obs" in info:
-                    info = dict(info)
-                    terminal = info.pop("final_obs")
-                    step_info = info.pop("final_info")
-                    self.reset_infos[i] = info  # what is left is the reset's info
-                    step_infos[i] = {**step_info, "TimeLimit.truncated": time_limit[i], "terminal_observation": terminal}
+                # An env that ended was reset in its step: the worker's info holds the step's info, its
+                # last observation and the reset's info, each apart (it judged ``terminated or truncated``
+                # as SB3's does: a list [False] is true there). An env's own info never holds RESET_INFO.
+                if RESET_INFO in info:
+                    self.reset_infos[i] = info[RESET_INFO]
+                    step_infos[i] = {**info["final_info"], "TimeLimit.truncated": time_limit[i],
+                                     "terminal_observation": info["final_obs"]}
                 else:
                     step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
             if interrupted or self._cut:

@@ -86,7 +86,9 @@ class BatchEnvManager:
     and ``inherit_factory``: under ``fork`` the workers inherit ``env_factory`` instead of
     unpickling it, as gymnasium's ``AsyncVectorEnv`` does (``envmanager.wire.factory``); and
     ``options_if_given``: envs are reset with ``options=`` only when there are some, as SB3's
-    workers do (gymnasium's always pass them).
+    workers do (gymnasium's always pass them); ``reset_info_apart``: a same-step autoreset's
+    info is ``{"final_info": step info, "final_obs": obs, RESET_INFO: reset info}`` (SB3's
+    workers keep the two apart), not gymnasium's merge, where the reset info's keys win.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class BatchEnvManager:
         generations: Sequence[int] | None = None,
         inherit_factory: bool = False,
         options_if_given: bool = False,
+        reset_info_apart: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
         ctx = get_context(context)
@@ -139,7 +142,7 @@ class BatchEnvManager:
             # machine's count decides here, where each process may run decides while they run (WorkerPool)
             spin_s = SPIN_CAP_S if n_procs + 1 <= machine_cores() else 0.0
         specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer,
-                           options_if_given)
+                           options_if_given, reset_info_apart)
         #: The process hosting each slot, and the slot's index among that process's envs.
         self.slot_process = np.array([spec.index for spec in specs for _ in spec.env_ids])
         self.slot_local = np.array([local for spec in specs for local in range(len(spec.env_ids))])

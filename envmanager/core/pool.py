@@ -750,11 +750,12 @@ def _close_at_exit(pool: WorkerPool) -> Callable[[], None]:
 
 
 def make_specs(factory: bytes, n_env: int, envs_per_worker: int, autoreset_mode: str, spin_s: float = 0.0,
-               info_columns: bool = False, double_buffer: bool = False, options_if_given: bool = False) -> list[WorkerSpec]:
+               info_columns: bool = False, double_buffer: bool = False, options_if_given: bool = False,
+               reset_info_apart: bool = False) -> list[WorkerSpec]:
     """Split ``n_env`` slots over processes, ``envs_per_worker`` each (the last may have fewer)."""
     return [
         WorkerSpec(i, tuple(range(start, min(start + envs_per_worker, n_env))), factory, autoreset_mode, os.getpid(), spin_s,
-                   info_columns, double_buffer, options_if_given=options_if_given)
+                   info_columns, double_buffer, options_if_given=options_if_given, reset_info_apart=reset_info_apart)
         for i, start in enumerate(range(0, n_env, envs_per_worker))
     ]
 

@@ -40,7 +40,11 @@ logger = logging.getLogger(__name__)
 NEXT_STEP, SAME_STEP, DISABLED = "next_step", "same_step", "disabled"
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per request)
 
-__all__ = ["WorkerEnvs", "remote_exception", "marks_here", "envs_here", "NEXT_STEP", "SAME_STEP", "DISABLED"]
+#: The key of a same-step autoreset's reset info when it is kept apart (``reset_info_apart``): no
+#: env's own key, so an info that holds it is one the worker made.
+RESET_INFO = "envmanager.reset_info"
+
+__all__ = ["WorkerEnvs", "remote_exception", "marks_here", "envs_here", "NEXT_STEP", "SAME_STEP", "DISABLED", "RESET_INFO"]
 
 _here = WorkerMarks(None, 0)  # this process's record (a worker's, once its envs exist; else nowhere)
 
@@ -80,11 +84,14 @@ class WorkerEnvs:
 
     def __init__(self, env_ids: tuple[int, ...], factory: bytes, autoreset_mode: str, file: shm.SharedFile | None = None,
                  info_columns: bool = False, marks: WorkerMarks | None = None, generations: tuple[int, ...] = (),
-                 options_if_given: bool = False) -> None:
+                 options_if_given: bool = False, reset_info_apart: bool = False) -> None:
         self.env_ids = env_ids
         #: Reset with ``options=`` only when there are some, as SB3's workers (an env written
         #: ``reset(self, seed=None)`` runs there); gymnasium's always pass them.
         self.options_if_given = options_if_given
+        #: A same-step autoreset's reset info kept apart (under ``RESET_INFO``), as SB3's workers keep
+        #: it: gymnasium's merge lets a reset info's ``final_info`` / ``final_obs`` replace the step's.
+        self.reset_info_apart = reset_info_apart
         #: Each env's generation, as the parent told it (at the start, and with each rebuild).
         self.generations = list(generations) or [0] * len(env_ids)
         self._stamps: dict[tuple[int, ...], tuple[int, ...]] = {}  # by a request's locals: their generations
@@ -220,7 +227,7 @@ class WorkerEnvs:
                         final = {"final_info": info, "final_obs": obs}  # (AsyncVectorEnv's order)
                         words[at] = self._resets[i]
                         obs, info = env.reset()
-                        info = {**final, **info}
+                        info = {**final, RESET_INFO: info} if self.reset_info_apart else {**final, **info}
                     scalars = (reward, terminated, truncated)
                 self.autoreset[i] = bool(terminated or truncated)
                 out.add(n, slot, obs, scalars, info, time.perf_counter() - start)
@@ -276,7 +283,7 @@ class WorkerEnvs:
                         final = {"final_info": info, "final_obs": obs}  # (AsyncVectorEnv's order)
                         words[at] = self._resets[i]
                         obs, info = env.reset()
-                        info = {**final, **info}
+                        info = {**final, RESET_INFO: info} if self.reset_info_apart else {**final, **info}
                     fresh = False
                 autoreset[i] = bool(term or trunc)
             except Stopped:

@@ -65,6 +65,7 @@ class WorkerSpec:
     double_buffer: bool = False  # its envs form two lanes, answered one after the other
     generations: tuple[int, ...] = ()  # (empty: all 0)
     options_if_given: bool = False  # reset(seed=) without options= when they are None (SB3's workers)
+    reset_info_apart: bool = False  # a same-step autoreset's reset info under RESET_INFO, not merged (SB3's workers)
     nonce: str = ""  # this start's own (``WorkerProcess``): its tag is no other process's, a later one given its pid
 
 
@@ -113,7 +114,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
         link.post(header, payload)
 
     envs = WorkerEnvs(spec.env_ids, spec.factory, spec.autoreset_mode, file, spec.info_columns, record, spec.generations,
-                      spec.options_if_given)
+                      spec.options_if_given, spec.reset_info_apart)
     try:
         try:
             ready = envs.build()

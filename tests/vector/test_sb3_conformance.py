@@ -196,3 +196,39 @@ def test_other_start_methods(make_subproc, make_dummy, start_method):
     for t in range(20):
         a = next(actions)
         assert_sb3_equal(vec.step(a), ref.step(a), f"step {t}")
+
+
+class _InnerVectorInfos(gym.Env):
+    """An env whose own infos hold gymnasium's vector keys, as an env built on a same-step vector
+    env of its own returns them: ``final_obs`` / ``final_info`` on steps that end no episode, and
+    in its reset info."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, length: int = 2) -> None:
+        self.length, self.t, self.episode = length, 0, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t, self.episode = 0, self.episode + 1
+        return np.full(2, 0.5, np.float32), {"final_info": {"inner": self.episode}, "final_obs": np.zeros(2), "ep": self.episode}
+
+    def step(self, action):
+        self.t += 1
+        info = {"final_info": {"inner": -self.t}, "final_obs": np.ones(2) * self.t, "t": self.t}
+        return np.full(2, self.t / 10, np.float32), 1.0, self.t >= self.length, False, info
+
+
+def test_env_infos_holding_final_obs_and_final_info(make_subproc, make_dummy):
+    """An env's own ``final_obs`` / ``final_info`` keys are its info, as in SB3's worker: a step
+    that ends no episode is not taken for an autoreset, and a reset info holding them does not
+    replace the step's info nor its last observation (SB3's keeps the two apart)."""
+    fns = [functools.partial(_InnerVectorInfos, length) for length in (2, 3)]
+    vec, ref = make_subproc(fns), make_dummy(fns)
+    assert_tree_equal(vec.reset(), ref.reset())
+    assert_tree_equal(list(vec.reset_infos), list(ref.reset_infos), "reset infos")
+    actions = np.zeros(2, dtype=np.int64)
+    for t in range(7):
+        assert_sb3_equal(vec.step(actions), ref.step(actions), f"step {t}")
+        assert_tree_equal(list(vec.reset_infos), list(ref.reset_infos), f"step {t} reset infos")
