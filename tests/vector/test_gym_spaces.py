@@ -12,10 +12,11 @@ import gc
 import re
 
 import envs
+import gymnasium as gym
 import numpy as np
 import pytest
 from envs import DYNAMIC_KINDS, SampledEnv, has_dynamic_shape, run_lockstep, worker_children
-from gymnasium.spaces import Box, Dict, Discrete
+from gymnasium.spaces import Box, Dict, Discrete, Text
 from gymnasium.vector.utils import batch_differing_spaces
 
 N = 2
@@ -56,6 +57,30 @@ def test_dynamic_spaces_step_as_sync_vector_env(impl, make_async, make_sync, kin
     assert vec.observation_space == ref.observation_space
     assert vec.action_space == ref.action_space
     run_lockstep(vec, ref, steps=7, min_done=N)
+
+
+@pytest.mark.parametrize("shared_memory", [False, pytest.param(True, marks=pytest.mark.gym_defect)])
+def test_text_observations_step_as_sync_vector_env(make_async, make_sync, shared_memory):
+    """Text observations are the envs' strings (gymnasium's shared memory reads back
+    ``"0" * max_length`` for every one of them)."""
+    fns = [WordEnv] * N
+    run_lockstep(make_async(fns, shared_memory=shared_memory), make_sync(fns), steps=7, min_done=N)
+
+
+class WordEnv(gym.Env):
+    """Text observations made from the step and the action (``Text.sample`` picks characters in a
+    set's order, which differs between processes)."""
+
+    observation_space, action_space = Text(5), Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return "r", {}
+
+    def step(self, action):
+        self._t += 1
+        return f"t{self._t}a{int(action)}", 0.0, self._t >= 3, False, {}
 
 
 def test_same_mode_with_unequal_spaces_says_so_as_gymnasium(impl):
