@@ -294,6 +294,7 @@ class MLAgentsEnvManager:
         self.first_step_infos = [self._environment_step(info) for info in infos]
         return len(self.first_step_infos)
 
+    @deferred  # (as get_steps)
     def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
         """Send environment parameters to every worker; they reach the players with the next
         message. A restarted worker gets all parameters set so far before its reset.
@@ -308,6 +309,7 @@ class MLAgentsEnvManager:
         self.env_parameters.update(params)
         self._set_everywhere("set_env_parameters", params)
 
+    @deferred  # (as get_steps)
     def set_engine_config(self, config: Any = None, **fields: Any) -> None:
         """Change engine settings (``EngineConfig``, dict or fields such as ``time_scale=20``) on
         every worker; replayed on restarted workers."""
@@ -336,6 +338,8 @@ class MLAgentsEnvManager:
         self._pull_policies()
         m = self.manager
         with self._errors():
+            if any(info.interrupted for info in self._held):  # a settings change's re-reset a Ctrl-C cut short
+                self._held = reset_restarted(m, self._held, resend=False)
             self._held += m.receive_steps(min_count=0)  # no wait: what came in already
             waiting = {info.worker_id for info in self._held}
             actions = self._actions_for([w for w in m.idle_worker_ids

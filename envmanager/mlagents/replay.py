@@ -32,15 +32,20 @@ def call_replayed(manager: Any, worker_ids: Sequence[int] | None, name: str, arg
             raise
 
 
-def reset_restarted(manager: Any, held: list[StepInfo]) -> list[StepInfo]:
+def reset_restarted(manager: Any, held: list[StepInfo], resend: bool = True) -> list[StepInfo]:
     """``held`` (results taken, not handed on yet) and what else came in, with every restarted
     worker's fresh reset among them made again (:func:`replace_reset`). What came in is added to
-    the caller's ``held`` itself: if the reset raises, the caller still has it."""
+    the caller's ``held`` itself: if the reset raises, the caller still has it.
+
+    A reset sent by a call a Ctrl-C cut short (its wait is interruptible) is still in flight: it
+    is waited for, not sent again; with ``resend=False`` only those are (the next ``get_steps``:
+    else their workers were never stepped again)."""
     held += manager.receive_steps(min_count=0)
-    stale = sorted({info.worker_id for info in held if info.interrupted})
+    in_flight = set(manager.waiting_worker_ids)  # (a worker whose result is held is sent nothing but these)
+    stale = sorted({info.worker_id for info in held if info.interrupted and (resend or info.worker_id in in_flight)})
     if not stale:
         return held
-    manager.send_reset(dict.fromkeys(stale, (None, None)))
+    manager.send_reset({w: (None, None) for w in stale if w not in in_flight})
     fresh = {info.worker_id: info for info in manager.receive_resets(stale)}
     return [replace_reset(info, fresh.pop(info.worker_id)) if info.interrupted and info.worker_id in fresh else info
             for info in held]

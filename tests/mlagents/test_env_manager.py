@@ -454,6 +454,44 @@ def test_results_taken_before_a_re_reset_that_raises_are_kept():
         assert held[[i.worker_id for i in held].index(1)].current_result.observation[0] == 1  # its step
 
 
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_in_a_settings_change_s_re_reset_leaves_the_worker_stepping(fake_player):
+    """A settings change re-resets a worker restarted before it; a Ctrl-C in the wait for that
+    reset (interruptible) left it owed and never taken: the worker was never stepped again. The
+    next ``get_steps`` takes it, and the worker's steps go on from a reset with the new value."""
+    import os
+    import signal
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset(config={"gravity": 1.0})
+        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
+        core = manager.manager
+        core.wait_idle(timeout=30)
+        os.kill(core.processes[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (core.restart_count(1) == 1 and 1 in core._state.arrived):  # its fresh reset in, not taken
+            assert time.monotonic() < deadline
+            core._take(core.pool.wait(0.05))
+        receive_resets = core.receive_resets
+
+        def pressed_in_the_wait(*args, **kwargs):  # as ``interrupts.blocking`` raises a Ctrl-C held back
+            core.receive_resets = receive_resets
+            raise KeyboardInterrupt
+
+        core.receive_resets = pressed_in_the_wait
+        with pytest.raises(KeyboardInterrupt):
+            manager.set_env_parameters({"gravity": 2.0})
+        assert core.receive_resets == receive_resets  # (it was asked)
+        steps = steps_until(manager, lambda got: len(by_worker(got, 1)) >= 3, seconds=20)
+        first = by_worker(steps, 1)[0]
+        assert first.interrupted and stat(first, "Fake/EnvParam/gravity")[-1] == 2.0
+        assert not any(s.interrupted for s in by_worker(steps, 1)[1:])
+    finally:
+        manager.close()
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
