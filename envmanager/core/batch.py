@@ -272,6 +272,11 @@ class BatchEnvManager:
             waiting[booting] = True
         return waiting.nonzero()[0].tolist()
 
+    @property
+    def resets_in_flight(self) -> list[int]:
+        """Slots sent a reset whose answer is not taken yet (``receive_resets`` takes it)."""
+        return sorted(self._state.owed_resets)
+
     def _booting_slots(self) -> list[int]:
         """The slots of processes coming back from a restart (each gets its fresh reset)."""
         return [s for w in self.pool.processes if w.boot is not None for s in w.env_ids]

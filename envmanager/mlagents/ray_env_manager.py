@@ -221,6 +221,11 @@ class RayPlayerPool:
         """Players with a step in flight."""
         return sorted(w for node in self.nodes if node.pending is not None for w in node.sent)
 
+    @property
+    def resets_in_flight(self) -> list[int]:
+        """None: ``receive_resets`` sends and takes them in one call."""
+        return []
+
     def send_step(self, actions: dict[int, Any]) -> None:
         """Send ``actions`` (worker id -> the env's actions; idle players only), one request per
         node; each request's deadline runs from now."""

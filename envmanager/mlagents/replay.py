@@ -41,7 +41,7 @@ def reset_restarted(manager: Any, held: list[StepInfo], resend: bool = True) -> 
     is waited for, not sent again; with ``resend=False`` only those are (the next ``get_steps``:
     else their workers were never stepped again)."""
     held += manager.receive_steps(min_count=0)
-    in_flight = set(manager.waiting_worker_ids)  # (a worker whose result is held is sent nothing but these)
+    in_flight = set(manager.resets_in_flight)
     stale = sorted({info.worker_id for info in held if info.interrupted and (resend or info.worker_id in in_flight)})
     if not stale:
         return held
