@@ -492,6 +492,40 @@ def test_a_ctrl_c_in_a_settings_change_s_re_reset_leaves_the_worker_stepping(fak
         manager.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_held_re_reset_of_a_worker_restarted_again_is_not_taken_for_one_in_flight(fake_player):
+    """A settings change re-resets a restarted worker (its fresh reset held, not handed out yet);
+    the worker is restarted again. ``get_steps`` took its boot for a re-reset a Ctrl-C cut short
+    and raised "no reset was sent to worker(s) [1]" (found by the fault schedules, seed 64400)."""
+    import os
+    import signal
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2, restarts_rate_limit_n=-1)
+    try:
+        manager.set_policy(B, TargetPolicy(3))
+        manager.reset(config={"gravity": 1.0})
+        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
+        core = manager.manager
+        core.wait_idle(timeout=30)
+
+        def restart_worker_1(times):
+            os.kill(core.processes[1].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while core.restart_count(1) < times or (times == 1 and 1 not in core._state.arrived):
+                assert time.monotonic() < deadline, "worker 1 was not restarted"
+                core._take(core.pool.wait(0.05))
+
+        restart_worker_1(1)  # its fresh reset in, not taken
+        manager.set_env_parameters({"gravity": 2.0})
+        assert [info.interrupted for info in manager._held if info.worker_id == 1] == [True]  # re-reset, held
+        restart_worker_1(2)  # and now on its way back from a second restart
+        assert 1 in core.waiting_worker_ids and core.resets_in_flight == []
+        steps = steps_until(manager, lambda got: len(by_worker(got, 1)) >= 3, seconds=30)
+        assert [stat(s, "Fake/EnvParam/gravity")[-1:] for s in by_worker(steps, 1) if s.interrupted][-1] == [2.0]
+    finally:
+        manager.close()
+
+
 @pytest.mark.timeout(60)
 def test_port_in_use_is_a_clear_error(fake_player):
     path = fake_player({"behaviors": [{"agents": 1}]})
