@@ -454,26 +454,43 @@ def test_results_taken_before_a_re_reset_that_raises_are_kept():
         assert held[[i.worker_id for i in held].index(1)].current_result.observation[0] == 1  # its step
 
 
+def stepping_with_worker_1_restarted(fake_player, **options):
+    """A manager on two fake players, both stepped, then worker 1 killed: returns it once the
+    restart's fresh reset is in and not taken, and ``restart(times)``, which kills worker 1 again
+    and returns once it is on its way back from restart ``times``."""
+    import os
+    import signal
+
+    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2, **options)
+    manager.set_policy(B, TargetPolicy(3))
+    manager.reset(config={"gravity": 1.0})
+    steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
+    core = manager.manager
+    core.wait_idle(timeout=30)
+
+    def restart(times):
+        os.kill(core.processes[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while core.restart_count(1) < times or (times == 1 and 1 not in core._state.arrived):
+            assert time.monotonic() < deadline, "worker 1 was not restarted"
+            core._take(core.pool.wait(0.05))
+
+    try:
+        restart(1)
+    except BaseException:
+        manager.close()
+        raise
+    return manager, restart
+
+
 @pytest.mark.timeout(120)
 def test_a_ctrl_c_in_a_settings_change_s_re_reset_leaves_the_worker_stepping(fake_player):
     """A settings change re-resets a worker restarted before it; a Ctrl-C in the wait for that
     reset (interruptible) left it owed and never taken: the worker was never stepped again. The
     next ``get_steps`` takes it, and the worker's steps go on from a reset with the new value."""
-    import os
-    import signal
-
-    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2)
+    manager, _ = stepping_with_worker_1_restarted(fake_player)
+    core = manager.manager
     try:
-        manager.set_policy(B, TargetPolicy(3))
-        manager.reset(config={"gravity": 1.0})
-        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
-        core = manager.manager
-        core.wait_idle(timeout=30)
-        os.kill(core.processes[1].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while not (core.restart_count(1) == 1 and 1 in core._state.arrived):  # its fresh reset in, not taken
-            assert time.monotonic() < deadline
-            core._take(core.pool.wait(0.05))
         receive_resets = core.receive_resets
 
         def pressed_in_the_wait(*args, **kwargs):  # as ``interrupts.blocking`` raises a Ctrl-C held back
@@ -497,28 +514,12 @@ def test_a_held_re_reset_of_a_worker_restarted_again_is_not_taken_for_one_in_fli
     """A settings change re-resets a restarted worker (its fresh reset held, not handed out yet);
     the worker is restarted again. ``get_steps`` took its boot for a re-reset a Ctrl-C cut short
     and raised "no reset was sent to worker(s) [1]" (found by the fault schedules, seed 64400)."""
-    import os
-    import signal
-
-    manager = start(fake_player, {"behaviors": [{"agents": 1, "episode_length": 0}]}, 2, restarts_rate_limit_n=-1)
+    manager, restart = stepping_with_worker_1_restarted(fake_player, restarts_rate_limit_n=-1)
+    core = manager.manager
     try:
-        manager.set_policy(B, TargetPolicy(3))
-        manager.reset(config={"gravity": 1.0})
-        steps_until(manager, lambda got: {s.worker_id for s in got} == {0, 1})
-        core = manager.manager
-        core.wait_idle(timeout=30)
-
-        def restart_worker_1(times):
-            os.kill(core.processes[1].pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while core.restart_count(1) < times or (times == 1 and 1 not in core._state.arrived):
-                assert time.monotonic() < deadline, "worker 1 was not restarted"
-                core._take(core.pool.wait(0.05))
-
-        restart_worker_1(1)  # its fresh reset in, not taken
         manager.set_env_parameters({"gravity": 2.0})
         assert [info.interrupted for info in manager._held if info.worker_id == 1] == [True]  # re-reset, held
-        restart_worker_1(2)  # and now on its way back from a second restart
+        restart(2)  # and now on its way back from a second restart
         assert 1 in core.waiting_worker_ids and core.resets_in_flight == []
         steps = steps_until(manager, lambda got: len(by_worker(got, 1)) >= 3, seconds=30)
         assert [stat(s, "Fake/EnvParam/gravity")[-1:] for s in by_worker(steps, 1) if s.interrupted][-1] == [2.0]
