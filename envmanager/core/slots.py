@@ -24,6 +24,7 @@ from envmanager.core.completion import refused_error, worker_error
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.errors import EnvManagerError
 from envmanager.wire import returns, shm
+from envmanager.wire.info_columns import as_dicts
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.messages import Stepped
 
@@ -303,9 +304,7 @@ class SlotState:
                 out.append(block)
             else:
                 lists = [a.tolist() if py else list(a) for a, py in zip(arrays, python, strict=True)]
-                rows_of_values = zip(*lists, strict=True)
-                dicts.update((slot, dict(zip(keys, values, strict=True)))
-                             for slot, values in zip(rows.tolist(), rows_of_values, strict=True))
+                dicts.update(zip(rows.tolist(), as_dicts(keys, lists, len(rows)), strict=True))
         return tuple(out)
 
     def timings(self, slot: int) -> tuple[float, float, float]:

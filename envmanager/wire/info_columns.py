@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["InfoColumns", "to_columns", "column_dtype"]
+__all__ = ["InfoColumns", "as_dicts", "to_columns", "column_dtype"]
 
 _PYTHON = (int, float, bool)
 #: Scalar types packed with the ``array`` module (a worker's step is no place for numpy's
@@ -60,12 +60,19 @@ class InfoColumns(NamedTuple):
 
     def dicts(self, positions: list[int] | None = None) -> list[dict[str, Any]]:
         """The envs' own info dicts (at ``positions``, default all), values as they were."""
-        columns = []
-        for dtype, column in zip(self.dtypes, self.arrays(), strict=True):
-            columns.append(column.tolist() if dtype.startswith("py:") else list(column))
-        n = self.n_envs()
-        rows = range(n) if positions is None else positions
-        return [{k: c[i] for k, c in zip(self.keys, columns, strict=True)} for i in rows]
+        arrays = self.arrays() if positions is None else [a[positions] for a in self.arrays()]
+        columns = [a.tolist() if d.startswith("py:") else list(a) for a, d in zip(arrays, self.dtypes, strict=True)]
+        return as_dicts(self.keys, columns, self.n_envs() if positions is None else len(positions))
+
+
+def as_dicts(keys: tuple[str, ...], columns: list[list[Any]], n: int) -> list[dict[str, Any]]:
+    """``n`` rows of ``columns`` (one list per key) as one dict per row, keys in order: filled one
+    key at a time (a ``dict(zip(keys, row))`` per row costs twice to three times as much)."""
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, column in zip(keys, columns, strict=True):
+        for row, value in zip(rows, column, strict=True):
+            row[key] = value
+    return rows
 
 
 @functools.cache
