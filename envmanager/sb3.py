@@ -259,8 +259,9 @@ class SubprocVecEnv(VecEnv):
                     self.reset_infos[i] = info[RESET_INFO]
                     step_infos[i] = {**info["final_info"], "TimeLimit.truncated": time_limit[i],
                                      "terminal_observation": info["final_obs"]}
-                else:
-                    step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
+                elif i not in interrupted:  # (an interrupted env's info is its reset's: see _report_cut)
+                    info["TimeLimit.truncated"] = time_limit[i]  # (a dict of this step's own)
+                    step_infos[i] = info
             if interrupted or self._cut:
                 self._report_cut(infos, interrupted, rewards, dones, step_infos)
             self._last_obs = obs

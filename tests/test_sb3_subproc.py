@@ -433,6 +433,7 @@ def test_restarted_worker_ends_the_episode_as_truncated(subproc):
     assert dones[1] and rewards[1] == 0.0  # (env 0's random episode may end here too)
     assert infos[1]["interrupted"] and infos[1]["TimeLimit.truncated"]
     np.testing.assert_array_equal(infos[1]["terminal_observation"], before[1])
+    assert "length" in vec.reset_infos[1] and "TimeLimit.truncated" not in vec.reset_infos[1]  # the reset's own info
     assert obs[1][0] == 0  # a fresh episode
     vec.step(np.zeros(2, dtype=np.int64))
 
