@@ -125,6 +125,17 @@ def test_plot(tmp_path):
     assert f"wrote {tmp_path / 'bench.png'}" in stdout
 
 
+def test_plot_with_nothing_measured_says_so(tmp_path):
+    """A run that measured nothing (its extra missing, every backend skipped) still gets its PNG,
+    not a traceback after the run."""
+    pytest.importorskip("matplotlib")
+    stdout, data, png = run_cli(tmp_path, "--scenario", "cartpole", "--steps", "8", "--no-warmup",
+                                "--backends", "mlagents.sequential", plot=True)  # unity's only: always skipped here
+    assert data["scenarios"]["cartpole"]["measurements"] == {}
+    assert png is not None and png.startswith(PNG_MAGIC)
+    assert f"wrote {tmp_path / 'bench.png'}" in stdout
+
+
 PLOT_REFUSED = 'envmanager bench: --plot needs matplotlib (not installed): pip install "envmanager[bench]"'
 
 

@@ -353,9 +353,10 @@ def write_plot(path: str, results: Sequence[ScenarioResult]) -> None:
                              gridspec_kw={"height_ratios": heights or [1]})
     try:
         panels = list(axes[:, 0])
-        if not heights:
-            panels[0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
-            panels[0].set_axis_off()
+        if not heights:  # every scenario unavailable or every backend skipped: one empty panel says so
+            empty = panels.pop(0)
+            empty.text(0.5, 0.5, "nothing measured", ha="center", va="center")
+            empty.set_axis_off()
         for group, costs, curves in sweeps:
             _plot_sweep(panels.pop(0), costs, curves, group)
         for ax, r in zip(panels, shown, strict=True):
