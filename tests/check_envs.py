@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from multiprocessing import shared_memory
@@ -195,12 +196,24 @@ class RaisingEnv(GoodEnv):
         if self.t == 2:
             if self.exception == "value":
                 raise ValueError("the simulator lost its state")
+            if self.exception == "exit":  # as a pygame env does when its window is closed
+                sys.exit(4)
+            if self.exception == "interrupt":
+                raise KeyboardInterrupt
             raise SimError(7, "the simulator lost its state")
         return super().step(action)
 
 
 class SimErrorEnv(RaisingEnv):
     exception = "sim"
+
+
+class ExitingEnv(RaisingEnv):
+    exception = "exit"
+
+
+class InterruptingEnv(RaisingEnv):
+    exception = "interrupt"
 
 
 class HangingEnv(GoodEnv):

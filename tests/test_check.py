@@ -221,6 +221,34 @@ def test_an_env_that_raises():
     assert "step 3 raised ValueError: the simulator lost its state" in evidence(report, "env-raises")
 
 
+@pytest.mark.parametrize("env, raised", [(check_envs.ExitingEnv, "SystemExit: 4"),
+                                         (check_envs.InterruptingEnv, "KeyboardInterrupt")])
+def test_an_env_that_exits_or_interrupts_raises_and_is_no_pass(env, raised):
+    """An env's ``sys.exit()`` or ``KeyboardInterrupt`` is its error, as envmanager's workers report
+    it: not "No problems found" with nothing run (the probes caught only ``Exception``)."""
+    report = run(env)
+    assert report.problem_ids == ["env-raises"], report.format()
+    assert f"step 3 raised {raised}" in evidence(report, "env-raises")
+    assert not report.ok
+    if env is check_envs.InterruptingEnv:  # here it would end the check, like the user's Ctrl-C
+        assert any("nothing ran in this process: the env raises KeyboardInterrupt" in n for n in report.notes)
+
+
+def _probe_breaks(*args):
+    raise RuntimeError("the probe broke")
+
+
+def test_no_result_from_any_worker_is_no_pass(monkeypatch):
+    """Every worker run ended without a result of the env, and no problem explains it: nothing
+    was checked, which is not "No problems found" (exit 0)."""
+    from envmanager.check import runner
+
+    monkeypatch.setattr(runner, "record_fresh", _probe_breaks)  # under fork the workers have it
+    report = run(check_envs.make_good)
+    assert not report.problems and not report.ran and not report.ok, report.format()
+    assert "Nothing was checked" in report.format() and "No problems found" not in report.format()
+
+
 def test_an_exception_that_does_not_pickle():
     report = run(check_envs.SimErrorEnv)
     assert set(report.problem_ids) == {"env-raises", "exception-not-picklable"}, report.format()

@@ -118,9 +118,14 @@ def check(
             report.notes.append("nothing ran in this process: the env ran in no worker")
         elif blocked:
             report.notes.append(f"nothing ran in this process, because of {', '.join(sorted(blocked))} (above)")
+        elif any(t.raised is not None and t.raised.type == "KeyboardInterrupt" for r in runs for t in r.raw):
+            # here it would end the check (and could not be told from the user's Ctrl-C)
+            report.notes.append("nothing ran in this process: the env raises KeyboardInterrupt (above)")
         else:
             here = runner.run_here(factory, settings, report)
         runner.judge(runs, here, report)
+        if not report.problems and not any(r.raw for r in runs):
+            report.ran = False  # every worker run ended before the env gave a result: nothing was checked
         if advice:
             _advise(advice_module, factory, report, here, num_envs, seed, measure_s, deadline, startup_timeout,
                     cores, budget, tick)

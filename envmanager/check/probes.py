@@ -28,6 +28,7 @@ import cloudpickle
 import psutil
 
 from envmanager.check.travel import describe, round_trip_error
+from envmanager.worker.envs import ENV_RAISES, Stopped
 
 __all__ = ["Raised", "Trajectory", "Leaks", "CheckerResult", "Cleanup", "record", "record_fresh", "close_leaks", "gym_checker",
            "shm_in_use", "dev_shm", "remove_shared_memory", "end_processes"]
@@ -35,6 +36,11 @@ __all__ = ["Raised", "Trajectory", "Leaks", "CheckerResult", "Cleanup", "record"
 MAX_BYTES = 16 << 20  # of observations kept per trajectory
 SETTLE_S = 0.5  # after close(): how long threads and processes get to end
 DEV_SHM = "/dev/shm"
+#: What an env's call may raise that :func:`record` keeps as the env's error in this process: an
+#: env's ``sys.exit()`` too, not ``KeyboardInterrupt`` (here that is the user's Ctrl-C). In a
+#: worker the probes keep what the worker reports as the env's (``ENV_RAISES``: its
+#: ``KeyboardInterrupt`` too), never the worker's own ``Stopped``.
+HERE_RAISES = (Exception, SystemExit)
 
 
 @dataclass
@@ -121,9 +127,11 @@ def _nbytes(value: Any) -> int:
         return 0
 
 
-def record(env: Any, seed: int, actions: list[Any]) -> Trajectory:
+def record(env: Any, seed: int, actions: list[Any],
+           catch: tuple[type[BaseException], ...] = HERE_RAISES) -> Trajectory:
     """``env.reset(seed=seed)``, then ``actions`` one by one (an episode's end is followed by a
-    reset, as envmanager's ``next_step`` autoreset does); stops at the first exception."""
+    reset, as envmanager's ``next_step`` autoreset does); stops at the first exception of the
+    kinds ``catch`` names (see ``HERE_RAISES``)."""
     out = Trajectory(pid=os.getpid())
     size = 0
 
@@ -138,7 +146,9 @@ def record(env: Any, seed: int, actions: list[Any]) -> Trajectory:
 
     try:
         obs, info = env.reset(seed=seed)
-    except Exception as exc:
+    except Stopped:
+        raise
+    except catch as exc:
         out.raised = _raised(f"reset(seed={seed})", 0, exc)
         return out
     add(obs, None, False, False, info)
@@ -151,7 +161,9 @@ def record(env: Any, seed: int, actions: list[Any]) -> Trajectory:
                 reward, terminated, truncated = 0.0, False, False
             else:
                 obs, reward, terminated, truncated, info = env.step(action)
-        except Exception as exc:
+        except Stopped:
+            raise
+        except catch as exc:
             out.raised = _raised(where, t, exc)
             break
         add(obs, reward, terminated, truncated, info)
@@ -323,7 +335,7 @@ def record_fresh(_env: Any, factory: bytes, seed: int, actions: list[Any]) -> Tr
     try:
         env = cloudpickle.loads(factory)(0)
         try:
-            trajectory = record(env, seed, actions)
+            trajectory = record(env, seed, actions, ENV_RAISES)
             cleanup.watch()
         finally:
             env.close()
@@ -383,7 +395,9 @@ def _use(env: Any, seed: int, actions: list[Any]) -> None:
             _, _, terminated, truncated, _ = env.step(action)
             if terminated or truncated:
                 break
-    except Exception:
+    except Stopped:
+        raise
+    except ENV_RAISES:
         pass
 
 
@@ -404,7 +418,9 @@ def gym_checker(_env: Any, factory: bytes) -> CheckerResult:
             warnings.simplefilter("always")
             try:
                 check_env(env, skip_render_check=True)
-            except Exception as exc:
+            except Stopped:
+                raise
+            except ENV_RAISES as exc:
                 error = f"{type(exc).__name__}: {exc}"
             finally:
                 cleanup.watch()

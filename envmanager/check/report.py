@@ -90,7 +90,8 @@ class Advice:
 @dataclass
 class Report:
     """What ``envmanager.check.check`` found. ``ok``: no problem, and the env ran in a worker
-    (``ran``: false when the time limit ended the check before any start method ran it)."""
+    (``ran``: false when the check found no problem but the env gave no result in any worker:
+    the time limit ended the check before any start method ran it, or every run failed; see the notes)."""
 
     target: str
     start_methods: list[str]
@@ -135,7 +136,7 @@ class Report:
         if self.ok:
             lines.append("No problems found.")
         elif not self.ran and not self.problems:
-            lines.append("Nothing was checked: the env ran in no worker before the time limit (see the notes).")
+            lines.append("Nothing was checked: the env ran in no worker (see the notes).")
         for n, problem in enumerate(self.problems, 1):
             where = f" [{', '.join(problem.start_methods)}]" if problem.start_methods else ""
             lines.append(f"Problem {n}: {problem.id}{where}: {problem.title}")
