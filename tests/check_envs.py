@@ -179,6 +179,28 @@ class ReusedObservationEnv(GoodEnv):
 # -- faults -------------------------------------------------------------------------------------
 
 
+class NoActionSpaceEnv:
+    """Steps like a gymnasium env but declares no action space (an object with reset() and step())."""
+
+    action_space = None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+class PerAgentSpacesEnv(NoActionSpaceEnv):
+    """Spaces per agent, as a PettingZoo env declares them: ``action_space(agent)``."""
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return spaces.Discrete(2)
+
+
 class SimError(Exception):
     """An exception whose __init__ takes a code and a message: it does not unpickle."""
 

@@ -80,6 +80,15 @@ def test_bad_targets_are_refused_before_anything_runs():
         check(check_envs.make_good, start_methods=["teleport"])
 
 
+@pytest.mark.parametrize("env, said", [(check_envs.NoActionSpaceEnv, "action_space is NoneType None, not a gymnasium space"),
+                                       (check_envs.PerAgentSpacesEnv, "a PettingZoo env?")])
+def test_an_env_without_a_gymnasium_action_space_is_refused_not_a_crash(env, said):
+    """Nothing to sample actions from: a usage error (exit 2) with the reason, not an
+    AssertionError or AttributeError traceback (exit 1) from the checker."""
+    with pytest.raises(TargetError, match=re.escape(said)):
+        run(env)
+
+
 # -- the factory or env cannot travel -----------------------------------------------------------
 
 

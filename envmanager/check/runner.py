@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import gymnasium
 
 from envmanager.check import fixes
 from envmanager.check.conformance import first_difference, show, space_findings
@@ -37,7 +38,7 @@ from envmanager.check.probes import (
     shm_in_use,
 )
 from envmanager.check.report import Report
-from envmanager.check.target import AsEnvZero
+from envmanager.check.target import AsEnvZero, TargetError
 from envmanager.check.travel import describe
 from envmanager.core import SubprocessEnvManager
 from envmanager.errors import EnvManagerError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -138,7 +139,8 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
         run.observation_space = manager.observation_space
         if settings.actions is None:
             space = manager.action_space
-            assert space is not None  # a gymnasium env's (an env without one failed to build)
+            if not isinstance(space, gymnasium.spaces.Space):  # no action space to sample: not a gymnasium env
+                raise TargetError(_no_action_space(space, factory))
             space.seed(settings.seed)
             settings.actions = [space.sample() for _ in range(settings.steps)]
         if not _through_envmanager(manager, run, settings, report):
@@ -160,6 +162,15 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
     finally:
         _close(manager, run, shm_before, budget)
     return run
+
+
+def _no_action_space(space: Any, factory: Any) -> str:
+    label = getattr(factory, "label", factory)
+    if callable(space):  # PettingZoo's action_space(agent)
+        return (f"{label}: env 0's action_space is a method (action_space(agent): a PettingZoo env?), not a gymnasium "
+                "space; envmanager check takes gymnasium envs (PettingZoo envs run in workers through envmanager.pettingzoo)")
+    return (f"{label}: env 0's action_space is {type(space).__name__} {space!r:.60}, not a gymnasium space "
+            "(gymnasium.spaces.Space): envmanager check steps the env with actions sampled from it")
 
 
 def _close(manager: SubprocessEnvManager, run: WorkerRun, shm_before: set[str], budget: Budget) -> None:
