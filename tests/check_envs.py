@@ -57,6 +57,14 @@ class MillisecondEnv(GoodEnv):
         return super().step(action)
 
 
+class SlowStepEnv(GoodEnv):
+    """A good env whose every step waits 50 ms: slow, far from any deadline."""
+
+    def step(self, action):
+        time.sleep(0.05)
+        return super().step(action)
+
+
 class FreeEnv(gym.Env):
     """Next to nothing per step (~1 µs): in process it beats any layout of processes by far."""
 

@@ -328,6 +328,16 @@ def test_the_time_limit_skips_what_no_longer_fits():
     assert not report.problems and not report.ran and not report.ok  # nothing was checked: not a pass
 
 
+def test_a_slow_env_cut_short_by_the_time_limit_is_not_a_hang():
+    """The start-up deadline capped to the little left of the time limit ended the fresh env's
+    run (30 steps of 50 ms in 1.2 s): a note and nothing checked, not a "hangs" problem."""
+    report = run(check_envs.SlowStepEnv, steps=30, time_limit=1.2)
+    assert "hangs" not in report.problem_ids, report.format()
+    assert any("fork workers: the time limit ended building, running and closing a fresh env" in n
+               for n in report.notes), report.format()
+    assert not report.ok
+
+
 def test_progress_reports_every_stage():
     calls = []
     run(check_envs.make_good, progress=lambda done, total, stage: calls.append((done, total, stage)))

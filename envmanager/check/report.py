@@ -136,7 +136,7 @@ class Report:
         if self.ok:
             lines.append("No problems found.")
         elif not self.ran and not self.problems:
-            lines.append("Nothing was checked: the env ran in no worker (see the notes).")
+            lines.append("Nothing was checked: no worker gave a result of the env (see the notes).")
         for n, problem in enumerate(self.problems, 1):
             where = f" [{', '.join(problem.start_methods)}]" if problem.start_methods else ""
             lines.append(f"Problem {n}: {problem.id}{where}: {problem.title}")

@@ -81,7 +81,7 @@ class WorkerRun:
     observation_space: Any = None
     raw: list[Trajectory] = field(default_factory=list)  # slots 0 and 1, as the env returned them
     delivery_error: tuple[int, WorkerError] | None = None  # the entry envmanager could not deliver
-    stopped: str = ""  # why the run ended early: "not built", "hangs", "died"
+    stopped: str = ""  # why the run ended early: "not built", "hangs", "died", "time limit"
     checker: CheckerResult | None = None
     leaks: Leaks | None = None
 
@@ -121,6 +121,8 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
                    fixes.cannot_travel_in_worker(exc.exc_type) if travel else fixes.not_built(exc.exc_type), [method])
         return run
     except WorkerTimeoutError as exc:
+        if _time_limit_ended(exc, settings, run, report, "building env 0"):
+            return run
         run.stopped = "hangs"
         report.add("hangs", f"building env 0 in a {method} worker did not finish within {exc.timeout:g} s",
                    fixes.HANGS, [method])
@@ -151,6 +153,8 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
                 run.checker = manager.call_on([0], gym_checker, (blob,))[0]
                 run.leaks = manager.call_on([0], close_leaks, (blob, settings.seed, settings.actions))[0]
         except WorkerTimeoutError as exc:
+            if _time_limit_ended(exc, settings, run, report, "building, running and closing a fresh env"):
+                return run
             run.stopped = "hangs"
             report.add("hangs", f"a {method} worker did not finish building, running and closing a fresh env within "
                        f"{exc.timeout:g} s (close() may hang)", fixes.HANGS, [method])
@@ -162,6 +166,17 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
     finally:
         _close(manager, run, shm_before, budget)
     return run
+
+
+def _time_limit_ended(exc: WorkerTimeoutError, settings: Settings, run: WorkerRun, report: Report, what: str) -> bool:
+    """Whether the wait ``exc`` ended was cut short by the time limit (the start-up deadline
+    capped to what was left of it): no evidence of a hang, a note; else ``False``."""
+    if exc.timeout >= settings.startup_s:
+        return False
+    run.stopped = "time limit"
+    report.notes.append(f"{run.method} workers: the time limit ended {what} after {exc.timeout:.1f} s "
+                        f"(a hang only past the start-up deadline, {settings.startup_s:g} s)")
+    return True
 
 
 def _no_action_space(space: Any, factory: Any) -> str:
