@@ -5,17 +5,18 @@ public methods for them hand their requests to it), with the answers it keeps.""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import numpy as np
 
 from envmanager.core.completion import Completion
-from envmanager.core.pool import WorkerPool
 from envmanager.errors import InvalidInputError
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd
+
+if TYPE_CHECKING:
+    from envmanager.core.batch import BatchEnvManager
 
 __all__ = ["EnvCalls", "CallRequest"]
 
@@ -29,27 +30,10 @@ class CallRequest:
         self.by_process = by_process
 
 
-class CallHost(Protocol):
-    """What the calls need of the batch manager that owns them."""
-
-    slot_process: np.ndarray
-    slot_local: np.ndarray
-
-    @property
-    def pool(self) -> WorkerPool: ...
-
-    def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]: ...
-
-    def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None: ...
-
-    def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
-                 enough: Callable[[], bool] = ...) -> None: ...
-
-
 class EnvCalls:
     """Sends a request to the processes hosting chosen slots; collects one answer per slot."""
 
-    def __init__(self, manager: CallHost) -> None:
+    def __init__(self, manager: BatchEnvManager) -> None:
         self.manager = manager
         self._answers: dict[int, Completion] = {}  # by process index
 
