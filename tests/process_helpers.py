@@ -39,11 +39,11 @@ def ctrl_c_twice_in_close(monkeypatch: Any) -> list[str]:
             raise KeyboardInterrupt
         return waited(*args)
 
-    def second_ctrl_c(self: WorkerProcess, timeout: float) -> Any:
+    def second_ctrl_c(self: WorkerProcess) -> Any:
         if len(presses) == 1:
             presses.append("stop")
             raise KeyboardInterrupt
-        return stop(self, timeout)
+        return stop(self)
 
     monkeypatch.setattr(pool_module, "wait_for_ready", first_ctrl_c)
     monkeypatch.setattr(WorkerProcess, "stop", second_ctrl_c)

@@ -685,7 +685,7 @@ class WorkerPool:
                 logger.warning("%s did not close within %.1f s; terminating", ", ".join(late), timeout)
         finally:
             for w in workers:
-                w.stop(0.0) if w.alive() else w.kill()
+                w.stop() if w.alive() else w.kill()
             self._unreaped = []
             for name in ("buffers", "file", "queue", "mailboxes", "marks"):  # shared memory, pipes, mappings
                 resource = getattr(self, name)

@@ -334,23 +334,18 @@ class WorkerProcess:
             except OSError:  # already gone
                 pass
 
-    def stop(self, timeout: float) -> None:
-        """Ask the worker to close, then escalate to SIGTERM and SIGKILL, with its children."""
+    def stop(self) -> None:
+        """Ask the worker to close; if it has not exited, SIGTERM it (the worker still closes its
+        envs), wait 0.1 s and kill whatever it started that outlived it; then SIGKILL it, with its
+        children (``kill``)."""
         self.request_close()
-        deadline = time.monotonic() + timeout
         if self.alive():
-            self.process.join(max(0.0, deadline - time.monotonic()))
-        self.terminate(min(1.0, max(0.1, deadline - time.monotonic())))
+            self.process.join(0.0)
+        if self.alive():
+            self.interrupt()
+            self.process.join(0.1)
+            kill_family(self.family)
         self.kill()
-
-    def terminate(self, grace: float) -> None:
-        """SIGTERM (the worker still closes its envs), wait ``grace`` s, then kill whatever it
-        started that outlived it."""
-        if not self.alive():
-            return
-        self.interrupt()
-        self.process.join(grace)
-        kill_family(self.family)
 
     def interrupt(self) -> None:
         """SIGTERM now, noting first the processes it started: once it has ended, those in a
