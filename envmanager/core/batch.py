@@ -47,7 +47,7 @@ from envmanager.core.calls import CallRequest, EnvCalls
 from envmanager.core.completion import Completion
 from envmanager.core.cores import machine_cores
 from envmanager.core.layout import BATCH, Caller
-from envmanager.core.plans import BatchPlans, refuse_process, refuse_slots, reset_plan, row_of, slot_array
+from envmanager.core.plans import BatchPlans, refuse_slots, reset_plan, row_of, slot_array
 from envmanager.core.platforms import mailbox_enabled
 from envmanager.core.pool import WorkerPool, get_context, make_specs
 from envmanager.core.process import ProcessState, WorkerProcess
@@ -369,8 +369,8 @@ class BatchEnvManager:
         if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
             workers = pool.processes
             for index, _, _, _, _ in plan.requests:
-                if workers[index].state is _FAILED:
-                    refuse_process(workers[index], slots)
+                if workers[index].state is _FAILED:  # (its error was recorded before it was marked so)
+                    raise workers[index].failure  # type: ignore[misc]
         shared = self.results.action
         pickled = as_given and per_slot  # each as given: no array layout to write them into
         board = pool.mailboxes is not None and shared is not None and not pickled  # on the step board

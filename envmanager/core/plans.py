@@ -13,7 +13,7 @@ from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import Reset, raw_locals
 
-__all__ = ["BatchPlans", "BatchPlan", "Requests", "refuse_process", "refuse_slots", "reset_plan", "row_of"]
+__all__ = ["BatchPlans", "BatchPlan", "Requests", "refuse_slots", "reset_plan", "row_of"]
 
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
@@ -113,14 +113,6 @@ def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int
                 for index, own in by_process.items()]
     except Exception as exc:
         raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
-
-
-def refuse_process(w: Any, slots: np.ndarray) -> None:
-    """Raise why process ``w`` cannot take ``slots``' steps: it failed, or their lane is busy."""
-    if w.failure is not None:
-        raise w.failure
-    slot = int(slots[np.isin(slots, w.env_ids)][0])
-    raise InvalidInputError(f"worker {slot} is still stepping ({w.name} is busy); it cannot take an action")
 
 
 def row_of(batch: Any, k: int, space: Any) -> Any:
