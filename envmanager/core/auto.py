@@ -52,7 +52,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from envmanager.core.cores import machine_cores
+from envmanager.core.cores import affinity, machine_cores
 from envmanager.core.layout import (
     BATCH,
     BOARD_INFOS,
@@ -117,11 +117,9 @@ def _percentile(values: list[float], q: float) -> float:
 def usable_cores() -> int:
     """CPU cores the workers may run on: this process's (which they inherit), within the CPU quota
     of its control group (``envmanager.core.cores.machine_cores``: 2 in a container given 2 of 64)."""
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = os.cpu_count() or 1
-    return max(1, min(mine, machine_cores()))
+    mine = affinity()
+    cores = len(mine) if mine is not None else os.cpu_count() or 1
+    return max(1, min(cores, machine_cores()))
 
 
 def _infos_kind(info: Any) -> str:

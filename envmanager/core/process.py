@@ -282,8 +282,12 @@ class WorkerProcess:
         return None if self.marks is None else self.marks.read(self.index)
 
     def died(self, detail: str = "") -> WorkerDiedError:
-        exitcode = self.wait_exitcode()  # ended: its record is final
-        slot, call = self.inside() or (None, None)
+        if self.reaped:
+            exitcode = self.exitcode
+        else:  # ending: its exit code (a core dump can delay it a little)
+            self.process.join(2.0)
+            exitcode = self.process.exitcode
+        slot, call = self.inside() or (None, None)  # ended: its record is final
         return WorkerDiedError(self.env_ids[0] if slot is None else slot, exitcode, detail, slots=self.env_ids,
                                process=self.index, call=call)
 
@@ -300,13 +304,6 @@ class WorkerProcess:
         return (f"It was forked from a process running threads, with {self.forked_from} loaded: an env calling a "
                 "library whose thread pool had started there can hang in a forked worker; context='forkserver' or "
                 "'spawn' starts workers without them")
-
-    def wait_exitcode(self, timeout: float = 2.0) -> int | None:
-        """The exit code of a process that is ending (a core dump can delay it a little)."""
-        if self.reaped:
-            return self.exitcode
-        self.process.join(timeout)
-        return self.process.exitcode
 
     def alive(self) -> bool:
         return not self.reaped and self.process.is_alive()

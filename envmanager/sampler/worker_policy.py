@@ -253,8 +253,7 @@ class WorkerPolicySampler:
         for p in self._procs:
             self._sync(p)
         if quotas is not None:  # exact episodes start afresh: what runs now is let go
-            for s in episodes.in_state(RUNNING):
-                episodes.close(s, Outcome.DISCARDED)
+            self.let_running_go()
         want = list(steps) if steps is not None else [self._spec.capacity] * self.n_workers
         starts = list(quotas) if quotas is not None else [-1] * self.n_workers
         out: list[list[TransitionBatch]] = [[] for _ in range(self.n_workers)]
