@@ -343,9 +343,7 @@ class WorkerPool:
             try:
                 answer = decode_answer(form, data)
             except Exception as exc:  # e.g. a class the parent cannot import
-                what = f"its answer to {request.cmd.name} could not be unpickled here: {exc!r}"
-                error = WorkerError(w.env_ids[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, w.index)
-                completions.append(Completion(w, request, None, error))
+                completions.append(Completion(w, request, None, _unpicklable(w.env_ids[0], request.cmd, exc, w.index)))
                 continue
             if cmd is Cmd.ENV_FAILED:
                 error = worker_error(answer, w.index)
@@ -397,8 +395,7 @@ class WorkerPool:
         try:
             answer, schemas = decode_steps_rest(rest)
         except Exception as exc:  # e.g. an info of a class the parent cannot import: the steps fail, as a request's
-            what = f"its answer to STEP could not be unpickled here: {exc!r}"
-            error = WorkerError(slots[0], f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, w.index)
+            error = _unpicklable(slots[0], Cmd.STEP, exc, w.index)
             schemas = ()
         if not w.watched or not box.take_notice(w.index, box.slot_word[list(slots)].tolist(), list(ordinals), received,
                                                 schemas):
@@ -709,6 +706,12 @@ class WorkerPool:
         deadline = Deadline(10.0)
         while self._waiting.get(0) == waiter and not deadline.passed():
             time.sleep(0.005)
+
+
+def _unpicklable(slot: int, cmd: Cmd, exc: Exception, process: int) -> WorkerError:
+    """The error of an answer to ``cmd`` that could not be unpickled here (``exc``)."""
+    what = f"its answer to {cmd.name} could not be unpickled here: {exc!r}"
+    return WorkerError(slot, f"{type(exc).__module__}.{type(exc).__qualname__}", what, "", exc, process)
 
 
 def _in(inside: tuple[int, str] | None) -> str:
