@@ -101,3 +101,15 @@ def test_a_check_the_time_limit_ended_before_any_worker_ran_is_not_ok(capsys):
     assert cli.main(["check", "CartPole-v1", "--time-limit", "0.5", "--no-progress"]) == 1
     out = capsys.readouterr().out
     assert "Nothing was checked" in out and "No problems found" not in out
+
+
+def test_python_m_envmanager_runs_the_console_script_entry_point():
+    """``python -m envmanager`` had no ``__main__``: "No module named envmanager.__main__"."""
+    out = subprocess.run([sys.executable, "-m", "envmanager", "check", "NoSuchEnv-v0", "--no-advice"],
+                         capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 2, out.stderr
+    assert "envmanager check: NoSuchEnv-v0: not a registered gymnasium id" in out.stderr
+    usage = subprocess.run([sys.executable, "-m", "envmanager", "--help"], capture_output=True, text=True,
+                           timeout=120, env=ENV)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: envmanager "), usage.stderr
+    assert "{bench,check}" in usage.stdout
