@@ -275,14 +275,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (``envmanager bench | head``);
+    ``True`` when that cannot be told (a ``BrokenPipeError`` is then taken to be stdout's)."""
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor
+        return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``envmanager`` command (also ``python -m envmanager``): its exit status. A reader of
+    stdout that went away (``| head``) ends it quietly with status 1, as Python's docs advise
+    ("Note on SIGPIPE"); Ctrl-C with status 130 and one line, after what ran was closed."""
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone shows here, not as "Exception ignored ... BrokenPipeError" at exit
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # What is still buffered for stdout goes nowhere, so the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+    except KeyboardInterrupt:  # what ran was closed on the way here (workers ended and reaped)
+        print(f"envmanager {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

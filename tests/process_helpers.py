@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -19,6 +20,24 @@ def alive(pids: list[int], timeout: float = 15.0) -> list[int]:
                     left.append(pid)
             except psutil.NoSuchProcess:
                 pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def left_in_session(sid: int, timeout: float = 15.0) -> list[str]:
+    """The processes of session ``sid`` (a program started with ``start_new_session=True``: its
+    pid) still running after up to ``timeout`` seconds, zombies aside: what it left behind
+    (multiprocessing's resource tracker ends on its own once the program is gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:120]}")
+            except (OSError, psutil.Error):
+                continue
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)

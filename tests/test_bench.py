@@ -54,6 +54,31 @@ def child_env(*paths: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
+def test_a_reader_of_stdout_that_went_away_ends_the_benchmark_quietly():
+    """`envmanager bench | head -3` ended in a BrokenPipeError traceback (exit 1). The reader is
+    gone before the first line here, so the first write (flushed as the first worker forks) fails."""
+    from process_helpers import left_in_session
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "envmanager.cli", "bench", "--backends", "envmanager", "--steps", "100",
+             "--repeats", "1", "--no-warmup", "--no-progress"],
+            stdout=write, stderr=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+    finally:
+        os.close(write)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1 and stderr == "", f"exit {proc.returncode}\n{stderr}"
+    assert not left_in_session(proc.pid), "the benchmark left processes behind"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"envmgr_{proc.pid}_")]
+
+
 def check_measured(data: dict, scenario: str, backends: list[str]) -> dict:
     assert set(data) >= {"meta", "backends", "scenarios", "targets"}
     assert data["meta"]["cores"] >= 1

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import psutil
 import pytest
 
 from envmanager import cli
@@ -113,3 +115,39 @@ def test_python_m_envmanager_runs_the_console_script_entry_point():
                            timeout=120, env=ENV)
     assert usage.returncode == 0 and usage.stdout.startswith("usage: envmanager "), usage.stderr
     assert "{bench,check}" in usage.stdout
+
+
+CTRL_C_SCRIPT = """
+import signal, sys
+# As a program started from a terminal: Ctrl-C raises KeyboardInterrupt (the test runner may hand
+# its children SIGINT blocked or ignored).
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from envmanager.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_ends_a_check_with_exit_130_one_line_and_no_process_left():
+    """A Ctrl-C printed a ~40-line KeyboardInterrupt traceback (exit status and clean-up were right)."""
+    from process_helpers import left_in_session
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, "check", "check_envs:SlowStepEnv", "--steps", "5000",
+                             "--start-method", "fork", "--no-advice", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=TESTS,
+                            start_new_session=True)
+    try:
+        parent = psutil.Process(proc.pid)
+        for _ in range(600):  # until both fork workers step the slow env (at most a minute)
+            if len(parent.children()) >= 2 or proc.poll() is not None:
+                break
+            psutil.wait_procs([parent], timeout=0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out}\n{err}"
+    assert err == "envmanager check: interrupted\n", err
+    assert not left_in_session(proc.pid), "the check left processes behind"
