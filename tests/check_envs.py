@@ -93,6 +93,11 @@ def make_good_no_id() -> gym.Env:
     return GoodEnv()
 
 
+def make_needs_missing_package() -> gym.Env:
+    """An env whose simulator is not installed: what ``gymnasium.make("HalfCheetah-v5")`` raises without mujoco."""
+    raise gym.error.DependencyNotInstalled('NoSuchSim is not installed, run `pip install "nosuchsim"`')
+
+
 # -- determinism --------------------------------------------------------------------------------
 
 

@@ -89,6 +89,15 @@ def test_an_env_without_a_gymnasium_action_space_is_refused_not_a_crash(env, sai
         run(env)
 
 
+@pytest.mark.parametrize("methods", [FORK, ["spawn"]], ids=["fork", "spawn"])
+def test_an_env_whose_package_is_not_installed_is_an_unusable_target(methods):
+    """It was a not-built problem (exit 1) with advice about setting up spawn/forkserver
+    workers; gymnasium's DependencyNotInstalled says what to install, as a usage error (exit 2)."""
+    with pytest.raises(TargetError, match=re.escape('needs a package that is not installed here: NoSuchSim is not '
+                                                    'installed, run `pip install "nosuchsim"`')):
+        run(check_envs.make_needs_missing_package, methods)
+
+
 # -- the factory or env cannot travel -----------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -45,6 +46,23 @@ def test_command_line_names_the_problem_and_exits_1(capsys, monkeypatch):
 def test_command_line_refuses_a_bad_target_with_exit_2(capsys):
     assert cli.main(["check", "NoSuchEnv-v0", "--no-advice"]) == 2
     assert "envmanager check: NoSuchEnv-v0: not a registered gymnasium id" in capsys.readouterr().err
+
+
+def test_an_env_whose_package_is_not_installed_exits_2_saying_what_to_install(capsys, monkeypatch):
+    """It was not-built, exit 1, with advice about spawn/forkserver set-up (as ALE/Pong-v5
+    without ale-py is a usage error, exit 2)."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert cli.main(["check", "check_envs:make_needs_missing_package", "--no-advice", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("envmanager check: check_envs:make_needs_missing_package: the env needs a package "
+                                   'that is not installed here: NoSuchSim is not installed, run `pip install "nosuchsim"`')
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco") is not None, reason="mujoco is installed here")
+def test_a_mujoco_env_without_mujoco_exits_2_saying_what_to_install(capsys):
+    assert cli.main(["check", "HalfCheetah-v5", "--no-advice", "--no-progress", "--start-method", "fork"]) == 2
+    assert 'pip install "gymnasium[mujoco]"' in capsys.readouterr().err
 
 
 def test_the_plugin_is_registered_and_imports_nothing_heavy():

@@ -68,7 +68,9 @@ def check(
         cores: cores to advise for (default: those this process may use).
         progress: called as ``progress(stage_number, stages, stage_name)`` when a stage starts.
 
-    Raises ``TargetError`` when ``target`` names nothing that makes an env.
+    Raises ``TargetError`` when ``target`` names nothing that makes an env, or its env needs a
+    package that is not installed here (gymnasium's ``DependencyNotInstalled``: "MuJoCo is not
+    installed, run `pip install ...`").
     """
     from envmanager.check import advice as advice_module
     from envmanager.check import runner

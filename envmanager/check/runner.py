@@ -113,6 +113,11 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
     try:
         manager = SubprocessEnvManager(AsEnvZero(factory), 2, context=method, timeout=budget.cap(settings.startup_s))
     except WorkerError as exc:
+        if settings.actions is None and exc.exc_type.split(".")[-1] == "DependencyNotInstalled":
+            # gymnasium's "MuJoCo is not installed, run `pip install ...`", before any worker built the
+            # env: the target is unusable here (as ALE/Pong-v5 without ale-py), not a worker set-up problem
+            raise TargetError(f"{getattr(factory, 'label', factory)}: the env needs a package that is not installed "
+                              f"here: {exc.message} ({_name(exc.exc_type)}, building env 0 in a {method} worker)") from None
         run.stopped = "not built"
         travel = exc.exc_type.split(".")[-1] in ("ModuleNotFoundError", "ImportError", "UnpicklingError") or (
             "Can't get attribute" in exc.message)
