@@ -347,6 +347,22 @@ def test_a_slow_env_cut_short_by_the_time_limit_is_not_a_hang():
     assert not report.ok
 
 
+def test_the_time_limit_cuts_the_runs_of_a_slow_env_short_and_the_check_is_not_a_pass():
+    """The runs ignored the time limit: the steps through envmanager, the fresh env's and this
+    process's ran every action (an env of 100 ms a step took 26 s at --time-limit 10). Each run
+    now stops once its share of the time left is spent (400 steps of 50 ms would take 20 s each),
+    with a note, and a check cut short is not a pass."""
+    report = run(check_envs.SlowStepEnv, steps=400, time_limit=8.0)
+    assert not report.problems, report.format()
+    cuts = dict(re.findall(r"^(.*) (?:was|were) cut short after (\d+) of 400 steps", "\n".join(report.notes), re.M))
+    assert set(cuts) == {"fork workers: the run through envmanager", "fork workers: the fresh env's runs",
+                         "this process: the runs"}, report.format()
+    assert all(int(steps) < 400 for steps in cuts.values()), cuts
+    assert report.ran and not report.complete and not report.ok
+    assert "No problems found in what was checked, but the time limit cut the check short" in report.format()
+    assert "No problems found." not in report.format()
+
+
 def test_progress_reports_every_stage():
     calls = []
     run(check_envs.make_good, progress=lambda done, total, stage: calls.append((done, total, stage)))

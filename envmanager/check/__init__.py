@@ -61,8 +61,9 @@ def check(
         seed, steps: ``reset(seed=seed)`` and this many sampled actions (the same everywhere).
         deadline: seconds one reset or step may take before it counts as hanging.
         startup_timeout: seconds a worker may take to start and build its env.
-        time_limit: seconds for the whole check: waits are capped by what is left, and a stage
-            that no longer fits is skipped with a note.
+        time_limit: seconds for the whole check: waits are capped by what is left, each run of the
+            env stops once its share of what is left is spent, and a stage that no longer fits is
+            skipped, each with a note; a check the limit cut short is not ``ok``.
         advice: measure and advise a layout (takes a few seconds; off: problems only).
         measure_s: seconds each layout is measured.
         cores: cores to advise for (default: those this process may use).
@@ -100,13 +101,17 @@ def check(
         if blob is None:
             return report
         runs: list[runner.WorkerRun] = []
-        for method in methods:
+        for n, method in enumerate(methods):
             tick(f"{method} workers")
             if budget.left() < 1.0:
+                report.complete = False
                 report.notes.append(f"{method} workers: skipped, the time limit ({time_limit:g} s) was reached")
                 continue
             probe = not any(r.raw for r in runs)  # the first start method that runs the env
-            run = runner.run_in_workers(factory, blob, method, settings, probe, budget, report)
+            # the env's runs still to come, each with its share of the time left: two in the workers
+            # of this and each later start method, two in this process
+            runs_left = 2 * (len(methods) - n) + 2
+            run = runner.run_in_workers(factory, blob, method, settings, probe, budget, report, runs_left)
             runs.append(run)
             if run.stopped in ("hangs", "died"):
                 report.notes.append(f"the remaining start methods were skipped: the env {run.stopped} in a {method} worker")
@@ -123,8 +128,10 @@ def check(
         elif any(t.raised is not None and t.raised.type == "KeyboardInterrupt" for r in runs for t in r.raw):
             # here it would end the check (and could not be told from the user's Ctrl-C)
             report.notes.append("nothing ran in this process: the env raises KeyboardInterrupt (above)")
+        elif budget.left() < runner.MIN_RUN_S:
+            budget.cut(report, "this process: skipped, nothing ran here")
         else:
-            here = runner.run_here(factory, settings, report)
+            here = runner.run_here(factory, settings, report, budget)
         runner.judge(runs, here, report)
         if not report.problems and not any(r.raw for r in runs):
             report.ran = False  # every worker run ended before the env gave a result: nothing was checked
@@ -149,4 +156,9 @@ def _advise(module: Any, factory: Any, report: Report, here: list[Any], num_envs
         report.notes.append(f"no advice: less than {needed:.0f} s of the time limit left")
         return
     report.advice = module.advise(factory, num_envs, cores=cores, seed=seed, measure_s=measure_s, deadline_s=deadline,
-                                  startup_s=budget.cap(startup_timeout), here=bool(here), tick=tick)
+                                  startup_s=budget.cap(startup_timeout), here=bool(here), tick=tick,
+                                  time_left=budget.left)
+    unmeasured = [lay.description for lay in report.advice.layouts if lay.note == module.TIME_LIMIT_NOTE]
+    if unmeasured:
+        report.notes.append(f"advice: the time limit ({budget.seconds:g} s) was reached before measuring "
+                            f"{'; '.join(unmeasured)}")

@@ -37,6 +37,7 @@ from envmanager.core.auto import (
 __all__ = ["advise"]
 
 WARMUP_S = measure.WARMUP_S
+TIME_LIMIT_NOTE = "not measured: the time limit was reached"
 OTHER_WINS = 1.25  # the process layout the rule did not pick must measure this much faster to be chosen
 DOUBLE_WINS = 1.1
 
@@ -79,12 +80,17 @@ def _layouts(num_envs: int, cores: int) -> list[Layout]:
 
 def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = None, seed: int = 0,
            measure_s: float = 1.0, deadline_s: float = 5.0, startup_s: float = 30.0, here: bool = True,
-           tick: Callable[[str], None] = lambda stage: None) -> Advice:
+           tick: Callable[[str], None] = lambda stage: None, time_left: Callable[[], float] | None = None) -> Advice:
     """Measure and advise (see the module doc). ``here=False``: do not run the envs in this
-    process (estimate that layout from the step cost)."""
+    process (estimate that layout from the step cost). ``time_left()``: seconds left to measure
+    in; a layout that no longer fits is not measured (``TIME_LIMIT_NOTE``), waits are capped by it."""
+
+    def capped(seconds: float) -> float:
+        return seconds if time_left is None else min(seconds, max(0.5, time_left()))
+
     cores = cores or usable_cores()
     tick("step cost")
-    cost = measure_step_cost(factory, start_timeout=startup_s)
+    cost = measure_step_cost(factory, start_timeout=capped(startup_s))
     kind = _kind(cost)
     k = max(1, num_envs // cores)
     layouts = _layouts(num_envs, cores)
@@ -105,13 +111,16 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
         if layout.id == "in-process" and not here:
             layout.note = "not run: the env cannot safely run in this process (see the problems)"
             continue
+        if time_left is not None and time_left() < measure_s + WARMUP_S + 1.0:
+            layout.note = TIME_LIMIT_NOTE
+            continue
         tick(layout.description)
         try:
             if layout.id == "in-process":
                 found = measure.in_process(factory, num_envs, seed, measure_s)
             else:
                 found = measure.in_processes(factory, num_envs, layout.envs_per_process, seed, measure_s,
-                                             deadline_s, startup_s, cores,
+                                             deadline_s, capped(startup_s), cores,
                                              double_buffer=layout.double_buffer)
         except Exception as exc:
             layout.note = f"failed: {type(exc).__name__}: {exc}"

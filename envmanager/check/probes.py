@@ -68,6 +68,8 @@ class Trajectory:
     infos: list[tuple[str, str] | None] = field(default_factory=list)  # (problem id, what is wrong)
     raised: Raised | None = None
     pid: int = 0
+    cut: bool = False  # the time limit stopped it before the last action
+
 
     def __len__(self) -> int:
         return len(self.observations)
@@ -128,10 +130,11 @@ def _nbytes(value: Any) -> int:
 
 
 def record(env: Any, seed: int, actions: list[Any],
-           catch: tuple[type[BaseException], ...] = HERE_RAISES) -> Trajectory:
+           catch: tuple[type[BaseException], ...] = HERE_RAISES, until: float | None = None) -> Trajectory:
     """``env.reset(seed=seed)``, then ``actions`` one by one (an episode's end is followed by a
     reset, as envmanager's ``next_step`` autoreset does); stops at the first exception of the
-    kinds ``catch`` names (see ``HERE_RAISES``)."""
+    kinds ``catch`` names (see ``HERE_RAISES``), and before the next action once
+    ``time.monotonic()`` reaches ``until`` (``cut``)."""
     out = Trajectory(pid=os.getpid())
     size = 0
 
@@ -154,6 +157,9 @@ def record(env: Any, seed: int, actions: list[Any],
     add(obs, None, False, False, info)
     done = False
     for t, action in enumerate(actions, 1):
+        if until is not None and time.monotonic() >= until:
+            out.cut = True
+            break
         where = f"reset after the episode ended at step {t - 1}" if done else f"step {t}"
         try:
             if done:
@@ -328,14 +334,15 @@ def _settle(left: Any) -> dict[int, str]:
 # Probes run in a worker through ``call_on(fn)``: ``fn(env, *args)``, the slot's env unused
 
 
-def record_fresh(_env: Any, factory: bytes, seed: int, actions: list[Any]) -> Trajectory:
+def record_fresh(_env: Any, factory: bytes, seed: int, actions: list[Any], seconds: float | None = None) -> Trajectory:
     """:func:`record` on a fresh env 0, as this process records one (the slot's env has been
-    used); what it leaves is ended and removed."""
+    used), no new action after ``seconds``; what it leaves is ended and removed."""
     cleanup = Cleanup()
     try:
+        until = None if seconds is None else time.monotonic() + seconds
         env = cloudpickle.loads(factory)(0)
         try:
-            trajectory = record(env, seed, actions, ENV_RAISES)
+            trajectory = record(env, seed, actions, ENV_RAISES, until)
             cleanup.watch()
         finally:
             env.close()

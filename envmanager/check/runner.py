@@ -61,16 +61,29 @@ class Settings:
 
 
 class Budget:
-    """The time left of the whole check; every wait is capped by it."""
+    """The time left of the whole check (``--time-limit``): every wait is capped by it, and the
+    env's runs (through envmanager and fresh in each start method's workers, twice in this
+    process) each stop once their share of it is spent."""
 
     def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
         self.end = time.monotonic() + seconds
 
     def left(self) -> float:
         return self.end - time.monotonic()
 
     def cap(self, seconds: float) -> float:
-        return max(0.5, min(seconds, self.left()))
+        """``seconds``, cut to what is left (but half a second at least: a wait needs some)."""
+        return min(seconds, max(0.5, self.left()))
+
+    def share(self, parts: int) -> float:
+        """An even share of what is left among ``parts`` runs still to come."""
+        return max(0.0, self.left()) / max(1, parts)
+
+    def cut(self, report: Report, what: str) -> None:
+        """Note that the time limit cut ``what`` short: the check is then not a pass."""
+        report.complete = False
+        report.notes.append(f"{what} (the time limit, {self.seconds:g} s)")
 
 
 @dataclass
@@ -105,9 +118,10 @@ def _entry(index: int) -> str:
 
 
 def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, settings: Settings, probe: bool,
-                   budget: Budget, report: Report) -> WorkerRun:
+                   budget: Budget, report: Report, runs_left: int = 2) -> WorkerRun:
     """Two workers of ``method``, each with env 0 (see the module doc). ``probe``: also run
-    gymnasium's checker and the close-leak probe."""
+    gymnasium's checker and the close-leak probe. ``runs_left``: the env's runs still to come in
+    the check, these two included (each gets its share of the time left)."""
     run = WorkerRun(method)
     shm_before = dev_shm()
     try:
@@ -150,13 +164,24 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
                 raise TargetError(_no_action_space(space, factory))
             space.seed(settings.seed)
             settings.actions = [space.sample() for _ in range(settings.steps)]
-        if not _through_envmanager(manager, run, settings, report):
+        if not _through_envmanager(manager, run, settings, report, budget, budget.share(runs_left)):
             return run
         try:
-            run.raw = manager.call_on([0, 1], record_fresh, (blob, settings.seed, settings.actions))
-            if probe:
-                run.checker = manager.call_on([0], gym_checker, (blob,))[0]
-                run.leaks = manager.call_on([0], close_leaks, (blob, settings.seed, settings.actions))[0]
+            if budget.left() < MIN_RUN_S:
+                budget.cut(report, f"{method} workers: the fresh env's runs were skipped")
+                return run
+            seconds = budget.share(runs_left - 1)
+            run.raw = _call(manager, [0, 1], record_fresh, (blob, settings.seed, settings.actions, seconds), budget,
+                            settings)
+            if any(t.cut for t in run.raw):
+                steps = min(len(t) - 1 for t in run.raw if t.cut)
+                budget.cut(report, f"{method} workers: the fresh env's runs were cut short after {steps} of "
+                           f"{settings.steps} steps")
+            if probe and budget.left() < MIN_RUN_S:
+                budget.cut(report, f"{method} workers: gymnasium's checker and the close() probe were skipped")
+            elif probe:
+                run.checker = _call(manager, [0], gym_checker, (blob,), budget, settings)[0]
+                run.leaks = _call(manager, [0], close_leaks, (blob, settings.seed, settings.actions), budget, settings)[0]
         except WorkerTimeoutError as exc:
             if _time_limit_ended(exc, settings, run, report, "building, running and closing a fresh env"):
                 return run
@@ -173,12 +198,23 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
     return run
 
 
+#: Seconds of the time limit a run of the env needs left to be started at all.
+MIN_RUN_S = 0.5
+
+
+def _call(manager: SubprocessEnvManager, slots: list[int], fn: Callable[..., Any], args: tuple, budget: Budget,
+          settings: Settings) -> list[Any]:
+    """``manager.call_on(slots, fn, args)`` under the start-up deadline capped to what is left."""
+    return manager.receive_call(manager.send_call(fn, args, worker_ids=slots), timeout=budget.cap(settings.startup_s))
+
+
 def _time_limit_ended(exc: WorkerTimeoutError, settings: Settings, run: WorkerRun, report: Report, what: str) -> bool:
     """Whether the wait ``exc`` ended was cut short by the time limit (the start-up deadline
     capped to what was left of it): no evidence of a hang, a note; else ``False``."""
     if exc.timeout >= settings.startup_s:
         return False
     run.stopped = "time limit"
+    report.complete = False
     report.notes.append(f"{run.method} workers: the time limit ended {what} after {exc.timeout:.1f} s "
                         f"(a hang only past the start-up deadline, {settings.startup_s:g} s)")
     return True
@@ -206,19 +242,32 @@ def _close(manager: SubprocessEnvManager, run: WorkerRun, shm_before: set[str], 
     remove_shared_memory(sorted(n for n in segments - shm_before if n in dev_shm()))
 
 
-def _through_envmanager(manager: SubprocessEnvManager, run: WorkerRun, settings: Settings, report: Report) -> bool:
+def _through_envmanager(manager: SubprocessEnvManager, run: WorkerRun, settings: Settings, report: Report,
+                        budget: Budget, seconds: float) -> bool:
     """Reset both slots with the seed and step them with the actions, each answer within the
-    deadline; ``False`` when the run cannot go on (a hang or a death, reported)."""
+    deadline (capped to what is left of the time limit), no new step after ``seconds``; ``False``
+    when the run cannot go on (a hang or a death, reported; a wait the time limit ended, noted)."""
     method, deadline = run.method, settings.deadline_s
-    index = 0
+    index, wait = 0, budget.cap(deadline)
+    stop = time.monotonic() + seconds
     try:
-        manager.reset(seed=[settings.seed, settings.seed], timeout=deadline)
-        for index, action in enumerate(settings.actions or [], 1):  # noqa: B007 - read after the loop: how far it got
+        manager.reset(seed=[settings.seed, settings.seed], timeout=wait)
+        for index, action in enumerate(settings.actions or [], 1):
+            if time.monotonic() >= stop:
+                budget.cut(report, f"{method} workers: the run through envmanager was cut short after {index - 1} of "
+                           f"{settings.steps} steps")
+                break
+            wait = budget.cap(deadline)
             manager.send_step({0: action, 1: action})
-            manager.receive_steps(timeout=deadline, min_count=2)
+            manager.receive_steps(timeout=wait, min_count=2)
     except WorkerTimeoutError:
-        run.stopped = "hangs"
         what = f"reset(seed={settings.seed})" if index == 0 else f"step {index}"
+        if wait < deadline:  # the time limit ended the wait, not the deadline: no evidence of a hang
+            run.stopped = "time limit"
+            budget.cut(report, f"{method} workers: the time limit ended the wait for {what} after {wait:.1f} s "
+                       f"(a hang only past --deadline, {deadline:g} s)")
+            return False
+        run.stopped = "hangs"
         report.add("hangs", f"{what} did not return within {deadline:g} s in a {method} worker", fixes.HANGS, [method])
         return False
     except WorkerDiedError as exc:
@@ -230,18 +279,24 @@ def _through_envmanager(manager: SubprocessEnvManager, run: WorkerRun, settings:
     return True
 
 
-def run_here(factory: Callable[[int], Any], settings: Settings, report: Report) -> list[Trajectory]:
-    """Two runs of env 0 in this process; what they leave (processes, shared memory) is ended."""
+def run_here(factory: Callable[[int], Any], settings: Settings, report: Report,
+             budget: Budget | None = None) -> list[Trajectory]:
+    """Two runs of env 0 in this process, each stopping once its share of what is left of the
+    time limit is spent; what they leave (processes, shared memory) is ended."""
     cleanup = Cleanup()
     runs: list[Trajectory] = []
     try:
-        for _ in range(2):
+        for n in range(2):
+            until = None if budget is None else time.monotonic() + budget.share(2 - n)
             env = factory(0)
             try:
-                runs.append(record(env, settings.seed, settings.actions or []))
+                runs.append(record(env, settings.seed, settings.actions or [], until=until))
                 cleanup.watch()
             finally:
                 env.close()
+        if budget is not None and any(t.cut for t in runs):
+            budget.cut(report, f"this process: the runs were cut short after {min(len(t) - 1 for t in runs if t.cut)} of "
+                       f"{settings.steps} steps")
     except Exception as exc:
         report.notes.append(f"the env could not run in this process: {type(exc).__name__}: {exc}")
     finally:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import cloudpickle
 import numpy as np
 from gymnasium import spaces
 
@@ -59,7 +60,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import factory as packed_factory
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
-from envmanager.wire.messages import Call, Ready, Step, lanes_of
+from envmanager.wire.messages import Call, EnvFunction, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
@@ -532,10 +533,12 @@ class BatchEnvManager:
         """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""
         self._calls.set_attr(name, values, worker_ids)
 
-    def send_call(self, name: str, args: tuple = (), kwargs: dict | None = None,
+    def send_call(self, name: str | EnvFunction | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                   worker_ids: Sequence[int] | None = None) -> CallRequest:
-        """Send ``call`` without waiting; ``receive_call`` collects the answers."""
-        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, name, tuple(args), kwargs or {}))
+        """Send ``call`` without waiting; ``receive_call`` collects the answers. ``name`` may be a
+        function, run in the worker as ``name(env, *args, **kwargs)`` (as for ``call_on``)."""
+        target = name if isinstance(name, (str, EnvFunction)) else EnvFunction(cloudpickle.dumps(name))
+        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {}))
 
     def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
         """The answers to ``send_call``, in the order of its worker ids; answers that arrive

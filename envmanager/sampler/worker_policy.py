@@ -338,7 +338,7 @@ class WorkerPolicySampler:
         if self._arena is not None:  # a worker killed before its first row must not show old rows
             self._arena.rows[slots] = 0
             self._arena.started[slots] = 0
-        call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])  # type: ignore[arg-type]
+        call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])
         return SentFragment(call, version, [episodes[s].env_version for s in slots], [r for r, _ in due])
 
     def _wait_any(self, pending: dict[int, SentFragment]) -> None:
