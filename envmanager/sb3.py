@@ -259,9 +259,8 @@ class SubprocVecEnv(VecEnv):
                     self.reset_infos[i] = info[RESET_INFO]
                     step_infos[i] = {**info["final_info"], "TimeLimit.truncated": time_limit[i],
                                      "terminal_observation": info["final_obs"]}
-                elif i not in interrupted:  # (an interrupted env's info is its reset's: see _report_cut)
-                    info["TimeLimit.truncated"] = time_limit[i]  # (a dict of this step's own)
-                    step_infos[i] = info
+                else:  # (a copy: an env may return one dict object for several envs, or keep it)
+                    step_infos[i] = {**info, "TimeLimit.truncated": time_limit[i]}
             if interrupted or self._cut:
                 self._report_cut(infos, interrupted, rewards, dones, step_infos)
             self._last_obs = obs

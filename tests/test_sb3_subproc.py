@@ -398,6 +398,31 @@ def test_an_env_whose_reset_takes_no_options_runs_as_in_sb3s(subproc, dummy):
         vec.reset()
 
 
+SHARED_INFO = {"tag": "x"}  # one dict object for every env and step, as some envs return a constant
+
+
+class SharedInfo(SeedOnlyReset):
+    def reset(self, seed=None, options=None):
+        return super().reset(seed=seed)[0], SHARED_INFO
+
+    def step(self, action):
+        return super().step(action)[:4] + (SHARED_INFO,)
+
+
+def test_envs_returning_one_info_object_get_infos_of_their_own(subproc):
+    """Two envs of one worker returning the same dict object (it travels as one): each env's info
+    is its own dict, as from SB3's workers (one process each), and a reset info never gets a step's
+    ``TimeLimit.truncated``."""
+    vec = subproc([SharedInfo] * 2, envs_per_worker=2)
+    vec.reset()
+    for _ in range(3):  # the third step ends both episodes (terminated): their reset infos are kept
+        _, _, dones, infos = vec.step(np.array([0, 1]))
+        assert infos[0] is not infos[1]
+        infos[0]["mine"] = 1
+        assert "mine" not in infos[1]
+    assert dones.all() and vec.reset_infos == [{"tag": "x"}, {"tag": "x"}]
+
+
 def test_an_exception_of_the_env_call_itself_is_not_called_a_bad_return(subproc):
     vec = subproc([StepWithoutAction] * 2)
     vec.reset()
