@@ -406,7 +406,7 @@ class SharedInfo(SeedOnlyReset):
         return super().reset(seed=seed)[0], SHARED_INFO
 
     def step(self, action):
-        return super().step(action)[:4] + (SHARED_INFO,)
+        return (*super().step(action)[:4], SHARED_INFO)
 
 
 def test_envs_returning_one_info_object_get_infos_of_their_own(subproc):

@@ -63,7 +63,7 @@ def check(
         startup_timeout: seconds a worker may take to start and build its env.
         time_limit: seconds for the whole check: waits are capped by what is left, each run of the
             env stops once its share of what is left is spent, and a stage that no longer fits is
-            skipped, each with a note; a check the limit cut short is not ``ok``.
+            skipped, each with a note (``report.complete`` is then false).
         advice: measure and advise a layout (takes a few seconds; off: problems only).
         measure_s: seconds each layout is measured.
         cores: cores to advise for (default: those this process may use).

@@ -130,11 +130,11 @@ def _nbytes(value: Any) -> int:
 
 
 def record(env: Any, seed: int, actions: list[Any],
-           catch: tuple[type[BaseException], ...] = HERE_RAISES, until: float | None = None) -> Trajectory:
+           catch: tuple[type[BaseException], ...] = HERE_RAISES, seconds: float | None = None) -> Trajectory:
     """``env.reset(seed=seed)``, then ``actions`` one by one (an episode's end is followed by a
     reset, as envmanager's ``next_step`` autoreset does); stops at the first exception of the
-    kinds ``catch`` names (see ``HERE_RAISES``), and before the next action once
-    ``time.monotonic()`` reaches ``until`` (``cut``)."""
+    kinds ``catch`` names (see ``HERE_RAISES``), and before the next action once ``seconds`` have
+    passed since the first reset returned (``cut``; an env slow to build or reset is not cut for it)."""
     out = Trajectory(pid=os.getpid())
     size = 0
 
@@ -156,6 +156,7 @@ def record(env: Any, seed: int, actions: list[Any],
         return out
     add(obs, None, False, False, info)
     done = False
+    until = None if seconds is None else time.monotonic() + seconds
     for t, action in enumerate(actions, 1):
         if until is not None and time.monotonic() >= until:
             out.cut = True
@@ -339,10 +340,9 @@ def record_fresh(_env: Any, factory: bytes, seed: int, actions: list[Any], secon
     used), no new action after ``seconds``; what it leaves is ended and removed."""
     cleanup = Cleanup()
     try:
-        until = None if seconds is None else time.monotonic() + seconds
         env = cloudpickle.loads(factory)(0)
         try:
-            trajectory = record(env, seed, actions, ENV_RAISES, until)
+            trajectory = record(env, seed, actions, ENV_RAISES, seconds)
             cleanup.watch()
         finally:
             env.close()

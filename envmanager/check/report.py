@@ -89,11 +89,11 @@ class Advice:
 
 @dataclass
 class Report:
-    """What ``envmanager.check.check`` found. ``ok``: no problem, the env ran in a worker, and the
-    check was complete (``ran``: false when the check found no problem but the env gave no result
-    in any worker: the time limit ended the check before any start method ran it, or every run
-    failed; ``complete``: false when the time limit cut a run of the env short or skipped one, or
-    a probe; see the notes)."""
+    """What ``envmanager.check.check`` found. ``ok``: no problem, and the env ran in a worker
+    (``ran``: false when the check found no problem but the env gave no result in any worker: the
+    time limit ended the check before any start method ran it, or every run failed).
+    ``complete``: false when the time limit cut a run of the env short or skipped one, or a probe
+    (the notes say which): what ran was checked, the rest was not."""
 
     target: str
     start_methods: list[str]
@@ -106,7 +106,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return self.ran and self.complete and not self.problems
+        return self.ran and not self.problems
 
     @property
     def problem_ids(self) -> list[str]:
@@ -136,13 +136,12 @@ class Report:
         """The report as text for a terminal or a failing test."""
         lines = [f"envmanager check {self.target} (start methods: {', '.join(self.start_methods) or 'none'}; "
                  f"{self.seconds:.1f} s)", ""]
-        if self.ok:
+        if self.ok and not self.complete:
+            lines.append("No problems found in what was checked; the time limit cut the check short (see the notes).")
+        elif self.ok:
             lines.append("No problems found.")
         elif not self.ran and not self.problems:
             lines.append("Nothing was checked: no worker gave a result of the env (see the notes).")
-        elif not self.complete and not self.problems:
-            lines.append("No problems found in what was checked, but the time limit cut the check short (see the "
-                         "notes): not a pass.")
         for n, problem in enumerate(self.problems, 1):
             where = f" [{', '.join(problem.start_methods)}]" if problem.start_methods else ""
             lines.append(f"Problem {n}: {problem.id}{where}: {problem.title}")

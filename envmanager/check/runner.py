@@ -81,7 +81,7 @@ class Budget:
         return max(0.0, self.left()) / max(1, parts)
 
     def cut(self, report: Report, what: str) -> None:
-        """Note that the time limit cut ``what`` short: the check is then not a pass."""
+        """Note that the time limit cut ``what`` short (the check is not ``complete``)."""
         report.complete = False
         report.notes.append(f"{what} (the time limit, {self.seconds:g} s)")
 
@@ -235,7 +235,8 @@ def _close(manager: SubprocessEnvManager, run: WorkerRun, shm_before: set[str], 
     segments: set[str] = set()
     try:
         if not run.stopped:
-            segments = set().union(*manager.call_on([0, 1], shm_in_use))
+            segments = set().union(*manager.receive_call(manager.send_call(shm_in_use, worker_ids=[0, 1]),
+                                                         timeout=budget.cap(5.0)))
     except EnvManagerError:
         pass
     manager.close(timeout=budget.cap(5.0))
@@ -249,9 +250,9 @@ def _through_envmanager(manager: SubprocessEnvManager, run: WorkerRun, settings:
     when the run cannot go on (a hang or a death, reported; a wait the time limit ended, noted)."""
     method, deadline = run.method, settings.deadline_s
     index, wait = 0, budget.cap(deadline)
-    stop = time.monotonic() + seconds
     try:
         manager.reset(seed=[settings.seed, settings.seed], timeout=wait)
+        stop = time.monotonic() + seconds  # (from the reset on: a slow reset is not the steps' time)
         for index, action in enumerate(settings.actions or [], 1):
             if time.monotonic() >= stop:
                 budget.cut(report, f"{method} workers: the run through envmanager was cut short after {index - 1} of "
@@ -287,10 +288,10 @@ def run_here(factory: Callable[[int], Any], settings: Settings, report: Report,
     runs: list[Trajectory] = []
     try:
         for n in range(2):
-            until = None if budget is None else time.monotonic() + budget.share(2 - n)
+            seconds = None if budget is None else budget.share(2 - n)
             env = factory(0)
             try:
-                runs.append(record(env, settings.seed, settings.actions or [], until=until))
+                runs.append(record(env, settings.seed, settings.actions or [], seconds=seconds))
                 cleanup.watch()
             finally:
                 env.close()
