@@ -837,3 +837,55 @@ def test_a_child_forked_with_os_fork_leaves_the_workers_to_the_parent(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "stepped [0, 1]" in done.stdout, done.stderr
     assert "Traceback" not in done.stderr and "AssertionError" not in done.stderr, done.stderr
+
+
+class RaisesThenDies(ControlledEnv):
+    """Its step raises once it is told to (a marker file), and its process is killed half a
+    second later, from a thread: the env's error is sent before the process dies."""
+
+    def __init__(self, marker: str, worker_id: int = 0) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def step(self, action):
+        if os.path.exists(self.marker):
+            os.unlink(self.marker)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            raise RuntimeError("the env raised, then its process was killed")
+        return super().step(action)
+
+
+@pytest.mark.parametrize("mailbox", ["on", "off"])
+def test_an_env_error_sent_before_its_process_died_is_the_envs_and_the_death_the_processs(tmp_path, monkeypatch,
+                                                                                          mailbox):
+    """Restarts off: a process whose env raised and which died before its answer was read. The
+    env's error is raised for its slot, and the process is given up for its death: its error on
+    every later use is ``WorkerDiedError``, not the env's (which named one slot and hid the death)."""
+    from envmanager.core.batch import BatchEnvManager
+
+    monkeypatch.setenv("ENVMANAGER_MAILBOX", mailbox)
+    marker = str(tmp_path / "raise")
+    with BatchEnvManager(functools.partial(RaisesThenDies, marker), 2, timeout=30, context="fork") as m:
+        m.send_reset({0: (0, None), 1: (1, None)})
+        m.receive_reset_batch()
+        process = psutil.Process(m.process_of(1).pid)
+        open(marker, "w").close()
+        m.send_batch([1], np.ones(1, np.int64))
+        deadline = time.monotonic() + 60  # a bound on the loop, not a timing assertion
+        while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.02)  # dead, not yet reaped: its answer (the env's error) waits unread
+        assert process.status() == psutil.STATUS_ZOMBIE
+        with pytest.raises(WorkerError) as caught:
+            m.receive_batch(1)
+        assert not isinstance(caught.value, WorkerDiedError) and caught.value.worker_id == 1
+        assert "the env raised, then its process was killed" in str(caught.value)
+        died = m.failure_of(1)
+        assert isinstance(died, WorkerDiedError) and died.worker_ids == [1], died
+        with pytest.raises(WorkerDiedError) as again:
+            m.receive_batch(1)  # the death, filed after the env's error, is raised next
+        assert again.value is died
+        with pytest.raises(WorkerDiedError) as again:
+            m.send_batch([1], np.ones(1, np.int64))  # and on every later use of that process
+        assert again.value is died
+        m.send_batch([0], np.ones(1, np.int64))  # the other process serves on
+        assert m.receive_batch(1).slots.tolist() == [0]

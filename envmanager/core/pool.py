@@ -519,14 +519,15 @@ class WorkerPool:
     def _decide(self, w: WorkerProcess, error: EnvManagerError, request: EnvironmentRequest | None = None,
                 envs: tuple[int, ...] = ()) -> Decision:
         """The supervisor's decision on ``w``'s failure; ``envs`` (which raised) are rebuilt in
-        place if it serves on: alive, answering, not on its way back nor rebuilding."""
+        place if it serves on (answering, not on its way back nor rebuilding) and is alive. An
+        env's error a process sent before it died is that env's (restarts off: raised for it
+        once); the death is the process's own failure, taken next (``wait``)."""
         if self.queue is None:  # closed meanwhile by another thread: nothing is restarted
             raise ManagerClosedError("the SubprocessEnvManager was closed")
         self._version += 1
         rebuilding = request is not None and request.cmd is Cmd.REBUILD  # (an env it could not rebuild is gone)
-        serves = not (isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or not w.alive() or w.boot is not None
-                      or rebuilding)
-        envs = envs if serves else ()
+        serves = not (isinstance(error, (WorkerDiedError, WorkerTimeoutError)) or w.boot is not None or rebuilding)
+        envs = envs if serves and w.alive() else ()
         what = f"rebuilding env {', '.join(map(str, envs))} of" if envs else "restarting"
         return self.supervisor.on_fault(w.index, Fault(error, f"{what} {w.name} after: {error}", serves, envs))
 
