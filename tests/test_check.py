@@ -342,8 +342,8 @@ def test_a_slow_env_cut_short_by_the_time_limit_is_not_a_hang():
     run (30 steps of 50 ms in 1.2 s) or its probes: a note and the check cut short, not a "hangs" problem."""
     report = run(check_envs.SlowStepEnv, steps=30, time_limit=1.2)
     assert "hangs" not in report.problem_ids, report.format()
-    assert any("fork workers: the time limit ended building, running and closing a fresh env" in n
-               for n in report.notes), report.format()
+    # (which wait the limit ends depends on the machine's speed: a step's, or the fresh env's)
+    assert any("fork workers: the time limit ended" in n for n in report.notes), report.format()
     assert not report.complete and not report.problems
 
 
@@ -355,8 +355,12 @@ def test_the_time_limit_cuts_the_runs_of_a_slow_env_short_and_says_so():
     report = run(check_envs.SlowStepEnv, steps=400, time_limit=8.0)
     assert not report.problems, report.format()
     cuts = dict(re.findall(r"^(.*) (?:was|were) cut short after (\d+) of 400 steps", "\n".join(report.notes), re.M))
-    assert set(cuts) == {"fork workers: the run through envmanager", "fork workers: the fresh env's runs",
-                         "this process: the runs"}, report.format()
+    assert "fork workers: the run through envmanager" in cuts, report.format()
+    # the later runs: cut short too, or skipped once a loaded machine left too little of the limit
+    assert "fork workers: the fresh env's runs" in cuts or any("skipped" in n or "time limit ended" in n
+                                                              for n in report.notes), report.format()
+    assert "this process: the runs" in cuts or any(n.startswith("this process: skipped") for n in report.notes), \
+        report.format()
     assert all(int(steps) < 400 for steps in cuts.values()), cuts
     assert report.ran and not report.complete and report.ok  # what ran was checked (as a skipped stage always was)
     assert "No problems found in what was checked; the time limit cut the check short" in report.format()
