@@ -65,6 +65,29 @@ class SlowStepEnv(GoodEnv):
         return super().step(action)
 
 
+class SlowThirdStepEnv(GoodEnv):
+    """A good env whose third step after a reset takes 3 s: under a short time limit the limit
+    ends the wait for it, far from the per-step deadline."""
+
+    def step(self, action):
+        if self.t == 2:
+            time.sleep(3.0)
+        return super().step(action)
+
+
+class SlowSecondBuildEnv(GoodEnv):
+    """A good env that takes 3 s to build the second time in a process (a worker's fresh env,
+    built after its slot's)."""
+
+    built = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        SlowSecondBuildEnv.built += 1
+        if SlowSecondBuildEnv.built == 2:
+            time.sleep(3.0)
+
+
 class FreeEnv(gym.Env):
     """Next to nothing per step (~1 µs): in process it beats any layout of processes by far."""
 

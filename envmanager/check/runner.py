@@ -166,28 +166,38 @@ def run_in_workers(factory: Callable[[int], Any], blob: bytes, method: str, sett
             settings.actions = [space.sample() for _ in range(settings.steps)]
         if not _through_envmanager(manager, run, settings, report, budget, budget.share(runs_left)):
             return run
+        what = "building, running and closing a fresh env"  # what the worker was doing, if it hangs
         try:
             if budget.left() < MIN_RUN_S:
                 budget.cut(report, f"{method} workers: the fresh env's runs were skipped")
                 return run
+            # the run's share of the time limit, but half the start-up deadline at most: the call
+            # (building, running and closing a fresh env) is waited for under that deadline
             seconds = budget.share(runs_left - 1)
+            bounded = seconds > settings.startup_s / 2
+            seconds = min(seconds, settings.startup_s / 2)
             run.raw = _call(manager, [0, 1], record_fresh, (blob, settings.seed, settings.actions, seconds), budget,
                             settings)
             if any(t.cut for t in run.raw):
                 steps = min(len(t) - 1 for t in run.raw if t.cut)
-                budget.cut(report, f"{method} workers: the fresh env's runs were cut short after {steps} of "
-                           f"{settings.steps} steps")
+                cut = f"{method} workers: the fresh env's runs were cut short after {steps} of {settings.steps} steps"
+                if bounded:  # not the time limit: a note, the check complete
+                    report.notes.append(f"{cut} (half the start-up deadline, {seconds:g} s, bounds them)")
+                else:
+                    budget.cut(report, cut)
             if probe and budget.left() < MIN_RUN_S:
                 budget.cut(report, f"{method} workers: gymnasium's checker and the close() probe were skipped")
             elif probe:
+                what = "gymnasium's checker on a fresh env"
                 run.checker = _call(manager, [0], gym_checker, (blob,), budget, settings)[0]
+                what = "the close() probe (building, using and closing a fresh env twice)"
                 run.leaks = _call(manager, [0], close_leaks, (blob, settings.seed, settings.actions), budget, settings)[0]
         except WorkerTimeoutError as exc:
-            if _time_limit_ended(exc, settings, run, report, "building, running and closing a fresh env"):
+            if _time_limit_ended(exc, settings, run, report, what):
                 return run
             run.stopped = "hangs"
-            report.add("hangs", f"a {method} worker did not finish building, running and closing a fresh env within "
-                       f"{exc.timeout:g} s (close() may hang)", fixes.HANGS, [method])
+            report.add("hangs", f"a {method} worker did not finish {what} within {exc.timeout:g} s (close() may hang)",
+                       fixes.HANGS, [method])
         except WorkerDiedError as exc:
             run.stopped = "died"
             report.add("worker-died", f"a {method} worker running the env: {exc}", fixes.DIED, [method])
