@@ -492,3 +492,50 @@ def test_every_request_a_node_raised_on_before_its_restart_is_answered_lost(tmp_
     assert sorted(episodes.worker_ids[episodes.dones].tolist()) == list(range(N))  # one whole episode each
     assert restarts == 1
     assert lost == 3  # node 1's two fragments and the episode request asked of it before the restart
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+@pytest.mark.parametrize("mode", ["off", "nodes", "on"])
+def test_a_node_that_answered_an_env_error_and_then_died_is_told_for_both(mode, in_flight, tmp_path):
+    """Slot 3's env raises in node 1's first fragment (its second episode's second step comes
+    within the fragment's 20 steps a slot), and node 1's actor is killed once that answer is in
+    the driver, before any call took it (``in_flight=2``: its next fragment, under way, dies
+    with it, so the error and the death are found in one wait). Restarts off: the env's error is
+    raised once, for slot 3, and the node serves on for it; its death is raised next, naming the
+    node, which is given up (its error at once from then on), not the env's error again. Node
+    restarts: the node is restarted once (for the error or for the death, not both); "on": the
+    env is rebuilt in its node and the node restarted for its death. The core's case:
+    ``test_an_env_error_sent_before_its_process_died_is_the_envs_and_the_death_the_processs``."""
+    marker = str(tmp_path / "struck")
+    workers, nodes = MODES[mode]
+    sampler = RaySampler(FaultFactory("step_raise", marker, 0.02, slot=SLOT, slow=(2, 3)), FaultPolicy(None, marker),
+                         nodes=2, envs_per_node=2, envs_per_worker=2, fragment_steps=40, in_flight=in_flight, seed=0,
+                         timeout=TIMEOUT, start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=workers,
+                         restart_nodes=nodes)
+    run = Run(sampler)
+    try:
+        old = sampler.node_info()[NODE]
+        sampler._top_up()  # node 1's first fragments under way
+        head = sampler._pool.nodes[NODE].queue[0].ref
+        assert ray.wait([head], timeout=TIMEOUT)[0], "node 1's first fragment never ended"
+        sampler.kill_node(NODE)  # its answer (the env's error, unless absorbed in the node) waits in the driver
+        assert not alive([old["pid"]], timeout=30.0), "node 1's actor outlived its kill"
+        if mode == "off":
+            error = run.raises()  # the env's, once, for its slot: the node serves on
+            assert isinstance(error.cause, WorkerError) and not isinstance(error.cause, WorkerDiedError), error
+            assert error.cause.worker_id == SLOT and "blew up" in error.cause.remote_traceback, error.cause
+            assert "died" not in str(error) and sampler._pool.failure(sampler._pool.nodes[NODE]) is None, error
+            died = run.raises()  # then the node's death, which gives it up
+            assert "died" in str(died) and "restarts are disabled" in str(died) and died.cause is None, died
+            assert sampler._pool.failure(sampler._pool.nodes[NODE]) is died
+            run.raises_at_once(died)
+        else:
+            run.until(run.node_restarted)
+            assert sampler.node_info()[NODE]["pid"] != old["pid"]
+        restarts, stats = sampler.restart_count(NODE), sampler.stats.stats()
+        assert sampler.restart_count(0) == 0
+    finally:
+        run.close()
+    assert not alive([old["pid"], *old["worker_pids"]], timeout=5.0), "the lost node's processes outlived it"
+    assert restarts == (0 if mode == "off" else 1)
+    assert stats.get("worker_restarts", 0) == (1 if mode == "on" else 0)
