@@ -355,3 +355,54 @@ def test_a_bad_node_count_is_refused_before_anything_starts(fake_player, tmp_pat
         RayMLAgentsEnvManager(UnityEnvironmentFactory(path, base_port=free_base_port(N_ENV), timeout_wait=10), N_ENV,
                               n_nodes=n_nodes, timeout=30)
     assert not (tmp_path / "players.jsonl").exists() and ours_running() == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("restarts", ["off", "past the limits"])
+def test_a_node_that_answered_a_players_error_and_then_died_is_told_for_both(fake_player, tmp_path, monkeypatch,
+                                                                             restarts):
+    """Worker 3's player stops after 3 steps and its node cannot restart it (restarts off, or
+    none allowed): node 1 answers that error, and its actor is killed once the answer is in the
+    driver, before the pool took it. The player's error is raised once, for worker 3; then node
+    1's death, naming node 1 and worker ids 2 and 3, which are given up (its error at once on
+    every later use), not the player's error again; node 0 goes on. The core's case:
+    ``test_an_env_error_sent_before_its_process_died_is_the_envs_and_the_death_the_processs``."""
+    from envmanager.mlagents.ray_player_nodes import PlayerNodeState
+
+    killed: list[int] = []
+    get = PlayerNodeState.get
+
+    def get_then_kill(node, ref, timeout=None):
+        value, error = get(node, ref, timeout)  # the answer, in the driver
+        if node.index == 1 and error is not None and not killed:
+            killed.append(node.info["pid"])
+            os.kill(node.info["pid"], signal.SIGKILL)
+            assert alive(killed, timeout=20) == [], "node 1's actor outlived its kill"
+        return value, error
+
+    monkeypatch.setattr(PlayerNodeState, "get", get_then_kill)
+    crash = ("--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0")
+    options = {"restart_workers": False} if restarts == "off" else {"max_lifetime_restarts": 0}
+    run = Run(fake_player, tmp_path, extra={3: crash}, **options).start()
+    pool = run.manager.manager
+    try:
+        with pytest.raises(Exception) as caught:  # the player's error, for worker 3
+            run.steps_until(lambda: False)
+        error = caught.value
+        assert killed and not isinstance(error, RayPlayerError) and error.worker_ids == [3], repr(error)
+        assert isinstance(error, RestartLimitError) == (restarts != "off"), repr(error)
+        with pytest.raises(RayPlayerError) as caught:  # then node 1's death
+            run.steps_until(lambda: False)
+        died = caught.value
+        assert died.node == 1 and died.worker_ids == [2, 3] and "lost" in str(died), died
+        assert ("restarts are disabled" in str(died)) == (restarts == "off"), died
+        assert pool.failure_of(2) is died and pool.failure_of(3) is died and pool.failure_of(0) is None
+        with pytest.raises(RayPlayerError) as again:  # given up: its error, at once
+            pool.call_on([2], "behavior_specs")
+        assert again.value is died
+        before = dict(run.checked)
+        run.steps_until(lambda: run.checked[0] >= before[0] + 2 and run.checked[1] >= before[1] + 2)
+        assert pool.supervisor.restarts == 0
+    finally:
+        run.close()
+    assert alive(killed, timeout=5) == []
