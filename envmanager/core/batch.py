@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 from gymnasium import spaces
 
@@ -60,7 +59,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import factory as packed_factory
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
-from envmanager.wire.messages import Call, EnvFunction, Ready, Step, lanes_of
+from envmanager.wire.messages import EnvFunction, Ready, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
@@ -537,8 +536,7 @@ class BatchEnvManager:
                   worker_ids: Sequence[int] | None = None) -> CallRequest:
         """Send ``call`` without waiting; ``receive_call`` collects the answers. ``name`` may be a
         function, run in the worker as ``name(env, *args, **kwargs)`` (as for ``call_on``)."""
-        target = name if isinstance(name, (str, EnvFunction)) else EnvFunction(cloudpickle.dumps(name))
-        return self._calls.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {}))
+        return self._calls.send_call(worker_ids, name, args, kwargs)
 
     def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:
         """The answers to ``send_call``, in the order of its worker ids; answers that arrive

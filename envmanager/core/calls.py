@@ -45,8 +45,14 @@ class EnvCalls:
 
     def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
                 kwargs: dict | None = None) -> list[Any]:
-        target = name if isinstance(name, str) else EnvFunction(cloudpickle.dumps(name))
-        return self.receive(self.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {})))
+        return self.receive(self.send_call(worker_ids, name, args, kwargs))
+
+    def send_call(self, worker_ids: Sequence[int] | None, name: str | EnvFunction | Callable[..., Any],
+                  args: tuple = (), kwargs: dict | None = None) -> CallRequest:
+        """Send a call of the env method ``name``, or of a function run in the worker as
+        ``name(env, *args, **kwargs)``."""
+        target = name if isinstance(name, (str, EnvFunction)) else EnvFunction(cloudpickle.dumps(name))
+        return self.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {}))
 
     def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
         return self.receive(self.send(Cmd.GET_ATTR, worker_ids, lambda local, own: GetAttr(local, name)))
