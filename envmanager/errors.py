@@ -14,6 +14,7 @@ from collections.abc import Sequence
 __all__ = [
     "EnvManagerError",
     "WorkerError",
+    "RemoteAttributeError",
     "WorkerDiedError",
     "WorkerTimeoutError",
     "RestartLimitError",
@@ -84,6 +85,31 @@ class WorkerError(EnvManagerError):
             type(self),
             (self.worker_id, self.exc_type, self.message, self.remote_traceback, self.cause, self.process),
         )
+
+
+class RemoteAttributeError(WorkerError, AttributeError):
+    """An env attribute or method that does not exist (raised in the worker).
+
+    Both a :class:`~envmanager.WorkerError` (with the worker's traceback) and an
+    ``AttributeError``, so SB3 code that probes attributes keeps working.
+    """
+
+
+class remote_attribute_errors:
+    """Re-raise an env's ``AttributeError`` (a :class:`WorkerError` from its worker) as
+    :class:`RemoteAttributeError`: what ``get_attr`` / ``env_method`` raise in SB3's and
+    gymnasium's vector envs."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, WorkerError) and not isinstance(exc, RemoteAttributeError) and (
+            isinstance(exc.cause, AttributeError) or exc.exc_type == "builtins.AttributeError"
+        ):
+            raise RemoteAttributeError(
+                exc.worker_id, exc.exc_type, exc.message, exc.remote_traceback, exc.cause, exc.process
+            ) from None
 
 
 def _in(call: str | None) -> str:

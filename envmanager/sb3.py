@@ -39,7 +39,13 @@ from envmanager.adapters import env_functions
 from envmanager.core.batch import BatchEnvManager
 from envmanager.core.layout import SB3
 from envmanager.core.results import StepBatch
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, WorkerError
+from envmanager.errors import (
+    EnvManagerError,
+    InvalidInputError,
+    ManagerClosedError,
+    RemoteAttributeError,
+    remote_attribute_errors,
+)
 from envmanager.extras import requires_extra
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.shm import tree_map
@@ -55,14 +61,6 @@ with requires_extra("sb3", __name__):
     )
 
 __all__ = ["SubprocVecEnv", "RemoteAttributeError"]
-
-
-class RemoteAttributeError(WorkerError, AttributeError):
-    """An env attribute or method that does not exist (raised in the worker).
-
-    Both a :class:`~envmanager.WorkerError` (with the worker's traceback) and an
-    ``AttributeError``, so SB3 code that probes attributes keeps working.
-    """
 
 
 class SubprocVecEnv(VecEnv):
@@ -330,7 +328,7 @@ class SubprocVecEnv(VecEnv):
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """Return attribute from vectorized environment (see base class)."""
-        with _attribute_errors():
+        with remote_attribute_errors():
             return self.manager.get_attr(attr_name, self._ids(indices))
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
@@ -346,7 +344,7 @@ class SubprocVecEnv(VecEnv):
 
     def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any) -> list[Any]:
         """Call instance methods of vectorized environments."""
-        with _attribute_errors():
+        with remote_attribute_errors():
             return self.manager.call_on(self._ids(indices), method_name, method_args, method_kwargs)
 
     def env_is_wrapped(self, wrapper_class: type[gymnasium.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
@@ -354,7 +352,7 @@ class SubprocVecEnv(VecEnv):
         return self._call(indices, env_functions.is_wrapped, _ByValue(wrapper_class))
 
     def _call(self, indices: VecEnvIndices, function: Callable[..., Any], *args: Any) -> list[Any]:
-        with _attribute_errors():
+        with remote_attribute_errors():
             return self.manager.call_on(self._ids(indices), function, args)
 
     def get_images(self) -> Sequence[np.ndarray | None]:
@@ -423,21 +421,6 @@ def _row(obs: VecEnvObs, i: int) -> Any:
     if isinstance(obs, tuple):
         return tuple(np.copy(value[i]) for value in obs)
     return np.copy(obs[i])
-
-
-class _attribute_errors:
-    """Re-raise an env's ``AttributeError`` as :class:`RemoteAttributeError`."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, WorkerError) and not isinstance(exc, RemoteAttributeError) and (
-            isinstance(exc.cause, AttributeError) or exc.exc_type == "builtins.AttributeError"
-        ):
-            raise RemoteAttributeError(
-                exc.worker_id, exc.exc_type, exc.message, exc.remote_traceback, exc.cause
-            ) from None
 
 
 class _ByValue:

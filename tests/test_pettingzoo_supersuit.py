@@ -467,3 +467,28 @@ def test_after_close_every_call_raises_and_nothing_starts():
     with pytest.raises(ManagerClosedError):
         alone.reset(seed=0)
     assert children() == before
+
+
+@pytest.mark.parametrize("base_class", ["gymnasium", "stable_baselines3"])
+def test_get_attr_of_an_attribute_the_env_lacks_is_an_attribute_error(base_class):
+    """``get_attr`` of an attribute the env does not have raises an ``AttributeError`` (as
+    SuperSuit's, and SB3's own vector envs), which code probing attributes catches; it was a bare
+    ``WorkerError``. The envs step on unharmed, as SuperSuit's."""
+    from envmanager.errors import RemoteAttributeError
+
+    reference = theirs(spread(), 2, base_class)
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(spread()), 2, num_cpus=2, base_class=base_class)
+    try:
+        with pytest.raises(AttributeError):
+            reference.get_attr("no_such_attribute")
+        with pytest.raises(AttributeError, match="no_such_attribute") as caught:
+            ours.get_attr("no_such_attribute")
+        assert isinstance(caught.value, RemoteAttributeError) and isinstance(caught.value, WorkerError)
+        assert ours.get_attr("possible_agents")[5] == ["agent_0", "agent_1", "agent_2"]
+        vec, ref = (ours, reference) if base_class == "gymnasium" else (ours.venv, reference.venv)
+        np.testing.assert_array_equal(vec.reset(seed=4)[0], ref.reset(seed=4)[0])
+        actions = np.array([0, 1, 2, 3, 4, 0])
+        np.testing.assert_array_equal(vec.step(actions)[0], ref.step(actions)[0])
+    finally:
+        ours.close()
+        reference.close()

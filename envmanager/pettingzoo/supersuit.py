@@ -32,7 +32,7 @@ import gymnasium
 import numpy as np
 
 from envmanager.core.arguments import is_count, positive_count
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, remote_attribute_errors
 from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
 from envmanager.pettingzoo.layout import MASK_KEY
@@ -280,8 +280,13 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         return self.vector.call("render", env_ids=[0])[0]
 
     def get_attr(self, name: str) -> list[Any]:
-        """Each row's env's attribute (an env's value repeated for each of its agents)."""
-        return [value for value in self.vector.call(name) for _ in range(self.num_agents)]
+        """Each row's env's attribute (an env's value repeated for each of its agents); one the
+        env lacks raises :class:`~envmanager.errors.RemoteAttributeError`, an ``AttributeError``
+        (as SuperSuit's and SB3's own vector envs raise)."""
+        vector = self.vector
+        with remote_attribute_errors():
+            values = vector.call(name)
+        return [value for value in values for _ in range(self.num_agents)]
 
     def env_is_wrapped(self, wrapper_class: type, indices: Any = None) -> list[bool]:
         """``[False] * num_envs``: PettingZoo envs are not gymnasium wrappers (as SuperSuit)."""
