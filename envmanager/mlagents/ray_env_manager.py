@@ -385,6 +385,8 @@ class RayPlayerPool:
         except RayPlayerError as exc:  # the replacement could not start: given up
             node.kill()
             raise self.supervisor.give_up(node.index, exc) from None
+        for w in node.ids:  # restarted, as the supervisor decided: what the old node gave up is past
+            self._failures.pop(w, None)
         try:
             infos = self._answer(node, node.submit("reset"))
         except NodeLost as lost_again:

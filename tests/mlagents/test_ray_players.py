@@ -52,17 +52,20 @@ def no_leaks():
 
 @dataclasses.dataclass(frozen=True)
 class PerWorker:
-    """Fake players with extra flags for some worker ids; ``fail_if``: a file that, once it exists,
-    makes building any player fail (a node that cannot start again)."""
+    """Fake players with extra flags for some worker ids (until the file ``extra_until`` exists);
+    ``fail_if``: a file that, once it exists, makes building any player fail (a node that cannot
+    start again)."""
 
     base: UnityEnvironmentFactory
     extra: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     fail_if: str = ""
+    extra_until: str = ""
 
     def __call__(self, worker_id, side_channels):
         if self.fail_if and os.path.exists(self.fail_if):
             raise RuntimeError(f"player {worker_id} cannot be built here")
-        args = self.base.additional_args + tuple(self.extra.get(worker_id, ()))
+        extra = () if self.extra_until and os.path.exists(self.extra_until) else self.extra.get(worker_id, ())
+        args = self.base.additional_args + tuple(extra)
         return dataclasses.replace(self.base, additional_args=args)(worker_id, side_channels)
 
 
@@ -70,7 +73,7 @@ class Run:
     """A manager on fake players, and what came back: per worker the steps checked (each
     ActionInfo against what its player echoed) and the interrupted ones."""
 
-    def __init__(self, fake_player, tmp_path, extra=None, fail_if="", **kwargs):
+    def __init__(self, fake_player, tmp_path, extra=None, fail_if="", extra_until="", **kwargs):
         self.record = tmp_path / "players.jsonl"
         path = fake_player({"record": str(self.record), "behaviors": [{
             "agents": 1, "continuous": 1, "discrete": [], "observation_shapes": [[1], [1]], "echo_actions": True,
@@ -78,7 +81,7 @@ class Run:
         self.base_port = free_base_port(N_ENV)
         base = UnityEnvironmentFactory(path, base_port=self.base_port, timeout_wait=10)
         options = {"timeout": 30, "n_nodes": 2, "restarts_rate_limit_n": 10, **kwargs}
-        self.manager = RayMLAgentsEnvManager(PerWorker(base, extra or {}, fail_if), N_ENV, **options)
+        self.manager = RayMLAgentsEnvManager(PerWorker(base, extra or {}, fail_if, extra_until), N_ENV, **options)
         self.checked = dict.fromkeys(range(N_ENV), 0)
         self.interrupted = dict.fromkeys(range(N_ENV), 0)
         self.pids = set()  # every node actor, worker and player seen
@@ -406,3 +409,32 @@ def test_a_node_that_answered_a_players_error_and_then_died_is_told_for_both(fak
     finally:
         run.close()
     assert alive(killed, timeout=5) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_player_its_node_gave_up_steps_again_once_the_node_is_replaced(fake_player, tmp_path):
+    """Worker 3's player stops twice within its node's rate limit (one restart per 4 s): the node
+    gives it up and the trainer gets its RestartLimitError. Once that window has passed, node 1 is
+    lost and the pool's supervisor restarts it with both its players (within the limits): worker 3
+    is stepped again on the new node, with every action its player got. The player's old error
+    was kept for it, so it was never stepped again and waited for nothing."""
+    healed = tmp_path / "healed"
+    crash = ("--crash-after-steps", "3", "--crash-mode", "exit", "--crash-exit-code", "0")
+    run = Run(fake_player, tmp_path, extra={3: crash}, extra_until=str(healed), restarts_rate_limit_n=1,
+              restarts_rate_limit_period_s=4.0).start()
+    pool = run.manager.manager
+    try:
+        with pytest.raises(RestartLimitError) as caught:  # its second stop, within the window
+            run.steps_until(lambda: False)
+        assert caught.value.worker_ids == [3] and pool.failure_of(3) is caught.value, repr(caught.value)
+        healed.touch()  # its players from now on do not stop
+        run.steps_until(lambda: min(run.checked[w] for w in (0, 1, 2)) >= 3)
+        time.sleep(4.5)  # the rate window passes
+        os.kill(node_of(run.manager, 1)["pid"], signal.SIGKILL)
+        before = dict(run.checked)
+        run.steps_until(lambda: run.interrupted[2] >= 1 and run.interrupted[3] >= 2
+                        and min(run.checked[w] - before[w] for w in range(N_ENV)) >= 2)
+        assert pool.failure_of(3) is None and pool.supervisor.restart_count(1) >= 1
+    finally:
+        run.close()
+    run.no_step_lost()
