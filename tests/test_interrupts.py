@@ -773,6 +773,65 @@ def test_caught_ctrl_c_leaves_the_samplers_in_step(multi_agent, in_workers, kind
     assert outcome["interrupts"] == interrupts and outcome["agent_episodes"] > 0, outcome
 
 
+# The ``WorkerPolicySampler`` with restarts off: an env raises in slot 1's fragment while slot 0's (slow, another
+# process) is still out, and a Ctrl-C lands as that answer's fault is about to be decided. The Ctrl-C is the
+# caller's; the env's error must not be lost with it (the next call raises it), and the steps stay counted.
+FAULT_UNDER_CTRL_C = textwrap.dedent(
+    """
+    import json, os, signal, sys, tempfile, time
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import as_from_a_terminal
+    as_from_a_terminal()
+    import numpy as np
+    from envmanager.errors import WorkerError
+    from envmanager.sampler import WorkerPolicySampler
+    from fault_envs import FaultFactory
+
+    class Agent:
+        def get_actions(self, observations, worker_ids):
+            return np.zeros(len(worker_ids), np.int64)
+
+    factory = FaultFactory("step_raise", os.path.join(tempfile.mkdtemp(), "struck"), step_s=0.05, slow=(0,))
+    s = WorkerPolicySampler(factory, 2, Agent(), seed=0, restart_workers=False, timeout=30)
+    fault = s._fault
+
+    def pressing(*args, **kwargs):  # Ctrl-C as the answer's fault is about to be put to the pool
+        s._fault = fault
+        signal.raise_signal(signal.SIGINT)
+        return fault(*args, **kwargs)
+
+    s._fault = pressing
+    outcomes, handed = [], 0
+    for _ in range(3):
+        try:
+            try:
+                handed += len(s.obtain_steps(12))  # slot 1 raises at the 2nd step of its 2nd episode (within 10)
+                outcomes.append("rows")
+            except WorkerError as exc:
+                outcomes.append(f"WorkerError of slot {{exc.worker_id}}")
+                time.sleep(0.5)  # (slot 0's answer came first: the error was raised, the Ctrl-C comes after it)
+        except KeyboardInterrupt:
+            outcomes.append("KeyboardInterrupt")
+    c = s.stats.counters
+    s.close()
+    print(json.dumps({{"outcomes": outcomes, "failed_episodes": c.get("failed_episodes", 0),
+                      "env_steps": c["env_steps"], "handed_and_dropped": handed + c.get("dropped_steps", 0)}}))
+    """
+)
+
+
+def test_a_ctrl_c_over_a_worker_policy_fault_loses_no_error(tmp_path):
+    """A Ctrl-C that lands while the ``WorkerPolicySampler`` files an answer that carries an env's
+    error: the call ends with the ``KeyboardInterrupt``, the next one raises the env's error
+    (before, the fault was never decided and the error lost: later calls went on on the env that
+    raised), and every step the envs took is counted."""
+    outcome, stderr = run(FAULT_UNDER_CTRL_C, tmp_path, timeout=120)
+    assert outcome["outcomes"] in (["KeyboardInterrupt", "WorkerError of slot 1", "rows"],  # (slot 0's fragment still out)
+                                   ["WorkerError of slot 1", "KeyboardInterrupt", "rows"]), (outcome, stderr)
+    assert outcome["failed_episodes"] == 1, outcome
+    assert outcome["env_steps"] == outcome["handed_and_dropped"], outcome
+
+
 # ML-Agents: fake players echo the action they received; the policy notes which step each action was chosen from.
 # Each step handed out must answer an action chosen from the worker's step handed out before it (none lost, doubled
 # or out of order), and the agent manager must get each reset's steps once. The manager's work after the core's last

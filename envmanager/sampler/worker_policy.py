@@ -129,6 +129,7 @@ class WorkerPolicySampler:
             self._procs.setdefault(int(m.slot_process[slot]), []).append(slot)
         self._info_template: dict[str, np.ndarray] = {}
         self._recovered: list[TransitionBatch] = []  # rows read back from a killed worker, in this call
+        self._held_error: EnvManagerError | None = None  # a fault's error a Ctrl-C overtook: the next call raises it
 
     # ------------------------------------------------------------------------------------------
     # Versions
@@ -250,6 +251,9 @@ class WorkerPolicySampler:
         gap in its rows."""
         m, episodes = self.manager, self.episodes
         raise_given_up(m, episodes)
+        held, self._held_error = self._held_error, None
+        if held is not None:  # the last call ended by a Ctrl-C while this error waited for the other fragments
+            raise held
         for p in self._procs:
             self._sync(p)
         if quotas is not None:  # exact episodes start afresh: what runs now is let go
@@ -279,22 +283,28 @@ class WorkerPolicySampler:
                 while pending:
                     self._wait_any(pending)
                     for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
-                        sent = pending.pop(p)
-                        try:
-                            answer = m.receive_call(sent.call, timeout=0)[0]
-                        except EnvManagerError as exc:
-                            failure = self._lost(p, sent, exc, out, want, starts)
-                        else:
-                            failure = self._file(p, sent, answer, out, want, starts)
-                        error = error or failure
-                        if error is None and work(p):
-                            pending[p] = self._send(p, want if steps is not None else None, starts, agent)
+                        # A Ctrl-C waits until the answer taken is filed (its rows, its records, its fault
+                        # put to the pool) and the next piece sent (``interrupts``): raised halfway, the
+                        # answer would be lost, its fault never decided nor raised.
+                        with DEFERRED:
+                            sent = pending.pop(p)
+                            try:
+                                answer = m.receive_call(sent.call, timeout=0)[0]
+                            except EnvManagerError as exc:
+                                failure = self._lost(p, sent, exc, out, want, starts)
+                            else:
+                                failure = self._file(p, sent, answer, out, want, starts)
+                            error = error or failure
+                            if error is None and work(p):
+                                pending[p] = self._send(p, want if steps is not None else None, starts, agent)
             if error is not None:
                 raise_given_up(m, episodes)  # a process given up: the first one's error, as every later call raises
                 raise error
             with DEFERRED:  # a Ctrl-C waits until the rows are handed out: they leave the records whole
                 return hand_out(self._finished(out, cut_before))
-        except BaseException:  # raised: what was collected is dropped, what runs let go (no gaps)
+        except BaseException as exc:  # raised: what was collected is dropped, what runs let go (no gaps)
+            if error is not None and not isinstance(exc, EnvManagerError):  # (a Ctrl-C in the wait for the others)
+                self._held_error = error  # not lost: the next call raises it
             dropped = sum(len(chunk) for per_slot in out for chunk in per_slot)
             if dropped:
                 self.stats.count("dropped_steps", dropped)
