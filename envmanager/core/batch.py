@@ -207,6 +207,12 @@ class BatchEnvManager:
     def closed(self) -> bool:
         return self._pool is None or self._pool.closed
 
+    def closed_meanwhile(self, exc: Exception) -> None:
+        """Raise ``ManagerClosedError`` for ``exc`` if another thread's ``close()`` came during a
+        call (what the call reached for was gone: an ``IndexError``, say); else nothing."""
+        if self.closed and not isinstance(exc, EnvManagerError):
+            raise ManagerClosedError("the SubprocessEnvManager was closed by another thread during the call") from exc
+
     @property
     def buffers(self) -> shm.SharedBuffers | None:
         """The shared-memory arrays (``None`` with ``shared_memory=False``)."""
@@ -356,78 +362,82 @@ class BatchEnvManager:
         actions then travel pickled; a batch must come from ``actions.exact`` (arrays of the
         space's very layout, written to shared memory unchanged).
         """
-        pool = self.pool
-        if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
-            slots = slot_array(slots)
-        n = slots.size
-        if n == 0:
-            return
-        plan = self._plans.get(slots)
-        status = self.status[slots]
-        if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
-            refuse_slots(slots, status, self.process_of)
-        if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
-            workers = pool.processes
-            for index, _, _, _, _ in plan.requests:
-                if workers[index].state is _FAILED:  # (its error was recorded before it was marked so)
-                    raise workers[index].failure  # type: ignore[misc]
-        shared = self.results.action
-        pickled = as_given and per_slot  # each as given: no array layout to write them into
-        board = pool.mailboxes is not None and shared is not None and not pickled  # on the step board
-        if self._disabled:
-            ended = self.results.terminated[slots] | self.results.truncated[slots]
-            if ended.any():
-                first = int(np.flatnonzero(ended.reshape(len(slots), -1).any(axis=1))[0])  # (flags of any shape)
-                raise InvalidInputError(
-                    f"worker {int(slots[first])} finished its episode; with autoreset_mode='disabled' reset it first")
-        checker = self.actions
-        if as_given:
-            batch = list(actions) if per_slot else actions
-            if per_slot and len(batch) != n:
-                raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
-        elif checker.space is not None:
-            batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
-        else:  # a space with no array layout: actions travel pickled, as given
-            batch = list(actions)
-            if len(batch) != n:
-                raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
-        entries, joined = plan.requests, None
-        if pool.supervisor.restarts and any(pool.processes[e[0]].boot is not None for e in entries):
-            # A process on its way back from a restart: its boot answers these slots (``join_boot``).
-            joined = [e for e in entries if pool.processes[e[0]].boot is not None]
-            entries = [e for e in entries if pool.processes[e[0]].boot is None]
-        requests = []
-        if board or (shared is not None and not pickled):  # one numpy operation per array, whatever the number of processes
-            if type(shared) is np.ndarray:
-                shared[slots] = batch
-            else:
-                shm.write(shared, slots, batch)
-            if not board:
-                requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in entries]
-        else:
-            try:  # encode everything before the first send: nothing half-sent
-                requests = [
-                    pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, None if pickled else checker.space) for k in rows]),
-                                 process_slots)
-                    for _, _, process_slots, (locals_, rows), _ in entries
-                ]
-            except Exception as exc:
-                raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
-        with DEFERRED:  # from the first slot marked in flight to the last request sent a Ctrl-C waits
-            self._state.sent(slots)
-            if joined is not None:
-                self._join_boots(joined)
-            now = time.monotonic()
-            if not board:
+        try:
+            pool = self.pool
+            if type(slots) is not np.ndarray or slots.dtype != np.int64 or slots.ndim != 1:
+                slots = slot_array(slots)
+            n = slots.size
+            if n == 0:
+                return
+            plan = self._plans.get(slots)
+            status = self.status[slots]
+            if n > len(IDLE_BYTES) or status.tobytes() != IDLE_BYTES[:n]:  # one compare, not numpy's all()
+                refuse_slots(slots, status, self.process_of)
+            if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
                 workers = pool.processes
-                for entry, request in zip(entries, requests, strict=True):
-                    workers[entry[0]].send(request, now)
-            elif joined is None:
-                pool.post_steps(slots, plan.processes, now)
-            elif entries:
-                posted = np.array([s for e in entries for s in e[2]], dtype=np.int64)
-                pool.post_steps(posted, np.array([e[0] for e in entries], dtype=np.int64), now)
-        return batch
+                for index, _, _, _, _ in plan.requests:
+                    if workers[index].state is _FAILED:  # (its error was recorded before it was marked so)
+                        raise workers[index].failure  # type: ignore[misc]
+            shared = self.results.action
+            pickled = as_given and per_slot  # each as given: no array layout to write them into
+            board = pool.mailboxes is not None and shared is not None and not pickled  # on the step board
+            if self._disabled:
+                ended = self.results.terminated[slots] | self.results.truncated[slots]
+                if ended.any():
+                    first = int(np.flatnonzero(ended.reshape(len(slots), -1).any(axis=1))[0])  # (flags of any shape)
+                    raise InvalidInputError(
+                        f"worker {int(slots[first])} finished its episode; with autoreset_mode='disabled' reset it first")
+            checker = self.actions
+            if as_given:
+                batch = list(actions) if per_slot else actions
+                if per_slot and len(batch) != n:
+                    raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
+            elif checker.space is not None:
+                batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
+            else:  # a space with no array layout: actions travel pickled, as given
+                batch = list(actions)
+                if len(batch) != n:
+                    raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
+            entries, joined = plan.requests, None
+            if pool.supervisor.restarts and any(pool.processes[e[0]].boot is not None for e in entries):
+                # A process on its way back from a restart: its boot answers these slots (``join_boot``).
+                joined = [e for e in entries if pool.processes[e[0]].boot is not None]
+                entries = [e for e in entries if pool.processes[e[0]].boot is None]
+            requests = []
+            if board or (shared is not None and not pickled):  # one numpy operation per array, whatever the number of processes
+                if type(shared) is np.ndarray:
+                    shared[slots] = batch
+                else:
+                    shm.write(shared, slots, batch)
+                if not board:
+                    requests = [pool.prepare_raw_step(body, process_slots) for _, _, process_slots, _, body in entries]
+            else:
+                try:  # encode everything before the first send: nothing half-sent
+                    space = None if pickled else checker.space
+                    requests = [
+                        pool.prepare(Cmd.STEP, Step(locals_, [row_of(batch, k, space) for k in rows]), process_slots)
+                        for _, _, process_slots, (locals_, rows), _ in entries
+                    ]
+                except Exception as exc:
+                    raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
+            with DEFERRED:  # from the first slot marked in flight to the last request sent a Ctrl-C waits
+                self._state.sent(slots)
+                if joined is not None:
+                    self._join_boots(joined)
+                now = time.monotonic()
+                if not board:
+                    workers = pool.processes
+                    for entry, request in zip(entries, requests, strict=True):
+                        workers[entry[0]].send(request, now)
+                elif joined is None:
+                    pool.post_steps(slots, plan.processes, now)
+                elif entries:
+                    posted = np.array([s for e in entries for s in e[2]], dtype=np.int64)
+                    pool.post_steps(posted, np.array([e[0] for e in entries], dtype=np.int64), now)
+            return batch
+        except Exception as exc:
+            self.closed_meanwhile(exc)  # (another thread's close() took what the call reached for)
+            raise
 
     def _join_boots(self, entries: Any) -> None:
         """Steps of processes on their way back from a restart (a plan's ``entries``): never sent,
@@ -476,22 +486,26 @@ class BatchEnvManager:
 
     def send_reset(self, seeds_and_options: Mapping[int, tuple[Any, Any]]) -> None:
         """Send a reset for the given slots: ``worker_id -> (seed, options)``."""
-        pool = self.pool
-        slots = np.array(sorted(self.slots(list(seeds_and_options))), dtype=np.int64)
-        if slots.size == 0:
-            return
-        plan = reset_plan(seeds_and_options, slots.tolist(), self.process_of, self.slot_local, self.status)
-        try:  # encode everything before the first send
-            outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
+        try:
+            pool = self.pool
+            slots = np.array(sorted(self.slots(list(seeds_and_options))), dtype=np.int64)
+            if slots.size == 0:
+                return
+            plan = reset_plan(seeds_and_options, slots.tolist(), self.process_of, self.slot_local, self.status)
+            try:  # encode everything before the first send
+                outgoing = [(index, message, pool.prepare(Cmd.RESET, message, own)) for index, message, own in plan]
+            except Exception as exc:
+                raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
+            with DEFERRED:  # a Ctrl-C waits for every reset to be sent
+                self._state.sent(slots, reset=True)
+                for index, message, request in outgoing:
+                    if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
+                        pool.join_boot(index, Cmd.RESET, request.slots, message)
+                    else:
+                        pool.processes[index].send(request)
         except Exception as exc:
-            raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
-        with DEFERRED:  # a Ctrl-C waits for every reset to be sent
-            self._state.sent(slots, reset=True)
-            for index, message, request in outgoing:
-                if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
-                    pool.join_boot(index, Cmd.RESET, request.slots, message)
-                else:
-                    pool.processes[index].send(request)
+            self.closed_meanwhile(exc)
+            raise
 
     def receive_reset_batch(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> StepBatch:
         """Wait for the resets sent to ``worker_ids`` (default: every reset in flight) and hand

@@ -72,30 +72,34 @@ class EnvCalls:
         builds each process's request. Steps in flight on those processes are waited out
         first and kept for ``receive_batch``."""
         m = self.manager
-        slots = m.slots(worker_ids)
-        pool = m.pool
-        by_process: dict[int, list[int]] = {}
-        for slot in dict.fromkeys(slots):
-            by_process.setdefault(int(m.slot_process[slot]), []).append(slot)
-        for index in by_process:
-            if pool.processes[index].failure is not None:
-                raise pool.processes[index].failure  # type: ignore[misc]
-        try:  # encode everything before the first send: nothing half-sent
-            outgoing = [
-                (index, pool.prepare(cmd, message(tuple(m.slot_local[own].tolist()), own), tuple(own)))
-                for index, own in by_process.items()
-            ]
+        try:
+            slots = m.slots(worker_ids)
+            pool = m.pool
+            by_process: dict[int, list[int]] = {}
+            for slot in dict.fromkeys(slots):
+                by_process.setdefault(int(m.slot_process[slot]), []).append(slot)
+            for index in by_process:
+                if pool.processes[index].failure is not None:
+                    raise pool.processes[index].failure  # type: ignore[misc]
+            try:  # encode everything before the first send: nothing half-sent
+                outgoing = [
+                    (index, pool.prepare(cmd, message(tuple(m.slot_local[own].tolist()), own), tuple(own)))
+                    for index, own in by_process.items()
+                ]
+            except Exception as exc:
+                raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
+            m.wait_idle(slots)
+            for index, _ in outgoing:  # a restart that failed meanwhile gave the process up
+                if pool.processes[index].failure is not None:
+                    raise pool.processes[index].failure  # type: ignore[misc]
+            with DEFERRED:  # a Ctrl-C waits for every request to be sent
+                for index, request in outgoing:
+                    self._answers.pop(index, None)
+                    pool.processes[index].send(request)  # the process may have been replaced meanwhile
+            return CallRequest(cmd, slots, by_process)
         except Exception as exc:
-            raise InvalidInputError(f"the {cmd.name.lower()} request cannot be sent: {exc!r}") from exc
-        m.wait_idle(slots)
-        for index, _ in outgoing:  # a restart that failed meanwhile gave the process up
-            if pool.processes[index].failure is not None:
-                raise pool.processes[index].failure  # type: ignore[misc]
-        with DEFERRED:  # a Ctrl-C waits for every request to be sent
-            for index, request in outgoing:
-                self._answers.pop(index, None)
-                pool.processes[index].send(request)  # the process may have been replaced meanwhile
-        return CallRequest(cmd, slots, by_process)
+            m.closed_meanwhile(exc)  # (another thread's close() took what the call reached for)
+            raise
 
     def ready(self, request: CallRequest) -> bool:
         """Whether every answer to ``request`` is in (then ``receive`` does not wait)."""
