@@ -50,6 +50,37 @@ def test_put_blocks_while_the_queue_is_full():
         feed.stop()
 
 
+def test_batches_still_queued_at_stop_are_counted_unlearned():
+    """``stop()`` learns nothing more from the batches still queued (RLlib's learner thread does
+    the same): they were dropped without a trace; now every step put is learned or counted
+    ``unlearned_steps``. The learner holds the first batch until ``stop()`` has begun."""
+    inside, release = threading.Event(), threading.Event()
+
+    def learn(batch):
+        inside.set()
+        release.wait(30)
+        return {}
+
+    feed = LearnerFeed(learn, queue_size=3, num_passes=2)
+    feed.put(batch_of(4))
+    assert inside.wait(30)  # taken by the learner, which now waits
+    feed.put(batch_of(5))
+    feed.put(batch_of(6))
+    join = feed._thread.join
+
+    def released_then_joined(timeout=None):  # the learner goes on only once stop() has begun
+        release.set()
+        join(timeout)
+
+    feed._thread.join = released_then_joined
+    feed.stop(timeout=30)
+    feed.stop()  # (again: nothing counted twice)
+    counters = feed.stats.counters
+    assert counters["steps_learned"] == 4 and counters["updates"] == 1
+    assert counters["unlearned_batches"] == 2 and counters["unlearned_steps"] == 11
+    assert feed.qsize() == 0 and not feed.alive
+
+
 def test_learn_fn_exception_is_raised_in_the_caller_with_its_traceback():
     def learn(batch):
         raise ValueError("bad gradient")

@@ -147,12 +147,19 @@ class LearnerFeed:
             return len(self._queue)
 
     def stop(self, timeout: float = 10.0, raise_error: bool = True) -> None:
-        """Stop the thread (batches still queued are not learned from) and wait for it at most
-        ``timeout`` (a ``learn_fn`` that hangs is left behind, logged). Then raise its error."""
+        """Stop the thread and wait for it at most ``timeout`` (a ``learn_fn`` that hangs is left
+        behind, logged). Batches still queued are not learned from: counted
+        (``unlearned_batches``, ``unlearned_steps``). Then raise its error."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        with self._cond:  # (the thread takes no batch once stopping)
+            left = list(self._queue)
+            self._queue.clear()
+        if left:
+            self.stats.count("unlearned_batches", len(left))
+            self.stats.count("unlearned_steps", sum(len(b) for b in left))
         if self._thread.is_alive():
             logger.warning("learner thread still inside learn_fn after %.1f s; left behind (daemon)", timeout)
         if raise_error:
