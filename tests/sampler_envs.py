@@ -9,6 +9,7 @@ import time
 
 import gymnasium as gym
 import numpy as np
+import pytest
 
 
 class KindEnv(gym.Env):
@@ -99,3 +100,29 @@ def add_bonus(value):
     def update(env):
         env.unwrapped.bonus += value
     return update
+
+
+def recorded_kind_env(worker_id: int) -> gym.Env:
+    """A ``KindEnv`` under gymnasium's ``RecordEpisodeStatistics``: ``info["episode"]`` on an
+    episode's last step only (``info["t"]`` on every step)."""
+    return gym.wrappers.RecordEpisodeStatistics(KindEnv())
+
+
+def check_episode_infos(batch) -> int:
+    """Every row that ends an episode carries its ``episode`` info, with the episode's length
+    and return (those of its rows, when the batch has them all); every other row ``None``;
+    ``t`` stays an int column. Returns how many episodes ended in the batch."""
+    assert batch.env_infos["t"].dtype.kind == "i"
+    assert (batch.env_infos["t"] == batch.next_observations[:, 0]).all()
+    episode = batch.env_infos["episode"]
+    assert episode.dtype == object and len(episode) == len(batch)
+    for i in range(len(batch)):
+        if not batch.dones[i]:
+            assert episode[i] is None, i
+            continue
+        rows = np.flatnonzero(batch.episode_ids == batch.episode_ids[i])
+        assert episode[i]["l"] == batch.env_infos["t"][i]
+        if batch.observations[rows[0], 0] == 0:  # the batch has the whole episode
+            assert len(rows) == episode[i]["l"]
+            assert episode[i]["r"] == pytest.approx(batch.rewards[rows].sum())
+    return int(batch.dones.sum())

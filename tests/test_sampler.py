@@ -10,7 +10,7 @@ import pytest
 from envmanager.core.batch import BatchEnvManager
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
-from sampler_envs import KindEnv, RandomPolicy, kind_env, set_bonus, true_lengths
+from sampler_envs import KindEnv, RandomPolicy, check_episode_infos, kind_env, recorded_kind_env, set_bonus, true_lengths
 
 # ----------------------------------------------------------------------------------------------
 # Batches
@@ -44,6 +44,42 @@ def test_env_infos_of_any_shape_are_kept():
     steps = [Step(np.zeros(1), 0, 0.0, False, False, np.zeros(1), 0, 0, 0, 0, {}, {"ragged": np.zeros(i + 1)}) for i in range(3)]
     batch = TransitionBatch.from_steps(steps)
     assert batch.env_infos["ragged"].dtype == object and [len(x) for x in batch.env_infos["ragged"]] == [1, 2, 3]
+
+
+def test_env_infos_only_some_rows_have_are_kept_with_none_elsewhere():
+    from envmanager.sampler.batches import Step
+
+    def steps(n, start, infos):
+        return TransitionBatch.from_steps([Step(np.zeros(1), 0, 0.0, False, False, np.zeros(1), 0, 0, 0, 0, {}, infos(i))
+                                           for i in range(start, start + n)])
+
+    a = steps(3, 0, lambda i: {"t": i, **({"episode": {"r": 1.0, "l": i}} if i == 2 else {})})
+    assert a.env_infos["t"].tolist() == [0, 1, 2] and a.env_infos["t"].dtype.kind == "i"  # as before
+    assert a.env_infos["episode"].dtype == object and a.env_infos["episode"].tolist() == [None, None, {"r": 1.0, "l": 2}]
+    b = steps(2, 3, lambda i: {"t": i, "only_b": 1.5})  # no episode key; a key a lacks
+    c = steps(1, 5, lambda i: {"t": i, "episode": {"r": 2.0, "l": i}})  # every row has it: stacked, as before
+    assert isinstance(c.env_infos["episode"], dict)
+    both = TransitionBatch.concatenate([a, b, c])
+    assert both.env_infos["t"].tolist() == list(range(6)) and both.env_infos["t"].dtype.kind == "i"
+    assert both.env_infos["only_b"].tolist() == [None] * 3 + [1.5, 1.5] + [None]
+    assert [e if e is None else (float(e["r"]), int(e["l"])) for e in both.env_infos["episode"]] == \
+        [None, None, (1.0, 2), None, None, (2.0, 5)]
+    parts = both.split(3)
+    assert parts[0].env_infos["episode"].tolist() == [None, None] and parts[1].env_infos["only_b"].tolist() == [None, 1.5]
+    again = TransitionBatch.concatenate(parts)
+    assert again.env_infos["episode"].tolist() == both.env_infos["episode"].tolist()
+    assert both.select(both.env_infos["episode"] != None).env_infos["t"].tolist() == [2, 5]  # noqa: E711
+    eb = EpisodeBatch.from_transitions([a, b, c], [False, False, False])
+    assert EpisodeBatch.concatenate(eb.split_episodes()).env_infos["only_b"].tolist() == both.env_infos["only_b"].tolist()
+
+
+def test_episode_statistics_reach_env_infos_on_each_last_step():
+    """gymnasium's RecordEpisodeStatistics: ``info["episode"]`` on an episode's last step only."""
+    with Sampler(recorded_kind_env, 2, RandomPolicy(), seed=5) as sampler:
+        episodes = sampler.obtain_episodes(6)
+        steps = [sampler.obtain_steps(40), sampler.obtain_steps(40)]
+    assert check_episode_infos(episodes) == 6
+    assert check_episode_infos(TransitionBatch.concatenate(steps)) >= 1
 
 
 def test_episode_batch_lengths_padding_and_returns():

@@ -12,7 +12,7 @@ import pytest
 from envmanager.errors import EnvManagerError, RestartLimitError, WorkerError, WorkerTimeoutError
 from envmanager.sampler import LearnerFeed, TransitionBatch, WorkerPolicySampler
 from envmanager.sampler.rollout import ARENAS
-from sampler_envs import KindEnv, kind_env, set_bonus, true_lengths
+from sampler_envs import KindEnv, check_episode_infos, kind_env, recorded_kind_env, set_bonus, true_lengths
 
 
 class ParityAgent:
@@ -98,6 +98,16 @@ def test_garage_obtain_samples_and_obtain_episodes_take_episodes_by_admission():
         assert sampler.obtain_episodes(1, per_worker=True).n_episodes == 2
         with pytest.raises(EnvManagerError):
             sampler.obtain_samples(0, 0)
+
+
+def test_episode_statistics_reach_env_infos_on_each_last_step():
+    """gymnasium's RecordEpisodeStatistics in the workers: ``info["episode"]`` on an episode's
+    last step only, in fragments of several pieces (some with no episode ending)."""
+    with WorkerPolicySampler(recorded_kind_env, 4, ParityAgent(), seed=5, envs_per_worker=2, fragment_bytes=2048) as sampler:
+        episodes = sampler.obtain_episodes(6)
+        steps = [sampler.obtain_steps(30), sampler.obtain_steps(30)]
+    assert check_episode_infos(episodes) == 6
+    assert check_episode_infos(TransitionBatch.concatenate(steps)) >= 1
 
 
 def test_worker_killed_mid_fragment_keeps_its_rows_and_replays_the_env_update(tmp_path):

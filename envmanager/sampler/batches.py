@@ -35,14 +35,29 @@ def stack_values(values: Sequence[Any]) -> Any:
     return np.stack([np.asarray(v) for v in values])
 
 
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    """An object array holding ``values`` as they are, one per row."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 def _stack_or_objects(values: Sequence[Any]) -> Any:
     """Env infos come in any shape: stacked when they can be, else an object array."""
     try:
         return stack_values(values)
     except (ValueError, TypeError, KeyError, IndexError):
-        out = np.empty(len(values), dtype=object)
-        out[:] = list(values) if not isinstance(values, list) else values
-        return out
+        return _objects(values)
+
+
+def info_columns(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Env infos (one dict per row) as columns, none dropped: a key every row has is stacked (see
+    ``_stack_or_objects``); a key only some rows have (``info["episode"]`` on an episode's last
+    step) is an object array, ``None`` in the rows without it."""
+    keys = sorted(set().union(*infos)) if infos else []
+    return {k: _stack_or_objects([i[k] for i in infos]) if all(k in i for i in infos) else _objects([i.get(k) for i in infos])
+            for k in keys}
 
 
 def take_rows(value: Any, index: Any) -> Any:
@@ -66,6 +81,21 @@ def _cat(values: Sequence[Any]) -> Any:
 def _cat_common(dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The keys every batch has, concatenated (a batch without a key drops it: infos vary)."""
     return {k: _cat([d[k] for d in dicts]) for k in dicts[0] if all(k in d for d in dicts)}
+
+
+def _cat_infos(dicts: Sequence[dict[str, Any]], lengths: Sequence[int]) -> dict[str, Any]:
+    """Env infos of batches of ``lengths`` rows, every key kept: concatenated where every batch
+    has it alike, else an object array of its rows (``None`` for those of a batch without it)."""
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for d in dicts for k in d):
+        if all(k in d for d in dicts):
+            try:
+                out[k] = _cat([d[k] for d in dicts])
+                continue
+            except (ValueError, TypeError, KeyError, IndexError):  # stacked in one, objects in another
+                pass
+        out[k] = _objects([take_rows(d[k], i) if k in d else None for d, n in zip(dicts, lengths, strict=True) for i in range(n)])
+    return out
 
 
 @dataclasses.dataclass
@@ -123,14 +153,13 @@ class TransitionBatch:
         return TransitionBatch(
             **values,
             agent_infos=_cat_common([b.agent_infos for b in batches]),
-            env_infos=_cat_common([b.env_infos for b in batches]),
+            env_infos=_cat_infos([b.env_infos for b in batches], [len(b) for b in batches]),
         )
 
     @classmethod
     def from_steps(cls, steps: Sequence[Step]) -> TransitionBatch:
         """Build a batch from per-step records (see ``Step``)."""
         agent_keys = steps[0].agent_info.keys() if steps else ()
-        env_keys = set.intersection(*(set(s.env_info) for s in steps)) if steps else set()
         return cls(
             observations=stack_values([s.observation for s in steps]),
             actions=stack_values([s.action for s in steps]),
@@ -145,7 +174,7 @@ class TransitionBatch:
             interrupted=np.array([s.interrupted for s in steps], dtype=bool),
             valid=np.ones(len(steps), dtype=bool),
             agent_infos={k: stack_values([s.agent_info[k] for s in steps]) for k in agent_keys},
-            env_infos={k: _stack_or_objects([s.env_info[k] for s in steps]) for k in sorted(env_keys)},
+            env_infos=info_columns([s.env_info for s in steps]),
         )
 
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from envmanager.core.calls import CallRequest
-from envmanager.sampler.batches import TransitionBatch, _stack_or_objects
+from envmanager.sampler.batches import TransitionBatch, info_columns
 from envmanager.sampler.rollout import ARENAS, FIELDS, Arena
 from envmanager.wire import shm
 
@@ -51,7 +51,7 @@ def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] 
         worker_ids=np.full(n, s, dtype=np.int64), episode_ids=ids.astype(np.int64, copy=False),
         policy_versions=np.full(n, sent.policy_version, dtype=np.int64), env_versions=versions,
         interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
-        env_infos=_env_infos(env_infos) if env_infos else {},
+        env_infos=info_columns(env_infos) if env_infos else {},
     )
 
 
@@ -71,11 +71,6 @@ def fill_agent_infos(chunk: TransitionBatch, template: dict[str, np.ndarray]) ->
     each key of ``template`` (one row of them), filled with NaN (floats) or 0."""
     chunk.agent_infos = {k: np.full((len(chunk), *v.shape[1:]), np.nan if v.dtype.kind == "f" else 0, dtype=v.dtype)
                          for k, v in template.items()}
-
-
-def _env_infos(infos: list[dict]) -> dict[str, Any]:
-    keys = set.intersection(*(set(i) for i in infos)) if infos else set()
-    return {k: _stack_or_objects([i[k] for i in infos]) for k in sorted(keys)}
 
 
 def release_arena(token: str, mapping: mmap.mmap) -> None:
