@@ -109,6 +109,23 @@ def test_env_fault_with_restarts_is_absorbed(variant, fault, tmp_path):
         assert (first.env_versions == 1).all() and (second.env_versions == 1).all()
 
 
+@pytest.mark.parametrize("variant", ["sampler", "worker-fork-k1"])
+def test_a_reset_that_raises_cuts_its_episode_before_its_first_step_in_both_samplers(variant, tmp_path):
+    # Slot 1's third reset raises (restarts on): the episode that reset began is cut before its
+    # first step -- counted as such, its id used (never given to the next episode), and another
+    # episode admitted in its place. The worker-side sampler counted nothing and gave the next
+    # episode that id.
+    marker = str(tmp_path / "struck")
+    with make(variant, "reset_raise", marker, restarts=True) as sampler:
+        batch = sampler.obtain_exact_episodes(3)
+        counters = dict(sampler.stats.counters)
+    ids = sorted(set(batch.episode_ids[batch.worker_ids == FAULT_SLOT].tolist()))
+    assert ids == [FAULT_SLOT, N + FAULT_SLOT, 3 * N + FAULT_SLOT]  # the third (2N + 1) was cut
+    assert counters["empty_cut_episodes"] == 1 and counters["interrupted_episodes"] == 1
+    assert counters["episodes_started"] == 3 * N + 1 and counters.get("failed_episodes", 0) == 0
+    assert batch.n_episodes == 3 * N and not batch.episode_interrupted.any()
+
+
 @pytest.mark.parametrize("fault", [*ENV_FAULTS, "update_raise"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_env_fault_without_restarts_names_the_slot(variant, fault, tmp_path):

@@ -354,12 +354,14 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             return True
         if starts[i] == 0:
             return False
+        resetting = False
         try:
             due = request.env_updates[i]
             if due.updates:
                 words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
             st.update(envs[i], due)
             words[at] = mark(request.slots[i], RESET)
+            resetting = True
             obs, _ = envs[i].reset(seed=seeds[i])
             words[at] = 0
         except Stopped:
@@ -367,14 +369,20 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         except ENV_RAISES as exc:  # an env's sys.exit() or KeyboardInterrupt too: its error
             failures[i] = remote_exception(request.slots[i], exc)
             env_raised.append(i)
+            if resetting:  # the episode began (its id and seed used), cut before its first step, as the Sampler counts it
+                begun(i)
             return False
         st.start(obs, next_ids[i])
-        seeds[i], next_ids[i] = None, next_ids[i] + request.id_stride
         versions[i][st.episode] = st.env_version
+        begun(i)
+        return True
+
+    def begun(i: int) -> None:
+        """Slot ``i`` started the episode ``next_ids[i]``: its id and seed are used, its admission taken."""
+        seeds[i], next_ids[i] = None, next_ids[i] + request.id_stride
         started[i] += 1
         arena.started[i] += 1
         starts[i] -= 1 if starts[i] > 0 else 0
-        return True
 
     active = [i for i in range(k) if ready(i)]
     t = 0
