@@ -31,8 +31,22 @@ def test_a_nearly_free_env_is_faster_in_process():
     assert {"in-process", "k-per-process", "one-per-process", "double-buffered"} <= set(measured) <= {
         "in-process", "k-per-process", "one-per-process", "double-buffered", "model"}
     assert not any(lay.estimated for lay in advice.layouts)
-    assert "gymnasium.vector.SyncVectorEnv" in advice.how
+    assert advice.how == "envs = gymnasium.vector.SyncVectorEnv([make_env] * 8)"  # (a factory of no argument)
     assert "Recommended: in this process, gymnasium.vector.SyncVectorEnv" in report.format()
+
+
+def test_the_in_process_advice_builds_the_envs_as_the_factory_is_called():
+    """``functools.partial(make_env, i)`` was advised for every factory: a gymnasium id has no
+    ``make_env``, and a factory of no argument fails called with one."""
+    from envmanager.check.advice import _per_env
+    from envmanager.check.target import resolve
+
+    def make_env(worker_id):
+        return FreeEnv()
+
+    assert _per_env(resolve("CartPole-v1")).format(n=8) == "[lambda: gymnasium.make('CartPole-v1')] * 8"
+    assert _per_env(resolve(FreeEnv)).format(n=8) == "[make_env] * 8"
+    assert _per_env(resolve(make_env)).format(n=8) == "[functools.partial(make_env, i) for i in range(8)]"
 
 
 @needs_two_cores

@@ -126,7 +126,7 @@ def advise(factory: Callable[[int], Any], num_envs: int, *, cores: int | None = 
             layout.note = f"failed: {type(exc).__name__}: {exc}"
             continue
         layout.steps_per_s, layout.now_per_s, layout.bound = found.expected, found.now, found.bound
-    advice = _choose(num_envs, cores, cost, kind, k, layouts)
+    advice = _choose(num_envs, cores, cost, kind, k, layouts, _per_env(factory))
     advice.load_average = measure.load_average()
     return advice
 
@@ -149,7 +149,19 @@ def _model_layout(num_envs: int, cores: int, cost: StepCost | str, kind: str, la
                   note=f"the model's choice: {best}", double_buffer=db)
 
 
-def _choose(num_envs: int, cores: int, cost: StepCost | str, kind: str, k: int, layouts: list[Layout]) -> Advice:
+def _per_env(factory: Any) -> str:
+    """The list of env factories ``SyncVectorEnv`` takes, as the user would write it for ``factory``
+    (one taking the worker id, one taking nothing, or a gymnasium id); ``{n}``: the number of envs."""
+    env_id = getattr(factory, "env_id", None)
+    if env_id is not None:
+        return f"[lambda: gymnasium.make({env_id!r})] * {{n}}"
+    if getattr(factory, "takes_id", True):
+        return "[functools.partial(make_env, i) for i in range({n})]"
+    return "[make_env] * {n}"
+
+
+def _choose(num_envs: int, cores: int, cost: StepCost | str, kind: str, k: int, layouts: list[Layout],
+            per_env: str) -> Advice:
     by_id = {layout.id: layout for layout in layouts}
     rate = {i: (lay.steps_per_s or 0.0) for i, lay in by_id.items()}
     rule = "k-per-process" if kind == "cpu-bound, even" and k > 1 else "one-per-process"
@@ -165,7 +177,7 @@ def _choose(num_envs: int, cores: int, cost: StepCost | str, kind: str, k: int, 
     step = ({"unmeasured": cost} if isinstance(cost, str) else
             {"median_us": cost.median_s * 1e6, "p90_us": cost.p90_s * 1e6, "cpu_median_us": cost.cpu_median_s * 1e6,
              "cpu_p90_us": cost.cpu_p90_s * 1e6, "cpu_share": cost.cpu_share, "steps": cost.steps})
-    why, how = _explain(chosen, best, by_id, kind, num_envs, cost)
+    why, how = _explain(chosen, best, by_id, kind, num_envs, cost, per_env)
     return Advice(num_envs, cores, step, kind, layouts, chosen, why, how)
 
 
@@ -173,7 +185,8 @@ def _rate(layout: Layout) -> str:
     return "unmeasured" if layout.steps_per_s is None else f"{layout.steps_per_s:,.0f} env-steps/s"
 
 
-def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int, cost: StepCost | str) -> tuple[str, str]:
+def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int, cost: StepCost | str,
+             per_env: str) -> tuple[str, str]:
     lay, proc = by_id[chosen], by_id[best]
     per_step = "" if isinstance(cost, str) else f"at {cost.median_s * 1e6:,.0f} µs per step, "
     if chosen == "in-process":
@@ -182,7 +195,7 @@ def _explain(chosen: str, best: str, by_id: dict[str, Layout], kind: str, n: int
                f"{proc.description}, {_rate(proc)}). {per_step.capitalize()}crossing the process boundary costs more "
                "than the other cores give. Choose processes anyway if the env may crash or hang: in a worker that "
                "is an exception, in your process it stops your trainer.")
-        how = f"envs = gymnasium.vector.SyncVectorEnv([functools.partial(make_env, i) for i in range({n})])"
+        how = f"envs = gymnasium.vector.SyncVectorEnv({per_env.format(n=n)})"
         return why, how
     sync = by_id["in-process"]
     versus = f", {(lay.steps_per_s or 0) / sync.steps_per_s:.1f}x SyncVectorEnv" if sync.steps_per_s else ""

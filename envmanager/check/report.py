@@ -177,13 +177,14 @@ def _format_advice(advice: Advice) -> list[str]:
                 f"{_us(step['cpu_median_us'])} (p90 {_us(step['cpu_p90_us'])}), {step['cpu_share']:.0%} on the CPU: "
                 f"{advice.kind}")
     load = f", load average {advice.load_average:.2f}" if advice.load_average is not None else ""
+    width = max([44, *(len(layout.description) for layout in advice.layouts)])
     lines = [f"Advice for {advice.num_envs} envs on {advice.cores} cores{load}", _wrap(cost, "  "), "",
-             f"  {'layout':<44} {'expected':>10} {'now':>10}   env-steps/s"]
+             f"  {'layout':<{width}} {'expected':>10} {'now':>10}   env-steps/s"]
     for layout in advice.layouts:
         expected = "-" if layout.steps_per_s is None else f"{layout.steps_per_s:,.0f}" + ("*" if layout.estimated else "")
         now = "-" if layout.now_per_s is None else f"{layout.now_per_s:,.0f}"
         mark = "  <- recommended" if layout.id == advice.recommended else ""
-        lines.append(f"  {layout.description:<44} {expected:>10} {now:>10}{mark}")
+        lines.append(f"  {layout.description:<{width}} {expected:>10} {now:>10}{mark}")
         if layout.note:
             lines.append(_wrap(layout.note, "      "))
     lines.append(_wrap("expected: what the layout gives when the machine is yours (CPU times and the fastest "
