@@ -438,14 +438,16 @@ def test_the_costs_are_this_machines():
 
 def test_the_board_is_timed_as_the_processes_grow(monkeypatch):
     """``board_costs`` fits the turnaround at two sizes: a board that costs more per process gives
-    a steeper slope."""
+    a steeper slope. (The added cost, 20 us per process, is far above what a loaded machine's
+    preemptions make of the fit: with 0.5 us a 2-core VM read the slope lower with it than
+    without.)"""
     from envmanager.wire.mailbox import Mailboxes
 
     flat = auto.board_costs(rounds=50)
     real = Mailboxes.post_steps
 
-    def slower(self, words, processes, now):  # ~0.5 us more per process asked
-        end = time.perf_counter() + 0.5e-6 * len(processes)
+    def slower(self, words, processes, now):  # 20 us more per process asked
+        end = time.perf_counter() + 20e-6 * len(processes)
         while time.perf_counter() < end:
             pass
         return real(self, words, processes, now)
@@ -453,4 +455,4 @@ def test_the_board_is_timed_as_the_processes_grow(monkeypatch):
     monkeypatch.setattr(Mailboxes, "post_steps", slower)
     steep = auto.board_costs(rounds=50)
     assert flat is not None and steep is not None
-    assert steep[1] > flat[1] + 0.2e-6
+    assert steep[1] > flat[1] + 10e-6, (flat, steep)
