@@ -182,6 +182,33 @@ def test_stream_feeds_the_learner_and_new_weights_reach_the_sampler():
     assert stats["updates"] >= 10 and "policy_lag_mean" in stats and "learn_ms_mean" in stats
 
 
+def test_a_feed_started_at_the_samplers_version_goes_on_from_it():
+    """Training resumed (or after manual updates): the sampler acts with version 5, and a feed
+    counting from 0 would publish 1, 2, ... (versions going backwards, negative lags). With
+    ``start_version=sampler.policy_version`` the published versions go on from 6 and every lag
+    the feed measures is what happened: at least 0."""
+    with Sampler(kind_env, 2, RandomPolicy(), seed=0) as sampler:
+        for v in range(1, 6):
+            sampler.update(agent_update=v)
+        published: list[int] = []
+        feed = LearnerFeed(lambda b: {}, queue_size=2, start_version=sampler.policy_version,
+                           on_update=lambda version, metrics: (published.append(version),
+                                                               sampler.update(agent_update=version, version=version)))
+        try:
+            fragments = list(sampler.stream(8, feed=feed, max_batches_waiting=2, max_fragments=6))
+            feed.drain(timeout=30)
+        finally:
+            feed.stop()
+    both = TransitionBatch.concatenate(fragments)
+    assert both.policy_versions.min() == 5  # nothing acted with a version below where it began
+    assert published == list(range(6, 6 + len(published))) and len(published) == 6
+    assert feed.version == 11 and sampler.policy_version == 11
+    assert feed.stats.stats()["policy_lag_min"] >= 0
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(InvalidInputError):
+            LearnerFeed(lambda b: {}, start_version=bad)
+
+
 def test_stats_dict_and_summary_line(caplog):
     now = [100.0]
     stats = Stats("sampler", log_interval=5.0, clock=lambda: now[0])

@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import logging
 import math
+import operator
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -56,12 +57,16 @@ class LearnerFeed:
         stale: ``"drop"`` them or ``"mask"`` them (``batch.valid`` false).
         on_update: ``on_update(version, metrics)`` after each batch, in the learner thread.
         put_timeout: the longest ``put`` / ``wait_below`` wait for room.
+        start_version: the version counted from (the first batch learned makes it one more): a
+            sampler's ``policy_version`` after earlier updates, or a checkpoint's, so that the
+            versions the feed publishes go on from there and the lags it measures stay true.
     """
 
     def __init__(self, learn_fn: Callable[[TransitionBatch], dict[str, Any]], queue_size: int = 2, num_passes: int = 1,
                  num_minibatches: int = 1, starve_timeout: float | None = 60.0, max_policy_lag: int | None = None,
                  stale: str = "drop", on_update: Callable[[int, dict[str, Any]], Any] | None = None,
-                 put_timeout: float = 600.0, log_interval: float | None = None, buffer_size: int = 1) -> None:
+                 put_timeout: float = 600.0, log_interval: float | None = None, buffer_size: int = 1,
+                 start_version: int = 0) -> None:
         if queue_size < 1 or num_passes < 1 or num_minibatches < 1 or buffer_size < 1:
             raise InvalidInputError("queue_size, num_passes, num_minibatches and buffer_size must be at least 1")
         if stale not in ("drop", "mask"):
@@ -72,6 +77,8 @@ class LearnerFeed:
             raise InvalidInputError(f"put_timeout must be positive seconds, got {put_timeout!r}")
         if max_policy_lag is not None and max_policy_lag < 0:
             raise InvalidInputError(f"max_policy_lag must be at least 0 (or None), got {max_policy_lag!r}")
+        if isinstance(start_version, bool) or not hasattr(start_version, "__index__") or start_version < 0:
+            raise InvalidInputError(f"start_version must be a whole number at least 0, got {start_version!r}")
         if starve_timeout == math.inf:
             starve_timeout = None
         self.learn_fn, self.on_update = learn_fn, on_update
@@ -79,7 +86,7 @@ class LearnerFeed:
         self.starve_timeout, self.max_policy_lag, self.stale = starve_timeout, max_policy_lag, stale
         self.put_timeout = put_timeout
         self.buffer_size = buffer_size
-        self.version = 0
+        self.version = operator.index(start_version)
         self.stats = Stats("learner", log_interval)
         self._queue: collections.deque[TransitionBatch] = collections.deque()
         self._results: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
