@@ -304,6 +304,8 @@ class AsyncVectorEnv(VectorEnv):
         if manager is None or self.closed or self._state is not AsyncState.DEFAULT:  # (one test on the hot path)
             manager = self._running()
             self._assert_default("step_async")
+        if self._partial.outstanding:  # (an attribute test on the hot path, no call)
+            self._partial.refuse_step("step_async")
         with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             if self._stale:
                 self._drain_stale(manager)

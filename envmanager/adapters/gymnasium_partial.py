@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gymnasium.error import NoAsyncCallError
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
 
 from envmanager.adapters.gymnasium_errors import raise_as_gymnasium
 from envmanager.adapters.gymnasium_utils import AsyncState, env_ids_checked, partial_infos
@@ -83,6 +83,14 @@ class PartialBatches:
             elif rows:
                 kept.append(block._replace(slots=block.slots[rows], columns=[c[rows] for c in block.columns]))
         self.received_columns = kept
+
+    def refuse_step(self, what: str) -> None:
+        """``step()`` steps every env: one sent a step whose result no ``recv()`` returned yet would be
+        stepped again and that result lost (or the core refuse it, naming a worker). Refused before
+        anything is sent, as gymnasium refuses a call while another is pending."""
+        raise AlreadyPendingCallError(
+            f"Calling `{what}` while env(s) {sorted(self.outstanding)} were sent a step by `send` whose result "
+            "`recv` has not returned yet; `recv` them (or `reset`) first.", "recv")
 
     def send(self, env: AsyncVectorEnv, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Queue one step for each env in ``env_ids`` (default: all), ``actions`` row by row.

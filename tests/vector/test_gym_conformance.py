@@ -572,3 +572,34 @@ def test_reset_always_passes_options_even_when_none(make_async, make_sync):
     vec, ref = make_async([_OptionsRequired] * N), make_sync([_OptionsRequired] * N)
     assert_tree_equal(vec.reset(seed=3), ref.reset(seed=3), "reset without options")
     assert_tree_equal(vec.reset(seed=4, options={"a": 1}), ref.reset(seed=4, options={"a": 1}), "reset with options")
+
+
+@pytest.mark.ours_only
+@pytest.mark.parametrize("batch_size,envs_per_worker", [(2, 1), (1, 4)], ids=["apart", "one-process"])
+def test_step_while_sent_steps_are_unreceived_is_refused(make_async, make_sync, batch_size, envs_per_worker):
+    """``step()`` steps every env. Envs sent a step by ``send()`` whose result no ``recv()``
+    returned yet (still in their process, or arrived with another env's result) are not stepped
+    again, their first results lost and ``send()`` refusing them for good: ``step()`` refuses
+    gymnasium's way, before anything is sent, and ``recv()`` still returns them."""
+    n = 4
+    fns = env_fns(n)
+    vec = make_async(fns, batch_size=batch_size, envs_per_worker=envs_per_worker)
+    ref = make_sync(fns)
+    vec.reset(seed=0)
+    ref.reset(seed=0)
+    vec.action_space.seed(1)
+    first, second = vec.action_space.sample(), vec.action_space.sample()
+    vec.send(first)
+    returned = [vec.recv()]
+    assert vec.get_attr("step_count") == (1,) * n  # every step is done; the others' results wait for recv()
+    with pytest.raises(AlreadyPendingCallError, match="recv"):
+        vec.step(second)
+    assert vec.get_attr("step_count") == (1,) * n  # nothing was sent
+    while sum(len(r[4]["env_id"]) for r in returned) < n:
+        returned.append(vec.recv())
+    expected = ref.step(first)
+    for obs, rewards, *_, infos in returned:
+        ids = infos["env_id"]
+        assert_tree_equal((obs, rewards), (expected[0][ids], expected[1][ids]), f"the results of envs {ids}")
+    assert sorted(int(i) for r in returned for i in r[4]["env_id"]) == list(range(n))
+    assert_tree_equal(vec.step(second), ref.step(second), "the step after")
