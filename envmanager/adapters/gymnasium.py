@@ -283,17 +283,20 @@ class AsyncVectorEnv(VectorEnv):
             obs = m.results.observation
             # One array (a Box, Discrete, ... space): one call, not a tree_map (np.copy's order).
             if ids is None:
-                if not self.copy and m.shared_memory:
+                if not self.copy:  # this env's own arrays, overwritten by the next call (gymnasium's ``observations``)
                     return obs
                 return obs.copy(order="K") if type(obs) is np.ndarray else tree_map(np.copy, obs)
             return obs[ids] if type(obs) is np.ndarray else tree_map(lambda a: a[ids], obs)
         values = m.observation_list if ids is None else [m.observation_list[i] for i in ids.tolist()]
         space = self.single_observation_space
-        out: Any = create_empty_array(space, n=len(values), fn=np.zeros)
-        if ids is None:
+        if ids is None:  # written into the same arrays each call, as gymnasium's ``observations`` (copy=False returns them)
+            out: Any = self._observations
+            if out is None:
+                out = create_empty_array(space, n=self.num_envs, fn=np.zeros)
             self._observations = concatenate(space, values, out)
             return deepcopy(self._observations) if self.copy else self._observations
-        return concatenate(space, values, out)
+        batch: Any = create_empty_array(space, n=len(values), fn=np.zeros)
+        return concatenate(space, values, batch)
 
     def step(self, actions):
         self.step_async(actions)

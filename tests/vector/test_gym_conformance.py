@@ -70,6 +70,32 @@ def test_copy_true_returns_independent_observations(make_async, obs_kind, shared
         assert_tree_equal(obs1, saved0)
 
 
+def _leaves(tree):
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, tuple):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pipe"])
+@pytest.mark.parametrize("obs_kind", ["box", "dict", "tuple"])
+def test_copy_false_returns_the_same_arrays_each_call(make_async, make_sync, obs_kind, shared_memory):
+    """``copy=False``: every reset and step returns the vector env's own arrays, overwritten by
+    the next call (gymnasium's ``observations``, as ``SyncVectorEnv``'s), not new ones."""
+    fns = env_fns(N, obs_kind=obs_kind)
+    vec, ref = make_async(fns, shared_memory=shared_memory, copy=False), make_sync(fns, copy=False)
+    first = _leaves(vec.reset(seed=1)[0])
+    ref.reset(seed=1)
+    vec.action_space.seed(2)
+    for t in range(3):
+        actions = vec.action_space.sample()
+        obs = vec.step(actions)[0]
+        assert all(a is b for a, b in zip(_leaves(obs), first, strict=True)), f"step {t}: new arrays"
+        assert_tree_equal(obs, ref.step(actions)[0], f"step {t}")
+    assert all(a is b for a, b in zip(_leaves(vec.reset(seed=3)[0]), first, strict=True)), "reset: new arrays"
+
+
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_lockstep_other_start_methods(make_async, make_sync, context):
     if context not in multiprocessing.get_all_start_methods():
