@@ -249,12 +249,15 @@ class SubprocVecEnv(VecEnv):
                 time_limit = time_limit.reshape(n, -1).any(axis=1)
             time_limit = time_limit.tolist()
             step_infos = [{"TimeLimit.truncated": t} for t in time_limit]
+            reset_infos = None  # a new list once an env was reset (as SB3's: one kept before is left as it was)
             for i, info in infos.items():
                 # An env that ended was reset in its step: the worker's info holds the step's info, its
                 # last observation and the reset's info, each apart (it judged ``terminated or truncated``
                 # as SB3's does: a list [False] is true there). An env's own info never holds RESET_INFO.
                 if RESET_INFO in info:
-                    self.reset_infos[i] = info[RESET_INFO]
+                    if reset_infos is None:
+                        reset_infos = self.reset_infos = list(self.reset_infos)
+                    reset_infos[i] = info[RESET_INFO]
                     step_infos[i] = {**info["final_info"], "TimeLimit.truncated": time_limit[i],
                                      "terminal_observation": info["final_obs"]}
                 else:  # (a copy: an env may return one dict object for several envs, or keep it)
@@ -292,7 +295,7 @@ class SubprocVecEnv(VecEnv):
 
     def _interrupted_info(self, i: int, reset_info: dict) -> dict:
         """An episode cut short by a restart: truncated where we last saw it."""
-        self.reset_infos[i] = reset_info
+        self.reset_infos = [*self.reset_infos[:i], reset_info, *self.reset_infos[i + 1:]]  # a new list, as above
         terminal = _row(self._last_obs, i)
         return {"TimeLimit.truncated": True, "terminal_observation": terminal, "interrupted": True}
 

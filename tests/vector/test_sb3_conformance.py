@@ -232,3 +232,20 @@ def test_env_infos_holding_final_obs_and_final_info(make_subproc, make_dummy):
     for t in range(7):
         assert_sb3_equal(vec.step(actions), ref.step(actions), f"step {t}")
         assert_tree_equal(list(vec.reset_infos), list(ref.reset_infos), f"step {t} reset infos")
+
+
+def test_reset_infos_kept_from_an_earlier_step_do_not_change(make_subproc):
+    """SB3's ``step_wait`` and ``reset`` bind ``reset_infos`` to a new sequence: one read before
+    a step keeps the reset infos it had (ours wrote the new episodes' into the same list)."""
+    vec = make_subproc([env_fn(fixed_len=2) for _ in range(N)])
+    vec.reset()
+    first = vec.reset_infos
+    kept = [dict(i) for i in first]
+    a = np.zeros((N, 3), dtype=np.float32)
+    vec.step(a)
+    after_one = vec.reset_infos
+    _, _, dones, _ = vec.step(a)  # every episode ends and is reset: new reset infos
+    assert dones.all()
+    assert_tree_equal([dict(i) for i in first], kept, "reset_infos read after reset()")
+    assert_tree_equal([dict(i) for i in after_one], kept, "reset_infos read after a step")
+    assert vec.reset_infos is not first and vec.reset_infos is not after_one
