@@ -170,7 +170,7 @@ class SubprocVecEnv(VecEnv):
     # returned an info, numpy on whole arrays otherwise (a call counts: performance guide).
 
     def step_async(self, actions: np.ndarray) -> None:
-        if len(actions) != self.num_envs:
+        if len(actions) != self.num_envs and not self._composite_batch(actions):  # (a batch's rows: the checker counts them)
             raise InvalidInputError(f"expected {self.num_envs} actions (one per env), got {len(actions)}")
         manager = self._running()
         if self.waiting:  # a step_wait() interrupted (Ctrl-C), or step_async() twice: its results would be dropped unseen
@@ -203,14 +203,26 @@ class SubprocVecEnv(VecEnv):
         algorithms give), else each row as it is (a float64 row for a float32 ``Box``, a Python
         ``int`` from a list), not converted."""
         checker = manager.actions
-        kinds = self._per_env_types
-        if checker.space is None or (kinds and isinstance(actions, kinds)):
+        if self._per_env_types and not self._composite_batch(actions):
             return list(actions), True, False  # one action per env (Dict / Tuple spaces): stacked and checked
+        if checker.space is None:
+            return list(actions), True, False
         checked = checker.batch(actions, self._all)
+        if self._per_env_types:  # a batch (a dict / tuple of arrays): its rows, not list(actions) (its keys / items)
+            return checked, False, True  # (as given: already checked)
         if type(actions) is np.ndarray and type(checked) is np.ndarray and checked.dtype == actions.dtype \
                 and checked.shape == actions.shape:
             return checked, False, True  # (as given: already checked)
         return list(actions), True, True
+
+    def _composite_batch(self, actions: Any) -> bool:
+        """Whether ``actions`` for a Dict / Tuple action space are a batch (a dict / tuple of
+        arrays, one row per env) rather than one action per env. A sequence of as many items as
+        envs is one action per env, as SB3 reads any: a tuple of one Tuple action per env too."""
+        kinds = self._per_env_types
+        if not kinds or isinstance(actions, kinds):
+            return False
+        return isinstance(actions, dict) or len(actions) != self.num_envs
 
     def _take_cut(self, early: StepBatch | None) -> None:
         """What a restart of an idle worker delivered, if anything: its episodes ended where we

@@ -351,6 +351,58 @@ def test_float64_actions_give_sb3s_trajectories():
     np.testing.assert_array_equal(out[0], out[1])
 
 
+class CompositeActionRecorder(ActionRecorder):
+    """A Dict or Tuple action space of two subspaces; the info holds the action received."""
+
+    def __init__(self, act_kind="dict"):
+        parts = (spaces.Discrete(3), spaces.Box(-2, 2, (2,), np.float32))
+        if act_kind == "tuple_of_discrete":
+            parts = (spaces.Discrete(3), spaces.Discrete(3))
+        self.action_space = spaces.Dict(dict(zip("ab", parts, strict=True))) if act_kind == "dict" else spaces.Tuple(parts)
+
+    def step(self, action):
+        items = action.items() if isinstance(action, dict) else enumerate(action)
+        return np.zeros(1), 0.0, False, False, {"got": {k: np.asarray(v).tolist() for k, v in items}}
+
+
+@pytest.mark.parametrize("act_kind,n", [("dict", 2), ("dict", 3), ("tuple", 3)])
+def test_a_batch_of_composite_actions_gives_each_env_its_row(subproc, act_kind, n):
+    """For a Dict / Tuple action space, a batch (a dict / tuple of arrays, one row per env) gives
+    each env its row, as one action per env does. The batch was counted and sent as a list of its
+    keys / items: refused unless there were as many as envs, and then env ``i`` got key ``i``.
+    (A tuple of as many items as envs is one action per env: the next test.)"""
+    discrete, box = np.array([2, 0, 1][:n]), np.arange(2 * n, dtype=np.float32).reshape(n, 2) / 4
+    if act_kind == "dict":
+        batch = {"a": discrete, "b": box}
+        per_env = [{"a": int(d), "b": b} for d, b in zip(discrete, box, strict=True)]
+    else:
+        batch, per_env = (discrete, box), [(int(d), b) for d, b in zip(discrete, box, strict=True)]
+    vec = subproc([functools.partial(CompositeActionRecorder, act_kind)] * n)
+    vec.reset()
+    expected = [info["got"] for info in vec.step(per_env)[3]]
+    assert [info["got"] for info in vec.step(batch)[3]] == expected
+    key = "a" if act_kind == "dict" else 0
+    assert [got[key] for got in expected] == [2, 0, 1][:n]
+    short = {"a": discrete[:1], "b": box[:1]} if act_kind == "dict" else (discrete[:1], box[:1])
+    with pytest.raises(InvalidInputError):
+        vec.step(short)  # rows for one env only
+    assert not vec.waiting
+    vec.step(batch)
+
+
+def test_a_tuple_of_one_tuple_action_per_env_is_read_as_sb3_reads_it(subproc, dummy):
+    """As many items as envs: env ``i`` gets item ``i``, as SB3 reads any sequence of actions, not
+    the batch reading (a tuple of arrays) that would hand env 0 the first items of each."""
+    make = [functools.partial(CompositeActionRecorder, "tuple_of_discrete")] * 2
+    vec, ref = subproc(make), dummy(make)
+    vec.reset(), ref.reset()
+    actions = ((0, 1), (2, 0))
+    expected = [info["got"] for info in ref.step(actions)[3]]
+    assert expected == [{0: 0, 1: 1}, {0: 2, 1: 0}]
+    assert [info["got"] for info in vec.step(actions)[3]] == expected
+    assert [info["got"] for info in vec.step(list(actions))[3]] == expected
+
+
 def test_env_exception_carries_traceback_and_reset_recovers(subproc):
     vec = subproc(fns(3, max_len=100, fail_at=2) + fns(1, max_len=100))
     vec.reset()
