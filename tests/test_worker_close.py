@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
+import weakref
 
 import envmanager.worker.main as worker_main
 from envmanager import SubprocessEnvManager
@@ -33,3 +35,21 @@ def test_sigterm_as_the_worker_starts_closing_does_not_skip_the_close(tmp_path, 
     m.close(timeout=10.0)
     assert marker.exists() and marker.read_text() == "closed"
     assert not alive([pid], timeout=0)
+
+
+def test_a_manager_dropped_without_close_ends_its_workers_when_dropped():
+    """A manager is no reference cycle: the last reference dropped closes it there and then
+    (``__del__``), not whenever the garbage collector next runs. A sweep that drops managers
+    without closing them would otherwise pile up every one's workers; here the collector is off."""
+    gc.disable()
+    try:
+        m = SubprocessEnvManager(lambda i: MarkerEnv(os.devnull), 2, context="fork", timeout=30)
+        m.reset()
+        m.get_attr("marker")  # (the env calls' component too)
+        pids, ref = [w.pid for w in m.processes], weakref.ref(m)
+        del m
+        assert ref() is None
+        assert not alive(pids, timeout=0)
+    finally:
+        gc.enable()
+

@@ -4,6 +4,7 @@ public methods for them hand their requests to it), with the answers it keeps.""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,14 @@ class EnvCalls:
     """Sends a request to the processes hosting chosen slots; collects one answer per slot."""
 
     def __init__(self, manager: BatchEnvManager) -> None:
-        self.manager = manager
+        self._manager = weakref.ref(manager)  # (a strong one made a cycle: a dropped manager waited for the gc)
         self._answers: dict[int, Completion] = {}  # by process index
+
+    @property
+    def manager(self) -> BatchEnvManager:
+        manager = self._manager()
+        assert manager is not None  # (the manager holds this object: it outlives every call here)
+        return manager
 
     def file(self, completion: Completion) -> None:
         self._answers[completion.worker.index] = completion
