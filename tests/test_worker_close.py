@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import time
@@ -53,3 +54,30 @@ def test_a_manager_dropped_without_close_ends_its_workers_when_dropped():
     finally:
         gc.enable()
 
+
+class _Trainer:
+    """A user's object in a reference cycle, holding a manager: freed by the garbage collector."""
+
+    def __init__(self, manager: SubprocessEnvManager) -> None:
+        self.manager = manager
+        self.me = self
+
+
+def test_a_manager_freed_by_the_garbage_collector_asks_every_worker_to_close(tmp_path, caplog):
+    """The collector finalizes a cycle's objects in any order: a worker's pipe finalized before the
+    manager closed its fd, so that worker was never sent CLOSE; it was terminated after ``close``'s
+    grace ("did not close within 10.0 s"), and its fd number closed again later, whoever had it by
+    then. Every worker is asked and closes its envs, as with ``close()``."""
+    caplog.set_level(logging.WARNING, logger="envmanager.core.pool")
+    for round_ in range(4):  # (the order differs from run to run: several rounds)
+        markers = [tmp_path / f"closed-{round_}-{i}" for i in range(3)]
+        m = SubprocessEnvManager(lambda i, markers=markers: MarkerEnv(str(markers[i])), 3, context="fork", timeout=30)
+        m.reset()
+        m.step([0, 0, 0])
+        pids = [w.pid for w in m.processes]
+        _Trainer(m)
+        del m
+        gc.collect()
+        assert [marker.exists() for marker in markers] == [True] * 3
+        assert not alive(pids, timeout=0)
+    assert not [r.getMessage() for r in caplog.records if "did not close" in r.getMessage()]

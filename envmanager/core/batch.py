@@ -33,6 +33,7 @@ one-line methods of the public class.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -117,6 +118,7 @@ class BatchEnvManager:
         reset_info_apart: bool = False,
     ) -> None:
         self._pool: WorkerPool | None = None
+        self._finalizer: weakref.finalize | None = None  # (``_pool``'s close once this manager is garbage)
         ctx = get_context(context)
         factory, mode = check_arguments(env_factory, n_env, envs_per_worker, timeout, autoreset_mode,
                                         inherit_factory and ctx.get_start_method() == "fork")
@@ -160,6 +162,11 @@ class BatchEnvManager:
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
                                     mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
                                     generations=None if generations is None else [int(g) for g in generations])
+            # Closes the pool once this manager is garbage, held by the finalizer's registry: the
+            # pool's pipes are then never garbage with the manager, which the collector finalizes
+            # in any order (a pipe's own finalizer closed its fd first: CLOSE was never sent, the
+            # worker was killed after ``close``'s grace instead of closing its envs).
+            self._finalizer = weakref.finalize(self, self._pool.close)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.processes, "startup")]
             for r in readies:  # each env's generation, as its process answered
                 self._state.stamp(r.env_ids, r.generations)
@@ -648,6 +655,8 @@ class BatchEnvManager:
         if pool is not None:
             pool.close(timeout)  # a close cut short (Ctrl-C) leaves ``_pool`` set: the next close() finishes it
             self._pool = None
+            if self._finalizer is not None:
+                self._finalizer.detach()  # (the registry lets the closed pool go)
         packed_factory.forget(getattr(self, "_packed_factory", b""))
         results = getattr(self, "results", None)
         if results is not None:
