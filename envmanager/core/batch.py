@@ -167,6 +167,7 @@ class BatchEnvManager:
             # in any order (a pipe's own finalizer closed its fd first: CLOSE was never sent, the
             # worker was killed after ``close``'s grace instead of closing its envs).
             self._finalizer = weakref.finalize(self, self._pool.close)
+            self._finalizer.atexit = False  # (at exit the pool closes itself: ``pool._close_at_exit``)
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.processes, "startup")]
             for r in readies:  # each env's generation, as its process answered
                 self._state.stamp(r.env_ids, r.generations)
