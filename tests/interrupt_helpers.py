@@ -34,12 +34,16 @@ class Presser:
 
     def __init__(self, seed: int, most_s: float = 0.002) -> None:
         self._most_s = most_s
-        self._stop = threading.Event()
+        self._stop, self._go = threading.Event(), threading.Event()
         self._rng = random.Random(seed)
         self._thread = threading.Thread(target=self._press, daemon=True)
         self._thread.start()
+        # Pressing starts once this returns (on a loaded machine a press came while ``start()``
+        # still waited for the thread: a KeyboardInterrupt in the program's set-up, not its loop).
+        self._go.set()
 
     def _press(self) -> None:
+        self._go.wait()
         while not self._stop.is_set():
             time.sleep(self._rng.uniform(0.0001, self._most_s))
             if not self._stop.is_set():
