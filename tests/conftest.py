@@ -154,6 +154,8 @@ SLOW_BECAUSE = {
         "mlagents/test_fake_unity.py::test_step_latency_and_its_env_parameter",
         "mlagents/test_env_manager.py::test_hung_player_is_restarted_and_the_orphan_killed",
         "test_worker_sampler.py::test_a_fragment_longer_than_the_deadline_is_not_hung_while_it_writes_rows",
+        "test_ray_faults.py::test_a_node_that_never_starts_again_is_given_up_at_the_deadline_with_the_limits_lifted",
+        "test_check.py::test_a_fresh_env_run_longer_than_the_start_up_deadline_is_not_a_hang",  # the time-limit one stays
     ],
     "Ray: further cases of a fault the README's set runs once, and sessions, clusters, nodes lost": [
         "test_ray_faults.py::test_env_fault[[]*-nodes]",
@@ -178,6 +180,8 @@ SLOW_BECAUSE = {
         "test_ray.py::test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them",
         "test_ray.py::test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_restart",
         "test_ray.py::test_a_node_that_fails_to_start_leaves_no_node_behind",
+        "test_ray.py::test_an_update_from_a_learner_thread_while_a_node_restarts_is_applied_there_once",  # the thread's updates stay
+        "test_ray_faults.py::test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limits[[]2]",  # [1] stays
         "test_ray.py::test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first",
         "test_ray.py::test_a_nodes_answers_are_booked_in_the_order_it_was_asked",
         "test_ray.py::test_a_node_whose_runtime_env_fails_is_a_node_error",
@@ -192,6 +196,13 @@ SLOW_BECAUSE = {
         "mlagents/test_recorded_actions.py::test_a_change_while_a_player_restarts_reaches_its_first_episode",
         "mlagents/test_recorded_actions.py::test_after_a_restart_noticed_during_a_settings_change",
         "mlagents/test_attach.py::test_lost_player_is_an_error_naming_its_address_and_nothing_is_killed[[]exit]",
+    ],
+    "Ctrl-C pressed hundreds of times: further layers of a program the README's set runs once": [
+        # the ML-Agents manager without Ray, the Ray sampler, SuperSuit's gymnasium base class and the
+        # samplers' other variants stay
+        "test_interrupts.py::test_caught_ctrl_c_leaves_the_mlagents_manager_in_step[[]True]",  # on Ray, ~17 s
+        "test_interrupts.py::test_caught_ctrl_c_leaves_the_supersuit_dropin_in_step[[]stable_baselines3]",
+        "test_interrupts.py::test_caught_ctrl_c_leaves_the_samplers_in_step[[]True-True-steps-2]",
     ],
     "measurements, benchmark and CLI runs of several seconds in fresh interpreters (the harness stays)": [
         "test_check_advice.py::test_double_buffering_is_measured_only_where_the_parent_has_a_core",
