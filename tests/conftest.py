@@ -180,7 +180,7 @@ SLOW_BECAUSE = {
         "test_ray.py::test_a_node_restarted_while_its_answers_are_taken_goes_on_from_them",
         "test_ray.py::test_an_update_that_cannot_be_sent_is_not_recorded_and_nodes_agree_after_a_restart",
         "test_ray.py::test_a_node_that_fails_to_start_leaves_no_node_behind",
-        "test_ray.py::test_an_update_from_a_learner_thread_while_a_node_restarts_is_applied_there_once",  # the thread's updates stay
+        "test_ray.py::test_an_update_from_a_learner_thread_while_a_node_restarts_is_applied_there_once",  # (the other stays)
         "test_ray_faults.py::test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limits[[]2]",  # [1] stays
         "test_ray.py::test_unplaceable_node_is_an_error_after_start_timeout_and_bad_input_first",
         "test_ray.py::test_a_nodes_answers_are_booked_in_the_order_it_was_asked",

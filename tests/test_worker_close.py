@@ -11,6 +11,7 @@ import weakref
 
 import envmanager.worker.main as worker_main
 from envmanager import SubprocessEnvManager
+from envmanager.errors import ManagerClosedError
 from fault_envs import MarkerEnv
 from process_helpers import alive
 
@@ -81,3 +82,30 @@ def test_a_manager_freed_by_the_garbage_collector_asks_every_worker_to_close(tmp
         assert [marker.exists() for marker in markers] == [True] * 3
         assert not alive(pids, timeout=0)
     assert not [r.getMessage() for r in caplog.records if "did not close" in r.getMessage()]
+
+
+class _CallsInDel:
+    """A user's object in a reference cycle whose ``__del__`` still calls the manager it holds."""
+
+    def __init__(self, manager: SubprocessEnvManager, outcome: list) -> None:
+        self.manager, self.outcome, self.me = manager, outcome, self
+
+    def __del__(self) -> None:
+        try:
+            self.outcome.append(self.manager.get_attr("marker"))
+        except Exception as exc:
+            self.outcome.append(exc)
+
+
+def test_a_call_from_a_del_in_the_cycle_that_frees_the_manager_is_manager_closed():
+    """The collector clears a cycle's weak references (closing the manager's workers) before any
+    ``__del__`` runs: a call made from one then is ``ManagerClosedError``, not an internal error."""
+    outcome: list = []
+    m = SubprocessEnvManager(lambda i: MarkerEnv(os.devnull), 2, context="fork", timeout=30)
+    m.reset()
+    pids = [w.pid for w in m.processes]
+    _CallsInDel(m, outcome)
+    del m
+    gc.collect()
+    assert len(outcome) == 1 and isinstance(outcome[0], ManagerClosedError), outcome
+    assert not alive(pids, timeout=0)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from envmanager.core.completion import Completion
-from envmanager.errors import InvalidInputError
+from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd
@@ -41,7 +41,8 @@ class EnvCalls:
     @property
     def manager(self) -> BatchEnvManager:
         manager = self._manager()
-        assert manager is not None  # (the manager holds this object: it outlives every call here)
+        if manager is None:  # (the manager holds this object; only the gc, freeing a cycle, clears it first)
+            raise ManagerClosedError("the manager is closed (freed by the garbage collector)")
         return manager
 
     def file(self, completion: Completion) -> None:
