@@ -205,8 +205,8 @@ class SubprocVecEnv(VecEnv):
         checker = manager.actions
         if self._per_env_types and not self._composite_batch(actions):
             return list(actions), True, False  # one action per env (Dict / Tuple spaces): stacked and checked
-        if checker.space is None:
-            return list(actions), True, False
+        if checker.space is None:  # no array layout (a Text inside, say): a batch is taken apart here, then checked
+            return (_batch_rows(self.action_space, actions, self.num_envs) if self._per_env_types else list(actions)), True, False
         checked = checker.batch(actions, self._all)
         if self._per_env_types:  # a batch (a dict / tuple of arrays): its rows, not list(actions) (its keys / items)
             return checked, False, True  # (as given: already checked)
@@ -407,6 +407,24 @@ def _one_per_env_types(space: spaces.Space) -> tuple[type, ...]:
     if isinstance(space, spaces.Dict):
         return (list, tuple)
     return (list,) if isinstance(space, spaces.Tuple) else ()
+
+
+def _batch_rows(space: spaces.Space, batch: Any, n: int) -> list[Any]:
+    """Env ``i``'s action, for each of ``n`` envs, from a batch for a Dict / Tuple space (a dict /
+    tuple of per-env sequences, nested as the space is); a batch of another shape is refused."""
+    if isinstance(space, spaces.Dict):
+        if not isinstance(batch, dict) or set(batch) != set(space.spaces):
+            raise InvalidInputError(f"a batch of Dict actions must be a dict with the keys {list(space.spaces)}")
+        columns = {key: _batch_rows(sub, batch[key], n) for key, sub in space.spaces.items()}
+        return [{key: column[i] for key, column in columns.items()} for i in range(n)]
+    if isinstance(space, spaces.Tuple):
+        if not isinstance(batch, tuple) or len(batch) != len(space.spaces):
+            raise InvalidInputError(f"a batch of Tuple actions must be a tuple of {len(space.spaces)} items")
+        parts = [_batch_rows(sub, item, n) for sub, item in zip(space.spaces, batch, strict=True)]
+        return [tuple(part[i] for part in parts) for i in range(n)]
+    if not hasattr(batch, "__len__") or len(batch) != n:
+        raise InvalidInputError(f"expected a row per env ({n}) in each part of a batch of actions, got {batch!r:.80}")
+    return list(batch)
 
 
 def _stack_obs(obs_list: list[Any], space: spaces.Space) -> VecEnvObs:

@@ -358,21 +358,27 @@ class CompositeActionRecorder(ActionRecorder):
         parts = (spaces.Discrete(3), spaces.Box(-2, 2, (2,), np.float32))
         if act_kind == "tuple_of_discrete":
             parts = (spaces.Discrete(3), spaces.Discrete(3))
-        self.action_space = spaces.Dict(dict(zip("ab", parts, strict=True))) if act_kind == "dict" else spaces.Tuple(parts)
+        elif act_kind.endswith("_text"):  # no array layout: the batch is taken apart in the parent
+            parts = (spaces.Discrete(3), spaces.Text(5))
+        dict_space = act_kind.startswith("dict")
+        self.action_space = spaces.Dict(dict(zip("ab", parts, strict=True))) if dict_space else spaces.Tuple(parts)
 
     def step(self, action):
         items = action.items() if isinstance(action, dict) else enumerate(action)
         return np.zeros(1), 0.0, False, False, {"got": {k: np.asarray(v).tolist() for k, v in items}}
 
 
-@pytest.mark.parametrize("act_kind,n", [("dict", 2), ("dict", 3), ("tuple", 3)])
+@pytest.mark.parametrize("act_kind,n", [("dict", 2), ("dict", 3), ("tuple", 3), ("dict_text", 2), ("tuple_text", 3)])
 def test_a_batch_of_composite_actions_gives_each_env_its_row(subproc, act_kind, n):
     """For a Dict / Tuple action space, a batch (a dict / tuple of arrays, one row per env) gives
     each env its row, as one action per env does. The batch was counted and sent as a list of its
-    keys / items: refused unless there were as many as envs, and then env ``i`` got key ``i``.
-    (A tuple of as many items as envs is one action per env: the next test.)"""
+    keys / items: refused unless there were as many as envs, and then env ``i`` got key ``i``;
+    with a Text inside (no array layout) it still was. (A tuple of as many items as envs is one
+    action per env: the next test.)"""
     discrete, box = np.array([2, 0, 1][:n]), np.arange(2 * n, dtype=np.float32).reshape(n, 2) / 4
-    if act_kind == "dict":
+    if act_kind.endswith("_text"):
+        box = ("ab", "cd", "ef")[:n]
+    if act_kind.startswith("dict"):
         batch = {"a": discrete, "b": box}
         per_env = [{"a": int(d), "b": b} for d, b in zip(discrete, box, strict=True)]
     else:
@@ -381,9 +387,9 @@ def test_a_batch_of_composite_actions_gives_each_env_its_row(subproc, act_kind, 
     vec.reset()
     expected = [info["got"] for info in vec.step(per_env)[3]]
     assert [info["got"] for info in vec.step(batch)[3]] == expected
-    key = "a" if act_kind == "dict" else 0
+    key = "a" if act_kind.startswith("dict") else 0
     assert [got[key] for got in expected] == [2, 0, 1][:n]
-    short = {"a": discrete[:1], "b": box[:1]} if act_kind == "dict" else (discrete[:1], box[:1])
+    short = {"a": discrete[:1], "b": box[:1]} if act_kind.startswith("dict") else (discrete[:1], box[:1])
     with pytest.raises(InvalidInputError):
         vec.step(short)  # rows for one env only
     assert not vec.waiting
