@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -207,6 +208,32 @@ def test_a_feed_started_at_the_samplers_version_goes_on_from_it():
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(InvalidInputError):
             LearnerFeed(lambda b: {}, start_version=bad)
+
+
+@pytest.mark.parametrize("buffer_size", [1, 3])
+def test_a_feed_dropped_without_stop_is_freed_with_what_its_learn_fn_holds_and_its_thread_ends(buffer_size):
+    """A feed the caller drops without ``stop()`` (or ``with``): its thread held it, so the feed,
+    its ``learn_fn`` and the model that holds lived on with the thread -- forever with
+    ``starve_timeout=None``, else until the starve error, logged by nobody's feed. Now the
+    thread holds the feed only while it learns: dropping the last reference frees them and
+    ends the thread (no garbage collection needed)."""
+
+    class Model:
+        pass
+
+    model = Model()
+    model_gone = weakref.ref(model)
+    learned: list[int] = []
+    feed = LearnerFeed(lambda b, model=model: learned.append(len(b)) or {}, starve_timeout=None,
+                       buffer_size=buffer_size, num_passes=2)
+    feed.put(batch_of(4))
+    feed.drain(timeout=30)
+    thread = feed._thread
+    del feed, model
+    thread.join(30)
+    assert not thread.is_alive()
+    assert model_gone() is None
+    assert learned == [4, 4]  # (what was put was learned first)
 
 
 def test_stats_dict_and_summary_line(caplog):

@@ -18,6 +18,7 @@ import math
 import operator
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,13 +89,15 @@ class LearnerFeed:
         self.buffer_size = buffer_size
         self.version = operator.index(start_version)
         self.stats = Stats("learner", log_interval)
-        self._queue: collections.deque[TransitionBatch] = collections.deque()
+        self._inbox = _Inbox()
+        self._queue, self._cond = self._inbox.queue, self._inbox.cond  # (the inbox's own, named short)
         self._results: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
-        self._cond = threading.Condition()
-        self._stopping = False
         self._put = self._finished = 0  # batches put / learned from (or dropped)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="envmanager-learner", daemon=True)
+        self._buffer: list[list[Any]] = []  # the learner thread's: [batch, passes left], replayed in turn
+        self._turn = 0  # the learner thread's: the buffered batch replayed next
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._inbox),
+                                        name="envmanager-learner", daemon=True)
+        weakref.finalize(self, self._inbox.stop)  # a feed dropped without stop() stops its thread
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ class LearnerFeed:
         with self._cond:
             while True:
                 self._raise_error()
-                if self._stopping:
+                if self._inbox.stopping:
                     raise LearnerError("the learner feed is stopped")
                 if len(self._queue) < n:
                     return
@@ -131,7 +134,7 @@ class LearnerFeed:
         with self._cond:
             while self._finished < self._put:
                 self._raise_error()
-                if self._stopping:
+                if self._inbox.stopping:
                     raise LearnerError("the learner feed is stopped")
                 if deadline.passed():
                     raise TimeoutError(f"the learner did not finish its batches within {limit:g} s")
@@ -157,9 +160,7 @@ class LearnerFeed:
         """Stop the thread and wait for it at most ``timeout`` (a ``learn_fn`` that hangs is left
         behind, logged). Batches still queued are not learned from: counted
         (``unlearned_batches``, ``unlearned_steps``). Then raise its error."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._inbox.stop()
         self._thread.join(timeout)
         with self._cond:  # (the thread takes no batch once stopping)
             left = list(self._queue)
@@ -183,7 +184,7 @@ class LearnerFeed:
         self.stop(raise_error=exc_type is None)
 
     def _raise_error(self) -> None:
-        error = self._error
+        error = self._inbox.error
         if error is None:
             return
         if isinstance(error, LearnerError):
@@ -192,78 +193,43 @@ class LearnerFeed:
         raise LearnerError(f"learner thread failed: {error!r}\n{trace}") from error
 
     # ------------------------------------------------------------------------------------------
-    # The learner thread
+    # The learner thread's side (``_serve`` drives these)
 
-    def _run(self) -> None:
-        try:
-            if self.buffer_size == 1:
-                while True:
-                    batch = self._next_batch()
-                    if batch is None:
-                        return
-                    admitted = self._admit(batch)
-                    if admitted is not None:
-                        self._update(admitted, self.num_passes)
-                    self._finish()
-            else:
-                self._run_buffered()
-        except BaseException as exc:
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
-            logger.error("learner thread failed: %r", exc)
+    def _wants_batch(self) -> bool:
+        """A batch is to be taken next (rather than a buffered one replayed)."""
+        if self.buffer_size == 1:
+            return True
+        with self._cond:
+            waiting = bool(self._queue)
+        return len(self._buffer) < self.buffer_size and (waiting or not self._buffer)
 
-    def _run_buffered(self) -> None:
-        """RLlib's minibatch buffer: one pass per update over the buffered batches in turn."""
-        buffer: list[list[Any]] = []  # [batch, passes left]
-        i = 0
-        while True:
-            with self._cond:
-                waiting = bool(self._queue)
-            if len(buffer) < self.buffer_size and (waiting or not buffer):
-                batch = self._next_batch()  # waits (up to starve_timeout) only with nothing to replay
-                if batch is None:
-                    return
-                admitted = self._admit(batch)
-                if admitted is None:
-                    self._finish()
-                else:
-                    buffer.append([admitted, self.num_passes])
-                continue
-            with self._cond:
-                if self._stopping:
-                    return
-            i %= len(buffer)
-            entry = buffer[i]
-            self._update(entry[0], 1)
-            entry[1] -= 1
-            if entry[1] == 0:
-                buffer.pop(i)
-                self._finish()
-            else:
-                i += 1
+    def _learn(self, batch: TransitionBatch) -> None:
+        """Admit a batch just taken: learn from it (``num_passes`` passes, one new version), or, with
+        a buffer, keep it there to be replayed a pass at a time."""
+        admitted = self._admit(batch)
+        if admitted is not None and self.buffer_size > 1:
+            self._buffer.append([admitted, self.num_passes])
+            return
+        if admitted is not None:
+            self._update(admitted, self.num_passes)
+        self._finish()
+
+    def _replay(self) -> None:
+        """RLlib's minibatch buffer: one pass, one new version, over the next buffered batch in turn."""
+        self._turn %= len(self._buffer)
+        entry = self._buffer[self._turn]
+        self._update(entry[0], 1)
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._buffer.pop(self._turn)
+            self._finish()
+        else:
+            self._turn += 1
 
     def _finish(self) -> None:
         with self._cond:
             self._finished += 1
             self._cond.notify_all()
-
-    def _next_batch(self) -> TransitionBatch | None:
-        with self.stats.timer("dequeue"), self._cond:
-            deadline = None if self.starve_timeout is None else Deadline(self.starve_timeout)
-            while not self._queue and not self._stopping:
-                if deadline is None:
-                    self._cond.wait()  # (told to stop, or a batch: notified)
-                    continue
-                if deadline.passed():
-                    raise LearnerStarvedError(f"the learner's queue stayed empty for {self.starve_timeout:g} s")
-                self._cond.wait(deadline.left())
-            if self._stopping:
-                return None
-            batch = self._queue.popleft()
-            self.stats.gauge("queue_size", len(self._queue))
-            self._cond.notify_all()
-            return batch
 
     def _admit(self, batch: TransitionBatch) -> TransitionBatch | None:
         """Record the batch's policy lag; drop or mask its stale steps (``None``: nothing left)."""
@@ -299,6 +265,69 @@ class LearnerFeed:
         if self.on_update is not None:
             self.on_update(self.version, metrics)
         self.stats.maybe_log()
+
+
+class _Inbox:
+    """What the caller and the learner thread share: the batches waiting, the thread's error and
+    the flag that stops it. The thread waits here without holding its feed, so that a feed
+    dropped without ``stop()`` is freed, and its finalizer stops the thread."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: collections.deque[TransitionBatch] = collections.deque()
+        self.stopping = False
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def take(self, starve_timeout: float | None, stats: Stats) -> TransitionBatch | None:
+        """The next batch (``None``: told to stop); raises after ``starve_timeout`` s of none."""
+        with stats.timer("dequeue"), self.cond:
+            deadline = None if starve_timeout is None else Deadline(starve_timeout)
+            while not self.queue and not self.stopping:
+                if deadline is None:
+                    self.cond.wait()  # (told to stop, or a batch: notified)
+                    continue
+                if deadline.passed():
+                    raise LearnerStarvedError(f"the learner's queue stayed empty for {starve_timeout:g} s")
+                self.cond.wait(deadline.left())
+            if self.stopping:
+                return None
+            batch = self.queue.popleft()
+            stats.gauge("queue_size", len(self.queue))
+            self.cond.notify_all()
+            return batch
+
+
+def _serve(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> None:
+    """The learner thread: takes batches from the inbox and has its feed learn from them,
+    holding the feed only while it learns (never while it waits). Its error is the inbox's."""
+    try:
+        while True:
+            feed = feed_ref()
+            if feed is None:
+                return
+            if not feed._wants_batch():
+                if inbox.stopping:
+                    return
+                feed._replay()
+                continue
+            starve_timeout, stats = feed.starve_timeout, feed.stats
+            del feed  # (waits without it)
+            batch = inbox.take(starve_timeout, stats)
+            feed = feed_ref()
+            if batch is None or feed is None:
+                return
+            feed._learn(batch)
+            del batch, feed
+    except BaseException as exc:
+        with inbox.cond:
+            inbox.error = exc
+            inbox.cond.notify_all()
+        logger.error("learner thread failed: %r", exc)
 
 
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
