@@ -223,6 +223,8 @@ class AsyncVectorEnv(VectorEnv):
 
     def reset_async(self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
         manager = self._running()
+        if seed is not None and not isinstance(seed, int):
+            len(seed)  # an int or a list, as gymnasium's: a numpy integer, a float or a generator is its TypeError
         try:
             seeds = seeds_for(seed, self.num_envs)
         except InvalidInputError:

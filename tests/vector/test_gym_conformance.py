@@ -238,6 +238,11 @@ def test_reset_seeds_and_options(make_async, make_sync):
     assert_tree_equal(vec.reset_wait(), ref.reset(seed=11, options={"offset": 1}), "reset_async/wait")
     with pytest.raises(ValueError):
         vec.reset(seed=[1, 2])
+    for seed in (np.int64(3), 3.0, (s for s in [1, 2, 3])):  # an int or a list, nothing else
+        with pytest.raises(TypeError):
+            vec.reset(seed=seed)
+        with pytest.raises(TypeError):
+            ref.reset(seed=seed)
     assert_tree_equal(vec.reset(seed=4), ref.reset(seed=4), "after bad seed list")
 
 
