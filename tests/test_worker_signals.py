@@ -36,3 +36,59 @@ def test_a_segfault_is_named_even_where_the_parent_installed_pygames_parachute()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=repo)], capture_output=True, text=True, timeout=120)
     assert "SIGSEGV" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def _starting_child(conn) -> None:
+    """A process as ours start: it reports whether SIGINT came blocked, waits while the parent
+    sends it one (a Ctrl-C at the terminal, before the child has left the parent's group), leaves
+    the group, then checks that a later SIGINT still interrupts it."""
+    import os
+    import signal
+    import time
+
+    from envmanager.worker.main import own_process_group
+
+    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    conn.recv()  # (the parent's SIGINT came meanwhile)
+    own_process_group()
+    conn.send(os.getpgid(0) == os.getpid())
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        conn.send("not interrupted")
+    except KeyboardInterrupt:
+        conn.send("interrupted")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_ctrl_c_while_a_worker_starts_is_the_parents_not_the_workers_traceback(method):
+    """A Ctrl-C reaches the terminal's whole process group: a worker still starting, not yet in a
+    group of its own, printed a KeyboardInterrupt traceback from multiprocessing's start-up (seen
+    on a loaded machine by ``envmanager check``'s Ctrl-C test). It now starts with SIGINT blocked,
+    discards what came before it left the group, and takes later ones as before."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from envmanager.core.process import start
+
+    ctx = mp.get_context(method)
+    parent_conn, child_conn = ctx.Pipe()
+    mask_before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    process = ctx.Process(target=_starting_child, args=(child_conn,))
+    start(process)
+    child_conn.close()
+    try:
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask_before  # (ours as it was)
+        assert parent_conn.poll(60) and parent_conn.recv() is True  # blocked from its start
+        os.kill(process.pid, signal.SIGINT)
+        parent_conn.send("go")
+        assert parent_conn.poll(60) and parent_conn.recv() is True  # a group of its own
+        assert parent_conn.poll(60) and parent_conn.recv() == "interrupted"
+        process.join(60)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
+        parent_conn.close()

@@ -195,12 +195,9 @@ def _runnable_wait() -> Callable[[], float] | None:
 def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
     """The throwaway process: build env 0, answer its cost (or why not), then -- once the parent
     has noted what the env started (our orphans cannot be found once we are gone) -- close it."""
-    from envmanager.worker.main import watch_parent
+    from envmanager.worker.main import own_process_group, watch_parent
 
-    try:  # own process group: Ctrl-C goes to the parent, and killing the group reaches what the env started
-        os.setpgid(0, 0)
-    except (OSError, AttributeError):
-        pass
+    own_process_group()
     threading.Thread(target=watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
     env = None
     try:

@@ -388,18 +388,29 @@ class WorkerProcess:
 
 
 def start(process: Any) -> None:
-    """Start ``process``; a forked one with this process's objects frozen for the garbage
-    collector (``gc.freeze``), so the child never finalizes what it inherited: a finalizer may
-    call into a library whose lock another thread held at the fork (gRPC's, Ray's), and hang.
-    A program that froze objects itself manages this on its own (``gc.unfreeze`` would undo it)."""
-    if getattr(process, "_start_method", None) != "fork" or gc.get_freeze_count():
-        process.start()
-        return
-    gc.freeze()
+    """Start ``process`` (its target calls ``envmanager.worker.main.own_process_group`` first)
+    with SIGINT blocked in this thread, so that the child starts with it blocked: a Ctrl-C at the
+    terminal reaches the whole group, the child too until it has left it, and printed a
+    KeyboardInterrupt traceback from the child's start-up; this process takes it as before (not
+    under forkserver: the server, which other programs' processes share, would start them so). A
+    forked one with this process's objects frozen for the garbage collector (``gc.freeze``), so
+    the child never finalizes what it inherited: a finalizer may call into a library whose lock
+    another thread held at the fork (gRPC's, Ray's), and hang. A program that froze objects
+    itself manages this on its own (``gc.unfreeze`` would undo it)."""
+    method = getattr(process, "_start_method", None)
+    blocks = hasattr(signal, "pthread_sigmask") and method != "forkserver"  # (not the shared forkserver's mask)
+    if blocks:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    freeze = method == "fork" and not gc.get_freeze_count()
+    if freeze:
+        gc.freeze()
     try:
         process.start()
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
+        if blocks:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 #: Libraries whose threads, once started, can hang a forked child that uses them (torch's

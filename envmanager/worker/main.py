@@ -87,10 +87,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, queue_writer: Connection | N
     ``file`` the pool's shared memory, if it has one, ``mailbox`` the pool's mailboxes (their
     file and layout), if it has them, ``marks`` the file of the records saying which env is in
     which call (``envmanager.wire.marks``), if it has one."""
-    try:  # own process group: Ctrl-C at the terminal goes to the parent, which closes us
-        os.setpgid(0, 0)
-    except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
-        pass
+    own_process_group()
     tag(spec.parent_pid, spec.nonce)  # what the envs start carries it: found once this process is gone (``family``)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     _default_fatal_signals()
@@ -227,6 +224,22 @@ def _end_left_behind() -> None:
     """Kill what the envs started and their ``close()`` left running: a simulator in a session of
     its own is out of the parent's reach once this process is gone."""
     kill_family(family())
+
+
+def own_process_group() -> None:
+    """Leave the parent's process group: a Ctrl-C at the terminal goes to the parent, which closes
+    us, and killing our group reaches what the envs start. The parent started us with SIGINT
+    blocked (``envmanager.core.process.start``), so a Ctrl-C that came while we were still in its
+    group, before this, was its own: discarded here, where it would have been our traceback."""
+    try:
+        os.setpgid(0, 0)
+    except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
+        pass
+    if hasattr(signal, "pthread_sigmask"):
+        handler = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a pending signal ignored when unblocked is discarded)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, handler)
 
 
 def _ignore_sigterm() -> None:
