@@ -578,6 +578,64 @@ def test_a_crashed_worker_s_own_session_simulator_is_killed(tmp_path, at_reset):
                 os.kill(p, signal.SIGKILL)
 
 
+class LaunchedSimulatorEnv(SimulatorEnv):
+    """Starts its simulator at the first reset as a launcher script does: in a session of its own,
+    from a shell that exits at once, so that it is nobody's child (not below the worker, not in
+    its group: only the tag the worker put in its environment finds it); its ``close()`` forgets
+    it. A step hangs once the file ``hang-<env id>`` is there."""
+
+    def _start(self) -> None:
+        path = os.path.join(self.pid_dir, f"player-{self.env_id}-launched.pid")
+        subprocess.run(["sh", "-c", f"setsid sleep 3600 </dev/null >/dev/null 2>&1 & echo $! > {path}.tmp"], check=True)
+        os.replace(path + ".tmp", path)
+        self.player = True
+
+    def step(self, action):
+        if os.path.exists(os.path.join(self.pid_dir, f"hang-{self.env_id}")):
+            time.sleep(3600)
+        return super().step(action)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("end", ["closed", "hung", "killed"])
+def test_a_simulator_a_launcher_daemonized_is_killed_with_its_worker(tmp_path, end):
+    """A simulator started the way launcher scripts start them (``setsid sim &`` from a shell
+    that exits) is never below the worker: one the env's ``close()`` left running outlived a
+    worker that closed, and one of a worker the parent killed (hung) outlived it too; only a
+    worker dying by itself had its tag looked for. Each is killed now, the other worker's kept."""
+    from envmanager.errors import WorkerTimeoutError
+
+    pid_dir = str(tmp_path)
+    m = SubprocessEnvManager(lambda i: LaunchedSimulatorEnv(i, pid_dir, at_reset=True), 2, context=CTX, timeout=5)
+    players: list[int] = []
+    try:
+        m.reset()
+        players = players_of(tmp_path, 0) + players_of(tmp_path, 1)
+        assert len(players) == 2 and not any(gone(p) for p in players)
+        if end == "closed":
+            m.close()
+            assert wait_gone(players[0]) and wait_gone(players[1]), "a closed worker's simulator outlived it"
+            return
+        if end == "hung":
+            (tmp_path / "hang-1").touch()
+            with pytest.raises(WorkerTimeoutError) as caught:
+                step_until_error(m)
+        else:
+            os.kill(m.processes[1].pid, signal.SIGKILL)
+            with pytest.raises(WorkerDiedError) as caught:
+                step_until_error(m)
+        assert caught.value.worker_ids == [1]
+        assert wait_gone(players[1]), "the simulator outlived its worker"
+        assert not gone(players[0]), "the other worker's simulator was killed"
+    finally:
+        m.close(timeout=0.0)
+        for p in players:
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_the_tag_of_a_dead_worker_is_no_later_worker_s_given_its_pid():
     """A worker's pid reused by a later worker (another manager's, or a restart) once the first
     was reaped: the later one's simulators carry a tag of their own, and the scan for the dead

@@ -367,12 +367,14 @@ class WorkerProcess:
         if self.process.is_alive():
             self.look_for_family()
             self.process.kill()
-        elif pid is not None and self.process.exitcode != 0:
-            # Died by itself: what its envs started since its READY (a simulator a reset started) is no
-            # longer below it, but carries its tag. (A worker that closed killed its envs' processes itself.)
-            self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce))
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
+        if pid is not None and self.exitcode != 0:
+            # Not closed by itself (a worker that closed killed its envs' processes itself): what its envs
+            # started is no longer below it once it is gone -- nor ever was, if a launcher daemonized it; a
+            # worker dying by itself may already have lost its children to the reaper when looked at
+            # above -- but carries its tag.
+            self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce))
         kill_family(self.family)
         if pid is not None:
             kill_group(pid)

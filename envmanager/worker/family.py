@@ -4,8 +4,9 @@ killed by pid and start time.
 Once a worker is gone, a simulator it started in a session of its own is no longer below it nor
 in its process group: a record kept while the worker lived still finds it, and so does the tag
 the worker puts in its environment, which the programs its envs start inherit (a simulator
-started at a reset, after the worker's record was taken). The start time tells the process
-recorded from a later one given the same pid.
+started at a reset, after the worker's record was taken, or one a launcher daemonized, which
+was never below it). The start time tells the process recorded from a later one given the same
+pid.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 
 import psutil
 
-__all__ = ["family", "kill_family", "tag", "tagged"]
+__all__ = ["family", "kill_family", "left_behind", "tag", "tagged"]
 
 #: The environment variable that tags what a worker's envs start: ``<parent pid>:<worker pid>:<nonce>``
 #: (the nonce: that start's own, so a later worker given the same pid does not carry the same tag).
@@ -58,10 +59,24 @@ def tagged(parent_pid: int, pid: int, nonce: str) -> dict[int, float]:
     """The processes (ours to read) carrying the tag of worker ``pid`` of ``parent_pid`` started
     with ``nonce``, by pid, with their start times: one scan of every process, for a worker that
     died by itself."""
-    want, found = f"{parent_pid}:{pid}:{nonce}", {}
+    return _carrying(f"{parent_pid}:{pid}:{nonce}")
+
+
+def left_behind() -> dict[int, float]:
+    """In a worker: what its envs started that still runs, below it or carrying its tag (a
+    simulator a launcher script daemonized in a session of its own is nobody's child)."""
+    found = family()
+    if TAG in os.environ:
+        found.update(_carrying(os.environ[TAG]))
+    found.pop(os.getpid(), None)
+    return found
+
+
+def _carrying(mark: str) -> dict[int, float]:
+    found = {}
     for process in psutil.process_iter():
         try:
-            if process.environ().get(TAG) == want:
+            if process.environ().get(TAG) == mark and "resource_tracker" not in " ".join(process.cmdline()):
                 found[process.pid] = process.create_time()
         except psutil.Error:  # gone meanwhile, or not ours to read
             pass

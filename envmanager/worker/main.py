@@ -38,7 +38,7 @@ from envmanager.wire.messages import (
 from envmanager.wire.shm import SharedFile
 from envmanager.wire.transport import MailboxLink, link_for
 from envmanager.worker.envs import ENV_RAISES, Stopped, WorkerEnvs, remote_exception
-from envmanager.worker.family import family, kill_family, tag
+from envmanager.worker.family import family, kill_family, left_behind, tag
 
 __all__ = ["WorkerSpec", "worker_main", "HANDLERS"]
 
@@ -223,7 +223,7 @@ def _default_fatal_signals() -> None:
 def _end_left_behind() -> None:
     """Kill what the envs started and their ``close()`` left running: a simulator in a session of
     its own is out of the parent's reach once this process is gone."""
-    kill_family(family())
+    kill_family(left_behind())
 
 
 def own_process_group() -> None:
