@@ -329,6 +329,38 @@ class Joiner(ParallelEnv):
         return out
 
 
+class DiesInTurn(ParallelEnv):
+    """Four agents as hand-written envs have them: ``d<k>`` terminates after ``k + 2`` steps
+    (``d3`` never does), every agent left is truncated at step 6. Each observes ``[t, k, the
+    action it received]``; rewarded its action. Reset infos: the episode's number."""
+
+    metadata = {"name": "dies_in_turn"}
+    possible_agents = ["d0", "d1", "d2", "d3"]
+    render_mode = None
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return spaces.Box(-10, 10, (3,), np.float32)
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return spaces.Discrete(4)
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+        self.t, self.episode = 0, getattr(self, "episode", 0) + 1
+        self.agents = list(self.possible_agents)
+        obs = {a: np.array([0, k, -1], np.float32) for k, a in enumerate(self.agents)}
+        return obs, {a: {"episode": self.episode} for a in self.agents}
+
+    def step(self, actions: dict) -> Any:
+        self.t += 1
+        k = {a: self.possible_agents.index(a) for a in self.agents}
+        obs = {a: np.array([self.t, k[a], actions[a]], np.float32) for a in self.agents}
+        terms = {a: a != "d3" and self.t >= k[a] + 2 for a in self.agents}
+        truncs = dict.fromkeys(self.agents, self.t >= 6)
+        out = obs, {a: float(actions[a]) for a in self.agents}, terms, truncs, {a: {"t": self.t} for a in self.agents}
+        self.agents = [a for a in self.agents if not (terms[a] or truncs[a])]
+        return out
+
+
 class Respawner(ParallelEnv):
     """``a`` terminates at the second step and comes back under the same name at the third (a
     new life, as a unit respawns in some games), which PettingZoo does not allow; ``b`` acts

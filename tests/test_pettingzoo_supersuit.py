@@ -492,3 +492,36 @@ def test_get_attr_of_an_attribute_the_env_lacks_is_an_attribute_error(base_class
     finally:
         ours.close()
         reference.close()
+
+
+def test_reset_infos_kept_from_reset_are_left_as_they_were():
+    """``reset_infos`` kept from ``reset()`` (SB3's place for reset infos) is left as it was by a
+    step that reset an env within it, as SuperSuit's; ``reset_infos`` read after that step holds
+    the new episode's (ours keeps them, SuperSuit's drops them), as SB3's ``SubprocVecEnv`` binds a
+    new list. The step wrote them into the list the caller held."""
+    import pettingzoo_envs
+
+    env = pettingzoo_envs.DiesInTurn
+    reference = theirs(ss.black_death_v3(env()), 2, "stable_baselines3")
+    ours = concat_vec_envs(pettingzoo_env_to_vec_env(env()), 2, num_cpus=2, base_class="stable_baselines3")
+    gym = concat_vec_envs(pettingzoo_env_to_vec_env(env()), 2, num_cpus=1)  # its reset_infos: ours alone
+    try:
+        ours.reset()
+        reference.reset()
+        gym.reset(seed=0)
+        kept, kept_reference, kept_gym = ours.reset_infos, reference.reset_infos, gym.reset_infos
+        first = [{"episode": 1}] * 8
+        assert kept == kept_reference == kept_gym == first
+        actions = np.zeros(8, np.int64)
+        for _ in range(7):  # both ended and reset within a step (SuperSuit's black_death a step later)
+            ours.step_async(actions)
+            reference.step_async(actions)
+            ours.step_wait()
+            reference.step_wait()
+            gym.step(actions)
+        assert kept == kept_reference == kept_gym == first
+        assert ours.reset_infos == gym.reset_infos == [{"episode": 2}] * 8
+    finally:
+        ours.close()
+        reference.close()
+        gym.close()

@@ -253,9 +253,11 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
                 infos[row]["terminal_observation"] = _row(observations, row)
         _put_rows(observations, rows, self._observations(reset))
         self.active[rows] = reset.active
+        # A new list: one kept from reset() is left as it was (as SuperSuit's; SB3's SubprocVecEnv binds a new one)
+        reset_infos = self.reset_infos = list(self.reset_infos)
         for row, info in zip(rows.tolist(), self._row_infos(reset), strict=True):
             infos[row].update(info)
-            self.reset_infos[row] = info
+            reset_infos[row] = info
         step.ended = step.ended[:0]
 
     def _observations(self, batch: MultiAgentBatch) -> Any:
