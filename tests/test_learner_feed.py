@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -211,12 +212,14 @@ def test_a_feed_started_at_the_samplers_version_goes_on_from_it():
 
 
 @pytest.mark.parametrize("buffer_size", [1, 3])
-def test_a_feed_dropped_without_stop_is_freed_with_what_its_learn_fn_holds_and_its_thread_ends(buffer_size):
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_feed_dropped_without_stop_is_freed_with_what_its_learn_fn_holds_and_its_thread_ends(buffer_size, fails):
     """A feed the caller drops without ``stop()`` (or ``with``): its thread held it, so the feed,
     its ``learn_fn`` and the model that holds lived on with the thread -- forever with
     ``starve_timeout=None``, else until the starve error, logged by nobody's feed. Now the
     thread holds the feed only while it learns: dropping the last reference frees them and
-    ends the thread (no garbage collection needed)."""
+    ends the thread (no garbage collection needed) -- a feed whose ``learn_fn`` raised too (the
+    error it keeps must not hold the feed through its traceback's frames)."""
 
     class Model:
         pass
@@ -224,16 +227,30 @@ def test_a_feed_dropped_without_stop_is_freed_with_what_its_learn_fn_holds_and_i
     model = Model()
     model_gone = weakref.ref(model)
     learned: list[int] = []
-    feed = LearnerFeed(lambda b, model=model: learned.append(len(b)) or {}, starve_timeout=None,
-                       buffer_size=buffer_size, num_passes=2)
+
+    def learn(batch, model=model):
+        learned.append(len(batch))
+        if fails:
+            raise RuntimeError("the learner failed")
+        return {}
+
+    feed = LearnerFeed(learn, starve_timeout=None, buffer_size=buffer_size, num_passes=2)
     feed.put(batch_of(4))
-    feed.drain(timeout=30)
-    thread = feed._thread
-    del feed, model
+    if fails:
+        with pytest.raises(LearnerError, match="the learner failed"):
+            feed.drain(timeout=30)
+    else:
+        feed.drain(timeout=30)
+    thread, feed_gone = feed._thread, weakref.ref(feed)
+    del feed, model, learn
     thread.join(30)
     assert not thread.is_alive()
-    assert model_gone() is None
-    assert learned == [4, 4]  # (what was put was learned first)
+    if fails:  # (the error raised here held the feed through its frames: drain's ``self``)
+        gc.collect()
+    assert feed_gone() is None
+    if not fails:  # (a failed one's error, kept by the log's capture, holds learn's frame, so learn and its model)
+        assert model_gone() is None
+    assert learned == ([4] if fails else [4, 4])  # (what was put was learned first)
 
 
 def test_stats_dict_and_summary_line(caplog):

@@ -92,3 +92,45 @@ def test_a_ctrl_c_while_a_worker_starts_is_the_parents_not_the_workers_traceback
             process.kill()
             process.join()
         parent_conn.close()
+
+
+SPAWN_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    import signal
+    import sys
+
+    sys.path.insert(0, {repo!r})
+
+
+    def child(conn):
+        conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+    if __name__ == "__main__":
+        from envmanager.core.process import start
+
+        ctx = mp.get_context("spawn")
+        for _ in range(2):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=child, args=(theirs,))
+            start(process)
+            theirs.close()
+            print(ours.recv() if ours.poll(60) else "no answer")
+            process.join(60)
+        print("parent", signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    """
+)
+
+
+def test_the_first_spawned_worker_of_a_program_starts_with_sigint_blocked_too(tmp_path):
+    """multiprocessing starts its resource tracker with a spawn's first process, and unblocks
+    SIGINT in the starting thread as it does: the first worker of a program started with it
+    unblocked (the suite's own tracker, started before every test, hid it). A fresh program."""
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "spawn_twice.py"
+    script.write_text(SPAWN_SCRIPT.format(repo=repo))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.split("\n") == ["True", "True", "parent False", ""], (done.stdout, done.stderr[-2000:])

@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -136,6 +137,7 @@ class WorkerProcess:
         if marks is not None:
             marks.reset(spec.index)
         self.started_at = time.monotonic()  # no answer of this process is posted before this
+        self.born = time.time()  # nothing it started is older (``tagged``)
         self.process = ctx.Process(target=worker_main,
                                    args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
@@ -374,7 +376,7 @@ class WorkerProcess:
             # started is no longer below it once it is gone -- nor ever was, if a launcher daemonized it; a
             # worker dying by itself may already have lost its children to the reaper when looked at
             # above -- but carries its tag.
-            self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce))
+            self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce, self.born))
         kill_family(self.family)
         if pid is not None:
             kill_group(pid)
@@ -400,19 +402,24 @@ def start(process: Any) -> None:
     another thread held at the fork (gRPC's, Ray's), and hang. A program that froze objects
     itself manages this on its own (``gc.unfreeze`` would undo it)."""
     method = getattr(process, "_start_method", None)
-    blocks = hasattr(signal, "pthread_sigmask") and method != "forkserver"  # (not the shared forkserver's mask)
-    if blocks:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    masks = hasattr(signal, "pthread_sigmask") and method != "forkserver"  # (not the shared forkserver's mask)
+    if masks and method != "fork":
+        resource_tracker.ensure_running()  # (its first start unblocks SIGINT in this thread: before, not during)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, []) if masks else None  # (reads it)
     freeze = method == "fork" and not gc.get_freeze_count()
-    if freeze:
-        gc.freeze()
     try:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (a Ctrl-C raised here: restored below)
+        if freeze:
+            gc.freeze()
         process.start()
     finally:
-        if freeze:
-            gc.unfreeze()
-        if blocks:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        try:
+            if previous is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # first: a Ctrl-C now is raised once it is restored
+        finally:
+            if freeze:
+                gc.unfreeze()
 
 
 #: Libraries whose threads, once started, can hang a forked child that uses them (torch's

@@ -304,31 +304,37 @@ class _Inbox:
 
 def _serve(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> None:
     """The learner thread: takes batches from the inbox and has its feed learn from them,
-    holding the feed only while it learns (never while it waits). Its error is the inbox's."""
+    holding the feed only while it learns (never while it waits). Its error is the inbox's,
+    kept without the frames' variables (the feed among them: a feed that failed is freed too)."""
     try:
-        while True:
-            feed = feed_ref()
-            if feed is None:
-                return
-            if not feed._wants_batch():
-                if inbox.stopping:
-                    return
-                feed._replay()
-                continue
-            starve_timeout, stats = feed.starve_timeout, feed.stats
-            del feed  # (waits without it)
-            batch = inbox.take(starve_timeout, stats)
-            feed = feed_ref()
-            if batch is None or feed is None:
-                return
-            feed._learn(batch)
-            del batch, feed
+        while _serve_once(feed_ref, inbox):
+            pass
     except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # (their file and line stay, for the message)
         with inbox.cond:
             inbox.error = exc
             inbox.cond.notify_all()
         logger.error("learner thread failed: %r", exc)
 
+
+def _serve_once(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> bool:
+    """One batch taken and learned from, or one buffered batch replayed; ``False``: stop."""
+    feed = feed_ref()
+    if feed is None:
+        return False
+    if not feed._wants_batch():
+        if inbox.stopping:
+            return False
+        feed._replay()
+        return True
+    starve_timeout, stats = feed.starve_timeout, feed.stats
+    del feed  # (waits without it)
+    batch = inbox.take(starve_timeout, stats)
+    feed = feed_ref()
+    if batch is None or feed is None:
+        return False
+    feed._learn(batch)
+    return True
 
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
                    max_batches_waiting: int, max_fragments: int | None) -> Iterator[TransitionBatch]:

@@ -55,11 +55,12 @@ def tag(parent_pid: int, nonce: str) -> None:
     os.environ[TAG] = f"{parent_pid}:{os.getpid()}:{nonce}"
 
 
-def tagged(parent_pid: int, pid: int, nonce: str) -> dict[int, float]:
+def tagged(parent_pid: int, pid: int, nonce: str, since: float = 0.0) -> dict[int, float]:
     """The processes (ours to read) carrying the tag of worker ``pid`` of ``parent_pid`` started
-    with ``nonce``, by pid, with their start times: one scan of every process, for a worker that
-    died by itself."""
-    return _carrying(f"{parent_pid}:{pid}:{nonce}")
+    with ``nonce``, by pid, with their start times: one scan of the processes started since
+    ``since`` (the worker's own start, in ``time.time()``), for a worker that did not close by
+    itself."""
+    return _carrying(f"{parent_pid}:{pid}:{nonce}", since)
 
 
 def left_behind() -> dict[int, float]:
@@ -67,17 +68,21 @@ def left_behind() -> dict[int, float]:
     simulator a launcher script daemonized in a session of its own is nobody's child)."""
     found = family()
     if TAG in os.environ:
-        found.update(_carrying(os.environ[TAG]))
+        found.update(_carrying(os.environ[TAG], psutil.Process().create_time()))
     found.pop(os.getpid(), None)
     return found
 
 
-def _carrying(mark: str) -> dict[int, float]:
+def _carrying(mark: str, since: float) -> dict[int, float]:
+    """The processes started since ``since`` whose environment carries ``mark`` (an older one
+    cannot: their start times are read first, cheaper than an environment)."""
     found = {}
     for process in psutil.process_iter():
         try:
-            if process.environ().get(TAG) == mark and "resource_tracker" not in " ".join(process.cmdline()):
-                found[process.pid] = process.create_time()
+            born = process.create_time()
+            if born >= since - START_TOLERANCE_S and process.environ().get(TAG) == mark \
+                    and "resource_tracker" not in " ".join(process.cmdline()):
+                found[process.pid] = born
         except psutil.Error:  # gone meanwhile, or not ours to read
             pass
     return found

@@ -236,10 +236,9 @@ def own_process_group() -> None:
     except (OSError, AttributeError):  # AttributeError: no process groups (Windows)
         pass
     if hasattr(signal, "pthread_sigmask"):
-        handler = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a pending signal ignored when unblocked is discarded)
+        if signal.SIGINT in signal.sigpending():
+            signal.sigwait({signal.SIGINT})  # (taken: not delivered)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, handler)
 
 
 def _ignore_sigterm() -> None:
