@@ -246,7 +246,8 @@ class SharedBuffers:
         return self._mapping is not None
 
     def close(self) -> None:
-        """Unmap; the owner of a named segment also unlinks it. Safe to call twice."""
+        """Let go of the memory (an ``mmap`` is unmapped with the last array over it); the owner
+        of a named segment also unlinks it. Safe to call twice."""
         self.observation = self.action = None
         mapping, self._mapping = self._mapping, None
         if mapping is None:
@@ -254,6 +255,11 @@ class SharedBuffers:
         self.reward = self.terminated = self.truncated = None  # type: ignore[assignment]
         self.base_scalars = ()  # type: ignore[assignment]
         self.layout_word = self.scalars.word = None
+        if isinstance(mapping, mmap.mmap):
+            # Not unmapped here: arrays handed out over it (``copy=False``) read their memory
+            # after close, as gymnasium's do (unmapped, they crashed the process). The last
+            # reference to it (this one when there is none of those) unmaps it.
+            return
         try:
             mapping.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with it

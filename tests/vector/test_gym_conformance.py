@@ -10,6 +10,9 @@ import copy
 import gc
 import inspect
 import multiprocessing
+import os
+import subprocess
+import sys
 
 import envs
 import gymnasium
@@ -94,6 +97,50 @@ def test_copy_false_returns_the_same_arrays_each_call(make_async, make_sync, obs
         assert all(a is b for a, b in zip(_leaves(obs), first, strict=True)), f"step {t}: new arrays"
         assert_tree_equal(obs, ref.step(actions)[0], f"step {t}")
     assert all(a is b for a, b in zip(_leaves(vec.reset(seed=3)[0]), first, strict=True)), "reset: new arrays"
+
+
+_READ_AFTER_CLOSE = """
+import sys
+import numpy as np
+import envs
+from envs import env_fns
+
+if envs.REFERENCE:
+    from gymnasium.vector import AsyncVectorEnv
+else:
+    from envmanager import AsyncVectorEnv
+
+def leaves(tree):
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in leaves(value)]
+    if isinstance(tree, tuple):
+        return [leaf for value in tree for leaf in leaves(value)]
+    return [tree]
+
+vec = AsyncVectorEnv(env_fns(3, obs_kind=sys.argv[1]), copy=False)
+vec.reset(seed=1)
+vec.action_space.seed(2)
+obs = vec.step(vec.action_space.sample())[0]
+before = [np.array(leaf, copy=True) for leaf in leaves(obs)]
+vec.close()
+after = [np.array(leaf, copy=True) for leaf in leaves(obs)]  # (unmapped memory: SIGSEGV here)
+assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)), "values changed at close"
+print("read after close")
+"""
+
+
+@pytest.mark.parametrize("obs_kind", ["box", "dict"])
+def test_copy_false_observations_stay_readable_after_close(obs_kind):
+    """``copy=False`` with shared memory: the observations the last step returned (views of the
+    vector env's memory) still read their values once it is closed, as gymnasium's do (its
+    ``ctx.Array`` lives while a view does). Ours unmapped the memory at close: reading them
+    then killed the process with SIGSEGV, so this runs in a process of its own."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-c", _READ_AFTER_CLOSE, obs_kind], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    assert "read after close" in done.stdout
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
