@@ -52,6 +52,7 @@ def _starting_child(conn) -> None:
     conn.recv()  # (the parent's SIGINT came meanwhile)
     own_process_group()
     conn.send(os.getpgid(0) == os.getpid())
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test runner's workers may ignore it)
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)
@@ -91,6 +92,7 @@ def test_a_ctrl_c_while_a_worker_starts_is_the_parents_not_the_workers_traceback
         if process.is_alive():
             process.kill()
             process.join()
+        process.close()
         parent_conn.close()
 
 
