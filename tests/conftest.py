@@ -108,9 +108,9 @@ def no_leaks(request):
 
 # ------------------------------------------------------------------ the split: fast and slow
 #
-# The README's test command (``pytest -m "not slow"``) must finish, its install included, in
-# about ten minutes on two cores from a fresh clone; ``.ci/run`` runs the rest after it
-# (``pytest -m slow``), so CI drops nothing, and a plain ``pytest`` runs both. A test is listed
+# The README's test command (``pytest -m "not slow" -n 3``: three processes) must finish, its
+# install included, in under ten minutes on two cores from a fresh clone; ``.ci/run`` runs the
+# rest after it (``pytest -m slow``), so CI drops nothing, and a plain ``pytest`` runs both. A test is listed
 # here when it takes many seconds and another test of the same layer and fault kind stays in
 # the README's set: that set keeps, for every layer (core, the gymnasium / SB3 / SuperSuit
 # drop-ins, the samplers, Ray, ML-Agents over gRPC), real runs with envs or players that raise,

@@ -300,7 +300,7 @@ def test_a_hang_in_a_worker_forked_from_threads_says_so(context, library, monkey
     other.start()
     try:
         factory = EnvFactory(per_env={1: {"fault": "hang", "fault_at": 1}})
-        with SubprocessEnvManager(factory, 2, context=context, timeout=5.0) as m:  # (forkserver starts slowly)
+        with SubprocessEnvManager(factory, 2, context=context, timeout=10.0) as m:  # (forkserver starts slowly)
             m.reset()
             with pytest.raises(WorkerTimeoutError) as caught:
                 step_until_error(m)
