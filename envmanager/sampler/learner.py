@@ -336,6 +336,7 @@ def _serve_once(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> 
     feed._learn(batch)
     return True
 
+
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
                    max_batches_waiting: int, max_fragments: int | None) -> Iterator[TransitionBatch]:
     """The loop of every sampler's ``stream``: while the learner has ``max_batches_waiting``
