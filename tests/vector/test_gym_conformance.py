@@ -104,18 +104,12 @@ import sys
 import numpy as np
 import envs
 from envs import env_fns
+from test_gym_conformance import _leaves as leaves
 
 if envs.REFERENCE:
     from gymnasium.vector import AsyncVectorEnv
 else:
     from envmanager import AsyncVectorEnv
-
-def leaves(tree):
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in leaves(value)]
-    if isinstance(tree, tuple):
-        return [leaf for value in tree for leaf in leaves(value)]
-    return [tree]
 
 vec = AsyncVectorEnv(env_fns(3, obs_kind=sys.argv[1]), copy=False)
 vec.reset(seed=1)
