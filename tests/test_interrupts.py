@@ -186,11 +186,19 @@ GUARDED = textwrap.dedent(
     import numpy as np
     import envmanager.wire.interrupts as interrupts
 
+    # Half the presses while the program is descheduled (handled late, wherever it then is).
     PRESSER = "import os, random, signal, sys, time\\n" \\
         "pid, stop, rng = int(sys.argv[1]), sys.argv[2], random.Random(0)\\n" \\
         "while not os.path.exists(stop):\\n" \\
         "    time.sleep(rng.uniform(0.0001, 0.002))\\n" \\
-        "    try: os.kill(pid, signal.SIGINT)\\n" \\
+        "    late = rng.random() < 0.5\\n" \\
+        "    try:\\n" \\
+        "        if late: os.kill(pid, signal.SIGSTOP)\\n" \\
+        "        try:\\n" \\
+        "            os.kill(pid, signal.SIGINT)\\n" \\
+        "            if late: time.sleep(0.015)\\n" \\
+        "        finally:\\n" \\
+        "            if late: os.kill(pid, signal.SIGCONT)\\n" \\
         "    except ProcessLookupError: break\\n"
 
     class Guard:

@@ -10,10 +10,14 @@ nothing yet and stays interruptible), or, once the call has returned, sent to th
 again (``REDELIVER_S`` later): a program that does not call the manager for a while (a learner's
 update), or ends, still gets it.
 
-One Python handles just after a call's last section ended (``GRACE_S``) is held too: CPython
-looks for signals right after a ``with``'s ``__exit__`` returns (3.10: after every call returns),
-before the call's answer is its caller's. A Ctrl-C pressed again a second later inside a section
-is raised at once: the way out of one that does not end.
+One Python handles just after a call's last section ended is held too: CPython looks for signals
+right after a ``with``'s ``__exit__`` returns (3.10: after every call returns), before the call's
+answer is its caller's. Held there: any handled within ``GRACE_S`` of the end (on 3.10 also of
+this thread's CPU time since: its look in the caller's frame), and, within ``RETURNING_S``, one
+handled in this package's code or a function it called (a process descheduled on its way back
+from the call handles it late, in our frames). Held in our code at no risk: a section's entry
+raises it. A Ctrl-C pressed again a second later inside a section is raised at once: the way out
+of one that does not end.
 
 Only where SIGINT has Python's default handler: the outermost section takes it over then (again
 after a notebook put the default back for a cell), and a program with a handler of its own keeps
@@ -42,6 +46,8 @@ _T = TypeVar("_T")
 STUCK_S = 1.0
 #: A Ctrl-C Python handles this soon after a call's last section ended is held too.
 GRACE_S = 0.01
+#: ... and this soon in this package's code, where the call may still be on its way back to its caller.
+RETURNING_S = 1.0
 #: A Ctrl-C still held when a call's last section ended is sent to the main thread again this much later.
 REDELIVER_S = 0.01
 
@@ -51,15 +57,35 @@ _ended_at = 0.0  # when the last outermost one ended (``time.perf_counter()``)
 _pending = False  # a Ctrl-C is held
 _held_since = 0.0  # since when (``time.monotonic()``)
 _redelivery_due = False  # it is being sent to the main thread again (``_redeliver_later``)
+# 3.10 looks for signals after every call returns, in the caller's frame too: there the grace after
+# a section is counted in this thread's CPU time as well (a process descheduled on its way back from
+# the call still holds it; 0.3 us a call, on 3.10 only).
+_LOOKS_AFTER_EVERY_CALL = sys.version_info < (3, 11)
+_ended_cpu = 0.0  # when the last outermost section ended in this thread's CPU time (3.10)
 
 # signal.getsignal's C half: the Python one makes an enum of it, 2 us (100x) on every call.
 _getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
 _SIGINT, _default = int(signal.SIGINT), signal.default_int_handler
 
 
-def _held() -> bool:
-    """Whether a Ctrl-C must wait now: inside a section, or just after one (``GRACE_S``)."""
-    return bool(_depth) or time.perf_counter() - _ended_at < GRACE_S
+def _held(frame: FrameType | None) -> bool:
+    """Whether a Ctrl-C handled in ``frame`` must wait now: inside a section, or just after one
+    (``GRACE_S``; ``RETURNING_S`` in this package's code or a function it called, where a call may
+    still be on its way back)."""
+    if _depth:
+        return True
+    since = time.perf_counter() - _ended_at
+    if since < GRACE_S:
+        return True
+    if since >= RETURNING_S:
+        return False
+    if _LOOKS_AFTER_EVERY_CALL and time.thread_time() - _ended_cpu < GRACE_S:
+        return True
+    return frame is not None and (_ours(frame) or (frame.f_back is not None and _ours(frame.f_back)))
+
+
+def _ours(frame: FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_PACKAGE)
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -68,12 +94,12 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
         _redelivery_due = False
         if not _pending:  # raised meanwhile, at a section's entry or in a wait
             return
-        if _held():  # still: sent once more (not left to the section's end: this may be our own timer's start)
+        if _held(frame):  # still: sent once more (not left to the section's end: this may be our own timer's start)
             _redeliver_later()
             return
         _pending = False
         raise KeyboardInterrupt
-    if _held():
+    if _held(frame):
         if not _pending:
             _pending, _held_since = True, time.monotonic()
             if not _depth:  # after the call's last section: nothing else would raise it
@@ -94,10 +120,10 @@ def _redeliver_later() -> None:
     if _redelivery_due:
         return
     _redelivery_due = True
-    timer = threading.Timer(REDELIVER_S, _send_again, (_main,))
-    timer.daemon = True
-    _depth += 1  # (``start`` waits for the thread to run: a Ctrl-C meanwhile is held, not raised in here)
+    _depth += 1  # (threading's Python code; ``start`` waits for the thread to run: a Ctrl-C meanwhile is held)
     try:
+        timer = threading.Timer(REDELIVER_S, _send_again, (_main,))
+        timer.daemon = True
         timer.start()
     except RuntimeError:  # no new thread (the interpreter is ending): held to the next section
         _redelivery_due = False
@@ -149,16 +175,20 @@ class _Deferred:
             _depth += 1
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _depth, _ended_at
+        global _depth, _ended_at, _ended_cpu
         if _depth and threading.get_ident() == _main:
             if _depth == 1:
                 _ended_at = time.perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
+                if _LOOKS_AFTER_EVERY_CALL:
+                    _ended_cpu = time.thread_time()
             _depth -= 1
             if not _depth and _pending:  # held to the end of the call: sent again once it has returned
                 _redeliver_later()
 
 
 DEFERRED = _Deferred()
+#: This package's files (as its code objects name them): a Ctrl-C handled there may be a call on its way back.
+_PACKAGE = os.path.dirname(os.path.dirname(_held.__code__.co_filename)) + os.sep
 _OWN_CODE = frozenset({_Deferred.__enter__.__code__, _Deferred.__exit__.__code__, _redeliver_later.__code__})
 
 
