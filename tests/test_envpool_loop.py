@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -50,7 +51,7 @@ from hypothesis import strategies as st
 import envmanager
 from envmanager.core.process import ProcessState
 from envmanager.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
-from loop_envs import LoopEnvFn, reference, step_reference
+from loop_envs import LoopEnv, LoopEnvFn, reference, step_reference
 from test_fault_schedules import assert_nothing_left, kill
 
 N_MAX = 12
@@ -713,6 +714,125 @@ def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool
     finally:
         m.close()
         shutil.rmtree(commands, ignore_errors=True)
+    assert_nothing_left(pids)
+
+
+class GatedEnv(LoopEnv):
+    """``LoopEnv`` whose steps and resets wait for the file ``open<env_id>`` in ``gates`` once
+    ``slow<env_id>`` is there: the test holds an env (or a restarted process's fresh one) in
+    its call as long as it wants."""
+
+    def __init__(self, env_id: int, gates: str) -> None:
+        super().__init__(env_id)
+        self.gates = gates
+
+    def _wait_if_slow(self) -> None:
+        if os.path.exists(f"{self.gates}/slow{self.env_id}"):
+            wait_for_file(f"{self.gates}/open{self.env_id}")
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        self._wait_if_slow()
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> Any:
+        self._wait_if_slow()
+        return super().step(action)
+
+
+def wait_for_file(path: str, seconds: float = 60.0) -> None:
+    """Until ``path`` exists (at most ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+class GatedEnvFn:
+    def __init__(self, gates: str) -> None:
+        self.gates = gates
+
+    def __call__(self, worker_id: int) -> GatedEnv:
+        return GatedEnv(worker_id, self.gates)
+
+
+@pytest.mark.parametrize("ask", ["step", "seeded reset"])
+@pytest.mark.parametrize("transport", ["mailbox", "step_queue", "portable"])
+def test_answers_not_handed_out_when_their_process_restarts_come_back_as_its_fresh_reset(transport: str, ask: str,
+                                                                                          tmp_path: Any) -> None:
+    """Process 0 (slots 0 and 1) answered a step (or a seeded reset), not handed out yet, when
+    the test kills it: its restart's fresh env resets env 0 into row 0 at once, env 1 only once
+    slot 2 (process 1, held meanwhile) answered. A batch of the three hands out slots 0 and 1
+    once each, ``interrupted``, with the fresh reset (a reset: with the seed it asked for), and
+    slot 2 with its own answer. (Before the fix it handed them out as their own answers: slot
+    0's row already held the fresh reset, and neither was ``interrupted``.) Handed out before
+    the fresh reset was sent, they are their own answers
+    (``test_an_answer_taken_before_a_restart_carries_the_generation_that_answered``)."""
+    from envmanager.core.batch import BatchEnvManager
+
+    gates = str(tmp_path)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in TRANSPORTS[transport].items():
+            env.setenv(name, value)
+        m = BatchEnvManager(GatedEnvFn(gates), 3, envs_per_worker=2, context="fork", timeout=MARGIN,
+                            double_buffer=False, restart_workers=True, max_lifetime_restarts=-1,
+                            restarts_rate_limit_n=-1)
+    check_transport(m, transport)
+    pids = {w.pid for w in m.processes if w.pid is not None}
+    fresh = {0: [0.0, 0.0, -1.0, 1.0], 1: [0.0, 1.0, -1.0, 1.0]}
+    opened: list[int] = []
+
+    def open_gates() -> None:
+        """Slot 2's call once the fresh env 0 is in row 0; the fresh env 1's reset once slot 2 is in."""
+        deadline = time.monotonic() + MARGIN
+        while m.results.observation[0].tolist() != fresh[0] and time.monotonic() < deadline:
+            time.sleep(0.002)
+        open(f"{gates}/open2", "w").close()
+        opened.append(2)
+        while 2 in m.waiting_worker_ids and time.monotonic() < deadline:
+            time.sleep(0.002)
+        open(f"{gates}/open1", "w").close()
+        opened.append(1)
+
+    try:
+        m.send_reset({i: (i, None) for i in range(3)})
+        m.receive_reset_batch(None)
+        open(f"{gates}/slow2", "w").close()
+        if ask == "step":
+            m.send_batch([0, 1, 2], np.ones(3, dtype=np.int64))
+            theirs = {0: [1.0, 0.0, 1.0, 1.0], 2: [1.0, 2.0, 1.0, 1.0]}
+        else:
+            m.send_reset({0: (1234, None), 1: (99, None), 2: (7, None)})
+            theirs = {0: [0.0, 0.0, -1.0, 2.0], 2: [0.0, 2.0, -1.0, 2.0]}
+        with bounded(MARGIN, "wait_idle([0, 1])"):
+            m.wait_idle([0, 1])  # process 0's answer is in, not handed out
+        assert m.results.observation[0].tolist() == theirs[0]
+        open(f"{gates}/slow1", "w").close()
+        kill(m.process_of(0).pid)  # type: ignore[arg-type]
+        gate_opener = threading.Thread(target=open_gates, daemon=True)
+        gate_opener.start()
+        results: dict[int, list[tuple[list[float], bool, int, Any]]] = {0: [], 1: [], 2: []}
+        with bounded(MARGIN, "receiving until every slot is back"):
+            wanted = 3  # a batch of every slot asked (EnvPool's loop, reset_wait)
+            while m.in_flight() or m.unreceived() or m.resets_in_flight or not all(results.values()):
+                if ask == "step":
+                    got = m.receive_batch(wanted if m.in_flight() else 0)
+                else:
+                    got = m.receive_reset_batch(None)
+                wanted = 1
+                for s in got.slots.tolist():
+                    results[s].append((m.results.observation[s].tolist(), s in got.interrupted,
+                                       int(got.generations[s]), got.infos.get(s, {}).get("seed")))
+        gate_opener.join(MARGIN)
+        pids |= {w.pid for w in m.processes if w.pid is not None}
+        assert opened == [2, 1], opened  # (the premise: the fresh env 0 wrote row 0 first)
+        assert m.restarts == 1
+        seeds = {0: 1234, 1: 99, 2: 7} if ask != "step" else dict.fromkeys(range(3))
+        if ask != "step":  # the seeds came after the fresh reset was sent: a second one, with them
+            fresh = {s: [*row[:3], 2.0] for s, row in fresh.items()}
+        assert results == {0: [(fresh[0], True, 1, seeds[0])], 1: [(fresh[1], True, 1, seeds[1])],
+                           2: [(theirs[2], False, 0, seeds[2])]}
+        assert m.idle_worker_ids == [0, 1, 2]
+    finally:
+        m.close()
     assert_nothing_left(pids)
 
 

@@ -60,7 +60,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import factory as packed_factory
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
-from envmanager.wire.messages import EnvFunction, Ready, Step, lanes_of
+from envmanager.wire.messages import EnvFunction, Ready, Reset, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
@@ -134,6 +134,8 @@ class BatchEnvManager:
         self._disabled = mode == DISABLED  # (asked per batch)
         self.timeout = float(timeout)
         self._state = SlotState(n_env)
+        self._restarts_seen = 0  # the supervisor's count at the last look for restarts (``_void_overwritten``)
+        self._restarting = False  # a restart was on its way back at that look
         #: Per-slot state (see the module doc).
         self.status = self._state.status
 
@@ -168,6 +170,7 @@ class BatchEnvManager:
             # worker was killed after ``close``'s grace instead of closing its envs).
             self._finalizer = weakref.finalize(self, self._pool.close)
             self._finalizer.atexit = False  # (at exit the pool closes itself: ``pool._close_at_exit``)
+            self._restarts_seen = self._pool.supervisor.restarts
             readies: list[Ready] = [c.answer for c in self._pool.gather(self._pool.processes, "startup")]
             for r in readies:  # each env's generation, as its process answered
                 self._state.stamp(r.env_ids, r.generations)
@@ -505,7 +508,7 @@ class BatchEnvManager:
             except Exception as exc:
                 raise InvalidInputError(f"reset seeds or options cannot be sent: {exc!r}") from exc
             with DEFERRED:  # a Ctrl-C waits for every reset to be sent
-                self._state.sent(slots, reset=True)
+                self._state.sent(slots, reset=True, asked=dict(seeds_and_options))
                 for index, message, request in outgoing:
                     if pool.processes[index].boot is not None:  # on its way back from a restart: its boot resets them
                         pool.join_boot(index, Cmd.RESET, request.slots, message)
@@ -633,6 +636,32 @@ class BatchEnvManager:
         # reset, ``interrupted``), so these come from the generation the slots already have.
         for slots in self._pool.take_steps():  # type: ignore[union-attr]
             state.file_steps(slots)
+        if self._restarting or self._pool.supervisor.restarts != self._restarts_seen:  # type: ignore[union-attr]
+            self._restarting = self._void_overwritten()
+
+    def _void_overwritten(self) -> bool:
+        """While restarts are on their way back: once one's fresh reset is sent it may overwrite
+        its slots' rows, so what arrived for them and was not handed out is void — the reset
+        answers them, ``interrupted``, the seeds and options of voided resets joined into it
+        (``SlotState.void``). Until then what arrived is handed out as it is: the fresh reset is
+        sent only by a later wait, inside a later call. Returns whether a restart is still on its
+        way back (looked at again on every take until none is)."""
+        pool = self._pool
+        assert pool is not None
+        self._restarts_seen = pool.supervisor.restarts
+        booting = False
+        for w in pool.processes:
+            if w.boot is None or w.boot.startup:
+                continue
+            booting = True
+            if not w.boot.resetting:
+                continue
+            asked = self._state.void(w.env_ids)
+            if asked:
+                slots = tuple(s for s, _, _ in asked)
+                pool.join_boot(w.index, Cmd.RESET, slots, Reset(tuple(self._slot_local_list[s] for s in slots),
+                                                                tuple(a[1] for a in asked), tuple(a[2] for a in asked)))
+        return booting
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:
         """``worker_ids`` checked (``None``: every slot); each must be in ``range(n_env)``."""

@@ -77,12 +77,14 @@ class Boot:
     """How a replacement process comes back: ``plan`` (requests still to send, in order,
     after ``all_steps`` were planned), then it answers ``lost`` — the requests the failure cut
     short (both halves, double buffered) — with its last answer. ``startup``: it replaces a process that failed while the
-    pool was starting, so its answer is a normal startup answer, not ``interrupted``."""
+    pool was starting, so its answer is a normal startup answer, not ``interrupted``.
+    ``resetting``: its fresh reset was sent — from then on it may overwrite its slots' rows."""
 
     all_steps: list[tuple[Cmd, Any]]
     lost: list[EnvironmentRequest]
     startup: bool
     plan: list[tuple[Cmd, Any]] = field(default_factory=list)
+    resetting: bool = False
 
     def __post_init__(self) -> None:
         self.plan = list(self.all_steps)
@@ -109,7 +111,11 @@ class Boot:
 
     def next(self) -> tuple[Cmd, Any] | None:
         """The plan's next request, taken off it; ``None`` once it is done."""
-        return self.plan.pop(0) if self.plan else None
+        if not self.plan:
+            return None
+        step = self.plan.pop(0)
+        self.resetting |= step[0] is Cmd.RESET
+        return step
 
 
 class WorkerProcess:

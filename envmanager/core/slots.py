@@ -3,8 +3,10 @@
 One status per slot (``worker_id`` is a slot)::
 
     NEEDS_RESET ──send_reset──► IN_FLIGHT ──answer──► ARRIVED ──hand out──► IDLE
-         ▲                         ▲                                         │
-         └── its env failed        └────────────── send_batch ───────────────┘
+         ▲                         ▲   ▲                  │                  │
+         └── its env failed        │   └─── void ─────────┘                  │
+                                   │   (its process's fresh reset was sent)  │
+                                   └────────────── send_batch ───────────────┘
 
 What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
 set), their non-empty infos, which were interrupted by a restart, and the errors to raise; and
@@ -67,6 +69,7 @@ class SlotState:
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
+        self.reset_asked: dict[int, tuple[Any, Any]] = {}  # their seeds and options, where any was given
         self.infos: dict[int, dict] = {}
         # Infos that came as columns: blocks by id (their slots, the columns), each slot's block.
         self.info_blocks: dict[int, tuple[np.ndarray, Any]] = {}
@@ -95,11 +98,13 @@ class SlotState:
         self.results, self.observation_list = results, observation_list
         self.board = board
 
-    def sent(self, slots: np.ndarray, reset: bool = False) -> None:
-        """Steps (``reset``: resets, then owed) of ``slots`` were sent: IN_FLIGHT."""
+    def sent(self, slots: np.ndarray, reset: bool = False, asked: dict[int, tuple[Any, Any]] | None = None) -> None:
+        """Steps (``reset``: resets, then owed, ``asked``: with these seeds and options) of
+        ``slots`` were sent: IN_FLIGHT."""
         self.status[slots] = IN_FLIGHT
         if reset:
             self.owed_resets.update(slots.tolist())
+            self.reset_asked.update((s, a) for s, a in (asked or {}).items() if a[0] is not None or a[1] is not None)
 
     def allow_steps(self, slots: list[int]) -> None:
         """``slots`` never reset (and not being reset) may be stepped: IDLE."""
@@ -178,11 +183,36 @@ class SlotState:
         self.arrived_resets.update(s for s in slots if s in owed)
         self.arrived.extend(s for s in slots if s not in owed and s not in waiting)
 
+    def void(self, slots: tuple[int, ...]) -> list[tuple[int, Any, Any]]:
+        """A restart's fresh reset overwrites the rows of ``slots`` (its process's): what arrived
+        for them and was not handed out is void, as if still in flight — the reset answers them,
+        ``interrupted`` (``_file_interrupted``). Returns the voided resets' ``(slot, seed,
+        options)`` where any was given: they join the fresh reset."""
+        status = self.status
+        hit = [s for s in slots if status[s] == ARRIVED]
+        if not hit:
+            return []
+        gone = set(hit)
+        status[hit] = IN_FLIGHT
+        self.arrived = [s for s in self.arrived if s not in gone]
+        self.arrived_resets -= gone
+        for slot in hit:
+            self.infos.pop(slot, None)
+        if self.info_blocks:
+            blocks = set(self.block_of[hit].tolist()) - {-1}
+            self.block_of[hit] = -1
+            for block in blocks:
+                if not (self.block_of[self.info_blocks[block][0]] == block).any():
+                    del self.info_blocks[block]
+        return [(s, *self.reset_asked[s]) for s in hit if s in self.reset_asked]
+
     def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
         self.status[slots] = NEEDS_RESET
         target = self.reset_errors if is_reset else self.step_errors
         if is_reset:
             self.owed_resets.difference_update(slots)
+            for slot in slots:
+                self.reset_asked.pop(slot, None)
         for error in errors:  # one failure cutting two requests short is raised once
             if not any(error is e for e in target):
                 target.append(error)
@@ -253,6 +283,9 @@ class SlotState:
         else:
             self.owed_resets -= resets
             self.arrived_resets -= resets
+            if self.reset_asked:
+                for slot in resets:
+                    self.reset_asked.pop(slot, None)
             slots_list = sorted(resets)
         reset = resets is not None
         slots = np.array(slots_list, dtype=np.int64)
@@ -326,6 +359,7 @@ class SlotState:
         self.arrived.clear()
         self.arrived_resets.clear()
         self.owed_resets.clear()
+        self.reset_asked.clear()
         self.infos.clear()
         self.info_blocks.clear()
         self.block_of[:] = -1
