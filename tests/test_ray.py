@@ -443,15 +443,31 @@ def test_ray_is_imported_only_by_the_ray_backend():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.timeout(300)  # two node starts and a restart: each may take a minute on a loaded machine
 def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
+    # A node's (re)start is a Ray worker, a forkserver and two env processes: under CI's load (three
+    # pytest processes, each with its Ray session, on two cores) a restart took over 60 s.
     sampler = RaySampler(seed_env, IdPolicy(), nodes=2, envs_per_node=2, fragment_steps=32, seed=100, timeout=30.0,
-                         start_timeout=60.0)
+                         start_timeout=180.0)
+
+    def slots_past(batches, past):  # node 0's slots with a row of an episode numbered past ``past[slot]``
+        seen = TransitionBatch.concatenate(batches)
+        return {s for s in (0, 1) if (seen.episode_ids[seen.worker_ids == s] > past.get(s, -1)).any()}
+
     try:
+        # First-ready: the other node may deliver everything for a while; go on until node 0's two
+        # slots have rows handed out (what the restart must number on from).
         before = [sampler.obtain_steps(64) for _ in range(2)]
+        while len(before) < 50 and slots_past(before, {}) != {0, 1}:
+            before.append(sampler.obtain_steps(64))
+        first = TransitionBatch.concatenate(before)
+        old_max = {s: int(first.episode_ids[first.worker_ids == s].max()) for s in slots_past(before, {})}
         killed = sampler.node_info()[0]["pid"]
         sampler.kill_node(0)
         assert not alive([killed], timeout=60)  # gone before the next call (ray.kill returns before)
         after = [sampler.obtain_steps(64) for _ in range(6)]
+        while len(after) < 50 and slots_past(after, old_max) != {0, 1}:  # the new node's first rows may come late too
+            after.append(sampler.obtain_steps(64))
         assert sampler.restart_count(0) == 1
     finally:
         sampler.close()
@@ -466,7 +482,6 @@ def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
             assert seed not in seeds, f"seed {seed} replayed by episodes {seeds[seed]} and {episode}"
             seeds[seed] = episode
     assert sorted(seeds) == [100, 101, 102, 103]  # each slot's first episode, once
-    first = TransitionBatch.concatenate(before)
     for slot in (0, 1):  # the restarted node's episodes are numbered on from what was seen
         old = first.episode_ids[first.worker_ids == slot]
         new = TransitionBatch.concatenate(after)
