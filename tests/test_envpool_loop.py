@@ -836,6 +836,65 @@ def test_answers_not_handed_out_when_their_process_restarts_come_back_as_its_fre
     assert_nothing_left(pids)
 
 
+def test_a_voided_answer_is_cut_short_with_its_process_when_the_restart_is_given_up(tmp_path: Any) -> None:
+    """Double buffered: process 0's lane 1 (slot 0) answered, its lane 2 (slot 1) is held in
+    its step, when the test kills it. The restart's fresh reset voids slot 0's answer; the test
+    kills the fresh process too, and the one restart allowed is spent: the process is given up.
+    Both slots fail with its error, raised once, and count as idle; slot 2 (process 1) comes back
+    with its step. (Voided but not cut short, slot 0 stayed in flight for good.)"""
+    from envmanager.core.batch import BatchEnvManager
+    from envmanager.errors import RestartLimitError
+
+    gates = str(tmp_path)
+    m = BatchEnvManager(GatedEnvFn(gates), 3, envs_per_worker=2, context="fork", timeout=MARGIN, double_buffer=True,
+                        restart_workers=True, max_lifetime_restarts=1, restarts_rate_limit_n=-1)
+    assert list(m.slot_lanes)[:2] == [1, 2]
+    pids = {w.pid for w in m.processes if w.pid is not None}
+    first = m.process_of(0).pid
+    killed: list[int] = []
+
+    def kill_the_fresh_process() -> None:
+        """Once the fresh env 0's reset is in row 0: kill its process, then let slot 2 answer."""
+        deadline = time.monotonic() + MARGIN
+        while m.results.observation[0].tolist() != [0.0, 0.0, -1.0, 1.0] and time.monotonic() < deadline:
+            time.sleep(0.002)
+        fresh = m.process_of(0).pid
+        assert fresh is not None and fresh != first
+        killed.append(fresh)
+        kill(fresh)
+        open(f"{gates}/open2", "w").close()
+
+    try:
+        m.send_reset({i: (i, None) for i in range(3)})
+        m.receive_reset_batch(None)
+        for i in (1, 2):
+            open(f"{gates}/slow{i}", "w").close()
+        m.send_batch([0, 1, 2], np.ones(3, dtype=np.int64))
+        with bounded(MARGIN, "until slot 0's answer is taken"):
+            while not m.unreceived():  # (waits on process 1, held: slot 0's answer is taken meanwhile, kept)
+                with contextlib.suppress(WorkerTimeoutError):
+                    m.wait_idle([2], timeout=0.05)
+        assert m.status.tolist() == [3, 2, 2]  # ARRIVED, IN_FLIGHT, IN_FLIGHT
+        kill(first)  # type: ignore[arg-type]
+        killer = threading.Thread(target=kill_the_fresh_process, daemon=True)
+        killer.start()
+        with bounded(MARGIN, "receive_batch(3)"), pytest.raises(RestartLimitError) as raised:
+            m.receive_batch(3)
+        killer.join(MARGIN)
+        pids |= set(killed)
+        assert raised.value.worker_id in (0, 1) and raised.value.process == 0
+        handed: list[int] = []
+        with bounded(MARGIN, "receive_batch() until nothing is in flight"):
+            while m.in_flight() or m.unreceived():
+                handed += m.receive_batch(1 if m.in_flight() else 0).slots.tolist()
+        assert handed == [2] and m.results.observation[2].tolist() == [1.0, 2.0, 1.0, 1.0]
+        assert m.failure_of(0) is raised.value and m.failure_of(1) is raised.value
+        assert m.idle_worker_ids == [0, 1, 2] and m.restarts == 1
+    finally:
+        m.close()
+    assert_nothing_left(pids)
+
+
 @pytest.mark.parametrize("sent", [False, True], ids=["reset-not-sent", "reset-sent"])
 def test_a_seeded_reset_joins_the_boot_reset(sent: bool) -> None:
     """The seeds and options of a reset asked during a boot go into the boot's reset; if it was

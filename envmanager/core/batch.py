@@ -643,9 +643,10 @@ class BatchEnvManager:
         """While restarts are on their way back: once one's fresh reset is sent it may overwrite
         its slots' rows, so what arrived for them and was not handed out is void — the reset
         answers them, ``interrupted``, the seeds and options of voided resets joined into it
-        (``SlotState.void``). Until then what arrived is handed out as it is: the fresh reset is
-        sent only by a later wait, inside a later call. Returns whether a restart is still on its
-        way back (looked at again on every take until none is)."""
+        (``SlotState.void``), and cut short with the process should its restart be given up.
+        Until then what arrived is handed out as it is: the fresh reset is sent only by a later
+        wait, inside a later call. Returns whether a restart is still on its way back (looked at
+        again on every take until none is)."""
         pool = self._pool
         assert pool is not None
         self._restarts_seen = pool.supervisor.restarts
@@ -656,11 +657,13 @@ class BatchEnvManager:
             booting = True
             if not w.boot.resetting:
                 continue
-            asked = self._state.void(w.env_ids)
-            if asked:
-                slots = tuple(s for s, _, _ in asked)
+            steps, resets = self._state.void(w.env_ids)
+            if steps:
+                pool.join_boot(w.index, Cmd.STEP, tuple(steps))
+            if resets:
+                slots = tuple(s for s, _, _ in resets)
                 pool.join_boot(w.index, Cmd.RESET, slots, Reset(tuple(self._slot_local_list[s] for s in slots),
-                                                                tuple(a[1] for a in asked), tuple(a[2] for a in asked)))
+                                                                tuple(r[1] for r in resets), tuple(r[2] for r in resets)))
         return booting
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:

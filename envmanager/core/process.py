@@ -322,8 +322,10 @@ class WorkerProcess:
         return self.supervisor.failure(self.index) if self.state is ProcessState.FAILED else None
 
     def fail(self) -> None:
-        """Give up on this process (its error is the supervisor's): kill it."""
+        """Give up on this process (its error is the supervisor's): kill it. One given up on
+        its way back from a restart is no longer coming back (``boot`` gone)."""
         self.state = ProcessState.FAILED
+        self.boot = None
         self.cut()
         self.kill()
         if self.mailboxes is not None:

@@ -183,15 +183,15 @@ class SlotState:
         self.arrived_resets.update(s for s in slots if s in owed)
         self.arrived.extend(s for s in slots if s not in owed and s not in waiting)
 
-    def void(self, slots: tuple[int, ...]) -> list[tuple[int, Any, Any]]:
+    def void(self, slots: tuple[int, ...]) -> tuple[list[int], list[tuple[int, Any, Any]]]:
         """A restart's fresh reset overwrites the rows of ``slots`` (its process's): what arrived
-        for them and was not handed out is void, as if still in flight — the reset answers them,
-        ``interrupted`` (``_file_interrupted``). Returns the voided resets' ``(slot, seed,
-        options)`` where any was given: they join the fresh reset."""
+        for them and was not handed out is void, in flight again — the reset answers them,
+        ``interrupted`` (``_file_interrupted``). Returns the voided steps' slots and the voided
+        resets' ``(slot, seed, options)``: they join the restart as requests it cut short."""
         status = self.status
         hit = [s for s in slots if status[s] == ARRIVED]
         if not hit:
-            return []
+            return [], []
         gone = set(hit)
         status[hit] = IN_FLIGHT
         self.arrived = [s for s in self.arrived if s not in gone]
@@ -204,7 +204,9 @@ class SlotState:
             for block in blocks:
                 if not (self.block_of[self.info_blocks[block][0]] == block).any():
                     del self.info_blocks[block]
-        return [(s, *self.reset_asked[s]) for s in hit if s in self.reset_asked]
+        owed, asked = self.owed_resets, self.reset_asked
+        return ([s for s in hit if s not in owed],
+                [(s, *asked.get(s, (None, None))) for s in hit if s in owed])
 
     def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
         self.status[slots] = NEEDS_RESET
