@@ -11,7 +11,9 @@ user asked for per-env objects (``StepInfo``).
 State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
 A slot may be sent a step whenever it is IDLE, whatever its process's other slots do (a
 process steps what it was asked, in the order asked). Its results are valid until it is sent
-again. The process-level half (requests in flight, restarts) is the pool's.
+again, or until its process's restart sends its fresh reset (only inside a later call; what
+arrived and was not handed out by then is void, ``_void_overwritten``). The process-level half
+(requests in flight, restarts) is the pool's.
 
 Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
 answered on its own: the worker steps one while the parent turns the other around.
