@@ -69,7 +69,7 @@ class SlotState:
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
         self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
-        self.reset_asked: dict[int, tuple[Any, Any]] = {}  # their seeds and options, where any was given
+        self.reset_asked: dict[int, tuple[Any, Any]] = {}  # their seeds and options (each send sets them)
         self.infos: dict[int, dict] = {}
         # Infos that came as columns: blocks by id (their slots, the columns), each slot's block.
         self.info_blocks: dict[int, tuple[np.ndarray, Any]] = {}
@@ -104,7 +104,7 @@ class SlotState:
         self.status[slots] = IN_FLIGHT
         if reset:
             self.owed_resets.update(slots.tolist())
-            self.reset_asked.update((s, a) for s, a in (asked or {}).items() if a[0] is not None or a[1] is not None)
+            self.reset_asked.update(asked or {})
 
     def allow_steps(self, slots: list[int]) -> None:
         """``slots`` never reset (and not being reset) may be stepped: IDLE."""
