@@ -260,6 +260,15 @@ def make_vector(layout: dict[str, Any], per_env: dict[int, dict[str, Any]], work
     return v
 
 
+@contextlib.contextmanager
+def on_transport(transport: str) -> Iterator[None]:
+    """Pools built inside use ``transport`` (its ``TRANSPORTS`` environment, set meanwhile)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in TRANSPORTS[transport].items():
+            env.setenv(name, value)
+        yield
+
+
 def check_transport(m: Any, transport: str) -> None:
     """The transport asked for is the one the pool uses."""
     from envmanager.wire.transport import PortableAnswers
@@ -276,9 +285,7 @@ def check_transport(m: Any, transport: str) -> None:
 @example(layout={"n": 12, "envs_per_worker": 5, "batch_size": 7, "double_buffer": False, "transport": "portable",
                  "shared_memory": False, "step_times": [[0.0005]] * 12}, rounds=30, shift=1, seed=1)
 def test_envpool_loop_every_layout(layout: dict[str, Any], rounds: int, shift: int, seed: int) -> None:
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in TRANSPORTS[layout["transport"]].items():
-            env.setenv(name, value)
+    with on_transport(layout["transport"]):
         v = make_vector(layout, {}, worker_timeout=30.0)
     pids = worker_pids(v)
     loop = EnvPoolLoop(v, layout["n"], layout["batch_size"], shift, seed)
@@ -326,9 +333,7 @@ class FaultRun:
         self.marker = os.path.join(self.commands, "struck")
         per_env = {} if kind == "kill" else {slot: {"once": kind, "fault_at": at, "marker": self.marker}}
         try:
-            with pytest.MonkeyPatch.context() as env:
-                for name, value in TRANSPORTS[layout["transport"]].items():
-                    env.setenv(name, value)
+            with on_transport(layout["transport"]):
                 self.v = make_vector(layout, per_env, worker_timeout=FAULT_TIMEOUT)
         except BaseException:
             shutil.rmtree(self.commands, ignore_errors=True)
@@ -481,9 +486,7 @@ class CoreRun:
             per_env[slot].update(once=kind, fault_at=at, marker=self.markers[slot])
         self.hangs = sum(kind == "hang" for _, kind, _ in env_faults)
         try:
-            with pytest.MonkeyPatch.context() as env:
-                for name, value in TRANSPORTS[layout["transport"]].items():
-                    env.setenv(name, value)
+            with on_transport(layout["transport"]):
                 self.m = BatchEnvManager(
                     LoopEnvFn(per_env), self.n, envs_per_worker=layout["envs_per_worker"], context="fork",
                     shared_memory=layout["shared_memory"], double_buffer=layout["double_buffer"], timeout=FAULT_TIMEOUT,
@@ -670,9 +673,7 @@ def test_a_request_sent_to_a_booting_process(transport: str, shared_memory: bool
 
     commands = tempfile.mkdtemp(prefix="envpool-boot-")
     per_env = {1: {"once": "sigkill", "fault_at": 1, "marker": os.path.join(commands, "struck")}}
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in TRANSPORTS[transport].items():
-            env.setenv(name, value)
+    with on_transport(transport):
         m = BatchEnvManager(LoopEnvFn(per_env), 3, envs_per_worker=2, context="fork", timeout=FAULT_TIMEOUT,
                             shared_memory=shared_memory, restart_workers=True, max_lifetime_restarts=-1,
                             restarts_rate_limit_n=-1)
@@ -769,9 +770,7 @@ def test_answers_not_handed_out_when_their_process_restarts_come_back_as_its_fre
     from envmanager.core.batch import BatchEnvManager
 
     gates = str(tmp_path)
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in TRANSPORTS[transport].items():
-            env.setenv(name, value)
+    with on_transport(transport):
         m = BatchEnvManager(GatedEnvFn(gates), 3, envs_per_worker=2, context="fork", timeout=MARGIN,
                             double_buffer=False, restart_workers=True, max_lifetime_restarts=-1,
                             restarts_rate_limit_n=-1)
