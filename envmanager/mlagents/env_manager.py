@@ -1,20 +1,13 @@
 """``MLAgentsEnvManager``: ML-Agents' trainer ``EnvManager`` contract on envmanager's core.
 
 It mirrors ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager`` (names and
-semantics: ``reset(config)``, ``set_env_parameters``, ``training_behaviors``, ``set_policy``,
-``get_steps`` returning ``EnvironmentStep``s first-ready, ``process_steps``,
-``on_training_started``, ``close``), and runs each environment through the core
-:class:`~envmanager.SubprocessEnvManager` and :mod:`envmanager.mlagents.worker_env`, so it gets
-the core's deadlines, clean shutdown and restarts: a player that crashes, stops or hangs is
-restarted alone (the others keep stepping), environment parameters are replayed on it, and past
-the restart limits :class:`~envmanager.RestartLimitError` is raised.
+semantics) on the core's :class:`~envmanager.SubprocessEnvManager`: deadlines, clean shutdown, a
+failed player restarted alone with its environment parameters replayed, and past the restart
+limits :class:`~envmanager.RestartLimitError` (see docs/guide/mlagents.md).
 
-The hand-off to ML-Agents' trainer is the manager's own (its last section: it works on the
-manager's policies, agent managers and each worker's last result and specs): outward, the newest
-policies the agent managers published and their actions for every idle worker
-(:mod:`envmanager.mlagents.acting`), checked before anything is sent; inward, each worker's
-result as an ``EnvironmentStep`` (its behaviour specs and player process noted), fed to the
-agent managers; a restarted worker's unfinished episodes are cut and counted.
+The hand-off to the trainer (the last section): the policies' actions for every idle worker,
+checked before anything is sent (:mod:`envmanager.mlagents.acting`), and each result as an
+``EnvironmentStep`` fed to the agent managers; a restarted worker's unfinished episodes are cut.
 """
 
 from __future__ import annotations
@@ -72,11 +65,6 @@ def _mlagents_log_level() -> int | None:
     return None if level == logging.NOTSET else int(level)
 
 
-def default_context() -> str:
-    """``forkserver`` where available, else ``spawn``: never fork a parent that may hold gRPC state."""
-    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-
-
 class MLAgentsEnvManager:
     """Run ``n_env`` ML-Agents environments in worker processes, ML-Agents trainer style.
 
@@ -87,28 +75,26 @@ class MLAgentsEnvManager:
         n_env: number of environments (``worker_id`` 0 .. n_env-1), one process each.
         engine_config: ``EngineConfig`` or dict of its fields, set before each env is created.
         timeout: deadline in seconds for any one worker answer, startup included. Keep it above
-            the players' ``timeout_wait``, so a hung player is reported by mlagents (and shut down
-            by its worker) rather than cut off by the deadline.
+            the players' ``timeout_wait``, so mlagents reports a hung player (and its worker shuts
+            it down) before the deadline cuts it off.
         restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s:
             restart a failed worker alone, within these limits (ML-Agents' defaults).
-        context: multiprocessing start method; default ``forkserver`` (else ``spawn``), since
-            gRPC state must not be forked.
+        context: multiprocessing start method; default ``forkserver`` (else ``spawn``): gRPC
+            state must not be forked.
         training_analytics: give worker 0's env a training-analytics channel, as ML-Agents'
             trainer does (set by :meth:`from_run_options`).
         batched_inference: ``None`` (default): one policy call per behaviour for every idle
-            worker where the policy has a batched call (its own ``get_actions``, or ML-Agents'
-            torch policy on a supported ``mlagents``: :mod:`envmanager.mlagents.batched`), one
-            ``get_action`` per worker otherwise; ``True``: batched, and a policy that cannot be is
-            refused (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
+            worker where the policy has a batched call (:mod:`envmanager.mlagents.batched`), else
+            one ``get_action`` per worker; ``True``: batched, a policy that cannot be is refused
+            (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
             ``get_action`` per worker, as ML-Agents' manager.
         gather_window: after the first result, wait a moment for more players so that one
             policy call serves more of them (:class:`~envmanager.mlagents.gathering.GatherWindow`;
             off by default: it adds latency).
 
     With an :class:`~envmanager.mlagents.attach.AttachedUnityFactory` the workers attach to
-    players already running (one address per env, checked before anything starts); those are
-    never restarted nor killed: a lost one is a :class:`~envmanager.mlagents.attach.PlayerLostError`
-    naming its address (see :meth:`attached`).
+    players already running (one address per env, checked before anything starts), never
+    restarted nor killed: a lost one is a :class:`~envmanager.mlagents.attach.PlayerLostError`.
     """
 
     def __init__(
@@ -159,12 +145,11 @@ class MLAgentsEnvManager:
             check_attached(env_factory, n_env)
             self.player_addresses = dict(enumerate(env_factory.addresses))
             restart_workers = False  # not ours to restart: a lost one is an error naming its address
+        # forkserver (else spawn): never fork a parent that may hold gRPC state
+        default_context = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         core_options: dict[str, Any] = {
-            "context": context or default_context(),
-            "timeout": timeout,
-            "restart_workers": restart_workers,
-            "max_lifetime_restarts": max_lifetime_restarts,
-            "restarts_rate_limit_n": restarts_rate_limit_n,
+            "context": context or default_context, "timeout": timeout, "restart_workers": restart_workers,
+            "max_lifetime_restarts": max_lifetime_restarts, "restarts_rate_limit_n": restarts_rate_limit_n,
             "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
         try:
@@ -189,14 +174,11 @@ class MLAgentsEnvManager:
     def from_run_options(
         cls, env_factory: EnvFactory, run_options: Any, n_env: int | None = None, **overrides: Any
     ) -> MLAgentsEnvManager:
-        """A manager set up as ML-Agents' trainer sets up its own: the same call as
-        ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager(env_factory, run_options, n_env)``.
-
-        ``run_options`` is ML-Agents' ``RunOptions``: engine settings, restart limits and
-        ``timeout_wait`` are read from it (:func:`~envmanager.mlagents.trainer.manager_options`);
-        ``n_env`` defaults to its ``env_settings.num_envs``. Worker 0's player gets ML-Agents'
-        training analytics. ``overrides`` replace any constructor argument (``timeout=...``).
-        """
+        """A manager set up as ML-Agents' trainer sets up its own, from the same arguments as its
+        ``SubprocessEnvManager(env_factory, run_options, n_env)``: engine settings, restart limits
+        and ``timeout_wait`` from the ``RunOptions`` (:func:`~envmanager.mlagents.trainer.manager_options`),
+        ``n_env`` by default its ``env_settings.num_envs``, training analytics for worker 0's player.
+        ``overrides`` replace any constructor argument (``timeout=...``)."""
         options: dict[str, Any] = {**manager_options(run_options), "training_analytics": True,
                                    "log_level": _mlagents_log_level(), **overrides}
         manager = cls(env_factory, run_options.env_settings.num_envs if n_env is None else n_env, **options)
@@ -221,8 +203,8 @@ class MLAgentsEnvManager:
         return cls(factory, len(factory.addresses), **options)
 
     def _start_core(self, worker_factory: WorkerEnvFactory, n_env: int, options: dict[str, Any]) -> Any:
-        """The manager of the workers: the core's, here (the Ray variant's runs them on a cluster)."""
-        # DecisionSteps/TerminalSteps are pickled (no shared memory)
+        """The core's manager (the Ray variant's runs the workers on a cluster); DecisionSteps are
+        pickled, not in shared memory."""
         return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, **options)
 
     # ------------------------------------------------------------------------------------------
@@ -240,11 +222,9 @@ class MLAgentsEnvManager:
         return self._manager
 
     def set_policy(self, behavior_name: str, policy: Any) -> None:
-        """Act for ``behavior_name`` with ``policy.get_action(decision_steps, worker_id) -> ActionInfo``.
-
-        Behaviours without a policy get empty actions (zeros), as in ML-Agents. With a batched
-        call (see ``batched_inference``) the policy acts for every idle worker in one call.
-        """
+        """Act for ``behavior_name`` with ``policy.get_action(decision_steps, worker_id) -> ActionInfo``
+        (or one batched call for every idle worker: ``batched_inference``). Behaviours without a
+        policy get empty actions (zeros), as in ML-Agents."""
         if policy is not self.policies.get(behavior_name) or behavior_name not in self.policies:
             call = None
             if self.batched_inference is not False and policy is not None:
@@ -271,18 +251,12 @@ class MLAgentsEnvManager:
     @property
     def training_behaviors(self) -> dict[str, Any]:
         """The ``BehaviorSpec`` of every behaviour seen by any worker."""
-        merged: dict[str, Any] = {}
-        for worker_id in sorted(self._specs):
-            merged.update(self._specs[worker_id])
-        return merged
+        return {name: spec for w in sorted(self._specs) for name, spec in self._specs[w].items()}
 
     @deferred  # (as get_steps)
     def reset(self, config: Mapping[str, Any] | None = None) -> int:
-        """Apply ``config`` (environment parameters), reset every env; returns their number.
-
-        The reset results wait in ``first_step_infos`` (handed to the agent managers by the next
-        :meth:`get_steps`); their ``environment_stats`` hold what the players sent on reset.
-        """
+        """Apply ``config`` (environment parameters), reset every env; returns their number. The
+        results wait in ``first_step_infos``, for the agent managers at the next :meth:`get_steps`."""
         self._check_open()
         for agent_manager in self.agent_managers.values():
             call_if_present(agent_manager, "end_episode")
@@ -296,12 +270,9 @@ class MLAgentsEnvManager:
 
     @deferred  # (as get_steps)
     def set_env_parameters(self, config: Mapping[str, Any] | None = None) -> None:
-        """Send environment parameters to every worker; they reach the players with the next
-        message. A restarted worker gets all parameters set so far before its reset.
-
-        Values: numbers, sampler dicts (see :func:`~envmanager.mlagents.settings.normalize_env_parameters`)
-        or ML-Agents ``ParameterRandomizationSettings``. Bad values are rejected before sending.
-        """
+        """Send environment parameters (:func:`~envmanager.mlagents.settings.normalize_env_parameters`,
+        checked before sending) to every worker, for its player's next message; a restarted
+        worker gets all set so far before its reset."""
         self._check_open()
         params = normalize_env_parameters(config)
         if not params:
@@ -322,18 +293,15 @@ class MLAgentsEnvManager:
 
     @deferred  # a Ctrl-C waits for a wait of the core's, or for the steps returned (``wire.interrupts``)
     def get_steps(self) -> list[EnvironmentStep]:
-        """Step every idle worker with the policies' actions; return the finished workers' steps.
-
-        Blocks (with the deadline) until at least one worker finished. A restarted worker comes
-        back as an ``EnvironmentStep`` with ``interrupted=True`` holding its fresh reset.
+        """Step every idle worker with the policies' actions; the steps of at least one finished
+        worker (a restarted one's fresh reset with ``interrupted=True``).
 
         As in ML-Agents, the policies act only on results the trainer was handed: results that
-        came in meanwhile (during a settings change, or a restart's fresh reset) are returned
-        first, and their workers are stepped by the next call.
-        """
+        came in meanwhile (a settings change, a restart) are returned first, their workers
+        stepped by the next call."""
         self._check_open()
         if self.first_step_infos:
-            self._process_step_infos(self.first_step_infos)
+            self.process_steps(self.first_step_infos)
             self.first_step_infos = []
         self._pull_policies()
         m = self.manager
@@ -357,7 +325,20 @@ class MLAgentsEnvManager:
     @deferred  # (each step to every agent manager, or none)
     def process_steps(self, new_step_infos: list[EnvironmentStep]) -> int:
         """Hand steps to the agent managers (``add_experiences``, ``record_environment_stats``)."""
-        return self._process_step_infos(new_step_infos)
+        for step in new_step_infos:
+            if step.interrupted and self.agent_managers:
+                self._cut_episodes(step.worker_id)
+            for name in step.name_behavior_ids:
+                agent_manager = self.agent_managers.get(name)
+                if agent_manager is None:
+                    if self.agent_managers:
+                        logger.warning("Agent manager was not created for behavior id %s.", name)
+                    continue
+                decision_steps, terminal_steps = step.current_all_step_result[name]
+                agent_manager.add_experiences(decision_steps, terminal_steps, step.worker_id,
+                                              step.brain_name_to_action_info.get(name, ActionInfo.empty()))
+                call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
+        return len(new_step_infos)
 
     @deferred  # (no Ctrl-C between the two)
     def advance(self) -> int:
@@ -401,18 +382,13 @@ class MLAgentsEnvManager:
     # ------------------------------------------------------------------------------------------
     # Internals
 
-    @property
-    def _for_trainer(self) -> bool:
-        """Made for ML-Agents' trainer (:meth:`from_run_options`): its errors end the run as a
-        player's failure does there (``checks.as_unity_error``)."""
-        return self.run_options is not None
-
     @contextmanager
     def _errors(self) -> Iterator[None]:
         """The core's errors as the user knows them: a lost attached player by its address, a
-        taken port as :class:`UnityPortInUseError`, and for ML-Agents' trainer (``_for_trainer``)
-        as a ``UnityEnvironmentException`` too (``checks.port_errors``)."""
-        with port_errors(self._for_trainer), lost_players(self.player_addresses):
+        taken port as :class:`UnityPortInUseError`, and for ML-Agents' trainer (made by
+        :meth:`from_run_options`) as a ``UnityEnvironmentException`` too, so that they end its run
+        as a player's failure does (``checks.port_errors``)."""
+        with port_errors(self.run_options is not None), lost_players(self.player_addresses):
             yield
 
     def _check_open(self) -> None:
@@ -434,11 +410,9 @@ class MLAgentsEnvManager:
         self.manager.set_replay_calls(calls)
 
     def _set_everywhere(self, method: str, values: dict[str, Any]) -> None:
-        """``method(values)`` on every worker's env (queued for its player's next message), and
-        on every restarted worker from now on (:mod:`envmanager.mlagents.replay`): a worker
-        restarted during the call has it from its replay; one restarted before it whose fresh
-        reset the trainer has not seen yet is reset again, so the first episode the trainer sees
-        of it runs with the new values."""
+        """``method(values)`` on every worker's env, and on every restarted one from now on
+        (:mod:`envmanager.mlagents.replay`: one restarted before whose fresh reset the trainer has
+        not seen is reset again, so the first episode the trainer sees of it has the new values)."""
         self._update_replay_calls()
         m = self.manager
         with self._errors():
@@ -466,14 +440,9 @@ class MLAgentsEnvManager:
                 self.set_policy(name, latest)
 
     def _actions_for(self, worker_ids: list[int]) -> dict[int, SentActions]:
-        """``behavior_name -> ActionTuple`` for each idle worker, from its latest result the
-        trainer was handed, with the ActionInfos they came from (they go with the request): one
-        policy call per behaviour for all of them where it is batched, else one per worker
-        (:mod:`envmanager.mlagents.acting`). Statistics of the calls go to the agent managers.
-
-        Runs before anything is sent, so a wrong action raises InvalidInputError with no worker
-        stepped.
-        """
+        """Each idle worker's actions from its latest result the trainer was handed
+        (:mod:`envmanager.mlagents.acting`; the calls' statistics to the agent managers). Runs
+        before anything is sent: a wrong action raises InvalidInputError with no worker stepped."""
         results = {}
         for w in worker_ids:
             info = self._last.get(w)
@@ -498,13 +467,8 @@ class MLAgentsEnvManager:
         self._last[worker_id] = info
         sent = getattr(info.action, "infos", None) or {}  # the ActionInfos of the request it answers
         action_infos = {} if info.interrupted or info.previous_result is None else sent
-        return EnvironmentStep(
-            info.current_result.observation,
-            worker_id,
-            action_infos,
-            result_info.get("environment_stats", {}),
-            info.interrupted,
-        )
+        return EnvironmentStep(info.current_result.observation, worker_id, action_infos,
+                               result_info.get("environment_stats", {}), info.interrupted)
 
     def _cut_episodes(self, worker_id: int) -> None:
         """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
@@ -522,23 +486,3 @@ class MLAgentsEnvManager:
         self.dropped_experiences += dropped
         logger.warning("worker %d restarted: %d agents' unfinished episodes cut, %d of their steps dropped",
                        worker_id, agents, dropped)
-
-    def _process_step_infos(self, step_infos: list[EnvironmentStep]) -> int:
-        for step in step_infos:
-            if step.interrupted and self.agent_managers:
-                self._cut_episodes(step.worker_id)
-            for name in step.name_behavior_ids:
-                agent_manager = self.agent_managers.get(name)
-                if agent_manager is None:
-                    if self.agent_managers:
-                        logger.warning("Agent manager was not created for behavior id %s.", name)
-                    continue
-                decision_steps, terminal_steps = step.current_all_step_result[name]
-                agent_manager.add_experiences(
-                    decision_steps,
-                    terminal_steps,
-                    step.worker_id,
-                    step.brain_name_to_action_info.get(name, ActionInfo.empty()),
-                )
-                call_if_present(agent_manager, "record_environment_stats", step.environment_stats, step.worker_id)
-        return len(step_infos)
