@@ -3,42 +3,27 @@
 ``envmanager-learn ... --ray-address=auto`` uses it; so can a framework, as
 ``RayMLAgentsEnvManager.from_run_options(env_factory, run_options, n_env, address="auto")``.
 
-One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`, pinned to it; ``n_nodes``
-actors in turn on the live nodes if given) hosts a block of consecutive worker ids through the
-core's manager, so on a node a killed player is restarted alone, as on one machine. The driver
-keeps at most one step request in flight per node and takes whichever node answers first
-(``ray.wait``): first-ready across nodes, and within a node. The policy stays in the trainer: a
-request carries the actions of the node's idle players, an answer the steps that finished
-(observations and stats, no previous results).
+One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`, pinned to it) hosts a
+block of consecutive worker ids through the core's manager, so a killed player is restarted alone
+on its node. The driver keeps at most one step request in flight per node and takes whichever
+node answers first (``ray.wait``); the policy stays in the trainer: a request carries the actions
+of the node's idle players, an answer the steps that finished.
 
-Deadlines are per node: each request has its own, from when it was sent (the core's per-answer
-deadline plus :data:`RAY_MARGIN`); the driver waits until the nearest one at most. A node whose
-actor dies (node lost, actor killed) or that misses its own deadline is replaced, while the
-others keep answering, on another Ray node if there is one, with the same worker ids, the
-environment parameters, engine settings and analytics set so far, within the restart limits (per
-player, ML-Agents' rule, applied once: its restarts on its node and with its node are one count, its
-generation, which a replacement node goes on from and its answers bring here); its players come
-back as interrupted resets. The deadlines, the decision, the counts and the nodes given up are
-the pool's :class:`~envmanager.core.supervisor.Supervisor`'s, as for the core's processes. Past
-the limits (:class:`RayPlayerRestartLimitError`, also a ``RestartLimitError``), or if the
-replacement cannot start, :class:`RayPlayerError` names the node and its worker ids, and is
-raised again on every later use of that node. Errors of the players themselves name the
-trainer's worker ids.
-
-The env factory runs on the nodes: a build path must exist on every node. The Ray session is
-:class:`~envmanager.ray.session.RaySession`'s, shared with envmanager's other Ray managers.
-
-The pool holds one :class:`~envmanager.mlagents.ray_player_nodes.PlayerNodeState` per node
-actor (the driver's record of it: started, called, sent a step, answered, killed, by its own
-methods); this module keeps the pool's construction, its closing, a lost node's replacement,
-the nodes' answers as the trainer's steps, and the core manager's interface over the nodes.
+Each request has its own deadline (the core's plus :data:`RAY_MARGIN`). A node whose actor dies or
+misses its deadline is replaced, on another Ray node if there is one, with the same worker ids and
+the settings so far, its players back as interrupted resets, as the pool's
+:class:`~envmanager.core.supervisor.Supervisor` decides: one restart count per player for its
+restarts on its node and with its node (see docs/architecture.md, "The supervisor"). Past the
+limits, or if the replacement cannot start, :class:`RayPlayerError` names the node and its worker
+ids, again on every later use of that node. The env factory runs on the nodes: a build path must
+exist on every node. The nodes' records are :mod:`envmanager.mlagents.ray_player_nodes`'.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from envmanager.core.arguments import is_count
 from envmanager.core.deadline import Deadline
@@ -69,10 +54,9 @@ RAY_START_MARGIN = 60.0
 
 
 class RayPlayerPool:
-    """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes.
-
-    ``n_nodes``: how many node actors share the worker ids (consecutive blocks); default one per
-    live Ray node (at most ``n_env``). Actors are placed on the live nodes in turn."""
+    """What :class:`MLAgentsEnvManager` uses of the core's ``SubprocessEnvManager``, over Ray nodes:
+    ``n_nodes`` actors (default one per live Ray node, at most ``n_env``) placed on the live
+    nodes in turn, each hosting a consecutive block of worker ids."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, n_env: int, *,
                  address: str | None = None, ray_init: dict[str, Any] | None = None, timeout: float = 120.0,
@@ -100,11 +84,9 @@ class RayPlayerPool:
             alive = live_ray_nodes(self._session)
             count = min(self.n_env, len(alive)) if n_nodes is None else int(n_nodes)
             per, extra = divmod(self.n_env, count)
-            sizes = [per + (k < extra) for k in range(count)]
-            firsts = [sum(sizes[:k]) for k in range(count)]
-            blocks = [self.worker_ids[firsts[k]:firsts[k] + sizes[k]] for k in range(count)]
-            #: What a lost node leads to (one restart quota per player: ``per_slot``), the players'
-            #: generations and each node's restarts, the nodes given up, each node's deadline clock.
+            bounds = [k * per + min(k, extra) for k in range(count + 1)]
+            blocks = [self.worker_ids[bounds[k]:bounds[k + 1]] for k in range(count)]
+            # one restart quota per player (per_slot); the nodes' deadline clocks
             policy = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
             self.supervisor = Supervisor(policy, self.deadline_s, blocks, "node", per_slot=True)
             self.nodes = [PlayerNodeState(k, blocks[k], alive[k % len(alive)], self.supervisor, self._session, self.deadline_s)
@@ -131,11 +113,11 @@ class RayPlayerPool:
         return [found[w] for w in self.worker_ids]
 
     def get_attr(self, name: str) -> list[Any]:
-        """Players live on the nodes, where their processes are looked after: nothing here."""
+        """Nothing: the players' processes are looked after on their nodes."""
         return [None] * self.n_env
 
     def call_on(self, worker_ids: Sequence[int], name: str, args: tuple = ()) -> list[Any]:
-        """``name(*args)`` on the given players' envs; a node lost meanwhile is replaced (its new
+        """``name(*args)`` on these players' envs; a node lost meanwhile is replaced (its new
         players get the replay calls, which hold what is being set) and answers ``None``."""
         found: dict[int, Any] = {}
         replayed = name in {n for n, _, _ in self.replay_calls}  # a setting every restart replays
@@ -152,21 +134,19 @@ class RayPlayerPool:
             self._call(node, "set_replay_calls", self.replay_calls)
 
     def failure_of(self, worker_id: int) -> EnvManagerError | None:
-        """Its node's error if the node was given up, else what its node's players raised for
-        ``worker_id`` (past its limits on the node), if any."""
+        """Its node's error if the node was given up, else what its players raised for it."""
         node = next((n for n in self.nodes if worker_id in n.ids), None)  # (none once closed)
         given_up = None if node is None else self.supervisor.failure(node.index)
         return given_up or self._failures.get(worker_id)
 
     def restart_count(self, worker_id: int) -> int:
-        """How often the player's process was restarted (on its node, or with its node), as its
-        latest answer says: its generation (one env per process: the process's restart count)."""
+        """How often the player was restarted (on or with its node): its latest answer's generation."""
         last = self._last.get(worker_id)
         return 0 if last is None else last.generation
 
     def reset(self) -> list[StepInfo]:
-        """Reset every player (steps in flight are waited out, each to its node's deadline, and
-        dropped); a node lost meanwhile is replaced, its players' fresh resets are its resets."""
+        """Reset every player (steps in flight waited out, each to its node's deadline, and
+        dropped); a node lost meanwhile is replaced: its players' fresh resets are its resets."""
         self._check_open()
         out: list[StepInfo] = []
         lost: list[tuple[PlayerNodeState, str]] = []
@@ -191,11 +171,10 @@ class RayPlayerPool:
         return sorted(out, key=lambda info: info.worker_id)
 
     def send_reset(self, seeds_and_options: dict[int, tuple[Any, Any]]) -> None:
-        """Reset these players (seeds and options are the players' own): done by ``receive_resets``,
-        which asks every node at once."""
+        """Nothing: ``receive_resets`` resets them, every node at once (seeds are the players')."""
 
     def receive_resets(self, worker_ids: Sequence[int]) -> list[StepInfo]:
-        """The fresh resets of ``worker_ids`` (idle players, named to ``send_reset``), from every node at once."""
+        """The fresh resets of ``worker_ids`` (idle players), from every node at once."""
         self._check_open()
         resetting = []
         for node in self.nodes:
@@ -212,8 +191,7 @@ class RayPlayerPool:
 
     @property
     def idle_worker_ids(self) -> list[int]:
-        """Players whose last step arrived, on nodes with no request in flight: they can be sent
-        actions now."""
+        """Players whose last step arrived, on nodes with no request in flight."""
         return sorted(w for node in self.nodes if node.pending is None for w in node.idle)
 
     @property
@@ -227,12 +205,11 @@ class RayPlayerPool:
         return []
 
     def send_step(self, actions: dict[int, Any]) -> None:
-        """Send ``actions`` (worker id -> the env's actions; idle players only), one request per
-        node; each request's deadline runs from now."""
+        """Send ``actions`` (idle players only), one request per node, its deadline from now."""
         self._check_open()
         by_node: dict[int, dict[int, Any]] = {}
         for w, action in actions.items():
-            node = self._node_of(w)
+            node = next(n for n in self.nodes if w in n.ids)
             if not node.is_idle(w):
                 raise InvalidInputError(f"worker {w} is not idle: it cannot be sent actions now")
             by_node.setdefault(node.index, {})[w] = action
@@ -241,9 +218,8 @@ class RayPlayerPool:
                 node.send_step(by_node[node.index])
 
     def receive_steps(self, min_count: int = 1) -> list[StepInfo]:
-        """The steps that finished: at least ``min_count`` (0: only what is in already), from
-        whichever nodes answer first, waiting at most until the nearest node's deadline at a
-        time. Every node past its own deadline is replaced, whether or not others answered."""
+        """At least ``min_count`` finished steps (0: what is in), from whichever nodes answer first,
+        waiting until the nearest node's deadline at a time; a node past its own is replaced."""
         self._check_open()
         out, self._ready = self._ready, []
         try:
@@ -284,8 +260,7 @@ class RayPlayerPool:
             raise
 
     def close(self) -> None:
-        """End every node's players, kill the actors, leave the Ray session (shut down if
-        envmanager started it and this was its last holder). Idempotent."""
+        """End every node's players, kill the actors, leave the Ray session. Idempotent."""
         self._closed = True
         nodes, self.nodes = self.nodes, []
         try:
@@ -319,12 +294,9 @@ class RayPlayerPool:
             raise ManagerClosedError("the Ray player pool is closed")
         self._session.check()
 
-    def _node_of(self, worker_id: int) -> PlayerNodeState:
-        return next(n for n in self.nodes if worker_id in n.ids)
-
     def _call(self, node: PlayerNodeState, method: str, *args: Any) -> Any:
-        """``node.<method>(*args)``; if the node is lost, it is replaced (its fresh resets wait for
-        the next ``step``) and the answer is ``None``."""
+        """``node.<method>(*args)``; a lost node is replaced (its fresh resets wait for the next
+        step) and answers ``None``."""
         try:
             return self._answer(node, node.submit(method, *args))
         except NodeLost as lost:
@@ -332,8 +304,7 @@ class RayPlayerPool:
             return None
 
     def _answer(self, node: PlayerNodeState, ref: Any, timeout: float | None = None) -> Any:
-        """The value of a node call that answers ``(value, error)``: ``error`` (what its players
-        raised, naming the trainer's worker ids) is noted for ``failure_of`` and raised."""
+        """The value of a node's ``(value, error)`` answer; ``error`` is noted for ``failure_of`` and raised."""
         value, error = node.get(ref, timeout)
         if error is not None:
             if isinstance(error, EnvManagerError):
@@ -345,10 +316,9 @@ class RayPlayerPool:
 
     def _arrived(self, node: PlayerNodeState, infos: list[StepInfo], interrupted: bool = False,
                  reset: bool = False) -> list[StepInfo]:
-        """A node's answer as the trainer's steps: global ids (the node's), the previous result
-        (none for a reset, as the core's) and the actions sent (the driver's: the very objects the
-        policy made). Each carries its player's generation (a newer one than the supervisor knows:
-        its node restarted it)."""
+        """A node's answer as the trainer's steps, with the previous result (none for a reset) and
+        the very action objects the policy made; its generations go to the supervisor (a newer
+        one: the node restarted that player)."""
         out = []
         for info in infos:
             w = info.worker_id
@@ -363,9 +333,8 @@ class RayPlayerPool:
         return out
 
     def _replace(self, node: PlayerNodeState, why: str) -> list[StepInfo]:
-        """Start ``node``'s worker ids anew (on another Ray node if there is one), as the
-        supervisor decides (each player's restart quota); their fresh resets (interrupted). Else,
-        or if the new one cannot start, ``RayPlayerError`` names the node and its worker ids."""
+        """Start ``node``'s worker ids anew (on another Ray node if there is one) if the supervisor
+        allows; their fresh resets, interrupted. Else, or if it cannot start, ``RayPlayerError``."""
         old, left_behind = node.ray_node_id, node.left_behind()
         node.kill()
         alive = live_ray_nodes(self._session, exclude=old)
@@ -401,10 +370,9 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
 
     Args beyond ``MLAgentsEnvManager``'s: ``address`` (``ray.init``'s; ``"auto"``: the cluster
     this machine belongs to; ignored if Ray is initialized already), ``ray_init`` (more
-    ``ray.init`` arguments) and ``n_nodes`` (how many node actors share the players; default one
-    per live Ray node). A session it started is shared with envmanager's other Ray managers
-    (``RaySampler``) and shut down when the last of them closes; a session you started is left
-    running. A failed ``ray.init`` or the session gone is ``RaySessionError``.
+    ``ray.init`` arguments) and ``n_nodes`` (node actors; default one per live Ray node). The
+    Ray session is shared as in docs/guide/ray.md; a failed ``ray.init`` or the session gone is
+    ``RaySessionError``.
     """
 
     def __init__(self, env_factory: EnvFactory, n_env: int = 1, *, address: str | None = None,
@@ -418,7 +386,4 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
 
     def node_info(self) -> list[dict[str, Any]]:
         """Per node: its Ray node id, actor pid, worker ids, worker and player pids."""
-        pool = self.manager
-        if not isinstance(pool, RayPlayerPool):  # pragma: no cover - _start_core made it
-            raise TypeError(f"not a RayPlayerPool: {pool!r}")
-        return pool.node_info()
+        return cast(RayPlayerPool, self.manager).node_info()

@@ -1,24 +1,15 @@
 """What one Ray node runs for :class:`~envmanager.mlagents.ray_env_manager.RayMLAgentsEnvManager`:
-its share of the players, through the core's ``SubprocessEnvManager`` (a worker process per
-player, first-ready, deadlines, a killed player restarted alone on the node).
+its share of the players, through the core's ``SubprocessEnvManager``. :class:`PlayerNode` is a
+plain class (no ``ray`` import) that the driver runs as a Ray actor; it speaks the trainer's global
+worker ids (consecutive on a node; port ``base_port + worker_id``), its core counts from 0.
 
-:class:`PlayerNode` is a plain class; the driver runs it as a Ray actor. It speaks global worker
-ids (the trainer's ``worker_id``: port ``base_port + worker_id``, seed ``seed + worker_id``; a
-node hosts consecutive ids); its core counts its own slots from 0. It does not import ``ray``.
-
-Every call answers ``(value, error)``: ``error`` is what the node's players raised that no
-restart on the node absorbed (a player past its restart limits, or any failure with restarts
-off), naming the global worker ids; the driver raises it. Players that could not start (a port
-taken, a build missing) are such an error too, answered by :meth:`PlayerNode.info`. An exception
-(or a dead or silent actor) is the node's own failure, which the driver handles (a new node).
-
-A node started in place of a lost one on the same host first kills what the lost one left
-running there (``left_behind``: its env workers, which hold the players' gRPC ports, and its
-players), so the new players can take those ports.
-
-A player the node restarted while the driver thought it idle (its worker died during a call on
-other players) is never sent the actions the trainer chose for its old env: its fresh reset is
-returned first, and the trainer acts on that.
+Every call answers ``(value, error)``: ``error`` is what the players raised that no restart on the
+node absorbed (past the limits, or restarts off; at start, a port taken: answered by
+:meth:`PlayerNode.info`), naming global ids, raised by the driver. An exception (or a dead or
+silent actor) is the node's own failure: the driver replaces the node. A replacement on the same
+host first kills what the lost node left there (``left_behind``) so its players get the ports.
+A player the node restarted while the driver held it idle is never sent the actions chosen for
+its old env: its fresh reset is returned first.
 """
 
 from __future__ import annotations
@@ -59,9 +50,8 @@ class GlobalIdsFactory:
 
 
 class PlayerNode:
-    """The players of worker ids ``ids`` (consecutive) on this node, with their env parameters,
-    engine settings and analytics (``replay_calls``, applied before the first reset and on every
-    restart)."""
+    """The players of worker ids ``ids`` on this node, with their settings (``replay_calls``,
+    applied before the first reset and on every restart)."""
 
     def __init__(self, worker_factory: WorkerEnvFactory, ids: Sequence[int], options: dict[str, Any],
                  replay_calls: Sequence[ReplayCall] = (),
@@ -95,8 +85,8 @@ class PlayerNode:
             self.start_error = with_slot_offset(exc, self.offset)  # the players': answered by info()
 
     def info(self) -> Answer[dict[str, Any]]:
-        """Where the node runs and its processes (``processes``: each one's identity, for a
-        replacement on this host to kill), or what its players raised when starting."""
+        """Where the node runs and its processes' identities (for a replacement on this host to
+        kill), or what its players raised when starting."""
         if self.start_error is not None:
             return None, self.start_error
         try:
@@ -126,12 +116,9 @@ class PlayerNode:
         return self._answer(run)
 
     def step(self, actions: dict[int, Any], timeout: float | None = None) -> Answer[list[StepInfo]]:
-        """Send ``actions`` (global id -> env actions, players the driver saw idle), then return
-        the steps that finished: at least one, within ``timeout`` (the core's deadline by default).
-
-        Results the node took meanwhile come first (a call waited for them, or a restarted
-        player's fresh reset); a player with such a result, or still coming back from a restart,
-        is not sent the actions (they were chosen for what the driver saw before)."""
+        """Send ``actions`` (to players the driver saw idle), then at least one finished step,
+        within ``timeout``. Results the node took meanwhile come first; their players, and
+        those still restarting, are not sent the actions (chosen for what the driver saw)."""
         def run() -> list[StepInfo]:
             failed: EnvManagerError | None = None
             try:
@@ -156,9 +143,8 @@ class PlayerNode:
         return self._answer(run)
 
     def call_on(self, ids: Sequence[int] | None, name: str, args: tuple = (), replayed: bool = False) -> Answer[list[Any]]:
-        """``name(*args)`` on the players ``ids`` (all: ``None``). ``replayed``: a setting every
-        restart replays (:mod:`envmanager.mlagents.replay`): a player restarted during the call
-        has it from its replay, one restarted before it is reset again with it."""
+        """``name(*args)`` on the players ``ids`` (all: ``None``); ``replayed``: a setting every
+        restart replays (:mod:`envmanager.mlagents.replay`)."""
         def run() -> list[Any] | None:
             local = None if ids is None else [self.local[g] for g in ids]
             if not replayed:
@@ -188,8 +174,7 @@ class PlayerNode:
             return None, with_slot_offset(exc, self.offset)
 
     def _out(self, infos: list[StepInfo]) -> list[StepInfo]:
-        """Global ids; the previous result and the actions left out (the driver has them); players
-        noted here."""
+        """Global ids, no previous result or actions (the driver has them); players noted here."""
         out = []
         for info in infos:
             gid = self.ids[info.worker_id]
@@ -203,8 +188,8 @@ class PlayerNode:
 
 
 def _kill_left_behind(identities: Sequence[PlayerIdentity], wait_s: float = 5.0) -> None:
-    """SIGKILL these processes (same pid and start time) and wait, up to ``wait_s``, until they
-    are gone or zombies (whose ports are free)."""
+    """SIGKILL these processes (same pid and start) and wait until they are gone or zombies
+    (whose ports are free)."""
     import psutil
 
     killed = []

@@ -1,11 +1,7 @@
 """``PlayerNodeState``: the driver's record of one :class:`~envmanager.mlagents.ray_node.PlayerNode`
-actor, for :class:`~envmanager.mlagents.ray_env_manager.RayPlayerPool` (which holds one per node).
-
-A record is changed only through its own methods (one record per node, as Sample Factory's
-``ActorState``): started pinned to a Ray node, awaited, called (Ray's failures as ``NodeLost``
-or the session's error), sent a step, answered, killed. What a lost node leads to (its
-replacement, as the supervisor decides) and a node's answers as the trainer's ``StepInfo``\\ s
-are the pool's. Imports Ray (extra ``ray``).
+actor, for :class:`~envmanager.mlagents.ray_env_manager.RayPlayerPool` (one per node), changed only
+through its own methods, as Sample Factory's ``ActorState``. A lost node's replacement and the
+answers as the trainer's steps are the pool's. Imports Ray (extra ``ray``).
 """
 
 from __future__ import annotations
@@ -34,9 +30,8 @@ _Actor = ray.remote(PlayerNode)
 
 
 def live_ray_nodes(session: RaySession, exclude: str | None = None, wait_s: float = 10.0) -> list[str]:
-    """Ids of the cluster's live nodes but ``exclude`` (the head's first); ``exclude`` alone if it
-    is the only one alive (a single-node cluster: no other is coming); if no node is alive,
-    waiting up to ``wait_s`` for one."""
+    """Ids of the cluster's live nodes but ``exclude`` (the head's first; ``exclude`` alone if it is
+    the only one alive), waiting up to ``wait_s`` for one if none is."""
     deadline = Deadline(wait_s)
     try:
         while True:
@@ -54,10 +49,8 @@ def live_ray_nodes(session: RaySession, exclude: str | None = None, wait_s: floa
 
 
 class PlayerNodeState:
-    """A node actor as the driver sees it: the worker ids it hosts, the Ray node it runs on, its
-    step request in flight, its idle players and the actions of the others' steps in flight,
-    what it said of itself (``info``). Calls go through the pool's ``supervisor`` (a node given
-    up raises its error) and ``session``, answers are awaited for ``deadline_s`` by default."""
+    """A node actor as the driver sees it. Calls go through the pool's ``supervisor`` (a node given
+    up raises its error) and ``session``; answers are awaited for ``deadline_s`` by default."""
 
     def __init__(self, index: int, ids: list[int], ray_node_id: str, supervisor: Supervisor, session: RaySession,
                  deadline_s: float) -> None:
@@ -75,8 +68,7 @@ class PlayerNodeState:
     def start(self, ray_node_id: str, worker_factory: WorkerEnvFactory, options: dict[str, Any],
               replay_calls: list[tuple[str, tuple, dict]], left_behind: Any = None,
               generations: tuple[int, ...] | None = None) -> None:
-        """Start the actor on ``ray_node_id``; its players go on from ``generations`` (a
-        replacement's: their restart counts so far, the supervisor's)."""
+        """Start the actor on ``ray_node_id``; its players go on from ``generations`` (a replacement's)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.ray_node_id = ray_node_id
@@ -92,8 +84,7 @@ class PlayerNodeState:
         self.pending = None
 
     def await_start(self, timeout: float) -> None:
-        """The node's ``info`` once it started (within ``timeout``); else ``RayPlayerError`` naming
-        it (``cause``: what its players raised, a port taken say)."""
+        """The node's ``info`` once it started; else ``RayPlayerError`` (``cause``: what its players raised)."""
         try:
             info, error = self.get(self.submit("info"), timeout)
         except NodeLost as lost:
@@ -108,8 +99,7 @@ class PlayerNodeState:
         return self.info.get("host"), self.info.get("processes", [])
 
     def submit(self, method: str, *args: Any) -> Any:
-        """``actor.<method>.remote(*args)``: its ref, or the package's error for Ray's failure (or
-        the node's own, if it was given up)."""
+        """``actor.<method>.remote(*args)``: its ref (the node's error if it was given up)."""
         self._supervisor.check(self.index)
         try:
             return getattr(self.actor, method).remote(*args)
@@ -117,8 +107,7 @@ class PlayerNodeState:
             self._session.reraise(exc, f"sending {method!r} to {self.name()}")
 
     def get(self, ref: Any, timeout: float | None = None) -> Any:
-        """``ray.get`` within ``timeout`` (default: a deadline from now); a dead or silent actor is
-        ``NodeLost``, a node's own error is ``RayPlayerError``."""
+        """``ray.get``; a dead or silent actor is ``NodeLost``, a node's own error ``RayPlayerError``."""
         try:
             return ray.get(ref, timeout=self._deadline_s if timeout is None else timeout)
         except Exception as exc:
@@ -130,27 +119,27 @@ class PlayerNodeState:
             raise NodeLost(f"{type(exc).__name__}: {exc}") from None  # died, silent, or lost by Ray
 
     def is_idle(self, worker_id: int) -> bool:
-        """Whether ``worker_id`` can be sent actions now (its last step arrived, no request in flight)."""
+        """Its last step arrived and no request is in flight."""
         return self.pending is None and worker_id in self.idle
 
     def send_step(self, actions: dict[int, Any]) -> None:
-        """Send ``actions`` (its idle players'): the node's request in flight, its deadline from now."""
+        """The node's one request in flight, its deadline from now."""
         self.pending = self.submit("step", actions)
         self._supervisor.start_clock(self.index)  # (one request in flight per node)
         self.idle -= set(actions)
         self.sent.update(actions)
 
     def step_answered(self) -> None:
-        """Its request in flight answered (or given up waiting for): none in flight now."""
+        """Its request in flight answered (or given up waiting for)."""
         self.pending = None
 
     def steps_dropped(self) -> None:
-        """The steps in flight are dropped (a reset): no request, no actions sent."""
+        """The steps in flight are dropped (a reset)."""
         self.pending = None
         self.sent.clear()
 
     def arrived(self, worker_id: int) -> Any:
-        """``worker_id``'s step arrived: it is idle; the actions that led there (``None`` if none)."""
+        """``worker_id``'s step arrived; the actions that led there (``None`` if none)."""
         self.idle.add(worker_id)
         return self.sent.pop(worker_id, None)
 
