@@ -45,7 +45,6 @@ class PlayerAddress:
         return cls(host, int(port))
 
 
-
 class AddressInUseError(UnityPortInUseError):
     """The trainer cannot listen on a player's address: another program listens on that port."""
 

@@ -1,29 +1,18 @@
 """One inference per behaviour for every ready player (batched inference).
 
 :class:`~envmanager.mlagents.MLAgentsEnvManager` steps every idle worker at once; instead of
-asking a behaviour's policy for actions one worker at a time (``get_action(decision_steps,
-worker_id)``, as ML-Agents' ``SubprocessEnvManager`` does), it can hand the policy every idle
-worker's ``DecisionSteps`` in **one** call, when the policy has a batched call:
-
-* **any policy** with ``get_actions(requests) -> {worker_id: ActionInfo}``, ``requests`` being
-  ``{worker_id: DecisionSteps}`` (the :class:`BatchedPolicy` protocol; :func:`join_decision_steps`
-  and :func:`split_rows` help write one);
-* **ML-Agents' torch policy** (``mlagents.trainers.policy.torch_policy.TorchPolicy``, the policy
-  of PPO, SAC and POCA), through :class:`TorchPolicyBatch`: the workers' ``DecisionSteps`` are
-  joined, ``TorchPolicy.evaluate`` runs once on the joined batch with each row's global agent id
-  (``get_global_agent_id(worker_id, agent_id)``, so a recurrent policy's memories stay keyed by
-  player and agent), the memories are saved as ``get_action`` saves them, and every output
-  (actions, clipped env actions, log-probs, entropies, memories) is split back, in row order,
-  into one ``ActionInfo`` per worker: each worker's is what ``get_action`` would have returned
-  for its own rows. It relies on the layout of ``TorchPolicy.get_action`` / ``evaluate`` in the
-  ML-Agents versions of :data:`SUPPORTED_MLAGENTS`, and refuses any other version.
-
-:func:`batched_call` decides, per policy, whether a behaviour is batched.
+one ``get_action(decision_steps, worker_id)`` per worker (as ML-Agents' ``SubprocessEnvManager``),
+it can hand a behaviour's policy every idle worker's ``DecisionSteps`` in one call: a policy's own
+``get_actions`` (:class:`BatchedPolicy`), or for ML-Agents' ``TorchPolicy`` (PPO, SAC, POCA)
+:class:`TorchPolicyBatch`, which reproduces ``get_action`` in the versions of
+:data:`SUPPORTED_MLAGENTS` only. :func:`batched_call` decides, per policy; see
+docs/guide/mlagents.md, "Batched inference".
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -35,16 +24,8 @@ from envmanager.errors import EnvManagerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SUPPORTED_MLAGENTS",
-    "BatchedInferenceError",
-    "BatchedPolicy",
-    "TorchPolicyBatch",
-    "batched_call",
-    "join_decision_steps",
-    "split_rows",
-    "mlagents_version",
-]
+__all__ = ["SUPPORTED_MLAGENTS", "BatchedInferenceError", "BatchedPolicy", "TorchPolicyBatch", "batched_call",
+           "join_decision_steps", "split_rows", "mlagents_version"]
 
 #: ML-Agents (``mlagents``, the trainer package) versions whose ``TorchPolicy.get_action`` this
 #: module's :class:`TorchPolicyBatch` reproduces (``evaluate``, ``save_memories``,
@@ -87,13 +68,10 @@ def _torch_policy_type() -> type | None:
 
 
 def batched_call(policy: Any, behavior_name: str, required: bool) -> BatchedCall | None:
-    """The batched call to use for ``policy``, or ``None`` (one ``get_action`` per worker).
-
-    A policy's own ``get_actions`` (:class:`BatchedPolicy`) is used as it is; ML-Agents'
-    ``TorchPolicy`` (not a subclass overriding ``get_action``) gets :class:`TorchPolicyBatch`
-    when the installed ``mlagents`` is one of :data:`SUPPORTED_MLAGENTS`. Otherwise: ``None``,
-    or with ``required`` a :class:`BatchedInferenceError` saying why.
-    """
+    """The batched call for ``policy``: its own ``get_actions``, or :class:`TorchPolicyBatch` for
+    ML-Agents' ``TorchPolicy`` (not a subclass overriding ``get_action``) with a supported
+    ``mlagents``; else ``None`` (one ``get_action`` per worker), or with ``required`` a
+    :class:`BatchedInferenceError` saying why."""
     if isinstance(policy, BatchedPolicy):
         return policy.get_actions
     torch_policy = _torch_policy_type()
@@ -118,10 +96,6 @@ def batched_call(policy: Any, behavior_name: str, required: bool) -> BatchedCall
     if torch_policy is not None and isinstance(policy, torch_policy):
         logger.warning("batched inference off for behaviour %r: %s; one inference per player", behavior_name, why)
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Joining and splitting rows
 
 
 def join_decision_steps(parts: Sequence[Any]) -> Any:
@@ -177,28 +151,11 @@ def _is_action_tuple(value: Any) -> bool:
                for c in type(value).__mro__)
 
 
-def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, start + n))
-        start += n
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# ML-Agents' torch policy
-
-
 class TorchPolicyBatch:
     """``get_actions`` for ML-Agents' ``TorchPolicy``: what its ``get_action(decision_steps,
-    worker_id)`` does per worker, done once for all of them.
-
-    For the joined rows: the global agent ids (``get_global_agent_id(worker_id, agent_id)``, the
-    memories' keys), ``policy.evaluate`` once, ``policy.save_memories`` with every row's id (each
-    agent's previous memory kept, as per worker), ``policy.check_nan_action``; then one ML-Agents
-    ``ActionInfo`` per worker with its rows of every output (``ActionInfo.empty()`` for a worker
-    with no decision requested, as ``get_action`` returns).
-    """
+    worker_id)`` does per worker (``evaluate``, ``save_memories`` keyed by global agent id,
+    ``check_nan_action``), done once on the joined rows, then split into one ``ActionInfo`` per
+    worker (``ActionInfo.empty()`` for one with no decision requested, as ``get_action``)."""
 
     def __init__(self, policy: Any) -> None:
         from mlagents.trainers.action_info import ActionInfo
@@ -221,7 +178,8 @@ class TorchPolicyBatch:
         run_out = policy.evaluate(joined, global_ids)
         policy.save_memories(global_ids, run_out.get("memory_out"))
         policy.check_nan_action(run_out.get("action"))
-        pieces = split_rows(run_out, _bounds([len(p) for p in parts]), len(global_ids))
+        ends = list(itertools.accumulate(len(p) for p in parts))
+        pieces = split_rows(run_out, list(zip([0, *ends[:-1]], ends, strict=True)), len(global_ids))
         for w, steps, outputs in zip(workers, parts, pieces, strict=True):
             out[w] = self._action_info(action=outputs.get("action"), env_action=outputs.get("env_action"),
                                        outputs=outputs, agent_ids=list(steps.agent_id))

@@ -4,30 +4,15 @@ Type ``envmanager-learn`` where you typed ``mlagents-learn``; every argument is 
 
     envmanager-learn config.yaml --env=builds/MyGame.x86_64 --num-envs=8 --run-id=run1
 
-It runs ML-Agents' own CLI (``mlagents.trainers.learn``: its argument parser, ``RunOptions``,
-``TrainerController``, PPO/SAC/POCA, stats writers, checkpoints, ``--resume``,
-``--initialize-from``, curricula and environment parameters) and changes one thing: where
+It runs ML-Agents' own CLI (``mlagents.trainers.learn``) and changes one thing: where
 ``run_training`` builds ``SubprocessEnvManager(env_factory, run_options, num_envs)``, it gets
 :meth:`MLAgentsEnvManager.from_run_options <envmanager.mlagents.MLAgentsEnvManager.from_run_options>`
 with the same arguments. ML-Agents has no plug-in point for the env manager (only stats
 writers and trainer types), so that one name is swapped for the length of the run.
 
-Options of envmanager-learn's own (ML-Agents' options go to ML-Agents unchanged):
-
-* ``--ray-address ADDRESS``: run the players on the nodes of a Ray cluster
-  (:mod:`envmanager.mlagents.ray_env_manager`); the trainer stays here.
-* ``--env-addresses HOST:PORT,...``: attach to players already running (a game server, an
-  Editor, a build another tool started) instead of launching ``--env``: the trainer listens on
-  each address for its player (one env each; ``--num-envs``, if given, must match;
-  :mod:`envmanager.mlagents.attach`).
-  They are never restarted nor killed; a lost one ends the run with an error naming its address.
-* ``--batched-inference {auto,on,off}``: one policy call per behaviour for every ready player
-  (:mod:`envmanager.mlagents.batched`). ``auto`` (default): batched where the policy supports it
-  (ML-Agents' torch policy, with a supported ``mlagents``), else one call per player with a
-  warning saying why; ``on``: batched or the run stops with the reason; ``off``: one call per
-  player, as ``mlagents-learn``.
-* ``--gather-window-ms MS`` (and ``--gather-share``): after the first player's result, wait up to
-  ``MS`` for more before the policies act (:mod:`envmanager.mlagents.gathering`); off by default.
+Its own options (``--ray-address``, ``--env-addresses``, ``--batched-inference``,
+``--gather-window-ms``, ``--gather-share``: ``envmanager-learn --help``) are described in
+docs/guide/mlagents.md, "Train with ML-Agents".
 
 This module imports ``mlagents`` only when it runs, so the ``forkserver`` that starts the
 workers (it imports ``__main__``, this console script) stays light.
@@ -103,12 +88,10 @@ def split_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str],
 
 
 class FailedStartup:
-    """What ``run_training`` gets when the env manager could not start (Ctrl-C while the players
-    launched, a player that failed at startup). ML-Agents' own ``SubprocessEnvManager`` starts its
-    players in the background, so such a failure reaches the trainer at its first ``reset``, inside
-    ``TrainerController.start_learning`` ("Learning was interrupted"; exit 0 on Ctrl-C, 1 on an
-    error) and ``run_training``'s ``finally`` (``configuration.yaml``, ``timers.json``,
-    ``training_status.json`` written): it is raised here at the first ``reset``. Nothing to close."""
+    """What ``run_training`` gets when the env manager could not start (Ctrl-C, a player failing).
+    ML-Agents' own manager starts its players in the background, so such a failure reaches its
+    trainer at the first ``reset``, inside ``start_learning`` and ``run_training``'s ``finally``
+    (exit code and files written as on any interruption): here too it is raised at that ``reset``."""
 
     def __init__(self, error: BaseException) -> None:
         self.error: BaseException | None = error
@@ -148,8 +131,6 @@ def deferring_startup_errors(factory: Callable[..., Any]) -> Callable[..., Any]:
 def env_manager_factory(ray_address: str | None = None, batched_inference: str = "auto",
                         env_addresses: str | None = None, gather: GatherWindow | None = None) -> Callable[..., Any]:
     """What ``run_training`` calls instead of ``SubprocessEnvManager(env_factory, run_options, n_env)``."""
-    import functools
-
     batched = BATCHED_MODES[batched_inference]
     local: dict[str, Any] = {"batched_inference": batched, **({"gather_window": gather} if gather is not None else {})}
     if env_addresses is not None:
@@ -195,8 +176,7 @@ def take_num_envs(rest: list[str]) -> tuple[list[str], int | None]:
 
 def check_env_addresses(ours: argparse.Namespace, options: Any, num_envs: int | None) -> str | None:
     """Why ``--env-addresses`` cannot be used with these options (``None``: it can), found before
-    anything starts: a malformed address, a count other than ``--num-envs`` (``num_envs``: the
-    one given, if any), ``--env`` or ``--ray-address`` with it, a port another program listens on."""
+    anything starts; ``num_envs``: the ``--num-envs`` given, if any."""
     from envmanager.errors import EnvManagerError
     from envmanager.mlagents.attach import AttachedUnityFactory, check_attached, parse_addresses
 

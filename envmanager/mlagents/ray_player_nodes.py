@@ -6,7 +6,6 @@ answers as the trainer's steps are the pool's. Imports Ray (extra ``ray``).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -20,9 +19,6 @@ from envmanager.ray.session import RAISED, RaySession, RaySessionError, kill_act
 
 with requires_extra("ray", __name__):
     import ray
-
-#: The pool's log: its lines keep the logger they had before this module was split off.
-logger = logging.getLogger("envmanager.mlagents.ray_env_manager")
 
 __all__ = ["PlayerNodeState", "live_ray_nodes"]
 

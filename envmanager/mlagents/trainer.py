@@ -1,42 +1,18 @@
-"""What ML-Agents' own trainer (``mlagents.trainers``) needs from an env manager, on envmanager.
-
-* :func:`manager_options`: the :class:`~envmanager.mlagents.MLAgentsEnvManager` settings that
-  ML-Agents' ``SubprocessEnvManager`` reads from a ``RunOptions`` (engine settings, restart
-  limits; ``timeout_wait`` becomes the deadline's floor).
-* :func:`end_worker_episodes`: drop the unfinished trajectories of one worker's agents in an
-  ML-Agents ``AgentManager`` (its player was restarted; the others keep theirs);
-  :func:`cut_stats`: what that cut, as trainer statistics.
-* :func:`merge_worker_timers`: the workers' ``mlagents_envs`` timers into the trainer's
-  (``timers.json``), as ML-Agents' ``SubprocessEnvManager`` merges them.
-* :func:`environment_initialized` / :func:`training_started`: the training-analytics messages
-  ML-Agents' worker 0 sends its player, made here in the trainer's process (so the workers never
-  import ``mlagents.trainers`` and torch) and sent as bytes.
-
+"""What ML-Agents' own trainer (``mlagents.trainers``) needs from an env manager, on envmanager:
+its options, episodes cut per worker, statistics, timers, and the training-analytics messages
+(made here in the trainer's process, so the workers never import ``mlagents.trainers`` and torch).
 ``mlagents`` is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from envmanager.mlagents.settings import ENGINE_FIELDS
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "DEADLINE_MARGIN",
-    "manager_options",
-    "end_worker_episodes",
-    "cut_stats",
-    "inference_stats",
-    "PLAYERS_PER_INFERENCE",
-    "merge_worker_timers",
-    "CUT_AGENT_EPISODES",
-    "DROPPED_EXPERIENCES",
-    "environment_initialized",
-    "training_started",
-]
+__all__ = ["DEADLINE_MARGIN", "manager_options", "end_worker_episodes", "cut_stats", "inference_stats",
+           "PLAYERS_PER_INFERENCE", "merge_worker_timers", "CUT_AGENT_EPISODES", "DROPPED_EXPERIENCES",
+           "environment_initialized", "training_started"]
 
 #: Seconds the deadline of a worker answer allows beyond the players' ``timeout_wait``: a player
 #: that stops answering is reported by ``mlagents_envs`` (and its env shut down by the worker)
@@ -51,15 +27,10 @@ PLAYERS_PER_INFERENCE = "Env Manager/Players per Inference"
 
 
 def manager_options(run_options: Any) -> dict[str, Any]:
-    """``MLAgentsEnvManager`` keyword arguments from an ML-Agents ``RunOptions``.
-
-    What ML-Agents' ``SubprocessEnvManager`` reads there: ``engine_settings`` (width, height,
-    quality level, time scale, frame rates), ``env_settings.max_lifetime_restarts``,
-    ``restarts_rate_limit_n`` and ``restarts_rate_limit_period_s`` (``-1`` lifts a limit, as in
-    ML-Agents). ``env_settings.timeout_wait`` (how long ``mlagents_envs`` waits for a player) plus
-    :data:`DEADLINE_MARGIN` is the deadline on every worker answer. The port, seed, number of
-    areas, graphics flags and player arguments are the ``env_factory``'s (as in ML-Agents).
-    """
+    """``MLAgentsEnvManager`` keyword arguments from what ML-Agents' ``SubprocessEnvManager`` reads
+    in a ``RunOptions``: engine settings and restart limits (``-1`` lifts one, as in ML-Agents);
+    the deadline is ``timeout_wait`` plus :data:`DEADLINE_MARGIN`. Ports, seeds, areas, graphics
+    and player arguments are the ``env_factory``'s (as in ML-Agents)."""
     env, engine = run_options.env_settings, run_options.engine_settings
     return {
         "engine_config": {name: getattr(engine, name) for name in ENGINE_FIELDS if hasattr(engine, name)},
@@ -72,16 +43,11 @@ def manager_options(run_options: Any) -> dict[str, Any]:
 
 
 def end_worker_episodes(agent_manager: Any, worker_id: int) -> tuple[int, int]:
-    """Drop what ``agent_manager`` holds of ``worker_id``'s unfinished episodes.
+    """Drop what ``agent_manager`` holds of ``worker_id``'s unfinished episodes, the other workers'
+    kept (ML-Agents' ``end_episode()`` drops every worker's: it resets every environment after a
+    restart). Without ``AgentProcessor``'s internals: ``end_episode()``, and ``(-1, -1)``.
 
-    ML-Agents' ``AgentManager.end_episode()`` drops every agent's, on every worker: right for
-    ML-Agents, which resets every environment after a restart, but here only the restarted
-    worker's episodes were cut. Its agents' trajectory pieces, last observations and actions,
-    previous actions and memories go; the other workers' stay. An ``AgentManager`` without
-    ML-Agents' ``AgentProcessor`` internals gets ``end_episode()``.
-
-    Returns ``(agents, experiences)``: how many agents' episodes were cut and how many of their
-    steps (not yet in a trajectory) were dropped; ``(-1, -1)`` when ``end_episode()`` was used.
+    Returns ``(agents, experiences)``: the agents whose episode was cut and their steps dropped.
     """
     clean = getattr(agent_manager, "_clean_agent_data", None)
     found = [getattr(agent_manager, name, None)
@@ -104,8 +70,8 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> tuple[int, int]:
 
 
 def cut_stats(agents: int, experiences: int) -> dict[str, list[tuple[float, Any]]]:
-    """A cut as environment statistics (``AgentManager.record_environment_stats``): its agents'
-    episodes and their dropped steps, summed per summary period (TensorBoard, the console)."""
+    """A cut as environment statistics (``AgentManager.record_environment_stats``), summed per
+    summary period."""
     from mlagents_envs.side_channel.stats_side_channel import StatsAggregationMethod
 
     return {CUT_AGENT_EPISODES: [(float(agents), StatsAggregationMethod.SUM)],

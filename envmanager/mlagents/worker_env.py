@@ -1,22 +1,14 @@
 """The worker side of the ML-Agents backend: one ``mlagents_envs`` ``BaseEnv`` as a plain env.
 
-:class:`MLAgentsWorkerEnv` runs inside an envmanager worker process. It creates the three side
-channels ML-Agents' trainer uses (environment parameters, engine configuration, stats), builds
-the user's environment with ``env_factory(worker_id, side_channels)``, and answers the core's
-``reset``/``step`` with ``behavior_name -> (DecisionSteps, TerminalSteps)`` as the observation
-and ``{"environment_stats"}`` as the info, with ``"behavior_specs"`` on a reset and when a
-behaviour appeared, and the ``mlagents_envs`` timers (``"timer_root"``) with a step. It never
-reports ``terminated``: Unity resets its agents by itself.
-
-If the player crashes, stops or stops answering, the wrapper shuts the ``UnityEnvironment`` down
-(player killed and reaped, :mod:`envmanager.mlagents.player_process`) before the error travels to
-the parent, which restarts the worker. Environment parameters and engine settings are checked
-and applied by :mod:`envmanager.mlagents.settings`.
+:class:`MLAgentsWorkerEnv` builds the user's environment with the three side channels ML-Agents'
+trainer uses and answers the core's ``reset``/``step`` with ``behavior_name -> (DecisionSteps,
+TerminalSteps)`` and the player's stats; it never reports ``terminated`` (Unity resets its agents
+itself). A player that crashes, stops or stops answering is shut down (killed and reaped) before
+the error travels to the parent, which restarts the worker.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,14 +18,7 @@ from envmanager.errors import EnvManagerError
 from envmanager.mlagents.player_process import PlayerIdentity, kill_orphan_players, player_identity, shutdown_env
 from envmanager.mlagents.settings import apply_env_parameter, normalize_engine_config, normalize_env_parameters
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "MLAgentsWorkerEnv",
-    "WorkerEnvFactory",
-    "UnityEnvironmentFactory",
-    "UnityPortInUseError",
-]
+__all__ = ["MLAgentsWorkerEnv", "WorkerEnvFactory", "UnityEnvironmentFactory", "UnityPortInUseError"]
 
 #: ``env_factory(worker_id, side_channels) -> BaseEnv``, as in ML-Agents' trainer.
 EnvFactory = Callable[[int, list[Any]], Any]
@@ -83,27 +68,19 @@ class UnityEnvironmentFactory:
     def __call__(self, worker_id: int, side_channels: list[Any]) -> Any:
         from mlagents_envs.environment import UnityEnvironment
 
-        kwargs: dict[str, Any] = {
-            "file_name": self.file_name,
-            "worker_id": worker_id + self.worker_id_offset,
-            "base_port": self.base_port,
-            "seed": self.seed + worker_id,
-            "no_graphics": self.no_graphics,
-            "timeout_wait": self.timeout_wait,
-            "additional_args": list(self.additional_args),
-            "side_channels": list(side_channels),
-            "log_folder": self.log_folder,
-        }
-        if self.num_areas != 1:
-            kwargs["num_areas"] = self.num_areas
+        areas = {"num_areas": self.num_areas} if self.num_areas != 1 else {}
         port = self.player_port(worker_id)
         if port is not None:  # none left behind for its port by a worker killed while it launched it
             kill_orphan_players([port])
-        return UnityEnvironment(**kwargs)
+        return UnityEnvironment(
+            file_name=self.file_name, worker_id=worker_id + self.worker_id_offset, base_port=self.base_port,
+            seed=self.seed + worker_id, no_graphics=self.no_graphics, timeout_wait=self.timeout_wait,
+            additional_args=list(self.additional_args), side_channels=list(side_channels),
+            log_folder=self.log_folder, **areas,
+        )
 
     def player_port(self, worker_id: int) -> int | None:
-        """The port worker ``worker_id``'s player is launched for; ``None`` for the Editor (not
-        launched by us)."""
+        """The port worker ``worker_id``'s player is launched for; ``None`` for the Editor."""
         if self.file_name is None:
             return None
         from mlagents_envs.environment import UnityEnvironment
@@ -113,15 +90,10 @@ class UnityEnvironmentFactory:
 
 
 def player_ports(env_factory: Any, worker_ids: Iterable[int]) -> tuple[int, ...]:
-    """The ports ``env_factory`` launches players for, for ``worker_ids`` (a
-    :class:`UnityEnvironmentFactory` launching a build; none for any other factory)."""
+    """The ports ``env_factory`` launches players for (none unless a :class:`UnityEnvironmentFactory`)."""
     if not isinstance(env_factory, UnityEnvironmentFactory):
         return ()
     return tuple(p for w in worker_ids if (p := env_factory.player_port(w)) is not None)
-
-
-# ---------------------------------------------------------------------------------------------
-# The wrapper
 
 
 @dataclass(frozen=True)
@@ -249,10 +221,9 @@ class MLAgentsWorkerEnv:
             self.engine_configuration_channel.set_configuration_parameters(**values)
 
     def send_analytics(self, payloads: list[bytes]) -> bool:
-        """Queue training-analytics messages (made by ML-Agents' ``TrainingAnalyticsSideChannel``
-        in the trainer) for the player, as ML-Agents' worker 0 does: only on the env built with
-        ``training_analytics`` and only if the player reports the capability. Returns whether
-        they were queued."""
+        """Queue training-analytics messages (made in the trainer) for the player, as ML-Agents'
+        worker 0 does: only with ``training_analytics`` and if the player reports the capability.
+        Returns whether they were queued."""
         self._check_open()
         capabilities = getattr(self.env, "academy_capabilities", None)
         if self.analytics_channel is None or not capabilities or not capabilities.trainingAnalytics:
@@ -298,9 +269,8 @@ class MLAgentsWorkerEnv:
 
 
 def _take_timers() -> Any:
-    """This process's ``mlagents_envs`` timers since the last call (``UnityEnvironment.step``,
-    ``communicator.exchange``...), as ML-Agents' workers send them with each step: the trainer
-    merges them into its own (``timers.json``)."""
+    """This process's ``mlagents_envs`` timers since the last call, as ML-Agents' workers send them
+    with each step for the trainer's ``timers.json``."""
     from mlagents_envs.timers import get_timer_root, reset_timers
 
     root = get_timer_root()
