@@ -1,11 +1,5 @@
 """The actions of one ``get_steps`` for every idle worker (parent side of
-:class:`~envmanager.mlagents.MLAgentsEnvManager`).
-
-Per behaviour, either one ``policy.get_action(decision_steps, worker_id)`` per worker (ML-Agents'
-way) or, for a behaviour with a batched call (:mod:`envmanager.mlagents.batched`), one call for
-every worker at once. Either way each worker's actions are checked against its ``BehaviorSpec``
-before anything is sent, and each worker's request carries the ``ActionInfo`` of its own rows.
-"""
+:class:`~envmanager.mlagents.MLAgentsEnvManager`)."""
 
 from __future__ import annotations
 
@@ -40,13 +34,12 @@ def choose_actions(
     specs: Mapping[int, Mapping[str, Any]],
     counts: InferenceCounts,
 ) -> tuple[dict[int, SentActions], dict[str, list[int]]]:
-    """``worker_id -> SentActions`` for every worker of ``results`` (its latest result the trainer
-    was handed: ``behavior_name -> (DecisionSteps, TerminalSteps)``), and per behaviour how many
-    workers each policy call served.
-
-    Behaviours in ``batched`` are asked once for all workers; the others once per worker. Raises
-    :class:`InvalidInputError` (nothing sent yet) for an action that does not fit its spec, or a
-    batched call that did not answer for every worker asked.
+    """``worker_id -> SentActions`` (the actions, with the ``ActionInfo`` of the worker's own rows)
+    for every worker of ``results`` (its latest result the trainer was handed), and per behaviour
+    how many workers each policy call served. Behaviours in ``batched`` are asked once for all
+    workers, the others once per worker (ML-Agents' way). Raises :class:`InvalidInputError`
+    (nothing sent yet) for an action that does not fit its spec, or a batched call that did not
+    answer for every worker asked.
     """
     infos: dict[int, dict[str, Any]] = {w: {} for w in results}
     served: dict[str, list[int]] = {}

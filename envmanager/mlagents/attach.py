@@ -1,20 +1,11 @@
 """Players the trainer attaches to: Unity players that envmanager does not start.
 
-A game server, an Editor session or a build started by another tool is told (its
-``--mlagents-port``, the Editor's Play button) where the trainer is. In ML-Agents' protocol the
-trainer's side is the gRPC *server* and the player the client: so the trainer listens on each
-player's address (``host:port``, ``host`` an address of this machine) and waits up to
-``timeout_wait`` for that player to connect, as ``UnityEnvironment(file_name=None)`` waits for
-the Editor. Worker ``w`` serves ``addresses[w]``.
-
-envmanager did not start these players, so it never kills or restarts them: a lost player
-(gone, or silent for ``timeout_wait``) is a :class:`PlayerLostError` naming its address, and
-``close()`` only ends the session (Unity's close message, as ``mlagents-learn`` sends it).
-
-Here: the addresses (:func:`parse_addresses`), the checks made before anything starts
-(:func:`check_attached`), the factory (:class:`AttachedUnityFactory`) and the errors. The
-``UnityEnvironment`` that listens on one address is :mod:`envmanager.mlagents.attached_env`
-(imported in the worker).
+In ML-Agents' protocol the trainer is the gRPC server, so it listens on each player's address
+(``host:port`` of this machine; worker ``w`` serves ``addresses[w]``) and waits up to
+``timeout_wait`` for the player to connect. envmanager never kills or restarts these players: a
+lost one is a :class:`PlayerLostError` naming its address (see docs/guide/mlagents.md, "Players
+already running"). The ``UnityEnvironment`` listening on one address, imported in the worker, is
+:mod:`envmanager.mlagents.attached_env`.
 """
 
 from __future__ import annotations
@@ -26,20 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from envmanager.core.deadline import positive_seconds
-from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
+from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError, failed_slots
 from envmanager.mlagents.addresses import AddressInUseError, PlayerAddress, check_listenable
 from envmanager.mlagents.worker_env import UnityPortInUseError
 
-__all__ = [
-    "PlayerAddress",
-    "AttachedUnityFactory",
-    "PlayerLostError",
-    "AddressInUseError",
-    "parse_addresses",
-    "check_attached",
-    "check_listenable",
-    "lost_players",
-]
+__all__ = ["PlayerAddress", "AttachedUnityFactory", "PlayerLostError", "AddressInUseError", "parse_addresses",
+           "check_attached", "check_listenable", "lost_players"]
 
 
 def parse_addresses(addresses: str | Sequence[Any]) -> tuple[PlayerAddress, ...]:
@@ -48,11 +31,9 @@ def parse_addresses(addresses: str | Sequence[Any]) -> tuple[PlayerAddress, ...]
     parsed = tuple(PlayerAddress.parse(a) for a in items)
     if not parsed:
         raise InvalidInputError("no player address given (expected 'host:port,host:port,...')")
-    seen: set[PlayerAddress] = set()
-    for address in parsed:
-        if address in seen:
+    for i, address in enumerate(parsed):
+        if address in parsed[:i]:
             raise InvalidInputError(f"player address {address} is given twice: one player per address")
-        seen.add(address)
     return parsed
 
 
@@ -60,9 +41,8 @@ def parse_addresses(addresses: str | Sequence[Any]) -> tuple[PlayerAddress, ...]
 class AttachedUnityFactory:
     """``(worker_id, side_channels) -> UnityEnvironment`` attached to the player at ``addresses[worker_id]``.
 
-    The trainer listens there and waits up to ``timeout_wait`` seconds for the player to connect;
-    the player gets seed ``seed + worker_id`` and ``num_areas`` with the handshake (as
-    :class:`~envmanager.mlagents.UnityEnvironmentFactory`). Pass it to
+    The trainer waits there up to ``timeout_wait`` seconds for the player to connect; the player
+    gets seed ``seed + worker_id`` and ``num_areas`` with the handshake. Pass it to
     :class:`~envmanager.mlagents.MLAgentsEnvManager` with ``n_env=len(addresses)``.
     """
 
@@ -132,7 +112,7 @@ def lost_players(addresses: Mapping[int, PlayerAddress]) -> Iterator[None]:
     except EnvManagerError as exc:
         if not addresses or isinstance(exc, (InvalidInputError, ManagerClosedError, UnityPortInUseError)):
             raise
-        ids = [w for w in getattr(exc, "worker_ids", None) or [getattr(exc, "worker_id", None)] if w in addresses]
+        ids = [w for w in failed_slots(exc) if w in addresses]
         if not ids:
             raise
         raise PlayerLostError(ids[0], addresses[ids[0]], exc) from exc

@@ -1,12 +1,10 @@
 """The ``UnityEnvironment`` of an attached player (:mod:`envmanager.mlagents.attach`), in the worker.
 
-``UnityEnvironment(file_name=None)`` launches nothing and waits for a player to connect, as it
-waits for the Editor; its gRPC server listens on every interface. This one listens on the
-player's address only (``host:port``), checks the port first (a gRPC server with
-``SO_REUSEPORT``, as mlagents makes it, could otherwise share a port with another trainer), and
-says which address a failure is about. With no process of ours to watch, a player that is gone
-is seen by its TCP connection (:class:`PeerWatch`: closed, on Linux, within about two seconds)
-or else as a message that does not come within ``timeout_wait``.
+Unlike ``UnityEnvironment(file_name=None)`` (which waits for the Editor on every interface), it
+listens on the player's address only, checks the port first (a gRPC server with ``SO_REUSEPORT``,
+as mlagents makes it, could otherwise share a port with another trainer), and names the address in
+its failures. With no process of ours to watch, a player that is gone is seen by its TCP
+connection (:class:`PeerWatch`: within about two seconds, on Linux) or after ``timeout_wait``.
 """
 
 from __future__ import annotations
@@ -52,11 +50,9 @@ def connection_states(local_port: int, remote_port: int) -> list[str] | None:
 
 
 class PeerWatch:
-    """Whether the player's connection (the peer of its last ``Exchange``) closed.
-
-    Only a connection seen established can be reported gone, and only when missing from two
-    looks in a row: where the table cannot be read or matched, nothing is ever reported (the
-    ``timeout_wait`` still applies)."""
+    """Whether the player's connection (the peer of its last ``Exchange``) closed: only one seen
+    established, and missing from two looks in a row (where the table cannot be read or matched,
+    nothing is ever reported: ``timeout_wait`` still applies)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -75,15 +71,11 @@ class PeerWatch:
             self.seen = ESTABLISHED in (connection_states(self.port, port) or [])
 
     def gone(self) -> bool:
-        if self.peer_port is None:
-            return False
-        states = connection_states(self.port, self.peer_port)
-        if states is None:
+        states = None if self.peer_port is None else connection_states(self.port, self.peer_port)
+        if states is None or not (self.seen or ESTABLISHED in states):
             return False
         if ESTABLISHED in states:
             self.seen, self.missing = True, 0
-            return False
-        if not self.seen:
             return False
         self.missing += 1
         return self.missing >= 2

@@ -1,9 +1,6 @@
-"""Checks and small helpers of :class:`~envmanager.mlagents.MLAgentsEnvManager` (parent side).
-
-An action batch checked against a behaviour's ``ActionSpec`` before anything is sent; a taken
-gRPC port found however deep the core wrapped it; errors that end a run as ML-Agents' trainer
-knows them.
-"""
+"""Checks and small helpers of :class:`~envmanager.mlagents.MLAgentsEnvManager` (parent side):
+actions against their ``ActionSpec``, a taken port however deep the core wrapped it, and errors
+that end a run as ML-Agents' trainer knows them."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """A moment's wait for more players before the policies act (``gather_window``, issue 32).
 
-With many cheap players the trainer's own process is the bound, and the players' results come
-in about 1.5 at a time, so one batched inference (:mod:`envmanager.mlagents.batched`) serves
-few of them. After the first result, waiting up to ``seconds`` until ``share`` of the players
-that were stepping have answered lets one policy call serve more: with 16 fake players, 20 ms
-and ¾ took the trainer from 0.49 to 0.31 CPU s per 1,000 steps (1.5 to 5.9 players per call;
-``docs/guide/performance.md``). It adds up to ``seconds`` of latency to a step, so it is off by
-default.
+With many cheap players the results come in about 1.5 at a time, so one batched inference serves
+few of them; waiting up to ``seconds`` after the first result until ``share`` of the players that
+were stepping have answered lets it serve more (figures: docs/guide/performance.md). It adds up
+to ``seconds`` of latency to a step, so it is off by default.
 """
 
 from __future__ import annotations

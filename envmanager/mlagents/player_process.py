@@ -1,9 +1,7 @@
 """The Unity player processes of the ML-Agents backend: shutting a ``UnityEnvironment`` down for
-good (player reaped, gRPC and pipes released), and recognising and killing a player a killed worker
-left behind (:class:`PlayerProcesses`, kept by the trainer's side and by each Ray node; and
-:func:`kill_orphan_players`, for a worker killed while it launched its player, before it could
-report it: the player would otherwise connect to the next worker on its port beside that
-worker's own, and the two players' answers would mix)."""
+good, and killing a player a killed worker left behind (:class:`PlayerProcesses`; and
+:func:`kill_orphan_players` for one its worker never reported, which would otherwise connect to
+the next worker on its port beside that worker's own player, their answers mixed)."""
 
 from __future__ import annotations
 
@@ -44,8 +42,8 @@ class PlayerProcesses:
         self.current = dict(players)
 
     def note(self, worker_id: int, player: PlayerIdentity | None) -> None:
-        """Worker ``worker_id`` reported ``player`` (with a reset): a new one means the old one's
-        worker was restarted (maybe unseen, in a reset's drain): the old one is killed."""
+        """Worker ``worker_id`` reported ``player`` (with a reset): a new one means its worker was
+        restarted (maybe unseen, in a reset's drain): the old one is killed."""
         old = self.current.get(worker_id)
         self.current[worker_id] = player
         if old and old != player and kill_stale_player(old):
@@ -68,12 +66,9 @@ class PlayerProcesses:
 
 
 def shutdown_env(env: Any, timeout: float = 5.0) -> None:
-    """Close ``env``; for a ``UnityEnvironment`` also reap its player and release gRPC and pipes.
-
-    ``UnityEnvironment.close()`` kills a player that does not quit within ``timeout_wait`` but
-    never reaps it, leaves one end of its communicator's pipe open and does not wait for the gRPC
-    server to stop; this does all three, with ``timeout`` in place of ``timeout_wait``.
-    """
+    """Close ``env``; for a ``UnityEnvironment`` also reap its player and release gRPC and pipes,
+    which its ``close()`` does not (it kills a player that does not quit but never reaps it, leaves
+    a pipe end open and does not wait for the gRPC server to stop). ``timeout``: for the player."""
     from mlagents_envs.environment import UnityEnvironment  # (the subpackage needs mlagents_envs)
 
     if not isinstance(env, UnityEnvironment):
@@ -143,9 +138,8 @@ def player_identity(env: Any) -> PlayerIdentity | None:
 
 def kill_orphan_players(ports: Iterable[int], wait_s: float = 5.0) -> list[int]:
     """Kill the players killed workers left behind for ``ports`` (their command lines name
-    ``--mlagents-port <port>``): before a new player is launched on a port, and once the workers
-    are closed; their pids. Only on a port nothing listens on: a live trainer's player is never
-    touched (its trainer holds the port, and ``UnityEnvironment`` raises that it is in use)."""
+    ``--mlagents-port <port>``); their pids. Only on a port nothing listens on: a live trainer's
+    player is never touched (its trainer holds the port)."""
     import psutil
 
     free = {str(port) for port in ports if _port_free(port)}
