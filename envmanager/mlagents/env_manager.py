@@ -23,13 +23,7 @@ from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LI
 from envmanager.core.results import StepInfo
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.mlagents.acting import InferenceCounts, choose_actions
-from envmanager.mlagents.attach import (
-    AttachedUnityFactory,
-    PlayerAddress,
-    check_attached,
-    lost_players,
-    parse_addresses,
-)
+from envmanager.mlagents.attach import AttachedUnityFactory, PlayerAddress, check_attached, lost_players, parse_addresses
 from envmanager.mlagents.batched import BatchedCall, batched_call
 from envmanager.mlagents.checks import call_if_present, port_errors
 from envmanager.mlagents.gathering import NO_GATHER, GatherWindow, gather_more
@@ -152,22 +146,15 @@ class MLAgentsEnvManager:
             "max_lifetime_restarts": max_lifetime_restarts, "restarts_rate_limit_n": restarts_rate_limit_n,
             "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
+        worker_factory = WorkerEnvFactory(env_factory, self.engine_config or None,
+                                          training_analytics=training_analytics, log_level=log_level)
         try:
             with self._errors():
-                self._manager = self._start_core(
-                    WorkerEnvFactory(env_factory, self.engine_config or None, training_analytics=training_analytics,
-                                     log_level=log_level),
-                    n_env, core_options,
-                )
-        except BaseException:
-            self._players.kill_all()  # a worker killed while it launched its player (the core closed the rest)
-            raise
-        try:
-            with self._errors():
+                self._manager = self._start_core(worker_factory, n_env, core_options)
                 self._specs = dict(enumerate(self._manager.call("behavior_specs")))
                 self._players.started(dict(enumerate(self._manager.get_attr("player"))))
         except BaseException:
-            self.close()
+            self.close()  # kills the players too: one a worker killed while it launched it left behind
             raise
 
     @classmethod
@@ -274,22 +261,14 @@ class MLAgentsEnvManager:
         checked before sending) to every worker, for its player's next message; a restarted
         worker gets all set so far before its reset."""
         self._check_open()
-        params = normalize_env_parameters(config)
-        if not params:
-            return
-        self.env_parameters.update(params)
-        self._set_everywhere("set_env_parameters", params)
+        self._set_everywhere("set_env_parameters", normalize_env_parameters(config), self.env_parameters)
 
     @deferred  # (as get_steps)
     def set_engine_config(self, config: Any = None, **fields: Any) -> None:
         """Change engine settings (``EngineConfig``, dict or fields such as ``time_scale=20``) on
         every worker; replayed on restarted workers."""
         self._check_open()
-        values = normalize_engine_config(config, **fields)
-        if not values:
-            return
-        self._engine_overrides.update(values)
-        self._set_everywhere("set_engine_config", values)
+        self._set_everywhere("set_engine_config", normalize_engine_config(config, **fields), self._engine_overrides)
 
     @deferred  # a Ctrl-C waits for a wait of the core's, or for the steps returned (``wire.interrupts``)
     def get_steps(self) -> list[EnvironmentStep]:
@@ -409,10 +388,14 @@ class MLAgentsEnvManager:
             calls.append(("send_analytics", (list(self._analytics),), {}))
         self.manager.set_replay_calls(calls)
 
-    def _set_everywhere(self, method: str, values: dict[str, Any]) -> None:
-        """``method(values)`` on every worker's env, and on every restarted one from now on
-        (:mod:`envmanager.mlagents.replay`: one restarted before whose fresh reset the trainer has
-        not seen is reset again, so the first episode the trainer sees of it has the new values)."""
+    def _set_everywhere(self, method: str, values: dict[str, Any], kept: dict[str, Any]) -> None:
+        """``method(values)`` (unless empty; added to ``kept``) on every worker's env, and on every
+        restarted one from now on (:mod:`envmanager.mlagents.replay`: one restarted before whose
+        fresh reset the trainer has not seen is reset again, so the first episode the trainer sees
+        of it has the new values)."""
+        if not values:
+            return
+        kept.update(values)
         self._update_replay_calls()
         m = self.manager
         with self._errors():

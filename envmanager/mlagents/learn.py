@@ -49,32 +49,23 @@ def _own_parser() -> argparse.ArgumentParser:
               "[--batched-inference {auto,on,off}]",
         description="envmanager-learn's own options (every other argument is mlagents-learn's):",
     )
-    parser.add_argument(
-        "--ray-address", default=None, metavar="ADDRESS",
-        help="run the players on the nodes of this Ray cluster ('auto': the one this machine belongs to); "
-             "the trainer stays here",
-    )
-    parser.add_argument(
-        "--env-addresses", default=None, metavar="HOST:PORT,...",
-        help="attach to players already running instead of launching --env: the trainer listens on each "
-             "address (one per --num-envs) for its player (--mlagents-port PORT); they are never restarted "
-             "nor killed",
-    )
-    parser.add_argument(
-        "--batched-inference", choices=sorted(BATCHED_MODES), default="auto",
-        help="one policy call per behaviour for every ready player: auto (default: where the policy supports "
-             "it), on (or stop), off (one call per player, as mlagents-learn)",
-    )
-    parser.add_argument(
-        "--gather-window-ms", type=float, default=0.0, metavar="MS",
-        help="after the first player's result, wait up to MS milliseconds for more (until --gather-share of "
-             "the players stepping have answered) so one policy call serves more players: less trainer CPU "
-             "with many cheap players, up to MS more latency per step (default 0: off)",
-    )
-    parser.add_argument(
-        "--gather-share", type=float, default=0.75, metavar="SHARE",
-        help="with --gather-window-ms: the share of the players stepping to wait for (default 0.75)",
-    )
+    parser.add_argument("--ray-address", metavar="ADDRESS",
+                        help="run the players on the nodes of this Ray cluster ('auto': the one this machine belongs "
+                             "to); the trainer stays here")
+    parser.add_argument("--env-addresses", metavar="HOST:PORT,...",
+                        help="attach to players already running instead of launching --env: the trainer listens on "
+                             "each address (one per --num-envs) for its player (--mlagents-port PORT); they are never "
+                             "restarted nor killed")
+    parser.add_argument("--batched-inference", choices=sorted(BATCHED_MODES), default="auto",
+                        help="one policy call per behaviour for every ready player: auto (default: where the policy "
+                             "supports it), on (or stop), off (one call per player, as mlagents-learn)")
+    parser.add_argument("--gather-window-ms", type=float, default=0.0, metavar="MS",
+                        help="after the first player's result, wait up to MS milliseconds for more (until "
+                             "--gather-share of the players stepping have answered) so one policy call serves more "
+                             "players: less trainer CPU with many cheap players, up to MS more latency per step "
+                             "(default 0: off)")
+    parser.add_argument("--gather-share", type=float, default=0.75, metavar="SHARE",
+                        help="with --gather-window-ms: the share of the players stepping to wait for (default 0.75)")
     return parser
 
 
@@ -216,8 +207,7 @@ def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterato
 def main(argv: Sequence[str] | None = None) -> int:
     """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--env-addresses HOST:PORT,...]
     [--batched-inference MODE]``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    ours, rest, help_asked = split_arguments(args)
+    ours, rest, help_asked = split_arguments(sys.argv[1:] if argv is None else argv)
     try:
         from mlagents.trainers import learn
     except ImportError as exc:

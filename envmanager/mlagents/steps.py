@@ -1,9 +1,6 @@
 """What the ML-Agents backend hands ML-Agents' trainer, and what a step request carries.
-
-:class:`EnvironmentStep` and :class:`ActionInfo` are ML-Agents' own shapes (``mlagents.trainers``
-need not be installed: its classes are NamedTuples of the same fields). :class:`SentActions` is
-the request to one worker: the actions, with the ActionInfos they came from.
-"""
+:class:`EnvironmentStep` and :class:`ActionInfo` are ML-Agents' own shapes, NamedTuples of the same
+fields (so ``mlagents.trainers`` need not be installed)."""
 
 from __future__ import annotations
 
@@ -43,10 +40,9 @@ class ActionInfo(NamedTuple):
 
 class SentActions(dict):
     """``behavior_name -> ActionTuple`` sent to one worker in one step request, with the
-    ActionInfos they came from (``infos``). It is the request's own object (the core hands it
-    back as the answer's ``StepInfo.action``), so a step's ActionInfos are always the ones its
-    env acted on. Only the actions travel: it pickles as a plain ``dict``, so the policy's
-    outputs (log-probs, memories...) never go to the worker."""
+    ActionInfos they came from (``infos``). The core hands this very object back as the answer's
+    ``StepInfo.action``, so a step's ActionInfos are the ones its env acted on. It pickles as a
+    plain ``dict``: the policy's outputs (log-probs, memories...) never go to the worker."""
 
     __slots__ = ("infos",)
 

@@ -173,9 +173,7 @@ class MLAgentsWorkerEnv:
         with self._closing_on_failure():
             self.env.reset()
             results = self._results()
-        info = self._info(reset=True)
-        info["player_process"] = self.player
-        return results, info
+        return results, {**self._info(reset=True), "player_process": self.player}
 
     def step(self, actions: Mapping[str, Any] | None) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self._check_open()
@@ -192,9 +190,7 @@ class MLAgentsWorkerEnv:
             self.env.step()
             results = self._results()
         reward = float(sum(float(d.reward.sum()) + float(t.reward.sum()) for d, t in results.values()))
-        info = self._info()
-        info["timer_root"] = _take_timers()
-        return results, reward, False, False, info
+        return results, reward, False, False, {**self._info(), "timer_root": _take_timers()}
 
     def close(self) -> None:
         if self.closed:
