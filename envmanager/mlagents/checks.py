@@ -5,7 +5,7 @@ that end a run as ML-Agents' trainer knows them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedError
@@ -53,15 +53,12 @@ def check_action(name: str, worker_id: int, env_action: Any, n_agents: int, spec
 
 @contextmanager
 def port_errors(for_trainer: bool = False) -> Iterator[None]:
-    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it.
-
-    ``for_trainer`` (a manager ML-Agents' trainer uses): an error that ends the run is also a
-    ``UnityEnvironmentException`` (:func:`as_unity_error`)."""
+    """Surface a port clash as :class:`UnityPortInUseError`, however deep the core wrapped it; with
+    ``for_trainer``, an error that ends the run is also a ``UnityEnvironmentException``."""
     try:
         yield
     except EnvManagerError as exc:
-        found = find_port_error(exc)
-        error = found if found is not None else exc
+        error = find_port_error(exc) or exc
         if for_trainer and not isinstance(error, (InvalidInputError, ManagerClosedError)):
             error = as_unity_error(error)
         if error is not exc:
@@ -85,10 +82,8 @@ def as_unity_error(error: EnvManagerError) -> EnvManagerError:
     if both is None:
         both = _UNITY_TYPES[kind] = type(kind.__name__, (kind, UnityEnvironmentException),
                                          {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
-    try:
+    with suppress(TypeError):  # a layout the subclass cannot share
         error.__class__ = both
-    except TypeError:  # pragma: no cover - a layout the subclass cannot share
-        pass
     return error
 
 

@@ -6,6 +6,7 @@ the next worker on its port beside that worker's own player, their answers mixed
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -81,10 +82,8 @@ def shutdown_env(env: Any, timeout: float = 5.0) -> None:
     except Exception:
         logger.warning("closing the UnityEnvironment failed", exc_info=True)
     finally:
-        try:
+        with contextlib.suppress(Exception):
             atexit.unregister(env._close)
-        except Exception:
-            pass
         if proc is not None:
             if proc.poll() is None:
                 proc.kill()
@@ -98,28 +97,22 @@ def shutdown_env(env: Any, timeout: float = 5.0) -> None:
 def _release_communicator(comm: Any) -> None:
     server = getattr(comm, "server", None)
     if server is not None:
-        try:
+        with contextlib.suppress(Exception):
             server.stop(None).wait(5.0)
-        except Exception:
-            pass
     servicer = getattr(comm, "unity_to_external", None)
     for name in ("parent_conn", "child_conn"):
         conn = getattr(servicer, name, None)
         if conn is not None:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
 
 
 def process_start_time(pid: int) -> float | None:
     """When process ``pid`` started (an opaque number), or ``None`` if it is gone or unknown."""
-    try:
+    with contextlib.suppress(OSError, IndexError, ValueError):
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         return float(fields[19])  # field 22, starttime in clock ticks
-    except (OSError, IndexError, ValueError):
-        pass
     try:
         import psutil
 

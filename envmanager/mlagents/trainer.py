@@ -6,8 +6,10 @@ its options, episodes cut per worker, statistics, timers, and the training-analy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from envmanager.mlagents.checks import call_if_present
 from envmanager.mlagents.settings import ENGINE_FIELDS
 
 __all__ = ["DEADLINE_MARGIN", "manager_options", "end_worker_episodes", "cut_stats", "inference_stats",
@@ -54,9 +56,7 @@ def end_worker_episodes(agent_manager: Any, worker_id: int) -> tuple[int, int]:
              for name in ("_experience_buffers", "_last_step_result", "_last_take_action_outputs")]
     tables = [table for table in found if isinstance(table, dict)]
     if not callable(clean) or len(tables) != len(found):
-        end_episode = getattr(agent_manager, "end_episode", None)
-        if callable(end_episode):
-            end_episode()
+        call_if_present(agent_manager, "end_episode")
         return -1, -1
     prefix = _global_agent_id(worker_id, "")
     ids = sorted({gid for table in tables for gid in table if isinstance(gid, str) and gid.startswith(prefix)})
@@ -107,35 +107,27 @@ def _global_agent_id(worker_id: int, agent_id: Any) -> str:
 
 
 def environment_initialized(run_options: Any) -> list[bytes]:
-    """The messages ML-Agents' worker 0 sends its player once its env exists (``[]`` if
-    ``mlagents.trainers`` is not importable)."""
-    channel = _analytics_channel()
-    if channel is None:
-        return []
-    channel.environment_initialized(run_options)
-    return _take(channel)
+    """The messages ML-Agents' worker 0 sends its player once its env exists."""
+    return _analytics(lambda channel: channel.environment_initialized(run_options))
 
 
 def training_started(run_options: Any, behavior_name: str, trainer_settings: Any) -> list[bytes]:
     """The message ML-Agents' worker 0 sends when training of ``behavior_name`` starts."""
-    channel = _analytics_channel()
-    if channel is None:
-        return []
-    channel.run_options = run_options  # which behaviours a curriculum names
-    channel.training_started(behavior_name, trainer_settings)
-    return _take(channel)
+
+    def send(channel: Any) -> None:
+        channel.run_options = run_options  # which behaviours a curriculum names
+        channel.training_started(behavior_name, trainer_settings)
+
+    return _analytics(send)
 
 
-def _analytics_channel() -> Any:
+def _analytics(send: Callable[[Any], Any]) -> list[bytes]:
+    """The payloads ``send(channel)`` queues on a new ``TrainingAnalyticsSideChannel``
+    (``queue_message_to_send``); ``[]`` if ``mlagents.trainers`` is not importable."""
     try:
         from mlagents.trainers.training_analytics_side_channel import TrainingAnalyticsSideChannel
     except ImportError:
-        return None
-    return TrainingAnalyticsSideChannel()
-
-
-def _take(channel: Any) -> list[bytes]:
-    """The payloads a side channel queued (``queue_message_to_send``), taken off it."""
-    queued = list(getattr(channel, "message_queue", []))
-    channel.message_queue = []
-    return [bytes(payload) for payload in queued]
+        return []
+    channel = TrainingAnalyticsSideChannel()
+    send(channel)
+    return [bytes(payload) for payload in getattr(channel, "message_queue", [])]

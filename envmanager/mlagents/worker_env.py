@@ -9,6 +9,7 @@ the error travels to the parent, which restarts the worker.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -276,14 +277,10 @@ def _take_timers() -> Any:
 
 def _port_in_use_error(exc: BaseException, worker_id: int) -> UnityPortInUseError:
     """Find the port from the frames mlagents raised in (``RpcCommunicator(worker_id, base_port)``)."""
-    tb = exc.__traceback__
-    found: tuple[int, int] | None = None
-    while tb is not None:
-        local = tb.tb_frame.f_locals
-        if isinstance(local.get("base_port"), int) and isinstance(local.get("worker_id"), int):
-            found = (local["base_port"], local["worker_id"])
-        tb = tb.tb_next
-    if found is None:
+    frames = [frame.f_locals for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    found = [(f["base_port"], f["worker_id"]) for f in frames
+             if isinstance(f.get("base_port"), int) and isinstance(f.get("worker_id"), int)]
+    if not found:
         return UnityPortInUseError(None, None, worker_id, str(exc))
-    base_port, unity_worker_id = found
+    base_port, unity_worker_id = found[-1]  # the innermost frame's
     return UnityPortInUseError(base_port + unity_worker_id, base_port, unity_worker_id, str(exc))
