@@ -1,17 +1,8 @@
 """ML-Agents backend for envmanager (optional extra: ``pip install envmanager[mlagents]``).
 
 :class:`MLAgentsEnvManager` runs ``mlagents_envs`` environments (``UnityEnvironment`` or any
-``BaseEnv``) in envmanager worker processes behind ML-Agents' trainer ``EnvManager`` contract::
-
-    from envmanager.mlagents import MLAgentsEnvManager, UnityEnvironmentFactory
-
-    factory = UnityEnvironmentFactory("path/to/build.x86_64", base_port=5005, timeout_wait=60)
-    with MLAgentsEnvManager(factory, n_env=4) as manager:
-        manager.set_policy("MyBehavior?team=0", my_policy)  # get_action(decision_steps, worker_id)
-        manager.reset(config={"gravity": 9.81})
-        for _ in range(1000):
-            for step in manager.get_steps():   # EnvironmentStep, first-ready
-                ...
+``BaseEnv``) in envmanager worker processes behind ML-Agents' trainer ``EnvManager`` contract
+(an example: docs/guide/mlagents.md, "The trainer's contract").
 
 Names are imported lazily, so ``import envmanager.mlagents`` stays light (and the fake player,
 ``envmanager.testing.fake_unity``, does not pull in the core). Taking one without

@@ -75,25 +75,23 @@ def batched_call(policy: Any, behavior_name: str, required: bool) -> BatchedCall
     if isinstance(policy, BatchedPolicy):
         return policy.get_actions
     torch_policy = _torch_policy_type()
-    why: str
-    if torch_policy is not None and isinstance(policy, torch_policy):
-        if getattr(type(policy), "get_action", None) is not getattr(torch_policy, "get_action", None):
-            why = (f"{type(policy).__qualname__} overrides TorchPolicy.get_action, which one batched "
-                   "TorchPolicy.evaluate would bypass")
-        else:
-            version = mlagents_version()
-            if version in SUPPORTED_MLAGENTS:
-                return TorchPolicyBatch(policy).get_actions
-            why = (f"it relies on the internals of ML-Agents' TorchPolicy.get_action in mlagents "
-                   f"{', '.join(SUPPORTED_MLAGENTS)}, and mlagents {version} is installed")
-    else:
-        why = f"{type(policy).__qualname__} has no batched call get_actions(requests)"
+    is_torch = torch_policy is not None and isinstance(policy, torch_policy)
+    why = f"{type(policy).__qualname__} has no batched call get_actions(requests)"
+    if is_torch and getattr(type(policy), "get_action", None) is not getattr(torch_policy, "get_action", None):
+        why = (f"{type(policy).__qualname__} overrides TorchPolicy.get_action, which one batched "
+               "TorchPolicy.evaluate would bypass")
+    elif is_torch:
+        version = mlagents_version()
+        if version in SUPPORTED_MLAGENTS:
+            return TorchPolicyBatch(policy).get_actions
+        why = (f"it relies on the internals of ML-Agents' TorchPolicy.get_action in mlagents "
+               f"{', '.join(SUPPORTED_MLAGENTS)}, and mlagents {version} is installed")
     if required:
         raise BatchedInferenceError(
             f"batched inference for behaviour {behavior_name!r} is not available: {why} "
             "(pass batched_inference=None to fall back to one call per player, or False)"
         )
-    if torch_policy is not None and isinstance(policy, torch_policy):
+    if is_torch:
         logger.warning("batched inference off for behaviour %r: %s; one inference per player", behavior_name, why)
     return None
 
@@ -115,14 +113,11 @@ def join_decision_steps(parts: Sequence[Any]) -> Any:
                             for p in parts])
             for b, w in enumerate(widths)
         ]
-    return kind(
-        obs,
-        np.concatenate([p.reward for p in parts]),
-        np.concatenate([p.agent_id for p in parts]),
-        action_mask,
-        np.concatenate([p.group_id for p in parts]),
-        np.concatenate([p.group_reward for p in parts]),
-    )
+
+    def column(name: str) -> Any:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    return kind(obs, column("reward"), column("agent_id"), action_mask, column("group_id"), column("group_reward"))
 
 
 def split_rows(value: Any, bounds: Sequence[tuple[int, int]], n_rows: int) -> list[Any]:

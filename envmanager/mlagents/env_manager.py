@@ -139,12 +139,11 @@ class MLAgentsEnvManager:
             check_attached(env_factory, n_env)
             self.player_addresses = dict(enumerate(env_factory.addresses))
             restart_workers = False  # not ours to restart: a lost one is an error naming its address
-        # forkserver (else spawn): never fork a parent that may hold gRPC state
-        default_context = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         core_options: dict[str, Any] = {
-            "context": context or default_context, "timeout": timeout, "restart_workers": restart_workers,
-            "max_lifetime_restarts": max_lifetime_restarts, "restarts_rate_limit_n": restarts_rate_limit_n,
-            "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
+            # forkserver (else spawn): never fork a parent that may hold gRPC state
+            "context": context or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"),
+            "timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
+            "restarts_rate_limit_n": restarts_rate_limit_n, "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
         worker_factory = WorkerEnvFactory(env_factory, self.engine_config or None,
                                           training_analytics=training_analytics, log_level=log_level)
@@ -204,8 +203,7 @@ class MLAgentsEnvManager:
     @property
     def manager(self) -> SubprocessEnvManager:
         """The core manager underneath."""
-        if self._manager is None:
-            raise ManagerClosedError("the MLAgentsEnvManager is closed")
+        self._check_open()
         return self._manager
 
     def set_policy(self, behavior_name: str, policy: Any) -> None:
@@ -273,11 +271,9 @@ class MLAgentsEnvManager:
     @deferred  # a Ctrl-C waits for a wait of the core's, or for the steps returned (``wire.interrupts``)
     def get_steps(self) -> list[EnvironmentStep]:
         """Step every idle worker with the policies' actions; the steps of at least one finished
-        worker (a restarted one's fresh reset with ``interrupted=True``).
-
-        As in ML-Agents, the policies act only on results the trainer was handed: results that
-        came in meanwhile (a settings change, a restart) are returned first, their workers
-        stepped by the next call."""
+        worker (a restarted one's fresh reset with ``interrupted=True``). As in ML-Agents, the
+        policies act only on results the trainer was handed: results that came in meanwhile are
+        returned first, their workers stepped by the next call."""
         self._check_open()
         if self.first_step_infos:
             self.process_steps(self.first_step_infos)
@@ -454,9 +450,8 @@ class MLAgentsEnvManager:
                                result_info.get("environment_stats", {}), info.interrupted)
 
     def _cut_episodes(self, worker_id: int) -> None:
-        """Worker ``worker_id`` was restarted: its agents' unfinished episodes end here (dropped,
-        as ML-Agents drops every worker's when it resets them all); the other workers' go on.
-        Counted here, in the log and in each behaviour's trainer statistics."""
+        """Worker ``worker_id`` was restarted: its agents' unfinished episodes are dropped (the other
+        workers' go on), counted here, in the log and in each behaviour's trainer statistics."""
         agents = dropped = 0
         for agent_manager in self.agent_managers.values():
             cut, lost = end_worker_episodes(agent_manager, worker_id)

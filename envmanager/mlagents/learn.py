@@ -37,7 +37,6 @@ INSTALL_HINT = (
     "(mlagents 1.1.0 declares Python <= 3.10.12 and wants a torch <= 2.8; see docs/guide/mlagents.md, \"Train with ML-Agents\")"
 )
 
-
 #: ``--batched-inference`` -> ``MLAgentsEnvManager(batched_inference=...)``
 BATCHED_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 

@@ -1,22 +1,15 @@
-"""``RayMLAgentsEnvManager``: ML-Agents' trainer here, its Unity players on a Ray cluster's nodes.
+"""``RayMLAgentsEnvManager``: ML-Agents' trainer here, its Unity players on a Ray cluster's nodes
+(``envmanager-learn --ray-address``; or ``RayMLAgentsEnvManager.from_run_options(..., address="auto")``).
 
-``envmanager-learn ... --ray-address=auto`` uses it; so can a framework, as
-``RayMLAgentsEnvManager.from_run_options(env_factory, run_options, n_env, address="auto")``.
-
-One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`, pinned to it) hosts a
-block of consecutive worker ids through the core's manager, so a killed player is restarted alone
-on its node. The driver keeps at most one step request in flight per node and takes whichever
-node answers first (``ray.wait``); the policy stays in the trainer: a request carries the actions
-of the node's idle players, an answer the steps that finished.
-
-Each request has its own deadline (the core's plus :data:`RAY_MARGIN`). A node whose actor dies or
-misses its deadline is replaced, on another Ray node if there is one, with the same worker ids and
-the settings so far, its players back as interrupted resets, as the pool's
-:class:`~envmanager.core.supervisor.Supervisor` decides: one restart count per player for its
-restarts on its node and with its node (see docs/architecture.md, "The supervisor"). Past the
-limits, or if the replacement cannot start, :class:`RayPlayerError` names the node and its worker
-ids, again on every later use of that node. The env factory runs on the nodes: a build path must
-exist on every node. The nodes' records are :mod:`envmanager.mlagents.ray_player_nodes`'.
+One actor per node (:class:`~envmanager.mlagents.ray_node.PlayerNode`) hosts a block of
+consecutive worker ids through the core's manager, which restarts a killed player alone. The
+driver keeps one step request in flight per node, each with its own deadline (the core's plus
+:data:`RAY_MARGIN`), and takes whichever node answers first; the policy stays in the trainer. A
+node whose actor dies or misses its deadline is replaced (on another Ray node if there is one,
+same worker ids and settings; its players back as interrupted resets) as the pool's
+:class:`~envmanager.core.supervisor.Supervisor` decides, one restart count per player (see
+docs/architecture.md, "The supervisor"); else :class:`RayPlayerError` names the node and its
+worker ids, on every later use of it. A build path must exist on every node.
 """
 
 from __future__ import annotations
@@ -370,8 +363,8 @@ class RayMLAgentsEnvManager(MLAgentsEnvManager):
 
     Args beyond ``MLAgentsEnvManager``'s: ``address`` (``ray.init``'s; ``"auto"``: the cluster
     this machine belongs to; ignored if Ray is initialized already), ``ray_init`` (more
-    ``ray.init`` arguments) and ``n_nodes`` (node actors; default one per live Ray node). The
-    Ray session is shared as in docs/guide/ray.md; a failed ``ray.init`` or the session gone is
+    ``ray.init`` arguments) and ``n_nodes`` (node actors; default one per live Ray node). The Ray
+    session is shared as in docs/guide/ray.md; a failed ``ray.init`` or the session gone is
     ``RaySessionError``.
     """
 

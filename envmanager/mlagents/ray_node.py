@@ -1,15 +1,12 @@
 """What one Ray node runs for :class:`~envmanager.mlagents.ray_env_manager.RayMLAgentsEnvManager`:
 its share of the players, through the core's ``SubprocessEnvManager``. :class:`PlayerNode` is a
 plain class (no ``ray`` import) that the driver runs as a Ray actor; it speaks the trainer's global
-worker ids (consecutive on a node; port ``base_port + worker_id``), its core counts from 0.
+worker ids (consecutive on a node), its core counts from 0.
 
 Every call answers ``(value, error)``: ``error`` is what the players raised that no restart on the
-node absorbed (past the limits, or restarts off; at start, a port taken: answered by
-:meth:`PlayerNode.info`), naming global ids, raised by the driver. An exception (or a dead or
-silent actor) is the node's own failure: the driver replaces the node. A replacement on the same
-host first kills what the lost node left there (``left_behind``) so its players get the ports.
-A player the node restarted while the driver held it idle is never sent the actions chosen for
-its old env: its fresh reset is returned first.
+node absorbed (at start too, answered by :meth:`PlayerNode.info`), naming global ids; an exception
+(or a dead or silent actor) is the node's own failure: the driver replaces the node. A
+replacement on the same host first kills what the lost one left there, so its players get the ports.
 """
 
 from __future__ import annotations
@@ -126,13 +123,9 @@ class PlayerNode:
             except EnvManagerError as exc:  # raised below, once the other players have their actions
                 failed = exc
             named = set(failed_slots(failed)) if failed is not None else set()
-            waiting = {info.worker_id for info in self.held}
-            idle = set(self.core.idle_worker_ids)
-            send = {}
-            for g, action in actions.items():
-                i = self.local[g]
-                if i in idle and i not in waiting and i not in named and self.core.failure_of(i) is None:
-                    send[i] = action
+            ready = set(self.core.idle_worker_ids) - {info.worker_id for info in self.held} - named
+            local = {self.local[g]: action for g, action in actions.items()}
+            send = {i: action for i, action in local.items() if i in ready and self.core.failure_of(i) is None}
             if send:
                 self.core.send_step(send)
             if failed is not None:  # what came stays held: the driver's next request takes it

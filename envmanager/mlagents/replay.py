@@ -26,13 +26,11 @@ def call_replayed(manager: Any, worker_ids: Sequence[int] | None, name: str, arg
 
 
 def reset_restarted(manager: Any, held: list[StepInfo], resend: bool = True) -> list[StepInfo]:
-    """``held`` (results taken, not handed on yet) and what else came in, with every restarted
-    worker's fresh reset among them made again: it was made with the settings its restart
-    replayed, so the first episode anyone sees of it runs with the new ones. What came in is added
-    to the caller's ``held`` itself: if the reset raises, the caller still has it.
-
-    A reset sent by a call a Ctrl-C cut short is still in flight: it is waited for, not sent
-    again; with ``resend=False`` only those are (else their workers were never stepped again)."""
+    """``held`` (results taken, not handed on yet) and what else came in (added to the caller's
+    ``held`` itself, kept if the reset raises), with every restarted worker's fresh reset, made
+    with the old settings, made again so the first episode anyone sees of it has the new ones.
+    A reset a Ctrl-C cut short is still in flight: waited for, not sent again; with
+    ``resend=False`` only those are (else their workers were never stepped again)."""
     held += manager.receive_steps(min_count=0)
     in_flight = set(manager.resets_in_flight)
     stale = sorted({info.worker_id for info in held if info.interrupted and (resend or info.worker_id in in_flight)})
