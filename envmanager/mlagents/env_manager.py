@@ -193,8 +193,7 @@ class MLAgentsEnvManager:
         pickled, not in shared memory."""
         return SubprocessEnvManager(worker_factory, n_env, shared_memory=False, **options)
 
-    # ------------------------------------------------------------------------------------------
-    # ML-Agents' EnvManager interface
+    # -- ML-Agents' EnvManager interface -----------------------------------------------------------
 
     @property
     def n_env(self) -> int:
@@ -330,8 +329,7 @@ class MLAgentsEnvManager:
         finally:
             self._players.kill_all()
 
-    # ------------------------------------------------------------------------------------------
-    # Extras
+    # -- extras ------------------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -354,15 +352,13 @@ class MLAgentsEnvManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------------------------
-    # Internals
+    # -- internals ---------------------------------------------------------------------------------
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
-        """The core's errors as the user knows them: a lost attached player by its address, a
-        taken port as :class:`UnityPortInUseError`, and for ML-Agents' trainer (made by
-        :meth:`from_run_options`) as a ``UnityEnvironmentException`` too, so that they end its run
-        as a player's failure does (``checks.port_errors``)."""
+        """The core's errors as the user knows them: a lost attached player by its address, a taken
+        port as :class:`UnityPortInUseError`, and for ML-Agents' trainer (:meth:`from_run_options`)
+        a ``UnityEnvironmentException`` too, so they end its run as a player's failure does."""
         with port_errors(self.run_options is not None), lost_players(self.player_addresses):
             yield
 
@@ -403,8 +399,7 @@ class MLAgentsEnvManager:
             with self._errors():  # replayed too: worker 0 announces itself again
                 call_replayed(self.manager, [0], "send_analytics", (payloads,))
 
-    # ------------------------------------------------------------------------------------------
-    # The hand-off to ML-Agents' trainer: actions out to the workers, steps in to the agent managers
+    # -- the hand-off to ML-Agents' trainer: actions out to the workers, steps in to the agent managers --
 
     def _pull_policies(self) -> None:
         """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""

@@ -110,10 +110,9 @@ def deferring_startup_errors(factory: Callable[..., Any]) -> Callable[..., Any]:
             from envmanager.errors import EnvManagerError, InvalidInputError
             from envmanager.mlagents.checks import as_unity_error
 
-            error: BaseException = exc
             if isinstance(exc, EnvManagerError) and not isinstance(exc, InvalidInputError):
-                error = as_unity_error(exc)
-            return FailedStartup(error)
+                return FailedStartup(as_unity_error(exc))
+            return FailedStartup(exc)
 
     return build
 

@@ -112,10 +112,8 @@ def apply_env_parameter(channel: Any, key: str, value: Any) -> None:
 
 
 def normalize_engine_config(config: Any = None, **fields: Any) -> dict[str, Any]:
-    """Check an engine configuration (an ``EngineConfig``, a dict and/or keyword fields).
-
-    Returns the fields that are set, with their types fixed; ``width`` and ``height`` go together.
-    """
+    """Check an engine configuration (an ``EngineConfig``, a dict and/or keyword fields): the
+    fields that are set, with their types fixed; ``width`` and ``height`` go together."""
     values: dict[str, Any] = {}
     if config is not None:
         if hasattr(config, "_asdict"):
