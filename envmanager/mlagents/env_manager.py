@@ -240,7 +240,8 @@ class MLAgentsEnvManager:
     @deferred  # (as get_steps)
     def reset(self, config: Mapping[str, Any] | None = None) -> int:
         """Apply ``config`` (environment parameters), reset every env; returns their number. The
-        results wait in ``first_step_infos``, for the agent managers at the next :meth:`get_steps`."""
+        results (their ``environment_stats``: what the players sent on reset) wait in
+        ``first_step_infos``, for the agent managers at the next :meth:`get_steps`."""
         self._check_open()
         for agent_manager in self.agent_managers.values():
             call_if_present(agent_manager, "end_episode")
@@ -382,9 +383,9 @@ class MLAgentsEnvManager:
 
     def _set_everywhere(self, method: str, values: dict[str, Any], kept: dict[str, Any]) -> None:
         """``method(values)`` (unless empty; added to ``kept``) on every worker's env, and on every
-        restarted one from now on (:mod:`envmanager.mlagents.replay`: one restarted before whose
-        fresh reset the trainer has not seen is reset again, so the first episode the trainer sees
-        of it has the new values)."""
+        restarted one from now on (:mod:`envmanager.mlagents.replay`: a worker restarted before,
+        whose fresh reset the trainer has not seen yet, is reset again, so that the first episode
+        the trainer sees of it has the new values)."""
         if not values:
             return
         kept.update(values)

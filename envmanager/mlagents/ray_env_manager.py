@@ -55,8 +55,7 @@ class RayPlayerPool:
                  address: str | None = None, ray_init: dict[str, Any] | None = None, timeout: float = 120.0,
                  restart_workers: bool = True, max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
                  restarts_rate_limit_n: int = RATE_LIMIT_N, restarts_rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
-                 context: str | None = None,
-                 n_nodes: int | None = None) -> None:
+                 context: str | None = None, n_nodes: int | None = None) -> None:
         self.n_env, self.worker_factory = int(n_env), worker_factory
         self.worker_ids = list(range(self.n_env))
         self.deadline_s = float(timeout) + RAY_MARGIN

@@ -2,9 +2,10 @@
 
 :class:`MLAgentsWorkerEnv` builds the user's environment with the three side channels ML-Agents'
 trainer uses and answers the core's ``reset``/``step`` with ``behavior_name -> (DecisionSteps,
-TerminalSteps)`` and the player's stats; it never reports ``terminated`` (Unity resets its agents
-itself). A player that crashes, stops or stops answering is shut down (killed and reaped) before
-the error travels to the parent, which restarts the worker.
+TerminalSteps)`` and an info of ``environment_stats``, ``behavior_specs`` (on a reset and when a
+behaviour appeared), ``player_process`` (reset) or ``timer_root`` (step); it never reports
+``terminated`` (Unity resets its agents itself). A player that crashes, stops or stops answering
+is shut down (killed and reaped) before the error travels to the parent, which restarts the worker.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ EnvFactory = Callable[[int, list[Any]], Any]
 class UnityPortInUseError(EnvManagerError):
     """The gRPC port a ``UnityEnvironment`` needs (``base_port + worker_id``) is taken."""
 
-    def __init__(
-        self, port: int | None, base_port: int | None = None, worker_id: int | None = None, detail: str = ""
-    ) -> None:
+    def __init__(self, port: int | None, base_port: int | None = None, worker_id: int | None = None, detail: str = "") -> None:
         self.port, self.base_port, self.worker_id, self.detail = port, base_port, worker_id, detail
         if port is None:
             where = f"the port of UnityEnvironment worker_id {worker_id}"
