@@ -1,35 +1,17 @@
 """The batch level of the core: send a batch of actions for a set of env slots; receive the
-slots that finished, whose results are rows of shared arrays.
+slots that finished, whose results are rows of shared arrays. Every adapter is built on it.
 
-Every adapter is built on this level. A batch of actions is checked once and written into
-shared memory with one numpy operation per array; where every process has a core the batch is
-then asked for on the mailbox's step board (one numpy operation for all processes, its answers
-found and filed the same way, ``envmanager.wire.mailbox``), elsewhere a step request and its
-answer are fixed binary headers. Per-env Python runs only for non-empty infos, or where the
-user asked for per-env objects (``StepInfo``).
+A batch of actions is checked once and written into shared memory with one numpy operation per
+array, then asked for on the mailbox's step board where every process has a core (one numpy
+operation for all processes, ``envmanager.wire.mailbox``), elsewhere in fixed binary headers.
+Per-env Python runs only for non-empty infos, or where the user asked for per-env ``StepInfo``.
+Slot states, how long a result stays valid, lanes (``double_buffer``) and restarts: see
+docs/architecture.md (State); the process-level half is the pool's. Resets are checked and
+encoded before the first send (nothing half-sent); env calls are ``EnvCalls``' (``calls``).
 
-State of every slot: ``status`` (drawn in ``envmanager.core.slots``).
-A slot may be sent a step whenever it is IDLE, whatever its process's other slots do (a
-process steps what it was asked, in the order asked). Its results are valid until it is sent
-again, or until its process's restart sends its fresh reset (only inside a later call; what
-arrived and was not handed out by then is void, ``_void_overwritten``). The process-level half
-(requests in flight, restarts) is the pool's.
-
-Double buffering (``double_buffer``): each process's two halves of its envs are lanes, each
-answered on its own: the worker steps one while the parent turns the other around.
-
-Resets: ``send_reset`` checks the slots and encodes every request before the first send
-(nothing half-sent), then marks the slots IN_FLIGHT and owed a reset; ``receive_reset_batch``
-waits for them and hands them out; ``allow_step_before_reset`` lets chosen slots skip their
-first reset. The worker's half is ``WorkerEnvs.reset`` (``envmanager.worker.envs``); how a
-reset splits per process is ``envmanager.core.plans``. Env calls (``call``, ``get_attr``,
-``set_attr``) are handed to ``EnvCalls`` (``envmanager.core.calls``), which keeps their answers.
-
-Why one module: the step and reset paths are one concept, the batch level's exchange with its
-slots — the same slot states (``SlotState``), the same plans per process, the same joining of
-a process on its way back from a restart, the same waits; split, the reset path stubbed five of
-the manager's attributes and methods. The env calls' state is ``EnvCalls``'; here they are
-one-line methods of the public class.
+Why one module: the step and reset paths share the slot states, the plans per process, the
+joining of a process on its way back from a restart and the waits; split, the reset path
+stubbed five of the manager's attributes and methods.
 """
 
 from __future__ import annotations
@@ -77,21 +59,19 @@ SPIN_CAP_S = 2e-3
 
 
 class BatchEnvManager:
-    """Env slots in worker processes, stepped, reset and received as batches (see the module doc).
+    """Env slots in worker processes, stepped, reset and received as batches.
 
-    Takes ``SubprocessEnvManager``'s arguments, which documents them, plus ``check_spaces``:
-    called with every slot's observation and action spaces as the workers report them, before
-    shared memory is laid out; whatever it raises ends the construction (an adapter's rules
-    and messages about spaces come before the core's); and ``info_columns``: the caller batches
-    infos, so a step's infos travel as columns where they fit (``receive_batch(info_columns=True)``;
-    making a dict per env from columns costs more than unpickling the dicts, so only then); and
-    ``caller``: who steps the envs, for ``envs_per_worker="auto"`` (``envmanager.core.layout``);
-    and ``inherit_factory``: under ``fork`` the workers inherit ``env_factory`` instead of
-    unpickling it, as gymnasium's ``AsyncVectorEnv`` does (``envmanager.wire.factory``); and
-    ``options_if_given``: envs are reset with ``options=`` only when there are some, as SB3's
-    workers do (gymnasium's always pass them); ``reset_info_apart``: a same-step autoreset's
-    info is ``{"final_info": step info, "final_obs": obs, RESET_INFO: reset info}`` (SB3's
-    workers keep the two apart), not gymnasium's merge, where the reset info's keys win.
+    Takes ``SubprocessEnvManager``'s arguments (documented there), plus: ``check_spaces``, called
+    with every slot's observation and action spaces before shared memory is laid out (what it
+    raises ends the construction: an adapter's rules and messages come before the core's);
+    ``info_columns``: the caller batches infos, so they travel as columns where they fit
+    (``receive_batch(info_columns=True)``; a dict per env made from columns costs more than
+    unpickling dicts); ``caller``: who steps the envs, for ``envs_per_worker="auto"``;
+    ``inherit_factory``: under ``fork`` the workers inherit ``env_factory`` instead of unpickling
+    it, as gymnasium's ``AsyncVectorEnv`` does; ``options_if_given``: envs are reset with
+    ``options=`` only when there are some (SB3's workers); ``reset_info_apart``: a same-step
+    autoreset's info is ``{"final_info": step info, "final_obs": obs, RESET_INFO: reset info}``
+    (SB3's), not gymnasium's merge, where the reset info's keys win.
     """
 
     def __init__(
@@ -144,8 +124,8 @@ class BatchEnvManager:
         n_procs = -(-n_env // self.envs_per_worker)
         #: Whether each process's slots form two lanes, each answered on its own.
         self.double_buffer = choose_double_buffer(n_procs, self.envs_per_worker, asked=double_buffer)
-        if spin_s is None:  # spinning only pays where every process (and the parent) can have a core: the
-            # machine's count decides here, where each process may run decides while they run (WorkerPool)
+        if spin_s is None:  # spinning pays only where every process and the parent have a core (WorkerPool
+            # looks again, per process, while they run)
             spin_s = SPIN_CAP_S if n_procs + 1 <= machine_cores() else 0.0
         specs = make_specs(factory, n_env, self.envs_per_worker, mode, spin_s, info_columns, self.double_buffer,
                            options_if_given, reset_info_apart)
@@ -160,16 +140,13 @@ class BatchEnvManager:
         self._plans = BatchPlans(self._slot_process_list, self._slot_local_list, self.slot_lanes)  # send_batch's split
         restarts = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
         try:
-            # Where every process has a core the workers and the parent spin, as long as their waits
-            # typically take (a worker waking a blocked parent pays ~10 us in its write; a blocked
-            # reader wakes tens of us after it: the bound there, performance guide).
+            # With a core each, workers and parent spin as long as their waits typically take (a
+            # blocked reader wakes tens of us late; its writer pays ~10 us: performance guide).
             self._pool = WorkerPool(specs, ctx, self.timeout, restarts, daemon, shared_memory=bool(shared_memory),
                                     mailbox=bool(shared_memory) and mailbox_enabled(spin_s > 0), parent_spin_s=spin_s,
                                     generations=None if generations is None else [int(g) for g in generations])
-            # Closes the pool once this manager is garbage, held by the finalizer's registry: the
-            # pool's pipes are then never garbage with the manager, which the collector finalizes
-            # in any order (a pipe's own finalizer closed its fd first: CLOSE was never sent, the
-            # worker was killed after ``close``'s grace instead of closing its envs).
+            # The registry holds the pool, so its pipes are never garbage with the manager: the gc
+            # finalizes in any order (a pipe closed first: CLOSE never sent, the worker killed).
             self._finalizer = weakref.finalize(self, self._pool.close)
             self._finalizer.atexit = False  # (at exit the pool closes itself: ``pool._close_at_exit``)
             self._restarts_seen = self._pool.supervisor.restarts
@@ -243,8 +220,7 @@ class BatchEnvManager:
 
     @property
     def restarts(self) -> int:
-        """Restarts so far, of every process (an env rebuilt in its process counts as one): the
-        one count samplers and drop-ins read."""
+        """Restarts so far, of every process (an env rebuilt in place counts as one)."""
         return self.pool.supervisor.restarts
 
     @property
@@ -264,9 +240,8 @@ class BatchEnvManager:
 
     @property
     def idle_worker_ids(self) -> list[int]:
-        """Slots with nothing in flight or waiting to be received (they may be sent a step
-        whatever their process's other slots do), and not on a process coming back from a
-        restart (its fresh reset is on its way to each of them). Slots of a failed process
+        """Slots with nothing in flight or waiting to be received, and not on a process coming
+        back from a restart (its fresh reset is on its way to them). A failed process's slots
         count as idle: stepping them raises its error."""
         idle = self.status <= IDLE
         booting = self._booting_slots()
@@ -310,13 +285,12 @@ class BatchEnvManager:
         self.pool.replay_calls = list(calls)
 
     def restart_count(self, worker_id: int) -> int:
-        """How often the process hosting ``worker_id`` was restarted or had an env rebuilt
-        (quotas are per process): the supervisor's count."""
+        """How often the process hosting ``worker_id`` was restarted or had an env rebuilt (quotas are per process)."""
         return self.pool.supervisor.restart_count(self._slot_process_list[worker_id])
 
     def generation(self, worker_id: int) -> int:
-        """How many times ``worker_id``'s env was replaced — its process restarted, or the env
-        rebuilt in place after it raised — as the supervisor decided (answers carry theirs)."""
+        """How many times ``worker_id``'s env was replaced (its process restarted, or the env rebuilt
+        in place), as the supervisor decided; answers carry theirs."""
         return self.pool.supervisor.generation(worker_id)
 
     @property
@@ -325,18 +299,17 @@ class BatchEnvManager:
         return self._state.generations
 
     def report_failure(self, worker_id: int, error: EnvManagerError) -> EnvManagerError | None:
-        """A failure of ``worker_id``'s env the caller found in an answer (an env update that
-        raised in a call), handled as one the pool finds itself: ``None`` if its process is
-        restarted (its fresh reset comes back ``interrupted``, as a step result), else the error
-        to raise (``RestartLimitError`` past the limits; the error itself with restarts off)."""
+        """A failure of ``worker_id``'s env the caller found in an answer (an env update that raised
+        in a call), handled as the pool's own: ``None`` if its process is restarted (its fresh reset
+        comes back ``interrupted``), else the error to raise (``RestartLimitError`` past the limits;
+        the error itself with restarts off)."""
         decision = self.fault([worker_id], error)
         return decision.error if isinstance(decision, GiveUp) else None
 
     def rebuild_envs(self, worker_ids: Sequence[int], error: EnvManagerError) -> EnvManagerError | None:
-        """The envs of ``worker_ids`` (one process's) raised inside a call their process answered
-        (a worker-side rollout): ``None`` if each is to be rebuilt in place (its ``generation``
-        raised now; remade by the caller's next call there, ``envs_here().rebuild``) or the
-        process restarted; else the error, as :meth:`report_failure`."""
+        """The envs of ``worker_ids`` (one process's) raised inside a call their process answered (a
+        worker-side rollout): ``None`` if each is rebuilt in place (``generation`` raised now; remade by
+        the caller's next call there, ``envs_here().rebuild``) or the process restarted; else the error."""
         decision = self.fault(worker_ids, error, rebuild=True)
         return decision.error if isinstance(decision, GiveUp) else None
 
@@ -401,16 +374,14 @@ class BatchEnvManager:
                     raise InvalidInputError(
                         f"worker {int(slots[first])} finished its episode; with autoreset_mode='disabled' reset it first")
             checker = self.actions
-            if as_given:
-                batch = list(actions) if per_slot else actions
-                if per_slot and len(batch) != n:
-                    raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
-            elif checker.space is not None:
-                batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
-            else:  # a space with no array layout: actions travel pickled, as given
+            if as_given and not per_slot:
+                batch = actions  # (from ``actions.exact``)
+            elif as_given or checker.space is None:  # each as given, or a space with no array layout: pickled
                 batch = list(actions)
                 if len(batch) != n:
                     raise InvalidInputError(f"expected {n} actions, got {len(batch)}")
+            else:
+                batch = checker.stack(list(actions), slots.tolist()) if per_slot else checker.batch(actions, slots)
             entries, joined = plan.requests, None
             if pool.supervisor.restarts and any(pool.processes[e[0]].boot is not None for e in entries):
                 # A process on its way back from a restart: its boot answers these slots (``join_boot``).
@@ -435,8 +406,8 @@ class BatchEnvManager:
                     raise InvalidInputError(f"actions cannot be sent: {exc!r}") from exc
             with DEFERRED:  # from the first slot marked in flight to the last request sent a Ctrl-C waits
                 self._state.sent(slots)
-                if joined is not None:
-                    self._join_boots(joined)
+                for index, _, own, _, _ in joined or ():  # never sent: the boot's fresh reset answers them
+                    pool.join_boot(index, Cmd.STEP, tuple(own))
                 now = time.monotonic()
                 if not board:
                     workers = pool.processes
@@ -452,21 +423,13 @@ class BatchEnvManager:
             self.closed_meanwhile(exc)  # (another thread's close() took what the call reached for)
             raise
 
-    def _join_boots(self, entries: Any) -> None:
-        """Steps of processes on their way back from a restart (a plan's ``entries``): never sent,
-        the boot's fresh reset answers their slots, ``interrupted`` (``WorkerPool.join_boot``)."""
-        for index, _, own, _, _ in entries:
-            self.pool.join_boot(index, Cmd.STEP, tuple(own))
-
     def receive_batch(self, min_count: int = 1, timeout: float | None = None, info_columns: bool = False) -> StepBatch:
         """Wait until ``min_count`` slots finished a step, take whatever else finished, and hand
         them out. Raises the first failed step (results that arrived with it stay for the next
         call). With nothing in flight that could finish, returns what arrived or raises at once.
         ``info_columns=True``: infos that came as columns stay so (``StepBatch.info_columns``).
-
-        ``timeout=None``: the manager's deadline per answer is the only clock (a process past
-        it is hung: restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait
-        too (see ``wait_for``)."""
+        ``timeout=None``: only the manager's deadline per answer (a process past it is hung:
+        restarted, or ``WorkerTimeoutError(hung=True)``); a number bounds this wait too."""
         state = self._state
         with DEFERRED:  # a Ctrl-C between taking answers and handing them out waits (``interrupts``)
             self._take(self.pool.wait(0.0))  # what has come: a busy parent's usual case, with no wait
@@ -543,13 +506,13 @@ class BatchEnvManager:
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``env.<name>(*args, **kwargs)`` (or read it, if not callable) on every slot."""
-        return self._calls.call_on(None, name, args, kwargs)
+        return self.call_on(None, name, args, kwargs)
 
     def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
                 kwargs: dict | None = None) -> list[Any]:
         """``call`` on the given slots only (``None``: all), results in that order; ``name`` may
         be a function, run in the worker as ``name(env, *args, **kwargs)``."""
-        return self._calls.call_on(worker_ids, name, args, kwargs)
+        return self._calls.receive(self._calls.send_call(worker_ids, name, args, kwargs))
 
     def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
         """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
@@ -580,10 +543,9 @@ class BatchEnvManager:
 
     def wait_for(self, done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
                  enough: Callable[[], bool] = lambda: False, can_finish: Callable[[], bool] | None = None) -> None:
-        """Take answers until ``done()``; ``late()`` names the slots whose processes may still
-        make it done. Raises at once when nothing in flight can (unless ``enough()``); one clock
-        per request (``timeout=None``: the pool's deadline). ``can_finish()``: a cheaper test
-        that something can, asked before ``late()``. See ``envmanager.core.waiting``."""
+        """Take answers until ``done()``; ``late()`` names the slots whose processes may still make it
+        done. Raises at once when nothing in flight can (unless ``enough()``; ``can_finish()``: a
+        cheaper test, asked before ``late()``). See ``envmanager.core.waiting``."""
         waiting.wait_for(self.pool, self._take, self._slot_process_list, done, timeout, what, late, enough, can_finish)
 
     def _busy_slots(self) -> list[int]:
@@ -591,8 +553,7 @@ class BatchEnvManager:
         return [s for w in self.pool.processes if w.busy and w.watched for s in w.env_ids]
 
     def _any_busy(self) -> bool:
-        """Whether any process that can still answer has something in flight (``_busy_slots``
-        without naming them: it stops at the first)."""
+        """``_busy_slots`` without naming them: it stops at the first."""
         return any(w.busy and w.watched for w in self.pool.processes)
 
     def watch_progress(self, progress: Callable[[list[int]], int] | None) -> None:
@@ -632,8 +593,8 @@ class BatchEnvManager:
         for c in completions:
             if c.request is not None and c.request.cmd in _CALLS:
                 self._calls.file(c)
-                continue
-            state.file(c)
+            else:
+                state.file(c)
         # The step board's answers: a replaced process answers through the ring first (its fresh
         # reset, ``interrupted``), so these come from the generation the slots already have.
         for slots in self._pool.take_steps():  # type: ignore[union-attr]
@@ -642,13 +603,11 @@ class BatchEnvManager:
             self._restarting = self._void_overwritten()
 
     def _void_overwritten(self) -> bool:
-        """While restarts are on their way back: once one's fresh reset is sent it may overwrite
-        its slots' rows, so what arrived for them and was not handed out is void — the reset
-        answers them, ``interrupted``, the seeds and options of voided resets joined into it
-        (``SlotState.void``), and cut short with the process should its restart be given up.
-        Until then what arrived is handed out as it is: the fresh reset is sent only by a later
-        wait, inside a later call. Returns whether a restart is still on its way back (looked at
-        again on every take until none is)."""
+        """Once a restart's fresh reset is sent it may overwrite its slots' rows: what arrived for
+        them and was not handed out is void and joins the boot (``SlotState.void``; voided resets
+        with their seeds and options), answered ``interrupted`` or cut short with the process.
+        Before that (a later wait, in a later call) it is handed out as it is. Returns whether a
+        restart is still on its way back (looked at again on every take until none is)."""
         pool = self._pool
         assert pool is not None
         self._restarts_seen = pool.supervisor.restarts

@@ -51,10 +51,6 @@ class EnvCalls:
     def clear(self) -> None:
         self._answers.clear()
 
-    def call_on(self, worker_ids: Sequence[int] | None, name: str | Callable[..., Any], args: tuple = (),
-                kwargs: dict | None = None) -> list[Any]:
-        return self.receive(self.send_call(worker_ids, name, args, kwargs))
-
     def send_call(self, worker_ids: Sequence[int] | None, name: str | EnvFunction | Callable[..., Any],
                   args: tuple = (), kwargs: dict | None = None) -> CallRequest:
         """Send a call of the env method ``name``, or of a function run in the worker as
