@@ -1,44 +1,17 @@
-"""How to lay ``n_env`` envs over worker processes on this machine: a small model of what each
-layout delivers, and the best of its candidates (``envs_per_worker="auto"``).
+"""How to lay ``n_env`` envs over worker processes on this machine (``envs_per_worker="auto"``):
+the candidate layouts, a small model of what each delivers, and the best of them.
 
 A layout is ``processes`` worker processes of ``envs_per_worker`` envs (the last may have fewer),
-each in one lane or two (double buffered: one half steps while the parent turns the other around).
+each in one lane or two (double buffered: one half steps while the parent turns the other
+around). The candidates, the model's costs and rates: see docs/guide/performance.md ("auto uses
+the machine"). In short: never more stepping processes than cores, never a core idle while envs
+wait packed in a process; a request costs the worker its envs' steps plus a constant, the parent
+its own Python per step and per process (notices and pipes cost more than the step board);
+where processes share cores a round trip is added and the cores' CPU caps the rate.
 
-**The candidates.** Even, CPU-bound envs on every core, never more stepping processes than
-cores, never a core idle while envs wait packed in a process: with ``n_env >= cores``, the fewest
-envs per process that fit ``cores - 1`` processes (the parent on a core of its own: every process
-spins, requests and answers go through the step board in shared memory), and those that fit
-``cores`` processes (the parent shares a core: nothing spins, requests and answers go through
-the pipes), each in one lane or, for callers that take partial batches, two. (Envs per process
-are whole: 64 envs on 15 processes make 13 of 5, the least the 15 can do. A lockstep step waits
-for the fullest process, so that costs a lockstep caller nothing.) With fewer envs than cores,
-one env per process.
-
-**What a request costs** (seconds, :class:`Costs`; an answer carries ``e`` env-steps):
-
-* the worker: ``e * (step + worker_env_s) + worker_s`` (its envs' steps, measured, and its own
-  overhead per request: constants);
-* the parent, to ask ``P`` processes for ``n`` env-steps and take their answers:
-  ``caller.step_s + parent_s + parent_process_s * P + caller.env_s * n`` -- on the board its
-  CPU hardly grows with the processes (one numpy operation asks a whole batch, one compare of
-  bytes finds every answer) --, plus ``caller.info_s`` where the envs return infos (the
-  caller's batched infos), ``notice_s`` per process whose answer comes as a notice (infos the
-  board's rows cannot hold, or everything on the pipes) and ``pipe_s`` per process on the
-  pipes (a request written, an answer read);
-* where a process sleeps between requests (the pipes), a round trip ``round_trip_s``: a ping
-  between two processes asleep on their pipes.
-
-**The rates.** Own cores (``P + 1 <= cores``): a lockstep step takes the parent's turnaround
-plus the fullest process's request: ``n / (parent(P, n) + worker(k))``. Shared cores: the same
-plus a round trip, and never more than the cores' CPU gives (the envs, the overheads, the
-parent and the pipes' messages share them). A caller taking partial batches turns each answer
-around on its own (``parent(1, e)``): one lane waits it out, two overlap it with the other
-half's step; the parent, answering one at a time, caps the sum.
-
-The costs are measured where the layout is chosen (``envmanager.core.auto``: the step and the
-ping in the throwaway process, the board's operations in this one); the worker's overhead and
-the callers' own Python are constants, documented where they are defined. ``python -m
-benchmarks.scaling --check`` compares predictions with runs.
+The costs are measured where the layout is chosen (``envmanager.core.auto``); the worker's
+overhead and the callers' own Python are constants, documented where they are defined.
+``python -m benchmarks.scaling --check`` compares predictions with runs.
 """
 
 from __future__ import annotations
@@ -63,9 +36,8 @@ class Costs:
     #: measured by ``auto``): 5-12 µs per request measured in process on the 2-core VM.
     worker_s: float = 8e-6
     worker_env_s: float = 1e-6
-    #: The parent's CPU per answer that comes as a notice (infos the board cannot hold, or any
-    #: answer on the pipes): taken, decoded and filed one process at a time: a constant (10-13 µs
-    #: per answer in process on the 2-core VM).
+    #: The parent's CPU per answer that comes as a notice (infos the board cannot hold, or any answer
+    #: on the pipes), filed one process at a time: a constant (10-13 µs measured on the 2-core VM).
     notice_s: float = 10e-6
     board: bool = True  # whether the step board works here (x86: ``envmanager.wire.mailbox``)
 
@@ -76,13 +48,10 @@ DEFAULT_COSTS = Costs()
 @dataclass(frozen=True)
 class Caller:
     """Who steps the envs, as the model needs it: its own Python per step on top of the board's
-    (``step_s``: checking the actions, filing the answers, handing them out), per env-step
-    (``env_s``: a ``StepInfo`` per env-step costs more than a row of an array) and per step
-    where the envs return infos (``info_s``: gymnasium's batched infos, SB3's dicts), and
-    whether it steps in lockstep. Constants: the caller's ``step()`` against stand-in workers
-    answering at once, in process on the 2-core VM, less the board's own operations
-    (``benchmarks.parent``: the drop-in's ``step()`` 16-33 µs at one process, 17-20 µs more
-    with a ``{"t": n}`` info per env)."""
+    (``step_s``), per env-step (``env_s``: a ``StepInfo`` costs more than a row of an array) and
+    per step where the envs return infos (``info_s``), and whether it steps in lockstep.
+    Constants: its ``step()`` against stand-ins answering at once, on the 2-core VM, less the
+    board's own operations (``benchmarks.parent``)."""
 
     name: str
     step_s: float

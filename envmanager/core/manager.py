@@ -1,14 +1,7 @@
-"""``SubprocessEnvManager``: environments in worker processes, results as soon as they are ready.
-
-Each worker process gets commands over its own pipe and posts answers on one shared step
-queue (see ``envmanager.core.pool`` and ``envmanager.wire``). ``step()`` queues a step only for
-slots that are idle, then returns as soon as at least one has finished, as ``StepInfo``\\ s.
-Every wait has a deadline; a dead or hung worker becomes a clear exception naming it, or is
-restarted within limits.
-
-This module is the StepInfo level; the batch level it is built on (``send_batch`` /
-``receive_batch``, ``send_reset`` / ``receive_resets``), which the adapters use, is
-``envmanager.core.batch``.
+"""``SubprocessEnvManager``, the StepInfo level: ``step()`` queues a step for every idle slot,
+then returns as soon as at least one has finished, as ``StepInfo``\\ s. Every wait has a
+deadline; a dead or hung worker becomes a clear exception naming it, or is restarted within
+limits. The batch level it is built on, which the adapters use, is ``envmanager.core.batch``.
 """
 
 from __future__ import annotations
@@ -38,9 +31,8 @@ class SubprocessEnvManager(BatchEnvManager):
         env_factory: ``env_factory(worker_id) -> env``, a gymnasium-style env. Cloudpickled.
         n_env: number of environment slots (``worker_id`` 0 .. n_env-1).
         envs_per_worker: slots hosted by one process (stepped together, as one message), or
-            ``"auto"``: chosen from one env's step cost measured at start-up in a throwaway
-            process (``envmanager.core.auto``). Default 1: one process per slot, so a slot's
-            crash or hang touches only that slot (the drop-ins default to ``"auto"``).
+            ``"auto"``: chosen from one env's step cost measured at start-up (``core.auto``).
+            Default 1: a slot's crash or hang touches only that slot (the drop-ins: ``"auto"``).
         context: multiprocessing start method: ``"fork"``, ``"forkserver"``, ``"spawn"``; by
             default ``"fork"`` on Linux, ``"spawn"`` on macOS and Windows (``platforms``).
         shared_memory: keep observations, rewards, flags and actions in shared memory.
@@ -53,14 +45,12 @@ class SubprocessEnvManager(BatchEnvManager):
         policy: ``policy(step_info) -> action``, used by ``step()`` when no actions are given.
         daemon: start workers as daemonic processes (they cannot start multiprocessing children).
         spin_s: the most seconds an idle worker polls for its next command before it blocks, and
-            the parent for the next answer; each spins about twice as long as its waits typically
-            take, at most this (``envmanager.wire.spin``). Default: 2 ms when every worker
-            process and the parent have a core of their own (this process's CPU affinity), else 0
-            (spinning processes that outnumber the cores slow everything down).
+            the parent for the next answer (each about twice its typical wait: ``wire.spin``).
+            Default: 2 ms when every worker process and the parent have a core of their own (this
+            process's CPU affinity), else 0 (spinning processes outnumbering the cores slow all).
         double_buffer: split each process's slots into two lanes, each answered on its own: the
-            worker steps one half while the parent turns the other around. Pays
-            where the parent has a core of its own; ``"auto"``: on when there are more usable
-            cores than worker processes (``envmanager.core.auto.choose_double_buffer``).
+            worker steps one half while the parent turns the other around (pays where the parent
+            has a core of its own); ``"auto"``: on when usable cores outnumber worker processes.
         generations: each slot's generation to go on from: a manager in place of a lost one (a
             Ray node's players) counts their restarts so far, the last one just now.
     """

@@ -1,13 +1,6 @@
 """The state of every env slot, and the parent's half of the STEP and RESET answers.
 
-One status per slot (``worker_id`` is a slot)::
-
-    NEEDS_RESET ──send_reset──► IN_FLIGHT ──answer──► ARRIVED ──hand out──► IDLE
-         ▲                         ▲   ▲                  │                  │
-         └── its env failed        │   └─── void ─────────┘                  │
-                                   │   (its process's fresh reset was sent)  │
-                                   └────────────── send_batch ───────────────┘
-
+One status per slot (``worker_id`` is a slot; its transitions: docs/architecture.md, State).
 What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
 set), their non-empty infos, which were interrupted by a restart, and the errors to raise; and
 each slot's generation as its latest answer's stamp says (``generations``; the step board's are
@@ -53,7 +46,8 @@ _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (on
 
 
 def _rows(slots: tuple[int, ...]) -> slice | list[int]:
-    """Where a request's slots (ascending) are in a per-slot array: a slice when contiguous."""
+    """Where a request's slots (ascending) are in a per-slot array: a slice (numpy's cheapest
+    index) when contiguous, as a lane's are."""
     first, last = slots[0], slots[-1]
     return slice(first, last + 1) if last - first + 1 == len(slots) else list(slots)
 
@@ -149,11 +143,7 @@ class SlotState:
             return
         if not slots:
             return
-        first, last = slots[0], slots[-1]
-        if last - first + 1 == len(slots):  # contiguous (a lane): a slice is numpy's cheapest index
-            self.status[first : last + 1] = ARRIVED
-        else:
-            self.status[list(slots)] = ARRIVED
+        self.status[_rows(slots)] = ARRIVED
         if is_reset:
             self.arrived_resets.update(slots)
         else:
@@ -185,9 +175,8 @@ class SlotState:
 
     def void(self, slots: tuple[int, ...]) -> tuple[list[int], list[tuple[int, Any, Any]]]:
         """A restart's fresh reset overwrites the rows of ``slots`` (its process's): what arrived
-        for them and was not handed out is void, in flight again — the reset answers them,
-        ``interrupted`` (``_file_interrupted``). Returns the voided steps' slots and the voided
-        resets' ``(slot, seed, options)``: they join the restart as requests it cut short."""
+        for them and was not handed out is in flight again, to be answered by the reset. Returns
+        the voided steps' slots and resets' ``(slot, seed, options)``, to join the restart."""
         status = self.status
         hit = [s for s in slots if status[s] == ARRIVED]
         if not hit:
