@@ -16,27 +16,12 @@ __all__ = ["Completion", "worker_error", "refused_error"]
 
 
 class Completion:
-    """A finished request of one worker process.
+    """A finished request of one worker process: its decoded ``answer``, or the ``error`` it failed
+    with as a whole. ``interrupted`` marks the reset that ends a restart: it answers the requests
+    the failure cut short (``request``: the first). ``slots``: those the answer is for (a
+    restart's reset: all it reset). A plain class with slots: one per answer on the hot path."""
 
-    ``answer`` is the decoded answer message; ``error`` is set when the request failed as a
-    whole. ``interrupted`` marks the reset that ends a restart: it answers the requests the
-    failure cut short (``request``: the first of them). ``slots``: the slots
-    the answer is for (the request's; a restart's reset: all it reset), their generations in the
-    answer (``Stepped.generations``, the worker's stamp). A plain class with slots, made once per
-    answer on the hot path.
-    """
-
-    __slots__ = (
-        "answer",
-        "error",
-        "interrupted",
-        "posted_at",
-        "received_at",
-        "request",
-        "sent_at",
-        "slots",
-        "worker",
-    )
+    __slots__ = ("answer", "error", "interrupted", "posted_at", "received_at", "request", "sent_at", "slots", "worker")
 
     def __init__(self, worker: WorkerProcess, request: EnvironmentRequest | None, answer: Any = None,
                  error: EnvManagerError | None = None, posted_at: float = 0.0, received_at: float = 0.0,

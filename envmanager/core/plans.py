@@ -17,6 +17,7 @@ __all__ = ["BatchPlans", "BatchPlan", "Requests", "refuse_slots", "reset_plan", 
 
 # Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
 _NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
+_LIMIT = 1024  # the most plans cached
 
 #: Per request (one per process, or per lane of a double-buffered process: the worker answers
 #: the first lane before it steps the second): the process index, the lane (a bit mask), its
@@ -35,12 +36,11 @@ class BatchPlan(NamedTuple):
 
 
 class BatchPlans:
-    """The plan of every batch of slots asked for so far (up to ``limit`` of them)."""
+    """The plan of every batch of slots asked for so far (up to ``_LIMIT`` of them); each slot's
+    process, local index and lane (a mask)."""
 
-    def __init__(self, slot_process: list[int], slot_local: list[int], slot_lanes: list[int] | None = None,
-                 limit: int = 1024) -> None:
-        self.slot_process, self.slot_local, self.limit = slot_process, slot_local, limit
-        self.slot_lanes = slot_lanes or [1] * len(slot_process)  # each slot's lane, as a mask
+    def __init__(self, slot_process: list[int], slot_local: list[int], slot_lanes: list[int]) -> None:
+        self.slot_process, self.slot_local, self.slot_lanes = slot_process, slot_local, slot_lanes
         self._plans: dict[bytes, BatchPlan] = {}
 
     def get(self, slots: np.ndarray) -> BatchPlan:
@@ -66,7 +66,7 @@ class BatchPlans:
             locals_ = tuple(self.slot_local[s] for s in process_slots)
             requests.append((index, lanes, process_slots, (locals_, rows), raw_locals(locals_)))
         plan = BatchPlan(requests, np.array(sorted({index for index, *_ in requests}), dtype=np.int64))
-        if len(self._plans) < self.limit:
+        if len(self._plans) < _LIMIT:
             self._plans[slots.tobytes()] = plan
         return plan
 
@@ -117,6 +117,4 @@ def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int
 
 def row_of(batch: Any, k: int, space: Any) -> Any:
     """Row ``k`` of a batch (one env's action, for actions that travel pickled)."""
-    if space is None:
-        return batch[k]
-    return shm.tree_map(lambda a: a[k], batch)
+    return batch[k] if space is None else shm.tree_map(lambda a: a[k], batch)

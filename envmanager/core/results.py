@@ -21,12 +21,9 @@ class StepResult(NamedTuple):
 
 
 class StepTimings(NamedTuple):
-    """Where the time went, in seconds.
-
-    ``env``: inside the environment's ``step``/``reset`` in the worker; ``queued``: from the
-    worker posting the result until the parent took it; ``round_trip``: from sending the
-    command until the result was taken.
-    """
+    """Where the time went, in seconds: ``env`` inside the environment's ``step``/``reset`` in the
+    worker; ``queued`` from the worker posting the result until the parent took it;
+    ``round_trip`` from sending the command until the result was taken."""
 
     env: float = 0.0
     queued: float = 0.0
@@ -37,11 +34,9 @@ class StepInfo(NamedTuple):
     """One finished environment step, as returned by ``SubprocessEnvManager.step``.
 
     ``previous_result`` is the result the action was chosen from (``None`` right after a reset),
-    ``current_result`` the result it led to. ``interrupted`` marks a result that comes from a
-    restarted worker: the episode was cut short and ``current_result`` is a fresh reset.
-    ``generation`` is the slot's generation when it answered (``generation(worker_id)`` then:
-    how often its env had been replaced); an answer of a newer generation than the one before
-    comes from a fresh env.
+    ``current_result`` the result it led to. ``interrupted`` marks a result from a restarted
+    worker: the episode was cut short and ``current_result`` is a fresh reset. ``generation``:
+    how often the slot's env had been replaced when it answered (a newer one: a fresh env).
     """
 
     worker_id: int
@@ -69,13 +64,11 @@ class StepBatch(NamedTuple):
 
     Their observations, rewards and flags are rows ``slots`` of the manager's ``results``
     arrays (shared memory when it is on): read them before sending those slots again.
-    ``infos`` holds the non-empty info dicts by slot; ``interrupted`` the slots whose result is
-    the fresh reset of a restarted worker; ``resets`` the slots whose result is a reset;
-    ``info_columns`` the infos that came as columns, when the receiver asked for them so
-    (``receive_batch(info_columns=True)``; else they are in ``infos`` as dicts).
-    ``generations`` is the manager's array of every slot's generation as of its latest answer
-    (``generation(worker_id)`` when it answered): rows ``slots`` are this batch's, valid as the
-    ``results`` rows are (no copy is made per batch).
+    ``infos``: the non-empty info dicts by slot; ``interrupted``: slots whose result is the fresh
+    reset of a restarted worker; ``resets``: slots whose result is a reset; ``info_columns``: the
+    infos that came as columns, with ``receive_batch(info_columns=True)`` (else in ``infos``).
+    ``generations``: the manager's array of every slot's generation as of its latest answer; rows
+    ``slots`` are this batch's, valid as the ``results`` rows are (no copy per batch).
     """
 
     slots: np.ndarray

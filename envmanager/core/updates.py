@@ -1,31 +1,15 @@
-"""One versioned log of env updates, and the one function that applies them in a worker.
+"""One versioned log of env updates (:class:`UpdateLog`, once per layer), and :func:`apply`, which
+runs them in a worker. An **env update** is a picklable ``fn(env)`` for every slot, or a list
+with one per slot (``None``: nothing for that slot); a slot's env gets them when its next episode
+starts, never mid-episode, and a fresh env starts at version 0 and gets every update again, in
+order. The flow, and the Ray driver's slices (:class:`Pickled`): see docs/architecture.md.
 
-An **env update** is a picklable ``fn(env)`` for every slot, or a list with one per slot
-(``None``: that slot has nothing to do). The samplers apply updates to a slot's env when its
-next episode starts, never mid-episode, so every episode has one env version; a fresh env (a
-restarted process, a restarted Ray node) starts at version 0 and gets every update again, in
-order. :class:`UpdateLog` is where that history lives, once per layer:
-
-* ``record(update)`` checks the update and pickles it (cloudpickle: closures too) **before** it
-  is recorded: input that is not an update, or does not pickle, raises ``InvalidInputError``
-  and leaves the log and its version as they were, so no worker or node ever hears of it;
-* ``due(slot, have)``: what a slot's env at version ``have`` still needs (a :class:`Due`);
-* :func:`apply` runs a ``Due`` on an env, in its worker: through a call (``call_on``, the
-  parent-side sampler) and inside the worker's rollout (the worker-side sampler) alike.
-
-The Ray driver keeps one log for every global slot and hands each node its slice of an entry as
-:class:`Pickled` (recorded by the node's own log as it is, not pickled again), so a node's env
-version is the driver's.
-
-Not in this log: the core's **replayed calls** (``WorkerPool.replay_calls``, set through
-``set_replay_calls``; the ML-Agents managers keep their env parameters, engine settings and
-analytics there). They are a different thing: *state*, not history. They are replaced as a
-whole whenever a setting changes (the newest env parameters, not every change made to them),
-applied to live envs at once rather than at episode boundaries, carry no version (no episode is
-stamped with them), and are replayed into a restarted process *before* the reset that answers
-the requests it lost. A log of every change would replay the whole curriculum into each
-restart and grow without end; a snapshot of settings cannot express ``fn(env)`` updates, which
-do not commute.
+Not in this log: the core's **replayed calls** (``set_replay_calls``: the ML-Agents managers' env
+parameters, engine settings, analytics). They are *state*, not history: replaced as a whole,
+applied to live envs at once, versionless (no episode is stamped with them), and replayed into a
+restarted process *before* the reset that answers the requests it lost. A log of every change
+would replay the whole curriculum into each restart and grow without end; a snapshot of
+settings cannot express ``fn(env)`` updates, which do not commute.
 """
 
 from __future__ import annotations
@@ -69,8 +53,8 @@ class Due(NamedTuple):
 
 
 class UpdateLog:
-    """Every env update of ``n_slots`` slots so far, versioned 1, 2, ... (thread-safe: updates
-    may come from a learner thread while a collection reads what is due)."""
+    """Every env update of ``n_slots`` slots so far, versioned 1, 2, ... (thread-safe: a learner
+    thread may record while a collection reads what is due)."""
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = int(n_slots)
@@ -122,18 +106,16 @@ class UpdateLog:
             return Due(max(have, len(self._entries)), updates)
 
 
-#: In a worker: how far an env got through updates when one of them raised (env -> every version
-#: below the one that raised is applied). The caller's version stays what it was, so the next
-#: ``apply`` on the same env object goes on from here instead of running the earlier ones again
-#: (``fn(env)`` updates need not be idempotent). A rebuilt or restarted env is another object.
+#: In a worker: how far an env got through updates when one of them raised, so the next ``apply``
+#: on the same env object goes on from there (``fn(env)`` updates need not be idempotent; the
+#: caller's version stays what it was). A rebuilt or restarted env is another object.
 _REACHED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def apply(env: Any, due: Due | Sequence[Any], have: int) -> int:
-    """Run in the worker: each update of ``due`` newer than ``have`` on ``env``, in order;
-    returns the version the env then has. An update that raises propagates (the caller's
-    failure path decides; the env's version is then what it was, and the updates before the
-    one that raised are not run again on this env object)."""
+    """Run in the worker: each update of ``due`` newer than ``have`` on ``env``, in order; returns
+    the version the env then has. An update that raises propagates (the caller's failure path
+    decides; the updates before it are not run again on this env object: ``_REACHED``)."""
     version, updates = due
     try:
         have = max(have, _REACHED.pop(env, 0))
