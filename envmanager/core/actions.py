@@ -73,9 +73,7 @@ class ActionChecker:
         (dicts rebuilt in the space's key order, Tuple items as a tuple), else ``None``. Values
         are not checked: such a batch reaches each env through shared memory exactly as
         gymnasium's ``iterate`` would hand its rows over (the gymnasium drop-in's fast path)."""
-        if self.space is None:
-            return None
-        return _exact(self.space, actions, n)
+        return None if self.space is None else _exact(self.space, actions, n)
 
     def stack(self, per_slot: list[Any], slots: list[int]) -> Any:
         """The same for one action per slot, stacked into a batch first."""

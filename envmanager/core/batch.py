@@ -643,11 +643,10 @@ class BatchEnvManager:
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent."""
         pool = self._pool
-        if pool is not None and not pool.owned:  # a copy in a child forked with os.fork
-            pool.close(timeout)  # (drops its references only: workers and shared memory are the parent's)
-            return  # (``_pool`` kept: a later close() in this child comes here again, not to the owner's part)
         if pool is not None:
             pool.close(timeout)  # a close cut short (Ctrl-C) leaves ``_pool`` set: the next close() finishes it
+            if not pool.owned:  # a copy in a child forked with os.fork: it dropped its references only (workers
+                return  # and shared memory are the parent's); ``_pool`` kept, so a later close() comes here again
             self._pool = None
             if self._finalizer is not None:
                 self._finalizer.detach()  # (the registry lets the closed pool go)

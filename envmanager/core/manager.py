@@ -169,15 +169,8 @@ class SubprocessEnvManager(BatchEnvManager):
             result = StepResult(obs, rewards[slot], terms[slot], truncs[slot], infos.get(slot, {}))
             fresh = slot in resets and slot not in interrupted
             previous = last[slot]
-            info = StepInfo(
-                slot,
-                None if fresh or previous is None else previous.current_result,
-                result,
-                actions.pop(slot, None),
-                StepTimings(*timings(slot)),
-                slot in interrupted,
-                generations[slot],
-            )
+            info = StepInfo(slot, None if fresh or previous is None else previous.current_result, result,
+                            actions.pop(slot, None), StepTimings(*timings(slot)), slot in interrupted, generations[slot])
             last[slot] = info
             out.append(info)
         return out
