@@ -118,7 +118,6 @@ class SlotState:
             self._fail(cut, [c.error], is_reset)
             return
         answer: Stepped = c.answer
-        index = c.worker.index
         slots = c.slots  # a tuple, ascending (a request's slots)
         stamp = answer.generations
         if stamp is not None:
@@ -134,20 +133,18 @@ class SlotState:
         elif answer.infos or answer.failures or answer.observations is not None or answer.scalars is not None:
             failed = self._file_extras(answer, slots, "reset" if is_reset else "step")
             if answer.failures:
-                failed.update({slots[n]: worker_error(f, index) for n, f in answer.failures.items()})
+                failed.update({slots[n]: worker_error(f, c.worker.index) for n, f in answer.failures.items()})
             if failed:
                 self._fail(list(failed), list(failed.values()), is_reset)
                 slots = tuple(s for s in slots if s not in failed)
         if c.interrupted:  # a restart reset every env: those owed a reset come back as resets, the rest as steps
             self._file_interrupted(list(slots))
-            return
-        if not slots:
-            return
-        self.status[_rows(slots)] = ARRIVED
-        if is_reset:
-            self.arrived_resets.update(slots)
-        else:
-            self.arrived.extend(slots)
+        elif slots:
+            self.status[_rows(slots)] = ARRIVED
+            if is_reset:
+                self.arrived_resets.update(slots)
+            else:
+                self.arrived.extend(slots)
 
     def stamp(self, slots: tuple[int, ...], generations: tuple[int, ...]) -> None:
         """``slots`` are of ``generations`` (the worker's stamp on their answer)."""
