@@ -51,7 +51,6 @@ from envmanager.worker.envs import DISABLED, NEXT_STEP
 __all__ = ["BatchEnvManager", "SlotStatus"]
 
 
-_FAILED = ProcessState.FAILED  # (a process given up: its error is the supervisor's)
 _CALLS = (Cmd.CALL, Cmd.GET_ATTR, Cmd.SET_ATTR)
 #: The most a waiter spins before it blocks, where every process and the parent have a core of
 #: their own: the spins are sized from the waits seen (``envmanager.wire.spin``), this caps them.
@@ -362,7 +361,7 @@ class BatchEnvManager:
             if pool.supervisor.first_failure() is not None:  # (a failed process's slots may look idle)
                 workers = pool.processes
                 for index, _, _, _, _ in plan.requests:
-                    if workers[index].state is _FAILED:  # (its error was recorded before it was marked so)
+                    if workers[index].state is ProcessState.FAILED:  # (given up; its error recorded before)
                         raise workers[index].failure  # type: ignore[misc]
             shared = self.results.action
             pickled = as_given and per_slot  # each as given: no array layout to write them into
@@ -442,9 +441,8 @@ class BatchEnvManager:
             return state.hand_out(info_columns)
 
     def receive_unreceived(self) -> StepBatch | None:
-        """What arrived with nobody to receive it — a worker restarted while idle: its fresh
-        reset, ``interrupted`` — received now with whatever else came (``receive_batch(0)``);
-        ``None`` if nothing did (``unreceived``)."""
+        """What arrived with nobody to receive it (a worker restarted while idle: its fresh reset,
+        ``interrupted``) and whatever else came, as ``receive_batch(0)``; ``None`` if nothing did."""
         return self.receive_batch(0) if self._state.arrived else None
 
     def timings(self, worker_id: int) -> tuple[float, float, float]:
@@ -524,8 +522,7 @@ class BatchEnvManager:
 
     def send_call(self, name: str | EnvFunction | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                   worker_ids: Sequence[int] | None = None) -> CallRequest:
-        """Send ``call`` without waiting; ``receive_call`` collects the answers. ``name`` may be a
-        function, run in the worker as ``name(env, *args, **kwargs)`` (as for ``call_on``)."""
+        """Send ``call_on`` without waiting (``name`` as there); ``receive_call`` collects the answers."""
         return self._calls.send_call(worker_ids, name, args, kwargs)
 
     def receive_call(self, request: CallRequest, timeout: float | None = None) -> list[Any]:

@@ -87,8 +87,7 @@ class SlotState:
         self.observation_list: list[Any] | None = None
 
     def attach(self, results: shm.SharedBuffers, observation_list: list[Any] | None, board: Mailboxes | None) -> None:
-        """Where results that travel pickled are written (the parent's copy); ``board``: the
-        mailboxes, if steps go on their step board (their answers' infos and timings stay there)."""
+        """Where results that travel pickled are written (the parent's copy), and the step board."""
         self.results, self.observation_list = results, observation_list
         self.board = board
 
