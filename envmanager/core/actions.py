@@ -19,8 +19,6 @@ from envmanager.errors import InvalidInputError
 
 __all__ = ["ActionChecker"]
 
-_INTEGER_KINDS = "iub"
-_NUMBER_KINDS = "iubf"
 #: Up to this many actions, a Discrete batch's range is checked on Python ints (measured: 4 values
 #: 0.4 us against 2.1 us for numpy's min and max; even at ~64).
 _FEW = 32
@@ -164,7 +162,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
         raise InvalidInputError(f"actions{where} have shape {arr.shape}, expected {shape} ({n} worker(s) × {space.shape})")
     kind = arr.dtype.kind
     if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
-        if kind not in _INTEGER_KINDS:
+        if kind not in "iub":  # (integers and bools)
             bad = _first_bad(arr, ~np.isclose(arr, np.round(arr)) if kind in "fc" else None)
             what = f"{arr.dtype} values" if bad is None else f"{arr.reshape(n, -1)[bad][0]!r}"
             raise InvalidInputError(_at(slots, bad, where) + f"{what} for {space}: integer actions only")
@@ -180,7 +178,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
             raise InvalidInputError(_at(slots, bad, where) + f"value {arr.reshape(n, -1)[bad].tolist()} is outside {space}")
         return arr.astype(space.dtype, copy=False)
     if isinstance(space, spaces.Box):
-        if kind not in _NUMBER_KINDS:
+        if kind not in "iubf":
             raise InvalidInputError(f"actions{where} of dtype {arr.dtype} for {space}: numbers only")
         if kind == "f":
             bad = _first_bad(arr, np.isnan(arr))
