@@ -365,7 +365,8 @@ class BatchEnvManager:
                         raise workers[index].failure  # type: ignore[misc]
             shared = self.results.action
             pickled = as_given and per_slot  # each as given: no array layout to write them into
-            board = pool.mailboxes is not None and shared is not None and not pickled  # on the step board
+            written = shared is not None and not pickled  # into shared memory, one numpy operation per array
+            board = written and pool.mailboxes is not None  # then asked for on the step board
             if self._disabled:
                 ended = self.results.terminated[slots] | self.results.truncated[slots]
                 if ended.any():
@@ -387,7 +388,7 @@ class BatchEnvManager:
                 joined = [e for e in entries if pool.processes[e[0]].boot is not None]
                 entries = [e for e in entries if pool.processes[e[0]].boot is None]
             requests = []
-            if board or (shared is not None and not pickled):  # one numpy operation per array, whatever the number of processes
+            if written:
                 if type(shared) is np.ndarray:
                     shared[slots] = batch
                 else:
