@@ -335,17 +335,14 @@ class BatchEnvManager:
     # Stepping
 
     def send_batch(self, slots: Sequence[int] | np.ndarray, actions: Any, per_slot: bool = False, as_given: bool = False) -> Any:
-        """Check ``actions`` for ``slots`` and send them, one request per process; returns the
-        batch as the envs get it (converted to the space's dtype; rows in ``slots`` order).
+        """Check ``actions`` for ``slots`` and send them, one request per process; returns the batch as
+        the envs get it (in the space's dtype; rows in ``slots`` order). ``actions``: a batch whose first
+        axis runs over ``slots``, or with ``per_slot=True`` one action per slot (docs/guide/batch-level.md).
+        All is checked before the first send: bad input reaches no worker.
 
-        ``actions`` is a batch whose first axis runs over ``slots`` (dicts / tuples of arrays
-        for Dict / Tuple spaces), or with ``per_slot=True`` a sequence of one action per slot.
-        Everything is checked before the first send: bad input reaches no worker.
-
-        ``as_given=True``: no check against the space; every env gets exactly what it is given
-        (the gymnasium drop-in, whose envs judge their actions as gymnasium's do). Per-slot
-        actions then travel pickled; a batch must come from ``actions.exact`` (arrays of the
-        space's very layout, written to shared memory unchanged).
+        ``as_given=True``: no check against the space; every env gets exactly what it is given (the
+        gymnasium drop-in, whose envs judge their actions as gymnasium's do). Per-slot actions then
+        travel pickled; a batch must come from ``actions.exact`` (written to shared memory unchanged).
         """
         try:
             pool = self.pool
