@@ -107,13 +107,11 @@ class SubprocessEnvManager(BatchEnvManager):
     # Stepping
 
     def step(self, actions: Mapping[int, Any] | Sequence[Any] | None = None, timeout: float | None = None) -> list[StepInfo]:
-        """Queue a step for every idle slot, then return as soon as at least one finished.
-
-        ``actions`` is a mapping ``worker_id -> action`` (idle slots missing from it stay
-        idle), a sequence with one action per slot (entries of busy slots are ignored), or
-        ``None`` to ask the policy. Everything is checked before any worker is sent anything.
-        Raises the first failure of a worker (its other results wait for the next call).
-        """
+        """Queue a step for every idle slot, then return as soon as at least one finished
+        (docs/guide/step-semantics.md). ``actions``: a mapping ``worker_id -> action`` (idle slots
+        missing from it stay idle), a sequence with one per slot (busy slots' entries are ignored),
+        or ``None`` to ask the policy. All is checked before any worker is sent anything. Raises
+        the first failure of a worker (its other results wait for the next call)."""
         self.send_step(self._choose_actions(actions))
         return self.receive_steps(timeout)
 
@@ -180,12 +178,9 @@ class SubprocessEnvManager(BatchEnvManager):
 
     def reset(self, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None,
               timeout: float | None = None) -> list[StepInfo]:
-        """Reset every slot and return their StepInfos (``previous_result`` is ``None``).
-
-        Steps still in flight are waited out (with the deadline) and their results dropped;
-        they are never returned later. ``seed`` is one int (slot ``i`` gets ``seed + i``), a
-        list with one seed per slot, or ``None``.
-        """
+        """Reset every slot and return their StepInfos (``previous_result`` is ``None``). Steps in
+        flight are waited out (with the deadline) and their results dropped, never returned later.
+        ``seed``: one int (slot ``i`` gets ``seed + i``), a list with one per slot, or ``None``."""
         seeds = seeds_for(seed, self.n_env)
         with DEFERRED:  # (its waits stay interruptible; a reset() cut short is called again)
             self.drop_in_flight(timeout)
