@@ -1,16 +1,11 @@
 """``Sampler``: trajectories from envs in worker processes, for a learner.
 
 The policy lives in the parent: one batched ``get_actions(observations, worker_ids)`` call over
-whichever slots are ready (first-ready, partial batches). Built on the core's batch level
-(``send_batch`` / ``receive_batch``, ``send_reset`` / ``receive_reset_batch``) with autoreset
-off, so the sampler decides when an episode starts: that is where env updates are applied and
-where exact-episode admission is decided (see ``envmanager.sampler.episodes``).
-
-Each slot's episode is one record (``envmanager.sampler.slots``), moved only by what the core
-hands back: a reset or step answer, an answer from a restarted process (the episode is cut,
-kept and flagged), or an error (the episode failed; the error is raised). Faults take the
-core's one failure path: an env that raises, a process that dies or hangs is restarted within
-the manager's restart policy, or its error names the slot and process.
+whichever slots are ready. Built on the core's batch level with autoreset off, so the sampler
+decides when an episode starts: where env updates apply and exact-episode admission is decided
+(``envmanager.sampler.episodes``). Each slot's episode is one record (``envmanager.sampler.slots``),
+moved only by what the core hands back: an answer, an answer from a restarted process (the
+episode is cut, kept and flagged), or an error (the episode failed; the error is raised).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from envmanager.sampler.episodes import EpisodeQuotas, Goal, SampleCount, StepCo
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
 from envmanager.sampler.stats import Stats
-from envmanager.sampler.versions import Versions
+from envmanager.sampler.versions import SamplerBase, Versions
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.worker.envs import DISABLED
@@ -48,7 +43,7 @@ _T = TypeVar("_T")
 NONE, STARTING, READY, STEPPING = EpisodeState.NONE, EpisodeState.STARTING, EpisodeState.READY, EpisodeState.STEPPING
 
 
-class Sampler:
+class Sampler(SamplerBase):
     """Collect transitions or whole episodes with a parent-side policy.
 
     Args:
@@ -95,23 +90,14 @@ class Sampler:
         answered = self.manager.answered_generations
         for slot in range(n):  # the envs as their latest answers say (a process restarted at start-up, a manager used before)
             self.episodes.replaced(slot, int(answered[slot]))
-        self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count, noted
+        self.stats.count_total("worker_restarts", self.manager.restarts)  # (noted: the first call only notes it)
         self.policy = policy
         self.progress = progress
-        self.versions = Versions(n)  # the env update log and the newest policy (update() may come from a learner thread)
+        self.versions = Versions(n)
         self._acting_version = 0
 
     # ------------------------------------------------------------------------------------------
     # Versions and updates
-
-    @property
-    def policy_version(self) -> int:
-        """The newest policy version (applied before the next action is chosen)."""
-        return self.versions.agent_version
-
-    @property
-    def env_version(self) -> int:
-        return self.versions.env_version
 
     @property
     def cut_episodes(self) -> list[int]:
@@ -122,13 +108,11 @@ class Sampler:
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """Queue a new policy and/or env update; returns ``(policy_version, env_version)``.
 
-        ``agent_update`` goes to ``policy.set_param_values`` (or ``load_state_dict``) if the
-        policy has one, else it replaces the policy; it applies before the next action choice
-        (thread-safe: a learner thread may call this). ``version`` sets the policy version
-        (default: one more). ``env_update``: a picklable ``fn(env)``, or a list with one per
-        worker, run in the worker before each slot's next episode starts, never mid-episode
-        (and again, with every earlier one, in a restarted worker). An update that is not one
-        or does not pickle raises ``InvalidInputError`` and changes no version.
+        ``agent_update`` goes to the policy's ``set_param_values`` / ``load_state_dict``, or
+        replaces it, before the next action choice (thread-safe: a learner thread may call this);
+        ``version`` defaults to one more. ``env_update``: a picklable ``fn(env)``, or one per
+        worker, run before each slot's next episode starts (a restarted worker reruns them all).
+        One that does not pickle raises ``InvalidInputError`` and changes no version.
         """
         return self.versions.update(agent_update, env_update, version)
 
@@ -154,7 +138,7 @@ class Sampler:
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` episodes from each slot (an int, or one per slot), each
-        started during this call, in (worker, admission) order. Unbiased: see ``episodes``."""
+        started during this call, in (worker, admission) order (unbiased: ``episodes``)."""
         quotas = exact_quotas(n_eps_per_worker, self.n_workers)
         self.update(agent_update, env_update)
         return self._collect(EpisodeQuotas(quotas), self._episodes)
@@ -174,10 +158,8 @@ class Sampler:
 
     def stream(self, fragment_steps: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
-        """Fragments of ``fragment_steps`` transitions, as they are collected. With ``feed``,
-        each fragment is put into the learner feed first; collection pauses while the learner
-        has ``max_batches_waiting`` batches waiting (Sample Factory's back-pressure: policy lag
-        stays bounded). Policy updates published meanwhile apply between steps."""
+        """Fragments of ``fragment_steps`` transitions, as they are collected (``feed_fragments``:
+        with ``feed``, put into it, with back-pressure). Policy updates apply between steps."""
         positive_count("fragment_steps", fragment_steps)
 
         def fragment() -> TransitionBatch:
@@ -191,12 +173,10 @@ class Sampler:
     # The collection loop
 
     def _collect(self, goal: Goal, hand_out: Callable[[Goal], _T]) -> _T:
-        """Step until ``goal`` is done, and return ``hand_out(goal)``; episodes running from
-        before are not admitted (they run out unrecorded, counted as ``discarded_steps``), except
-        that ``obtain_steps`` continues its own. A call that raises drops what it recorded
-        (counted as ``dropped_steps``), and the episodes still running are not recorded on (so no
-        episode's rows have a gap). A Ctrl-C waits while the steps are handed out: they leave
-        the records whole (``interrupts``)."""
+        """Step until ``goal`` is done and return ``hand_out(goal)``. Episodes from before run out
+        unrecorded (``discarded_steps``), except ``obtain_steps``'s own. A call that raises drops
+        what it recorded (``dropped_steps``) and records no further on the running episodes, so
+        none has a gap."""
         raise_given_up(self.manager, self.episodes)
         if not goal.record_partial:
             self._apply_agent_update()
@@ -310,19 +290,27 @@ class Sampler:
         if not starting:
             return
         with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
-            m = self.manager
-            try:
-                batch = m.receive_reset_batch(starting)
-            except EnvManagerError as exc:
-                self._failed(exc)
-                raise
-            generations = batch.generations
-            assert generations is not None  # (the manager's array: every batch it hands out has it)
-            for slot in batch.slots.tolist():
-                if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                    self._replaced(slot, int(generations[slot]), goal)  # its env was replaced during the reset
-                else:
-                    self.episodes[slot].ready(self._read_observation(slot))
+            for slot in self._answered(self.manager.receive_reset_batch, starting, goal)[1]:
+                self.episodes[slot].ready(self._read_observation(slot))
+
+    def _answered(self, receive: Callable[[Any], Any], arg: Any, goal: Goal) -> tuple[Any, list[int]]:
+        """The batch ``receive(arg)`` hands out, and its slots whose env is the one their record
+        knows; the others' episodes are cut (a fresh env answered). An error fails the episodes
+        it names."""
+        try:
+            batch = receive(arg)
+        except EnvManagerError as exc:
+            self._failed(exc)
+            raise
+        generations = batch.generations
+        assert generations is not None  # (the manager's array: every batch it hands out has it)
+        current = []
+        for slot in batch.slots.tolist():
+            if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
+                self._replaced(slot, int(generations[slot]), goal)
+            else:
+                current.append(slot)
+        return batch, current
 
     def _act(self, goal: Goal) -> None:
         """One batched policy call over the ready slots (run-outs, and recorded ones within
@@ -359,19 +347,10 @@ class Sampler:
 
     def _receive(self, goal: Goal) -> None:
         with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
-            m = self.manager
-            try:
-                with self.stats.timer("wait"):
-                    batch = m.receive_batch(1)
-            except EnvManagerError as exc:
-                self._failed(exc)
-                raise
-            r, generations = m.results, batch.generations
-            assert generations is not None
-            for slot in batch.slots.tolist():
-                if slot in batch.interrupted or generations[slot] != self.episodes[slot].generation:
-                    self._replaced(slot, int(generations[slot]), goal)  # a fresh env: the episode was cut; kept, flagged
-                    continue
+            r = self.manager.results
+            with self.stats.timer("wait"):
+                batch, answered = self._answered(self.manager.receive_batch, 1, goal)
+            for slot in answered:
                 record = self.episodes[slot]
                 if record.state is not STEPPING or record.sent is None:
                     continue
@@ -405,18 +384,15 @@ class Sampler:
                 self.stats.count("episodes")
 
     def _replaced(self, slot: int, generation: int | None, goal: Goal) -> None:
-        """The slot's env is of another ``generation`` than its record (an answer carried it;
-        ``None``: the supervisor restarted its process, and its fresh reset will carry it): its
-        episode is cut."""
-        cut = self.episodes.replaced(slot, generation)  # the record closes the episode it cuts
+        """The slot's env is of another ``generation`` than its record (``None``: its process was
+        restarted, and its fresh reset will carry it): its episode is cut."""
+        cut = self.episodes.replaced(slot, generation)
         if cut is not None:
             self._book(slot, cut, goal)
-            # process restarts and envs rebuilt in place: each once
             self.stats.count_total("worker_restarts", self.manager.restarts)
 
     def _fault(self, slots: list[int], error: EnvManagerError, goal: Goal) -> bool:
-        """``error`` came from a call on ``slots`` (an env update): the supervisor decides (or
-        decided already, if the process failed while the call was in flight). Absorbed by a
+        """``error`` came from an env update on ``slots``: the supervisor decides. Absorbed by a
         restart (the episodes cut; returns ``True``), or raised (the episodes failed)."""
         decision = self.manager.fault(slots[:1], error, seen={s: self.episodes[s].generation for s in slots})
         for s in slots:
@@ -446,8 +422,7 @@ class Sampler:
                            goal.empty_cut)
 
     def _steps(self, goal: Goal) -> TransitionBatch:
-        """What ``obtain_steps`` hands out: the steps recorded, in worker order (the running
-        episodes' so far: they go on into the next call)."""
+        """What ``obtain_steps`` hands out: the steps recorded, in worker order."""
         self._count_empty_cut(goal)
         steps: list[Step] = []
         for slot in range(self.n_workers):
@@ -463,23 +438,10 @@ class Sampler:
             raise EnvManagerError("sampler: every admitted episode was cut by a worker restart before its first step")
         return EpisodeBatch.from_transitions([e for e, _ in episodes], [cut for _, cut in episodes])
 
-    # ------------------------------------------------------------------------------------------
-    # Lifetime
-
-    def shutdown_worker(self) -> None:
-        """garage's name for ``close``."""
-        self.close()
-
     def close(self) -> None:
         """Close the manager if the sampler built it (reaps every worker). Idempotent."""
         if self._owns_manager:
             self.manager.close()
-
-    def __enter__(self) -> Sampler:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def apply_agent_update(policy: Any, update: Any) -> Any:

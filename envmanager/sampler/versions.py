@@ -1,25 +1,24 @@
-"""A sampler's versions and updates: ``update()`` written once, for every sampler.
+"""A sampler's versions and updates, written once for every sampler.
 
-``Sampler``, ``WorkerPolicySampler`` and ``RaySampler`` each keep one :class:`Versions`: the env
-update log (:class:`~envmanager.core.updates.UpdateLog`) and the newest agent with its version.
-What differs is how an agent is made ready to travel (kept as it is in the parent, pickled once
-for the workers, one ``ray.put`` for the nodes) and whether an update is sent somewhere at once
-(the Ray nodes): the ``prepare`` and ``publish`` functions a sampler passes in.
-
-``update`` prepares everything that can fail first — the env update checked and pickled, the
-agent prepared — and publishes before it records, so an update that raises leaves both versions
-as they were and is never replayed into a restarted process or node.
+``Sampler``, ``WorkerPolicySampler`` and ``RaySampler`` each keep one :class:`Versions` (the env
+update log and the newest agent); they differ in how an agent is made ready to travel (as it is,
+pickled once, one ``ray.put``) and whether an update is sent on at once (the Ray nodes): the
+``prepare`` and ``publish`` functions they pass in. ``update`` prepares everything that can fail
+first and publishes before it records, so an update that raises leaves both versions as they
+were and is never replayed into a restarted process or node.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from envmanager.core.updates import Pickled, UpdateLog
 
-__all__ = ["Versions", "Publish"]
+__all__ = ["Versions", "Publish", "SamplerBase"]
+
+_S = TypeVar("_S", bound="SamplerBase")
 
 #: ``publish(agent_version, prepared agent, env update)``: sends an update on (``None`` where
 #: the update has no such part); raising stops the update from being recorded.
@@ -86,3 +85,31 @@ class Versions:
                 return None
             self._fresh = False
             return self._agent_version, self._agent
+
+
+class SamplerBase:
+    """What every sampler shares: the versions it reports and its lifetime (``close``)."""
+
+    versions: Versions
+
+    @property
+    def policy_version(self) -> int:
+        """The newest policy version (see ``update`` for when it acts)."""
+        return self.versions.agent_version
+
+    @property
+    def env_version(self) -> int:
+        return self.versions.env_version
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def shutdown_worker(self) -> None:
+        """garage's name for ``close``."""
+        self.close()
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,19 +1,13 @@
 """``WorkerPolicySampler``: the policy in the workers, garage style.
 
-Each worker process gets a picklable agent (``get_actions(observations, worker_ids)``, batched
-as the parent-side ``Sampler``'s policy, or ``get_action(observation)``), steps all of its envs
-in lockstep with one policy call per tick and writes whole rollout fragments into a fragment
-arena; one answer per process per fragment announces them (``envmanager.sampler.rollout``).
-Fragments are handed out first-ready: a process that finished gets its next request at once.
-
-Faults take the core's one failure path and restart policy. An env that raises mid-fragment (a
-step, a reset, an env update) is rebuilt in its process, its episode cut, its neighbours' going
-on (the worker remakes it with the core's rebuild before its next fragment). An agent that raises
-or gives actions that do not fit, a process that dies or hangs, or a rebuild that fails: the
-process is restarted, the episodes running there cut. Cut episodes keep the rows written before
-the fault (read from the arena), flagged ``interrupted`` and counted, and collection goes on;
-past the limits or with restarts off, the error names the slot and process with the worker's
-traceback. Each slot's episode is one record (``envmanager.sampler.slots``); ids are the parent's.
+Each worker process gets a picklable agent, steps all of its envs in lockstep with one policy
+call per tick and writes whole rollout fragments into a fragment arena, announced by one answer
+per process per fragment (``envmanager.sampler.rollout``); each process gets its next request as
+soon as its last is in. Faults take the core's one failure path: an env that raises mid-fragment
+is rebuilt in its process (its neighbours go on); an agent that raises or gives actions that do
+not fit, a process that dies or hangs, or a failed rebuild restarts the process. Cut episodes
+keep the rows written before the fault, flagged ``interrupted`` and counted. Each slot's
+episode is one record (``envmanager.sampler.slots``); ids are the parent's.
 """
 
 from __future__ import annotations
@@ -42,7 +36,7 @@ from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_given_up
 from envmanager.sampler.stats import Stats
-from envmanager.sampler.versions import Versions
+from envmanager.sampler.versions import SamplerBase, Versions
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import EnvFunction
@@ -61,7 +55,7 @@ _ROLLOUT = EnvFunction(cloudpickle.dumps(rollout))
 RUNNING = EpisodeState.RUNNING
 
 
-class WorkerPolicySampler:
+class WorkerPolicySampler(SamplerBase):
     """Collect with a picklable agent in every worker: one request per fragment per process.
 
     Args:
@@ -135,26 +129,15 @@ class WorkerPolicySampler:
     # Versions
 
     @property
-    def policy_version(self) -> int:
-        """The newest agent's version (used from each process's next request on)."""
-        return self.versions.agent_version
-
-    @property
-    def env_version(self) -> int:
-        return self.versions.env_version
-
-    @property
     def cut_episodes(self) -> list[int]:
         """Ids of the episodes a fault cut, in the order seen (their rows still held are flagged)."""
         return self.episodes.cut_episodes
 
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
-        """A new agent for the workers (picklable), used from the next request on; and/or an
-        ``env_update`` (a picklable ``fn(env)``, or a list with one per slot) applied in the
-        worker before each slot's next episode starts (a restarted worker gets every one again).
-        Returns ``(policy_version, env_version)``; an update that is not one (an agent without
-        ``get_actions`` or ``get_action``: weights, say) or does not pickle raises and changes no
-        version."""
+        """A new agent for the workers (picklable), used from each process's next request on,
+        and/or an ``env_update`` (as ``Sampler.update``). Returns ``(policy_version,
+        env_version)``; an agent without ``get_actions`` or ``get_action`` (weights, say) or one
+        that does not pickle raises and changes no version."""
         if agent_update is not None:
             check_agent(agent_update)
         return self.versions.update(agent_update, env_update, version)
@@ -177,10 +160,8 @@ class WorkerPolicySampler:
         return self._exact([int(n_eps_per_worker)] * self.n_workers)
 
     def _exact(self, quotas: list[int]) -> EpisodeBatch:
-        """``quotas[slot]`` whole episodes from each slot, each started by this call. An episode
-        cut before its first step (a restart) showed nothing and its cut does not depend on its
-        length: its admission is given back, and another episode started in its place (as the
-        ``Sampler`` does)."""
+        """``quotas[slot]`` whole episodes from each slot, each started by this call. One cut
+        before its first step gives its admission back, as in the ``Sampler``."""
         collected: list[list[TransitionBatch]] = [[] for _ in quotas]
         short = quotas
         while any(short):
@@ -205,9 +186,8 @@ class WorkerPolicySampler:
         return EpisodeBatch.from_transitions(episodes, cut)
 
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
-        """Whole episodes until at least ``num_samples`` steps (garage's ``obtain_samples``):
-        rounds of one episode from every slot, each started by its round, so no slot's short
-        episodes crowd out another's. ``itr`` is for logs."""
+        """Whole episodes until at least ``num_samples`` steps (garage): rounds of one episode
+        from every slot, so no slot's short episodes crowd out another's. ``itr`` is for logs."""
         positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         logger.debug("obtain_samples itr=%s num_samples=%d", itr, num_samples)
@@ -223,10 +203,8 @@ class WorkerPolicySampler:
         return rounds[0] if len(rounds) == 1 else EpisodeBatch.concatenate(rounds)  # type: ignore[return-value]
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
-        """``n`` whole episodes in all, or ``n`` from every slot with ``per_worker=True`` (as
-        ``Sampler.obtain_episodes``). In all: quotas spread over the slots before collection
-        (``spread``); slots with the smaller quota give their first episodes only, chosen by
-        admission order, never by length, so the sample stays unbiased."""
+        """``n`` whole episodes in all (quotas ``spread`` over the slots up front, so unbiased),
+        or ``n`` from every slot with ``per_worker=True``."""
         positive_count("n", n)
         if per_worker:
             return self.obtain_exact_episodes(n, agent_update, env_update)
@@ -235,20 +213,16 @@ class WorkerPolicySampler:
 
     def stream(self, steps_per_worker: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
-        """Fragments of ``steps_per_worker`` steps from every slot, as ``Sampler.stream``: with
-        ``feed``, each is put into the learner feed, and collection pauses while the learner has
-        ``max_batches_waiting`` batches waiting. Agents published meanwhile (``update``, from the
-        feed's ``on_update``, thread-safe) are used from each process's next request on."""
+        """Fragments of ``steps_per_worker`` steps from every slot, as ``Sampler.stream``. Agents
+        published meanwhile are used from each process's next request on."""
         yield from feed_fragments(lambda: self.obtain_steps(steps_per_worker), self.stats, feed,
                                   max_batches_waiting, max_fragments)
 
     def _collect(self, steps: list[int] | None, quotas: list[int] | None,
                  hand_out: Callable[[list[list[TransitionBatch]]], _T]) -> _T:
-        """Fragments until every slot has its ``steps`` rows (or ``quotas`` episodes, each run to
-        its end), per slot in order, given to ``hand_out``. First-ready: each process is sent its
-        next piece as soon as its last one is in. A call that raises drops its rows (counted as
-        ``dropped_steps``) and lets the episodes running go (``discarded_episodes``): none has a
-        gap in its rows."""
+        """Fragments until every slot has its ``steps`` rows (or ``quotas`` whole episodes), per
+        slot in order, given to ``hand_out``. A call that raises drops its rows
+        (``dropped_steps``) and lets the running episodes go, so none has a gap."""
         m, episodes = self.manager, self.episodes
         raise_given_up(m, episodes)
         held, self._held_error = self._held_error, None
@@ -312,8 +286,7 @@ class WorkerPolicySampler:
             raise
 
     def let_running_go(self) -> None:
-        """After a call that raised: the episodes running are let go (``discarded_episodes``), so
-        no episode's rows have a gap."""
+        """After a call that raised: the running episodes are let go (``discarded_episodes``)."""
         for s in self.episodes.in_state(RUNNING):
             self.episodes.close(s, Outcome.DISCARDED)
 
@@ -330,7 +303,7 @@ class WorkerPolicySampler:
         return out
 
     def _send(self, p: int, want: list[int] | None, starts: list[int], agent: tuple[int, Any] | None = None) -> SentFragment:
-        """The next fragment request for process ``p``: what each slot's record says (``agent``:
+        """The next fragment request for process ``p``, from its slots' records (``agent``:
         the version and agent to send; default the newest)."""
         m, episodes = self.manager, self.episodes
         self._sync(p)
@@ -352,16 +325,15 @@ class WorkerPolicySampler:
         return SentFragment(call, version, [episodes[s].env_version for s in slots], [r for r, _ in due])
 
     def _wait_any(self, pending: dict[int, SentFragment]) -> None:
-        """Until one of the ``pending`` fragments is in. One clock: the pool's deadline, which
-        counts from a fragment's last row written (``_progress``), so a long fragment that keeps
-        working is not hung, and one that writes nothing for ``timeout`` is."""
+        """Until one of the ``pending`` fragments is in. The pool's deadline counts from a
+        fragment's last row written (``_progress``): a long fragment that keeps working is not hung."""
         m = self.manager
         m.wait_for(lambda: any(m.call_ready(sent.call) for sent in pending.values()), None, "rollout fragments",
                    lambda: [s for p in pending for s in self._procs[p]])
 
     def _progress(self, slots: list[int]) -> int:
-        """Rows written and episodes started on ``slots`` by the fragments in flight (the
-        arena's counters, zeroed at each send; 0 without an arena: spawn and forkserver)."""
+        """Rows written and episodes started on ``slots`` by the fragments in flight (0 without
+        an arena: spawn and forkserver)."""
         arena = self._arena
         return 0 if arena is None else int(arena.rows[slots].sum() + arena.started[slots].sum())
 
@@ -400,7 +372,7 @@ class WorkerPolicySampler:
     def _lost(self, p: int, sent: SentFragment, error: EnvManagerError, out: list[list[TransitionBatch]], want: list[int],
               starts: list[int]) -> EnvManagerError | None:
         """Process ``p``'s fragment failed as a whole (it died, hung, or the rollout raised):
-        keep what it wrote (shared arena), then the pool's outcome: restarted or the error."""
+        keep what it wrote to the arena, then the pool decides: restarted, or the error."""
         slots = self._procs[p]
         empty: dict[int, int] = {}
         for i, s in enumerate(slots):
@@ -424,11 +396,9 @@ class WorkerPolicySampler:
 
     def _advance(self, s: int, fields: dict[str, Any] | None, started: int, running: int, cut: int, want: list[int],
                  starts: list[int]) -> int:
-        """Book one slot's part of a fragment in its record, as the worker reported it: the
-        episode it goes on with (``running``, -1: none), or the one a failure ended (``cut``),
-        which the record holds for the pool's outcome (cut by a restart, or failed) if anything
-        of it was seen. Returns how many episodes started in it that wrote no row (cut or
-        failed before their first step)."""
+        """Book one slot's part of a fragment in its record: the episode it goes on with
+        (``running``, -1: none), or the one a failure ended (``cut``), held for the pool's
+        decision if anything of it was seen. Returns how many episodes started in it wrote no row."""
         record = self.episodes[s]
         before = record.episode_id if record.state is RUNNING else -1
         with_rows: set[int] = set()
@@ -444,11 +414,9 @@ class WorkerPolicySampler:
         return max(0, started - len(with_rows - {before}))
 
     def _fault(self, p: int, error: EnvManagerError, failing: list[int], envs_raised: bool = False) -> EnvManagerError | None:
-        """A fault of process ``p``, put to the supervisor (or decided already, if the process
-        failed while the fragment was in flight): envs that raised (``envs_raised``) rebuilt in
-        place, their episodes cut, the neighbours' going on; or the process restarted, every
-        episode of it cut (``None`` either way). Else the error to raise (the failing slots'
-        episodes failed; every slot's if the process was given up)."""
+        """A fault of process ``p``, put to the supervisor: envs that raised rebuilt in place, or
+        the process restarted, their episodes cut (``None``); else the error to raise (the
+        failing slots' episodes failed; every slot's if the process was given up)."""
         m, slots = self.manager, self._procs[p]
         decision = m.fault(failing, error, envs_raised, {s: self.episodes[s].generation for s in slots})
         if isinstance(decision, Rebuild):
@@ -467,8 +435,7 @@ class WorkerPolicySampler:
 
     def _sync(self, p: int) -> None:
         """Process ``p``'s fresh resets that came meanwhile (a restart while no fragment was in
-        flight; one on its way back is waited for): the generations they carry cut the records'
-        episodes of a replaced env."""
+        flight): the generations they carry cut the episodes of a replaced env."""
         m = self.manager
         m.wait_idle(self._procs[p])
         batch = m.receive_unreceived()
@@ -478,8 +445,8 @@ class WorkerPolicySampler:
             self._replaced(slots, [int(generations[s]) for s in slots])
 
     def _replaced(self, slots: Sequence[int], generations: Sequence[int | None]) -> None:
-        """The envs of ``slots`` are of ``generations`` (an answer or a decision says so; ``None``:
-        a restart's, whose fresh reset brings it): the episodes of replaced ones are cut."""
+        """The envs of ``slots`` are of ``generations`` (``None``: a restart's, whose fresh reset
+        brings it): the episodes of replaced ones are cut."""
         if [s for s, g in zip(slots, generations, strict=True) if self.episodes.replaced(s, g) is not None]:
             self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count
 
@@ -500,8 +467,8 @@ class WorkerPolicySampler:
 
     def _batch(self, s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None, env_infos: list[dict] | None,
                env_versions: dict[int, int], sent: SentFragment, i: int) -> TransitionBatch:
-        """Rows of slot ``s`` as a batch (``fragment_batch``); keeps what rows recovered from a
-        dead worker need: a template of the policy's infos, and those rows to fill in."""
+        """Rows of slot ``s`` as a batch; keeps a template of the policy's infos, for rows
+        recovered from a dead worker to be filled in."""
         record = self.episodes[s]
         running = record.episode_id if record.state is RUNNING else -1
         batch = fragment_batch(s, fields, infos, env_infos, env_versions, sent, i, running)
@@ -527,14 +494,6 @@ class WorkerPolicySampler:
         if manager is not None:
             manager.close()
         self._free_arena()
-
-    shutdown_worker = close
-
-    def __enter__(self) -> WorkerPolicySampler:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _progress_of(ref: weakref.ref) -> Callable[[list[int]], int]:
