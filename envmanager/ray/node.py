@@ -1,9 +1,7 @@
 """What runs on a Ray node: one actor holding a local ``Sampler`` over local env processes.
 
-The policy runs here, on the node (batched over the node's ready envs), so a Ray call carries
-a whole fragment of env work, never one step. The class becomes an actor in ``envmanager.ray.nodes``
-(it needs ``ray`` only to name its Ray node). Envs and policy see global slot ids, and steps
-carry the policy versions the driver chose; the driver only makes episode ids unique.
+The policy runs here, so a Ray call carries a whole fragment of env work, never one step. The
+class becomes an actor in ``envmanager.ray.nodes``. Envs and policy see global slot ids.
 """
 
 from __future__ import annotations
@@ -73,16 +71,11 @@ class GlobalIdsPolicy:
 
 class SamplerNode:
     """One node's share of the envs: slots ``offset .. offset + n_envs - 1`` of the cluster's
-    ``n_slots``.
-
-    Every collection method returns ``(batch, counters)``; the batch's ``worker_ids`` and
-    ``episode_ids`` are the cluster's (the ``k``-th episode of global slot ``s`` is
-    ``k * n_slots + s``), its ``policy_versions`` the versions that chose each action on this
-    node. A node started again in place of a lost one is given each slot's seed only if no
-    episode used it yet (``seeds``), and the episodes each slot started so far (``started``),
-    so it neither replays seeded episodes nor reuses ids. Errors name the global slots. Every
-    answer carries the node's ``generation`` (how often the driver's supervisor restarted it):
-    the driver's records refuse an answer of another generation than the one they resume.
+    ``n_slots``. Every collection method returns ``(batch, counters)`` with the cluster's
+    worker and episode ids. A node started again in place of a lost one is given each slot's
+    seed only if no episode used it yet (``seeds``) and the episodes started so far
+    (``started``), so it neither replays seeded episodes nor reuses ids. Errors name the
+    global slots; every answer carries the node's ``generation``.
     """
 
     def __init__(self, index: int, env_factory: Any, n_envs: int, offset: int, policy: Any, seeds: list[int | None],
@@ -102,10 +95,9 @@ class SamplerNode:
     # -- control (runs concurrently with collection: the Sampler's update is thread-safe) ------
 
     def update(self, version: int | None, agent_update: Any, env_updates: Pickled | None) -> tuple[int, int]:
-        """A policy version (weights from one ``ray.put``, resolved by Ray) and/or an env update
-        (the driver's log entry, this node's slots of it, recorded by its sampler's log as it is).
+        """A policy version and/or an env update (this node's slots of the driver's log entry).
         Counted even if it raises (requests waiting on it must not wait in vain); the error is
-        kept and raised by every later request, naming this node."""
+        kept and raised by every later request."""
         try:
             return self.sampler.update(agent_update, env_updates, version=version)
         except BaseException as exc:
@@ -119,8 +111,7 @@ class SamplerNode:
                 self._updates.notify_all()
 
     def _await_updates(self, sent: int) -> None:
-        """Every update the driver sent before this request is in (so a call made after
-        ``update`` collects with it)."""
+        """Wait for every update the driver sent before this request."""
         with self._updates:
             if not self._updates.wait_for(lambda: self._updates_received >= sent, timeout=UPDATE_WAIT):
                 raise EnvManagerError(f"node {self.index}: {sent - self._updates_received} update(s) sent before this "
@@ -130,7 +121,6 @@ class SamplerNode:
             raise EnvManagerError(f"node {self.index}: an update sent before this request raised {error!r}") from error
 
     def info(self) -> dict[str, Any]:
-        """Where this node runs: host, actor pid, env worker pids, Ray node id."""
         import ray
 
         return {"index": self.index, "generation": self.generation, "host": socket.gethostname(), "pid": os.getpid(),
@@ -165,11 +155,9 @@ class SamplerNode:
         return self._update_error is None and all(m.failure_of(s) is None for s in range(m.n_env))
 
     def _answer(self, batch: Any) -> tuple[Any, dict[str, Any]]:
-        """The batch with global slot ids, what the node's counters grew by since the last
-        answer, the ids of the episodes its sampler cut since (``cut_episodes``), and how many
-        episodes each of its slots started so far (``started``: the driver's records resume a
-        restarted node from them, so even an episode that left no trace is never numbered twice),
-        and the node's ``generation`` (the records book only answers of the one they resumed)."""
+        """The batch with global slot ids, and what the node's counters grew by since the last
+        answer, with the episodes its sampler cut since, each slot's episodes started so far
+        (even one that left no trace is never numbered twice) and the node's ``generation``."""
         batch.worker_ids = batch.worker_ids + self.offset
         now = {k: int(self.sampler.stats.counters.get(k, 0)) for k in COUNTERS}
         grown: dict[str, Any] = {k: v - self._reported.get(k, 0) for k, v in now.items()}

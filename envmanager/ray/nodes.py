@@ -1,16 +1,11 @@
-"""The driver's side of the nodes: its share of the Ray session (``RaySession``), one actor per
-node, requests in flight with deadlines, and restarts of hung or dead nodes within limits.
+"""The driver's side of the nodes: its share of the Ray session, one actor per node, requests
+in flight with deadlines, and restarts of hung or dead nodes within limits.
 
-Every ``ray.get`` / ``ray.wait`` here has a timeout. A node whose oldest request misses its
-deadline counts as hung; a node whose actor died (killed, node lost) counts as dead; a node
-whose sampler raised (what no restart of its env processes absorbed) has failed too. Each goes
-through ``NodePool.failed``, where the pool's :class:`~envmanager.core.supervisor.Supervisor`
-decides (the one restart policy, per node; it also counts the restarts, each node's generation,
-keeps the deadline clocks and the nodes given up): killed and started again, told its
-generation, with the newest weights and every env update replayed, or ``RayNodeError`` (past
-the limits also a ``RestartLimitError``: ``RayNodeRestartLimitError``; both are the core's node
-errors, ``envmanager.errors``). Every other Ray call's failure is ``RaySessionError``
-(``RaySession.reraise``).
+Every ``ray.get`` / ``ray.wait`` here has a timeout. A node that missed its deadline (hung),
+whose actor died, or whose sampler raised goes through ``NodePool.failed``, where the pool's
+``Supervisor`` decides (per node; it also keeps the restart counts, generations and deadline
+clocks): started again with the newest weights and every env update replayed, or
+``RayNodeError``. Every other Ray call's failure is ``RaySessionError`` (``RaySession.reraise``).
 """
 
 from __future__ import annotations
@@ -100,8 +95,7 @@ class NodeFault:
 class Node:
     """The driver's record of one node, changed only through its own methods: its actor, what
     it said of itself once started (``info``), its requests in flight in submission order (Ray
-    runs them so), the updates sent to this actor (a request waits on the node until it has
-    them all)."""
+    runs them so), the updates sent to this actor (a request waits on the node for them)."""
 
     index: int
     offset: int
@@ -119,12 +113,10 @@ class Node:
 
     @property
     def slots(self) -> list[int]:
-        """Its global slots."""
         return list(range(self.offset, self.offset + self.n_envs))
 
     def started(self, actor: Any, start_timeout: float) -> None:
-        """A new actor: nothing asked of it yet, nothing it said of itself; it must be up within
-        ``start_timeout`` (``start_deadline``)."""
+        """A new actor, which must be up within ``start_timeout``."""
         self.actor, self.info, self.queue, self.updates_sent = actor, {}, [], 0
         self.start_deadline = Deadline(start_timeout)
 
@@ -142,7 +134,7 @@ class Node:
         self.updates_sent += 1
 
     def kill(self) -> list[Request]:
-        """Its actor killed for good: the requests that die with it."""
+        """Its actor killed for good; returns the requests that die with it."""
         kill_actor(self.actor, f"ray sampler: {self.name()}")
         return self.forget()
 
@@ -153,8 +145,7 @@ class Node:
         return lost
 
     def caught_up(self) -> None:
-        """Its replay was sent (the newest weights, every env update): later updates go to it
-        as they come; before, they are left to the replay (``NodePool.send_update``)."""
+        """Its replay was sent: later updates go to it as they come (before, the replay brings them)."""
         self.replayed = True
 
 
@@ -248,13 +239,10 @@ class NodePool:
     def failed(self, node: Node, why: str, error: BaseException | None = None, remote_traceback: str | None = None,
                serves: bool = False) -> list[Request]:
         """The node layer's one failure path: ``node`` died, hung, or its sampler raised
-        ``error`` (which no restart inside the node absorbed): the supervisor decides. Restarted:
-        killed and started again (a new actor that does not start is a fault of its own, restarted
-        again within the limits, for no longer than the request deadline ``timeout``: the caller's
-        call returns); returns the requests that died with it. Else its error
-        (``RayNodeError``) is raised, and the node is given up (killed, its error raised at once
-        from then on) unless restarts are off and it ``serves`` on (its sampler raised, nothing
-        in it was given up), as a process whose env raised does."""
+        ``error``; the supervisor decides. Restarted (a new actor that does not start is a fault
+        of its own, retried for no longer than ``timeout``): returns the requests that died with
+        it. Else ``RayNodeError`` is raised, and the node given up unless restarts are off and it
+        ``serves`` on (its sampler raised, nothing in it given up), as a process whose env raised."""
         fault = RayNodeError(node.index, node.slots, f"{node.name()} {why}", error, remote_traceback)
         lost: list[Request] = []
         retrying = Deadline(self.supervisor.timeout)  # even with the limits lifted, the call returns
@@ -334,14 +322,11 @@ class NodePool:
         self.supervisor.check()
 
     def wait(self) -> list[tuple[Request, Any]]:
-        """Block until some node's oldest request is done (first-ready across nodes), then take
-        every other answer already done, each node's in the order it was asked (``_take``).
-        Returns ``(request, answer)`` pairs. Answers come first: a node fault found meanwhile
-        (died, hung, its sampler raised) is handled by the next call, once the caller has
-        booked them (so a restarted node goes on from every episode they hold); a request that
-        died with its node is answered ``None`` after the node was restarted, or
-        ``RayNodeError`` is raised. With nothing asked of any node (and no fault to handle)
-        nothing can come: ``EnvManagerError`` at once, not an empty answer to loop on."""
+        """Block until some node's oldest request is done, then take every other answer already
+        done, each node's in order: ``(request, answer)`` pairs. A node fault found meanwhile is
+        handled by the next call, once the caller booked these (so a restarted node goes on from
+        every episode they hold); a request that died with its node is answered ``None`` after
+        the restart, or ``RayNodeError`` is raised. With nothing asked of any node: ``EnvManagerError``."""
         self.check_usable()
         self._check_updates()
         out: list[tuple[Request, Any]] = []
@@ -373,10 +358,9 @@ class NodePool:
         return out
 
     def _take(self, ready: list[Any], out: list[tuple[Request, Any]]) -> None:
-        """The answers of ``ready`` into ``out``, each node's in the order it was asked, up to
-        its first request not ready yet (Ray may report a later answer ready first: booked
-        before an earlier one, an episode's steps would come out of order); a node fault found
-        in them, noted for ``wait`` (that node's later answers stay queued: they go with it)."""
+        """The answers of ``ready`` into ``out``, each node's in the order it was asked, up to its
+        first not ready (Ray may report a later one ready first: an episode's steps would come
+        out of order); a node fault found in them is noted for ``wait``."""
         done = set(ready)
         for node in self.nodes:
             while node.queue and node.queue[0].ref in done:
@@ -410,8 +394,8 @@ class NodePool:
         return NodeFault(node, self.supervisor.generation(node.index), why, **what)
 
     def _check_updates(self) -> None:
-        """Forget the updates whose answers are in. One that failed on its node fails the node's
-        next request (the node keeps the error), so it takes the one failure path there."""
+        """Forget the updates whose answers are in (one that failed on its node fails the node's
+        next request, taking the one failure path there)."""
         with self._lock:
             refs = list(self._updates)  # (a learner thread may append meanwhile)
         if refs:
@@ -440,8 +424,7 @@ class NodePool:
             self.ray_failed(exc, f"killing {self.nodes[index].name()}")
 
     def close(self) -> None:
-        """End every node (its sampler reaps its env processes), then kill the actors; leave the
-        Ray session (shut down if envmanager started it and this was its last holder). Idempotent."""
+        """End every node (reaping its env processes), kill the actors and leave the Ray session. Idempotent."""
         if self.closed:
             return
         self.closed = True

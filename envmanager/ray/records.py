@@ -1,17 +1,10 @@
 """The Ray driver's record of every global slot: what a restarted node resumes from.
 
-A node's ``Sampler`` keeps the episode records of its slots (``envmanager.sampler.slots``); the
-driver keeps one record per global slot of what reached it from there: the episodes the slot
-started (``k``-th episode: id ``k * n + slot``), whether its first seed was used, and the
-episode still running in rows handed out or buffered. Everything a node reports moves a record:
-rows, the ids its sampler cut (an episode cut before its first row has no row, and its id must
-not be given again), and each slot's count of episodes started (those that neither wrote a row
-nor were cut too). So a node started again in place of a lost one never reuses an id or
-replays a seeded episode. Each record holds the generation of the node it resumed (how often
-the driver's supervisor restarted that node): an answer carries its node's generation, and one
-of another generation (a replaced node's) is refused whole, rows and counts, as the local
-samplers' records refuse an answer of another process generation. A record changes only
-through its own methods, called by :class:`SlotRecords`.
+Per global slot: the episodes it started (``k``-th: id ``k * n + slot``), whether its first
+seed was used, the episode running in rows handed out or buffered, and the generation of the
+node it runs on. Rows, cut ids and each node's per-slot count of episodes started move them, so
+a node started again never reuses an id or replays a seeded episode; an answer of another
+generation (a replaced node's) is refused whole. See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ class SlotRecord:
 
     def _set(self, **fields: Any) -> None:
         for name, value in fields.items():
-            object.__setattr__(self, name, value)  # the record's one writer is its own methods
+            object.__setattr__(self, name, value)
 
     def saw_started(self, count: int) -> None:
         """The slot started at least ``count`` episodes (its first one used the seed)."""
@@ -88,11 +81,9 @@ class SlotRecords:
 
     def booked(self, batch: TransitionBatch, started: Sequence[int] | None = None, offset: int = 0,
                runs_on: bool = True, generation: int | None = None) -> bool:
-        """An answer's rows, and (if the node sent them) its slots' counts of episodes started,
-        ``started[i]`` for global slot ``offset + i``. With ``runs_on`` (a fragment), each slot's
-        last row's episode runs on unless it ended there; whole episodes do not. An answer of
-        another node ``generation`` than its slots' records is refused: nothing of it is booked,
-        and ``False`` says so (the caller drops it, counted)."""
+        """An answer's rows, and its slots' counts of episodes started (``started[i]``: global
+        slot ``offset + i``). With ``runs_on`` (a fragment), each slot's last row's episode runs
+        on unless it ended there. An answer of another node ``generation`` is refused whole: ``False``."""
         slots = set(np.unique(batch.worker_ids).tolist())
         if started is not None:
             slots |= set(range(offset, offset + len(started)))
@@ -113,8 +104,8 @@ class SlotRecords:
         return True
 
     def cut(self, episodes: Iterable[int]) -> list[int]:
-        """``episodes`` were cut (inside a node, or with it): listed, known to have started (an
-        episode cut before its first row too), no longer running. Returns them."""
+        """``episodes`` were cut: listed, known to have started (one cut before its first row
+        too), no longer running. Returns them."""
         out = list(episodes)
         self.cut_episodes += out
         for episode in out:
@@ -123,16 +114,14 @@ class SlotRecords:
 
     def let_go(self, slots: Iterable[int]) -> int:
         """The running episodes of ``slots`` never continue in a fragment (an episode request
-        made them run out unrecorded, as the local ``Sampler`` does; or their node failed): how
-        many there were."""
+        ran them out unrecorded, or their node failed): how many there were."""
         return sum(self.slots[slot].let_go() for slot in slots)
 
     # ------------------------------------------------------------------------------------------
     # What a (re)started node is built with
 
     def resume(self, slots: Iterable[int], generation: int = 0) -> tuple[list[int | None], list[int]]:
-        """Per slot: its seed only if no episode of it is known to have started (a restarted node
-        must not replay a seeded episode), and the episodes started so far (ids go on). The
-        slots now run on a node of ``generation``: only its answers are booked from now on."""
+        """Per slot: its seed only if no episode of it is known to have started, and the episodes
+        started so far (ids go on). Only answers of ``generation`` are booked from now on."""
         resumed = [self.slots[s].resumed(generation) for s in slots]
         return [seed for seed, _ in resumed], [started for _, started in resumed]

@@ -1,11 +1,10 @@
 """``RaySampler``: the ``Sampler``'s methods across a Ray cluster, one actor per node.
 
-Each node runs a local ``Sampler`` over its own env processes with the policy on the node, and
-every Ray call carries a whole fragment (an actor call costs ~0.85 ms, 20-27x a pipe round
-trip). The driver takes whichever node's answer is done first (``ray.wait``), drains what else
-is done and keeps the other nodes running. Weights travel once per version (one ``ray.put``),
-sent to every node without waiting; each node stamps its steps with the version that chose
-them, and the driver measures the policy lag of what it hands out.
+Each node runs a local ``Sampler`` with the policy on the node, and every Ray call carries a
+whole fragment (an actor call costs ~0.85 ms, 20-27x a pipe round trip). The driver takes
+whichever node's answer is done first and keeps the others running. Weights travel once per
+version (one ``ray.put``), sent to every node without waiting; steps carry the version that
+chose them, and the driver measures the policy lag of what it hands out.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from envmanager.sampler import EpisodeBatch, Stats, TransitionBatch
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.learner import feed_fragments
 from envmanager.sampler.sampler import exact_quotas
-from envmanager.sampler.versions import Versions
+from envmanager.sampler.versions import SamplerBase, Versions
 from envmanager.wire.interrupts import deferred
 
 with requires_extra("ray", "envmanager.ray"):
@@ -44,36 +43,33 @@ logger = logging.getLogger(__name__)
 __all__ = ["RaySampler"]
 
 
-class RaySampler:
+class RaySampler(SamplerBase):
     """Collect transitions or whole episodes on Ray nodes; the ``Sampler``'s interface.
 
     Args:
         env_factory: ``env_factory(worker_id) -> env``, picklable; ``worker_id`` is the global
             env slot (node ``i`` hosts slots ``offset_i .. offset_i + envs_per_node[i] - 1``).
         policy: picklable, with ``get_actions(observations, worker_ids)`` (global slot ids), run
-            on each node over that node's ready envs. Weights from ``update`` go to its
-            ``set_param_values`` / ``load_state_dict``, or replace it.
+            on each node over that node's ready envs; ``update`` as ``Sampler.update``.
         nodes: how many nodes (actors); ``envs_per_node``: an int, or one per node.
         fragment_steps: transitions per Ray call of ``obtain_steps`` / ``stream`` (choose >= 10 ms
             of env work: see the Ray guide's granularity section).
         in_flight: requests queued per node, so a node starts its next fragment at once.
-        first_ready: take whichever node is done first (default). ``False``: every round asks each
-            node for one fragment and waits for all of them, handing them out in node order (a
-            reproducible order; the slowest node sets the pace).
+        first_ready: take whichever node is done first (default). ``False``: each round waits for
+            one fragment from every node, handed out in node order (reproducible; the slowest
+            node sets the pace).
         seed: slot ``i``'s first reset gets ``seed + i``.
         timeout: seconds a node may take for one request (from when it could start it); past
             it the node counts as hung. ``start_timeout``: for an actor to be placed and start.
             ``env_timeout``: the deadline of each env step on the node (its manager's ``timeout``);
             keep it below ``timeout`` so a hung env is reported by its node, naming the env.
         restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s:
-            restarts of a node that died, hung, or whose sampler raised (an env fault its own
-            ``restart_workers`` did not absorb, a policy error), per node (ML-Agents' rule).
-            Past the limits, or off: ``RayNodeError`` (see the README's fault model).
+            restarts of a node that died, hung, or whose sampler raised, per node (ML-Agents'
+            rule). Past the limits, or off: ``RayNodeError`` (see ``docs/guide/faults.md``).
         actor_options: Ray actor options (``num_cpus``, ``resources``, ``scheduling_strategy``,
             ``runtime_env``...); default one CPU per node, spread over the cluster.
-        ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (that
-            session is shared with later samplers and shut down when the last of them closes; a
-            session you started is left alone).
+        ray_address, ray_init_options: for ``ray.init`` when no Ray session is running (shut
+            down when the last sampler using it closes; a session you started is left alone).
         sampler_options: passed to each node's ``Sampler`` (``envs_per_worker``, ``timeout``,
             ``restart_workers``, ``context`` (default forkserver)...).
     """
@@ -102,12 +98,10 @@ class RaySampler:
         self.in_flight = int(in_flight)
         self.first_ready = bool(first_ready)
         self.stats = Stats("ray-sampler", log_interval)
-        #: The env update log of every global slot and the newest weights (an ObjectRef): replayed
-        #: into a restarted node.
+        #: The env update log and the newest weights (an ObjectRef): replayed into a restarted node.
         self.versions = Versions(self.n_workers, prepare=self._put, publish=self._publish)
         self._buffer: collections.deque[TransitionBatch] = collections.deque()  # fragments not handed out yet
-        #: One record per global slot (seed used, episodes started, episode running): what a
-        #: restarted node resumes from (``envmanager.ray.records``).
+        #: One record per global slot: what a restarted node resumes from (``envmanager.ray.records``).
         self.records = SlotRecords([None if seed is None else seed + s for s in range(self.n_workers)])
         restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s,
                                  switch="restart_nodes")
@@ -120,26 +114,15 @@ class RaySampler:
     # ------------------------------------------------------------------------------------------
     # Versions and updates
 
-    @property
-    def policy_version(self) -> int:
-        return self.versions.agent_version
-
-    @property
-    def env_version(self) -> int:
-        return self.versions.env_version
-
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """A new policy (one ``ray.put``, sent to every node without waiting) and/or env update
-        (a picklable ``fn(env)`` or one per global slot, applied at each slot's next episode
-        start). Returns ``(policy_version, env_version)``. An update that does not pickle, or
-        cannot be put or sent, raises and is not recorded: no version moves, no restarted node
-        gets it."""
+        (as ``Sampler.update``, one per global slot). Returns ``(policy_version, env_version)``.
+        One that cannot be pickled, put or sent raises and is not recorded (no restarted node gets it)."""
         self._pool.check_usable()  # never a ray.put without our session: it would start a new one
         return self.versions.update(agent_update, env_update, version)
 
     def _put(self, agent_update: Any) -> Any:
-        """The weights in Ray's object store, once per version."""
         try:
             return ray.put(agent_update)
         except Exception as exc:
@@ -153,10 +136,9 @@ class RaySampler:
                 self._pool.send_update(node, version, weights, sliced)
 
     def _replay(self, node: Node) -> None:
-        """A (re)started node gets the newest weights and every env update, in order (with
-        the records' ``resume``, everything a restarted node needs again, in one place). Under
-        the versions' lock: an update from another thread is recorded before (and so replayed)
-        or published after (to the node, replayed by then), never both or neither."""
+        """A (re)started node gets the newest weights and every env update, in order. Under the
+        versions' lock: an update from another thread is recorded before (and so replayed) or
+        published after (to the node, replayed by then), never both or neither."""
         with self.versions.locked():
             version, weights = self.versions.agent()
             if weights is not None:  # (None: no agent update yet, the node has the policy it was built with)
@@ -170,9 +152,9 @@ class RaySampler:
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
-        """Exactly ``n`` transitions, in the order the nodes delivered them (each node's fragment
-        in its worker order). Fragments beyond ``n`` wait for the next call, and every node keeps
-        ``in_flight`` fragments under way between calls; episodes continue across calls."""
+        """Exactly ``n`` transitions, in the order the nodes delivered them. Fragments beyond ``n``
+        wait for the next call, and every node keeps ``in_flight`` fragments under way between
+        calls; episodes continue across calls."""
         positive_count("n", n)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
@@ -184,8 +166,7 @@ class RaySampler:
                 self._round()
         batch = self._take(n)
         self._top_up(ahead=True)
-        lags = self.policy_version - batch.policy_versions
-        self.stats.lag(lags)
+        self.stats.lag(self.policy_version - batch.policy_versions)
         self.stats.count("steps_handed_out", len(batch))
         self.stats.maybe_log()
         return batch
@@ -193,8 +174,7 @@ class RaySampler:
     def stream(self, fragment_steps: int | None = None, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
         """Batches of ``fragment_steps`` (default: the sampler's) transitions as the nodes deliver
-        them. With ``feed``, each batch is put into it first, and collection pauses while the
-        learner has ``max_batches_waiting`` batches waiting (policy lag stays bounded)."""
+        them, as ``Sampler.stream``."""
         size = self.fragment_steps if fragment_steps is None else fragment_steps
         positive_count("fragment_steps", size)
         yield from feed_fragments(lambda: self.obtain_steps(size), self.stats, feed, max_batches_waiting, max_fragments)
@@ -215,8 +195,8 @@ class RaySampler:
         return self.records.cut_episodes
 
     def _round(self) -> None:
-        """Wait-for-all: one fragment from every node, booked in node order. A node's error that
-        ends the round leaves the fragments that came booked: their nodes' episodes go on."""
+        """Wait-for-all: one fragment from every node, booked in node order (also those that
+        came when a node's error ends the round: their nodes' episodes go on)."""
         requests = [self._pool.submit(node, "steps", self.fragment_steps) for node in self._pool.nodes]
         answers: dict[int, tuple[Request, Any]] = {}
         try:
@@ -231,9 +211,8 @@ class RaySampler:
 
     def _top_up(self, ahead: bool = False) -> None:
         """Keep ``in_flight`` step fragments queued on each node (first-ready streaming).
-        ``ahead`` (for the next call, not this one): not while the buffer holds a whole round of
-        them already — an episodes call books the fragments queued before it, and queueing more
-        then would stock one more round per such call (rows ever older, the buffer ever larger)."""
+        ``ahead`` (for the next call): not while the buffer holds a whole round already, else
+        every episodes call would stock one more round (rows ever older, the buffer ever larger)."""
         if not self.first_ready or (ahead and self.buffered_steps >= self.in_flight * self.fragment_steps * self.n_nodes):
             return
         for node in self._pool.nodes:
@@ -257,8 +236,8 @@ class RaySampler:
 
     def _receive(self) -> list[tuple[Request, Any]]:
         """The next answers. After a node error raised here the node's running episodes never
-        continue (as the local ``Sampler``'s after an error); a node given up takes its own
-        count of them along, so they are counted here as ``failed_episodes``."""
+        continue; a node given up takes its own count of them along, so they are counted here
+        as ``failed_episodes``."""
         try:
             return self._pool.wait()
         except RayNodeError as exc:
@@ -269,8 +248,8 @@ class RaySampler:
             raise
 
     def _book(self, answers: list[tuple[Request, Any]], asked: Sequence[Request] = ()) -> list[tuple[Request, Any]]:
-        """Book answers; returns those of ``asked`` (episode requests; ``None``: lost with its
-        node). An episode answer nobody asks for any more (its call raised) is dropped, counted."""
+        """Book answers; returns those of ``asked`` (``None``: lost with its node). An episode
+        answer nobody asks for any more (its call raised) is dropped, counted."""
         out = []
         for request, answer in answers:
             node = self._pool.nodes[request.node]
@@ -290,9 +269,8 @@ class RaySampler:
         return out
 
     def _booked(self, node: Node, request: Request, answer: Any) -> bool:
-        """Book one answer into the records (and a fragment into the buffer), unless the records
-        refuse it: an answer of another generation of the node than the one running its slots
-        (a replaced node's) is dropped whole, counted (``stale_answers``, ``dropped_steps``)."""
+        """Book one answer into the records (and a fragment into the buffer), unless it is of
+        another generation of the node (a replaced node's): dropped whole, counted."""
         batch, counters = answer
         generation = counters.get("generation")
         if not self.records.booked(batch, counters.get("started"), node.offset, runs_on=request.kind == "steps",
@@ -306,26 +284,22 @@ class RaySampler:
         for key in COUNTERS:
             self.stats.count(key, counters.get(key, 0))
         if request.kind == "steps":
-            self._book_fragment(batch)
+            self.stats.count("fragments")
+            batch.interrupted = batch.interrupted.copy()  # Ray hands arrays out read-only; a later cut may flag these
+            self._buffer.append(batch)
         self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
         return True
 
-    def _book_fragment(self, batch: TransitionBatch) -> None:
-        self.stats.count("fragments")
-        batch.interrupted = batch.interrupted.copy()  # Ray hands arrays out read-only; a later cut may flag these
-        self._buffer.append(batch)
-
     def _node_lost(self, node: Node, request: Request) -> None:
-        """A request died with its node (already restarted). A fragment's episodes still running
-        are cut; an episode request's answer is lost whole (counted; the caller asks the new
-        node again)."""
+        """A request died with its node (already restarted): a fragment's running episodes are
+        cut; an episode request's answer is lost whole (the caller asks the new node again)."""
         self.stats.count("lost_requests")
         if request.kind == "steps":
             self._cut([self.records[s].running for s in node.slots if self.records[s].running >= 0], counted=False)
 
     def _cut(self, episodes: Sequence[int], counted: bool) -> None:
-        """``episodes`` were cut (by a restart inside a node, ``counted`` there, or of a node):
-        listed, no longer running, and their rows not handed out yet flagged ``interrupted``."""
+        """``episodes`` were cut (inside a node, ``counted`` there, or with it): their rows not
+        handed out yet are flagged ``interrupted``."""
         for episode in self.records.cut(episodes):
             if not counted:
                 self.stats.count("interrupted_episodes")
@@ -338,7 +312,7 @@ class RaySampler:
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
         """Whole episodes, each started during this call, until at least ``num_samples`` steps
-        (garage). Nodes collect chunks first-ready; a faster node delivers more of them."""
+        (garage), in chunks first-ready: a faster node delivers more of them."""
         positive_count("num_samples", num_samples)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
@@ -363,11 +337,9 @@ class RaySampler:
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_exact_episodes(self, n_eps_per_worker: int | Sequence[int], agent_update: Any = None,
                               env_update: Any = None) -> EpisodeBatch:
-        """Exactly ``n_eps_per_worker`` episodes from each global slot (an int, or one per slot),
-        each started during this call, in (worker, admission) order: each node decides admission
-        at an episode's start, per slot (unbiased). A node lost during the call loses its whole
-        answer (counted in ``lost_episodes``; the loss does not depend on episode lengths, so
-        asking its replacement for the same quotas keeps the sample unbiased)."""
+        """Exactly ``n_eps_per_worker`` episodes from each global slot, as ``Sampler``'s. A node
+        lost during the call loses its whole answer (``lost_episodes``); that does not depend on
+        episode lengths, so asking its replacement for the same quotas keeps the sample unbiased."""
         quotas = exact_quotas(n_eps_per_worker, self.n_workers)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
@@ -392,10 +364,10 @@ class RaySampler:
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None,
                         env_update: Any = None) -> EpisodeBatch:
-        """``n`` episodes in all (quotas spread over the global slots before collection starts),
-        or ``n`` per slot with ``per_worker=True``."""
+        """``n`` episodes in all (quotas spread over the global slots up front), or ``n`` per
+        slot with ``per_worker=True``."""
         positive_count("n", n)
-        quotas = n if per_worker else spread(n, self.n_workers)  # round robin, fixed up front
+        quotas = n if per_worker else spread(n, self.n_workers)
         return self.obtain_exact_episodes(quotas, agent_update, env_update)
 
     def _top_up_if_streaming(self) -> None:
@@ -426,29 +398,18 @@ class RaySampler:
         self._pool.kill_node(index)
 
     def restart_count(self, index: int) -> int:
-        """How often node ``index`` was restarted (the pool's supervisor's count)."""
+        """How often node ``index`` was restarted."""
         return self._pool.supervisor.restart_count(index)
 
     @property
     def restarts(self) -> int:
-        """Node restarts so far, of every node: the supervisor's one count."""
+        """Node restarts so far, of every node."""
         return self._pool.supervisor.restarts
 
-    def shutdown_worker(self) -> None:
-        """garage's name for ``close``."""
-        self.close()
-
     def close(self) -> None:
-        """End every node (reaping its env processes) and shut down the Ray session if this
-        sampler started it. Idempotent."""
+        """End every node (reaping its env processes) and leave the Ray session. Idempotent."""
         self._pool.close()
         self._buffer.clear()
-
-    def __enter__(self) -> RaySampler:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _slice(per_slot: Sequence[Any], node: Node) -> list[Any]:

@@ -1,17 +1,10 @@
 """The Ray session envmanager's Ray managers run in: one helper, reference-counted.
 
-``RaySession.join`` gives a holder (a ``RaySampler``'s node pool, a ``RayMLAgentsEnvManager``'s
-player pool) its share of the session this process runs: the one running if there is one, else
-one it starts (``ray.init``: a local session, or a connection to ``address``). A session
-envmanager started is shared by every holder that joins while it runs and shut down when the last
-of them leaves; a session the user started is never shut down by envmanager. A session is known
-by its name and the driver's job id, so one the user shut down and started again is another.
-
-Any driver-side Ray call without a session starts a new one behind the user's back, so a holder
-asks ``check`` before its calls; around each call (``ray.put``, ``.remote()``, ``ray.wait``) it
-catches ``Exception`` and hands it to ``reraise``, which raises :class:`RaySessionError` (the
-cause chained) for Ray's failures and lets the caller's own errors through. The hot path pays a
-``try``, nothing more.
+``RaySession.join`` gives a holder (a node pool, a player pool) its share of the running
+session, or of one it starts; a session envmanager started is shut down when its last holder
+leaves, one the user started never. A session is known by its name and the driver's job id.
+Any driver-side Ray call without a session would start a new one, so a holder asks ``check``
+first, and hands what a call raises to ``reraise`` (``RaySessionError`` for Ray's failures).
 """
 
 from __future__ import annotations
@@ -54,10 +47,9 @@ CONNECT_TIMEOUT = 10.0
 
 
 def node_failure(error: BaseException) -> str | None:
-    """The one reading of Ray's exceptions for every node pool: what ``error``, raised by
-    ``ray.get`` of an actor's answer, says of that actor (:data:`RAISED`, :data:`TIMED_OUT`,
-    :data:`DIED` or :data:`LOST`); ``None`` if it is not Ray's (the session went meanwhile, or
-    the caller's own error: ``RaySession.reraise`` says which). Each pool decides what to do."""
+    """What ``error``, raised by ``ray.get`` of an actor's answer, says of that actor
+    (:data:`RAISED`, :data:`TIMED_OUT`, :data:`DIED` or :data:`LOST`); ``None`` if it is not
+    Ray's (``RaySession.reraise`` says what it is)."""
     if isinstance(error, RayTaskError):
         return RAISED
     if isinstance(error, GetTimeoutError):
@@ -71,10 +63,9 @@ def node_failure(error: BaseException) -> str | None:
 
 def first_ready(heads: Mapping[int, Any], refs: list[Any], supervisor: Supervisor,
                 timeout: float) -> tuple[list[Any], list[int]]:
-    """The one first-ready wait of every node pool: wait until one of ``heads`` (each busy
-    node's oldest request, by node index) is done or ``timeout`` passes, then take every ref of
-    ``refs`` done by then without waiting. Returns those and the nodes past their deadline
-    whose head is not done (hung: judged now, before any restart). Ray's exceptions pass."""
+    """Wait until one of ``heads`` (each busy node's oldest request, by node index) is done or
+    ``timeout`` passes; returns every ref of ``refs`` done by then, and the nodes past their
+    deadline whose head is not done (hung). Ray's exceptions pass."""
     ready, _ = ray.wait(list(heads.values()), num_returns=1, timeout=timeout)
     if ready:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -129,10 +120,9 @@ class RaySession:
 
     @classmethod
     def join(cls, address: str | None = None, init_options: Mapping[str, Any] | None = None) -> RaySession:
-        """A share of the running session (``address`` and ``init_options`` are then ignored),
-        or of one started now: ``ray.init(address, include_dashboard=False, **init_options)``;
-        a local one gets a temp dir of its own, removed with it. A failed start leaves nothing
-        behind and raises ``RaySessionError`` naming ``address``."""
+        """A share of the running session (``address`` and ``init_options`` then ignored), or of
+        one started now (``ray.init``; a local one gets a temp dir of its own). A failed start
+        leaves nothing behind and raises ``RaySessionError`` naming ``address``."""
         with _lock:
             if ray.is_initialized():
                 key = _current()
@@ -157,10 +147,9 @@ class RaySession:
                                   "head node was lost): close the manager and make a new one")
 
     def reraise(self, error: Exception, doing: str) -> NoReturn:
-        """Raise what ``error``, raised by a driver-side Ray call while ``doing``, means: the
-        session gone or Ray's own failure (``RayError``, ``ConnectionError``) as
-        ``RaySessionError`` with the cause chained; envmanager's errors and the caller's own
-        (a value that cannot be pickled, say) as they are."""
+        """Raise what ``error`` from a driver-side Ray call means: the session gone or Ray's own
+        failure as ``RaySessionError`` (cause chained); envmanager's and the caller's own
+        errors (a value that cannot be pickled, say) as they are."""
         if isinstance(error, EnvManagerError):
             raise error
         if not self.alive():
@@ -172,7 +161,7 @@ class RaySession:
 
     def leave(self) -> None:
         """Give the share back: the last holder of a session envmanager started shuts it down
-        (unless it is gone already) and removes its temp dir. Idempotent."""
+        and removes its temp dir. Idempotent."""
         with _lock:
             if self._left:
                 return
@@ -213,9 +202,8 @@ def _start(address: str | None, options: dict[str, Any]) -> tuple[tuple[str, str
 
 
 def _check_reachable(address: str | None) -> None:
-    """``RaySessionError`` at once if ``address`` is ``host:port`` (or ``ray://host:port``) and
-    nothing accepts a connection there within ``CONNECT_TIMEOUT``; other forms (``None``,
-    ``"auto"``, ``"local"``) are left to Ray."""
+    """``RaySessionError`` at once if ``address`` is ``[ray://]host:port`` and nothing accepts a
+    connection there within ``CONNECT_TIMEOUT``; other forms are left to Ray."""
     if address is None:
         return
     target = address.removeprefix("ray://")
@@ -230,8 +218,8 @@ def _check_reachable(address: str | None) -> None:
 
 
 def _kill_left_behind(temp_dir: str) -> None:
-    """Kill this process's descendants that a failed local ``ray.init`` started (their command
-    lines name its temp dir: Ray's ``shutdown`` does not know them), and reap them."""
+    """Kill and reap this process's descendants that a failed local ``ray.init`` started (their
+    command lines name its temp dir: Ray's ``shutdown`` does not know them)."""
     left = []
     for process in psutil.Process(os.getpid()).children(recursive=True):
         try:

@@ -1,12 +1,10 @@
-"""``LearnerFeed``: a learner running in a background thread, fed by the sampler (RLlib's
+"""``LearnerFeed``: a learner in a background thread, fed by the sampler (RLlib's
 ``LearnerThread``, framework-agnostic).
 
-A bounded queue gives back-pressure to the sampler; each batch is replayed ``num_passes``
-times in ``num_minibatches`` pieces; after each batch the policy version is bumped and
-published through ``on_update`` (that is how new weights reach the sampler). Steps older than
-``max_policy_lag`` versions are dropped or masked, and counted. An exception in ``learn_fn``,
-in ``on_update``, or a queue empty for ``starve_timeout`` is re-raised in the caller (``put``,
-``check``, ``stop``) with its traceback: never a silently dead thread.
+A bounded queue gives back-pressure; after each batch the policy version is bumped and
+published through ``on_update`` (how new weights reach the sampler). An exception in
+``learn_fn``, in ``on_update``, or a queue empty for ``starve_timeout`` is re-raised in the
+caller (``put``, ``check``, ``stop``) with its traceback: never a silently dead thread.
 """
 
 from __future__ import annotations
@@ -48,19 +46,17 @@ class LearnerFeed:
         queue_size: batches waiting at most; ``put`` blocks beyond that (back-pressure).
         num_passes: how often each batch is learned from (RLlib's ``num_sgd_iter``).
         num_minibatches: pieces each pass splits the batch into.
-        buffer_size: batches replayed in turn (RLlib's minibatch buffer): with more than one, each
-            update is one pass over one buffered batch, round robin, and a batch leaves the buffer
-            after ``num_passes``; a new batch joins as soon as one waits and there is room. Unlike
-            RLlib's, the buffer never blocks on an empty queue while it still has passes to make.
+        buffer_size: batches replayed in turn (RLlib's minibatch buffer): each update is one pass
+            over one buffered batch, round robin, which leaves after ``num_passes``; unlike
+            RLlib's, it never blocks on an empty queue while it still has passes to make.
         starve_timeout: seconds the queue may stay empty before that is an error (``None`` or
             ``inf``: never).
         max_policy_lag: steps acted by a policy more than this many versions old are ``stale``.
         stale: ``"drop"`` them or ``"mask"`` them (``batch.valid`` false).
         on_update: ``on_update(version, metrics)`` after each batch, in the learner thread.
         put_timeout: the longest ``put`` / ``wait_below`` wait for room.
-        start_version: the version counted from (the first batch learned makes it one more): a
-            sampler's ``policy_version`` after earlier updates, or a checkpoint's, so that the
-            versions the feed publishes go on from there and the lags it measures stay true.
+        start_version: the version counted from (a sampler's ``policy_version``, or a
+            checkpoint's), so the versions published go on from there and lags stay true.
     """
 
     def __init__(self, learn_fn: Callable[[TransitionBatch], dict[str, Any]], queue_size: int = 2, num_passes: int = 1,
@@ -90,7 +86,7 @@ class LearnerFeed:
         self.version = operator.index(start_version)
         self.stats = Stats("learner", log_interval)
         self._inbox = _Inbox()
-        self._queue, self._cond = self._inbox.queue, self._inbox.cond  # (the inbox's own, named short)
+        self._queue, self._cond = self._inbox.queue, self._inbox.cond
         self._results: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
         self._put = self._finished = 0  # batches put / learned from (or dropped)
         self._buffer: list[list[Any]] = []  # the learner thread's: [batch, passes left], replayed in turn
@@ -158,8 +154,7 @@ class LearnerFeed:
 
     def stop(self, timeout: float = 10.0, raise_error: bool = True) -> None:
         """Stop the thread and wait for it at most ``timeout`` (a ``learn_fn`` that hangs is left
-        behind, logged). Batches still queued are not learned from: counted
-        (``unlearned_batches``, ``unlearned_steps``). Then raise its error."""
+        behind, logged); batches still queued are counted as unlearned. Then raise its error."""
         self._inbox.stop()
         self._thread.join(timeout)
         with self._cond:  # (the thread takes no batch once stopping)
@@ -196,7 +191,7 @@ class LearnerFeed:
     # The learner thread's side (``_serve`` drives these)
 
     def _wants_batch(self) -> bool:
-        """A batch is to be taken next (rather than a buffered one replayed)."""
+        """Whether to take a batch next (rather than replay a buffered one)."""
         if self.buffer_size == 1:
             return True
         with self._cond:
@@ -204,8 +199,7 @@ class LearnerFeed:
         return len(self._buffer) < self.buffer_size and (waiting or not self._buffer)
 
     def _learn(self, batch: TransitionBatch) -> None:
-        """Admit a batch just taken: learn from it (``num_passes`` passes, one new version), or, with
-        a buffer, keep it there to be replayed a pass at a time."""
+        """Learn from a batch just taken (``num_passes`` passes, one new version), or buffer it."""
         admitted = self._admit(batch)
         if admitted is not None and self.buffer_size > 1:
             self._buffer.append([admitted, self.num_passes])
@@ -268,9 +262,8 @@ class LearnerFeed:
 
 
 class _Inbox:
-    """What the caller and the learner thread share: the batches waiting, the thread's error and
-    the flag that stops it. The thread waits here without holding its feed, so that a feed
-    dropped without ``stop()`` is freed, and its finalizer stops the thread."""
+    """What the caller and the learner thread share. The thread waits here without holding its
+    feed, so that a feed dropped without ``stop()`` is freed, and its finalizer stops the thread."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -303,9 +296,8 @@ class _Inbox:
 
 
 def _serve(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> None:
-    """The learner thread: takes batches from the inbox and has its feed learn from them,
-    holding the feed only while it learns (never while it waits). Its error is the inbox's,
-    kept without the frames' variables (the feed among them: a feed that failed is freed too)."""
+    """The learner thread, holding the feed only while it learns. Its error is the inbox's, kept
+    without the frames' variables (the feed among them: a feed that failed is freed too)."""
     try:
         while _serve_once(feed_ref, inbox):
             pass
@@ -339,9 +331,9 @@ def _serve_once(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> 
 
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
                    max_batches_waiting: int, max_fragments: int | None) -> Iterator[TransitionBatch]:
-    """The loop of every sampler's ``stream``: while the learner has ``max_batches_waiting``
-    batches waiting, wait (Sample Factory's back-pressure: policy lag stays bounded); then
-    collect one fragment with ``obtain``, put it into ``feed``, and yield it."""
+    """Every sampler's ``stream``: wait while the learner has ``max_batches_waiting`` batches
+    waiting (back-pressure: policy lag stays bounded), then ``obtain`` a fragment, put it into
+    ``feed`` and yield it."""
     if max_batches_waiting < 1:
         raise InvalidInputError(f"max_batches_waiting must be at least 1, got {max_batches_waiting!r}")
     if max_fragments is not None and max_fragments < 1:

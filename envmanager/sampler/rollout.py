@@ -1,21 +1,12 @@
 """The worker's half of the worker-side policy: rollout fragments written in place.
 
-A worker process steps all of its envs in lockstep, with one batched policy call per tick, and
-writes every transition into a *fragment arena*: per slot up to ``capacity`` rows of
-observations, actions, rewards, flags, next observations and episode numbers, and a row count
-raised after every tick. One answer per process per fragment (a small CALL answer) announces
-how many rows each slot wrote, with the policy's agent infos and the envs' non-empty infos.
-So cheap envs pay one inter-process round trip per fragment, not one per step.
-
-The arena is an anonymous shared mapping the parent makes before its workers start: workers
-forked from the parent (restarted ones too, forked later) write into it, and the parent reads
-the rows in place -- also those of a worker killed mid-fragment, up to its last whole tick.
-Nothing names it, so nothing outlives the processes. Workers that are not forked (``spawn``,
-``forkserver``) write into private arrays that travel in the answer, pickled: one message per
-fragment; a worker killed mid-fragment then loses that fragment's rows (counted).
-
-The same loop runs in one process over a list of envs (``run_local``): the bench's
-single-process reference, with the same policy and the same recording.
+A worker process steps all of its envs in lockstep, one batched policy call per tick, and
+writes every transition into a *fragment arena* (per slot up to ``capacity`` rows, and a row
+count raised after every tick); one small CALL answer per fragment announces the rows, with the
+agent and env infos. The arena is an anonymous shared mapping made before the workers fork, so
+the parent reads rows in place, also a killed worker's; workers that are not forked write
+private arrays that travel in the answer (see ``docs/guide/sampler.md``). ``run_local`` runs the
+same loop in one process: the bench's reference.
 """
 
 from __future__ import annotations
@@ -62,14 +53,6 @@ class ArenaSpec:
     action: Any
 
 
-def _leaf_bytes(layout: Any) -> int:
-    return sum(int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize for leaf in shm._leaves(layout))
-
-
-def _n_leaves(layout: Any) -> int:
-    return len(shm._leaves(layout))
-
-
 class Arena:
     """Arrays ``[n_slots, capacity, ...]`` over one buffer (``rows``: ``[n_slots]``)."""
 
@@ -104,8 +87,10 @@ class Arena:
     @staticmethod
     def nbytes_for(spec: ArenaSpec) -> int:
         n, c = spec.n_slots, spec.capacity
-        arrays = 2 + 2 * _n_leaves(spec.observation) + _n_leaves(spec.action) + 4
-        per_row = 2 * _leaf_bytes(spec.observation) + _leaf_bytes(spec.action) + 8 + 1 + 1 + 8
+        obs, act = shm._leaves(spec.observation), shm._leaves(spec.action)
+        arrays = 2 + 2 * len(obs) + len(act) + 4
+        per_row = sum(int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+                      for leaf in (*obs, *obs, *act)) + 8 + 1 + 1 + 8
         return 16 * n + n * c * per_row + 64 * (arrays + 1)
 
     def view(self, first: int, k: int) -> Arena:
@@ -119,10 +104,9 @@ class Arena:
 
 def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most: int = 4096) -> int:
     """Rows per slot that fit in ``nbytes`` (at most ``most``; at least 1)."""
-    spec = ArenaSpec("", n_slots, 1, observation, action)
-    per_slot_row = Arena.nbytes_for(spec) - Arena.nbytes_for(ArenaSpec("", n_slots, 0, observation, action))
-    spare = nbytes - Arena.nbytes_for(ArenaSpec("", n_slots, 0, observation, action))
-    return int(max(1, min(most, spare // max(per_slot_row, 1))))
+    empty = Arena.nbytes_for(ArenaSpec("", n_slots, 0, observation, action))
+    per_slot_row = Arena.nbytes_for(ArenaSpec("", n_slots, 1, observation, action)) - empty
+    return int(max(1, min(most, (nbytes - empty) // max(per_slot_row, 1))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,10 +115,8 @@ def capacity_for(nbytes: int, n_slots: int, observation: Any, action: Any, most:
 
 @dataclass(slots=True)
 class _Slot:
-    """The worker's own state of one slot's episode: garage's worker owns its episode. The
-    parent books what each fragment reports (``running``, ``cut``, ``env_version``), and
-    commands the rest (admission, ids, the seed, updates, ``let_go``); it never keeps a second
-    copy to reconcile with this one. Read it freely; it changes only through its methods."""
+    """The worker's own state of one slot's episode (garage's worker owns its episode): the
+    parent books what each fragment reports and commands the rest, and keeps no second copy."""
 
     obs: Any = None
     running: bool = False
@@ -146,11 +128,9 @@ class _Slot:
         self.obs, self.running, self.env_version = None, False, 0
 
     def update(self, env: Any, due: Due) -> None:
-        """The env updates ``due`` applied to ``env`` (the call path's applier)."""
         self.env_version = apply_updates(env, due, self.env_version)
 
     def start(self, obs: Any, episode: int) -> None:
-        """Episode ``episode`` starts from the reset's ``obs``."""
         self.obs, self.running, self.episode = obs, True, episode
 
     def stepped(self, obs: Any, done: bool) -> None:
@@ -202,13 +182,10 @@ class RegisteredFactory:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutRequest:
-    """One fragment for one process (built by keyword). Per slot (in ``slots`` order): ``steps`` most rows,
+    """One fragment for one process. Per slot (in ``slots`` order): ``steps`` most rows,
     ``starts`` episodes that may start (-1: any), the id its next episode gets (``ids``, then
-    ``+ id_stride`` for each one after), whether to let its running episode go (``let_go``: the
-    parent discarded it; exact episodes start afresh), a seed for its next reset (the parent's,
-    until a fragment reports an episode started), and the env updates its env has not had (a
-    ``Due`` of the sampler's ``UpdateLog``), applied by ``envmanager.core.updates.apply`` when
-    its next episode starts."""
+    ``+ id_stride`` for each one after), whether to let its running episode go, a seed for its
+    next reset, and the env updates due before its next episode starts."""
 
     slots: tuple[int, ...]
     first: int  # row of slots[0] in a shared arena
@@ -297,11 +274,9 @@ def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
 
 
 def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> None:
-    """Remake the envs at positions ``stale``: they raised, and the parent's supervisor decided to
-    rebuild them in this healthy process (the newer generation the request brings). The core's
-    worker half does it (``WorkerEnvs.rebuild``: the factory, the replayed calls, a reset, the
-    generation), so the env is replaced everywhere this process keeps it; their episodes are
-    gone. Anything raised here fails the request: the parent then restarts the process."""
+    """Remake the envs at positions ``stale`` (they raised; the supervisor decided to rebuild
+    them: the newer generation the request brings) with the core's ``WorkerEnvs.rebuild``.
+    Anything raised here fails the request: the parent then restarts the process."""
     here = envs_here()
     assert here is not None
     locals_ = tuple(here.env_ids.index(request.slots[i]) for i in stale)
@@ -313,12 +288,9 @@ def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> 
 
 def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest,
                  checker: ActionChecker) -> dict[str, Any]:
-    """Step ``envs`` in lockstep with ``agent``, writing rows into ``arena`` (see the module doc).
-
-    An env that raises (in ``step``, ``reset`` or an env update) ends its slot's part of the
-    fragment; an agent that raises or gives actions that do not fit ends it for every slot it
-    acted for. Either is reported per slot in ``failures`` (the parent takes it through the
-    pool's restart policy); the rows written before stay."""
+    """Step ``envs`` in lockstep with ``agent``, writing rows into ``arena``. An env that raises
+    ends its slot's part of the fragment, an agent that fails ends it for every slot it acted
+    for; either is reported per slot in ``failures``, and the rows written before stay."""
     k = len(envs)
     ids = np.array(request.slots, dtype=np.int64)
     ids.flags.writeable = False  # the agent gets this one array tick after tick (all slots acting)
@@ -482,9 +454,8 @@ def _agent_infos(ticks: list[tuple[int, list[int], dict[str, Any]]], k: int, n: 
 
 def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: list[_Slot] | None = None,
               arena: Arena | None = None) -> tuple[dict[str, Any], Arena, list[_Slot]]:
-    """The rollout loop in this process over ``envs``: ``steps`` rows each (the single-process
-    reference: same policy, same lockstep, same recording). Pass ``states`` and ``arena`` back
-    in to go on where the last call stopped."""
+    """The rollout loop in this process over ``envs``: ``steps`` rows each. Pass ``states`` and
+    ``arena`` back in to go on where the last call stopped."""
     k = len(envs)
     arena = arena or Arena(spec, bytearray(Arena.nbytes_for(spec)))
     states = states or [_Slot() for _ in envs]

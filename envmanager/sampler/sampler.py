@@ -67,6 +67,7 @@ class Sampler(SamplerBase):
     def __init__(self, envs: Callable[[int], Any] | BatchEnvManager, n_workers: int | None = None, policy: Any = None, *,
                  seed: int | Sequence[int | None] | None = None, log_interval: float | None = None,
                  progress: int | None = None, episode_ids: EpisodeIds = EpisodeIds(), **manager_options: Any) -> None:
+        self._owns_manager = not isinstance(envs, BatchEnvManager)
         if isinstance(envs, BatchEnvManager):
             if manager_options or n_workers not in (None, envs.n_env):
                 raise InvalidInputError("with a manager, give neither n_workers nor manager options")
@@ -74,19 +75,16 @@ class Sampler(SamplerBase):
                 raise InvalidInputError(
                     "the sampler decides when episodes start: build the manager with autoreset_mode='disabled'")
             n = envs.n_env
+        elif not isinstance(n_workers, int) or n_workers < 1:
+            raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
         else:
-            if not isinstance(n_workers, int) or n_workers < 1:
-                raise InvalidInputError(f"n_workers must be a positive int, got {n_workers!r}")
             n = n_workers
         self.n_workers = n
         self.stats = Stats("sampler", log_interval)
         #: One record per slot: the episode it runs (see ``envmanager.sampler.slots``).
         self.episodes = EpisodeSlots(seeds_for(seed, n), self.stats, episode_ids)
-        if isinstance(envs, BatchEnvManager):
-            self.manager, self._owns_manager = envs, False
-        else:
-            self.manager = BatchEnvManager(envs, n, autoreset_mode=DISABLED, **manager_options)
-            self._owns_manager = True
+        self.manager = envs if isinstance(envs, BatchEnvManager) else BatchEnvManager(
+            envs, n, autoreset_mode=DISABLED, **manager_options)
         answered = self.manager.answered_generations
         for slot in range(n):  # the envs as their latest answers say (a process restarted at start-up, a manager used before)
             self.episodes.replaced(slot, int(answered[slot]))
@@ -261,8 +259,8 @@ class Sampler(SamplerBase):
                             m.call_on([slot], apply_updates, (due, have))
                         except EnvManagerError as exc:  # the update raised, or the process failed meanwhile
                             try:
-                                if self._fault([slot], exc, goal):
-                                    restarted.add(process[slot])
+                                self._fault(slot, exc, goal)
+                                restarted.add(process[slot])
                             except EnvManagerError as final:
                                 error = error or final
                             continue
@@ -391,18 +389,14 @@ class Sampler(SamplerBase):
             self._book(slot, cut, goal)
             self.stats.count_total("worker_restarts", self.manager.restarts)
 
-    def _fault(self, slots: list[int], error: EnvManagerError, goal: Goal) -> bool:
-        """``error`` came from an env update on ``slots``: the supervisor decides. Absorbed by a
-        restart (the episodes cut; returns ``True``), or raised (the episodes failed)."""
-        decision = self.manager.fault(slots[:1], error, seen={s: self.episodes[s].generation for s in slots})
-        for s in slots:
-            if isinstance(decision, GiveUp):
-                self.episodes.close(s, Outcome.FAILED)
-            else:
-                self._replaced(s, None, goal)
+    def _fault(self, slot: int, error: EnvManagerError, goal: Goal) -> None:
+        """``error`` came from an env update on ``slot``: the supervisor decides. Absorbed by a
+        restart (the episode cut), or raised (the episode failed)."""
+        decision = self.manager.fault([slot], error, seen={slot: self.episodes[slot].generation})
         if isinstance(decision, GiveUp):
+            self.episodes.close(slot, Outcome.FAILED)
             raise decision.error
-        return True
+        self._replaced(slot, None, goal)
 
     def _failed(self, error: EnvManagerError) -> None:
         """``error`` ends the call: the episodes on the slots it names failed (counted)."""

@@ -1,30 +1,12 @@
 """One record per env slot: the episode it runs, changed only by core events.
 
-garage's workers own their episodes; Sample Factory keeps one state per env. Here each sampler
-keeps one :class:`EpisodeSlots` (the Ray node runs a ``Sampler``, so it keeps one too), and
-every fault reaches a record through one of three events (drawn in ``docs/architecture.md``)::
-
-    NONE ──start──► STARTING ──reset answered──► READY ──step sent──► STEPPING
-      ▲                                            ▲                      │
-      │                                            └──── step answered ───┘
-      │             (worker-side sampler: RUNNING, the worker steps it fragment by fragment)
-      │
-      └── closed as ENDED  (terminated or truncated)
-                    CUT    (an answer from another generation of the slot's env: the process
-                            was replaced or the env rebuilt; the episode's rows are kept and
-                            flagged)
-                    FAILED (an error no restart absorbed: restarts off, or past the limits)
-
-A record is closed to outside writes: its fields are read-only, and every change is one of its
-own methods (Sample Factory's ``ActorState``); what numbers an episode, counts or lists it goes
-through ``EpisodeSlots``, so a cut is one step (``replaced`` closes the episode it cuts).
-
-Episode ids are the parent's, given before an episode starts: the ``k``-th episode started on
-slot ``s`` of ``n`` is ``k * n + s``, whichever process generation runs it, so no id spans two
-env episodes and ids do not depend on the order answers arrive in. What a restarted process
-needs again is replayed from here: its slots' first seeds only if no episode used them yet,
-and every env update in order (a fresh env starts at env version 0; the updates are the
-sampler's ``UpdateLog``, ``envmanager.core.updates``).
+Each sampler keeps one :class:`EpisodeSlots`. A record's fields are read-only and every change
+is one of its own methods (Sample Factory's ``ActorState``); what numbers, counts or lists an
+episode goes through ``EpisodeSlots``, so a cut is one step (``replaced`` closes the episode it
+cuts). Episode ids are the parent's: the ``k``-th episode of slot ``s`` of ``n`` is ``k * n + s``,
+whichever process generation runs it. A restarted process gets its slots' first seeds only if
+no episode used them yet, and every env update again. The states and the three ways an episode
+closes (ENDED, CUT, FAILED) are drawn in ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -61,9 +43,8 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class EpisodeSlot:
-    """Everything about one slot's episode (see the module doc). Read it freely; it changes
-    only through its own methods (assigning a field raises). Those that number an episode or
-    count what ended are reached through :class:`EpisodeSlots`, which keeps the ids and stats."""
+    """Everything about one slot's episode (see the module doc); it changes only through its
+    own methods (assigning a field raises)."""
 
     slot: int
     seed: int | None = None  # the first reset's seed, until an episode used it
@@ -81,7 +62,7 @@ class EpisodeSlot:
 
     def _set(self, **fields: Any) -> None:
         for name, value in fields.items():
-            object.__setattr__(self, name, value)  # the record's one writer is its own methods
+            object.__setattr__(self, name, value)
 
     def start(self, episode_id: int, recording: bool, state: EpisodeState) -> None:
         """Episode ``episode_id`` starts here (``EpisodeSlots.start`` numbers it)."""
@@ -90,7 +71,7 @@ class EpisodeSlot:
                   sent=None, steps=[], taken=0)
 
     def ready(self, observation: Any) -> None:
-        """The slot's reset or step was answered and its episode goes on: act on ``observation``."""
+        """The slot's reset or step was answered and its episode goes on."""
         self._set(observation=observation, sent=None, state=EpisodeState.READY)
 
     def step_sent(self, sent: tuple[Any, Any, dict[str, Any], int]) -> None:
@@ -98,7 +79,6 @@ class EpisodeSlot:
         self._set(sent=sent, state=EpisodeState.STEPPING)
 
     def record(self, step: Step) -> None:
-        """The step answered belongs to the slot's episode, which records it."""
         self.steps.append(step)
 
     def take_steps(self) -> list[Step]:
@@ -126,17 +106,15 @@ class EpisodeSlot:
         return seed
 
     def close(self, outcome: Outcome) -> Closed:
-        """The episode is over (``EpisodeSlots.close`` counts it): its steps flagged if ``CUT``,
-        dropped if ``FAILED``."""
+        """The episode is over: its steps flagged if ``CUT``, dropped if ``FAILED``."""
         if self.state is EpisodeState.NONE:
             return Closed(-1, [], False, outcome)
-        taken = self.taken
         steps = self.steps
         if outcome is Outcome.CUT:
             steps = [replace(step, interrupted=True) for step in steps]
         elif outcome is Outcome.FAILED:
             steps = []
-        closed = Closed(self.episode_id, steps, self.recording, outcome, taken)
+        closed = Closed(self.episode_id, steps, self.recording, outcome, self.taken)
         self._set(state=EpisodeState.NONE, recording=False, observation=None, sent=None, steps=[])
         return closed
 
@@ -145,7 +123,7 @@ class EpisodeSlot:
         self._set(generation=self.generation if generation is None else generation, env_version=0)
 
     def applied(self, version: int) -> None:
-        """The slot's env has every update up to ``version`` (the updates are the sampler's ``UpdateLog``)."""
+        """The slot's env has every update up to ``version``."""
         self._set(env_version=max(self.env_version, version))
 
 
@@ -162,9 +140,8 @@ class Closed(NamedTuple):
 
 class EpisodeIds(NamedTuple):
     """How a sampler numbers its episodes: the ``k``-th on slot ``s`` is ``k * stride + offset
-    + s`` (``stride`` defaults to the number of slots), ``k`` counting on from ``started[s]``.
-    A Ray node numbers its slots from its offset among all slots, and a restarted node goes on
-    from what the driver saw."""
+    + s`` (``stride`` defaults to the number of slots), ``k`` counting on from ``started[s]``
+    (a Ray node's slots among all slots; a restarted node goes on from what the driver saw)."""
 
     offset: int = 0
     stride: int | None = None
@@ -172,8 +149,7 @@ class EpisodeIds(NamedTuple):
 
 
 class EpisodeSlots:
-    """The records of ``n`` slots, their episode ids and the episodes cut so far: every change
-    that numbers, counts or lists an episode goes through here."""
+    """The records of ``n`` slots, their episode ids and the episodes cut so far."""
 
     def __init__(self, seeds: Sequence[int | None], stats: Stats, ids: EpisodeIds = EpisodeIds()) -> None:
         self.n = len(seeds)
@@ -204,7 +180,6 @@ class EpisodeSlots:
     # Episodes
 
     def next_id(self, slot: int) -> int:
-        """The id the slot's next episode gets."""
         return self.slots[slot].started * self.id_stride + self.id_offset + slot
 
     def start(self, slot: int, recording: bool, state: EpisodeState = EpisodeState.STARTING) -> int:
@@ -215,9 +190,8 @@ class EpisodeSlots:
         return episode_id
 
     def stop_recording(self) -> int:
-        """A collection call admits its own episodes: those running go on unrecorded, and any
-        steps they recorded and nobody took are dropped (counted as ``dropped_steps``). Returns
-        how many were dropped."""
+        """A collection call admits its own episodes: those running go on unrecorded, their
+        steps nobody took dropped (counted). Returns how many were dropped."""
         dropped = sum(record.stop_recording() for record in self.slots)
         if dropped:
             self.stats.count("dropped_steps", dropped)
@@ -247,10 +221,9 @@ class EpisodeSlots:
         return record.close(outcome)
 
     def replaced(self, slot: int, generation: int | None) -> Closed | None:
-        """The slot's env is of ``generation`` (an answer or a decision carried it; ``None``: a
-        fresh one, whose next answer brings it). Another than the record's is a fresh env: its
-        running episode is cut and closed here (``CUT``), and every env update is due again.
-        Returns the cut (``episode_id`` -1 if none was running), or ``None`` if nothing changed."""
+        """The slot's env is of ``generation`` (``None``: a fresh one, whose next answer brings
+        it). Another than the record's cuts the running episode (``CUT``) and makes every env
+        update due again. Returns the cut (``episode_id`` -1 if none ran), or ``None``."""
         if generation == self.slots[slot].generation:
             return None
         closed = self.close(slot, Outcome.CUT)
@@ -259,9 +232,8 @@ class EpisodeSlots:
 
 
 def raise_given_up(manager: BatchEnvManager, episodes: EpisodeSlots) -> None:
-    """A process the pool gave up on (past the restart limits, or dead with restarts off): its
-    error, at once, on every call of a sampler -- the first one given up's, so the same error
-    every time, whatever others fail later; the episodes on the slots it names failed."""
+    """A process the pool gave up on: its error at once on every call of a sampler (the first
+    one given up's, the same every time); the episodes on the slots it names failed."""
     failure = manager.first_failure()
     if failure is not None:
         slots = failed_slots(failure) or [s for s in range(manager.n_env) if manager.failure_of(s) is failure]
