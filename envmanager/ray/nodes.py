@@ -57,8 +57,8 @@ RayNodeRestartLimitError = NodeRestartLimitError
 
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]  # Ray's stubs omit concurrency_groups
 class _NodeActor(SamplerNode):
-    """``SamplerNode`` as an actor: collection runs one call at a time; ``update`` runs in its
-    own thread so new weights reach a fragment already under way (the Sampler is thread-safe there)."""
+    """``SamplerNode`` as an actor; ``update`` runs in its own thread so new weights reach a
+    fragment already under way (the Sampler is thread-safe there)."""
 
     @ray.method(concurrency_group="control")
     def update(  # type: ignore[override]  # ray.method turns it into a remote method (called as .remote)
@@ -157,14 +157,11 @@ class NodePool:
                  sampler_options: dict[str, Any], actor_options: dict[str, Any], timeout: float, start_timeout: float,
                  restarts: RestartPolicy, address: str | None, init_options: dict[str, Any]) -> None:
         self.start_timeout = start_timeout
-        #: What a node fault leads to, the restart counts and each node's generation (its
-        #: answers carry it), the nodes given up, each node's deadline clock.
+        #: Node faults' outcomes, restart counts, each node's generation and deadline clock.
         self.supervisor = Supervisor(restarts, timeout, [[i] for i in range(len(envs_per_node))], "node")
         self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
-        #: Per node's slots, of a generation (``SlotRecords.resume``): each seed if no episode used it
-        #: yet, the episodes each started so far; the records then book only that generation's answers.
-        self.resume = resume
+        self.resume = resume  # ``SlotRecords.resume``
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
                                "max_restarts": 0, "max_task_retries": 0}
         offsets = [sum(envs_per_node[:i]) for i in range(len(envs_per_node))]
@@ -185,7 +182,7 @@ class NodePool:
             raise
 
     def failure(self, node: Node) -> EnvManagerError | None:
-        """``node``'s error if it was given up (raised on every later use), else ``None``."""
+        """``node``'s error if it was given up, else ``None``."""
         return self.supervisor.failure(node.index)
 
     # ------------------------------------------------------------------------------------------
@@ -206,8 +203,8 @@ class NodePool:
             self.ray_failed(exc, f"starting {node.name()}")
 
     def _await_started(self, nodes: list[Node]) -> None:
-        """Each node answers ``info`` within ``start_timeout`` (an actor whose resources cannot be
-        met would otherwise block forever)."""
+        """Each node must answer ``info`` within ``start_timeout`` (an actor whose resources
+        cannot be met would otherwise block forever)."""
         try:
             refs = [node.actor.info.remote() for node in nodes]
         except Exception as exc:

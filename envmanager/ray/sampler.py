@@ -92,6 +92,7 @@ class RaySampler(SamplerBase):
         positive_seconds("start_timeout", start_timeout)
         if env_timeout is not None:
             positive_seconds("env_timeout", env_timeout)
+            sampler_options["timeout"] = env_timeout
         self.n_nodes = nodes
         self.n_workers = sum(sizes)
         self.fragment_steps = int(fragment_steps)
@@ -105,8 +106,6 @@ class RaySampler(SamplerBase):
         self.records = SlotRecords([None if seed is None else seed + s for s in range(self.n_workers)])
         restarts = RestartPolicy(restart_nodes, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s,
                                  switch="restart_nodes")
-        if env_timeout is not None:
-            sampler_options["timeout"] = env_timeout
         self._pool = NodePool(env_factory, sizes, policy, self.records.resume, dict(sampler_options), dict(actor_options or {}),
                               float(timeout), float(start_timeout), restarts, ray_address, dict(ray_init_options or {}))
         self._pool.replay = self._replay
@@ -253,8 +252,10 @@ class RaySampler(SamplerBase):
         out = []
         for request, answer in answers:
             node = self._pool.nodes[request.node]
-            if answer is None:
-                self._node_lost(node, request)
+            if answer is None:  # it died with its node (restarted): an episode request is asked again
+                self.stats.count("lost_requests")
+                if request.kind == "steps":  # the fragment's running episodes are cut
+                    self._cut([self.records[s].running for s in node.slots if self.records[s].running >= 0], counted=False)
             elif not self._booked(node, request, answer):  # a replaced node's: as lost (an episode request is asked again)
                 if request in asked:
                     out.append((request, None))
@@ -290,13 +291,6 @@ class RaySampler(SamplerBase):
         self._cut(counters.get("cut_episodes", ()), counted=True)  # cut inside the node (rows flagged there)
         return True
 
-    def _node_lost(self, node: Node, request: Request) -> None:
-        """A request died with its node (already restarted): a fragment's running episodes are
-        cut; an episode request's answer is lost whole (the caller asks the new node again)."""
-        self.stats.count("lost_requests")
-        if request.kind == "steps":
-            self._cut([self.records[s].running for s in node.slots if self.records[s].running >= 0], counted=False)
-
     def _cut(self, episodes: Sequence[int], counted: bool) -> None:
         """``episodes`` were cut (inside a node, ``counted`` there, or with it): their rows not
         handed out yet are flagged ``interrupted``."""
@@ -318,20 +312,16 @@ class RaySampler(SamplerBase):
         self._pool.raise_given_up()
         logger.debug("ray obtain_samples itr=%s num_samples=%d", itr, num_samples)
         chunk = max(1, min(self.fragment_steps, -(-num_samples // self.n_nodes)))
-        got: list[tuple[int, EpisodeBatch]] = []
-        received, outstanding = 0, []
-        for node in self._pool.nodes:
-            outstanding.append(self._pool.submit(node, "samples", chunk))
+        got: list[EpisodeBatch] = []
+        received, outstanding = 0, [self._pool.submit(node, "samples", chunk) for node in self._pool.nodes]
         while outstanding:
             for request, batch in self._wait(outstanding):
                 outstanding.remove(request)
-                node = self._pool.nodes[request.node]
                 if batch is not None:
-                    got.append((len(got), batch))
+                    got.append(batch)
                     received += len(batch)
                 if received + chunk * len(outstanding) < num_samples:  # a lost chunk is asked for again
-                    outstanding.append(self._pool.submit(node, "samples", chunk))
-        self._top_up_if_streaming()
+                    outstanding.append(self._pool.submit(self._pool.nodes[request.node], "samples", chunk))
         return self._merge(got)
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
@@ -359,8 +349,7 @@ class RaySampler(SamplerBase):
                     outstanding.append(self._pool.submit(self._pool.nodes[request.node], "episodes", request.arg))
                 else:
                     got[request.node] = batch
-        self._top_up_if_streaming()
-        return self._merge([(i, got[i]) for i in sorted(got)])
+        return self._merge([got[i] for i in sorted(got)])
 
     def obtain_episodes(self, n: int, per_worker: bool = False, agent_update: Any = None,
                         env_update: Any = None) -> EpisodeBatch:
@@ -370,13 +359,12 @@ class RaySampler(SamplerBase):
         quotas = n if per_worker else spread(n, self.n_workers)
         return self.obtain_exact_episodes(quotas, agent_update, env_update)
 
-    def _top_up_if_streaming(self) -> None:
+    def _merge(self, batches: list[EpisodeBatch]) -> EpisodeBatch:
+        """Episodes in (worker, admission) order: by global slot, then in the order they came
+        (a stream going on before the call gets its fragments topped up first)."""
         if self._buffer or any(r.kind == "steps" for node in self._pool.nodes for r in node.queue):
             self._top_up(ahead=True)
-
-    def _merge(self, batches: list[tuple[int, EpisodeBatch]]) -> EpisodeBatch:
-        """Episodes in (worker, admission) order: by global slot, then in the order they came."""
-        episodes = [e for _, b in batches for e in b.split_episodes()]
+        episodes = [e for b in batches for e in b.split_episodes()]
         if not episodes:
             raise EnvManagerError("ray sampler: no episode was collected")
         order = sorted(range(len(episodes)), key=lambda i: (int(episodes[i].worker_ids[0]), i))

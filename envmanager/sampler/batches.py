@@ -1,8 +1,5 @@
-"""What the sampler hands a learner: ``TransitionBatch`` (steps) and ``EpisodeBatch`` (whole
-episodes, contiguous, with their lengths).
-
-One row per transition, numpy arrays throughout. ``TransitionBatch`` is named so it does not
-clash with the core's ``StepBatch`` (the slots one ``receive_batch`` handed out).
+"""What the sampler hands a learner: ``TransitionBatch`` (one row per transition, numpy arrays;
+named apart from the core's ``StepBatch``) and ``EpisodeBatch`` (whole episodes, contiguous).
 """
 
 from __future__ import annotations
@@ -13,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from envmanager.wire import shm
 
 __all__ = ["TransitionBatch", "EpisodeBatch", "stack_values"]
 
@@ -52,9 +51,8 @@ def _stack_or_objects(values: Sequence[Any]) -> Any:
 
 
 def info_columns(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Env infos (one dict per row) as columns, none dropped: a key every row has is stacked (see
-    ``_stack_or_objects``); a key only some rows have (``info["episode"]`` on an episode's last
-    step) is an object array, ``None`` in the rows without it."""
+    """Env infos (one dict per row) as columns, none dropped: a key only some rows have
+    (``info["episode"]`` on an episode's last step) is an object array, ``None`` elsewhere."""
     keys = sorted(set().union(*infos)) if infos else []
     return {k: _stack_or_objects([i[k] for i in infos]) if all(k in i for i in infos) else _objects([i.get(k) for i in infos])
             for k in keys}
@@ -62,11 +60,7 @@ def info_columns(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def take_rows(value: Any, index: Any) -> Any:
     """``value[index]`` of every array in a tree of dicts and tuples."""
-    if isinstance(value, dict):
-        return {k: take_rows(v, index) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(take_rows(v, index) for v in value)
-    return value[index]
+    return shm.tree_map(lambda a: a[index], value)
 
 
 def _cat(values: Sequence[Any]) -> Any:
@@ -100,12 +94,10 @@ def _cat_infos(dicts: Sequence[dict[str, Any]], lengths: Sequence[int]) -> dict[
 
 @dataclasses.dataclass
 class TransitionBatch:
-    """Transitions, one row each.
-
-    ``next_observations`` holds the observation a step led to (the final observation at an
-    episode's end). ``policy_versions`` / ``env_versions``: the agent and env versions that
-    produced the step. ``interrupted``: the step's episode was cut by a worker restart.
-    ``valid``: ``False`` for steps a ``LearnerFeed`` masked as too stale.
+    """Transitions, one row each. ``next_observations``: the observation a step led to (the
+    final one at an episode's end); ``policy_versions`` / ``env_versions``: the versions that
+    produced the step; ``interrupted``: its episode was cut by a worker restart; ``valid``:
+    ``False`` for steps a ``LearnerFeed`` masked as too stale.
     """
 
     observations: Any

@@ -1,11 +1,9 @@
 """Collection goals: which episodes a sampler call admits, and when it is done.
 
 The rule that keeps exact-episode sampling unbiased: whether an episode counts is decided when
-it **starts** (by a quota per env slot), never by when it ends. Every admitted episode runs to
-its end; an episode cut by a worker restart fills its admission (kept, flagged, counted),
-never silently replaced — unless it was cut before its first step: nothing of it was seen and
-the cut does not depend on its length, so its admission is given back (counted). Results come
-in (worker, admission) order.
+it **starts** (by a quota per env slot), never by when it ends. An episode cut by a worker
+restart fills its admission (kept, flagged), unless it was cut before its first step: nothing
+of it was seen, so its admission is given back (counted). Results come in (worker, admission) order.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ def spread(n: int, n_workers: int) -> list[int]:
 
 
 class Goal:
-    """What one collection call wants. The sampler asks ``admit`` when a slot could start an
-    episode, ``step_budget`` before it sends steps, and reports every recorded episode's end.
-    What runs now is in the sampler's records, not here."""
+    """What one collection call wants: the sampler asks ``admit`` when a slot could start an
+    episode, ``step_budget`` before it sends steps, and reports every recorded episode's end."""
 
     record_partial = False  # hand out the steps of episodes still running when done (obtain_steps)
 
@@ -45,8 +42,8 @@ class Goal:
         """An admitted episode recorded a step."""
 
     def finished(self, slot: int, steps: list[Step], interrupted: bool) -> None:
-        """An admitted episode ended (or was cut by a restart, ``interrupted``). One cut before
-        its first step has nothing to hand out: it is only counted (``empty_cut``)."""
+        """An admitted episode ended (or was cut, ``interrupted``); one cut before its first
+        step is only counted (``empty_cut``)."""
         if interrupted and not steps:
             self.empty_cut += 1
             return
@@ -88,8 +85,7 @@ class EpisodeQuotas(Goal):
 
 class SampleCount(Goal):
     """garage's ``obtain_samples``: whole episodes until at least ``num_samples`` steps. An
-    episode is admitted while finished plus running admitted steps (``running()``: read from the
-    sampler's records) stay below the target."""
+    episode is admitted while finished plus running admitted steps (``running()``) stay below it."""
 
     def __init__(self, n_workers: int, num_samples: int, running: Callable[[], int]) -> None:
         super().__init__(n_workers)

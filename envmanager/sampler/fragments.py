@@ -38,10 +38,8 @@ def arena_rows(arena: Arena, s: int, n: int) -> dict[str, Any]:
 
 def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None, env_infos: list[dict] | None,
                    env_versions: dict[int, int], sent: SentFragment, i: int, running: int) -> TransitionBatch:
-    """Rows of slot ``s`` (the ``i``-th of its process) as a batch; episode ids are in the rows
-    (the parent gave them). The episode ``running`` when sent (-1: none) has the env version it
-    started with; new ones what they applied (for rows read back from a killed worker: what the
-    request brought)."""
+    """Rows of slot ``s`` (the ``i``-th of its process) as a batch. The episode ``running`` when
+    sent (-1: none) has the env version it started with; new ones what they applied."""
     n = len(fields["rewards"])
     ids = fields["episodes"]
     versions = _row_env_versions(ids, running, env_versions, sent.env_before[i], sent.env_reached[i])
@@ -57,8 +55,7 @@ def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] 
 
 def _row_env_versions(ids: np.ndarray, running: int, env_versions: dict[int, int], before: int, reached: int) -> np.ndarray:
     """Each row's env version: ``before`` for the episode ``running`` when sent, else what the
-    episode applied (``reached`` if unknown); looked up once per run of equal ids (an episode's
-    rows follow each other), not with a mask of every row per episode."""
+    episode applied (``reached`` if unknown); looked up once per run of equal ids."""
     if not len(ids):
         return np.zeros(0, dtype=np.int64)
     firsts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1))
@@ -67,8 +64,8 @@ def _row_env_versions(ids: np.ndarray, running: int, env_versions: dict[int, int
 
 
 def fill_agent_infos(chunk: TransitionBatch, template: dict[str, np.ndarray]) -> None:
-    """Agent infos for rows recovered from a dead worker (its policy's infos died with it):
-    each key of ``template`` (one row of them), filled with NaN (floats) or 0."""
+    """Agent infos for rows recovered from a dead worker: each key of ``template``, filled with
+    NaN (floats) or 0."""
     chunk.agent_infos = {k: np.full((len(chunk), *v.shape[1:]), np.nan if v.dtype.kind == "f" else 0, dtype=v.dtype)
                          for k, v in template.items()}
 

@@ -256,34 +256,23 @@ def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
             spec = ArenaSpec("", k, request.spec.capacity, request.spec.observation, request.spec.action)
             arena = Arena(spec, bytearray(Arena.nbytes_for(spec)))
         proc.arena = (request.spec, request.first, arena, request.shared)
-    arena = proc.arena[2]
-    envs = [proc.envs[s] for s in request.slots]
     if proc.checker is None:
-        proc.checker = ActionChecker(envs[0].action_space)
+        proc.checker = ActionChecker(proc.envs[request.slots[0]].action_space)
     states = [proc.slots.setdefault(s, _Slot()) for s in request.slots]
     here = envs_here()
     assert here is not None, "a rollout runs in a worker process"
     locals_ = tuple(here.env_ids.index(s) for s in request.slots)
     stale = [i for i, n in enumerate(locals_) if request.generations and request.generations[i] > here.generations[n]]
-    if stale:
-        _rebuild(request, stale, states)
-        envs = [proc.envs[s] for s in request.slots]
-    out = run_fragment(proc.agent[1], envs, states, arena, request, proc.checker)
+    if stale:  # they raised, and the supervisor rebuilds them here (anything raised fails the request: a restart)
+        none = (None,) * len(stale)
+        here.rebuild(Rebuild(tuple(locals_[i] for i in stale), none, none, request.replays,
+                             tuple(request.generations[i] for i in stale)))
+        for i in stale:
+            states[i].rebuilt()
+    envs = [proc.envs[s] for s in request.slots]
+    out = run_fragment(proc.agent[1], envs, states, proc.arena[2], request, proc.checker)
     out["generations"] = here.stamp(locals_)  # the answer's stamp: its envs' generations
     return out
-
-
-def _rebuild(request: RolloutRequest, stale: list[int], states: list[_Slot]) -> None:
-    """Remake the envs at positions ``stale`` (they raised; the supervisor decided to rebuild
-    them: the newer generation the request brings) with the core's ``WorkerEnvs.rebuild``.
-    Anything raised here fails the request: the parent then restarts the process."""
-    here = envs_here()
-    assert here is not None
-    locals_ = tuple(here.env_ids.index(request.slots[i]) for i in stale)
-    none = (None,) * len(stale)
-    here.rebuild(Rebuild(locals_, none, none, request.replays, tuple(request.generations[i] for i in stale)))
-    for i in stale:
-        states[i].rebuilt()
 
 
 def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena, request: RolloutRequest,

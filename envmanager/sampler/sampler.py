@@ -97,12 +97,6 @@ class Sampler(SamplerBase):
     # ------------------------------------------------------------------------------------------
     # Versions and updates
 
-    @property
-    def cut_episodes(self) -> list[int]:
-        """Ids of the episodes a worker restart cut, in the order seen: their steps still held
-        are flagged ``interrupted``, but steps a ``stream`` already handed out cannot be recalled."""
-        return self.episodes.cut_episodes
-
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """Queue a new policy and/or env update; returns ``(policy_version, env_version)``.
 
@@ -187,6 +181,10 @@ class Sampler(SamplerBase):
                 if bar is not None:
                     bar.close()
             with DEFERRED:  # (a Ctrl-C before it is raised as in the collection; in it, held until they are out)
+                if goal.empty_cut:  # admitted episodes cut before their first step: nothing to hand out, but counted
+                    self.stats.count("empty_cut_episodes", goal.empty_cut)
+                    logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step",
+                                   goal.empty_cut)
                 return hand_out(goal)
         except BaseException as exc:
             dropped = sum(len(steps) for per_slot in goal.episodes for steps, _ in per_slot)
@@ -408,16 +406,8 @@ class Sampler(SamplerBase):
         m = self.manager
         return m.observation_list[slot] if m.observation_list is not None else shm.read(m.results.observation, slot)
 
-    def _count_empty_cut(self, goal: Goal) -> None:
-        """Admitted episodes cut before their first step: nothing to hand out, but counted."""
-        if goal.empty_cut:
-            self.stats.count("empty_cut_episodes", goal.empty_cut)
-            logger.warning("sampler: %d admitted episode(s) were cut by a worker restart before their first step",
-                           goal.empty_cut)
-
     def _steps(self, goal: Goal) -> TransitionBatch:
         """What ``obtain_steps`` hands out: the steps recorded, in worker order."""
-        self._count_empty_cut(goal)
         steps: list[Step] = []
         for slot in range(self.n_workers):
             for episode, _ in goal.episodes[slot]:
@@ -427,7 +417,6 @@ class Sampler(SamplerBase):
 
     def _episodes(self, goal: Goal) -> EpisodeBatch:
         episodes = [(TransitionBatch.from_steps(steps), cut) for per_slot in goal.episodes for steps, cut in per_slot]
-        self._count_empty_cut(goal)
         if not episodes:
             raise EnvManagerError("sampler: every admitted episode was cut by a worker restart before its first step")
         return EpisodeBatch.from_transitions([e for e, _ in episodes], [cut for _, cut in episodes])

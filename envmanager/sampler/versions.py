@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from envmanager.core.updates import Pickled, UpdateLog
+
+if TYPE_CHECKING:
+    from envmanager.sampler.slots import EpisodeSlots
 
 __all__ = ["Versions", "Publish", "SamplerBase"]
 
@@ -91,6 +94,7 @@ class SamplerBase:
     """What every sampler shares: the versions it reports and its lifetime (``close``)."""
 
     versions: Versions
+    episodes: EpisodeSlots
 
     @property
     def policy_version(self) -> int:
@@ -100,6 +104,12 @@ class SamplerBase:
     @property
     def env_version(self) -> int:
         return self.versions.env_version
+
+    @property
+    def cut_episodes(self) -> list[int]:
+        """Ids of the episodes a fault cut, in the order seen: their rows still held are flagged
+        ``interrupted`` (rows a ``stream`` handed out already cannot be recalled)."""
+        return self.episodes.cut_episodes
 
     def close(self) -> None:
         raise NotImplementedError

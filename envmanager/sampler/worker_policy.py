@@ -110,11 +110,9 @@ class WorkerPolicySampler(SamplerBase):
                 "the worker-side sampler needs Box/Discrete/MultiDiscrete/MultiBinary (or Dict/Tuple of them) spaces")
         one_row = Arena.nbytes_for(ArenaSpec(self._token, n, 1, *layouts))
         if one_row > n * fragment_bytes:
-            per_slot = -(-one_row // n)
             raise InvalidInputError(f"fragment_bytes={fragment_bytes} is too small: one row of these spaces needs "
-                                    f"{per_slot} bytes per slot ({one_row} for {n} slots, arena headers included)")
-        capacity = capacity_for(n * fragment_bytes, n, *layouts)
-        self._spec = ArenaSpec(self._token, n, capacity, *layouts)
+                                    f"{-(-one_row // n)} bytes per slot ({one_row} for {n} slots, arena headers included)")
+        self._spec = ArenaSpec(self._token, n, capacity_for(n * fragment_bytes, n, *layouts), *layouts)
         self._arena = Arena(self._spec, self._mapping) if self._mapping is not None else None
         if self._arena is not None:  # a fragment that keeps writing rows is not hung, however long
             m.watch_progress(_progress_of(weakref.ref(self)))
@@ -127,11 +125,6 @@ class WorkerPolicySampler(SamplerBase):
 
     # ------------------------------------------------------------------------------------------
     # Versions
-
-    @property
-    def cut_episodes(self) -> list[int]:
-        """Ids of the episodes a fault cut, in the order seen (their rows still held are flagged)."""
-        return self.episodes.cut_episodes
 
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
         """A new agent for the workers (picklable), used from each process's next request on,
@@ -342,7 +335,7 @@ class WorkerPolicySampler(SamplerBase):
 
     def _file(self, p: int, sent: SentFragment, answer: dict[str, Any], out: list[list[TransitionBatch]], want: list[int],
               starts: list[int]) -> EnvManagerError | None:
-        """Take one fragment of process ``p``: its rows out of the arena (or the answer)."""
+        """Take one fragment of process ``p``: its rows out of the arena (or the answer), its records, its fault."""
         slots, arrays, failures = self._procs[p], answer["arrays"], answer["failures"]
         empty: dict[int, int] = {}
         self._replaced(slots, answer["generations"])  # (the records' generations: a fresh env only if they missed it)
