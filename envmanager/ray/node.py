@@ -7,7 +7,6 @@ class becomes an actor in ``envmanager.ray.nodes``. Envs and policy see global s
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import socket
 import threading
@@ -18,8 +17,6 @@ from envmanager.errors import EnvManagerError, with_slot_offset
 from envmanager.sampler import EpisodeBatch, Sampler, TransitionBatch
 from envmanager.sampler.sampler import apply_agent_update
 from envmanager.sampler.slots import EpisodeIds
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["SamplerNode", "NodeFailure"]
 

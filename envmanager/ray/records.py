@@ -76,15 +76,13 @@ class SlotRecords:
     def running(self) -> set[int]:
         return {r.running for r in self.slots if r.running >= 0}
 
-    # ------------------------------------------------------------------------------------------
-    # What nodes report
-
     def booked(self, batch: TransitionBatch, started: Sequence[int] | None = None, offset: int = 0,
                runs_on: bool = True, generation: int | None = None) -> bool:
         """An answer's rows, and its slots' counts of episodes started (``started[i]``: global
         slot ``offset + i``). With ``runs_on`` (a fragment), each slot's last row's episode runs
         on unless it ended there. An answer of another node ``generation`` is refused whole: ``False``."""
-        slots = set(np.unique(batch.worker_ids).tolist())
+        with_rows = np.unique(batch.worker_ids).tolist()
+        slots = set(with_rows)
         if started is not None:
             slots |= set(range(offset, offset + len(started)))
         if generation is not None and any(self.slots[s].generation != generation for s in slots):
@@ -92,10 +90,8 @@ class SlotRecords:
         if started is not None:
             for i, count in enumerate(started):
                 self.slots[offset + i].saw_started(int(count))
-        if not len(batch):
-            return True
         ends = batch.dones
-        for slot in np.unique(batch.worker_ids).tolist():
+        for slot in with_rows:
             rows = np.flatnonzero(batch.worker_ids == slot)
             record = self.slots[slot]
             record.saw_started(int(batch.episode_ids[rows].max()) // self.n + 1)
@@ -116,9 +112,6 @@ class SlotRecords:
         """The running episodes of ``slots`` never continue in a fragment (an episode request
         ran them out unrecorded, or their node failed): how many there were."""
         return sum(self.slots[slot].let_go() for slot in slots)
-
-    # ------------------------------------------------------------------------------------------
-    # What a (re)started node is built with
 
     def resume(self, slots: Iterable[int], generation: int = 0) -> tuple[list[int | None], list[int]]:
         """Per slot: its seed only if no episode of it is known to have started, and the episodes

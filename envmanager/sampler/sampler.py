@@ -238,7 +238,6 @@ class Sampler(SamplerBase):
         with DEFERRED:  # (the updates' waits stay interruptible: a Ctrl-C there lets the episodes started here go)
             m, episodes = self.manager, self.episodes
             starting = [s for s in m.idle_worker_ids if episodes[s].state is NONE and goal.admit(s)]
-            started: list[int] = []
             try:
                 resets = {}
                 error: EnvManagerError | None = None
@@ -246,7 +245,6 @@ class Sampler(SamplerBase):
                 process = m.slot_process
                 for slot in starting:
                     episodes.start(slot, recording=True)
-                    started.append(slot)
                     if process[slot] in restarted:
                         self._replaced(slot, None, goal)
                         continue
@@ -272,7 +270,7 @@ class Sampler(SamplerBase):
                         del resets[slot]
                         self._replaced(slot, None, goal)
             except BaseException:  # (a Ctrl-C in the updates' waits) nothing sent: the episodes never began
-                for slot in started:
+                for slot in starting:  # (those not started yet are NONE)
                     if episodes[slot].state is STARTING:
                         episodes.close(slot, Outcome.DISCARDED)
                 raise

@@ -176,9 +176,6 @@ class EpisodeSlots:
         """Steps recorded so far by the episodes running and recording (admitted by this call)."""
         return sum(len(r.steps) for r in self.slots if r.recording)
 
-    # ------------------------------------------------------------------------------------------
-    # Episodes
-
     def next_id(self, slot: int) -> int:
         return self.slots[slot].started * self.id_stride + self.id_offset + slot
 

@@ -37,9 +37,6 @@ class Stats:
         self._lags: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=100)
         self._totals: dict[str, int] = {}  # name -> a running total kept elsewhere, as last seen (``count_total``)
 
-    # ------------------------------------------------------------------------------------------
-    # Recording
-
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to a counter, and to its throughput windows."""
         now = self._clock()
@@ -90,9 +87,6 @@ class Stats:
         if lags.size:
             with self._lock:
                 self._lags.append((float(lags.min()), float(lags.mean()), float(lags.max())))
-
-    # ------------------------------------------------------------------------------------------
-    # Reporting
 
     def rate(self, name: str, window: float) -> float:
         """Events per second of ``name`` over the last ``window`` seconds (or since start)."""

@@ -35,7 +35,7 @@ class Versions:
     def __init__(self, n_slots: int, prepare: Callable[[Any], Any] | None = None, publish: Publish | None = None,
                  agent: Any = None) -> None:
         self.env_updates = UpdateLog(n_slots)
-        self._prepare = prepare
+        self._prepare = prepare or (lambda agent: agent)
         self._publish = publish
         self._lock = threading.RLock()  # reentrant: a Ray replay holds it while it reads (``locked``)
         self._agent_version = 0
@@ -55,9 +55,7 @@ class Versions:
         picklable ``fn(env)``, or a list with one per slot); returns ``(agent_version,
         env_version)``. Raises before recording anything if either cannot be prepared or sent."""
         env = self.env_updates.prepare(env_update) if env_update is not None else None
-        agent = None
-        if agent_update is not None:
-            agent = agent_update if self._prepare is None else self._prepare(agent_update)
+        agent = self._prepare(agent_update) if agent_update is not None else None
         with self._lock:
             agent_version = None
             if agent_update is not None:

@@ -250,9 +250,8 @@ class WorkerPolicySampler(SamplerBase):
                 while pending:
                     self._wait_any(pending)
                     for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
-                        # A Ctrl-C waits until the answer taken is filed (its rows, its records, its fault
-                        # put to the pool) and the next piece sent (``interrupts``): raised halfway, the
-                        # answer would be lost, its fault never decided nor raised.
+                        # A Ctrl-C waits until the answer taken is filed and the next piece sent
+                        # (``interrupts``): raised halfway, the answer would be lost, its fault undecided.
                         with DEFERRED:
                             sent = pending.pop(p)
                             try:
@@ -477,9 +476,8 @@ class WorkerPolicySampler(SamplerBase):
     def _free_arena(self) -> None:
         self._arena = None  # its views first: the mapping cannot close under them
         self._mapping = None
-        release = getattr(self, "_release_arena", None)
-        if release is not None:
-            release()  # once only (weakref.finalize)
+        if self._release_arena is not None:
+            self._release_arena()  # once only (weakref.finalize)
 
     def close(self) -> None:
         """Close the manager (reaps every worker) and free the arena. Idempotent."""
