@@ -412,19 +412,16 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             rows[i] = t
             if (states[i].running and t < steps[i]) or ready(i):
                 active.append(i)
-    out = {
+    n = max(rows, default=0)
+    return {
         "rows": rows, "started": started,
         "running": [st.episode if st.running else -1 for st in states],  # what each slot goes on with
         "cut": [cut.get(i, -1) for i in range(k)],  # the episode a failure ended
         "env_version": [st.env_version for st in states],
         "env_versions": versions, "env_infos": infos, "failures": failures, "env_raised": sorted(env_raised),
-        "agent_infos": _agent_infos(ticks, k, max(rows, default=0)),
-        "arrays": None,
+        "agent_infos": _agent_infos(ticks, k, n),
+        "arrays": None if request.shared else {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name)) for name in FIELDS},
     }
-    if not request.shared:
-        n = max(rows, default=0)
-        out["arrays"] = {name: shm.tree_map(lambda a: a[:, :n], getattr(arena, name)) for name in FIELDS}
-    return out
 
 
 def _agent_infos(ticks: list[tuple[int, list[int], dict[str, Any]]], k: int, n: int) -> dict[str, np.ndarray]:
