@@ -39,8 +39,7 @@ def _worker_pid(env: Any) -> int:
 
 class NodeFailure(EnvManagerError):
     """What a node's collection raised (``error``, naming global slots), and whether the node
-    ``serves`` on after it (no env process given up, no update failed): the driver's failure
-    path decides the rest."""
+    ``serves`` on after it (no env process given up, no update failed)."""
 
     def __init__(self, error: BaseException, serves: bool) -> None:
         self.error, self.serves = error, serves

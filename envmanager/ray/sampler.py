@@ -151,9 +151,8 @@ class RaySampler(SamplerBase):
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
-        """Exactly ``n`` transitions, in the order the nodes delivered them. Fragments beyond ``n``
-        wait for the next call, and every node keeps ``in_flight`` fragments under way between
-        calls; episodes continue across calls."""
+        """Exactly ``n`` transitions, in the order the nodes delivered them; the rest, and every
+        node's ``in_flight`` fragments under way, go on into the next call, as episodes do."""
         positive_count("n", n)
         self.update(agent_update, env_update)
         self._pool.raise_given_up()
@@ -235,8 +234,7 @@ class RaySampler(SamplerBase):
 
     def _receive(self) -> list[tuple[Request, Any]]:
         """The next answers. After a node error raised here the node's running episodes never
-        continue; a node given up takes its own count of them along, so they are counted here
-        as ``failed_episodes``."""
+        continue (counted here as ``failed_episodes`` if the node was given up with its counts)."""
         try:
             return self._pool.wait()
         except RayNodeError as exc:

@@ -83,9 +83,9 @@ def kill_actor(actor: Any, name: str) -> None:
 
 
 class RaySessionError(EnvManagerError):
-    """Ray's session could not be started or joined (``address``: where; ``None``: a local one),
-    the session a manager runs in is gone (``ray.shutdown()``, its head lost), or Ray failed under
-    a driver-side call; ``cause``: Ray's exception (also chained as ``__cause__``)."""
+    """Ray's session could not be started or joined (``address``: where; ``None``: local), is
+    gone (``ray.shutdown()``, its head lost), or Ray failed under a driver-side call; ``cause``:
+    Ray's exception (also chained)."""
 
     def __init__(self, message: str, address: str | None = None, cause: BaseException | None = None) -> None:
         super().__init__(message)

@@ -331,9 +331,8 @@ def _serve_once(feed_ref: weakref.ReferenceType[LearnerFeed], inbox: _Inbox) -> 
 
 def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: LearnerFeed | None,
                    max_batches_waiting: int, max_fragments: int | None) -> Iterator[TransitionBatch]:
-    """Every sampler's ``stream``: wait while the learner has ``max_batches_waiting`` batches
-    waiting (back-pressure: policy lag stays bounded), then ``obtain`` a fragment, put it into
-    ``feed`` and yield it."""
+    """Every sampler's ``stream``: wait while ``feed`` has ``max_batches_waiting`` batches waiting
+    (back-pressure: policy lag stays bounded), then ``obtain`` a fragment, put it there, yield it."""
     if max_batches_waiting < 1:
         raise InvalidInputError(f"max_batches_waiting must be at least 1, got {max_batches_waiting!r}")
     if max_fragments is not None and max_fragments < 1:

@@ -166,9 +166,8 @@ class Sampler(SamplerBase):
 
     def _collect(self, goal: Goal, hand_out: Callable[[Goal], _T]) -> _T:
         """Step until ``goal`` is done and return ``hand_out(goal)``. Episodes from before run out
-        unrecorded (``discarded_steps``), except ``obtain_steps``'s own. A call that raises drops
-        what it recorded (``dropped_steps``) and records no further on the running episodes, so
-        none has a gap."""
+        unrecorded, except ``obtain_steps``'s own. A call that raises drops what it recorded
+        (``dropped_steps``) and records no further on the running episodes, so none has a gap."""
         raise_given_up(self.manager, self.episodes)
         if not goal.record_partial:
             self._apply_agent_update()
@@ -289,8 +288,7 @@ class Sampler(SamplerBase):
 
     def _answered(self, receive: Callable[[Any], Any], arg: Any, goal: Goal) -> tuple[Any, list[int]]:
         """The batch ``receive(arg)`` hands out, and its slots whose env is the one their record
-        knows; the others' episodes are cut (a fresh env answered). An error fails the episodes
-        it names."""
+        knows (the others' episodes are cut). An error fails the episodes it names."""
         try:
             batch = receive(arg)
         except EnvManagerError as exc:
