@@ -339,9 +339,9 @@ class Sampler(SamplerBase):
 
     def _receive(self, goal: Goal) -> None:
         with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
-            r = self.manager.results
             with self.stats.timer("wait"):
                 batch, answered = self._answered(self.manager.receive_batch, 1, goal)
+            r = self.manager.results
             for slot in answered:
                 record = self.episodes[slot]
                 if record.state is not STEPPING or record.sent is None:
