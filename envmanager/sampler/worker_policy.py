@@ -199,10 +199,8 @@ class WorkerPolicySampler(SamplerBase):
         """``n`` whole episodes in all (quotas ``spread`` over the slots up front, so unbiased),
         or ``n`` from every slot with ``per_worker=True``."""
         positive_count("n", n)
-        if per_worker:
-            return self.obtain_exact_episodes(n, agent_update, env_update)
         self.update(agent_update, env_update)
-        return self._exact(spread(int(n), self.n_workers))  # a slot of quota 0 starts none
+        return self._exact([int(n)] * self.n_workers if per_worker else spread(int(n), self.n_workers))  # (0: starts none)
 
     def stream(self, steps_per_worker: int, feed: LearnerFeed | None = None, max_batches_waiting: int = 2,
                max_fragments: int | None = None) -> Iterator[TransitionBatch]:
