@@ -1,41 +1,12 @@
 """``envs_per_worker="auto"``: how many envs one worker process should host (and in how many lanes), on this machine.
 
-One env is built and stepped in a **throwaway process** before any worker starts (same start
-method, killed with everything it started once it has answered): a few steps with sampled
-actions, for at most :data:`MEASURE_S` of stepping and :data:`DEADLINE_S` for the reset and
-steps; starting the process and building the env have the workers' start-up deadline
-(``timeout``), since spawn imports the env's modules there. Nothing of it touches the user's
-env 0 or this process: the measured env is ``env.unwrapped``, reset and stepped directly, so
-wrappers that record (SB3's ``Monitor``, gymnasium's ``RecordVideo``, episode statistics) see
-no step; an env with ``render_mode="human"`` is not stepped at all (it would open a window;
-such steps wait on the display, and get a process each). The measuring process also answers a
-few pings: their round trip (both sides asleep until the other writes) is what a request costs
-where processes share cores, and this process's CPU per ping what a message on a pipe costs it.
-This process then times the step board's own operations against stand-ins (``board_costs``: a
-few hundred rounds at 1 and 64 processes, a few ms): the parent's turnaround per step as a
-function of the processes. The whole measurement takes the env's build plus ~0.1-0.2 s. The rule:
-
-* even, CPU-bound steps (the slowest tenth of the steps' CPU times within :data:`UNEVEN_RATIO`
-  x their median or within :data:`UNEVEN_MIN_S` of it -- a spread smaller than one message's
-  cost does not hold first-ready back, and cheap steps resumed after preemption on a cold
-  cache vary by more than 3x --, and the CPU time at least :data:`CPU_BOUND` of the step's wall time),
-  cheap or expensive: every core at work, never more stepping processes than cores, and of the
-  layouts that do so (``cores - 1`` processes and the parent on a core of its own, or ``cores``
-  processes and the parent sharing one; one lane or two) the one the model of
-  ``envmanager.core.layout`` predicts fastest with the costs measured here, for this caller
-  (``choose_layout``). On 2 cores cheap envs get one process and the parent the other core
-  (they spin, the step board carries requests and answers; double buffered for partial
-  batches), costly ones a process per core;
-* anything else -- uneven or waiting steps (sleep, I/O, a simulator in another process), an
-  env that did not finish the measurement within the deadline, or one that failed: one env
-  per process, so first-ready stepping never waits for a slow neighbour and waits overlap.
-
-When every env can have a core and the parent one too (fewer envs than cores) nothing is
-measured: one env per process.
-
-Both tests hold on a busy machine: evenness is judged on CPU time, which preemption does not
-stretch, and the CPU share against the wall time less the time spent runnable but waiting for
-a CPU (Linux's schedstat; elsewhere against the fastest step's wall time), not the raw wall time.
+With at least as many envs as cores, env 0's ``unwrapped`` is built and stepped in a throwaway
+process (its wrappers see no step; ``render_mode="human"`` is not stepped), which also answers
+pings (the round trip, a pipe's CPU), and this process times the step board against stand-ins
+(``board_costs``). Even, CPU-bound steps get the layout the model of ``envmanager.core.layout``
+predicts fastest with these costs; uneven or waiting steps, or an env that could not be
+measured, one env per process (first-ready never waits for a slow neighbour, waits overlap).
+How it measures and chooses: docs/guide/step-semantics.md and docs/guide/performance.md.
 """
 
 from __future__ import annotations
@@ -133,8 +104,7 @@ def _infos_kind(info: Any) -> str:
 
 
 def step_cost(env: Any) -> StepCost | str:
-    """Time a few steps of ``env.unwrapped`` with sampled actions (its wrappers see nothing);
-    the cost, or why the env is not stepped."""
+    """Time a few steps of ``env.unwrapped`` with sampled actions: the cost, or why it is not stepped."""
     if getattr(env, "render_mode", None) == "human":
         return "not stepped: render_mode='human' (it would open a window)"
     base = getattr(env, "unwrapped", env)
@@ -261,9 +231,8 @@ def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = 
 
 def _round_trip(conn: Any, deadline_s: float, pings: int = 12) -> tuple[float | None, float | None]:
     """The median seconds of a ping to the measuring process and back, each side asleep until the
-    other writes (what a request round trip costs where processes share cores), and this
-    process's median CPU per ping (a write and a read on a pipe); ``None``s if the process stops
-    answering."""
+    other writes (a request's round trip where processes share cores), and this process's median
+    CPU per ping (a write and a read on a pipe); ``None``s if the process stops answering."""
     times, cpus = [], []
     try:
         for _ in range(pings):
@@ -281,13 +250,9 @@ def _round_trip(conn: Any, deadline_s: float, pings: int = 12) -> tuple[float | 
 
 def board_costs(processes: tuple[int, int] = BOARD_PROCESSES, rounds: int = BOARD_ROUNDS) -> tuple[float, float] | None:
     """The parent's CPU per step of a whole batch on the step board, fitted as ``parent_s +
-    parent_process_s * P`` from ``processes`` (two sizes, one env per process): the core's own
-    board operations (``Mailboxes.post_steps`` asks for every env's step, ``steps_answered``
-    finds every answer) and the numpy work around them on the hot path (the actions written into
-    shared memory, the slots' status, the results' rows read), against stand-ins in this process
-    that answer every step at once through a mapping of their own (their work not timed). The
-    lower quartile of ``rounds`` rounds per size (a few ms in all); ``None`` where there is no
-    shared file to lay a board in."""
+    parent_process_s * P`` at two sizes (``processes`` of one env): the board's operations and the
+    hot path's numpy work around them, against stand-ins in this process answering at once (not
+    timed); the lower quartile of ``rounds`` rounds. ``None`` where no shared file can hold a board."""
     times = [_board_round(n, rounds) for n in processes]
     if None in times:
         return None
@@ -413,13 +378,9 @@ def choose_layout(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: 
                   *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S, caller: Caller = BATCH,
                   double_buffer: bool | str = AUTO) -> tuple[int, bool]:
     """``(envs_per_worker, double_buffer)`` for ``n_env`` envs on ``cores`` cores: one env per
-    process where each can have a core (nothing measured), or where the steps are uneven or wait
-    (first-ready then never waits for a slow neighbour, and waits overlap); otherwise, of the
-    layouts that put every core to work, the one the model of ``envmanager.core.layout``
-    predicts fastest with the costs measured here (the step, the round trip, the parent's
-    turnaround on the board), for this ``caller`` (its own Python per step and per env-step,
-    whether it steps in lockstep) and ``double_buffer`` (``True``/``False`` fix the lanes). The
-    choice, its prediction and the costs it used are logged (one line)."""
+    process where each can have a core (nothing measured) or the steps are uneven or wait; else the
+    layout the model predicts fastest with the costs measured here, for this ``caller`` and
+    ``double_buffer`` (``True``/``False`` fix the lanes). The choice is logged in one line."""
     cores = cores or usable_cores()
     if n_env < cores:  # every env a core, and the parent one too
         logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: nothing to pack", n_env, cores)
@@ -453,11 +414,9 @@ def _one_each(cost: StepCost | str) -> str | None:
 
 def choose_double_buffer(n_procs: int, envs_per_worker: int, cores: int | None = None, asked: bool | str = AUTO) -> bool:
     """Whether to double buffer: ``asked`` (``True`` needs 2+ envs per process), or for ``"auto"``
-    two lanes per process when the parent has a core of its own --
-    more usable cores (this process's CPU affinity) than worker processes -- and each process
-    hosts at least two envs. Where the workers take every core, the parent's second answer per
-    process is CPU taken from the envs: measured on 2 shared cores, double buffering lost
-    (0.67x on CartPole, 0.92x at 50 us per step), so it stays off there."""
+    two lanes where the parent has a core of its own (more usable cores than worker processes)
+    and each process hosts 2+ envs. Where the workers take every core, the parent's second answer
+    is CPU taken from the envs (on 2 shared cores: 0.67x on CartPole, 0.92x at 50 us per step)."""
     if asked != AUTO:
         if not isinstance(asked, bool):
             raise InvalidInputError(f"double_buffer must be True, False or 'auto', got {asked!r}")

@@ -1,13 +1,10 @@
 """Where the processes run: whether the parent and every worker process each have a core of their
-own — the condition for spinning (``envmanager.wire.mailbox``: a spin pays only on a core of its
-own, and processes that spin on shared cores collapse throughput).
+own, the condition for spinning (``envmanager.wire.mailbox``: spinning on shared cores collapses
+throughput).
 
-Judged from the cores each process may run on (its CPU affinity), not from the parent's alone when
-the envs are made: a program may pin the parent to one core and its workers to the others after
-they start (as ``envmanager bench`` does, and users who keep a core for their learner). And from
-how busy other programs keep those cores (``CoreUse``): a core another program keeps busy is not
-one of our own, whatever the affinities say (a learner's threads, another run, a test suite).
-The pool looks again while it runs (``WorkerPool``), and gives or takes the permission to spin.
+Judged from each process's CPU affinity, not the parent's alone at start (a program may pin its
+workers after they start, as ``envmanager bench`` does), and from how busy other programs keep
+those cores (``CoreUse``). The pool looks again while it runs and gives or takes the permission.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ def affinity(pid: int = 0) -> frozenset[int] | None:
 
 
 def machine_cores() -> int:
-    """The cores this program's processes could have: the machine's, within the CPU quota of
-    its control group (a container limited to 2 CPUs of 64 has 2), whatever this process's own
-    affinity is now."""
+    """The machine's cores within its control group's CPU quota (a container given 2 CPUs of 64
+    has 2), whatever this process's own affinity is now."""
     cores = os.cpu_count() or 1
     quota = _cgroup_quota()
     return max(1, min(cores, quota)) if quota else cores
@@ -61,10 +57,8 @@ def _cgroup_quota() -> int | None:
 
 
 def own_cores(allowed: Sequence[frozenset[int] | None], cores: int | None = None) -> bool:
-    """Whether each process can run on a core of its own, ``allowed[i]`` being the cores process
-    ``i`` may run on (``None``: unknown, any of the machine's): a distinct core for each within
-    its set (a matching of processes to cores), and no more processes than ``cores`` (the
-    machine's, within its quota: ``machine_cores``)."""
+    """Whether each process can have a distinct core within ``allowed[i]``, the cores process ``i``
+    may run on (``None``: any), and there are no more processes than ``cores`` (``machine_cores``)."""
     cores = machine_cores() if cores is None else cores
     if len(allowed) > cores:
         return False
@@ -86,13 +80,9 @@ def own_cores(allowed: Sequence[frozenset[int] | None], cores: int | None = None
 
 
 class CoreUse:
-    """How many cores' worth of CPU programs other than ours used, between two looks, on the cores
-    our processes may run on — or, where a CPU quota limits this program's control group (a
-    container), inside that group (other containers are the quota's business).
-
-    Each look (``others``) samples the machine's per-core CPU times (``psutil``; or the group's
-    usage) and our processes' own; the figure is the difference over the time since the sample
-    before, at least :data:`MIN_SAMPLE_S` apart (a look sooner returns the last figure)."""
+    """Cores' worth of CPU that programs other than ours used between two looks on the cores ours
+    may run on; under a CPU quota, inside our control group (other containers are the quota's
+    business). Looks less than :data:`MIN_SAMPLE_S` apart return the last figure."""
 
     def __init__(self) -> None:
         self._sampled_at = 0.0

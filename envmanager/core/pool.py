@@ -1,26 +1,15 @@
 """``WorkerPool``: the worker processes, their requests and answers, failures and restarts.
 
-The transport half of the manager (tianshou's split: workers apart from vectorizing). It
-knows nothing about actions or episodes: it sends requests — one in flight per process, or one
-per lane of a double-buffered process (``envmanager.core.process``) — and turns what comes
-back through the answer transport (the shared step queue, or each worker's own pipe:
-``envmanager.wire.transport``) — or a process's death, or a missed deadline — into
-:class:`Completion`\\ s. A failed process is restarted, within the restart policy, following
-the life cycle drawn in ``envmanager.core.process``; an env that raised in a step or reset of a
-healthy process is rebuilt there instead, within the same policy.
+The transport half of the manager (tianshou's split): it knows nothing of actions or episodes,
+it sends requests and turns what comes back through the answer transport
+(``envmanager.wire.transport``), a process's death or a missed deadline into
+:class:`Completion`\\ s. Every fault goes to the pool's
+:class:`~envmanager.core.supervisor.Supervisor`; the pool carries out its decision (restart with
+a boot plan, rebuild in place, give up): see "One fault path, every pool" in docs/architecture.md.
 
-The failure path: every fault of a process (it died, hung, raised, an env of it raised) is put
-to the pool's :class:`~envmanager.core.supervisor.Supervisor`; the pool carries its decision
-out: restart (kill, start anew told its slots' new generations, and the boot plan: attach, the
-replayed calls, a reset that answers what was in flight, ``interrupted``), rebuild the envs that
-raised in it (``envmanager.core.rebuild``), or give up.
-
-Why one module: the transport and the failure path are one concept, the pool's processes and
-what is in flight on them. Any answer the hot path takes may be a failure, a boot's next step or
-a rebuild's end; a restart replaces a process in ``processes``, starts it as the pool starts every
-process, numbers its requests in the pool's sequence and moves the set the poller watches. Split
-off, the failure path stubbed six of the pool's fields and two of its methods, and the answer
-path called into four of the failure path's.
+One module because the transport and the failure path share the processes and what is in
+flight on them: any answer may be a failure, a boot's next step or a rebuild's end (split off,
+each reached into the other's fields and methods).
 """
 
 from __future__ import annotations
@@ -89,8 +78,7 @@ logger = logging.getLogger(__name__)
 _RAW_STEP = REQUEST_HEADER.pack
 #: Seconds between two looks at where the processes may run (``_check_cores``).
 CORE_CHECK_S = 0.5
-#: Cores' worth of other programs' CPU the spin permission tolerates on our cores beyond those no
-#: process of ours needs (half that to give it back: no flapping at the edge).
+#: Cores' worth of other programs' CPU tolerated on our spare cores (half that to give spinning back: no flapping).
 OTHERS_TOLERATED = 0.5
 _new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 _RESETS = (Cmd.RESET, Cmd.REBUILD)  # requests that carry a seed and options per env
@@ -109,8 +97,6 @@ class WorkerPool:
         generations: list[int] | None = None,
     ) -> None:
         self.ctx = ctx
-        #: Faults' decisions, restart counts, generations (to go on from), the processes given
-        #: up, the per-answer deadline and its clocks (``envmanager.core.supervisor``).
         self.supervisor = Supervisor(restart_policy, timeout, [spec.env_ids for spec in specs], "process",
                                      generations=generations)
         self.daemon = daemon
@@ -123,46 +109,38 @@ class WorkerPool:
         self._poll_version = -1
         self._by_sentinel: dict[int, WorkerProcess] = {}
         self._next_deadline_check = 0.0
-        self._next_core_check = 0.0  # when to look again where the processes may run (the spin permission)
-        self._core_use = CoreUse()  # how busy other programs keep those cores
-        self._crowded = False  # whether they kept too many busy at the last look
+        self._next_core_check = 0.0
+        self._core_use = CoreUse()
+        self._crowded = False  # other programs kept too many of our cores busy at the last look
         self._owner = os.getpid()  # a process forked from this one (os.fork) must not end our workers
         _POOLS.add(self)
         self._closing = False
         self._unreaped: list[WorkerProcess] = []  # a close's workers, until every one is reaped
-        #: ``{0: thread}`` while a thread is inside ``wait`` (``threading.get_ident()``): claimed with
-        #: ``setdefault``, so a second thread's wait is refused (the poller serves one thread).
+        #: ``{0: thread id}`` while a thread is inside ``wait``, claimed with ``setdefault``: a
+        #: second thread's wait is refused (the poller serves one thread).
         self._waiting: dict[int, int] = {}
-        self._close_lock = threading.RLock()  # one close() at a time (``close``)
-        #: Answers taken so far (steps, resets, calls; restarts' interrupted ones too): the
-        #: bench divides the parent's CPU time by it.
+        self._close_lock = threading.RLock()  # one close() at a time
+        #: Answers taken so far (restarts' interrupted ones too): the bench divides the parent's CPU time by it.
         self.answers = 0
-        #: Optional ``progress(slots) -> int``: a count that grows while a call on those slots
-        #: makes progress (0 when sent). A call is then overdue only when it has not grown for
-        #: the deadline, so long calls that keep working (worker-side rollouts) are not hung.
+        #: Optional ``progress(slots) -> int``, a count that grows while a call on those slots works:
+        #: such a call is hung only once it has not grown for the deadline (worker-side rollouts).
         self.progress: Callable[[list[int]], int] | None = None
         #: Shared memory with no name, made before any worker starts so each gets it as it starts
         #: (``None``: no shared memory, or named segments where the platform has no such file).
         self.file: SharedFile | None = SharedFile.create() if shared_memory else None
         if shared_memory and self.file is None and os.name == "posix":
-            # One resource tracker for parent and workers: attaching workers then share it, and
-            # it unlinks the named segment should the parent be killed. (Windows has none: shared
-            # memory ends with its handles.)
+            # One resource tracker for parent and workers: it unlinks the named segment should the parent be killed.
             resource_tracker.ensure_running()
-        #: The answer transport (``transport``, else ``$ENVMANAGER_TRANSPORT``, else automatic).
         self.transport = transport_name(transport)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
-        #: The mailboxes (``envmanager.wire.mailbox``), where asked for and the step queue is used:
-        #: with them, steps whose actions are in shared memory go on the step board (``post_steps``).
+        #: Where asked for on the step queue: steps whose actions are in shared memory go on their step board.
         self.mailboxes = (Mailboxes.create(len(specs), [spec.env_ids for spec in specs])
                           if mailbox and isinstance(self.queue, StepQueue) else None)
-        #: The slots the step board answered since the batch level last took them (``take_steps``).
-        self._steps_answered: list[np.ndarray] = []
+        self._steps_answered: list[np.ndarray] = []  # the board's answered slots, until ``take_steps``
         if isinstance(self.queue, StepQueue):
             self.queue.mailboxes = self.mailboxes
             self.queue.set_spin(parent_spin_s)  # (a mailbox makes it spin at least its margin)
-        #: Per process, which env is in which call (``envmanager.wire.marks``): read when one
-        #: hangs or dies, so its error names the env (``None`` where there is no such file).
+        #: Which env of each process is in which call: its hang or death names the env.
         self.marks = CallMarks.create(len(specs))
         self._atexit: Callable[[], None] | None = _close_at_exit(self)
         try:
@@ -176,7 +154,6 @@ class WorkerPool:
         assert self.queue is not None
         if self.mailboxes is not None:
             self.mailboxes.reset(spec.index)  # empty rings for the new process
-        # writer None: the portable transport
         return WorkerProcess(self.ctx, spec, self.queue.writer, self.supervisor, daemon=self.daemon, boot=boot,
                              file=self.file, mailboxes=self.mailboxes, marks=self.marks)
 
@@ -189,11 +166,8 @@ class WorkerPool:
     # Sending
 
     def prepare(self, cmd: Cmd, message: Any, slots: tuple[int, ...] = ()) -> EnvironmentRequest:
-        """Number and encode a request; raises (before anything is sent) if it cannot be encoded.
-
-        Sequence numbers are unique across restarts, so an answer from a replaced process can
-        never be taken for an answer to a newer request.
-        """
+        """Number and encode a request (raises before anything is sent if it cannot be encoded).
+        Sequence numbers are unique across restarts: a replaced process's answer never passes for a newer one."""
         self._seq += 1
         return EnvironmentRequest(cmd, self._seq, slots, encode_request(cmd, self._seq, message), message)
 
@@ -203,10 +177,8 @@ class WorkerPool:
         return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None))
 
     def post_steps(self, slots: np.ndarray, processes: np.ndarray, now: float) -> None:
-        """Ask for a step of ``slots`` on the step board (the mailboxes'), their actions already
-        in shared memory: one numpy operation for the whole batch, a wake-up written only to a
-        process that may be asleep. ``processes``: the distinct processes hosting them. The
-        batch level checked everything."""
+        """Ask for a step of ``slots`` (hosted by ``processes``, actions in shared memory, checked) on
+        the step board: one numpy operation, a wake-up only to a process that may be asleep."""
         box = self.mailboxes
         assert box is not None
         sleepy = box.post_steps(box.slot_word[slots], processes, now)
@@ -218,9 +190,8 @@ class WorkerPool:
                     pass
 
     def take_steps(self) -> list[np.ndarray]:
-        """The slots whose board steps the waits took since the last call, results all in shared
-        memory (filed by the batch level; their infos and timings stay in the board until they
-        are asked again: ``mailboxes.infos``, ``mailboxes.timings``)."""
+        """The slots whose board steps the waits took since the last call, results in shared memory
+        (their infos and timings stay in the board: ``mailboxes.infos``, ``mailboxes.timings``)."""
         answered, self._steps_answered = self._steps_answered, []
         return answered
 
@@ -372,9 +343,8 @@ class WorkerPool:
 
     def _board_notice(self, w: WorkerProcess, form: int, data: Any, posted_at: float, received: float,
                       completions: list[Completion]) -> None:
-        """A notice answering board steps of ``w`` (a ``StepsAnswer``): filed as the answer to a
-        STEP request of its slots, as if it had come through ``w.requests``; stale ones (of a
-        replaced process, or steps taken out of flight) are dropped."""
+        """A notice answering board steps of ``w``, filed as the answer to a STEP of its slots; stale
+        ones (of a replaced process, or steps taken out of flight) are dropped."""
         box = self.mailboxes
         assert box is not None
         if posted_at < w.started_at:  # posted by the process this one replaced: stale (its payload is on the old pipe)
@@ -411,10 +381,8 @@ class WorkerPool:
             completions.append(completion)
 
     def _check_cores(self, now: float) -> None:
-        """Give the processes the permission to spin where the parent and every worker process
-        each have a core of their own — from the cores each may run on now and how busy other
-        programs keep them (``envmanager.core.cores``) — and take it where they do not; looked at
-        again every :data:`CORE_CHECK_S`."""
+        """Allow spinning while the parent and every worker each have a core of their own (their
+        affinities and how busy other programs keep those cores: ``envmanager.core.cores``)."""
         self._next_core_check = now + CORE_CHECK_S
         if self.mailboxes is None:
             return
@@ -433,12 +401,9 @@ class WorkerPool:
         self.mailboxes.allow_spin(own_cores(placed) and not self._crowded)
 
     def _check_deadlines(self, now: float) -> list[Completion]:
-        """Fail every process whose oldest request's clock is past the deadline (restart or
-        error), and note when the next one can be due: no clock started later is due sooner.
-        A call whose progress is counted (``progress``) has its clock moved on when the count
-        grew since the last look; while one is in flight the looks come every quarter of the
-        deadline, so one that stops is hung at most a quarter past the deadline from its last
-        progress (not a whole deadline past the look that saw it)."""
+        """Fail every process whose oldest request's clock is past the deadline, and note when the
+        next can be due. A call whose ``progress`` count grew has its clock moved on; while one is
+        in flight the looks come every quarter deadline, so it is hung at most a quarter late."""
         completions: list[Completion] = []
         supervisor = self.supervisor
         counted = False
@@ -489,9 +454,8 @@ class WorkerPool:
     def fault(self, index: int, error: EnvManagerError, envs: tuple[int, ...] = (), seen: dict[int, int] | None = None
               ) -> Decision:
         """A failure of process ``index`` its caller found in an answer of the generations ``seen``
-        (an env update that raised in a call; a worker-side rollout's ``envs``, to be rebuilt in
-        place and remade by the caller's own next call, ``WorkerEnvs.rebuild``): the supervisor's
-        decision, carried out — or the one taken already, if those envs were replaced since."""
+        (a call that raised; a worker-side rollout's ``envs``, rebuilt by its next call): the
+        supervisor's decision, carried out — or the one taken already, if those envs were replaced since."""
         w = self.processes[index]
         if w.failure is not None:
             return GiveUp(w.failure, True)
@@ -504,9 +468,8 @@ class WorkerPool:
         return decision if isinstance(decision, Rebuild) else self._carry_out(w, decision, error, [], [])
 
     def join_boot(self, index: int, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
-        """A step or reset of ``slots`` (idle) asked while process ``index`` comes back from a
-        restart (``boot`` set): its boot's fresh reset answers them, ``interrupted`` (``Boot.join``).
-        Nothing goes to the worker, which would take it ahead of its plan."""
+        """A step or reset of idle ``slots`` asked while process ``index`` boots: its boot's fresh
+        reset answers them (``Boot.join``); sent now, the worker would take it ahead of its plan."""
         boot = self.processes[index].boot
         assert boot is not None and not boot.startup, "only a running pool's restart is joined"
         boot.join(cmd, slots, reset)
@@ -518,10 +481,9 @@ class WorkerPool:
 
     def _decide(self, w: WorkerProcess, error: EnvManagerError, request: EnvironmentRequest | None = None,
                 envs: tuple[int, ...] = ()) -> Decision:
-        """The supervisor's decision on ``w``'s failure; ``envs`` (which raised) are rebuilt in
-        place if it serves on (answering, not on its way back nor rebuilding) and is alive. An
-        env's error a process sent before it died is that env's (restarts off: raised for it
-        once); the death is the process's own failure, taken next (``wait``)."""
+        """The supervisor's decision on ``w``'s failure; ``envs`` (which raised) are rebuilt in place
+        if it serves on (answering, not booting nor rebuilding) and is alive. An env's error sent
+        before the process died is that env's; the death is the process's own failure, taken next."""
         if self.queue is None:  # closed meanwhile by another thread: nothing is restarted
             raise ManagerClosedError("the SubprocessEnvManager was closed")
         self._version += 1
@@ -564,18 +526,14 @@ class WorkerPool:
         else:
             everyone = tuple(range(len(w.env_ids)))
             replays = [(Cmd.CALL, Call(everyone, n, a, k)) for n, a, k in self.replay_calls]
-            asked: dict[int, tuple[Any, Any]] = {}  # every env is reset; those being reset keep their seeds and options
-            for r in lost:
-                if r.cmd in _RESETS:
-                    m = r.message
-                    asked.update({i: (seed, options) for i, seed, options in zip(m.locals, m.seeds, m.options, strict=True)})
+            # Every env is reset; those being reset keep their seeds and options.
+            asked = {i: (seed, options) for r in lost if r.cmd in _RESETS
+                     for i, seed, options in zip(r.message.locals, r.message.seeds, r.message.options, strict=True)}
             reset = Reset(everyone, tuple(asked.get(i, (None, None))[0] for i in everyone),
                           tuple(asked.get(i, (None, None))[1] for i in everyone))
             # Steps, resets and rebuilds are answered by the fresh reset (``interrupted``); a call is not.
             answered = [r for r in lost if r.cmd in _ANSWERED_BY_RESET]
-            for r in lost:
-                if r.cmd not in _ANSWERED_BY_RESET:
-                    completions.append(Completion(w, r, None, error))  # its caller must know
+            completions += [Completion(w, r, None, error) for r in lost if r.cmd not in _ANSWERED_BY_RESET]
             boot = Boot([*attach, *replays, (Cmd.RESET, reset)], answered, False)
         try:
             self.processes[w.index] = self._start(replace(w.spec, generations=generations), boot)
@@ -587,10 +545,9 @@ class WorkerPool:
 
     def _env_failed(self, w: WorkerProcess, request: EnvironmentRequest, answer: Stepped, completion: Completion,
                     completions: list[Completion]) -> bool:
-        """Envs raised in ``request`` (``answer.failures``): the supervisor decides. Rebuilt in
-        their process, which answered (``envmanager.core.rebuild``): the other envs' results
-        stand. Else restarted or given up; or (``False``) the process serves on and
-        ``completion`` is filed as it is (restarts off: the failures are those envs' errors)."""
+        """Envs raised in ``request``: rebuilt in their process (the other envs' results stand),
+        or it is restarted or given up; ``False``: it serves on and ``completion`` is filed as it
+        is (restarts off: the failures are those envs' errors)."""
         failures = answer.failures
         assert failures is not None
         error = worker_error(failures[min(failures)], w.index)
@@ -641,12 +598,10 @@ class WorkerPool:
     def close(self, timeout: float = 10.0) -> None:
         """End every worker (politely, then by force) and free shared memory. Idempotent.
 
-        Idle workers are asked to close their envs and get ``timeout`` seconds for it; a worker
-        still busy with a step is interrupted at once (SIGTERM, it still closes its envs).
-        Stragglers are killed with every process they started, and all are reaped. A call of
-        another thread waiting on the workers meanwhile raises ``ManagerClosedError``; another
-        thread's ``close()`` waits for this one to end (two at once raced for the processes and
-        used pipes the other had closed).
+        Idle workers get ``timeout`` seconds to close their envs; a busy one is interrupted at
+        once (SIGTERM: it still closes its envs). Stragglers are killed with everything they
+        started, all are reaped. Another thread's wait raises ``ManagerClosedError``; its
+        ``close()`` waits for this one (two at once raced for the processes and pipes).
         """
         if not self.owned:  # a copy in a process forked from ours: its workers are not this one's
             self.processes, self._unreaped, self._closing = [], [], True
@@ -693,7 +648,6 @@ class WorkerPool:
             if self._atexit is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
-
 
     def _leave_waiters(self) -> None:
         """Closing while another thread waits on the workers: end them now (SIGTERM: they still

@@ -1,34 +1,16 @@
 """The parent's handle on one worker process: its pipe, its requests in flight, its life.
 
 Requests in flight form a FIFO (``WorkerProcess.requests``): the worker serves its pipe in
-order, so answers come back in the order sent. Several may be in flight at once — steps and
-resets of distinct slots (the batch level sends a slot only when it is idle; double buffered,
-one request per half of the process's envs, so the worker answers one half while it steps the
-other), or one call, which waits for the process to be idle. A request's clock starts when
-the worker can start on it: when it is sent, or when the one ahead of it is answered. Steps
-whose actions are in shared memory go on the mailbox's step board instead, where the process
-has one (``envmanager.wire.mailbox``): they are in flight per env, not in this FIFO;
-``busy``, the deadline's ``clock`` and ``cut`` count them too.
+order, so answers come in the order sent. Several may be in flight: steps and resets of
+distinct idle slots (double buffered: one per half of the envs, one answered while the other
+steps), or one call, which waits for the process to be idle. A request's clock starts when the
+worker can start on it: when sent, or when the one ahead of it is answered. Steps on the
+mailbox's step board (``envmanager.wire.mailbox``) are in flight per env, not in this FIFO;
+``busy``, ``clock`` and ``cut`` count them too.
 
-Life cycle of a worker process (``WorkerProcess.state``)::
-
-                 REBUILDING (an env raised: remade in place, within the restart policy;
-                      ▲  │ its fresh reset answers for it; if the rebuild fails: "fails")
-                      │  ▼
-    STARTING ──READY──► RUNNING ◄────────────── boot plan done: answers the request
-       │                  │                      the failure cut short (``interrupted``)
-       │ fails            │ fails                          ▲
-       ▼                  ▼                                │
-    restart allowed? ── yes ──► a new process in BOOTING ──┘  (attach, replayed calls, reset;
-       │ no                           │ fails again           or, during startup, just
-       ▼                              └──► restart allowed? ...  what startup asked)
-    FAILED (killed; its error is raised on every later use)
-
-    any other state ── request_close() / kill() ──► CLOSING ──reaped──► CLOSED
-
-The pool (``envmanager.core.pool``) drives the transitions through this class's methods; this
-class holds the state (and a restart's ``Boot`` plan) and does the process work: send, read a
-large answer, stop, kill with every descendant.
+The life cycle (``WorkerProcess.state``) is drawn in docs/architecture.md: the pool
+(``envmanager.core.pool``) drives it through this class's methods; this class holds the state
+and a restart's ``Boot`` plan, and does the process work (send, stop, kill with its descendants).
 """
 
 from __future__ import annotations
@@ -74,10 +56,9 @@ class ProcessState(enum.Enum):
 
 @dataclass
 class Boot:
-    """How a replacement process comes back: ``plan`` (requests still to send, in order,
-    after ``all_steps`` were planned), then it answers ``lost`` — the requests the failure cut
-    short (both halves, double buffered) — with its last answer. ``startup``: it replaces a process that failed while the
-    pool was starting, so its answer is a normal startup answer, not ``interrupted``.
+    """How a replacement process comes back: ``plan`` (what of ``all_steps`` is still to send),
+    then its last answer answers ``lost``, the requests the failure cut short. ``startup``: it
+    replaces a process that failed during the pool's start (a startup answer, not ``interrupted``).
     ``resetting``: its fresh reset was sent — from then on it may overwrite its slots' rows."""
 
     all_steps: list[tuple[Cmd, Any]]
@@ -126,13 +107,10 @@ class WorkerProcess:
         boot: Boot | None = None, file: SharedFile | None = None, mailboxes: Mailboxes | None = None,
         marks: CallMarks | None = None,
     ) -> None:
-        """Start the process; ``queue_writer`` is the step queue's write end, ``None`` on the
-        portable transport (answers come on ``conn``, requests go with ``Connection`` calls);
-        ``supervisor``: the pool's (this process's deadline clock; its error once given up);
-        ``file`` is the pool's shared memory, handed to the process as it starts;
-        ``mailboxes``: the pool's, if it has them (requests then go through its ring);
-        ``marks``: the pool's records of which env is in which call, if it has them (cleared for
-        this process before it starts)."""
+        """Start the process. ``queue_writer``: the step queue's write end (``None``: the portable
+        transport, answers come on ``conn``). The rest are the pool's: ``supervisor`` (the deadline
+        clock, the error once given up), ``file`` (shared memory, handed over at start),
+        ``mailboxes`` (requests go through its ring) and ``marks`` (cleared for this process)."""
         self.spec = spec = replace(spec, nonce=secrets.token_hex(8))  # this start's own tag (``family.tag``)
         self.index = spec.index
         self.env_ids = spec.env_ids
@@ -147,8 +125,7 @@ class WorkerProcess:
         self.process = ctx.Process(target=worker_main,
                                    args=(spec, child_conn, queue_writer, file, mailbox, None if marks is None else marks.file),
                                    name=f"envmanager-worker-{spec.index}", daemon=daemon)
-        #: Forked from this process while it ran threads of a library known to hang in a forked
-        #: child (its pool is not there): the library's name, else "" (``hung``'s hint).
+        #: The fork-unsafe library running threads here when it was forked, else "" (``hang_hint``).
         self.forked_from = forked_from() if ctx.get_start_method() == "fork" else ""
         start(self.process)
         child_conn.close()
@@ -157,20 +134,18 @@ class WorkerProcess:
         self._write = self.conn.send_bytes if queue_writer is None else partial(write_frame, self.fd)
         self.state = ProcessState.STARTING if boot is None else ProcessState.BOOTING
         self.boot = boot
-        # The first answer is READY (seq 0): the process starts out busy with it.
         now = time.monotonic()
-        #: The requests in flight, oldest first, each with the time it was sent.
+        #: The requests in flight, oldest first, with their send times; first the READY (seq 0) it starts with.
         self.requests: list[tuple[EnvironmentRequest, float]] = [(EnvironmentRequest(Cmd.READY, 0, self.env_ids), now)]
-        #: When the oldest request's clock started (sent, the one ahead answered, or progress):
-        #: deadlines count from here. The supervisor's, written here and by the pool's hot path.
+        #: The supervisor's deadline clocks, written here and by the pool's hot path.
         self.supervisor, self._clocks = supervisor, supervisor.clocks
         self._clocks[self.index] = now
         #: ``(clock, count)``: the progress a call had made when its clock was last moved on for it.
         self.progress_mark = (0.0, 0)
         self.exitcode: int | None = None
         self.reaped = False
-        #: The processes its envs started, pid -> start time: from its READY, looked up again after
-        #: a rebuild and when it is interrupted; killed with it, even once it has died by itself.
+        #: The processes its envs started, pid -> start time (from READY, a rebuild, an interrupt):
+        #: killed with it, even once it has died by itself.
         self.family: dict[int, float] = {}
 
     def __repr__(self) -> str:
@@ -193,8 +168,7 @@ class WorkerProcess:
 
     @property
     def clock(self) -> float:
-        """When the clock of its oldest request (or board step) in flight started: the
-        deadline counts from here."""
+        """When the clock of its oldest request (or board step) in flight started."""
         box = self.mailboxes
         started = self._clocks[self.index]
         if box is None or not box.busy(self.index):
@@ -260,11 +234,8 @@ class WorkerProcess:
         return self.process.sentinel
 
     def send(self, request: EnvironmentRequest, now: float | None = None) -> None:
-        """Send one request (already encoded in ``request.data``); its lanes must be free.
-
-        A broken pipe is not raised: the request counts as in flight and the death is noticed
-        through the process sentinel, like any other.
-        """
+        """Send one encoded request; its lanes must be free. A broken pipe is not raised: the
+        request counts as in flight and the death is noticed through the sentinel, like any other."""
         now = time.monotonic() if now is None else now
         if not self.requests:
             self._clocks[self.index] = now
@@ -342,9 +313,8 @@ class WorkerProcess:
                 pass
 
     def stop(self) -> None:
-        """Ask the worker to close; if it has not exited, SIGTERM it (the worker still closes its
-        envs), wait 0.1 s and kill whatever it started that outlived it; then SIGKILL it, with its
-        children (``kill``)."""
+        """Ask the worker to close; if it has not exited, SIGTERM it (it still closes its envs),
+        wait 0.1 s and kill what it started that outlived it; then ``kill``."""
         self.request_close()
         if self.alive():
             self.process.join(0.0)
@@ -380,10 +350,8 @@ class WorkerProcess:
         self.process.join(5.0)
         self.exitcode = self.process.exitcode
         if pid is not None and self.exitcode != 0:
-            # Not closed by itself (a worker that closed killed its envs' processes itself): what its envs
-            # started is no longer below it once it is gone -- nor ever was, if a launcher daemonized it; a
-            # worker dying by itself may already have lost its children to the reaper when looked at
-            # above -- but carries its tag.
+            # Not closed by itself: what its envs started is no longer below it once it is gone (nor
+            # ever was, if a launcher daemonized it; nor, dying by itself, when looked at above), but carries its tag.
             self.family.update(tagged(self.spec.parent_pid, pid, self.spec.nonce, self.born))
         kill_family(self.family)
         if pid is not None:
@@ -400,15 +368,12 @@ class WorkerProcess:
 
 
 def start(process: Any) -> None:
-    """Start ``process`` (its target calls ``envmanager.worker.main.own_process_group`` first)
-    with SIGINT blocked in this thread, so that the child starts with it blocked: a Ctrl-C at the
-    terminal reaches the whole group, the child too until it has left it, and printed a
-    KeyboardInterrupt traceback from the child's start-up; this process takes it as before (not
-    under forkserver: the server, which other programs' processes share, would start them so). A
-    forked one with this process's objects frozen for the garbage collector (``gc.freeze``), so
-    the child never finalizes what it inherited: a finalizer may call into a library whose lock
-    another thread held at the fork (gRPC's, Ray's), and hang. A program that froze objects
-    itself manages this on its own (``gc.unfreeze`` would undo it)."""
+    """Start ``process`` with SIGINT blocked in this thread, so the child starts with it blocked:
+    a Ctrl-C reaches the whole group, the child too until it left it (``own_process_group``), and
+    printed a traceback from its start-up (not under forkserver, whose server others share). A
+    forked one with this process's objects frozen (``gc.freeze``), so the child never finalizes
+    what it inherited: a finalizer may call into a library whose lock another thread held at the
+    fork (gRPC's, Ray's), and hang. A program that froze objects itself manages this on its own."""
     method = getattr(process, "_start_method", None)
     masks = hasattr(signal, "pthread_sigmask") and method != "forkserver"  # (not the shared forkserver's mask)
     if masks and method != "fork":

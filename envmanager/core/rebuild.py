@@ -1,13 +1,10 @@
 """The parent's half of the REBUILD command (the worker's: ``WorkerEnvs.rebuild`` in
 ``envmanager.worker.envs``; the message: ``envmanager.wire.messages.Rebuild``).
 
-With restarts on, an env that raised in a step or reset of a process that answered — so is
-otherwise healthy — is made again inside that process from its factory, rather than the process
-restarted (RLlib's ``restart_failed_sub_environments`` granularity). The pool's supervisor
-decides when (a rebuild is a restart in the process's count, and raises the slot's generation:
-``envmanager.core.supervisor``); this module builds the request, which tells the worker the
-rebuilt envs' new generations, and splits the answer that reported the failure into what the
-other envs delivered.
+With restarts on, an env that raised in a step or reset of a process that answered (so is
+otherwise healthy) is made again inside it rather than the process restarted (RLlib's
+``restart_failed_sub_environments`` granularity), as the supervisor decides. This module builds
+the request and splits the answer that reported the failure into what the other envs delivered.
 """
 
 from __future__ import annotations

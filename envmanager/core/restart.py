@@ -19,14 +19,9 @@ class RestartPolicy:
     limit. The defaults are ML-Agents': 10 per lifetime, 1 per 60 s.
     """
 
-    def __init__(
-        self,
-        enabled: bool = False,
-        max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
-        rate_limit_n: int = RATE_LIMIT_N,
-        rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
-        switch: str = "restart_workers",
-    ) -> None:
+    def __init__(self, enabled: bool = False, max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
+                 rate_limit_n: int = RATE_LIMIT_N, rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,
+                 switch: str = "restart_workers") -> None:
         self.enabled = enabled
         self.switch = switch  # the option that turns restarts on, as a refusal names it
         self.max_lifetime_restarts = max_lifetime_restarts
@@ -46,10 +41,7 @@ class RestartPolicy:
         while recent and now - recent[0] > self.rate_limit_period_s:
             recent.popleft()
         if 0 <= self.rate_limit_n <= len(recent):
-            return (
-                f"it was restarted {len(recent)} time(s) in the last {self.rate_limit_period_s:g} s "
-                "(restarts_rate_limit_n)"
-            )
+            return f"it was restarted {len(recent)} time(s) in the last {self.rate_limit_period_s:g} s (restarts_rate_limit_n)"
         return None
 
     def record(self, key: int) -> None:

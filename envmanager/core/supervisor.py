@@ -1,17 +1,11 @@
 """The one supervisor of remote work: what a fault of a unit leads to, how often each unit and
 env was replaced, and when a unit is late.
 
-A **unit** is what can be replaced as a whole and hosts **slots** (envs): a worker process of the
-core's pool (``envmanager.core.pool``), a Ray sampler node (``envmanager.ray.nodes``), a node of
-Unity players (``envmanager.mlagents.ray_env_manager``). Each pool has one :class:`Supervisor`
-and keeps only its transport and its own start, kill and replay. The pools ask; it alone
-**decides** (:meth:`Supervisor.on_fault`: restart, rebuild the envs that raised in a unit that
-serves on, or give up, with the error built here and kept for every later use), **counts**
-(each unit's restarts, rebuilds included: the quota the one
-:class:`~envmanager.core.restart.RestartPolicy` judges; each slot's **generation**, which a
-decision hands the pool to tell the new unit or rebuilt envs, and which every answer carries
-from there) and keeps the **deadline clocks** (a list the pools' hot paths write; judged here).
-Core only: no Ray, no processes.
+A **unit** (a worker process, a Ray sampler node, a node of Unity players) is replaced as a
+whole and hosts **slots** (envs). Each pool has one :class:`Supervisor` and keeps only its
+transport and its own start, kill and replay; the supervisor alone decides, counts (restarts,
+each slot's **generation**) and keeps the deadline clocks. See "The supervisor" in
+docs/architecture.md. Core only: no Ray, no processes.
 """
 
 from __future__ import annotations
@@ -69,10 +63,9 @@ class Supervisor:
     """Decisions, restart counts, generations, terminal errors and deadline clocks of units.
 
     ``units``: each unit's slots (``0..n-1`` over all units); ``timeout``: seconds a unit's
-    oldest request may take before it counts as hung; ``kind`` (``"process"``, ``"node"``): for
-    log lines; ``per_slot``: the quota is per slot, not per unit (a node of Unity players: one per
-    player, whether it restarts on its node or with it); ``generations``: each slot's to go on
-    from (units started in place of lost ones: restarted that often, the last time just now)."""
+    oldest request may take before it is hung; ``kind``: for log lines; ``per_slot``: a quota per
+    slot, not per unit (a Unity player, whether it restarts on its node or with it);
+    ``generations``: each slot's to go on from (units started in place of lost ones, just now)."""
 
     def __init__(self, policy: RestartPolicy, timeout: float, units: Sequence[Sequence[int]], kind: str = "process",
                  per_slot: bool = False, generations: Sequence[int] | None = None) -> None:
@@ -89,17 +82,15 @@ class Supervisor:
             if self._quota(key):
                 policy.record(key)  # restarted just now, with the unit this one replaces
         self._failures: dict[int, EnvManagerError] = {}  # unit -> its terminal error
-        #: Per unit: when its oldest request's clock started (``time.monotonic``), written by the
-        #: pool as it sends and takes answers, judged only while the unit has one in flight.
+        #: Per unit: when its oldest request's clock started: written by the pools' hot paths, judged while one is in flight.
         self.clocks = [0.0] * len(self.units)
 
     # -- decisions -------------------------------------------------------------------------------
 
     def on_fault(self, unit: int, fault: Fault) -> Decision:
         """``unit`` failed: restart it, rebuild ``fault.envs`` in it (it serves on), or give up,
-        within the policy. A restart or rebuild is recorded, counted and logged here, once; a
-        refusal's error is built here, and a unit that cannot serve on (or is past the limits)
-        is given up: :meth:`check` raises that error from now on."""
+        within the policy; recorded, counted and logged here, once. A unit that cannot serve on
+        (or is past the limits) is given up: :meth:`check` raises its error from now on."""
         rebuild = fault.serves and bool(fault.envs)
         keys = self._keys([unit], fault.envs if rebuild else None)
         reason = next(filter(None, (self.policy.refusal(k, self._quota(k)) for k in keys)), None)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from envmanager.core.completion import Completion
 from envmanager.core.deadline import Deadline, caller_timeout
 from envmanager.core.pool import WorkerPool
-from envmanager.errors import EnvManagerError, InvalidInputError, WorkerTimeoutError
+from envmanager.errors import InvalidInputError, WorkerTimeoutError
 from envmanager.wire.interrupts import DEFERRED
 
 __all__ = ["wait_for"]
@@ -18,18 +18,15 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
              done: Callable[[], bool], timeout: float | None, what: str, late: Callable[[], list[int]],
              enough: Callable[[], bool], can_finish: Callable[[], bool] | None = None) -> None:
     """Hand ``take`` what the pool delivers until ``done()``. ``late()`` names the slots whose
-    processes may still make it done (``process_of[slot]`` is a slot's process): when none of
-    them has a request in flight, nothing can finish and this raises at once (the failure of
-    such a process, else ``InvalidInputError``), unless ``enough()`` says what arrived will do.
+    processes may still make it done: when none of them has a request in flight, nothing can
+    finish and this raises at once (such a process's failure, else ``InvalidInputError``), unless
+    ``enough()`` says what arrived will do. ``can_finish()``, if given, is a cheaper first look
+    than ``late()`` (asked every turn).
 
-    One clock per request: with ``timeout=None`` the wait ends when the answers come or the
-    pool's per-answer deadline judges a process hung (restarted, or its
-    ``WorkerTimeoutError(hung=True)`` raised by the caller). A ``timeout`` of the caller's own
-    bounds the wait too: at its end a process past the pool's deadline is hung all the same;
-    for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight
-    and what arrived meanwhile is kept (``inf``: as ``None``; NaN or no number: refused).
-    ``can_finish()``, if given, says more cheaply than ``late()`` whether anything in flight can
-    still make it done (asked on every turn)."""
+    With ``timeout=None`` only the pool's per-answer deadline bounds the wait (past it a process is
+    hung). At the end of a caller's ``timeout`` a process past that deadline is hung all the same;
+    for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight and
+    what arrived is kept."""
     timeout = caller_timeout(timeout)
     deadline = None if timeout is None else Deadline(timeout)
     while not done():  # (what has already come is taken by the first wait, which returns at once then)
@@ -39,7 +36,11 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
             if not any(workers[process_of[s]].busy and workers[process_of[s]].watched for s in waiting):
                 if enough():
                     return
-                raise nothing_can_finish(pool, process_of, waiting, what)
+                candidates = [workers[process_of[s]] for s in waiting] or workers
+                failure = next((w.failure for w in candidates if w.failure is not None), None)
+                if failure is not None:  # a failed process's own error
+                    raise failure
+                raise InvalidInputError(f"nothing in flight can deliver {what}: nothing can finish")
         if deadline is not None and deadline.passed():
             with DEFERRED:  # (a Ctrl-C between taking answers and filing them would lose them)
                 take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
@@ -50,13 +51,3 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
                                      processes=sorted({process_of[s] for s in still}))
         with DEFERRED:  # (its blocking wait stays interruptible: ``interrupts.blocking``)
             take(pool.wait(pool.timeout if deadline is None else deadline.left()))
-
-
-def nothing_can_finish(pool: WorkerPool, process_of: list[int], slots: list[int], what: str) -> EnvManagerError:
-    """The error for a wait that nothing in flight can end: a failed process's own error."""
-    workers = pool.processes
-    candidates = [workers[process_of[s]] for s in slots] or workers
-    failure = next((w.failure for w in candidates if w.failure is not None), None)
-    if failure is not None:
-        return failure
-    return InvalidInputError(f"nothing in flight can deliver {what}: nothing can finish")
