@@ -143,9 +143,8 @@ def step_cost(env: Any) -> StepCost | str:
 
 
 def _runnable_wait() -> Callable[[], float] | None:
-    """A clock of the seconds this thread has waited for a CPU while runnable (Linux's
-    ``/proc/thread-self/schedstat``, read in ~2 µs), or ``None`` where there is none. The file
-    stays open: only the throwaway measuring process measures, and its exit closes it."""
+    """A clock of the seconds this thread waited for a CPU while runnable (Linux's schedstat), or
+    ``None``. The file stays open: only the throwaway measuring process measures, its exit closes it."""
     try:
         fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
     except (OSError, AttributeError):
@@ -163,8 +162,8 @@ def _runnable_wait() -> Callable[[], float] | None:
 
 
 def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
-    """The throwaway process: build env 0, answer its cost (or why not), then -- once the parent
-    has noted what the env started (our orphans cannot be found once we are gone) -- close it."""
+    """The throwaway process: build env 0, answer its cost (or why not), then close it once the
+    parent has noted what the env started (our orphans cannot be found once we are gone)."""
     from envmanager.worker.main import own_process_group, watch_parent
 
     own_process_group()
@@ -191,9 +190,9 @@ def _measuring_process(factory: bytes, conn: Any, parent_pid: int) -> None:
 
 def measure_step_cost(env_factory: Callable[[int], Any] | bytes, context: Any = None, *, daemon: bool = True,
                       start_timeout: float = START_TIMEOUT_S, deadline_s: float = DEADLINE_S) -> StepCost | str:
-    """Build env 0 (``env_factory(0)``, a callable or its cloudpickle) in a throwaway process of
-    ``context`` (a multiprocessing context, by default the platform's) and time a few steps;
-    the cost, or why it could not be measured. The process and all it started are gone on return."""
+    """Build env 0 (``env_factory``: a callable or its cloudpickle) in a throwaway process of
+    ``context`` and time a few steps: the cost, or why not. The process and all it started are
+    gone on return."""
     from envmanager.core.pool import get_context
 
     ctx = context if context is not None and not isinstance(context, str) else get_context(context)
@@ -270,7 +269,8 @@ def _board_round(n: int, rounds: int) -> float | None:
     box = Mailboxes(file, n)
     mapping = file.map(box.layout.nbytes)  # the stand-ins' side, as a worker maps it
     try:
-        _stand_ins_awake(mapping, box, n)
+        words = np.frombuffer(mapping, np.int64)
+        words[[box.layout.region(p) // 8 for p in range(n)]] = BUSY  # every stand-in awake: no wake-up owed
         blocks = box.layout.board_lines * 8
         asked = np.frombuffer(mapping, np.int64, blocks, box.layout.block(REQUESTS))
         answered = np.frombuffer(mapping, np.int64, blocks, box.layout.block(ANSWERS))
@@ -293,7 +293,7 @@ def _board_round(n: int, rounds: int) -> float | None:
             out[got] = observations[got]
             rewards[got].sum()
             spent.append(t1 - t0 + time.perf_counter() - t2)
-        del asked, answered  # (views of the mapping: closing it needs them gone)
+        del words, asked, answered  # (views of the mapping: closing it needs them gone)
         return _percentile(spent, 0.25)
     finally:
         try:
@@ -303,32 +303,20 @@ def _board_round(n: int, rounds: int) -> float | None:
         box.close()
 
 
-def _stand_ins_awake(mapping: Any, box: Mailboxes, n: int) -> None:
-    """Every stand-in says it is busy (awake): the board owes none a wake-up on its pipe."""
-    words = np.frombuffer(mapping, np.int64)
-    words[[box.layout.region(p) // 8 for p in range(n)]] = BUSY
-    del words
-
-
 def costs_here(cost: StepCost, board: tuple[float, float] | None = None) -> Costs:
-    """The model's costs on this machine: the round trip and a pipe's CPU from ``cost`` (the
-    measuring process's pings), the parent's turnaround on the board from ``board``
-    (``board_costs()``, timed now if not given); the defaults where a figure is missing."""
+    """The model's costs here: the round trip and a pipe's CPU from ``cost``'s pings, the parent's
+    turnaround on the board from ``board`` (timed now if not given); the defaults where one is missing."""
+    d = DEFAULT_COSTS
     board = board if board is not None else board_costs()
-    costs = replace(DEFAULT_COSTS, board=mailbox_supported() and mailbox_enabled(True))  # (ENVMANAGER_MAILBOX=off: pipes)
-    if cost.round_trip_s:
-        costs = replace(costs, round_trip_s=cost.round_trip_s)
-    if cost.round_trip_cpu_s:
-        costs = replace(costs, pipe_s=cost.round_trip_cpu_s)
-    if board is not None:
-        costs = replace(costs, parent_s=board[0], parent_process_s=board[1])
-    return costs
+    parent_s, parent_process_s = board if board is not None else (d.parent_s, d.parent_process_s)
+    return replace(d, board=mailbox_supported() and mailbox_enabled(True),  # (ENVMANAGER_MAILBOX=off: pipes)
+                   round_trip_s=cost.round_trip_s or d.round_trip_s, pipe_s=cost.round_trip_cpu_s or d.pipe_s,
+                   parent_s=parent_s, parent_process_s=parent_process_s)
 
 
 def model_choice(cost: StepCost, n_env: int, cores: int, caller: Caller = BATCH, lanes: int | None = None,
                  costs: Costs | None = None) -> tuple[Prediction, Costs]:
-    """The model's best layout for ``n_env`` envs of this measured ``cost`` on ``cores`` cores,
-    and the costs it used (``costs_here`` unless given)."""
+    """The model's best layout for ``n_env`` envs of ``cost`` on ``cores`` cores, and the costs it used."""
     costs = costs if costs is not None else costs_here(cost)
     best, _ = best_layout(n_env, cost.cpu_median_s, cores, costs, caller, cost.infos, lanes=lanes)
     return best, costs
@@ -368,8 +356,7 @@ def _reap(process: Any, conn: Any, answered: bool) -> None:
 def choose_envs_per_worker(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: int | None = None,
                            context: Any = None, *, daemon: bool = True, start_timeout: float = START_TIMEOUT_S,
                            caller: Caller = BATCH, double_buffer: bool | str = AUTO) -> int:
-    """The ``envs_per_worker`` for ``n_env`` envs of ``env_factory`` on ``cores`` cores (see
-    ``choose_layout``)."""
+    """The ``envs_per_worker`` ``choose_layout`` chooses."""
     return choose_layout(env_factory, n_env, cores, context, daemon=daemon, start_timeout=start_timeout, caller=caller,
                          double_buffer=double_buffer)[0]
 

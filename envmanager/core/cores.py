@@ -22,8 +22,7 @@ MIN_SAMPLE_S = 0.2
 
 
 def affinity(pid: int = 0) -> frozenset[int] | None:
-    """The cores process ``pid`` (0: this one) may run on, or ``None`` where that cannot be read
-    (not Linux, or the process is gone)."""
+    """The cores process ``pid`` (0: this one) may run on; ``None`` where unreadable (not Linux, or gone)."""
     try:
         return frozenset(os.sched_getaffinity(pid))
     except (AttributeError, OSError):
@@ -93,8 +92,7 @@ class CoreUse:
         self._figure: float | None = None
 
     def others(self, pids: Sequence[int], cores: frozenset[int]) -> float | None:
-        """Cores' worth of CPU used by processes other than ``pids`` since the last sample;
-        ``None`` until two samples were taken (or where the counters cannot be read)."""
+        """Cores' worth of CPU others than ``pids`` used since the last sample; ``None`` until two samples (or unreadable)."""
         now = time.monotonic()
         if now - self._sampled_at < MIN_SAMPLE_S:
             return self._figure

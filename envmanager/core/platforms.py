@@ -1,10 +1,6 @@
-"""Platform choices made in one place: the default start method and the answer transport.
-
-Linux keeps ``fork`` and the shared step queue (one POSIX pipe of atomic notices). Where
-``fork`` is unsafe or absent (macOS, Windows) workers are started with ``spawn``; where the
-step queue cannot work (no ``fcntl`` or ``select.poll``: Windows) answers travel on each
-worker's own pipe instead (``envmanager.wire.transport``). ``ENVMANAGER_TRANSPORT=portable``
-forces the portable transport anywhere, so it is tested on Linux too.
+"""Platform choices made in one place: the default start method and the answer transport (the
+shared step queue, or each worker's own pipe where it cannot work: ``envmanager.wire.transport``).
+``ENVMANAGER_TRANSPORT=portable`` forces the portable transport anywhere, so it is tested on Linux too.
 """
 
 from __future__ import annotations
@@ -58,9 +54,8 @@ def transport_name(choice: str | None = None) -> str:
 
 def mailbox_enabled(spinning: bool) -> bool:
     """Whether to use the mailbox (``envmanager.wire.mailbox``, x86 only): by default where the
-    processes spin (``spinning``: every process and the parent have a core of its own);
-    ``ENVMANAGER_MAILBOX=on`` everywhere (with its short spin: tests run the suite so),
-    ``off`` nowhere (comparisons)."""
+    processes spin (``spinning``); ``ENVMANAGER_MAILBOX=on`` everywhere (with its short spin: tests
+    run the suite so), ``off`` nowhere (comparisons)."""
     choice = os.environ.get(MAILBOX_ENV, "auto").strip().lower()
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"unknown {MAILBOX_ENV} value {choice!r}: expected 'auto', 'on' or 'off'")

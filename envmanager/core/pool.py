@@ -88,8 +88,7 @@ __all__ = ["WorkerPool", "make_specs", "get_context"]
 
 
 class WorkerPool:
-    """Worker processes hosting ``specs``' environments, and everything needed to talk to them,
-    restarts and rebuilds included (see the module doc)."""
+    """Worker processes hosting ``specs``' envs, and everything to talk to them (see the module doc)."""
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
@@ -218,9 +217,8 @@ class WorkerPool:
     # Receiving
 
     def wait(self, timeout: float) -> list[Completion]:
-        """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished
-        or failed. Restarts, stale answers and large payloads are handled here. Raises
-        ``ManagerClosedError`` if another thread closes the pool meanwhile (see ``close``)."""
+        """Wait up to ``timeout`` for answers, deaths or missed deadlines; return what finished or
+        failed. ``ManagerClosedError`` if another thread closes the pool meanwhile."""
         # One thread waits at a time: another thread's wait is refused before it takes anything. Said
         # before the look at ``_closing``: a ``close`` of another thread sees us waiting, or we see it closing.
         me = get_ident()
@@ -265,8 +263,7 @@ class WorkerPool:
         return getattr(self.queue, "spun_ns", 0) * 1e-9
 
     def _rebuild_poller(self) -> None:
-        """Tell the transport what to wait on: every watched process's pipe and sentinel; kept
-        between calls and redone when a process starts, fails or closes (``_version``)."""
+        """Tell the transport to wait on every watched process's pipe and sentinel (redone on each ``_version``)."""
         assert self.queue is not None
         watched = [w for w in self.processes if w.watched]
         self._by_sentinel = {w.sentinel: w for w in watched}
@@ -381,8 +378,7 @@ class WorkerPool:
             completions.append(completion)
 
     def _check_cores(self, now: float) -> None:
-        """Allow spinning while the parent and every worker each have a core of their own (their
-        affinities and how busy other programs keep those cores: ``envmanager.core.cores``)."""
+        """Allow spinning while the parent and every worker each have a core of their own (``envmanager.core.cores``)."""
         self._next_core_check = now + CORE_CHECK_S
         if self.mailboxes is None:
             return
@@ -424,9 +420,8 @@ class WorkerPool:
         return completions
 
     def gather(self, workers: Iterable[WorkerProcess], what: str) -> list[Completion]:
-        """Wait until each of ``workers`` finished its request (start-up: nothing else is in
-        flight); return those completions. Raises their errors (all the late ones named in one
-        ``WorkerTimeoutError``), or ``WorkerTimeoutError`` past the pool's deadline."""
+        """Wait until each of ``workers`` answered its request (start-up: nothing else in flight);
+        raises their errors (all the late ones in one ``WorkerTimeoutError``), or one past the deadline."""
         indices = {w.index for w in workers}
         got: dict[int, Completion] = {}
         deadline = Deadline(self.timeout)
@@ -495,9 +490,8 @@ class WorkerPool:
 
     def _carry_out(self, w: WorkerProcess, decision: Decision, error: EnvManagerError, lost: list[EnvironmentRequest],
                    completions: list[Completion]) -> Decision:
-        """A restart or give-up of ``w`` after ``error``: every request in flight is cut short
-        with it (``lost`` are already out of flight) and answered by the restart, or by the
-        decision's error; a process that serves on (restarts off) reports it for ``lost`` alone."""
+        """A restart or give-up of ``w``: every request in flight (``lost``: already out of flight) is
+        cut short and answered by the restart or the decision's error; one that serves on answers ``lost`` alone."""
         if not (isinstance(decision, GiveUp) and not decision.given_up):  # it does not serve on
             lost += w.cut()
             if w.boot is not None:  # a restart failed on its way up: what it was answering is what failed
@@ -513,8 +507,7 @@ class WorkerPool:
 
     def _restart(self, w: WorkerProcess, lost: list[EnvironmentRequest], error: EnvManagerError,
                  generations: tuple[int, ...], completions: list[Completion]) -> None:
-        """Replace ``w`` by a new process, told its envs' ``generations``, and plan how it comes
-        back (see ``Boot``); the supervisor recorded the restart."""
+        """Replace ``w`` by a new process told its envs' ``generations``, with its ``Boot`` plan (the supervisor recorded it)."""
         w.kill()
         attach = [(Cmd.ATTACH, Attach(self.buffers.layout))] if self.buffers else []
         startup = [r for r in lost if r.cmd in (Cmd.READY, Cmd.ATTACH)]
@@ -568,8 +561,7 @@ class WorkerPool:
         return True
 
     def _rebuilt(self, w: WorkerProcess, completion: Completion, completions: list[Completion]) -> None:
-        """An answer of a process rebuilding envs: a rebuild's is those slots' fresh reset,
-        ``interrupted`` (as a restart's is for every slot of its process)."""
+        """An answer of a process rebuilding envs: a REBUILD's is its slots' fresh reset, ``interrupted``."""
         request = completion.request
         if request is not None and request.cmd is Cmd.REBUILD:
             completion.answering((request,))
@@ -650,9 +642,8 @@ class WorkerPool:
                 self._atexit = None
 
     def _leave_waiters(self) -> None:
-        """Closing while another thread waits on the workers: end them now (SIGTERM: they still
-        close their envs), which wakes that thread; it raises ``ManagerClosedError`` and leaves
-        before anything is freed (bounded)."""
+        """Closing while another thread waits on the workers: SIGTERM them (they still close their envs),
+        which wakes that thread; it raises ``ManagerClosedError`` and leaves before anything is freed."""
         waiter = self._waiting.get(0)
         if waiter is None or waiter == threading.get_ident():
             return
@@ -679,8 +670,7 @@ _POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
 def _forget_after_fork() -> None:
-    """In a child forked from this process with ``os.fork`` (not a multiprocessing child: those
-    start with no children): multiprocessing's own exit handler would SIGTERM every daemonic
+    """In a child forked with ``os.fork``: multiprocessing's exit handler would SIGTERM every daemonic
     process it inherited the records of, our workers among them. They are the parent's: forget them."""
     children = getattr(mp.process, "_children", None)
     if children is None:

@@ -71,18 +71,16 @@ class Boot:
         self.plan = list(self.all_steps)
 
     def join(self, cmd: Cmd, slots: tuple[int, ...], reset: Reset | None = None) -> None:
-        """A step or reset of ``slots`` asked meanwhile: the fresh reset answers them, as it answers
-        ``lost``. A reset's seeds and options go into that reset (a second reset of every env, if
-        the first was sent already), and into ``all_steps`` (should the process fail on its way up)."""
+        """A step or reset of ``slots`` asked meanwhile: the fresh reset answers them, as ``lost``. A
+        reset's seeds and options go into that reset (or a second one, if it was sent already) and
+        into ``all_steps`` (should the process fail on its way up)."""
         if reset is not None and any(v is not None for v in (*reset.seeds, *reset.options)):
             final = self.all_steps[-1][1]
             assert isinstance(final, Reset)  # (the plan ends with the reset of every env)
-            seeds = dict(zip(final.locals, final.seeds, strict=True))
-            options = dict(zip(final.locals, final.options, strict=True))
-            seeds.update(zip(reset.locals, reset.seeds, strict=True))
-            options.update(zip(reset.locals, reset.options, strict=True))
-            merged = (Cmd.RESET, Reset(final.locals, tuple(seeds[i] for i in final.locals),
-                                       tuple(options[i] for i in final.locals)))
+            asked = {i: (seed, options) for m in (final, reset)
+                     for i, seed, options in zip(m.locals, m.seeds, m.options, strict=True)}  # (the reset's win)
+            merged = (Cmd.RESET, Reset(final.locals, tuple(asked[i][0] for i in final.locals),
+                                       tuple(asked[i][1] for i in final.locals)))
             self.all_steps[-1] = merged
             if self.plan:  # not sent yet
                 self.plan[-1] = merged
@@ -177,8 +175,7 @@ class WorkerProcess:
         return min(started, board) if self.requests else board
 
     def answered(self, seq: int, now: float) -> tuple[EnvironmentRequest, float] | None:
-        """Take the request ``seq`` out of flight (with its send time); ``None`` if it is not
-        in flight (a stale answer). The next request's clock starts now."""
+        """Take request ``seq`` out of flight, with its send time (``None``: stale); the next one's clock starts now."""
         requests = self.requests
         for k, entry in enumerate(requests):
             if entry[0].seq == seq:
@@ -189,8 +186,7 @@ class WorkerProcess:
         return None
 
     def cut(self) -> list[EnvironmentRequest]:
-        """Take every request out of flight (a failure cut them short), oldest first; the
-        board's steps in flight as one STEP request of their slots."""
+        """Take every request out of flight, oldest first; the board's steps in flight as one STEP of their slots."""
         lost = [request for request, _ in self.requests]
         self.requests = []
         if self.mailboxes is not None:
@@ -215,8 +211,8 @@ class WorkerProcess:
             self.state = ProcessState.RUNNING
 
     def progressed(self, done: int, now: float) -> bool:
-        """Whether the call in flight made progress: ``done``, its count (0 when sent), grew
-        since its clock was last moved on for it; if so its clock starts ``now``."""
+        """Whether the call's progress count ``done`` (0 when sent) grew since its clock was last
+        moved on for it; if so its clock starts ``now``."""
         seen = self.progress_mark[1] if self.progress_mark[0] == self.clock else 0
         if done == seen:
             return False
@@ -251,13 +247,12 @@ class WorkerProcess:
             pass
 
     def read_large_answer(self, timeout: float) -> bytes:
-        """An answer's payload sent over this process's own pipe (announced on the queue),
-        within ``timeout``; ``EOFError`` if the process dies meanwhile."""
+        """An answer's payload sent on this process's own pipe; ``EOFError`` if it dies meanwhile."""
         return read_message(self.conn, time.monotonic() + timeout, self.process.sentinel)
 
     def inside(self) -> tuple[int, str] | None:
-        """The env slot and the call this process is in (its record, read without asking it: it
-        may be hung or dead), or ``None`` between calls or where there is no record."""
+        """The env slot and call this process is in, read without asking it (it may be hung or
+        dead); ``None`` between calls or where there is no record."""
         return None if self.marks is None else self.marks.read(self.index)
 
     def died(self, detail: str = "") -> WorkerDiedError:
@@ -293,8 +288,7 @@ class WorkerProcess:
         return self.supervisor.failure(self.index) if self.state is ProcessState.FAILED else None
 
     def fail(self) -> None:
-        """Give up on this process (its error is the supervisor's): kill it. One given up on
-        its way back from a restart is no longer coming back (``boot`` gone)."""
+        """Give up on this process (its error is the supervisor's): kill it; no boot goes on."""
         self.state = ProcessState.FAILED
         self.boot = None
         self.cut()
@@ -326,7 +320,7 @@ class WorkerProcess:
 
     def interrupt(self) -> None:
         """SIGTERM now, noting first the processes it started: once it has ended, those in a
-        session of their own can no longer be found, and ``kill`` must still reach them."""
+        session of their own cannot be found, and ``kill`` must still reach them."""
         if self.alive():
             self.look_for_family()
             self.process.terminate()
@@ -337,8 +331,8 @@ class WorkerProcess:
             self.family.update(family(self.pid))
 
     def kill(self) -> None:
-        """SIGKILL the worker and every process it started (even in another session, as
-        mlagents starts Unity players); reap it. Safe to call twice."""
+        """SIGKILL the worker and every process it started (even in another session, as mlagents
+        starts Unity players); reap it. Safe to call twice."""
         if self.reaped:
             return
         if self.watched:

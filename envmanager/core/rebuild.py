@@ -38,8 +38,7 @@ def rebuild_request(prepare: Callable[..., EnvironmentRequest], env_ids: tuple[i
 
 
 def delivered(answer: Stepped, kept: list[int], slots: tuple[int, ...]) -> Stepped:
-    """``answer`` (to a request on ``slots``) for the envs at positions ``kept`` only: those that
-    did not raise."""
+    """``answer`` (to a request on ``slots``) for the envs at positions ``kept`` only: those that did not raise."""
     keep = {slots[n] for n in kept}
     infos = {s: i for s, i in answer.infos.items() if s in keep} if answer.infos else None
     return Stepped([answer.env_times[n] for n in kept], infos or None, None,

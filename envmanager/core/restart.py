@@ -30,8 +30,7 @@ class RestartPolicy:
         self._recent: dict[int, deque[float]] = defaultdict(deque)
 
     def refusal(self, key: int, count: int) -> str | None:
-        """Why another restart counted against quota ``key``, restarted ``count`` times so far,
-        is not allowed now, or ``None`` if it is."""
+        """Why another restart against quota ``key`` (restarted ``count`` times) is not allowed now, or ``None``."""
         if not self.enabled:
             return f"restarts are disabled ({self.switch}=False)"
         if 0 <= self.max_lifetime_restarts <= count:

@@ -26,9 +26,8 @@ __all__ = ["Supervisor", "Fault", "Restart", "Rebuild", "GiveUp", "Decision"]
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault as its pool saw it: ``error`` (restarts off raise it), ``event`` (the log line of a
-    restart), whether the unit ``serves`` on (its envs raised, it answered), and ``envs``: those
-    envs, to be rebuilt in place (empty: a rebuild is not possible)."""
+    """A fault as its pool saw it: ``error`` (restarts off raise it), ``event`` (a restart's log line),
+    whether the unit ``serves`` on (it answered), and ``envs`` that raised, to rebuild in place (if any)."""
 
     error: EnvManagerError
     event: str
@@ -109,8 +108,7 @@ class Supervisor:
         return Rebuild(slots, generations) if rebuild else Restart(generations)
 
     def already(self, unit: int, seen: dict[int, int]) -> Restart | None:
-        """A fault found in answers of the generations ``seen`` (slot -> generation): if one of
-        those envs was replaced since, it was decided already (that restart; nothing new)."""
+        """If an env of the generations ``seen`` (slot -> generation) was replaced since, the fault was decided: that restart."""
         if any(self._generations[s] != g for s, g in seen.items()):
             return Restart(self.generations(unit))
         return None
@@ -182,8 +180,7 @@ class Supervisor:
     # -- deadlines: one clock per unit, for its oldest request in flight --------------------------
 
     def start_clock(self, unit: int, now: float | None = None) -> None:
-        """``unit``'s oldest request in flight is a new one (sent to it idle, or the one ahead
-        of it answered): its clock starts ``now``."""
+        """``unit``'s oldest request in flight is a new one (sent, or the one ahead answered): its clock starts ``now``."""
         self.clocks[unit] = monotonic() if now is None else now
 
     def late(self, started: float, now: float) -> bool:
