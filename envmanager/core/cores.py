@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 
@@ -40,16 +41,13 @@ def machine_cores() -> int:
 def _cgroup_quota() -> int | None:
     """Whole CPUs of the cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), or ``None``."""
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         return None if quota == "max" else max(1, int(quota) // int(period))
     except (OSError, ValueError):
         pass
     try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
-            quota_us = int(f.read())
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-            period_us = int(f.read())
+        quota_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
         return None if quota_us <= 0 else max(1, quota_us // period_us)
     except (OSError, ValueError):
         return None
@@ -126,12 +124,8 @@ def _cores_busy_s(cores: frozenset[int]) -> float:
     """CPU seconds the machine's ``cores`` have been busy (anything but idle and I/O wait; a VM's
     stolen time counts as busy: another guest had the core)."""
     per_core = psutil.cpu_times(percpu=True)
-    total = 0.0
-    for c in cores:
-        if c < len(per_core):
-            t = per_core[c]
-            total += t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
-    return total
+    return sum((t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+                for t in (per_core[c] for c in cores if c < len(per_core))), 0.0)
 
 
 def _group_usage_s() -> float | None:
@@ -144,7 +138,6 @@ def _group_usage_s() -> float | None:
     except OSError:
         pass
     try:
-        with open("/sys/fs/cgroup/cpuacct/cpuacct.usage") as f:
-            return int(f.read()) * 1e-9
+        return int(Path("/sys/fs/cgroup/cpuacct/cpuacct.usage").read_text()) * 1e-9
     except (OSError, ValueError):
         return None

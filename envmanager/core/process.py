@@ -311,8 +311,6 @@ class WorkerProcess:
         wait 0.1 s and kill what it started that outlived it; then ``kill``."""
         self.request_close()
         if self.alive():
-            self.process.join(0.0)
-        if self.alive():
             self.interrupt()
             self.process.join(0.1)
             kill_family(self.family)
@@ -362,12 +360,11 @@ class WorkerProcess:
 
 
 def start(process: Any) -> None:
-    """Start ``process`` with SIGINT blocked in this thread, so the child starts with it blocked:
-    a Ctrl-C reaches the whole group, the child too until it left it (``own_process_group``), and
-    printed a traceback from its start-up (not under forkserver, whose server others share). A
-    forked one with this process's objects frozen (``gc.freeze``), so the child never finalizes
-    what it inherited: a finalizer may call into a library whose lock another thread held at the
-    fork (gRPC's, Ray's), and hang. A program that froze objects itself manages this on its own."""
+    """Start ``process`` with SIGINT blocked in this thread, so the child starts with it blocked (a
+    Ctrl-C reaches the whole group, the child too until it left it, and printed a traceback from its
+    start-up; not under forkserver, whose server others share). Forked with objects frozen
+    (``gc.freeze``, unless the program froze some itself): a finalizer in the child may call into a
+    library whose lock another thread held at the fork (gRPC's, Ray's), and hang."""
     method = getattr(process, "_start_method", None)
     masks = hasattr(signal, "pthread_sigmask") and method != "forkserver"  # (not the shared forkserver's mask)
     if masks and method != "fork":

@@ -21,10 +21,9 @@ __all__ = ["rebuild_request", "delivered"]
 def rebuild_request(prepare: Callable[..., EnvironmentRequest], env_ids: tuple[int, ...], failed: EnvironmentRequest,
                     positions: list[int], replay_calls: Sequence[tuple[str, tuple, dict]],
                     generations: tuple[int, ...]) -> EnvironmentRequest:
-    """The REBUILD of the envs at ``positions`` of the request ``failed`` (a STEP or RESET of
-    the process hosting ``env_ids``), on its lanes: each env made again, ``replay_calls``
-    called on it (as a restart does), reset — with the seed and options it was being reset
-    with, if it raised in a reset — and of ``generations`` from now on (the supervisor's)."""
+    """The REBUILD of the envs at ``positions`` of ``failed`` (a STEP or RESET of the process
+    hosting ``env_ids``): each made again, ``replay_calls`` called on it (as a restart does), reset
+    (with the seed and options of a reset it raised in), and of ``generations`` from now on."""
     slots = tuple(failed.slots[n] for n in positions)
     if failed.cmd is Cmd.RESET:
         _, seeds, options = failed.message

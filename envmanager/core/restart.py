@@ -14,10 +14,8 @@ RATE_LIMIT_PERIOD_S = 60.0
 
 
 class RestartPolicy:
-    """Allow at most ``max_lifetime_restarts`` restarts per quota (a process, a node, a player),
-    and at most ``rate_limit_n`` within any ``rate_limit_period_s`` seconds. ``-1`` lifts a
-    limit. The defaults are ML-Agents': 10 per lifetime, 1 per 60 s.
-    """
+    """Allow at most ``max_lifetime_restarts`` restarts per quota (a process, a node, a player), and
+    at most ``rate_limit_n`` within any ``rate_limit_period_s`` seconds; ``-1`` lifts a limit."""
 
     def __init__(self, enabled: bool = False, max_lifetime_restarts: int = MAX_LIFETIME_RESTARTS,
                  rate_limit_n: int = RATE_LIMIT_N, rate_limit_period_s: float = RATE_LIMIT_PERIOD_S,

@@ -20,13 +20,11 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
     """Hand ``take`` what the pool delivers until ``done()``. ``late()`` names the slots whose
     processes may still make it done: when none of them has a request in flight, nothing can
     finish and this raises at once (such a process's failure, else ``InvalidInputError``), unless
-    ``enough()`` says what arrived will do. ``can_finish()``, if given, is a cheaper first look
-    than ``late()`` (asked every turn).
+    ``enough()`` says what arrived will do. ``can_finish()``, if given, is a cheaper first look.
 
-    With ``timeout=None`` only the pool's per-answer deadline bounds the wait (past it a process is
-    hung). At the end of a caller's ``timeout`` a process past that deadline is hung all the same;
-    for the others ``WorkerTimeoutError(hung=False)`` is raised, their requests stay in flight and
-    what arrived is kept."""
+    Without a caller's ``timeout`` only the pool's per-answer deadline bounds the wait. At its end a
+    process past that deadline is hung all the same; for the others ``WorkerTimeoutError(hung=False)``
+    is raised, their requests stay in flight and what arrived is kept."""
     timeout = caller_timeout(timeout)
     deadline = None if timeout is None else Deadline(timeout)
     while not done():  # (what has already come is taken by the first wait, which returns at once then)
