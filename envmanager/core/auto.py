@@ -369,10 +369,9 @@ def choose_layout(env_factory: Callable[[int], Any] | bytes, n_env: int, cores: 
     layout the model predicts fastest with the costs measured here, for this ``caller`` and
     ``double_buffer`` (``True``/``False`` fix the lanes). The choice is logged in one line."""
     cores = cores or usable_cores()
-    if n_env < cores:  # every env a core, and the parent one too
-        logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: nothing to pack", n_env, cores)
-        return 1, False
-    cost = measure_step_cost(env_factory, context, daemon=daemon, start_timeout=start_timeout)
+    # Fewer envs than cores: every env a core, and the parent one too (nothing measured).
+    cost = "nothing to pack" if n_env < cores else measure_step_cost(env_factory, context, daemon=daemon,
+                                                                     start_timeout=start_timeout)
     why = _one_each(cost)
     if why is not None:
         logger.info("envs_per_worker='auto' chose 1 for %d envs on %d cores: %s", n_env, cores, why)

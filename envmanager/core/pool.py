@@ -401,7 +401,6 @@ class WorkerPool:
         next can be due. A call whose ``progress`` count grew has its clock moved on; while one is
         in flight the looks come every quarter deadline, so it is hung at most a quarter late."""
         completions: list[Completion] = []
-        supervisor = self.supervisor
         counted = False
         for w in list(self.processes):
             if not (w.busy and w.watched):
@@ -410,7 +409,7 @@ class WorkerPool:
             if cmd is Cmd.CALL and self.progress is not None:
                 counted = True
                 w.progressed(self.progress(list(w.env_ids)), now)  # working, not hung: its clock from now
-            if supervisor.late(w.clock, now):
+            if self.supervisor.late(w.clock, now):
                 what = "its startup" if cmd is Cmd.READY else f"an answer to {cmd.name}"
                 self._on_failure(w, w.hung(self.timeout, what), completions)
         oldest = min((w.clock for w in self.processes if w.busy and w.watched), default=now)
