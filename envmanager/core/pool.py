@@ -66,9 +66,7 @@ from envmanager.wire.messages import (
     encode_request,
     open_steps_answer,
 )
-from envmanager.wire.messages import (
-    EnvironmentCommand as Cmd,
-)
+from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.wire.shm import SharedBuffers, SharedFile
 from envmanager.wire.step_queue import write_frame
 from envmanager.wire.transport import PortableAnswers, StepQueue, make_transport
