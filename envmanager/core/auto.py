@@ -86,8 +86,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def usable_cores() -> int:
-    """CPU cores the workers may run on: this process's (which they inherit), within the CPU quota
-    of its control group (``envmanager.core.cores.machine_cores``: 2 in a container given 2 of 64)."""
+    """CPU cores the workers may run on: this process's (they inherit them), within its control group's quota."""
     mine = affinity()
     cores = len(mine) if mine is not None else os.cpu_count() or 1
     return max(1, min(cores, machine_cores()))

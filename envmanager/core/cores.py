@@ -31,8 +31,7 @@ def affinity(pid: int = 0) -> frozenset[int] | None:
 
 
 def machine_cores() -> int:
-    """The machine's cores within its control group's CPU quota (a container given 2 CPUs of 64
-    has 2), whatever this process's own affinity is now."""
+    """The machine's cores within its control group's CPU quota (2 in a container given 2 of 64), whatever our affinity."""
     cores = os.cpu_count() or 1
     quota = _cgroup_quota()
     return max(1, min(cores, quota)) if quota else cores

@@ -113,8 +113,7 @@ class WorkerPool:
         _POOLS.add(self)
         self._closing = False
         self._unreaped: list[WorkerProcess] = []  # a close's workers, until every one is reaped
-        #: ``{0: thread id}`` while a thread is inside ``wait``, claimed with ``setdefault``: a
-        #: second thread's wait is refused (the poller serves one thread).
+        #: ``{0: thread id}`` of the one thread inside ``wait``, claimed with ``setdefault``: another's wait is refused.
         self._waiting: dict[int, int] = {}
         self._close_lock = threading.RLock()  # one close() at a time
         #: Answers taken so far (restarts' interrupted ones too): the bench divides the parent's CPU time by it.
@@ -122,8 +121,7 @@ class WorkerPool:
         #: Optional ``progress(slots) -> int``, a count that grows while a call on those slots works:
         #: such a call is hung only once it has not grown for the deadline (worker-side rollouts).
         self.progress: Callable[[list[int]], int] | None = None
-        #: Shared memory with no name, made before any worker starts so each gets it as it starts
-        #: (``None``: no shared memory, or named segments where the platform has no such file).
+        #: Shared memory with no name, each worker given it as it starts (``None``: none, or named segments instead).
         self.file: SharedFile | None = SharedFile.create() if shared_memory else None
         if shared_memory and self.file is None and os.name == "posix":
             # One resource tracker for parent and workers: it unlinks the named segment should the parent be killed.
@@ -269,8 +267,7 @@ class WorkerPool:
         self._poll_version = self._version
 
     def _drain(self, completions: list[Completion], everything: bool = False) -> None:
-        """Take every answer that has arrived: the transport's half of every answer. The step
-        board first: a notice goes out before the answer words it completes."""
+        """Take every answer that has arrived; the step board first (a notice goes out before the answer words it completes)."""
         assert self.queue is not None
         box = self.mailboxes
         if box is not None:

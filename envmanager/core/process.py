@@ -251,8 +251,7 @@ class WorkerProcess:
         return read_message(self.conn, time.monotonic() + timeout, self.process.sentinel)
 
     def inside(self) -> tuple[int, str] | None:
-        """The env slot and call this process is in, read without asking it (it may be hung or
-        dead); ``None`` between calls or where there is no record."""
+        """The env slot and call this process is in, read without asking it (it may be hung or dead), or ``None``."""
         return None if self.marks is None else self.marks.read(self.index)
 
     def died(self, detail: str = "") -> WorkerDiedError:
