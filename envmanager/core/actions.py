@@ -188,11 +188,7 @@ def _check(space: Any, batch: Any, slots: np.ndarray, where: str) -> Any:
         if arr.dtype != dtype:
             with np.errstate(all="ignore"):
                 cast = arr.astype(dtype)
-            if dtype.kind == "f":
-                lost = np.isinf(cast) & ~np.isinf(arr)
-            else:
-                lost = cast != arr
-            bad = _first_bad(arr, lost)
+            bad = _first_bad(arr, np.isinf(cast) & ~np.isinf(arr) if dtype.kind == "f" else cast != arr)
             if bad is not None:
                 value = arr.reshape(n, -1)[bad].tolist()
                 raise InvalidInputError(_at(slots, bad, where) + f"value {value} cannot be stored as {dtype} without loss")

@@ -243,9 +243,7 @@ class BatchEnvManager:
         back from a restart (its fresh reset is on its way to them). A failed process's slots
         count as idle: stepping them raises its error."""
         idle = self.status <= IDLE
-        booting = self._booting_slots()
-        if booting:
-            idle[booting] = False
+        idle[self._booting_slots()] = False
         return idle.nonzero()[0].tolist()
 
     def in_flight(self) -> bool:
@@ -260,9 +258,7 @@ class BatchEnvManager:
     def waiting_worker_ids(self) -> list[int]:
         """Slots in flight (a step or a reset), or on a process coming back from a restart."""
         waiting = self.status == IN_FLIGHT
-        booting = self._booting_slots()
-        if booting:
-            waiting[booting] = True
+        waiting[self._booting_slots()] = True
         return waiting.nonzero()[0].tolist()
 
     @property
@@ -560,21 +556,22 @@ class BatchEnvManager:
     def wait_idle(self, worker_ids: Sequence[int] | None = None, timeout: float | None = None) -> None:
         """Wait until the processes hosting ``worker_ids`` (default: all) have nothing in flight
         (a restart, say); what finishes meanwhile is kept for ``receive_batch``."""
-        procs = {int(self.slot_process[s]) for s in self.slots(worker_ids)}
+        self._wait_idle(sorted({self._slot_process_list[s] for s in self.slots(worker_ids)}), timeout,
+                        "the requests in flight")
+
+    def _wait_idle(self, procs: Sequence[int], timeout: float | None, what: str) -> None:
         pool = self.pool
 
         def busy() -> list[WorkerProcess]:
-            return [pool.processes[i] for i in sorted(procs) if pool.processes[i].busy]
+            return [pool.processes[i] for i in procs if pool.processes[i].busy]
 
-        self.wait_for(lambda: not busy(), timeout, "the requests in flight", lambda: [s for w in busy() for s in w.env_ids])
+        self.wait_for(lambda: not busy(), timeout, what, lambda: [s for w in busy() for s in w.env_ids])
 
     def drain(self, timeout: float | None = None) -> list[EnvManagerError]:
         """Wait out every request in flight and drop every result not handed out, errors too:
         nothing stale surfaces later. Slots with dropped results count as handed out. Returns
         the dropped step and reset errors (for a caller that reports every failure)."""
-        pool = self.pool
-        self.wait_for(lambda: not any(w.busy for w in pool.processes), timeout, "the in-flight steps",
-                      lambda: [s for w in pool.processes if w.busy for s in w.env_ids])
+        self._wait_idle(range(len(self.pool.processes)), timeout, "the in-flight steps")
         self._calls.clear()
         return self._state.drop()
 

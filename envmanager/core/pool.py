@@ -78,7 +78,6 @@ _RAW_STEP = REQUEST_HEADER.pack
 CORE_CHECK_S = 0.5
 #: Cores' worth of other programs' CPU tolerated on our spare cores (half that to give spinning back: no flapping).
 OTHERS_TOLERATED = 0.5
-_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (the hot path)
 _RESETS = (Cmd.RESET, Cmd.REBUILD)  # requests that carry a seed and options per env
 _ANSWERED_BY_RESET = (Cmd.STEP, Cmd.RESET, Cmd.REBUILD)  # by a restart's fresh reset, ``interrupted``
 
@@ -169,7 +168,8 @@ class WorkerPool:
     def prepare_raw_step(self, body: bytes, slots: tuple[int, ...]) -> EnvironmentRequest:
         """``prepare`` for the hot path: a STEP whose actions are in shared memory."""
         self._seq = seq = self._seq + 1
-        return _new(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None))
+        # (a NamedTuple made without its constructor's overhead: the hot path)
+        return tuple.__new__(EnvironmentRequest, (Cmd.STEP, seq, slots, _RAW_STEP(Cmd.STEP, seq, RAW) + body, None))
 
     def post_steps(self, slots: np.ndarray, processes: np.ndarray, now: float) -> None:
         """Ask for a step of ``slots`` (hosted by ``processes``, actions in shared memory, checked) on
@@ -341,15 +341,11 @@ class WorkerPool:
         assert box is not None
         if posted_at < w.started_at:  # posted by the process this one replaced: stale (its payload is on the old pipe)
             return
-        if form == ON_PIPE:
-            try:
-                data = w.read_large_answer(self.timeout)
-            except (EOFError, OSError, TimeoutError) as exc:
-                self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
-                return
         try:
+            if form == ON_PIPE:
+                data = w.read_large_answer(self.timeout)
             locals_, ordinals, rest = open_steps_answer(data)
-        except Exception as exc:  # a notice that is not one: which steps it answers is unknown
+        except Exception as exc:  # it died sending it, or a notice that is not one: which steps it answers is unknown
             self._on_failure(w, w.died(f" while sending its answer: {exc!r}"), completions)
             return
         slots = tuple(w.env_ids[i] for i in locals_)

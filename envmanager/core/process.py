@@ -82,10 +82,7 @@ class Boot:
             merged = (Cmd.RESET, Reset(final.locals, tuple(asked[i][0] for i in final.locals),
                                        tuple(asked[i][1] for i in final.locals)))
             self.all_steps[-1] = merged
-            if self.plan:  # not sent yet
-                self.plan[-1] = merged
-            else:
-                self.plan.append(merged)
+            self.plan[-1:] = [merged]  # in place of the reset not sent yet, else after it
         self.lost.append(EnvironmentRequest(cmd, -1, slots))
 
     def next(self) -> tuple[Cmd, Any] | None:
@@ -210,15 +207,13 @@ class WorkerProcess:
         if not any(r.cmd is Cmd.REBUILD for r, _ in self.requests):
             self.state = ProcessState.RUNNING
 
-    def progressed(self, done: int, now: float) -> bool:
-        """Whether the call's progress count ``done`` (0 when sent) grew since its clock was last
-        moved on for it; if so its clock starts ``now``."""
+    def progressed(self, done: int, now: float) -> None:
+        """If the call's progress count ``done`` (0 when sent) grew since its clock was last
+        moved on for it, its clock starts ``now``."""
         seen = self.progress_mark[1] if self.progress_mark[0] == self.clock else 0
-        if done == seen:
-            return False
-        self.supervisor.start_clock(self.index, now)
-        self.progress_mark = (now, done)
-        return True
+        if done != seen:
+            self.supervisor.start_clock(self.index, now)
+            self.progress_mark = (now, done)
 
     @property
     def watched(self) -> bool:

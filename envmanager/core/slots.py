@@ -42,7 +42,6 @@ NEEDS_RESET, IDLE, IN_FLIGHT, ARRIVED = (int(s) for s in SlotStatus)
 #: ``status`` bytes of that many IDLE slots: a batch's statuses are checked with one compare.
 IDLE_BYTES = bytes([IDLE]) * 4096
 _NONE: frozenset[int] = frozenset()
-_new = tuple.__new__  # a NamedTuple made without its constructor's overhead (once per batch)
 
 
 def _rows(slots: tuple[int, ...]) -> slice | list[int]:
@@ -181,17 +180,22 @@ class SlotState:
         status[hit] = IN_FLIGHT
         self.arrived = [s for s in self.arrived if s not in gone]
         self.arrived_resets -= gone
-        for slot in hit:
-            self.infos.pop(slot, None)
-        if self.info_blocks:
-            blocks = set(self.block_of[hit].tolist()) - {-1}
-            self.block_of[hit] = -1
-            for block in blocks:
-                if not (self.block_of[self.info_blocks[block][0]] == block).any():
-                    del self.info_blocks[block]
+        self._forget_infos(hit)
         owed, asked = self.owed_resets, self.reset_asked
         return ([s for s in hit if s not in owed],
                 [(s, *asked.get(s, (None, None))) for s in hit if s in owed])
+
+    def _forget_infos(self, slots: list[int] | tuple[int, ...]) -> None:
+        """Drop the infos of ``slots`` not handed out yet (a newer answer or a restart's reset replaces them)."""
+        if self.infos:
+            for slot in slots:
+                self.infos.pop(slot, None)
+        if self.info_blocks:
+            blocks = set(self.block_of[list(slots)].tolist()) - {-1}
+            self.block_of[list(slots)] = -1
+            for block in blocks:  # one no slot refers to any more
+                if not (self.block_of[self.info_blocks[block][0]] == block).any():
+                    del self.info_blocks[block]
 
     def _fail(self, slots: list[int], errors: list[EnvManagerError], is_reset: bool) -> None:
         self.status[slots] = NEEDS_RESET
@@ -218,18 +222,9 @@ class SlotState:
         """Infos, and results that travelled pickled: the slow path, per env (as gymnasium batches
         them: ``envmanager.wire.returns``). Returns the slots whose results did not fit, with
         their errors (naming the env, the ``call`` and the value)."""
-        infos = answer.infos  # by slot
-        if self.info_blocks:  # columns not handed out yet are replaced
-            self.block_of[list(slots)] = -1
-        mine = self.infos
-        if infos and len(infos) == len(slots):  # every env said something (the common case when any does)
-            mine.update(infos)
-        elif infos or mine:  # an empty info replaces an older one not handed out
-            for slot in slots:
-                if infos and slot in infos:
-                    mine[slot] = infos[slot]
-                else:
-                    mine.pop(slot, None)
+        self._forget_infos(slots)  # (an empty info too replaces an older one)
+        if answer.infos:  # by slot
+            self.infos.update(answer.infos)
         failures = answer.failures or {}
         r = self.results
         assert r is not None
@@ -287,7 +282,8 @@ class SlotState:
         cut = frozenset(s for s in slots_list if s in interrupted) if interrupted else _NONE
         if cut:
             interrupted -= cut
-        return _new(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks, self.generations))
+        # (a NamedTuple made without its constructor's overhead: once per batch)
+        return tuple.__new__(StepBatch, (slots, mine, cut, frozenset(slots_list) if reset else _NONE, blocks, self.generations))
 
     def _hand_out_columns(self, slots: np.ndarray, dicts: dict[int, dict], columns: bool) -> tuple[InfoBlock, ...]:
         """The column infos of ``slots``: as blocks (``columns``), or into ``dicts``."""
