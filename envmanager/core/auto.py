@@ -1,12 +1,10 @@
 """``envs_per_worker="auto"``: how many envs one worker process should host (and in how many lanes), on this machine.
 
-With at least as many envs as cores, env 0's ``unwrapped`` is built and stepped in a throwaway
-process (its wrappers see no step; ``render_mode="human"`` is not stepped), which also answers
-pings (the round trip, a pipe's CPU), and this process times the step board against stand-ins
-(``board_costs``). Even, CPU-bound steps get the layout the model of ``envmanager.core.layout``
-predicts fastest with these costs; uneven or waiting steps, or an env that could not be
-measured, one env per process (first-ready never waits for a slow neighbour, waits overlap).
-How it measures and chooses: docs/guide/step-semantics.md and docs/guide/performance.md.
+With at least as many envs as cores, env 0's ``unwrapped`` is stepped in a throwaway process and
+the step board timed here: even, CPU-bound steps get the layout ``envmanager.core.layout`` predicts
+fastest; uneven or waiting steps, or an env that could not be measured, one env per process
+(first-ready never waits for a slow neighbour, waits overlap). How it measures and chooses:
+docs/guide/step-semantics.md and docs/guide/performance.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 slots that finished, whose results are rows of shared arrays. Every adapter is built on it.
 
 A batch of actions is checked once and written into shared memory with one numpy operation per
-array, then asked for on the mailbox's step board where every process has a core (one numpy
-operation for all processes, ``envmanager.wire.mailbox``), elsewhere in fixed binary headers.
-Per-env Python runs only for non-empty infos, or where the user asked for per-env ``StepInfo``.
-Slot states, how long a result stays valid, lanes (``double_buffer``) and restarts: see
-docs/architecture.md (State); the process-level half is the pool's. Resets are checked and
-encoded before the first send (nothing half-sent); env calls are ``EnvCalls``' (``calls``).
-
-Why one module: the step and reset paths share the slot states, the plans per process, the
-joining of a process on its way back from a restart and the waits; split, the reset path
-stubbed five of the manager's attributes and methods.
+array, then asked for on the step board where every process has a core (``envmanager.wire.mailbox``),
+elsewhere in fixed binary headers; per-env Python runs only for non-empty infos or per-env
+``StepInfo``. Slot states, how long a result stays valid, lanes and restarts: docs/architecture.md
+(State). One module because the step and reset paths share the slot states, the plans, the joining
+of a restart on its way back and the waits (split, the reset path stubbed five of the manager's
+attributes and methods).
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError, ManagerClosedE
 from envmanager.wire import factory as packed_factory
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
-from envmanager.wire.messages import EnvFunction, Ready, Reset, Step, lanes_of
+from envmanager.wire.messages import EnvFunction, GetAttr, Ready, Reset, Step, lanes_of
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 from envmanager.worker.envs import DISABLED, NEXT_STEP
 
@@ -508,7 +504,7 @@ class BatchEnvManager:
 
     def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
         """Read ``env.<name>`` (through wrappers) on the given slots (``None``: all)."""
-        return self._calls.get_attr(name, worker_ids)
+        return self._calls.receive(self._calls.send(Cmd.GET_ATTR, worker_ids, lambda local, own: GetAttr(local, name)))
 
     def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
         """Set ``env.<name>``: one value for all given slots, or a list with one per slot."""

@@ -13,7 +13,7 @@ import cloudpickle
 from envmanager.core.completion import Completion
 from envmanager.errors import InvalidInputError, ManagerClosedError
 from envmanager.wire.interrupts import DEFERRED
-from envmanager.wire.messages import Call, EnvFunction, GetAttr, SetAttr
+from envmanager.wire.messages import Call, EnvFunction, SetAttr
 from envmanager.wire.messages import EnvironmentCommand as Cmd
 
 if TYPE_CHECKING:
@@ -57,9 +57,6 @@ class EnvCalls:
         ``name(env, *args, **kwargs)``."""
         target = name if isinstance(name, (str, EnvFunction)) else EnvFunction(cloudpickle.dumps(name))
         return self.send(Cmd.CALL, worker_ids, lambda local, own: Call(local, target, tuple(args), kwargs or {}))
-
-    def get_attr(self, name: str, worker_ids: Sequence[int] | None = None) -> list[Any]:
-        return self.receive(self.send(Cmd.GET_ATTR, worker_ids, lambda local, own: GetAttr(local, name)))
 
     def set_attr(self, name: str, values: Any, worker_ids: Sequence[int] | None = None) -> None:
         slots = self.manager.slots(worker_ids)

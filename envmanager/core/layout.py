@@ -3,14 +3,9 @@ the candidate layouts, a small model of what each delivers, and the best of them
 
 A layout is ``processes`` worker processes of ``envs_per_worker`` envs (the last may have fewer),
 each in one lane or two (double buffered: one half steps while the parent turns the other
-around). The candidates, the model's costs and rates: see docs/guide/performance.md ("auto uses
-the machine"). In short: never more stepping processes than cores, never a core idle while envs
-wait packed in a process; a request costs the worker its envs' steps plus a constant, the parent
-its own Python per step and per process (notices and pipes cost more than the step board);
-where processes share cores a round trip is added and the cores' CPU caps the rate.
-
-The costs are measured where the layout is chosen (``envmanager.core.auto``); the worker's
-overhead and the callers' own Python are constants, documented where they are defined.
+around). The candidates, the model's costs and rates: docs/guide/performance.md ("auto uses
+the machine"). The costs are measured where the layout is chosen (``envmanager.core.auto``); the
+worker's overhead and the callers' own Python are constants, documented where they are defined.
 ``python -m benchmarks.scaling --check`` compares predictions with runs.
 """
 

@@ -176,13 +176,11 @@ class WorkerPool:
         the step board: one numpy operation, a wake-up only to a process that may be asleep."""
         box = self.mailboxes
         assert box is not None
-        sleepy = box.post_steps(box.slot_word[slots], processes, now)
-        if sleepy.size:
-            for p in sleepy.tolist():
-                try:
-                    write_frame(self.processes[p].fd, WAKE)
-                except OSError:  # gone: its sentinel tells
-                    pass
+        for p in box.post_steps(box.slot_word[slots], processes, now).tolist():
+            try:
+                write_frame(self.processes[p].fd, WAKE)
+            except OSError:  # gone: its sentinel tells
+                pass
 
     def take_steps(self) -> list[np.ndarray]:
         """The slots whose board steps the waits took since the last call, results in shared memory
@@ -578,13 +576,10 @@ class WorkerPool:
     # Lifetime
 
     def close(self, timeout: float = 10.0) -> None:
-        """End every worker (politely, then by force) and free shared memory. Idempotent.
-
-        Idle workers get ``timeout`` seconds to close their envs; a busy one is interrupted at
-        once (SIGTERM: it still closes its envs). Stragglers are killed with everything they
-        started, all are reaped. Another thread's wait raises ``ManagerClosedError``; its
-        ``close()`` waits for this one (two at once raced for the processes and pipes).
-        """
+        """End every worker (politely, then by force) and free shared memory. Idempotent. Idle workers
+        get ``timeout`` seconds to close their envs; a busy one is interrupted at once (SIGTERM: it still
+        closes its envs); stragglers are killed with everything they started. Another thread's wait
+        raises ``ManagerClosedError``; its ``close()`` waits for this one (two at once raced for the pipes)."""
         if not self.owned:  # a copy in a process forked from ours: its workers are not this one's
             self.processes, self._unreaped, self._closing = [], [], True
             return
@@ -620,7 +615,7 @@ class WorkerPool:
                 logger.warning("%s did not close within %.1f s; terminating", ", ".join(late), timeout)
         finally:
             for w in workers:
-                w.stop() if w.alive() else w.kill()
+                w.stop()  # (a dead one: only killed, its family with it)
             self._unreaped = []
             for name in ("buffers", "file", "queue", "mailboxes", "marks"):  # shared memory, pipes, mappings
                 resource = getattr(self, name)

@@ -1,16 +1,9 @@
 """The parent's handle on one worker process: its pipe, its requests in flight, its life.
 
-Requests in flight form a FIFO (``WorkerProcess.requests``): the worker serves its pipe in
-order, so answers come in the order sent. Several may be in flight: steps and resets of
-distinct idle slots (double buffered: one per half of the envs, one answered while the other
-steps), or one call, which waits for the process to be idle. A request's clock starts when the
-worker can start on it: when sent, or when the one ahead of it is answered. Steps on the
-mailbox's step board (``envmanager.wire.mailbox``) are in flight per env, not in this FIFO;
-``busy``, ``clock`` and ``cut`` count them too.
-
-The life cycle (``WorkerProcess.state``) is drawn in docs/architecture.md: the pool
-(``envmanager.core.pool``) drives it through this class's methods; this class holds the state
-and a restart's ``Boot`` plan, and does the process work (send, stop, kill with its descendants).
+Requests in flight form a FIFO (``WorkerProcess.requests``: the worker serves its pipe in
+order); steps on the step board are in flight per env, not in it, but ``busy``, ``clock`` and
+``cut`` count them too. Their clocks, and the life cycle (``WorkerProcess.state``) the pool drives
+through this class's methods: docs/architecture.md (State).
 """
 
 from __future__ import annotations

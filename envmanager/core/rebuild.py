@@ -1,10 +1,9 @@
 """The parent's half of the REBUILD command (the worker's: ``WorkerEnvs.rebuild`` in
 ``envmanager.worker.envs``; the message: ``envmanager.wire.messages.Rebuild``).
 
-With restarts on, an env that raised in a step or reset of a process that answered (so is
-otherwise healthy) is made again inside it rather than the process restarted (RLlib's
-``restart_failed_sub_environments`` granularity), as the supervisor decides. This module builds
-the request and splits the answer that reported the failure into what the other envs delivered.
+An env that raised in a step or reset of a process that answered is made again inside it (when
+and why: docs/architecture.md, State). This module builds the request and splits the answer that
+reported the failure into what the other envs delivered.
 """
 
 from __future__ import annotations
