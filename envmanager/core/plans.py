@@ -9,14 +9,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from envmanager.core.slots import ARRIVED, IN_FLIGHT, NEEDS_RESET
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
 from envmanager.wire.messages import Reset, raw_locals
 
 __all__ = ["BatchPlans", "BatchPlan", "Requests", "refuse_slots", "reset_plan", "row_of"]
 
-# Slot statuses (``envmanager.core.slots``; plain ints here to keep this module below it).
-_NEEDS_RESET, _IN_FLIGHT, _ARRIVED = 0, 2, 3
 _LIMIT = 1024  # the most plans cached
 
 #: Per request (one per process, or per lane of a double-buffered process: the worker answers
@@ -86,11 +85,11 @@ def refuse_slots(slots: np.ndarray, status: np.ndarray, process_of: Callable[[in
         failure = process_of(slot).failure
         if failure is not None:
             raise failure
-        if s == _NEEDS_RESET:
+        if s == NEEDS_RESET:
             raise InvalidInputError(f"worker {slot} must be reset before it is stepped")
-        if s == _IN_FLIGHT:
+        if s == IN_FLIGHT:
             raise InvalidInputError(f"worker {slot} is still stepping; it cannot take an action")
-        if s == _ARRIVED:
+        if s == ARRIVED:
             raise InvalidInputError(f"worker {slot} has a result that was not received yet; receive it before stepping")
 
 
@@ -104,7 +103,7 @@ def reset_plan(seeds_and_options: Mapping[int, tuple[Any, Any]], slots: list[int
         w = process_of(slot)
         if w.failure is not None:
             raise w.failure
-        if status[slot] in (_IN_FLIGHT, _ARRIVED):
+        if status[slot] in (IN_FLIGHT, ARRIVED):
             raise InvalidInputError(f"worker {slot} is busy; it cannot be reset now")
         by_process.setdefault(w.index, []).append(slot)
     try:
