@@ -478,13 +478,13 @@ class BatchEnvManager:
         where this one stopped."""
         state = self._state
         wanted = set(state.owed_resets) if worker_ids is None else set(self.slots(worker_ids))
-        if not wanted <= state.owed_resets:  # (a failed reset is no longer owed, but its error still waits to be raised)
-            unsent = wanted - state.owed_resets - {s for e in state.reset_errors for s in failed_slots(e)}
+        if not wanted <= state.owed_resets.keys():  # (a failed reset is no longer owed, but its error still waits to be raised)
+            unsent = wanted - state.owed_resets.keys() - {s for e in state.reset_errors for s in failed_slots(e)}
             if unsent:
                 raise InvalidInputError(f"no reset was sent to worker(s) {sorted(unsent)}")
         with DEFERRED:  # a Ctrl-C between taking answers and handing them out waits (``interrupts``)
-            self.wait_for(lambda: wanted.isdisjoint(state.owed_resets - state.arrived_resets) or bool(state.reset_errors),
-                          timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets - state.arrived_resets)))
+            self.wait_for(lambda: wanted.isdisjoint(state.owed_resets.keys() - state.arrived_resets) or bool(state.reset_errors),
+                          timeout, "a reset result", lambda: sorted(wanted & (state.owed_resets.keys() - state.arrived_resets)))
             if state.reset_errors:
                 raise state.first_error(reset=True)
             return state.hand_out(resets=wanted)

@@ -61,8 +61,8 @@ class SlotState:
         self.generation_list = [0] * n_env  # the same, for per-slot Python (StepInfo): no numpy scalar per answer
         self.arrived: list[int] = []  # slots answered by a step, in arrival order
         self.arrived_resets: set[int] = set()
-        self.owed_resets: set[int] = set()  # slots sent a reset whose answer is not taken yet
-        self.reset_asked: dict[int, tuple[Any, Any]] = {}  # their seeds and options (each send sets them)
+        #: Slots sent a reset whose answer is not taken yet, with their seeds and options (each send sets them).
+        self.owed_resets: dict[int, tuple[Any, Any]] = {}
         self.infos: dict[int, dict] = {}
         # Infos that came as columns: blocks by id (their slots, the columns), each slot's block.
         self.info_blocks: dict[int, tuple[np.ndarray, Any]] = {}
@@ -95,8 +95,8 @@ class SlotState:
         ``slots`` were sent: IN_FLIGHT."""
         self.status[slots] = IN_FLIGHT
         if reset:
-            self.owed_resets.update(slots.tolist())
-            self.reset_asked.update(asked or {})
+            asked = asked or {}
+            self.owed_resets.update({s: asked.get(s, (None, None)) for s in slots.tolist()})
 
     def allow_steps(self, slots: list[int]) -> None:
         """``slots`` never reset (and not being reset) may be stepped: IDLE."""
@@ -181,9 +181,8 @@ class SlotState:
         self.arrived = [s for s in self.arrived if s not in gone]
         self.arrived_resets -= gone
         self._forget_infos(hit)
-        owed, asked = self.owed_resets, self.reset_asked
-        return ([s for s in hit if s not in owed],
-                [(s, *asked.get(s, (None, None))) for s in hit if s in owed])
+        owed = self.owed_resets
+        return [s for s in hit if s not in owed], [(s, *owed[s]) for s in hit if s in owed]
 
     def _forget_infos(self, slots: list[int] | tuple[int, ...]) -> None:
         """Drop the infos of ``slots`` not handed out yet (a newer answer or a restart's reset replaces them)."""
@@ -201,9 +200,8 @@ class SlotState:
         self.status[slots] = NEEDS_RESET
         target = self.reset_errors if is_reset else self.step_errors
         if is_reset:
-            self.owed_resets.difference_update(slots)
             for slot in slots:
-                self.reset_asked.pop(slot, None)
+                self.owed_resets.pop(slot, None)
         for error in errors:  # one failure cutting two requests short is raised once
             if not any(error is e for e in target):
                 target.append(error)
@@ -263,11 +261,9 @@ class SlotState:
         if resets is None:
             slots_list, self.arrived = self.arrived, []
         else:
-            self.owed_resets -= resets
+            for slot in resets:
+                self.owed_resets.pop(slot, None)
             self.arrived_resets -= resets
-            if self.reset_asked:
-                for slot in resets:
-                    self.reset_asked.pop(slot, None)
             slots_list = sorted(resets)
         reset = resets is not None
         slots = np.array(slots_list, dtype=np.int64)
@@ -342,7 +338,6 @@ class SlotState:
         self.arrived.clear()
         self.arrived_resets.clear()
         self.owed_resets.clear()
-        self.reset_asked.clear()
         self.infos.clear()
         self.info_blocks.clear()
         self.block_of[:] = -1
