@@ -249,11 +249,10 @@ def board_costs(processes: tuple[int, int] = BOARD_PROCESSES, rounds: int = BOAR
     parent_process_s * P`` at two sizes (``processes`` of one env): the board's operations and the
     hot path's numpy work around them, against stand-ins in this process answering at once (not
     timed); the lower quartile of ``rounds`` rounds. ``None`` where no shared file can hold a board."""
-    times = [_board_round(n, rounds) for n in processes]
-    if None in times:
+    p_lo, p_hi = processes
+    t_lo, t_hi = (_board_round(n, rounds) for n in processes)
+    if t_lo is None or t_hi is None:
         return None
-    (p_lo, t_lo), (p_hi, t_hi) = zip(processes, times, strict=True)
-    assert t_lo is not None and t_hi is not None
     slope = max(0.0, (t_hi - t_lo) / (p_hi - p_lo))
     return max(0.0, t_lo - slope * p_lo), slope
 

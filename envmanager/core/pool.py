@@ -89,8 +89,7 @@ class WorkerPool:
 
     def __init__(
         self, specs: list[WorkerSpec], ctx: Any, timeout: float, restart_policy: RestartPolicy, daemon: bool = True,
-        shared_memory: bool = False, transport: str | None = None, mailbox: bool = False, parent_spin_s: float = 0.0,
-        generations: list[int] | None = None,
+        shared_memory: bool = False, mailbox: bool = False, parent_spin_s: float = 0.0, generations: list[int] | None = None,
     ) -> None:
         self.ctx = ctx
         self.supervisor = Supervisor(restart_policy, timeout, [spec.env_ids for spec in specs], "process",
@@ -125,7 +124,7 @@ class WorkerPool:
         if shared_memory and self.file is None and os.name == "posix":
             # One resource tracker for parent and workers: it unlinks the named segment should the parent be killed.
             resource_tracker.ensure_running()
-        self.transport = transport_name(transport)
+        self.transport = transport_name()  # (``ENVMANAGER_TRANSPORT`` may choose it)
         self.queue: StepQueue | PortableAnswers | None = make_transport(self.transport, ctx)
         #: Where asked for on the step queue: steps whose actions are in shared memory go on their step board.
         self.mailboxes = (Mailboxes.create(len(specs), [spec.env_ids for spec in specs])
