@@ -41,9 +41,8 @@ class Completion:
         self.answer, self.slots = answer, slots
 
     def answering(self, lost: tuple[EnvironmentRequest, ...], interrupted: bool = True) -> None:
-        """This answer is a fresh reset (a restart's or a rebuild's) answering ``lost``, the
-        requests a failure cut short (``request``: the first); ``interrupted`` unless it is a
-        startup's answer."""
+        """This answer is a fresh reset answering ``lost`` (``request``: the first; see the class doc);
+        ``interrupted`` unless it is a startup's answer."""
         self.request = lost[0] if lost else None
         self.interrupted = interrupted
 

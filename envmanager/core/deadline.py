@@ -12,10 +12,9 @@ from envmanager.errors import InvalidInputError
 class Deadline:
     """A point in time ``seconds`` from now (``time.monotonic``)."""
 
-    __slots__ = ("at", "seconds")
+    __slots__ = ("at",)
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
         self.at = time.monotonic() + seconds
 
     def left(self) -> float:

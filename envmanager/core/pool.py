@@ -116,8 +116,7 @@ class WorkerPool:
         self._close_lock = threading.RLock()  # one close() at a time
         #: Answers taken so far (restarts' interrupted ones too): the bench divides the parent's CPU time by it.
         self.answers = 0
-        #: Optional ``progress(slots) -> int``, a count that grows while a call on those slots works:
-        #: such a call is hung only once it has not grown for the deadline (worker-side rollouts).
+        #: Optional ``progress(slots) -> int``: see ``BatchEnvManager.watch_progress``.
         self.progress: Callable[[list[int]], int] | None = None
         #: Shared memory with no name, each worker given it as it starts (``None``: none, or named segments instead).
         self.file: SharedFile | None = SharedFile.create() if shared_memory else None

@@ -198,4 +198,4 @@ class Supervisor:
     def overdue(self, units: Sequence[int]) -> list[int]:
         """Those of ``units`` (requests in flight) whose oldest request missed the deadline, now."""
         now = monotonic()
-        return [u for u in units if now >= self.clocks[u] + self.timeout]
+        return [u for u in units if self.late(self.clocks[u], now)]
