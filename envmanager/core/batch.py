@@ -610,9 +610,8 @@ class BatchEnvManager:
             if steps:
                 pool.join_boot(w.index, Cmd.STEP, tuple(steps))
             if resets:
-                slots = tuple(s for s, _, _ in resets)
-                pool.join_boot(w.index, Cmd.RESET, slots, Reset(tuple(self._slot_local_list[s] for s in slots),
-                                                                tuple(r[1] for r in resets), tuple(r[2] for r in resets)))
+                slots, seeds, options = zip(*resets, strict=True)
+                pool.join_boot(w.index, Cmd.RESET, slots, Reset(tuple(self._slot_local_list[s] for s in slots), seeds, options))
         return booting
 
     def slots(self, worker_ids: Sequence[int] | int | None) -> list[int]:

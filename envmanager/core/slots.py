@@ -3,8 +3,7 @@
 One status per slot (``worker_id`` is a slot; its transitions: docs/architecture.md, State).
 What arrived and was not handed out yet waits here: slots (steps in arrival order, resets as a
 set), their non-empty infos, which were interrupted by a restart, and the errors to raise; and
-each slot's generation as its latest answer's stamp says (``generations``; the step board's are
-of the generation their slots have: a replaced process answers through its fresh reset first).
+each slot's generation as its latest answer's stamp says (``generations``).
 """
 
 from __future__ import annotations

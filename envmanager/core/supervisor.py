@@ -1,11 +1,9 @@
 """The one supervisor of remote work: what a fault of a unit leads to, how often each unit and
 env was replaced, and when a unit is late.
 
-A **unit** (a worker process, a Ray sampler node, a node of Unity players) is replaced as a
-whole and hosts **slots** (envs). Each pool has one :class:`Supervisor` and keeps only its
-transport and its own start, kill and replay; the supervisor alone decides, counts (restarts,
-each slot's **generation**) and keeps the deadline clocks. See "The supervisor" in
-docs/architecture.md. Core only: no Ray, no processes.
+A **unit** (a worker process, a Ray sampler node, a node of Unity players) is replaced as a whole
+and hosts **slots** (envs). Each pool has one :class:`Supervisor`, which alone decides, counts and
+keeps the deadline clocks: see "The supervisor" in docs/architecture.md. Core only: no Ray, no processes.
 """
 
 from __future__ import annotations
