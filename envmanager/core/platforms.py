@@ -24,9 +24,7 @@ def default_start_method() -> str:
     """``fork`` on Linux (cheap, and what multiprocessing uses there); ``spawn`` on macOS, where
     forking a process with threads is unsafe, on Windows, where there is no fork, and anywhere
     else without fork. Code run by ``spawn`` workers must sit under ``if __name__ == "__main__":``."""
-    if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods():
-        return "fork"
-    return "spawn"
+    return "fork" if sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() else "spawn"
 
 
 def step_queue_available() -> bool:
@@ -47,9 +45,7 @@ def transport_name(choice: str | None = None) -> str:
     name = (choice or os.environ.get(TRANSPORT_ENV) or "auto").strip().lower().replace("-", "_")
     if name not in ("auto", *TRANSPORTS):
         raise ValueError(f"unknown transport {name!r}: expected 'auto', 'step_queue' or 'portable' ({TRANSPORT_ENV})")
-    if name == "portable" or not step_queue_available():
-        return "portable"
-    return "step_queue"
+    return "portable" if name == "portable" or not step_queue_available() else "step_queue"
 
 
 def mailbox_enabled(spinning: bool) -> bool:

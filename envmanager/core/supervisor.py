@@ -107,9 +107,7 @@ class Supervisor:
 
     def already(self, unit: int, seen: dict[int, int]) -> Restart | None:
         """If an env of the generations ``seen`` (slot -> generation) was replaced since, the fault was decided: that restart."""
-        if any(self._generations[s] != g for s, g in seen.items()):
-            return Restart(self.generations(unit))
-        return None
+        return Restart(self.generations(unit)) if any(self._generations[s] != g for s, g in seen.items()) else None
 
     def answered(self, slot: int, generation: int) -> None:
         """An answer says ``slot``'s env is of a newer ``generation``: its unit replaced it itself
