@@ -381,9 +381,7 @@ FORK_UNSAFE = ("torch", "grpc", "tensorflow", "jax")
 def forked_from() -> str:
     """The fork-unsafe libraries (``FORK_UNSAFE``) this process has loaded, if it runs threads."""
     loaded = [name for name in FORK_UNSAFE if name in sys.modules]
-    if not loaded or psutil.Process().num_threads() < 2:
-        return ""
-    return " and ".join(loaded)
+    return " and ".join(loaded) if loaded and psutil.Process().num_threads() >= 2 else ""
 
 
 def kill_group(pid: int) -> None:
