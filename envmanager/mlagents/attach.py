@@ -78,7 +78,10 @@ class PlayerLostError(EnvManagerError):
     did not start it. ``failure`` is the worker's error (with its traceback)."""
 
     def __init__(self, worker_id: int, address: PlayerAddress, failure: BaseException | None = None) -> None:
-        self.worker_id, self.worker_ids, self.address, self.failure = worker_id, [worker_id], address, failure
+        self.worker_id = worker_id
+        self.worker_ids = [worker_id]
+        self.address = address
+        self.failure = failure
         super().__init__(
             f"the player at {address} (worker {worker_id}) is lost: it did not connect, stopped or "
             "stopped answering. It is an attached player (envmanager did not start it), so it is "

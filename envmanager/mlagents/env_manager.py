@@ -142,8 +142,11 @@ class MLAgentsEnvManager:
         core_options: dict[str, Any] = {
             # forkserver (else spawn): never fork a parent that may hold gRPC state
             "context": context or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"),
-            "timeout": timeout, "restart_workers": restart_workers, "max_lifetime_restarts": max_lifetime_restarts,
-            "restarts_rate_limit_n": restarts_rate_limit_n, "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
+            "timeout": timeout,
+            "restart_workers": restart_workers,
+            "max_lifetime_restarts": max_lifetime_restarts,
+            "restarts_rate_limit_n": restarts_rate_limit_n,
+            "restarts_rate_limit_period_s": restarts_rate_limit_period_s,
         }
         worker_factory = WorkerEnvFactory(env_factory, self.engine_config or None,
                                           training_analytics=training_analytics, log_level=log_level)
