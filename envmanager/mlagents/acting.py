@@ -32,7 +32,6 @@ def choose_actions(
     policies: Mapping[str, Any],
     batched: Mapping[str, BatchedCall],
     specs: Mapping[int, Mapping[str, Any]],
-    counts: InferenceCounts,
 ) -> tuple[dict[int, SentActions], dict[str, list[int]]]:
     """``worker_id -> SentActions`` (with the ``ActionInfo`` of the worker's own rows) for every
     worker of ``results``, and per behaviour how many workers each policy call served. Behaviours
@@ -48,21 +47,18 @@ def choose_actions(
             continue
         asking = {w: result[name][0] for w, result in results.items() if name in result}
         call = batched.get(name)
-        if call is not None:
+        if call is None:
+            answers: Mapping[int, Any] = {w: policy.get_action(steps, w) for w, steps in asking.items()}
+            served[name] = [1] * len(asking)
+        else:
             answers = call(asking)
+            served[name] = [len(asking)]
             missing = sorted(set(asking) - set(answers))
             if missing:
                 raise InvalidInputError(f"the batched policy of behaviour {name!r} gave no ActionInfo for "
                                         f"worker(s) {missing}")
-            for w in asking:
-                infos[w][name] = answers[w]
-            served.setdefault(name, []).append(len(asking))
-            counts.add(name, len(asking))
-        else:
-            for w, decision_steps in asking.items():
-                infos[w][name] = policy.get_action(decision_steps, w)
-                served.setdefault(name, []).append(1)
-                counts.add(name, 1)
+        for w in asking:
+            infos[w][name] = answers[w]
     sent: dict[int, SentActions] = {}
     for w, result in results.items():
         env_actions: dict[str, Any] = {}

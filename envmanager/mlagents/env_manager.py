@@ -212,13 +212,12 @@ class MLAgentsEnvManager:
         """Act for ``behavior_name`` with ``policy.get_action(decision_steps, worker_id) -> ActionInfo``
         (or one batched call for every idle worker: ``batched_inference``). Behaviours without a
         policy get empty actions (zeros), as in ML-Agents."""
-        if policy is not self.policies.get(behavior_name) or behavior_name not in self.policies:
+        if policy is not self.policies.get(behavior_name):  # (a behaviour without a policy has no batched call)
             call = None
             if self.batched_inference is not False and policy is not None:
                 call = batched_call(policy, behavior_name, required=self.batched_inference is True)
-            if call is None:
-                self._batched.pop(behavior_name, None)
-            else:
+            self._batched.pop(behavior_name, None)
+            if call is not None:
                 self._batched[behavior_name] = call
         self.policies[behavior_name] = policy
         if behavior_name in self.agent_managers:
@@ -428,8 +427,10 @@ class MLAgentsEnvManager:
                 raise InvalidInputError(f"worker {w} must be reset before it is stepped")
             results[w] = info.current_result.observation
         specs = {w: self._specs.get(w) or self.training_behaviors for w in worker_ids}
-        sent, served = choose_actions(results, self.policies, self._batched, specs, self.inference_counts)
+        sent, served = choose_actions(results, self.policies, self._batched, specs)
         for name, sizes in served.items():
+            for n in sizes:
+                self.inference_counts.add(name, n)
             agent_manager = self.agent_managers.get(name)
             if agent_manager is not None:
                 call_if_present(agent_manager, "record_environment_stats", inference_stats(sizes), 0)
