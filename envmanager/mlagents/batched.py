@@ -1,12 +1,7 @@
-"""One inference per behaviour for every ready player (batched inference).
-
-:class:`~envmanager.mlagents.MLAgentsEnvManager` steps every idle worker at once; instead of
-one ``get_action(decision_steps, worker_id)`` per worker (as ML-Agents' ``SubprocessEnvManager``),
-it can hand a behaviour's policy every idle worker's ``DecisionSteps`` in one call: a policy's own
-``get_actions`` (:class:`BatchedPolicy`), or for ML-Agents' ``TorchPolicy`` (PPO, SAC, POCA)
-:class:`TorchPolicyBatch`, which reproduces ``get_action`` in the versions of
-:data:`SUPPORTED_MLAGENTS` only. :func:`batched_call` decides, per policy; see
-docs/guide/mlagents.md, "Batched inference".
+"""One inference per behaviour for every idle worker (batched inference): a policy's own
+``get_actions`` (:class:`BatchedPolicy`), or for ML-Agents' ``TorchPolicy`` :class:`TorchPolicyBatch`,
+which reproduces ``get_action`` in the versions of :data:`SUPPORTED_MLAGENTS` only;
+:func:`batched_call` decides, per policy. See docs/guide/mlagents.md, "Batched inference".
 """
 
 from __future__ import annotations

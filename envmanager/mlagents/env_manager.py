@@ -4,10 +4,6 @@ It mirrors ``mlagents.trainers.subprocess_env_manager.SubprocessEnvManager`` (na
 semantics) on the core's :class:`~envmanager.SubprocessEnvManager`: deadlines, clean shutdown, a
 failed player restarted alone with its environment parameters replayed, and past the restart
 limits :class:`~envmanager.RestartLimitError` (see docs/guide/mlagents.md).
-
-The hand-off to the trainer (the last section): the policies' actions for every idle worker,
-checked before anything is sent (:mod:`envmanager.mlagents.acting`), and each result as an
-``EnvironmentStep`` fed to the agent managers; a restarted worker's unfinished episodes are cut.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""A moment's wait for more players before the policies act (``gather_window``, issue 32).
-
-With many cheap players the results come in about 1.5 at a time, so one batched inference serves
-few of them; waiting up to ``seconds`` after the first result until ``share`` of the players that
-were stepping have answered lets it serve more (figures: docs/guide/performance.md). It adds up
-to ``seconds`` of latency to a step, so it is off by default.
+"""A moment's wait for more players before the policies act (``gather_window``, issue 32), so
+that one batched inference serves more of them; it adds latency, so it is off by default (see
+docs/guide/mlagents.md, "A moment for more players").
 """
 
 from __future__ import annotations

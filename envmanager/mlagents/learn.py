@@ -1,18 +1,10 @@
-"""``envmanager-learn``: ML-Agents' own trainer, with envmanager's env manager.
+"""``envmanager-learn``: ``mlagents-learn`` (ML-Agents' own CLI, every argument its own) with
+envmanager's env manager; its own options: docs/guide/mlagents.md, "Train with ML-Agents".
 
-Type ``envmanager-learn`` where you typed ``mlagents-learn``; every argument is ML-Agents'::
-
-    envmanager-learn config.yaml --env=builds/MyGame.x86_64 --num-envs=8 --run-id=run1
-
-It runs ML-Agents' own CLI (``mlagents.trainers.learn``) and changes one thing: where
-``run_training`` builds ``SubprocessEnvManager(env_factory, run_options, num_envs)``, it gets
+Where ``run_training`` builds ``SubprocessEnvManager(env_factory, run_options, num_envs)``, it gets
 :meth:`MLAgentsEnvManager.from_run_options <envmanager.mlagents.MLAgentsEnvManager.from_run_options>`
-with the same arguments. ML-Agents has no plug-in point for the env manager (only stats
-writers and trainer types), so that one name is swapped for the length of the run.
-
-Its own options (``--ray-address``, ``--env-addresses``, ``--batched-inference``,
-``--gather-window-ms``, ``--gather-share``: ``envmanager-learn --help``) are described in
-docs/guide/mlagents.md, "Train with ML-Agents".
+with the same arguments: ML-Agents has no plug-in point for the env manager (only stats writers
+and trainer types), so that one name is swapped for the length of the run.
 
 This module imports ``mlagents`` only when it runs, so the ``forkserver`` that starts the
 workers (it imports ``__main__``, this console script) stays light.
@@ -226,9 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem is not None:
             print(f"envmanager-learn: {problem}", file=sys.stderr)
             return 2
-        from envmanager.mlagents.attach import parse_addresses
-
-        options.env_settings.num_envs = len(parse_addresses(ours.env_addresses))
+        options.env_settings.num_envs = len(ours.env_addresses.split(","))  # (checked: one player each)
         if options.env_settings.env_args:
             print("envmanager-learn: --env-args ignored: attached players are not launched", file=sys.stderr)
     from envmanager.errors import InvalidInputError
