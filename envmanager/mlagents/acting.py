@@ -34,10 +34,8 @@ def choose_actions(
     specs: Mapping[int, Mapping[str, Any]],
 ) -> tuple[dict[int, SentActions], dict[str, list[int]]]:
     """``worker_id -> SentActions`` (with the ``ActionInfo`` of the worker's own rows) for every
-    worker of ``results``, and per behaviour how many workers each policy call served. Behaviours
-    in ``batched`` are asked once for all workers, the others once per worker. Raises
-    :class:`InvalidInputError` (nothing sent yet) for an action that does not fit its spec, or a
-    batched call that did not answer for every worker asked."""
+    worker of ``results``, and per behaviour how many workers each policy call served; checked
+    before anything is sent. Behaviours in ``batched`` are asked once for all workers."""
     infos: dict[int, dict[str, Any]] = {w: {} for w in results}
     served: dict[str, list[int]] = {}
     names = list(dict.fromkeys(name for result in results.values() for name in result))

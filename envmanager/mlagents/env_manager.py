@@ -404,10 +404,8 @@ class MLAgentsEnvManager:
         """Take the newest policy an agent manager published (ML-Agents' ``policy_queue``)."""
         for name, agent_manager in self.agent_managers.items():
             queue = getattr(agent_manager, "policy_queue", None)
-            if queue is None:
-                continue
             latest = None
-            while not queue.empty():
+            while queue is not None and not queue.empty():
                 latest = queue.get_nowait()
             if latest is not None:
                 self.set_policy(name, latest)

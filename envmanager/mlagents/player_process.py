@@ -122,11 +122,8 @@ def process_start_time(pid: int) -> float | None:
 
 
 def player_identity(env: Any) -> PlayerIdentity | None:
-    proc = getattr(env, "_process", None)
-    pid = getattr(proc, "pid", None)
-    if not isinstance(pid, int):
-        return None
-    return (pid, process_start_time(pid))
+    pid = getattr(getattr(env, "_process", None), "pid", None)
+    return (pid, process_start_time(pid)) if isinstance(pid, int) else None
 
 
 def kill_orphan_players(ports: Iterable[int], wait_s: float = 5.0) -> list[int]:

@@ -234,8 +234,7 @@ class MLAgentsWorkerEnv:
             raise RuntimeError(f"the environment of worker {self.worker_id} was closed after a failure")
 
     def _results(self) -> dict[str, tuple[Any, Any]]:
-        env = self.env
-        self._last = {name: env.get_steps(name) for name in env.behavior_specs}
+        self._last = {name: self.env.get_steps(name) for name in self.env.behavior_specs}
         return self._last
 
     def _info(self, reset: bool = False) -> dict[str, Any]:
