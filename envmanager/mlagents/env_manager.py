@@ -76,8 +76,7 @@ class MLAgentsEnvManager:
         batched_inference: ``None`` (default): one policy call per behaviour for every idle
             worker where the policy has a batched call (:mod:`envmanager.mlagents.batched`), else
             one ``get_action`` per worker; ``True``: batched, a policy that cannot be is refused
-            (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: one
-            ``get_action`` per worker, as ML-Agents' manager.
+            (:class:`~envmanager.mlagents.batched.BatchedInferenceError`); ``False``: as ML-Agents.
         gather_window: after the first result, wait a moment for more players so that one
             policy call serves more of them (:class:`~envmanager.mlagents.gathering.GatherWindow`;
             off by default: it adds latency).
@@ -291,9 +290,8 @@ class MLAgentsEnvManager:
                 self._held = m.receive_steps()
                 self._held = gather_more(m, self._held, self.gather_window)  # (kept if it raises)
             infos, self._held = self._held, []
-        steps = [self._environment_step(info) for info in infos]
         merge_worker_timers([(info.current_result.info or {}).pop("timer_root", None) for info in infos])
-        return steps
+        return [self._environment_step(info) for info in infos]
 
     @deferred  # (each step to every agent manager, or none)
     def process_steps(self, new_step_infos: list[EnvironmentStep]) -> int:
@@ -414,12 +412,10 @@ class MLAgentsEnvManager:
         """Each idle worker's actions from its latest result the trainer was handed
         (:mod:`envmanager.mlagents.acting`; the calls' statistics to the agent managers). Runs
         before anything is sent: a wrong action raises InvalidInputError with no worker stepped."""
-        results = {}
         for w in worker_ids:
-            info = self._last.get(w)
-            if info is None:
+            if w not in self._last:
                 raise InvalidInputError(f"worker {w} must be reset before it is stepped")
-            results[w] = info.current_result.observation
+        results = {w: self._last[w].current_result.observation for w in worker_ids}
         specs = {w: self._specs.get(w) or self.training_behaviors for w in worker_ids}
         sent, served = choose_actions(results, self.policies, self._batched, specs)
         for name, sizes in served.items():

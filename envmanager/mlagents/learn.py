@@ -195,8 +195,7 @@ def using_env_manager(learn_module: Any, factory: Callable[..., Any]) -> Iterato
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``envmanager-learn [mlagents-learn arguments] [--ray-address ADDRESS] [--env-addresses HOST:PORT,...]
-    [--batched-inference MODE]``."""
+    """The console script (its usage: ``envmanager-learn --help``); returns the exit status."""
     ours, rest, help_asked = split_arguments(sys.argv[1:] if argv is None else argv)
     try:
         from mlagents.trainers import learn

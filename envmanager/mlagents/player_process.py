@@ -34,8 +34,7 @@ class PlayerProcesses:
 
     def __init__(self, ports: Sequence[int] = ()) -> None:
         self.current: dict[int, PlayerIdentity | None] = {}
-        #: The ports this side's workers launch players for: swept by ``kill_all`` for a player
-        #: whose worker was killed before it could report it (``kill_orphan_players``).
+        #: The ports its workers launch players for: ``kill_all`` sweeps them (``kill_orphan_players``).
         self.ports = tuple(ports)
 
     def started(self, players: dict[int, PlayerIdentity | None]) -> None:
