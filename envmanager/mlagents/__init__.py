@@ -11,6 +11,7 @@ Names are imported lazily, so ``import envmanager.mlagents`` stays light (and th
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from envmanager.extras import check_extra
@@ -40,8 +41,6 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     check_extra("mlagents_envs", "mlagents", f"{__name__}.{name}")  # else it fails later, in a worker
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -38,8 +38,7 @@ def choose_actions(
     before anything is sent. Behaviours in ``batched`` are asked once for all workers."""
     infos: dict[int, dict[str, Any]] = {w: {} for w in results}
     served: dict[str, list[int]] = {}
-    names = list(dict.fromkeys(name for result in results.values() for name in result))
-    for name in names:
+    for name in dict.fromkeys(n for result in results.values() for n in result):
         policy = policies.get(name)
         if policy is None:
             continue

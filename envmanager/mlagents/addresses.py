@@ -32,8 +32,7 @@ class PlayerAddress:
             return text
         if not isinstance(text, str):
             raise InvalidInputError(f"a player address is 'host:port', got {text!r}")
-        raw = text.strip()
-        host, sep, port = raw.rpartition(":")
+        host, sep, port = text.strip().rpartition(":")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
         elif ":" in host:

@@ -164,10 +164,9 @@ class TorchPolicyBatch:
         joined = join_decision_steps(parts)
         global_ids = [self._global_id(w, int(agent_id)) for w, steps in zip(workers, parts, strict=True)
                       for agent_id in steps.agent_id]
-        policy = self.policy
-        run_out = policy.evaluate(joined, global_ids)
-        policy.save_memories(global_ids, run_out.get("memory_out"))
-        policy.check_nan_action(run_out.get("action"))
+        run_out = self.policy.evaluate(joined, global_ids)
+        self.policy.save_memories(global_ids, run_out.get("memory_out"))
+        self.policy.check_nan_action(run_out.get("action"))
         ends = list(itertools.accumulate(len(p) for p in parts))
         pieces = split_rows(run_out, list(zip([0, *ends[:-1]], ends, strict=True)), len(global_ids))
         for w, steps, outputs in zip(workers, parts, pieces, strict=True):

@@ -363,10 +363,6 @@ class MLAgentsEnvManager:
         if self._manager is None:
             raise ManagerClosedError("the MLAgentsEnvManager is closed")
 
-    def _healthy_worker_ids(self) -> list[int]:
-        m = self.manager
-        return [w for w in m.worker_ids if m.failure_of(w) is None]
-
     def _update_replay_calls(self) -> None:
         calls: list[tuple[str, tuple, dict]] = []
         if self._engine_overrides:
@@ -388,11 +384,11 @@ class MLAgentsEnvManager:
         self._update_replay_calls()
         m = self.manager
         with self._errors():
-            call_replayed(m, self._healthy_worker_ids(), method, (values,))
+            call_replayed(m, [w for w in m.worker_ids if m.failure_of(w) is None], method, (values,))
             self._held = reset_restarted(m, self._held)
 
     def _send_analytics(self, payloads: list[bytes]) -> None:
-        if payloads and 0 in self._healthy_worker_ids():
+        if payloads and self.manager.failure_of(0) is None:
             with self._errors():  # replayed too: worker 0 announces itself again
                 call_replayed(self.manager, [0], "send_analytics", (payloads,))
 

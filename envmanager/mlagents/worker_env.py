@@ -193,9 +193,7 @@ class MLAgentsWorkerEnv:
         return results, reward, False, False, {**self._info(), "timer_root": _take_timers()}
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        self.closed = True  # (a second close finds no env)
         env, self.env = self.env, None
         if env is not None:
             shutdown_env(env, self.close_timeout)
