@@ -36,6 +36,10 @@ class Completion:
         self.interrupted = interrupted
         self.slots = slots
 
+    def keep(self, answer: Any, slots: tuple[int, ...]) -> None:
+        """Only ``slots`` delivered (the others' envs raised): ``answer`` is theirs."""
+        self.answer, self.slots = answer, slots
+
     def answering(self, lost: tuple[EnvironmentRequest, ...], interrupted: bool = True) -> None:
         """This answer is a fresh reset answering ``lost`` (``request``: the first; see the class doc);
         ``interrupted`` unless it is a startup's answer."""

@@ -540,7 +540,7 @@ class WorkerPool:
             return True
         kept = [n for n in range(len(slots)) if n not in failures]
         if kept:  # the envs that delivered: their results, as if the others were not asked
-            completion.answer, completion.slots = delivered(answer, kept, slots), tuple(slots[n] for n in kept)
+            completion.keep(delivered(answer, kept, slots), tuple(slots[n] for n in kept))
             completions.append(completion)
         w.rebuild(rebuild_request(self.prepare, w.env_ids, request, sorted(failures), self.replay_calls,
                                   decision.generations))
