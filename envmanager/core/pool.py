@@ -7,7 +7,7 @@ it sends requests and turns what comes back through the answer transport
 :class:`~envmanager.core.supervisor.Supervisor`; the pool carries out its decision (restart with
 a boot plan, rebuild in place, give up): see "One fault path, every pool" in docs/architecture.md.
 
-One module because the transport and the failure path share the processes and what is in
+Why one module: the transport and the failure path share the processes and what is in
 flight on them: any answer may be a failure, a boot's next step or a rebuild's end (split off,
 each reached into the other's fields and methods).
 """
