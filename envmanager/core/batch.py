@@ -5,8 +5,10 @@ A batch of actions is checked once and written into shared memory with one numpy
 array, then asked for on the step board where every process has a core (``envmanager.wire.mailbox``),
 elsewhere in fixed binary headers; per-env Python runs only for non-empty infos or per-env
 ``StepInfo``. Slot states, how long a result stays valid, lanes and restarts: docs/architecture.md
-(State). One module because the step and reset paths share the slot states, the plans, the joining
-of a restart on its way back and the waits (split, the reset path stubbed five of the manager's
+(State).
+
+Why one module: the step and reset paths share the slot states, the plans, the joining of a
+restart on its way back and the waits (split, the reset path stubbed five of the manager's
 attributes and methods).
 """
 
