@@ -110,30 +110,25 @@ class LearnerFeed:
 
     def wait_below(self, n: int, timeout: float | None = None) -> None:
         """Wait until fewer than ``n`` batches are waiting (raises the learner's error)."""
-        limit = self.put_timeout if timeout is None else timeout
-        deadline = Deadline(limit)
-        with self._cond:
-            while True:
-                self._raise_error()
-                if self._inbox.stopping:
-                    raise LearnerError("the learner feed is stopped")
-                if len(self._queue) < n:
-                    return
-                if deadline.passed():
-                    raise TimeoutError(f"the learner did not take a batch within {limit:g} s")
-                self._cond.wait(deadline.left())
+        self._wait(lambda: len(self._queue) < n, "take a batch", timeout, errors_first=True)
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every batch put so far was learned from (raises the learner's error)."""
+        self._wait(lambda: self._finished >= self._put, "finish its batches", timeout, errors_first=False)
+
+    def _wait(self, done: Callable[[], bool], what: str, timeout: float | None, errors_first: bool) -> None:
+        """Until ``done()``; the learner's error and a stop raise first (``errors_first``: even once done, as ``put`` must)."""
         limit = self.put_timeout if timeout is None else timeout
         deadline = Deadline(limit)
         with self._cond:
-            while self._finished < self._put:
+            while errors_first or not done():
                 self._raise_error()
                 if self._inbox.stopping:
                     raise LearnerError("the learner feed is stopped")
+                if done():
+                    return
                 if deadline.passed():
-                    raise TimeoutError(f"the learner did not finish its batches within {limit:g} s")
+                    raise TimeoutError(f"the learner did not {what} within {limit:g} s")
                 self._cond.wait(deadline.left())
 
     def results(self) -> list[tuple[int, dict[str, Any]]]:
@@ -280,13 +275,10 @@ class _Inbox:
         """The next batch (``None``: told to stop); raises after ``starve_timeout`` s of none."""
         with stats.timer("dequeue"), self.cond:
             deadline = None if starve_timeout is None else Deadline(starve_timeout)
-            while not self.queue and not self.stopping:
-                if deadline is None:
-                    self.cond.wait()  # (told to stop, or a batch: notified)
-                    continue
-                if deadline.passed():
+            while not self.queue and not self.stopping:  # (told to stop, or a batch: notified)
+                if deadline is not None and deadline.passed():
                     raise LearnerStarvedError(f"the learner's queue stayed empty for {starve_timeout:g} s")
-                self.cond.wait(deadline.left())
+                self.cond.wait(None if deadline is None else deadline.left())
             if self.stopping:
                 return None
             batch = self.queue.popleft()
