@@ -127,9 +127,6 @@ class _Slot:
         """A fresh env: no episode, no env update applied."""
         self.obs, self.running, self.env_version = None, False, 0
 
-    def update(self, env: Any, due: Due) -> None:
-        self.env_version = apply_updates(env, due, self.env_version)
-
     def start(self, obs: Any, episode: int) -> None:
         self.obs, self.running, self.episode = obs, True, episode
 
@@ -231,14 +228,12 @@ def _act(agent: Any, observations: Any, ids: np.ndarray, checker: ActionChecker)
 def _rows(actions: Any) -> Any:
     """Each env's action: rows of an array (numpy scalars for Discrete: gymnasium checks those
     faster than Python ints), or per-env trees for Dict/Tuple spaces."""
-    if isinstance(actions, np.ndarray):
+    if not isinstance(actions, (dict, tuple)):
         return actions
-    if isinstance(actions, (dict, tuple)):
-        first = actions
-        while isinstance(first, (dict, tuple)):
-            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-        return [shm.tree_map(operator.itemgetter(j), actions) for j in range(len(first))]
-    return actions
+    first = actions
+    while isinstance(first, (dict, tuple)):
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return [shm.tree_map(operator.itemgetter(j), actions) for j in range(len(first))]
 
 
 def rollout(env: Any, request: RolloutRequest) -> dict[str, Any]:
@@ -283,10 +278,8 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     k = len(envs)
     ids = np.array(request.slots, dtype=np.int64)
     ids.flags.writeable = False  # the agent gets this one array tick after tick (all slots acting)
-    arena.rows[:] = 0
+    arena.rows[:] = 0  # rows written and episodes started per slot: the answer's counts too
     arena.started[:] = 0
-    rows = [0] * k
-    started = [0] * k
     starts = list(request.starts)
     next_ids = list(request.ids)
     failures: dict[int, Any] = {}
@@ -306,9 +299,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         if request.let_go[i]:  # the parent discarded it (exact episodes start afresh)
             st.stop()
 
-    def ready(i: int) -> bool:
-        """Whether slot ``i`` takes a step this tick (starting an episode if it may)."""
-        if rows[i] >= request.steps[i] or i in failures:
+    def ready(i: int, t: int) -> bool:
+        """Whether slot ``i``, ``t`` rows in, takes a step this tick (starting an episode if it may)."""
+        if t >= request.steps[i] or i in failures:
             return False
         st = states[i]
         if st.running:
@@ -320,7 +313,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             due = request.env_updates[i]
             if due.updates:
                 words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
-            st.update(envs[i], due)
+            st.env_version = apply_updates(envs[i], due, st.env_version)
             words[at] = mark(request.slots[i], RESET)
             resetting = True
             obs, _ = envs[i].reset(seed=seeds[i])
@@ -330,22 +323,19 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         except ENV_RAISES as exc:  # an env's sys.exit() or KeyboardInterrupt too: its error
             failures[i] = remote_exception(request.slots[i], exc)
             env_raised.append(i)
-            if resetting:  # the episode began (its id and seed used), cut before its first step, as the Sampler counts it
-                begun(i)
-            return False
-        st.start(obs, next_ids[i])
-        versions[i][st.episode] = st.env_version
-        begun(i)
-        return True
-
-    def begun(i: int) -> None:
-        """Slot ``i`` started the episode ``next_ids[i]``: its id and seed are used, its admission taken."""
+            if not resetting:
+                return False
+        else:
+            st.start(obs, next_ids[i])
+            versions[i][st.episode] = st.env_version
+        # The episode began (one whose reset raised is cut before its first step, as the Sampler
+        # counts it): its id and seed are used, its admission taken.
         seeds[i], next_ids[i] = None, next_ids[i] + request.id_stride
-        started[i] += 1
         arena.started[i] += 1
         starts[i] -= 1 if starts[i] > 0 else 0
+        return i not in failures
 
-    active = [i for i in range(k) if ready(i)]
+    active = [i for i in range(k) if ready(i, 0)]
     t = 0
     flat = isinstance(arena.observations, np.ndarray)
     while active:
@@ -390,7 +380,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             rewards[i], terms[i], truncs[i], episodes[i] = reward, term, trunc, states[i].episode  # in place
             slot_infos = infos[i]
             if info and slot_infos is None:
-                slot_infos = infos[i] = [{}] * rows[i]
+                slot_infos = infos[i] = [{}] * t
             if slot_infos is not None:
                 slot_infos.append(info)
             states[i].stepped(obs, term or trunc)
@@ -398,23 +388,18 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         if done:
             if len(done) != len(active):
                 sel = np.array(done)
+                kept = [active.index(i) for i in done]
+                agent_info = {key: np.asarray(value)[kept] for key, value in agent_info.items()}
             if not flat:
                 shm.write(arena.next_observations, (sel, t), stack_values(nexts))
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
-            if len(done) != len(active):
-                kept = [active.index(i) for i in done]
-                agent_info = {key: np.asarray(value)[kept] for key, value in agent_info.items()}
             ticks.append((t, done, agent_info))
         t += 1
-        steps = request.steps
-        active = []
-        for i in done:
-            rows[i] = t
-            if (states[i].running and t < steps[i]) or ready(i):
-                active.append(i)
+        active = [i for i in done if (states[i].running and t < request.steps[i]) or ready(i, t)]
+    rows = arena.rows.tolist()
     n = max(rows, default=0)
     return {
-        "rows": rows, "started": started,
+        "rows": rows, "started": arena.started.tolist(),
         "running": [st.episode if st.running else -1 for st in states],  # what each slot goes on with
         "cut": [cut.get(i, -1) for i in range(k)],  # the episode a failure ended
         "env_version": [st.env_version for st in states],
