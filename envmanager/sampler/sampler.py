@@ -292,7 +292,9 @@ class Sampler(SamplerBase):
         try:
             batch = receive(arg)
         except EnvManagerError as exc:
-            self._failed(exc)
+            for slot in failed_slots(exc):
+                if 0 <= slot < self.n_workers:
+                    self.episodes.close(slot, Outcome.FAILED)
             raise
         generations = batch.generations
         assert generations is not None  # (the manager's array: every batch it hands out has it)
@@ -391,12 +393,6 @@ class Sampler(SamplerBase):
             self.episodes.close(slot, Outcome.FAILED)
             raise decision.error
         self._replaced(slot, None, goal)
-
-    def _failed(self, error: EnvManagerError) -> None:
-        """``error`` ends the call: the episodes on the slots it names failed (counted)."""
-        for slot in failed_slots(error):
-            if 0 <= slot < self.n_workers:
-                self.episodes.close(slot, Outcome.FAILED)
 
     def _read_observation(self, slot: int) -> Any:
         m = self.manager

@@ -363,12 +363,11 @@ class WorkerPolicySampler(SamplerBase):
               starts: list[int]) -> EnvManagerError | None:
         """Process ``p``'s fragment failed as a whole (it died, hung, or the rollout raised):
         keep what it wrote to the arena, then the pool decides: restarted, or the error."""
-        slots = self._procs[p]
+        slots, arena = self._procs[p], self._arena
         empty: dict[int, int] = {}
         for i, s in enumerate(slots):
-            n = int(self._arena.rows[s]) if self._arena is not None else 0
-            started = int(self._arena.started[s]) if self._arena is not None else 0
-            fields = self._read_arena(s, n) if n else None
+            n, started = (int(arena.rows[s]), int(arena.started[s])) if arena is not None else (0, 0)
+            fields = arena_rows(arena, s, n) if arena is not None and n else None
             if fields is not None:
                 out[s].append(self._batch(s, fields, None, None, {}, sent, i))
                 self.stats.count("env_steps", n)
@@ -378,7 +377,7 @@ class WorkerPolicySampler(SamplerBase):
             if fields is not None and not (fields["terminated"][-1] or fields["truncated"][-1]):
                 running = int(fields["episodes"][-1])
             empty[s] = self._advance(s, fields, started, running, -1, want, starts)
-        if self._arena is None:
+        if arena is None:
             self.stats.count("lost_fragments")  # its rows travelled in the answer that never came
         failure = self._fault(p, error, slots)
         self._count_empty(empty, absorbed=failure is None)
