@@ -38,11 +38,14 @@ def arena_rows(arena: Arena, s: int, n: int) -> dict[str, Any]:
 
 def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] | None, env_infos: list[dict] | None,
                    env_versions: dict[int, int], sent: SentFragment, i: int, running: int) -> TransitionBatch:
-    """Rows of slot ``s`` (the ``i``-th of its process) as a batch. The episode ``running`` when
-    sent (-1: none) has the env version it started with; new ones what they applied."""
+    """Rows (at least one) of slot ``s``, the ``i``-th of its process, as a batch. The episode
+    ``running`` when sent (-1: none) has the env version it started with; new ones what they
+    applied (``env_reached`` if unknown), looked up once per run of equal ids."""
     n = len(fields["rewards"])
     ids = fields["episodes"]
-    versions = _row_env_versions(ids, running, env_versions, sent.env_before[i], sent.env_reached[i])
+    firsts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1))
+    per_run = [sent.env_before[i] if e == running else env_versions.get(e, sent.env_reached[i]) for e in ids[firsts].tolist()]
+    versions = np.repeat(np.array(per_run, dtype=np.int64), np.diff(np.append(firsts, n)))
     return TransitionBatch(
         observations=fields["observations"], actions=fields["actions"], rewards=fields["rewards"],
         terminated=fields["terminated"], truncated=fields["truncated"], next_observations=fields["next_observations"],
@@ -51,16 +54,6 @@ def fragment_batch(s: int, fields: dict[str, Any], infos: dict[str, np.ndarray] 
         interrupted=np.zeros(n, dtype=bool), valid=np.ones(n, dtype=bool), agent_infos=infos or {},
         env_infos=info_columns(env_infos) if env_infos else {},
     )
-
-
-def _row_env_versions(ids: np.ndarray, running: int, env_versions: dict[int, int], before: int, reached: int) -> np.ndarray:
-    """Each row's env version: ``before`` for the episode ``running`` when sent, else what the
-    episode applied (``reached`` if unknown); looked up once per run of equal ids."""
-    if not len(ids):
-        return np.zeros(0, dtype=np.int64)
-    firsts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1))
-    per_run = [before if e == running else env_versions.get(e, reached) for e in ids[firsts].tolist()]
-    return np.repeat(np.array(per_run, dtype=np.int64), np.diff(np.append(firsts, len(ids))))
 
 
 def fill_agent_infos(chunk: TransitionBatch, template: dict[str, np.ndarray]) -> None:
