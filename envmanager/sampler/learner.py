@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import math
 import operator
@@ -329,8 +330,7 @@ def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: Le
         raise InvalidInputError(f"max_batches_waiting must be at least 1, got {max_batches_waiting!r}")
     if max_fragments is not None and max_fragments < 1:
         raise InvalidInputError(f"max_fragments must be at least 1 (or None: no end), got {max_fragments!r}")
-    count = 0
-    while max_fragments is None or count < max_fragments:
+    for _ in itertools.count() if max_fragments is None else range(max_fragments):
         if feed is not None:
             stats.gauge("learner_queue", feed.qsize())
             with stats.timer("back_pressure"):
@@ -338,5 +338,4 @@ def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: Le
         batch = obtain()
         if feed is not None:
             feed.put(batch)
-        count += 1
         yield batch

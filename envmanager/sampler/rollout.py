@@ -2,10 +2,9 @@
 
 A worker process steps all of its envs in lockstep, one batched policy call per tick, and
 writes every transition into a *fragment arena* (per slot up to ``capacity`` rows, and a row
-count raised after every tick); one small CALL answer per fragment announces the rows, with the
-agent and env infos. The arena is an anonymous shared mapping made before the workers fork, so
-the parent reads rows in place, also a killed worker's; workers that are not forked write
-private arrays that travel in the answer (see ``docs/guide/sampler.md``). ``run_local`` runs the
+count raised after every tick); one CALL answer per fragment announces the rows, with the infos.
+Forked workers share the parent's mapping (it reads rows in place, also a killed worker's),
+others send private arrays in the answer (``docs/guide/sampler.md``). ``run_local`` runs the
 same loop in one process: the bench's reference.
 """
 
@@ -188,7 +187,6 @@ class RolloutRequest:
     first: int  # row of slots[0] in a shared arena
     spec: ArenaSpec
     shared: bool
-    agent_version: int
     agent: bytes
     steps: tuple[int, ...]
     starts: tuple[int, ...]
@@ -430,7 +428,7 @@ def run_local(envs: list[Any], agent: Any, steps: int, spec: ArenaSpec, states: 
     k = len(envs)
     arena = arena or Arena(spec, bytearray(Arena.nbytes_for(spec)))
     states = states or [_Slot() for _ in envs]
-    request = RolloutRequest(slots=tuple(range(k)), first=0, spec=spec, shared=True, agent_version=0, agent=b"",
+    request = RolloutRequest(slots=tuple(range(k)), first=0, spec=spec, shared=True, agent=b"",
                              steps=(steps,) * k, starts=(-1,) * k, id_stride=k, let_go=(False,) * k, seeds=(None,) * k,
                              ids=tuple(st.episode + k if st.episode >= 0 else i for i, st in enumerate(states)),
                              env_updates=(Due(0, ()),) * k)

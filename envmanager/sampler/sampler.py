@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,16 +23,13 @@ from envmanager.core.updates import apply as apply_updates
 from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, Step, TransitionBatch, stack_values, take_rows
 from envmanager.sampler.episodes import EpisodeQuotas, Goal, SampleCount, StepCount, spread
-from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.learner import LearnerFeed, feed_fragments
 from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeState, Outcome, failed_slots, raise_given_up
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import SamplerBase, Versions
 from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.worker.envs import DISABLED
-
-if TYPE_CHECKING:
-    from envmanager.sampler.learner import LearnerFeed
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,9 @@
 """``WorkerPolicySampler``: the policy in the workers, garage style.
 
-Each worker process gets a picklable agent, steps all of its envs in lockstep with one policy
-call per tick and writes whole rollout fragments into a fragment arena, announced by one answer
-per process per fragment (``envmanager.sampler.rollout``); each process gets its next request as
-soon as its last is in. Faults take the core's one failure path: an env that raises mid-fragment
-is rebuilt in its process (its neighbours go on); an agent that raises or gives actions that do
-not fit, a process that dies or hangs, or a failed rebuild restarts the process. Cut episodes
-keep the rows written before the fault, flagged ``interrupted`` and counted. Each slot's
-episode is one record (``envmanager.sampler.slots``); ids are the parent's.
+Each process runs a picklable agent over its envs and writes whole fragments into an arena
+(``envmanager.sampler.rollout``), one request per process per fragment; faults take the core's
+one failure path. Each slot's episode is one record (``envmanager.sampler.slots``); ids are the
+parent's. The arena, the faults and their outcomes: ``docs/guide/sampler.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import mmap
 import secrets
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import cloudpickle
 import numpy as np
@@ -32,7 +28,7 @@ from envmanager.errors import EnvManagerError, InvalidInputError
 from envmanager.sampler.batches import EpisodeBatch, TransitionBatch
 from envmanager.sampler.episodes import spread
 from envmanager.sampler.fragments import SentFragment, answer_rows, arena_rows, fill_agent_infos, fragment_batch, release_arena
-from envmanager.sampler.learner import feed_fragments
+from envmanager.sampler.learner import LearnerFeed, feed_fragments
 from envmanager.sampler.rollout import ARENAS, Arena, ArenaSpec, RegisteredFactory, RolloutRequest, capacity_for, rollout
 from envmanager.sampler.slots import EpisodeSlots, EpisodeState, Outcome, raise_given_up
 from envmanager.sampler.stats import Stats
@@ -41,9 +37,6 @@ from envmanager.wire import shm
 from envmanager.wire.interrupts import DEFERRED
 from envmanager.wire.messages import EnvFunction
 from envmanager.worker.envs import DISABLED
-
-if TYPE_CHECKING:
-    from envmanager.sampler.learner import LearnerFeed
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +76,12 @@ class WorkerPolicySampler(SamplerBase):
         self._token = secrets.token_hex(8)
         # Forked workers inherit the arena if it exists before they start; others get none.
         forked = get_context(manager_options.get("context")).get_start_method() == "fork"
-        self._mapping = mmap.mmap(-1, n * int(fragment_bytes)) if forked else None
+        mapping = mmap.mmap(-1, n * int(fragment_bytes)) if forked else None
         self._release_arena: Callable[[], Any] | None = None
-        if self._mapping is not None:
-            ARENAS[self._token] = self._mapping
+        if mapping is not None:
+            ARENAS[self._token] = mapping
             # An unclosed sampler, once collected, frees its arena all the same.
-            self._release_arena = weakref.finalize(self, release_arena, self._token, self._mapping)
+            self._release_arena = weakref.finalize(self, release_arena, self._token, mapping)
         try:
             self.manager = BatchEnvManager(RegisteredFactory(env_factory), n, autoreset_mode=DISABLED, **manager_options)
         except BaseException:
@@ -96,12 +89,12 @@ class WorkerPolicySampler(SamplerBase):
             raise
         self.stats.count_total("worker_restarts", self.manager.restarts)  # the supervisor's one count, noted
         try:  # the workers run: any failure from here on must reap them
-            self._setup(n, int(fragment_bytes))
+            self._setup(n, int(fragment_bytes), mapping)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, n: int, fragment_bytes: int) -> None:
+    def _setup(self, n: int, fragment_bytes: int, mapping: mmap.mmap | None) -> None:
         """The arena over the workers' spaces."""
         m = self.manager
         layouts = shm.array_layout(m.observation_space), shm.array_layout(m.action_space)
@@ -113,7 +106,7 @@ class WorkerPolicySampler(SamplerBase):
             raise InvalidInputError(f"fragment_bytes={fragment_bytes} is too small: one row of these spaces needs "
                                     f"{-(-one_row // n)} bytes per slot ({one_row} for {n} slots, arena headers included)")
         self._spec = ArenaSpec(self._token, n, capacity_for(n * fragment_bytes, n, *layouts), *layouts)
-        self._arena = Arena(self._spec, self._mapping) if self._mapping is not None else None
+        self._arena = Arena(self._spec, mapping) if mapping is not None else None
         if self._arena is not None:  # a fragment that keeps writing rows is not hung, however long
             m.watch_progress(_progress_of(weakref.ref(self)))
         self._procs: dict[int, list[int]] = {}
@@ -245,8 +238,9 @@ class WorkerPolicySampler(SamplerBase):
                 if work(p):
                     pending[p] = self._send(p, want if steps is not None else None, starts, agent)
             with self.stats.timer("collect"):
-                while pending:
-                    self._wait_any(pending)
+                while pending:  # (the pool's deadline counts from a fragment's last row written: ``_progress``)
+                    m.wait_for(lambda: any(m.call_ready(sent.call) for sent in pending.values()), None, "rollout fragments",
+                               lambda: [s for p in pending for s in self._procs[p]])
                     for p in [p for p, sent in pending.items() if m.call_ready(sent.call)]:
                         # A Ctrl-C waits until the answer taken is filed and the next piece sent
                         # (``interrupts``): raised halfway, the answer would be lost, its fault undecided.
@@ -303,8 +297,8 @@ class WorkerPolicySampler(SamplerBase):
         budget = tuple(min(want[s], self._spec.capacity) if want is not None else self._spec.capacity for s in slots)
         records = [episodes[s] for s in slots]
         request = RolloutRequest(
-            slots=tuple(slots), first=slots[0], spec=self._spec, shared=self._arena is not None, agent_version=version,
-            agent=payload, steps=budget, starts=tuple(starts[s] for s in slots), ids=tuple(episodes.next_id(s) for s in slots),
+            slots=tuple(slots), first=slots[0], spec=self._spec, shared=self._arena is not None, agent=payload,
+            steps=budget, starts=tuple(starts[s] for s in slots), ids=tuple(episodes.next_id(s) for s in slots),
             id_stride=episodes.id_stride, let_go=tuple(r.state is not RUNNING for r in records), env_updates=tuple(due),
             seeds=tuple(r.seed for r in records), generations=tuple(r.generation for r in records),
             replays=tuple(m.pool.replay_calls))
@@ -313,13 +307,6 @@ class WorkerPolicySampler(SamplerBase):
             self._arena.started[slots] = 0
         call = m.send_call(_ROLLOUT, (request,), None, [slots[0]])
         return SentFragment(call, version, [episodes[s].env_version for s in slots], [r for r, _ in due])
-
-    def _wait_any(self, pending: dict[int, SentFragment]) -> None:
-        """Until one of the ``pending`` fragments is in. The pool's deadline counts from a
-        fragment's last row written (``_progress``): a long fragment that keeps working is not hung."""
-        m = self.manager
-        m.wait_for(lambda: any(m.call_ready(sent.call) for sent in pending.values()), None, "rollout fragments",
-                   lambda: [s for p in pending for s in self._procs[p]])
 
     def _progress(self, slots: list[int]) -> int:
         """Rows written and episodes started on ``slots`` by the fragments in flight (0 without
@@ -472,7 +459,6 @@ class WorkerPolicySampler(SamplerBase):
 
     def _free_arena(self) -> None:
         self._arena = None  # its views first: the mapping cannot close under them
-        self._mapping = None
         if self._release_arena is not None:
             self._release_arena()  # once only (weakref.finalize)
 
