@@ -126,6 +126,9 @@ class _Slot:
         """A fresh env: no episode, no env update applied."""
         self.obs, self.running, self.env_version = None, False, 0
 
+    def update(self, env: Any, due: Due) -> None:
+        self.env_version = apply_updates(env, due, self.env_version)
+
     def start(self, obs: Any, episode: int) -> None:
         self.obs, self.running, self.episode = obs, True, episode
 
@@ -199,28 +202,21 @@ class RolloutRequest:
     replays: tuple[tuple[str, tuple, dict], ...] = ()  # the core's replayed calls, for an env remade here
 
 
-class _AgentFailure(Exception):
-    """The agent raised, or gave actions that do not fit: every slot it acted for fails."""
-
-
 def _act(agent: Any, observations: Any, ids: np.ndarray, checker: ActionChecker) -> tuple[Any, dict[str, Any]]:
     """The agent's actions for ``ids``, checked against the action space (as the envs get and
-    the arena records them), and its infos; ``_AgentFailure`` if it cannot give them."""
-    try:
-        get_actions = getattr(agent, "get_actions", None)
-        if get_actions is not None:
-            out = get_actions(observations, ids)
-        else:
-            rows = [agent.get_action(shm.tree_map(operator.itemgetter(j), observations)) for j in range(len(ids))]
-            pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
-            out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
-        actions, infos = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
-        for key, value in infos.items():
-            if len(value) != len(ids):
-                raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(ids)} envs")
-        return checker.batch(actions, ids), infos
-    except Exception as exc:
-        raise _AgentFailure(exc) from exc
+    the arena records them), and its infos."""
+    get_actions = getattr(agent, "get_actions", None)
+    if get_actions is not None:
+        out = get_actions(observations, ids)
+    else:
+        rows = [agent.get_action(shm.tree_map(operator.itemgetter(j), observations)) for j in range(len(ids))]
+        pairs = [r if isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], dict) else (r, {}) for r in rows]
+        out = (stack_values([a for a, _ in pairs]), {k: stack_values([i[k] for _, i in pairs]) for k in pairs[0][1]})
+    actions, infos = out if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict) else (out, {})
+    for key, value in infos.items():
+        if len(value) != len(ids):
+            raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(ids)} envs")
+    return checker.batch(actions, ids), infos
 
 
 def _rows(actions: Any) -> Any:
@@ -311,7 +307,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             due = request.env_updates[i]
             if due.updates:
                 words[at] = mark(request.slots[i], CALL)  # (named as the rollout)
-            st.env_version = apply_updates(envs[i], due, st.env_version)
+            st.update(envs[i], due)
             words[at] = mark(request.slots[i], RESET)
             resetting = True
             obs, _ = envs[i].reset(seed=seeds[i])
@@ -348,9 +344,9 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             shm.write(arena.observations, (sel, t), observations)
         try:
             actions, agent_info = _act(agent, observations, ids if len(active) == k else ids[active], checker)
-        except _AgentFailure as failure:
-            for i in active:  # the agent could not act: these episodes end here
-                failures[i] = remote_exception(request.slots[i], failure.__cause__ or failure)
+        except Exception as exc:  # the agent raised, or gave actions that do not fit: these episodes end here
+            for i in active:
+                failures[i] = remote_exception(request.slots[i], exc)
                 cut[i] = states[i].stop()
             break
         shm.write(arena.actions, (sel, t), actions)
