@@ -332,6 +332,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
     active = [i for i in range(k) if ready(i, 0)]
     t = 0
     flat = isinstance(arena.observations, np.ndarray)
+    steps = request.steps
     while active:
         sel: Any = slice(None) if len(active) == k else np.array(active)
         if flat:  # one array: rows written env by env, in place (no stacking)
@@ -389,7 +390,7 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
             ticks.append((t, done, agent_info))
         t += 1
-        active = [i for i in done if (states[i].running and t < request.steps[i]) or ready(i, t)]
+        active = [i for i in done if (states[i].running and t < steps[i]) or ready(i, t)]
     rows = arena.rows.tolist()
     n = max(rows, default=0)
     return {
