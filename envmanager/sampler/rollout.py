@@ -383,11 +383,12 @@ def run_fragment(agent: Any, envs: list[Any], states: list[_Slot], arena: Arena,
         if done:
             if len(done) != len(active):
                 sel = np.array(done)
-                kept = [active.index(i) for i in done]
-                agent_info = {key: np.asarray(value)[kept] for key, value in agent_info.items()}
             if not flat:
                 shm.write(arena.next_observations, (sel, t), stack_values(nexts))
             arena.rows[sel] = t + 1  # after the row: a reader never sees half a row
+            if len(done) != len(active):
+                kept = [active.index(i) for i in done]
+                agent_info = {key: np.asarray(value)[kept] for key, value in agent_info.items()}
             ticks.append((t, done, agent_info))
         t += 1
         active = [i for i in done if (states[i].running and t < steps[i]) or ready(i, t)]
