@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from envmanager.core.deadline import Deadline
 from envmanager.core.restart import RestartPolicy
@@ -93,9 +93,9 @@ class NodeFault:
 
 @dataclasses.dataclass
 class Node:
-    """The driver's record of one node, changed only through its own methods: its actor, what
-    it said of itself once started (``info``), its requests in flight in submission order (Ray
-    runs them so), the updates sent to this actor (a request waits on the node for them)."""
+    """The driver's record of one node: its actor, what it said of itself once started
+    (``info``), its requests in flight in submission order (Ray runs them so), the updates sent
+    to this actor (a request waits on the node for them)."""
 
     index: int
     offset: int
@@ -119,19 +119,6 @@ class Node:
         """A new actor, which must be up within ``start_timeout``."""
         self.actor, self.info, self.queue, self.updates_sent = actor, {}, [], 0
         self.start_deadline = Deadline(start_timeout)
-
-    def answered_info(self, info: dict[str, Any]) -> None:
-        self.info = info
-
-    def asked(self, request: Request) -> None:
-        self.queue.append(request)
-
-    def answered(self) -> None:
-        """Its oldest request answered (or answered with its error)."""
-        self.queue.pop(0)
-
-    def update_sent(self) -> None:
-        self.updates_sent += 1
 
     def kill(self) -> list[Request]:
         """Its actor killed for good; returns the requests that die with it."""
@@ -159,7 +146,6 @@ class NodePool:
         self.start_timeout = start_timeout
         #: Node faults' outcomes, restart counts, each node's generation and deadline clock.
         self.supervisor = Supervisor(restarts, timeout, [[i] for i in range(len(envs_per_node))], "node")
-        self.session: RaySession | None = None  # the pool's share of the session the nodes run in
         self._args = (env_factory, policy, sampler_options)
         self.resume = resume  # ``SlotRecords.resume``
         self._actor_options = {"num_cpus": 1, "scheduling_strategy": "SPREAD", **actor_options,
@@ -172,8 +158,8 @@ class NodePool:
         #: Updates may come from a learner thread: actors swapped, updates sent and their refs kept under it.
         self._lock = threading.RLock()
         self.closed = False
+        self.session = RaySession.join(address, init_options)  # the pool's share of the session the nodes run in
         try:
-            self.session = RaySession.join(address, init_options)
             for node in self.nodes:
                 self._start(node)
             self._await_started(self.nodes)
@@ -200,7 +186,7 @@ class NodePool:
                 node.index, env_factory, node.n_envs, node.offset, policy, seeds, started, n_slots, sampler_options,
                 generation), self.start_timeout)
         except Exception as exc:
-            self.ray_failed(exc, f"starting {node.name()}")
+            self.session.reraise(exc, f"starting {node.name()}")
 
     def _await_started(self, nodes: list[Node]) -> None:
         """Each node must answer ``info`` within ``start_timeout`` (an actor whose resources
@@ -208,17 +194,17 @@ class NodePool:
         try:
             refs = [node.actor.info.remote() for node in nodes]
         except Exception as exc:
-            self.ray_failed(exc, "asking the nodes for their info")
+            self.session.reraise(exc, "asking the nodes for their info")
         deadline = Deadline(self.start_timeout)
         first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
         for node, ref in zip(nodes, refs, strict=True):
             error = None
             try:
-                node.answered_info(ray.get(ref, timeout=deadline.left()))
+                node.info = ray.get(ref, timeout=deadline.left())
             except Exception as exc:
                 failure = node_failure(exc)
                 if failure is None:  # the session went meanwhile
-                    self.ray_failed(exc, f"waiting for {node.name()} to start")
+                    self.session.reraise(exc, f"waiting for {node.name()} to start")
                 error = RayNodeError(node.index, node.slots, {
                     TIMED_OUT: f"{node.name()} did not start within {self.start_timeout:g} s (can the cluster meet its "
                                f"actor options {self._actor_options}?)",
@@ -265,12 +251,6 @@ class NodePool:
                     raise
                 fault, serves = exc, False
 
-    def ray_failed(self, error: Exception, doing: str) -> NoReturn:
-        """A driver-side Ray call raised ``error``: the package's error (``RaySession.reraise``)."""
-        if self.session is None:  # pragma: no cover - no Ray call comes before the session
-            raise error
-        self.session.reraise(error, doing)
-
     # ------------------------------------------------------------------------------------------
     # Requests
 
@@ -283,10 +263,10 @@ class NodePool:
             try:
                 request.ref = method.remote(arg, node.updates_sent)
             except Exception as exc:
-                self.ray_failed(exc, f"sending a {kind} request to {node.name()}")
+                self.session.reraise(exc, f"sending a {kind} request to {node.name()}")
         if not node.queue:  # (else an earlier request's clock runs)
             self.supervisor.start_clock(node.index)
-        node.asked(request)
+        node.queue.append(request)
         return request
 
     def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None,
@@ -299,16 +279,15 @@ class NodePool:
             try:
                 ref = node.actor.update.remote(version, weights, env_updates)
             except Exception as exc:
-                self.ray_failed(exc, f"sending an update to {node.name()}")
-            node.update_sent()
+                self.session.reraise(exc, f"sending an update to {node.name()}")
+            node.updates_sent += 1
             self._updates.append(ref)
 
     def check_usable(self, node: Node | None = None) -> None:
         """Raise at once what makes a request futile: closed, the session gone, the node given up."""
         if self.closed:
             raise ManagerClosedError("the ray sampler is closed")
-        if self.session is not None:
-            self.session.check()
+        self.session.check()
         if node is not None:
             self.supervisor.check(node.index)
 
@@ -335,7 +314,7 @@ class NodePool:
             try:
                 ready, late = blocking(first_ready, heads, pending, self.supervisor, self.supervisor.soonest(list(heads)))
             except Exception as exc:
-                self.ray_failed(exc, "waiting for the nodes' answers")
+                self.session.reraise(exc, "waiting for the nodes' answers")
             self._faults += [self._fault(self.nodes[i], f"missed its {self.supervisor.timeout:g} s deadline (hung)", hung=True)
                              for i in late]
             self._take(ready, out)
@@ -380,7 +359,7 @@ class NodePool:
                                                     request=request, error=failure.error, remote_traceback=str(exc),
                                                     serves=failure.serves))
                     answer = None
-                node.answered()
+                node.queue.pop(0)  # answered (or answered with its error)
                 if node.queue:  # the next request's clock starts now
                     self.supervisor.start_clock(node.index)
                 if answer is not None:
@@ -399,7 +378,7 @@ class NodePool:
             try:
                 done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
             except Exception as exc:
-                self.ray_failed(exc, "checking the updates sent")
+                self.session.reraise(exc, "checking the updates sent")
             with self._lock:
                 self._updates = [ref for ref in self._updates if ref not in done]
 
@@ -407,7 +386,7 @@ class NodePool:
         try:
             return bool(ray.wait([ref], timeout=0)[0])
         except Exception as exc:
-            self.ray_failed(exc, "checking a request")
+            self.session.reraise(exc, "checking a request")
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
@@ -418,7 +397,7 @@ class NodePool:
         try:
             ray.kill(self.nodes[index].actor, no_restart=True)
         except Exception as exc:
-            self.ray_failed(exc, f"killing {self.nodes[index].name()}")
+            self.session.reraise(exc, f"killing {self.nodes[index].name()}")
 
     def close(self) -> None:
         """End every node (reaping its env processes), kill the actors and leave the Ray session. Idempotent."""
@@ -426,14 +405,13 @@ class NodePool:
             return
         self.closed = True
         try:
-            if self.session is not None and self.session.alive():  # else its actors went with it: nothing to end
+            if self.session.alive():  # else its actors went with it: nothing to end
                 self._end_nodes()
         finally:
             for node in self.nodes:
                 node.forget()
             self._updates, self._faults = [], []
-            if self.session is not None:
-                self.session.leave()
+            self.session.leave()
 
     def _end_nodes(self) -> None:
         live = [node for node in self.nodes if node.actor is not None]

@@ -125,7 +125,7 @@ class RaySampler(SamplerBase):
         try:
             return ray.put(agent_update)
         except Exception as exc:
-            self._pool.ray_failed(exc, "putting the weights in Ray's object store")
+            self._pool.session.reraise(exc, "putting the weights in Ray's object store")
 
     def _publish(self, version: int | None, weights: Any, env: Pickled | None) -> None:
         """An update to every node not given up (whose error every collection call raises)."""
