@@ -81,7 +81,7 @@ class RayPlayerPool:
             # one restart quota per player (per_slot); the nodes' deadline clocks
             policy = RestartPolicy(restart_workers, max_lifetime_restarts, restarts_rate_limit_n, restarts_rate_limit_period_s)
             self.supervisor = Supervisor(policy, self.deadline_s, blocks, "node", per_slot=True)
-            self.nodes = [PlayerNodeState(k, blocks[k], alive[k % len(alive)], self.supervisor, self._session, self.deadline_s)
+            self.nodes = [PlayerNodeState(k, blocks[k], alive[k % len(alive)], self.supervisor, self._session)
                           for k in range(count)]
             for node in self.nodes:  # every actor starts at once; then each is awaited
                 node.start(node.ray_node_id, self.worker_factory, self.options, self.replay_calls)
@@ -230,7 +230,6 @@ class RayPlayerPool:
                     done, late = blocking(first_ready, heads, list(pending), self.supervisor, timeout)  # (interruptible)
                 except Exception as exc:
                     self._session.reraise(exc, "waiting for the nodes' steps")
-                hung = [self.nodes[i] for i in late]
                 error: EnvManagerError | None = None
                 for ref in done:
                     node = pending[ref]
@@ -241,8 +240,8 @@ class RayPlayerPool:
                         out += self._replace(node, str(lost))
                     except EnvManagerError as exc:  # the other nodes' answers are kept
                         error = error or exc
-                for node in hung:
-                    out += self._replace(node, f"no answer within its {self.deadline_s:g} s deadline (hung)")
+                for i in late:
+                    out += self._replace(self.nodes[i], f"no answer within its {self.deadline_s:g} s deadline (hung)")
                 if error is not None:
                     raise error
                 if len(out) >= min_count:
@@ -327,21 +326,17 @@ class RayPlayerPool:
     def _replace(self, node: PlayerNodeState, why: str) -> list[StepInfo]:
         """Start ``node``'s worker ids anew (on another Ray node if there is one) if the supervisor
         allows; their fresh resets, interrupted. Else, or if it cannot start, ``RayPlayerError``."""
-        old, left_behind = node.ray_node_id, node.left_behind()
         node.kill()
-        alive = live_ray_nodes(self._session, exclude=old)
-        busy: dict[str, int] = {}
-        for n in self.nodes:
-            if n is not node:
-                busy[n.ray_node_id] = busy.get(n.ray_node_id, 0) + len(n.ids)
-        target = min(alive, key=lambda nid: busy.get(nid, 0))
+        alive = live_ray_nodes(self._session, exclude=node.ray_node_id)
+        # the live Ray node that hosts the fewest of the other nodes' worker ids
+        target = min(alive, key=lambda nid: sum(len(n.ids) for n in self.nodes if n is not node and n.ray_node_id == nid))
         lost = RayPlayerError(node.index, node.ids, f"{node.name()} was lost ({why})")
         decision = self.supervisor.on_fault(node.index, Fault(
             lost, f"Ray node {node.index} (worker ids {node.ids}) lost: restarting its players on Ray node {target} ({why})"))
         if isinstance(decision, GiveUp):
             raise decision.error
         try:
-            node.start(target, self.worker_factory, self.options, self.replay_calls, left_behind, decision.generations)
+            node.start(target, self.worker_factory, self.options, self.replay_calls, decision.generations)
             node.await_start(self.start_s)
         except RayPlayerError as exc:  # the replacement could not start: given up
             node.kill()

@@ -86,17 +86,13 @@ class PlayerNode:
         kill), or what its players raised when starting."""
         if self.start_error is not None:
             return None, self.start_error
-        try:
-            import ray
+        import ray  # (runs in a Ray actor: this module itself imports no Ray)
 
-            node_id: str | None = ray.get_runtime_context().get_node_id()
-        except Exception:  # pragma: no cover - outside Ray
-            node_id = None
         workers = [w.pid for w in self.core.processes]
         processes = [(pid, process_start_time(pid)) for pid in workers]
         processes += [p for p in self.players.current.values() if p]
-        return {"ray_node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), "ids": self.ids,
-                "worker_pids": workers, "player_pids": self.players.pids, "processes": processes}, None
+        return {"ray_node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), "pid": os.getpid(),
+                "ids": self.ids, "worker_pids": workers, "player_pids": self.players.pids, "processes": processes}, None
 
     # -- the calls (each answers ``(value, error)``) --------------------------------------------
 

@@ -46,27 +46,27 @@ def live_ray_nodes(session: RaySession, exclude: str | None = None, wait_s: floa
 
 class PlayerNodeState:
     """A node actor as the driver sees it. Calls go through the pool's ``supervisor`` (a node given
-    up raises its error) and ``session``; answers are awaited for ``deadline_s`` by default."""
+    up raises its error; its ``timeout``: how long an answer is awaited by default) and ``session``."""
 
-    def __init__(self, index: int, ids: list[int], ray_node_id: str, supervisor: Supervisor, session: RaySession,
-                 deadline_s: float) -> None:
+    def __init__(self, index: int, ids: list[int], ray_node_id: str, supervisor: Supervisor, session: RaySession) -> None:
         self.index, self.ids, self.ray_node_id = index, ids, ray_node_id
         self.actor: Any = None
         self.pending: Any = None  # the step request in flight (its deadline: the supervisor's clock, judged while it flies)
         self.idle: set[int] = set()  # ids whose last step arrived, to be sent actions
         self.sent: dict[int, Any] = {}  # id -> the actions of its step in flight
         self.info: dict[str, Any] = {}
-        self._supervisor, self._session, self._deadline_s = supervisor, session, deadline_s
+        self._supervisor, self._session = supervisor, session
 
     def name(self) -> str:
         return f"Ray node {self.index} (worker ids {self.ids}, Ray node {self.ray_node_id})"
 
     def start(self, ray_node_id: str, worker_factory: WorkerEnvFactory, options: dict[str, Any],
-              replay_calls: list[tuple[str, tuple, dict]], left_behind: Any = None,
-              generations: tuple[int, ...] | None = None) -> None:
-        """Start the actor on ``ray_node_id``; its players go on from ``generations`` (a replacement's)."""
+              replay_calls: list[tuple[str, tuple, dict]], generations: tuple[int, ...] | None = None) -> None:
+        """Start the actor on ``ray_node_id``. A replacement's players go on from ``generations``;
+        it first kills what the lost actor left on its host (the processes its ``info`` named)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        left_behind = (self.info["host"], self.info["processes"]) if self.info else None
         self.ray_node_id = ray_node_id
         self._session.check()  # a replacement after the session went would start a new one
         options = options if generations is None else {**options, "generations": generations}
@@ -77,7 +77,6 @@ class PlayerNodeState:
         except Exception as exc:
             self._session.reraise(exc, f"starting {self.name()}")
         self.idle, self.sent, self.info = set(self.ids), {}, {}
-        self.pending = None
 
     def await_start(self, timeout: float) -> None:
         """The node's ``info`` once it started; else ``RayPlayerError`` (``cause``: what its players raised)."""
@@ -90,10 +89,6 @@ class PlayerNodeState:
                                  f"{type(error).__name__}: {error}", error) from None
         self.info = info
 
-    def left_behind(self) -> tuple[Any, list[Any]]:
-        """What a replacement on the same host kills first: the host and the node's processes."""
-        return self.info.get("host"), self.info.get("processes", [])
-
     def submit(self, method: str, *args: Any) -> Any:
         """``actor.<method>.remote(*args)``: its ref (the node's error if it was given up)."""
         self._supervisor.check(self.index)
@@ -105,7 +100,7 @@ class PlayerNodeState:
     def get(self, ref: Any, timeout: float | None = None) -> Any:
         """``ray.get``; a dead or silent actor is ``NodeLost``, a node's own error ``RayPlayerError``."""
         try:
-            return ray.get(ref, timeout=self._deadline_s if timeout is None else timeout)
+            return ray.get(ref, timeout=self._supervisor.timeout if timeout is None else timeout)
         except Exception as exc:
             failure = node_failure(exc)
             if failure is None:  # the session went meanwhile

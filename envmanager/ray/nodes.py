@@ -198,24 +198,21 @@ class NodePool:
         deadline = Deadline(self.start_timeout)
         first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
         for node, ref in zip(nodes, refs, strict=True):
-            error = None
             try:
                 node.info = ray.get(ref, timeout=deadline.left())
             except Exception as exc:
                 failure = node_failure(exc)
                 if failure is None:  # the session went meanwhile
                     self.session.reraise(exc, f"waiting for {node.name()} to start")
-                error = RayNodeError(node.index, node.slots, {
+                first = first or RayNodeError(node.index, node.slots, {
                     TIMED_OUT: f"{node.name()} did not start within {self.start_timeout:g} s (can the cluster meet its "
                                f"actor options {self._actor_options}?)",
                     RAISED: f"{node.name()} failed to start: {getattr(exc, 'cause', None)!r}",
                     DIED: f"{node.name()} died while starting: {exc}",
                     LOST: f"{node.name()} could not start: {type(exc).__name__}: {exc}",  # its runtime env, its node...
                 }[failure], None, str(exc) if failure == RAISED else None)
-            if error is None:
+            else:
                 self.replay(node)
-            elif first is None:
-                first = error
         if first is not None:
             raise first
 
@@ -318,8 +315,6 @@ class NodePool:
             self._faults += [self._fault(self.nodes[i], f"missed its {self.supervisor.timeout:g} s deadline (hung)", hung=True)
                              for i in late]
             self._take(ready, out)
-        if out:
-            return out
         while self._faults and not out:  # answers of one fault go back (to be booked) before the next is handled
             fault = self._faults.pop(0)
             node = fault.node
@@ -327,7 +322,7 @@ class NodePool:
                 if fault.request is not None:  # answered with an error: it died with the node all the same
                     out.append((fault.request, None))
                 continue  # restarted or given up meanwhile
-            if fault.hung and (not node.queue or self._done(node.queue[0].ref)):
+            if fault.hung and (not node.queue or self._done([node.queue[0].ref], "checking a request")):
                 continue  # done meanwhile: the next wait takes it
             lost = self.failed(node, fault.why, fault.error, fault.remote_traceback, fault.serves)
             out += [(r, None) for r in ([fault.request] if fault.request is not None else []) + lost]
@@ -375,18 +370,16 @@ class NodePool:
         with self._lock:
             refs = list(self._updates)  # (a learner thread may append meanwhile)
         if refs:
-            try:
-                done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-            except Exception as exc:
-                self.session.reraise(exc, "checking the updates sent")
+            done = self._done(refs, "checking the updates sent")
             with self._lock:
                 self._updates = [ref for ref in self._updates if ref not in done]
 
-    def _done(self, ref: Any) -> bool:
+    def _done(self, refs: list[Any], doing: str) -> set[Any]:
+        """Those of ``refs`` done now."""
         try:
-            return bool(ray.wait([ref], timeout=0)[0])
+            return set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
         except Exception as exc:
-            self.session.reraise(exc, "checking a request")
+            self.session.reraise(exc, doing)
 
     # ------------------------------------------------------------------------------------------
     # Lifetime
