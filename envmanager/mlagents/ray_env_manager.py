@@ -199,15 +199,14 @@ class RayPlayerPool:
     def send_step(self, actions: dict[int, Any]) -> None:
         """Send ``actions`` (idle players only), one request per node, its deadline from now."""
         self._check_open()
-        by_node: dict[int, dict[int, Any]] = {}
-        for w, action in actions.items():
-            node = next(n for n in self.nodes if w in n.ids)
-            if not node.is_idle(w):
+        idle = set(self.idle_worker_ids)
+        for w in actions:
+            if w not in idle:
                 raise InvalidInputError(f"worker {w} is not idle: it cannot be sent actions now")
-            by_node.setdefault(node.index, {})[w] = action
         for node in self.nodes:
-            if node.index in by_node:
-                node.send_step(by_node[node.index])
+            mine = {w: action for w, action in actions.items() if w in node.ids}
+            if mine:
+                node.send_step(mine)
 
     def receive_steps(self, min_count: int = 1) -> list[StepInfo]:
         """At least ``min_count`` finished steps (0: what is in), from whichever nodes answer first,

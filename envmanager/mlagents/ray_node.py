@@ -73,10 +73,8 @@ class PlayerNode:
             for name, args, kwargs in replay_calls:
                 self.core.call_on(None, name, args, kwargs)
         except Exception as exc:
-            if self.core is not None:
-                self.core.close()
-                self.core = None
-            self.players.kill_all()
+            self.close()
+            self.core = None
             if not isinstance(exc, EnvManagerError):
                 raise with_slot_offset(exc, self.offset) from None
             self.start_error = with_slot_offset(exc, self.offset)  # the players': answered by info()

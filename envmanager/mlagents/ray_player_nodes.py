@@ -109,10 +109,6 @@ class PlayerNodeState:
                 raise RayPlayerError(self.index, self.ids, f"{self.name()} raised: {exc}") from None
             raise NodeLost(f"{type(exc).__name__}: {exc}") from None  # died, silent, or lost by Ray
 
-    def is_idle(self, worker_id: int) -> bool:
-        """Its last step arrived and no request is in flight."""
-        return self.pending is None and worker_id in self.idle
-
     def send_step(self, actions: dict[int, Any]) -> None:
         """The node's one request in flight, its deadline from now."""
         self.pending = self.submit("step", actions)
