@@ -67,12 +67,9 @@ class GlobalIdsPolicy:
 
 class SamplerNode:
     """One node's share of the envs: slots ``offset .. offset + n_envs - 1`` of the cluster's
-    ``n_slots``. Every collection method returns ``(batch, counters)`` with the cluster's
-    worker and episode ids. A node started again in place of a lost one is given each slot's
-    seed only if no episode used it yet (``seeds``) and the episodes started so far
-    (``started``), so it neither replays seeded episodes nor reuses ids. Errors name the
-    global slots; every answer carries the node's ``generation``.
-    """
+    ``n_slots``. Collection methods return ``(batch, counters)`` with global worker and episode
+    ids; errors name the global slots. A restarted node gets ``seeds`` and ``started`` from
+    ``SlotRecords.resume`` (no seeded episode replayed, no id reused), and its ``generation``."""
 
     def __init__(self, index: int, env_factory: Any, n_envs: int, offset: int, policy: Any, seeds: list[int | None],
                  started: list[int], n_slots: int, sampler_options: dict[str, Any], generation: int = 0) -> None:

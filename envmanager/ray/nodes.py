@@ -1,11 +1,10 @@
 """The driver's side of the nodes: its share of the Ray session, one actor per node, requests
-in flight with deadlines, and restarts of hung or dead nodes within limits.
+in flight with deadlines (every ``ray.get`` / ``ray.wait`` here has a timeout), and restarts.
 
-Every ``ray.get`` / ``ray.wait`` here has a timeout. A node that missed its deadline (hung),
-whose actor died, or whose sampler raised goes through ``NodePool.failed``, where the pool's
-``Supervisor`` decides (per node; it also keeps the restart counts, generations and deadline
-clocks): started again with the newest weights and every env update replayed, or
-``RayNodeError``. Every other Ray call's failure is ``RaySessionError`` (``RaySession.reraise``).
+A node that hung, died or whose sampler raised goes through ``NodePool.failed``; the pool's
+``Supervisor`` decides (see docs/architecture.md, "The supervisor"): started again with the
+newest weights and every env update replayed, or ``RayNodeError``. Every other Ray call's
+failure is ``RaySessionError`` (``RaySession.reraise``).
 """
 
 from __future__ import annotations

@@ -206,8 +206,7 @@ def _check_reachable(address: str | None) -> None:
     connection there within ``CONNECT_TIMEOUT``; other forms are left to Ray."""
     if address is None:
         return
-    target = address.removeprefix("ray://")
-    host, sep, port = target.rpartition(":")
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
     try:
