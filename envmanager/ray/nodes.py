@@ -170,8 +170,7 @@ class NodePool:
         """``node``'s error if it was given up, else ``None``."""
         return self.supervisor.failure(node.index)
 
-    # ------------------------------------------------------------------------------------------
-    # Starting and restarting
+    # -- Starting and restarting ---------------------------------------------------------------
 
     def _start(self, node: Node) -> None:
         env_factory, policy, sampler_options = self._args
@@ -247,8 +246,7 @@ class NodePool:
                     raise
                 fault, serves = exc, False
 
-    # ------------------------------------------------------------------------------------------
-    # Requests
+    # -- Requests ------------------------------------------------------------------------------
 
     def submit(self, node: Node, kind: str, arg: Any) -> Request:
         """Queue a collection call on ``node`` (Ray runs one node's calls in order)."""
@@ -380,8 +378,7 @@ class NodePool:
         except Exception as exc:
             self.session.reraise(exc, doing)
 
-    # ------------------------------------------------------------------------------------------
-    # Lifetime
+    # -- Lifetime ------------------------------------------------------------------------------
 
     def kill_node(self, index: int) -> None:
         """Kill one node's actor, as a fault would (for tests and the benchmark)."""

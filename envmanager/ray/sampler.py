@@ -110,8 +110,7 @@ class RaySampler(SamplerBase):
                               float(timeout), float(start_timeout), restarts, ray_address, dict(ray_init_options or {}))
         self._pool.replay = self._replay
 
-    # ------------------------------------------------------------------------------------------
-    # Versions and updates
+    # -- Versions and updates ------------------------------------------------------------------
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def update(self, agent_update: Any = None, env_update: Any = None, version: int | None = None) -> tuple[int, int]:
@@ -146,8 +145,7 @@ class RaySampler(SamplerBase):
                 self._pool.send_update(node, None, None, entry.sliced(node.offset, node.offset + node.n_envs), replay=True)
             node.caught_up()
 
-    # ------------------------------------------------------------------------------------------
-    # Steps: fragments, first-ready across nodes
+    # -- Steps: fragments, first-ready across nodes --------------------------------------------
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_steps(self, n: int, agent_update: Any = None, env_update: Any = None) -> TransitionBatch:
@@ -298,8 +296,7 @@ class RaySampler(SamplerBase):
             for batch in self._buffer:
                 batch.interrupted[batch.episode_ids == episode] = True
 
-    # ------------------------------------------------------------------------------------------
-    # Whole episodes
+    # -- Whole episodes ------------------------------------------------------------------------
 
     @deferred  # a caught Ctrl-C: raised in a wait for the nodes (nothing taken) or once it returned
     def obtain_samples(self, itr: int, num_samples: int, agent_update: Any = None, env_update: Any = None) -> EpisodeBatch:
@@ -372,8 +369,7 @@ class RaySampler(SamplerBase):
         self.stats.count("episodes_handed_out", merged.n_episodes)
         return merged
 
-    # ------------------------------------------------------------------------------------------
-    # Nodes and lifetime
+    # -- Nodes and lifetime --------------------------------------------------------------------
 
     def node_info(self) -> list[dict[str, Any]]:
         """Where each node runs (host, actor pid, env worker pids, Ray node id), as of its start."""
