@@ -300,7 +300,7 @@ class RayPlayerPool:
             if isinstance(error, EnvManagerError):
                 for w in getattr(error, "worker_ids", None) or []:
                     self._failures[w] = error
-                    node.sent.pop(w, None)  # no step of it to wait for
+                    node.failed(w)
             raise error
         return value
 

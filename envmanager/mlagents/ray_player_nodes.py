@@ -130,6 +130,10 @@ class PlayerNodeState:
         self.idle.add(worker_id)
         return self.sent.pop(worker_id, None)
 
+    def failed(self, worker_id: int) -> None:
+        """``worker_id``'s env failed: no step of it to wait for."""
+        self.sent.pop(worker_id, None)
+
     def kill(self) -> None:
         kill_actor(self.actor, self.name())
         self.actor = None

@@ -92,8 +92,8 @@ class NodeFault:
 
 @dataclasses.dataclass
 class Node:
-    """The driver's record of one node: its actor, what it said of itself once started
-    (``info``), its requests in flight in submission order (Ray runs them so), the updates sent
+    """The driver's record of one node, changed only through its own methods: its actor, what
+    it said of itself once started (``info``), its requests in flight in submission order (Ray runs them so), the updates sent
     to this actor (a request waits on the node for them)."""
 
     index: int
@@ -118,6 +118,19 @@ class Node:
         """A new actor, which must be up within ``start_timeout``."""
         self.actor, self.info, self.queue, self.updates_sent = actor, {}, [], 0
         self.start_deadline = Deadline(start_timeout)
+
+    def answered_info(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+    def asked(self, request: Request) -> None:
+        self.queue.append(request)
+
+    def answered(self) -> None:
+        """Its oldest request answered (or answered with its error)."""
+        self.queue.pop(0)
+
+    def update_sent(self) -> None:
+        self.updates_sent += 1
 
     def kill(self) -> list[Request]:
         """Its actor killed for good; returns the requests that die with it."""
@@ -197,7 +210,7 @@ class NodePool:
         first: RayNodeError | None = None  # raised after every other node's answer is in (close ends those)
         for node, ref in zip(nodes, refs, strict=True):
             try:
-                node.info = ray.get(ref, timeout=deadline.left())
+                node.answered_info(ray.get(ref, timeout=deadline.left()))
             except Exception as exc:
                 failure = node_failure(exc)
                 if failure is None:  # the session went meanwhile
@@ -260,7 +273,7 @@ class NodePool:
                 self.session.reraise(exc, f"sending a {kind} request to {node.name()}")
         if not node.queue:  # (else an earlier request's clock runs)
             self.supervisor.start_clock(node.index)
-        node.queue.append(request)
+        node.asked(request)
         return request
 
     def send_update(self, node: Node, version: int | None, weights: Any, env_updates: Pickled | None,
@@ -274,7 +287,7 @@ class NodePool:
                 ref = node.actor.update.remote(version, weights, env_updates)
             except Exception as exc:
                 self.session.reraise(exc, f"sending an update to {node.name()}")
-            node.updates_sent += 1
+            node.update_sent()
             self._updates.append(ref)
 
     def check_usable(self, node: Node | None = None) -> None:
@@ -351,7 +364,7 @@ class NodePool:
                                                     request=request, error=failure.error, remote_traceback=str(exc),
                                                     serves=failure.serves))
                     answer = None
-                node.queue.pop(0)  # answered (or answered with its error)
+                node.answered()
                 if node.queue:  # the next request's clock starts now
                     self.supervisor.start_clock(node.index)
                 if answer is not None:
