@@ -156,7 +156,7 @@ def test_bad_settings_are_refused_before_anything_runs():
     with Sampler(kind_env, 1, RandomPolicy(), seed=0) as sampler:
         feed = LearnerFeed(lambda b: {})
         try:
-            for bad in ({"max_batches_waiting": 0}, {"max_fragments": -3}):
+            for bad in ({"max_batches_waiting": 0}, {"max_fragments": -3}, {"max_fragments": 2.0}):
                 with pytest.raises(InvalidInputError):
                     next(sampler.stream(4, feed, **{"max_batches_waiting": 2, **bad}))
             calls.append(sampler.stats.counters.get("env_steps", 0))

@@ -241,7 +241,9 @@ class BatchEnvManager:
         back from a restart (its fresh reset is on its way to them). A failed process's slots
         count as idle: stepping them raises its error."""
         idle = self.status <= IDLE
-        idle[self._booting_slots()] = False
+        booting = self._booting_slots()
+        if booting:  # (rare: no fancy index on every call)
+            idle[booting] = False
         return idle.nonzero()[0].tolist()
 
     def in_flight(self) -> bool:
@@ -256,7 +258,9 @@ class BatchEnvManager:
     def waiting_worker_ids(self) -> list[int]:
         """Slots in flight (a step or a reset), or on a process coming back from a restart."""
         waiting = self.status == IN_FLIGHT
-        waiting[self._booting_slots()] = True
+        booting = self._booting_slots()
+        if booting:
+            waiting[booting] = True
         return waiting.nonzero()[0].tolist()
 
     @property

@@ -328,8 +328,8 @@ def feed_fragments(obtain: Callable[[], TransitionBatch], stats: Stats, feed: Le
     (back-pressure: policy lag stays bounded), then ``obtain`` a fragment, put it there, yield it."""
     if max_batches_waiting < 1:
         raise InvalidInputError(f"max_batches_waiting must be at least 1, got {max_batches_waiting!r}")
-    if max_fragments is not None and max_fragments < 1:
-        raise InvalidInputError(f"max_fragments must be at least 1 (or None: no end), got {max_fragments!r}")
+    if max_fragments is not None and (not isinstance(max_fragments, int) or max_fragments < 1):
+        raise InvalidInputError(f"max_fragments must be an int at least 1 (or None: no end), got {max_fragments!r}")
     for _ in itertools.count() if max_fragments is None else range(max_fragments):
         if feed is not None:
             stats.gauge("learner_queue", feed.qsize())
