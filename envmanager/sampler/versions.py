@@ -5,7 +5,8 @@ update log and the newest agent); they differ in how an agent is made ready to t
 pickled once, one ``ray.put``) and whether an update is sent on at once (the Ray nodes): the
 ``prepare`` and ``publish`` functions they pass in. ``update`` prepares everything that can fail
 first and publishes before it records, so an update that raises leaves both versions as they
-were and is never replayed into a restarted process or node.
+were and is never replayed into a restarted process or node. :class:`SamplerBase` gives the three
+samplers the versions they report, their cut episodes and their lifetime, once.
 """
 
 from __future__ import annotations
