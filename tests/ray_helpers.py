@@ -17,6 +17,11 @@ import pytest
 from process_helpers import alive
 from sampler_envs import KindEnv
 
+#: A node's start-up deadline in the Ray tests (not a fault they test): a Ray worker, a forkserver and
+#: env processes, which under CI's load (three pytest processes with a Ray session each, the legs'
+#: installs alongside, on two cores) took over 60 s. A test that waits on it has a pytest timeout
+#: above it (the module's ``pytestmark``, or its own).
+NODE_START_S = 180.0
 
 class IdPolicy:
     """Random actions; agent infos carry the slot ids the policy was given and its parameters."""

@@ -399,7 +399,7 @@ RAY_SAMPLER = textwrap.dedent(
     os.environ["RAY_USAGE_STATS_ENABLED"], os.environ["RAY_AUTH_MODE"] = "0", "disabled"
     from interrupt_helpers import Presser, as_from_a_terminal
     import ray
-    from ray_helpers import pickle_by_value
+    from ray_helpers import NODE_START_S, pickle_by_value
     from sampler_envs import RandomPolicy, kind_env
     from envmanager.ray import RaySampler
 
@@ -408,7 +408,7 @@ RAY_SAMPLER = textwrap.dedent(
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="rayt"), log_to_driver=False)
         as_from_a_terminal()
         sampler = RaySampler(kind_env, RandomPolicy(), nodes=2, envs_per_node=2, fragment_steps=16, seed=1, timeout=30.0,
-                             start_timeout=60.0)
+                             start_timeout=NODE_START_S)
         presser = Presser(3)
         seen, problems, caught = {{}}, [], 0
         while caught < {interrupts} and len(problems) < 5:
@@ -438,12 +438,12 @@ RAY_SAMPLER = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)  # the nodes' start may take minutes on a loaded machine (``NODE_START_S``)
 def test_caught_ctrl_c_loses_no_step_of_the_ray_sampler(tmp_path):
     """As the local samplers' (transitions across calls): the fragments a call had taken from the
     nodes were lost with it (the next call's episodes went on from their middle, within 25 presses)."""
     pytest.importorskip("ray")
-    outcome, stderr = run(RAY_SAMPLER, tmp_path, interrupts=100)
+    outcome, stderr = run(RAY_SAMPLER, tmp_path, timeout=330, interrupts=100)
     assert outcome["problems"] == [] and outcome["interrupts"] == 100, (outcome, stderr)
     assert outcome["steps"] > 0
 

@@ -17,6 +17,7 @@ from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.node import SamplerNode  # noqa: E402
 from envmanager.sampler import EpisodeBatch, TransitionBatch  # noqa: E402
 from ray_helpers import (  # noqa: E402
+    NODE_START_S,
     IdPolicy,
     alive,
     no_contiguity_gaps,
@@ -28,6 +29,8 @@ from ray_helpers import (  # noqa: E402
     slow_restart_factory,
 )
 from sampler_envs import RandomPolicy, add_bonus, kind_env, set_bonus, true_lengths  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)  # a node's start may take minutes on a loaded machine (``NODE_START_S``)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +47,7 @@ def no_leaks():
 
 
 def _sampler(**kwargs) -> RaySampler:
-    options = {"nodes": 2, "envs_per_node": 2, "fragment_steps": 32, "seed": 1, "timeout": 30.0, "start_timeout": 60.0}
+    options = {"nodes": 2, "envs_per_node": 2, "fragment_steps": 32, "seed": 1, "timeout": 30.0, "start_timeout": NODE_START_S}
     return RaySampler(kind_env, kwargs.pop("policy", None) or IdPolicy(), **{**options, **kwargs})
 
 
@@ -323,7 +326,7 @@ def test_evaluations_between_training_calls_do_not_stock_ever_more_fragments():
     after it stocked one more round per evaluation: the buffer, and the age of the rows handed
     out, grew without end. It stays under two rounds."""
     sampler = RaySampler(kind_env, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, in_flight=2, seed=0,
-                         timeout=60.0, start_timeout=60.0)
+                         timeout=60.0, start_timeout=NODE_START_S)
     round_ = 2 * 16 * 2  # in_flight fragments of every node
     try:
         held = []
@@ -337,13 +340,12 @@ def test_evaluations_between_training_calls_do_not_stock_ever_more_fragments():
     assert max(held) < 2 * round_, held
 
 
-@pytest.mark.timeout(300)
 def test_updates_from_a_learner_thread_while_the_driver_collects():
     """``update`` from another thread (``LearnerFeed``'s ``on_update``) while ``obtain_steps``
     runs: neither call fails (Ray's own ``AssertionError`` reached the driver, the list of update
     refs it waited on growing under it), and afterwards every node acts with the newest agent."""
     sampler = RaySampler(kind_env, IdPolicy(), nodes=2, envs_per_node=1, fragment_steps=16, seed=0, timeout=60.0,
-                         start_timeout=60.0)
+                         start_timeout=NODE_START_S)
     stop, raised, sent = threading.Event(), [], [0]
 
     def learner() -> None:
@@ -370,13 +372,12 @@ def test_updates_from_a_learner_thread_while_the_driver_collects():
         sampler.close()
 
 
-@pytest.mark.timeout(300)
 def test_an_update_from_a_learner_thread_while_a_node_restarts_is_applied_there_once(tmp_path):
     """Node 0 is lost and restarts slowly; an env update from another thread comes meanwhile. The
     new node gets every env update once, in order (the replay and the update sent to it both
     applied it: its env state and version ran ahead of the driver's)."""
     sampler = RaySampler(slow_restart_factory(str(tmp_path / "built"), 5.0, 0.0), IdPolicy(), nodes=2, envs_per_node=1,
-                         fragment_steps=8, seed=0, timeout=60.0, start_timeout=60.0)
+                         fragment_steps=8, seed=0, timeout=60.0, start_timeout=NODE_START_S)
     raised: list[BaseException] = []
 
     def learner() -> None:
@@ -443,12 +444,10 @@ def test_ray_is_imported_only_by_the_ray_backend():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.timeout(300)  # two node starts and a restart: each may take a minute on a loaded machine
+@pytest.mark.timeout(420)  # two node starts and a restart: each may take minutes on a loaded machine
 def test_a_restarted_node_replays_no_seeded_episode_and_its_ids_go_on():
-    # A node's (re)start is a Ray worker, a forkserver and two env processes: under CI's load (three
-    # pytest processes, each with its Ray session, on two cores) a restart took over 60 s.
     sampler = RaySampler(seed_env, IdPolicy(), nodes=2, envs_per_node=2, fragment_steps=32, seed=100, timeout=30.0,
-                         start_timeout=180.0)
+                         start_timeout=NODE_START_S)
 
     def slots_past(batches, past):  # node 0's slots with a row of an episode numbered past ``past[slot]``
         seen = TransitionBatch.concatenate(batches)

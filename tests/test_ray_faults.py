@@ -39,7 +39,7 @@ from fault_envs import (  # noqa: E402
     pid_of,
     update_raising_once,
 )
-from ray_helpers import alive, node_trees, ray_session  # noqa: E402,F401
+from ray_helpers import NODE_START_S, alive, node_trees, ray_session  # noqa: E402,F401
 
 N, NODE, SLOT = 4, 1, 3  # two nodes of two slots (one env process each); the fault strikes slot 3, on node 1
 TIMEOUT = 60.0  # the driver's deadline per node request
@@ -66,7 +66,7 @@ def no_leaks():
 def make(fault: str | None, marker: str, mode: str, slow_node_0: float = 0.0, **options) -> RaySampler:
     workers, nodes = MODES[mode]
     defaults = {"nodes": 2, "envs_per_node": 2, "envs_per_worker": 2, "fragment_steps": 16, "seed": 0, "timeout": TIMEOUT,
-                "start_timeout": 60.0, "env_timeout": ENV_TIMEOUT, "restart_workers": workers, "restart_nodes": nodes}
+                "start_timeout": NODE_START_S, "env_timeout": ENV_TIMEOUT, "restart_workers": workers, "restart_nodes": nodes}
     factory = FaultFactory(fault, marker, slow_node_0, slot=SLOT, slow=(0, 1))
     return RaySampler(factory, FaultPolicy(fault, marker, slot=SLOT), **{**defaults, **options})
 
@@ -316,7 +316,7 @@ def test_a_restarted_node_that_fails_to_start_is_restarted_again_within_the_limi
     armed, struck = tmp_path / "armed", str(tmp_path / "struck")
     sampler = RaySampler(FailsToMake(str(armed), struck, SLOT), FaultPolicy(None, struck, slot=SLOT), nodes=2,
                          envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=TIMEOUT,
-                         start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True,
+                         start_timeout=NODE_START_S, env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True,
                          max_lifetime_restarts=limit, restarts_rate_limit_n=-1)
     run = Run(sampler)
     try:
@@ -343,10 +343,10 @@ def test_a_node_that_never_starts_again_is_given_up_at_the_deadline_with_the_lim
     (the call returned only once the env could be made again)."""
     armed, struck = tmp_path / "armed", str(tmp_path / "struck")
     sampler = RaySampler(FailsToMake(str(armed), struck, SLOT, once=False), FaultPolicy(None, struck, slot=SLOT), nodes=2,
-                         envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=HANG, start_timeout=60.0,
+                         envs_per_node=2, envs_per_worker=2, fragment_steps=16, seed=0, timeout=HANG, start_timeout=NODE_START_S,
                          env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=True, max_lifetime_restarts=-1,
                          restarts_rate_limit_n=-1)
-    run = Run(sampler, timeout=HANG + 60.0)  # one start may take start_timeout past the deadline
+    run = Run(sampler, timeout=HANG + NODE_START_S)  # one start may take start_timeout past the deadline
     try:
         run()
         armed.touch()
@@ -442,7 +442,7 @@ def test_a_round_cut_by_a_nodes_error_keeps_the_fragments_that_came(tmp_path):
     marker = str(tmp_path / "struck")
     sampler = RaySampler(FaultFactory("policy_raise", marker, 1.0, slot=SLOT, slow=(2, 3)),
                          FaultPolicy("policy_raise", marker, slot=SLOT), nodes=2, envs_per_node=2, envs_per_worker=2,
-                         fragment_steps=8, first_ready=False, seed=0, timeout=TIMEOUT, start_timeout=60.0,
+                         fragment_steps=8, first_ready=False, seed=0, timeout=TIMEOUT, start_timeout=NODE_START_S,
                          env_timeout=ENV_TIMEOUT, restart_workers=False, restart_nodes=False)
     pids = node_trees(sampler)
     try:
@@ -474,7 +474,7 @@ def test_every_request_a_node_raised_on_before_its_restart_is_answered_lost(tmp_
     marker = str(tmp_path / "struck")
     sampler = RaySampler(FaultFactory("step_kill", marker, 0.25, slot=SLOT, slow=(2, 3)), FaultPolicy(None, marker),
                          nodes=2, envs_per_node=2, envs_per_worker=1, fragment_steps=24, first_ready=True, in_flight=2,
-                         seed=0, timeout=TIMEOUT, start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=False,
+                         seed=0, timeout=TIMEOUT, start_timeout=NODE_START_S, env_timeout=ENV_TIMEOUT, restart_workers=False,
                          restart_nodes=True)
     pids = node_trees(sampler)
     try:
@@ -510,7 +510,7 @@ def test_a_node_that_answered_an_env_error_and_then_died_is_told_for_both(mode, 
     workers, nodes = MODES[mode]
     sampler = RaySampler(FaultFactory("step_raise", marker, 0.02, slot=SLOT, slow=(2, 3)), FaultPolicy(None, marker),
                          nodes=2, envs_per_node=2, envs_per_worker=2, fragment_steps=40, in_flight=in_flight, seed=0,
-                         timeout=TIMEOUT, start_timeout=60.0, env_timeout=ENV_TIMEOUT, restart_workers=workers,
+                         timeout=TIMEOUT, start_timeout=NODE_START_S, env_timeout=ENV_TIMEOUT, restart_workers=workers,
                          restart_nodes=nodes)
     run = Run(sampler)
     try:

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray backend needs the extra: pip install 'envmanager[ray]'")
 
 from envmanager.ray import RaySampler  # noqa: E402
-from ray_helpers import IdPolicy, alive, node_pids, ray_session, reset_raising_once_factory  # noqa: E402,F401
+from ray_helpers import NODE_START_S, IdPolicy, alive, node_pids, ray_session, reset_raising_once_factory  # noqa: E402,F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,7 +31,7 @@ def test_an_episode_cut_before_its_first_row_on_a_lost_node_never_has_its_id_aga
     # episode (id 3) before its first row. One step per fragment, in rounds: slot 2 takes them,
     # so no row of slot 3 reaches the driver before node 1 is lost.
     sampler = RaySampler(reset_raising_once_factory(str(tmp_path / "raised"), 3), IdPolicy(), nodes=2, envs_per_node=2,
-                         fragment_steps=1, first_ready=False, seed=1, timeout=60.0, start_timeout=60.0,
+                         fragment_steps=1, first_ready=False, seed=1, timeout=60.0, start_timeout=NODE_START_S,
                          restart_workers=True)
     try:
         first = sampler.obtain_steps(2)  # one round: a fragment from each node
@@ -62,7 +62,7 @@ def test_an_answer_of_a_replaced_node_is_refused_by_the_records(tmp_path):
     # replacement may number again: it is dropped whole, counted.
     sampler = RaySampler(reset_raising_once_factory(str(tmp_path / "raised"), 99), IdPolicy(), nodes=2,
                          envs_per_node=2, fragment_steps=4, first_ready=False, seed=1, timeout=60.0,
-                         start_timeout=60.0)
+                         start_timeout=NODE_START_S)
     try:
         node = sampler._pool.nodes[1]
         request = sampler._pool.submit(node, "steps", 4)

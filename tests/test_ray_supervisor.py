@@ -14,7 +14,7 @@ from envmanager import RestartLimitError  # noqa: E402
 from envmanager.ray import RayNodeError, RaySampler  # noqa: E402
 from envmanager.ray.nodes import RayNodeRestartLimitError  # noqa: E402
 from process_helpers import alive  # noqa: E402
-from ray_helpers import IdPolicy, node_trees, ray_session, seed_env  # noqa: E402,F401
+from ray_helpers import NODE_START_S, IdPolicy, node_trees, ray_session, seed_env  # noqa: E402,F401
 from test_supervisor import LIMITS, core_limit_error, shape  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +34,7 @@ def no_leaks():
 
 def test_ray_node_pool_restarts_once_then_gives_up_with_the_same_error_shape():
     sampler = RaySampler(seed_env, IdPolicy(), nodes=2, envs_per_node=2, fragment_steps=8, seed=0, timeout=60.0,
-                         start_timeout=60.0, restart_nodes=True, **LIMITS)
+                         start_timeout=NODE_START_S, restart_nodes=True, **LIMITS)
     pids: set[int] = set()
     try:
         sampler.obtain_steps(16)
