@@ -221,7 +221,6 @@ def measure(tool: Path, config: Path, launcher: str, n_env: int, directory: Path
 def measure_run(tool: Path, config: Path, launcher: str, n_env: int, directory: Path, seed: int,
                 extra: list[str] | None = None) -> TrainerRun:
     """One trainer run (``extra``: more arguments for it), measured between its first and last summary."""
-    import psutil
 
     from envmanager.testing.fake_unity import free_base_port
 
@@ -241,13 +240,13 @@ def measure_run(tool: Path, config: Path, launcher: str, n_env: int, directory: 
     timer.start()
     tail: list[str] = []
     try:
-        trainer, tree = psutil.Process(proc.pid), TreeCpu(proc.pid)
+        tree = TreeCpu(proc.pid)
         assert proc.stdout is not None
         for line in proc.stdout:  # the trainer prints a summary line every summary_freq steps
             tail = [*tail, line][-20:]
             found = SUMMARY.search(line)
             if found:
-                marks.append((int(found.group(1)), time.perf_counter(), own_cpu(trainer), tree.sample()))
+                marks.append((int(found.group(1)), time.perf_counter(), *tree.sample()))
         code = proc.wait(60)
     finally:
         timer.cancel()
@@ -304,20 +303,21 @@ class TreeCpu:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds
+        self.root = 0.0  # the process's own, as of its latest sample
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds of those below
 
-    def sample(self) -> float:
+    def sample(self) -> tuple[float, float]:
+        """The process's own CPU seconds and its tree's, read in one pass (the root's once, for
+        both: read apart, a busy trainer's CPU between the two reads could make the tree's share of
+        an interval smaller than its own)."""
         import psutil
 
         try:
             root = psutil.Process(self.pid)
-        except psutil.Error:
-            return sum(self.seen.values())
-        try:
             below = root.children(recursive=True)
-        except psutil.Error:  # a process that went while the tree was walked: the root alone this time
-            below = []
-        for p in [root, *below]:
+        except psutil.Error:  # gone, or a process went while the tree was walked: as last seen
+            return self.root, self.root + sum(self.seen.values())
+        for p in below:
             try:
                 key = (p.pid, p.create_time())
             except psutil.Error:
@@ -325,7 +325,8 @@ class TreeCpu:
             used = own_cpu(p)
             if used:
                 self.seen[key] = max(used, self.seen.get(key, 0.0))
-        return sum(self.seen.values())
+        self.root = max(self.root, own_cpu(root))
+        return self.root, self.root + sum(self.seen.values())
 
 
 def _write_config(directory: Path, steps: int) -> Path:
