@@ -66,6 +66,7 @@ _ended_cpu = 0.0  # when the last outermost section ended in this thread's CPU t
 # signal.getsignal's C half: the Python one makes an enum of it, 2 us (100x) on every call.
 _getsignal: Callable[[int], Any] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
 _SIGINT, _default = int(signal.SIGINT), signal.default_int_handler
+_get_ident, _perf_counter = _thread.get_ident, time.perf_counter  # (module globals: the sections are on every call's path)
 
 
 def _held(frame: FrameType | None) -> bool:
@@ -165,25 +166,31 @@ class _Deferred:
 
     def __enter__(self) -> None:
         global _depth, _pending
-        if threading.get_ident() == _main:
-            if not _depth:
-                if _pending:
-                    _pending = False
-                    raise KeyboardInterrupt
-                if _getsignal(_SIGINT) is _default:  # (again after a notebook's cell put the default back)
-                    _take_over()
+        if _get_ident() != _main:
+            return
+        if _depth:  # (nested: the hot path's usual case, kept short)
             _depth += 1
+            return
+        if _pending:
+            _pending = False
+            raise KeyboardInterrupt
+        if _getsignal(_SIGINT) is _default:  # (again after a notebook's cell put the default back)
+            _take_over()
+        _depth = 1
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         global _depth, _ended_at, _ended_cpu
-        if _depth and threading.get_ident() == _main:
-            if _depth == 1:
-                _ended_at = time.perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
-                if _LOOKS_AFTER_EVERY_CALL:
-                    _ended_cpu = time.thread_time()
+        if not _depth or _get_ident() != _main:
+            return
+        if _depth > 1:
             _depth -= 1
-            if not _depth and _pending:  # held to the end of the call: sent again once it has returned
-                _redeliver_later()
+            return
+        _ended_at = _perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
+        if _LOOKS_AFTER_EVERY_CALL:
+            _ended_cpu = time.thread_time()
+        _depth = 0
+        if _pending:  # held to the end of the call: sent again once it has returned
+            _redeliver_later()
 
 
 DEFERRED = _Deferred()
