@@ -214,7 +214,7 @@ def blocking(wait: Callable[..., _T], *args: Any) -> _T:
     """``wait(*args)``: a blocking wait that has taken nothing yet, interruptible inside a section
     (and where a Ctrl-C held back is raised)."""
     global _depth, _pending
-    if not _depth or threading.get_ident() != _main:
+    if not _depth or _get_ident() != _main:
         return wait(*args)
     if _pending:
         _pending = False
@@ -229,7 +229,7 @@ def blocking(wait: Callable[..., _T], *args: Any) -> _T:
 def _after_fork() -> None:
     """A forked child starts outside every section, its forking thread its main thread."""
     global _main, _depth, _ended_at, _pending, _redelivery_due
-    _main, _depth, _ended_at, _pending, _redelivery_due = threading.get_ident(), 0, 0.0, False, False
+    _main, _depth, _ended_at, _pending, _redelivery_due = _get_ident(), 0, 0.0, False, False
 
 
 if hasattr(os, "register_at_fork"):
