@@ -338,6 +338,45 @@ def test_a_ctrl_c_held_back_comes_once_the_call_returned(notebook, tmp_path):
     assert outcome == {"results": True, "raised": "during the update"}, stderr
 
 
+IN_A_FINALIZER = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    sys.path[:0] = [{repo!r}, {tests!r}]
+    from interrupt_helpers import as_from_a_terminal
+    as_from_a_terminal()
+    from envmanager import SubprocessEnvManager
+    from envmanager.testing.envs import EnvFactory
+
+    m = SubprocessEnvManager(EnvFactory(), 1)
+    m.reset()  # (its sections took Ctrl-C over)
+    time.sleep(1.5)  # long after the call: no grace holds what comes now
+
+    class Dropped:
+        def __del__(self):  # Python handles a Ctrl-C pressed meanwhile here, in the finalizer
+            signal.raise_signal(signal.SIGINT)
+
+    outcome = {{}}
+    try:
+        Dropped()
+        start = time.monotonic()
+        while time.monotonic() - start < 5.0:
+            sum(range(1000))
+        outcome["raised"] = "never (printed and dropped in the finalizer)"
+    except KeyboardInterrupt:
+        outcome["raised"] = "after the finalizer"
+    m.close()
+    print(json.dumps(outcome))
+    """
+)
+
+
+def test_a_ctrl_c_handled_in_a_finalizer_is_raised_after_it(tmp_path):
+    """A program's Ctrl-C that Python handled while a finalizer ran (a pipe's ``__del__``, say) was raised there,
+    where Python prints it and goes on: ``envmanager check`` under load ran to its time limit."""
+    outcome, stderr = run(IN_A_FINALIZER, tmp_path, timeout=120)
+    assert outcome == {"raised": "after the finalizer"}, stderr
+
+
 BETWEEN_CELLS = textwrap.dedent(
     """
     import json, signal, sys, time

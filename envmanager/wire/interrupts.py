@@ -16,7 +16,8 @@ answer is its caller's. Held there: any handled within ``GRACE_S`` of the end (o
 this thread's CPU time since: its look in the caller's frame), and, within ``RETURNING_S``, one
 handled in this package's code or a function it called (a process descheduled on its way back
 from the call handles it late, in our frames). Held in our code at no risk: a section's entry
-raises it. A Ctrl-C pressed again a second later inside a section is raised at once: the way out
+raises it. Held, wherever it comes, in a finalizer (``__del__``), where a raise is printed and
+dropped. A Ctrl-C pressed again a second later inside a section is raised at once: the way out
 of one that does not end.
 
 Only where SIGINT has Python's default handler: the outermost section takes it over then (again
@@ -72,8 +73,10 @@ _get_ident, _perf_counter = _thread.get_ident, time.perf_counter  # (module glob
 def _held(frame: FrameType | None) -> bool:
     """Whether a Ctrl-C handled in ``frame`` must wait now: inside a section, or just after one
     (``GRACE_S``; ``RETURNING_S`` in this package's code or a function it called, where a call may
-    still be on its way back)."""
+    still be on its way back), or in a finalizer (``__del__``: Python prints what is raised there and goes on)."""
     if _depth:
+        return True
+    if frame is not None and frame.f_code.co_name == "__del__":
         return True
     since = time.perf_counter() - _ended_at
     if since < GRACE_S:
@@ -107,8 +110,9 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
                 _redeliver_later()
             return
         # Pressed again: at once if a section held the first one this long (the way out of a stuck
-        # one), but never in this module's own code, which would leave ``_depth`` wrong.
-        if time.monotonic() - _held_since < STUCK_S or (frame is not None and frame.f_code in _OWN_CODE):
+        # one), but never in this module's own code, which would leave ``_depth`` wrong, nor in a finalizer.
+        if time.monotonic() - _held_since < STUCK_S or (frame is not None and (
+                frame.f_code in _OWN_CODE or frame.f_code.co_name == "__del__")):
             return
     _pending = False
     raise KeyboardInterrupt
