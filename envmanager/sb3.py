@@ -47,7 +47,7 @@ from envmanager.errors import (
     remote_attribute_errors,
 )
 from envmanager.extras import requires_extra
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import DEFERRED, begin, end
 from envmanager.wire.shm import tree_map
 from envmanager.worker.envs import RESET_INFO
 
@@ -178,11 +178,12 @@ class SubprocVecEnv(VecEnv):
                                     "(or reset() to drop it)")
         if self._reset_failed:  # (the core would name a slot and its batch level; SB3's user can only reset)
             raise InvalidInputError("the last reset() failed (its error said why); call reset() again before stepping")
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._take_cut(manager.receive_unreceived())  # results nobody asked for: a restart of an idle worker
             batch, per_slot, as_given = self._as_handed(manager, actions)
             try:
-                manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
+                manager._send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
             except EnvManagerError:
                 if not manager.in_flight():
                     raise
@@ -193,8 +194,10 @@ class SubprocVecEnv(VecEnv):
             # anything: only then is in_flight() (a walk over every process) worth asking.
             manager.wait_idle()  # a worker restarted while idle is still booting
             self._take_cut(manager.receive_unreceived())
-            manager.send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
+            manager._send_batch(self._all, batch, per_slot=per_slot, as_given=as_given)
             self.waiting = True
+        finally:
+            end()
 
     def _as_handed(self, manager: BatchEnvManager, actions: Any) -> tuple[Any, bool, bool]:
         """``send_batch``'s ``(actions, per_slot, as_given)`` for a batch of actions: checked
@@ -235,11 +238,12 @@ class SubprocVecEnv(VecEnv):
         if not self.waiting:
             raise InvalidInputError("step_wait() without a step_async() before it")
         manager = self._running()
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             n = self.num_envs
             try:
                 if self._got is None:
-                    batch = manager.receive_batch(n)  # every env, as a rule in one batch
+                    batch = manager._receive_batch(n)  # every env, as a rule in one batch
                     infos, interrupted = batch.infos, batch.interrupted
                     if len(batch.slots) != n:
                         self._got = (np.ones(n, dtype=np.bool_), {}, set())
@@ -278,6 +282,8 @@ class SubprocVecEnv(VecEnv):
                 self._report_cut(infos, interrupted, rewards, dones, step_infos)
             self._last_obs = obs
             return obs, rewards, dones, step_infos
+        finally:
+            end()
 
     def _keep(self, batch: StepBatch) -> None:
         """What a batch brought, kept on ``_got`` until every env came (a Ctrl-C loses nothing)."""

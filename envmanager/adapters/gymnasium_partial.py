@@ -18,7 +18,7 @@ from envmanager.core.deadline import Deadline
 from envmanager.core.results import InfoBlock, StepBatch
 from envmanager.core.slots import IN_FLIGHT
 from envmanager.errors import EnvManagerError, failed_slots
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import begin, end
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,12 @@ class PartialBatches:
         if not outstanding.isdisjoint(listed):
             raise ValueError(f"env(s) {sorted(outstanding.intersection(listed))} were sent a step whose result was "
                              "not received yet")
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             env._send(manager, ids, env._hand_over(manager, actions, ids))
             outstanding.update(listed)
+        finally:
+            end()
 
     def recv(self, env: AsyncVectorEnv, timeout: float | None = None) -> tuple[Any, ...]:
         """The first ``batch_size`` envs to finish: ``(obs, rewards, terminations, truncations,
@@ -126,14 +129,15 @@ class PartialBatches:
         size = env.batch_size
         if len(self.outstanding) < size:
             raise NoAsyncCallError(f"`recv` needs {size} envs in flight, only {len(self.outstanding)} were sent", "recv")
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             received = self.received
             got: StepBatch | None = None
             if len(received) < size:
                 deadline = None if timeout is None else Deadline(timeout)
                 try:
                     while len(received) < size:  # one wait for what is missing, not one per answer
-                        got = manager.receive_batch(size - len(received), None if deadline is None else deadline.left(),
+                        got = manager._receive_batch(size - len(received), None if deadline is None else deadline.left(),
                                                     info_columns=True)
                         received += got.slots.tolist()
                         if got.infos:
@@ -158,6 +162,8 @@ class PartialBatches:
             else:
                 obs = env._observations_of(ids)
             return obs, r.reward[ids], r.terminated[ids], r.truncated[ids], infos
+        finally:
+            end()
 
     def _infos(self, env: AsyncVectorEnv, listed: list[int]) -> dict[str, Any]:
         """gymnasium's batched infos of the envs ``listed`` (row ``k``: env ``listed[k]``) from

@@ -16,7 +16,7 @@ from envmanager.core.restart import MAX_LIFETIME_RESTARTS, RATE_LIMIT_N, RATE_LI
 from envmanager.core.results import StepBatch, StepInfo, StepResult, StepTimings
 from envmanager.errors import InvalidInputError
 from envmanager.wire import shm
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import DEFERRED, begin, end
 from envmanager.worker.envs import NEXT_STEP
 
 __all__ = ["SubprocessEnvManager"]
@@ -100,8 +100,11 @@ class SubprocessEnvManager(BatchEnvManager):
         """Turn step results that arrived into StepInfos now (copies), so their slots can be
         stepped again before the caller receives them — as when a worker restarted while idle."""
         if self._state.arrived and self._pool is not None:  # (no wait, no error raised: ``idle_worker_ids`` asks)
-            with DEFERRED:  # a Ctrl-C between handing them out and keeping them waits (``interrupts``)
+            try:
+                begin()  # a Ctrl-C between handing them out and keeping them waits (``interrupts``)
                 self._ready += self._step_infos(self._state.hand_out())
+            finally:
+                end()
 
     # ------------------------------------------------------------------------------------------
     # Stepping
@@ -137,20 +140,26 @@ class SubprocessEnvManager(BatchEnvManager):
         if not actions:
             _ = self.pool  # raises if closed
             return
-        with DEFERRED:  # a Ctrl-C between sending and noting the actions waits (``interrupts``)
+        try:
+            begin()  # a Ctrl-C between sending and noting the actions waits (``interrupts``)
             self._absorb()
             slots = sorted(self.slots(list(actions)))  # checked; in slot order: one cached send plan per set of slots
-            self.send_batch(slots, [actions[s] for s in slots], per_slot=True)
+            self._send_batch(slots, [actions[s] for s in slots], per_slot=True)
             self._actions.update(actions)
+        finally:
+            end()
 
     def receive_steps(self, timeout: float | None = None, min_count: int = 1) -> list[StepInfo]:
         """Wait (bounded by ``timeout``, default the manager's) until ``min_count`` steps finished,
         take whatever else finished, and return them. Raises the first failed step."""
-        with DEFERRED:  # a Ctrl-C between taking the batch and returning its StepInfos waits (``interrupts``)
+        try:
+            begin()  # a Ctrl-C between taking the batch and returning its StepInfos waits (``interrupts``)
             self._absorb()
-            batch = self.receive_batch(max(0, min_count - len(self._ready)), timeout)
+            batch = self._receive_batch(max(0, min_count - len(self._ready)), timeout)
             out, self._ready = self._ready + self._step_infos(batch), []
             return out
+        finally:
+            end()
 
     def _step_infos(self, batch: StepBatch) -> list[StepInfo]:
         """StepInfos for a batch: the per-env objects of this level, read from the results."""

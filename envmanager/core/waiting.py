@@ -9,7 +9,7 @@ from envmanager.core.completion import Completion
 from envmanager.core.deadline import Deadline, caller_timeout
 from envmanager.core.pool import WorkerPool
 from envmanager.errors import InvalidInputError, WorkerTimeoutError
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import begin, end
 
 __all__ = ["wait_for"]
 
@@ -40,12 +40,18 @@ def wait_for(pool: WorkerPool, take: Callable[[list[Completion]], None], process
                     raise failure
                 raise InvalidInputError(f"nothing in flight can deliver {what}: nothing can finish")
         if deadline is not None and deadline.passed():
-            with DEFERRED:  # (a Ctrl-C between taking answers and filing them would lose them)
+            try:
+                begin()  # (a Ctrl-C between taking answers and filing them would lose them)
                 take(pool.wait(0.0))  # the pool's deadline first: a process past it is hung
+            finally:
+                end()
             if done():
                 return
             still = late()
             raise WorkerTimeoutError(still, float(timeout), what, hung=False,  # type: ignore[arg-type]
                                      processes=sorted({process_of[s] for s in still}))
-        with DEFERRED:  # (its blocking wait stays interruptible: ``interrupts.blocking``)
+        try:
+            begin()  # (its blocking wait stays interruptible: ``interrupts.blocking``)
             take(pool.wait(pool.timeout if deadline is None else deadline.left()))
+        finally:
+            end()

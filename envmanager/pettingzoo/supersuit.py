@@ -37,7 +37,7 @@ from envmanager.extras import requires_extra
 from envmanager.pettingzoo.batch import MultiAgentBatch
 from envmanager.pettingzoo.layout import MASK_KEY
 from envmanager.pettingzoo.vector import ParallelVectorEnv
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import DEFERRED, begin, end
 
 with requires_extra("pettingzoo", __name__):
     from pettingzoo.utils.env import ParallelEnv
@@ -177,9 +177,12 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         if actions.shape[:1] != (self.num_envs,):
             raise InvalidInputError(f"actions must have one row per agent row ({self.num_envs}: {self.num_vec_envs} "
                                     f"envs x {self.num_agents} agents), got shape {actions.shape}")
-        with DEFERRED:  # sent and noted together (a Ctrl-C waits, ``interrupts``)
+        try:
+            begin()  # sent and noted together (a Ctrl-C waits, ``interrupts``)
             self._guarded(vector, vector.send, actions)
             self._pending = _Step(actions)
+        finally:
+            end()
         return self._go_on(vector)
 
     def _refuse_pending(self, call: str) -> None:
@@ -207,7 +210,8 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
         it waits until what this keeps agrees with the vector (``interrupts``)."""
         step = self._pending
         assert step is not None
-        with DEFERRED:
+        try:
+            begin()
             if step.results is None:
                 self._stepped(vector, step, self._guarded(vector, vector.recv, self.num_vec_envs, sort=True))
             if step.ended.size:
@@ -215,6 +219,8 @@ class PettingZooVecEnv(gymnasium.vector.VectorEnv):
             self._pending = None
             assert step.results is not None
             return step.results
+        finally:
+            end()
 
     def _stepped(self, vector: ParallelVectorEnv, step: _Step, batch: MultiAgentBatch) -> None:
         """Every env's result of ``step``: SuperSuit's, less the resets of the envs whose episode

@@ -30,7 +30,7 @@ from envmanager.pettingzoo.actions import ActionRows
 from envmanager.pettingzoo.batch import MultiAgentBatch, gather
 from envmanager.pettingzoo.facade import FacadeFactory, call_env
 from envmanager.pettingzoo.layout import AgentGroup, AgentLayout, check_group_options, one_layout
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import DEFERRED, begin, end
 
 __all__ = ["ParallelVectorEnv"]
 
@@ -175,16 +175,22 @@ class ParallelVectorEnv:
         before anything is sent."""
         ids = self._ids(env_ids)
         batch = self._actions.from_arrays(actions, ids, self._active[ids])
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._send(ids, batch)
+        finally:
+            end()
 
     def send_dicts(self, actions: Sequence[Mapping[str, Any]], env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """:meth:`send` with one dict ``{agent: action}`` per env: exactly its active agents.
         An unknown name, an agent that is not active, a missing agent: ``InvalidInputError``."""
         ids = self._ids(env_ids)
         batch = self._actions.from_dicts(actions, ids, self._active[ids])
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             self._send(ids, batch)
+        finally:
+            end()
 
     def recv(self, min_envs: int = 1, timeout: float | None = None, sort: bool = False) -> MultiAgentBatch:
         """Wait until at least ``min_envs`` envs sent a step finished, take whatever else finished,
@@ -193,14 +199,15 @@ class ParallelVectorEnv:
         manager = self.manager
         if not 1 <= min_envs <= len(self._outstanding) + sum(len(b.slots) for b in self._restarted):
             raise InvalidInputError(f"recv({min_envs}) with {len(self._outstanding)} env(s) stepping")
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             taken = list(self._restarted)
             self._restarted.clear()
             count = sum(len(b.slots) for b in taken)
             deadline = None if timeout is None else Deadline(timeout)
             try:
                 while count < min_envs:
-                    got = manager.receive_batch(min_envs - count, None if deadline is None else deadline.left())
+                    got = manager._receive_batch(min_envs - count, None if deadline is None else deadline.left())
                     taken.append(got)
                     count += len(got.slots)
             except BaseException as exc:  # a timeout, an error, a Ctrl-C: what was taken waits for the next recv
@@ -218,6 +225,8 @@ class ParallelVectorEnv:
             if sort:
                 ids = np.sort(ids)
             return self._hand_out(ids, merged)
+        finally:
+            end()
 
     # ------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from envmanager.sampler.slots import Closed, EpisodeIds, EpisodeSlots, EpisodeSt
 from envmanager.sampler.stats import Stats
 from envmanager.sampler.versions import SamplerBase, Versions
 from envmanager.wire import shm
-from envmanager.wire.interrupts import DEFERRED
+from envmanager.wire.interrupts import DEFERRED, begin, end
 from envmanager.worker.envs import DISABLED
 
 logger = logging.getLogger(__name__)
@@ -329,15 +329,19 @@ class Sampler(SamplerBase):
         for key, value in agent_infos.items():
             if len(value) != len(slots):
                 raise InvalidInputError(f"agent info {key!r} has {len(value)} rows for {len(slots)} workers")
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
-            sent = self.manager.send_batch(ids, actions)  # checked: nothing is sent if they do not fit
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+            sent = self.manager._send_batch(ids, actions)  # checked: nothing is sent if they do not fit
             version = self._acting_version
             for i, slot in enumerate(slots):
                 info = {k: v[i] for k, v in agent_infos.items()}
                 episodes[slot].step_sent((observations[i], take_rows(sent, i), info, version))
+        finally:
+            end()
 
     def _receive(self, goal: Goal) -> None:
-        with DEFERRED:  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
+        try:
+            begin()  # a Ctrl-C waits until what this keeps agrees with the manager (``interrupts``)
             with self.stats.timer("wait"):
                 batch, answered = self._answered(self.manager.receive_batch, 1, goal)
             r = self.manager.results
@@ -361,6 +365,8 @@ class Sampler(SamplerBase):
                     self._book(slot, self.episodes.close(slot, Outcome.ENDED), goal)
                 else:
                     record.ready(next_obs)
+        finally:
+            end()
 
     # ------------------------------------------------------------------------------------------
     # Faults: one path (the pool's), three outcomes for a record

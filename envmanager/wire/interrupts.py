@@ -4,7 +4,8 @@ Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread
 after answers were read off the step queue, they are lost (their slots stay in flight, and a
 healthy worker is later called hung); raised in the middle of a batch's sends, slots are marked
 in flight that no worker was asked to step; raised while a batch is handed out, it is handed to
-nobody. Inside ``DEFERRED`` (``with DEFERRED:``) a Ctrl-C is noted, and raised where nothing is
+nobody. Inside a section (``with DEFERRED:``, or ``try: begin() ... finally: end()`` on a step's path,
+at half the cost) a Ctrl-C is noted, and raised where nothing is
 half-done: on entering the next section, or in its blocking wait (``blocking``, which has taken
 nothing yet and stays interruptible), or, once the call has returned, sent to the main thread
 again (``REDELIVER_S`` later): a program that does not call the manager for a while (a learner's
@@ -36,10 +37,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, TypeVar
 
-__all__ = ["DEFERRED", "blocking", "deferred"]
+__all__ = ["DEFERRED", "begin", "blocking", "deferred", "end"]
 
 _T = TypeVar("_T")
 
@@ -162,45 +163,54 @@ def _take_over() -> None:
         pass
 
 
+def begin() -> None:
+    """Enter a section, written ``try: begin() ... finally: end()``: ``with DEFERRED:`` at half its
+    cost, for the calls made on every step (CPython calls a ``with``'s ``__enter__`` and ``__exit__``
+    from C, a plain call inline). ``begin()`` goes inside the ``try``: a Ctrl-C raised before it
+    counted leaves ``end()`` nothing to close (3.10 looks for signals as the call returns). Entering
+    the outermost section raises a Ctrl-C an earlier one held back; a no-op outside the main thread."""
+    global _depth, _pending
+    if _get_ident() != _main:
+        return
+    if _depth:  # (nested: the hot path's usual case, kept short)
+        _depth += 1
+        return
+    if _pending:
+        _pending = False
+        raise KeyboardInterrupt
+    if _getsignal(_SIGINT) is _default:  # (again after a notebook's cell put the default back)
+        _take_over()
+    _depth = 1
+
+
+def end(*_exc_info: object) -> None:
+    """Leave the section ``begin()`` entered (its ``finally:``)."""
+    global _depth, _ended_at, _ended_cpu
+    if not _depth or _get_ident() != _main:
+        return
+    if _depth > 1:
+        _depth -= 1
+        return
+    _ended_at = _perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
+    if _LOOKS_AFTER_EVERY_CALL:
+        _ended_cpu = time.thread_time()
+    _depth = 0
+    if _pending:  # held to the end of the call: sent again once it has returned
+        _redeliver_later()
+
+
 class _Deferred:
-    """The section: ``with DEFERRED:``. Reentrant; a no-op outside the main thread. Entering
-    the outermost one raises a Ctrl-C an earlier one held back."""
+    """The section as a ``with`` block: ``with DEFERRED:`` (``begin`` and ``end``). Reentrant."""
 
     __slots__ = ()
-
-    def __enter__(self) -> None:
-        global _depth, _pending
-        if _get_ident() != _main:
-            return
-        if _depth:  # (nested: the hot path's usual case, kept short)
-            _depth += 1
-            return
-        if _pending:
-            _pending = False
-            raise KeyboardInterrupt
-        if _getsignal(_SIGINT) is _default:  # (again after a notebook's cell put the default back)
-            _take_over()
-        _depth = 1
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _depth, _ended_at, _ended_cpu
-        if not _depth or _get_ident() != _main:
-            return
-        if _depth > 1:
-            _depth -= 1
-            return
-        _ended_at = _perf_counter()  # (first: from here on a Ctrl-C is held by the grace)
-        if _LOOKS_AFTER_EVERY_CALL:
-            _ended_cpu = time.thread_time()
-        _depth = 0
-        if _pending:  # held to the end of the call: sent again once it has returned
-            _redeliver_later()
+    __enter__ = staticmethod(begin)
+    __exit__ = staticmethod(end)
 
 
 DEFERRED = _Deferred()
 #: This package's files (as its code objects name them): a Ctrl-C handled there may be a call on its way back.
 _PACKAGE = os.path.dirname(os.path.dirname(_held.__code__.co_filename)) + os.sep
-_OWN_CODE = frozenset({_Deferred.__enter__.__code__, _Deferred.__exit__.__code__, _redeliver_later.__code__})
+_OWN_CODE = frozenset({begin.__code__, end.__code__, _redeliver_later.__code__})
 
 
 def deferred(call: Callable[..., _T]) -> Callable[..., _T]:
@@ -208,8 +218,11 @@ def deferred(call: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(call)
     def in_section(*args: Any, **kwargs: Any) -> _T:
-        with DEFERRED:
+        try:
+            begin()
             return call(*args, **kwargs)
+        finally:
+            end()
 
     return in_section
 
