@@ -4,12 +4,12 @@ Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread
 after answers were read off the step queue, they are lost (their slots stay in flight, and a
 healthy worker is later called hung); raised in the middle of a batch's sends, slots are marked
 in flight that no worker was asked to step; raised while a batch is handed out, it is handed to
-nobody. Inside a section (``with DEFERRED:``, or ``try: begin() ... finally: end()`` on a step's path,
-at half the cost) a Ctrl-C is noted, and raised where nothing is
-half-done: on entering the next section, or in its blocking wait (``blocking``, which has taken
-nothing yet and stays interruptible), or, once the call has returned, sent to the main thread
-again (``REDELIVER_S`` later): a program that does not call the manager for a while (a learner's
-update), or ends, still gets it.
+nobody. Inside a section (``with DEFERRED:``, or ``try: begin() ... finally: end()`` on a step's
+path, at half the cost) a Ctrl-C is noted, and raised where nothing is half-done: on entering
+the next section, or in its blocking wait (``blocking``, which has taken nothing yet and stays
+interruptible), or, once the call has returned, sent to the main thread again (``REDELIVER_S``
+later): a program that does not call the manager for a while (a learner's update), or ends,
+still gets it.
 
 One Python handles just after a call's last section ended is held too: CPython looks for signals
 right after a ``with``'s ``__exit__`` returns (3.10: after every call returns), before the call's
