@@ -409,6 +409,24 @@ def test_a_tuple_of_one_tuple_action_per_env_is_read_as_sb3_reads_it(subproc, du
     assert [info["got"] for info in vec.step(list(actions))[3]] == expected
 
 
+def test_array_rows_of_tuple_actions_are_read_as_sb3_reads_them(subproc, dummy):
+    """An ``(n_envs, k)`` array for a Tuple action space of ``k`` items: env ``i`` gets row ``i``'s
+    items, as SB3's vec envs hand it ``actions[i]`` (a Tuple space takes an array row as its items,
+    ``Tuple.contains``). It was refused ("action must be a tuple"). Out of the space, refused before
+    any env steps, as any action."""
+    make = [functools.partial(CompositeActionRecorder, "tuple_of_discrete")] * 3
+    vec, ref = subproc(make), dummy(make)
+    vec.reset(), ref.reset()
+    actions = np.array([[0, 1], [2, 0], [1, 2]])
+    expected = [info["got"] for info in ref.step(actions)[3]]
+    assert expected == [{0: 0, 1: 1}, {0: 2, 1: 0}, {0: 1, 1: 2}]
+    assert [info["got"] for info in vec.step(actions)[3]] == expected
+    with pytest.raises(InvalidInputError):
+        vec.step(np.array([[0, 1], [2, 0], [3, 0]]))  # 3 is not in Discrete(3)
+    assert not vec.waiting
+    assert [info["got"] for info in vec.step(actions[::-1])[3]] == expected[::-1]
+
+
 def test_env_exception_carries_traceback_and_reset_recovers(subproc):
     vec = subproc(fns(3, max_len=100, fail_at=2) + fns(1, max_len=100))
     vec.reset()

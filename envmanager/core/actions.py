@@ -135,8 +135,8 @@ def _stack(space: Any, values: list[Any]) -> Any:
                 raise InvalidInputError(f"action must be a dict with keys {sorted(space.spaces)}, got {got}")
         return {key: _stack(sub, [v[key] for v in values]) for key, sub in space.spaces.items()}
     if isinstance(space, spaces.Tuple):
-        for v in values:
-            if not isinstance(v, (tuple, list)) or len(v) != len(space.spaces):
+        for v in values:  # a list or an array row is a tuple's items, as ``Tuple.contains`` reads them (SB3's users give rows)
+            if not (isinstance(v, (tuple, list)) or (type(v) is np.ndarray and v.ndim == 1)) or len(v) != len(space.spaces):
                 raise InvalidInputError(f"action must be a tuple of {len(space.spaces)} items, got {v!r:.60}")
         return tuple(_stack(sub, [v[k] for v in values]) for k, sub in enumerate(space.spaces))
     return _asarray(values)
